@@ -1,0 +1,97 @@
+"""Register the schemas with Hydra, turn a composed config into `TrainConfig`, save and load it.
+
+The launcher composes with Hydra once and writes `run_dir/config.yaml`; every other process
+(broker, engines, workers, torchrun ranks) calls `load_config` on that file, so there is one
+resolved config per run and no Hydra on the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from relax_slurm.config import schema
+from relax_slurm.errors import ConfigError
+
+# group name -> schema; each group's YAML files list `base_<group>` first in their defaults.
+GROUP_SCHEMAS = {
+    "model": schema.ModelConfig,
+    "algo": schema.AlgoConfig,
+    "rollout": schema.RolloutConfig,
+    "trainer": schema.TrainerConfig,
+    "data": schema.DataConfig,
+    "reward": schema.RewardConfig,
+    "cluster": schema.ClusterConfig,
+}
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_train", node=schema.TrainConfig)
+    for group, node in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"base_{group}", node=node)
+
+
+def _explain(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    where = f" (key: {key})" if key else ""
+    return f"{e.msg if hasattr(e, 'msg') else e}{where}"
+
+
+def _unknown_keys(node: DictConfig, cls: type, prefix: str = "") -> list[str]:
+    """Keys in `node` that `cls` has no field for (Hydra lets `+key=...` through)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = []
+    for key in node.keys():
+        if key == "hydra" and not prefix:
+            continue
+        if key not in fields:
+            unknown.append(f"{prefix}{key}")
+            continue
+        ftype = fields[key].type
+        sub = getattr(schema, ftype, None) if isinstance(ftype, str) else ftype
+        value = node._get_node(key)
+        if dataclasses.is_dataclass(sub) and isinstance(value, DictConfig):
+            unknown += _unknown_keys(value, sub, f"{prefix}{key}.")
+    return unknown
+
+
+def to_train_config(cfg: DictConfig) -> schema.TrainConfig:
+    """Resolve, type-check and cross-check a composed config."""
+    unknown = _unknown_keys(cfg, schema.TrainConfig)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s): {', '.join(unknown)}; check the spelling against "
+            "`relax-train --cfg job` or docs/configuration.md"
+        )
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema.TrainConfig), cfg)
+        OmegaConf.resolve(merged)
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"invalid config: {_explain(e)}") from e
+    assert isinstance(obj, schema.TrainConfig)
+    return obj
+
+
+def save_config(cfg: schema.TrainConfig, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    tmp.replace(path)
+
+
+def load_config(path: str | Path) -> schema.TrainConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file; the launcher writes run_dir/config.yaml")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as e:
+        raise ConfigError(f"{path}: cannot parse YAML: {e}") from e
+    return to_train_config(raw)

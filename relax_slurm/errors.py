@@ -1,0 +1,33 @@
+"""The project's error hierarchy: what a user can cause, with the fix in the message."""
+
+
+class RelaxError(Exception):
+    """Base of every error a user can cause or act on."""
+
+
+class ConfigError(RelaxError):
+    """A config key is missing, unknown, of the wrong type or inconsistent with another."""
+
+
+class DataError(RelaxError):
+    """A dataset file, row or key cannot be read; the message names file, row and key."""
+
+
+class BrokerTimeout(RelaxError):
+    """The broker did not answer within the configured timeout."""
+
+
+class BrokerError(RelaxError):
+    """The broker answered with an error."""
+
+
+class EngineError(RelaxError):
+    """An inference engine answered with an error or did not answer in time."""
+
+
+class WeightSyncError(RelaxError):
+    """Forming the weight-sync group or broadcasting weights failed or timed out."""
+
+
+class RoleFailed(RelaxError):
+    """A child process of the run died or hung; the message names the role and its log."""

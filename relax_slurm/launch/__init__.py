@@ -1,0 +1,1 @@
+"""Launchers: the run plan, the local runner, the Hydra CLI."""

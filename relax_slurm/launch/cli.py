@@ -1,0 +1,58 @@
+"""`relax-train`: compose the config with Hydra, validate it, run it.
+
+    relax-train experiment=tiny_cpu run_dir=runs/demo algo.max_staleness=2
+
+Hydra runs here only; every role reads the resolved `run_dir/config.yaml`.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from relax_slurm.config import register_configs, to_train_config
+from relax_slurm.errors import RelaxError
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def _run(cfg: DictConfig) -> None:
+    try:
+        train_cfg = to_train_config(cfg)
+        if train_cfg.cluster.kind != "local":
+            raise RelaxError(f"cluster.kind={train_cfg.cluster.kind!r} is not available in this "
+                             "version; use cluster=local")
+        from relax_slurm.launch.local import run_local
+
+        summary = run_local(train_cfg)
+    except RelaxError as e:
+        print(f"relax-train: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("relax-train: interrupted; every process of the run was stopped", file=sys.stderr)
+        sys.exit(130)
+    print(json.dumps(summary, indent=2))
+    print(f"run directory: {Path(train_cfg.run_dir).resolve()}")
+
+
+def _interrupt(signum, frame) -> None:
+    # SIGTERM (scancel, kill) takes the same path as Ctrl-C: children are stopped in finally
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupt)
+    if not (CONF_DIR / "train.yaml").is_file():
+        sys.exit(f"relax-train: {CONF_DIR}/train.yaml not found; install from a source checkout "
+                 "with `pip install -e .`")
+    register_configs()
+    hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_run)()
+
+
+if __name__ == "__main__":
+    main()

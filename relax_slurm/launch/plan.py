@@ -1,0 +1,57 @@
+"""Where every role of a run lives: the addresses each process needs, as one small JSON file.
+
+The launcher (local, or inside a Slurm allocation) decides the plan and writes
+`RUN_DIR/plan.json` before starting the roles; each role reads it with `load_plan`. Only the
+launcher decides addresses; roles never read `SLURM_*` or pick ports themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from relax_slurm.errors import ConfigError
+
+PLAN_FILE = "plan.json"
+
+
+@dataclass(kw_only=True)
+class RunPlan:
+    broker_router: str
+    """ZMQ address of the broker's request socket, e.g. tcp://10.0.0.1:5555."""
+    broker_pub: str
+    """ZMQ address of the broker's broadcast socket."""
+    engine_urls: list[str] = field(default_factory=list)
+    """Base URLs of the inference engines (hf or SGLang), e.g. http://10.0.0.2:30000."""
+    weight_sync_host: str = "127.0.0.1"
+    """Address of trainer rank 0, which hosts the weight-sync group's TCP store."""
+    weight_sync_port: int = 0
+    trainer_master_port: int = 0
+    """torchrun rendezvous port on the first trainer node."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free now (a small race remains until the role binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def save_plan(plan: RunPlan, run_dir: str | Path) -> Path:
+    path = Path(run_dir) / PLAN_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(plan), indent=2))
+    tmp.replace(path)
+    return path
+
+
+def load_plan(run_dir: str | Path) -> RunPlan:
+    path = Path(run_dir) / PLAN_FILE
+    try:
+        return RunPlan(**json.loads(path.read_text()))
+    except FileNotFoundError as e:
+        raise ConfigError(f"{path} is missing: roles are started by relax-train, which writes it") from e
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not a valid run plan: {e}") from e

@@ -1,0 +1,97 @@
+"""Child processes of a run: start with a log file per role, watch, and always tear down.
+
+Each child gets its own session so that stopping it also stops what it started (torchrun's
+ranks); teardown happens in `close()`, which the local runner calls in `finally`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from relax_slurm.errors import RoleFailed
+
+TERM_GRACE_S = 10.0
+LOG_TAIL_LINES = 20
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class Role:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    ports: dict[str, int] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+
+    def info(self) -> dict:
+        return {"name": self.name, "host": self.host, "pid": self.proc.pid,
+                "ports": self.ports, "log": str(self.log)}
+
+    def failure(self, what: str) -> RoleFailed:
+        return RoleFailed(
+            f"role '{self.name}' {what}; its log is {self.log}. Last lines:\n{log_tail(self.log)}"
+        )
+
+
+class ProcessSet:
+    """The processes one run started, by role name."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.roles: list[Role] = []
+
+    def start(self, name: str, cmd: list[str], *, ports: dict[str, int] | None = None,
+              cpus: list[int] | None = None) -> Role:
+        log = self.log_dir / f"{name}.log"
+        f = log.open("ab")
+        preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=self.env, start_new_session=True, preexec_fn=preexec)
+        f.close()  # the child holds its own descriptor
+        role = Role(name=name, proc=proc, log=log, ports=ports or {})
+        self.roles.append(role)
+        return role
+
+    def check_alive(self, exclude: tuple[str, ...] = ()) -> None:
+        """Raise RoleFailed for the first role that exited (roles in `exclude` may exit 0)."""
+        for role in self.roles:
+            rc = role.proc.poll()
+            if rc is None:
+                continue
+            if role.name in exclude and rc == 0:
+                continue
+            raise role.failure(f"exited with code {rc}")
+
+    def close(self) -> None:
+        """SIGTERM every session, wait, then SIGKILL what is left."""
+        for role in reversed(self.roles):
+            _signal_session(role.proc, signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE_S
+        for role in self.roles:
+            try:
+                role.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+        for role in self.roles:
+            _signal_session(role.proc, signal.SIGKILL)  # stragglers in the session, too
+            if role.proc.poll() is None:
+                role.proc.wait(timeout=5)
+
+
+def _signal_session(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

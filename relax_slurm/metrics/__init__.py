@@ -1,0 +1,1 @@
+"""Run metrics: metrics.jsonl (always), the summary, and the progress display."""

@@ -1,0 +1,56 @@
+"""Progress display: a tqdm bar on a terminal, plain log lines otherwise (Slurm logs)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+PLAIN_EVERY_S = 10.0  # plain mode: at most one line per this many seconds, plus the last step
+
+
+def _fmt(row: dict[str, Any]) -> dict[str, str]:
+    def g(k: str, fmt: str) -> str:
+        v = row.get(k)
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    return {
+        "reward": g("rollout/reward_mean", ".3f"),
+        "len": g("rollout/response_len_mean", ".1f"),
+        "stale": g("broker/staleness_max", "d"),
+        "s/step": g("perf/step_time_s", ".2f"),
+    }
+
+
+class Progress:
+    def __init__(self, total_steps: int, enabled: bool = True) -> None:
+        self.total = total_steps
+        self.tty = enabled and sys.stdout.isatty()
+        self.enabled = enabled
+        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True) if self.tty else None
+        self.t0 = time.monotonic()
+        self.last_print = 0.0
+
+    def update(self, row: dict[str, Any]) -> None:
+        fields = _fmt(row)
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=False)
+            self.bar.update(1)
+            return
+        if not self.enabled:
+            return
+        step = int(row.get("step", 0)) + 1
+        now = time.monotonic()
+        if now - self.last_print < PLAIN_EVERY_S and step < self.total:
+            return
+        self.last_print = now
+        elapsed = now - self.t0
+        eta = elapsed / step * (self.total - step)
+        text = " ".join(f"{k}={v}" for k, v in fields.items())
+        print(f"step {step}/{self.total} {text} elapsed={elapsed:.0f}s eta={eta:.0f}s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,36 @@
+"""summary.json: the few numbers that say whether a run worked, derived from metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SUMMARY_FILE = "summary.json"
+EDGE_STEPS = 3  # reward_first / reward_last average this many steps to smooth sampling noise
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(rows: list[dict[str, Any]], wall_s: float, max_staleness: int) -> dict[str, Any]:
+    """Pure: metrics rows (one per step) -> summary dict."""
+    rewards = [r["rollout/reward_mean"] for r in rows if r.get("rollout/reward_mean") is not None]
+    stale = [r.get("broker/staleness_max") or 0 for r in rows]
+    return {
+        "steps": len(rows),
+        "reward_first": _mean(rewards[:EDGE_STEPS]),
+        "reward_last": _mean(rewards[-EDGE_STEPS:]),
+        "samples_trained": int(sum(r.get("train/samples", 0) for r in rows)),
+        "samples_dropped_stale": int(rows[-1].get("broker/dropped_stale_samples", 0)) if rows else 0,
+        "staleness_max_seen": max(stale) if stale else 0,
+        "wall_s": round(wall_s, 3),
+        "max_staleness": max_staleness,
+    }
+
+
+def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> Path:
+    path = Path(run_dir) / SUMMARY_FILE
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return path

@@ -1,0 +1,1 @@
+"""Rollout: worker loop, engine clients (sglang, hf), the hf engine server, routing."""

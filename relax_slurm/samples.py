@@ -1,0 +1,77 @@
+"""The sample format shared by rollout, broker and trainer.
+
+Arrays are numpy (the broker imports no torch). One `Sample` is one response to one prompt; a
+`Group` is the `n_samples_per_prompt` responses to one prompt, the unit the broker admits,
+stores, drops and hands out (GRPO-family advantages are computed per group).
+
+The loss mask and the multimodal slot are here from the start: multi-turn rollouts set the
+mask to 0 on observation tokens, omni-modal rollouts put references to processed inputs in
+`multimodal`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Fields that travel as raw buffers (zero-copy frames on the wire), with their dtypes.
+ARRAY_FIELDS: dict[str, np.dtype] = {
+    "prompt_ids": np.dtype(np.int64),
+    "response_ids": np.dtype(np.int64),
+    "loss_mask": np.dtype(np.float32),
+    "rollout_logprobs": np.dtype(np.float32),
+}
+
+
+@dataclass(kw_only=True)
+class Sample:
+    """One response to one prompt, with everything the trainer needs."""
+
+    prompt_id: str
+    """Stable id of the prompt (dataset position or the row's own id)."""
+    group_id: int
+    """Id of the group this sample belongs to, unique within a run."""
+    prompt_ids: np.ndarray
+    """Prompt token ids after the chat template, [P] int64."""
+    response_ids: np.ndarray
+    """Generated token ids (and, in multi-turn, observation tokens), [R] int64."""
+    loss_mask: np.ndarray
+    """1.0 on tokens the policy produced and is trained on, 0.0 elsewhere, [R] float32."""
+    rollout_logprobs: np.ndarray
+    """Log-probs of `response_ids` under the engine that sampled them, [R] float32."""
+    reward: float = 0.0
+    version: int = 0
+    """Engine weight version when generation started."""
+    version_min: int = 0
+    """Oldest weight version that touched this sample (differs if weights changed mid-way)."""
+    finish_reason: str = "stop"
+    """'stop' (EOS or stop string), 'length' (hit max tokens) or 'abort'."""
+    multimodal: dict[str, Any] = field(default_factory=dict)
+    """References to multimodal inputs (msgpack-able); empty for text."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Free-form, msgpack-able: label, data source, per-turn info, ..."""
+
+    def __post_init__(self) -> None:
+        for name, dtype in ARRAY_FIELDS.items():
+            setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
+        n = len(self.response_ids)
+        if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
+            raise ValueError(
+                f"sample {self.prompt_id}/{self.group_id}: response_ids has {n} tokens but "
+                f"loss_mask has {len(self.loss_mask)} and rollout_logprobs "
+                f"{len(self.rollout_logprobs)}; all three must match"
+            )
+
+    @property
+    def response_len(self) -> int:
+        return int(len(self.response_ids))
+
+
+Group = list[Sample]
+
+
+def group_version_min(group: Group) -> int:
+    """The oldest weight version that touched any sample of the group."""
+    return min(s.version_min for s in group)

@@ -1,0 +1,3 @@
+from relax_slurm.trainer.main import main
+
+main()

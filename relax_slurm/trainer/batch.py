@@ -1,0 +1,84 @@
+"""From broker groups to per-rank tensors: advantages, loss weights, sharding, padding.
+
+Rank 0 receives whole groups; advantages and loss weights need the whole batch, so they are
+computed there, then the flat list of samples is cut into one equal shard per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from relax_slurm.algos import group_advantages, reduction_weights
+from relax_slurm.samples import Group, Sample
+
+
+@dataclass
+class TrainItem:
+    """One sample with what the loss needs beyond the sample itself."""
+
+    sample: Sample
+    advantage: float
+    weights: np.ndarray
+    """Per response token loss weight (reduction folded in), [R] float32."""
+
+
+def prepare_items(groups: list[Group], std_normalize: bool, reduction: str) -> list[TrainItem]:
+    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [G, n]
+    adv = group_advantages(rewards, std_normalize=std_normalize).flatten()  # [G*n]
+    samples = [s for g in groups for s in g]
+    masks = [torch.from_numpy(s.loss_mask) for s in samples]
+    weights = reduction_weights(masks, reduction)
+    return [
+        TrainItem(sample=s, advantage=float(a), weights=w.numpy())
+        for s, a, w in zip(samples, adv.tolist(), weights)
+    ]
+
+
+def shard(items: list[TrainItem], world_size: int) -> list[list[TrainItem]]:
+    """Equal contiguous shards; the config check guarantees divisibility."""
+    per = len(items) // world_size
+    assert per * world_size == len(items), "batch not divisible by trainer ranks"
+    return [items[r * per:(r + 1) * per] for r in range(world_size)]
+
+
+@dataclass
+class MicroBatch:
+    input_ids: Tensor       # [B, T] prompt + response, right-padded
+    attention_mask: Tensor  # [B, T]
+    targets: Tensor         # [B, T-1] input_ids shifted left: token predicted at each position
+    weights: Tensor         # [B, T-1] loss weight of each predicted token (0 off-response)
+    advantages: Tensor      # [B, T-1]
+    rollout_logp: Tensor    # [B, T-1]
+
+
+def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroBatch:
+    lengths = [len(it.sample.prompt_ids) + it.sample.response_len for it in items]
+    B, T = len(items), max(lengths)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, T), dtype=torch.long)
+    weights = torch.zeros((B, T - 1))
+    adv = torch.zeros((B, T - 1))
+    rollout_logp = torch.zeros((B, T - 1))
+    for i, it in enumerate(items):
+        s = it.sample
+        P, R = len(s.prompt_ids), s.response_len
+        input_ids[i, :P] = torch.from_numpy(s.prompt_ids)
+        input_ids[i, P:P + R] = torch.from_numpy(s.response_ids)
+        attention[i, :P + R] = 1
+        # response token j sits at position P+j and is predicted by the logits at P+j-1
+        span = slice(P - 1, P - 1 + R)
+        weights[i, span] = torch.from_numpy(it.weights)
+        adv[i, span] = it.advantage
+        rollout_logp[i, span] = torch.from_numpy(s.rollout_logprobs)
+    return MicroBatch(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        targets=input_ids[:, 1:].to(device),
+        weights=weights.to(device),
+        advantages=adv.to(device),
+        rollout_logp=rollout_logp.to(device),
+    )

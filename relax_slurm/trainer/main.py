@@ -1,0 +1,178 @@
+"""Trainer entry point, run by torchrun: `torchrun ... -m relax_slurm.trainer --run-dir DIR`.
+
+Each step: take a batch from the broker, train on it, push the new weights to the engines,
+bump the policy version on the broker, log one metrics line. Rank 0 alone talks to the broker
+and the engines; the other ranks get their shard of the batch from rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from relax_slurm.broker.client import BrokerClient
+from relax_slurm.config import TrainConfig, load_config
+from relax_slurm.errors import BrokerTimeout, ConfigError
+from relax_slurm.launch.plan import load_plan
+from relax_slurm.metrics.jsonl import MetricsWriter
+from relax_slurm.samples import Group
+from relax_slurm.trainer.batch import TrainItem, prepare_items, shard
+from relax_slurm.trainer.model import (
+    build_optimizer, full_named_weights, load_hf_model, wrap_parallel,
+)
+from relax_slurm.trainer.step import train_step
+from relax_slurm.weightsync import WeightSender
+
+log = logging.getLogger("relax_slurm.trainer")
+WEIGHT_GROUP = "relax_weights"
+POLL_S = 5.0  # one get_batch call parks at most this long, so a stuck run is noticed
+
+
+def check_batch_divides(cfg: TrainConfig, world: int) -> None:
+    n = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    if n % world:
+        raise ConfigError(
+            f"rollout.batch_size x rollout.n_samples_per_prompt = {n} samples per step does not "
+            f"split evenly over {world} trainer ranks; change rollout.batch_size or "
+            "trainer.nproc_per_node"
+        )
+
+
+def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int) -> tuple[list[Group], dict]:
+    deadline = time.monotonic() + cfg.trainer.get_batch_timeout_s
+    while time.monotonic() < deadline:
+        wait = min(POLL_S, max(deadline - time.monotonic(), 0.1))
+        got = broker.get_batch(cfg.rollout.batch_size, version, wait_s=wait)
+        if got is not None:
+            return got
+    raise BrokerTimeout(
+        f"no batch for policy version {version} within trainer.get_batch_timeout_s="
+        f"{cfg.trainer.get_batch_timeout_s}s; check logs/rollout*.log and logs/engine*.log"
+    )
+
+
+def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
+    samples = [s for g in groups for s in g]
+    starts = [s.metadata.get("t_start") for s in samples if "t_start" in s.metadata]
+    ends = [s.metadata.get("t_end") for s in samples if "t_end" in s.metadata]
+    n = len(samples)
+    return {
+        "rollout/reward_mean": sum(s.reward for s in samples) / n,
+        "rollout/response_len_mean": sum(s.response_len for s in samples) / n,
+        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
+        "broker/staleness_max": stats.get("staleness_max", 0),
+        "broker/staleness_mean": stats.get("staleness_mean", 0.0),
+        "broker/queue_depth": stats.get("queue_depth", 0),
+        "broker/dropped_stale": stats.get("dropped_stale", 0),
+        "broker/dropped_stale_samples": stats.get("dropped_stale", 0) * len(groups[0]),
+        "perf/trainer_wait_s": stats.get("wait_s", 0.0),
+        "perf/gen_time_s": (max(ends) - min(starts)) if starts and ends else 0.0,
+        "train/samples": n,
+    }
+
+
+def distribute(groups: list[Group] | None, cfg: TrainConfig) -> list[TrainItem]:
+    """Rank 0 prepares the whole batch and scatters one shard to every rank."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shards: list = [None] * world
+    if rank == 0:
+        items = prepare_items(groups, cfg.algo.std_normalize, cfg.algo.loss_reduction)
+        shards = shard(items, world)
+    out: list = [None]
+    dist.scatter_object_list(out, shards if rank == 0 else None, src=0)
+    return out[0]
+
+
+def init_distributed(cfg: TrainConfig) -> torch.device:
+    # every collective waits at most this long: ranks 1.. wait in scatter while rank 0 waits
+    # for the broker, so the bound must cover a batch fetch
+    timeout = datetime.timedelta(seconds=cfg.trainer.get_batch_timeout_s + 300)
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout)
+        return torch.device("cuda", local)
+    torch.set_num_threads(cfg.trainer.torch_threads)
+    dist.init_process_group("gloo", timeout=timeout)
+    return torch.device("cpu")
+
+
+def run(run_dir: Path) -> None:
+    cfg = load_config(run_dir / "config.yaml")
+    plan = load_plan(run_dir)
+    device = init_distributed(cfg)
+    rank = dist.get_rank()
+    check_batch_divides(cfg, dist.get_world_size())
+    torch.manual_seed(cfg.trainer.seed)
+    raw = load_hf_model(cfg.model, device)
+    pad_id = raw.config.pad_token_id if raw.config.pad_token_id is not None else 0
+    model = wrap_parallel(raw, cfg.trainer, device)
+    optimizer, scheduler = build_optimizer(model, cfg.trainer)
+
+    broker = sender = metrics = None
+    if rank == 0:
+        broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s, identity="trainer")
+        sender = WeightSender(
+            plan.engine_urls, plan.weight_sync_host, plan.weight_sync_port, WEIGHT_GROUP,
+            cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
+        )
+        sender.connect()
+        metrics = MetricsWriter(run_dir)
+    try:
+        if cfg.weight_sync.verify:
+            weights = list(full_named_weights(model))
+            if rank == 0:
+                sender.verify(weights)  # engines loaded the same checkpoint: must match already
+        last_end = time.monotonic()
+        for step in range(cfg.trainer.total_steps):
+            groups, stats = fetch_groups(broker, cfg, step) if rank == 0 else (None, None)
+            items = distribute(groups, cfg)
+            t0 = time.monotonic()
+            train = train_step(
+                model, optimizer, scheduler, items, cfg.algo,
+                micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
+                temperature=cfg.rollout.temperature, pad_id=pad_id, device=device,
+            )
+            t1 = time.monotonic()
+            weights = list(full_named_weights(model))  # collective under FSDP2: every rank
+            if rank == 0:
+                sync = sender.send(weights, version=step + 1)
+                if cfg.weight_sync.verify:
+                    sender.verify(weights)
+                broker.set_version(step + 1)
+                t2 = time.monotonic()
+                row = batch_metrics(groups, stats) | train | {
+                    "perf/train_time_s": t1 - t0,
+                    "perf/weight_sync_s": t2 - t1,
+                    "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20,
+                    "perf/step_time_s": t2 - last_end,
+                    "perf/samples_per_s": len(items) * dist.get_world_size() / (t2 - last_end),
+                    "policy/version": step + 1,
+                }
+                metrics.log(step, row)
+                last_end = t2
+    finally:
+        if rank == 0:
+            for closeable in (sender, broker, metrics):
+                if closeable is not None:
+                    closeable.close()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
+    run(args.run_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Every preset under conf/ composes and validates; bad input names the key."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from relax_slurm.config import load_config, register_configs, save_config, to_train_config
+from relax_slurm.errors import ConfigError
+
+CONF = Path(__file__).resolve().parents[3] / "conf"
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+PRESETS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
+
+register_configs()
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=["run_dir=/tmp/relax-test-run", *overrides])
+
+
+def test_groups_are_the_documented_ones():
+    assert set(GROUPS) == {"model", "algo", "rollout", "trainer", "data", "reward", "cluster",
+                           "experiment"}
+
+
+@pytest.mark.parametrize("group,name", PRESETS, ids=[f"{g}={n}" for g, n in PRESETS])
+def test_every_preset_composes_and_validates(group, name):
+    cfg = to_train_config(_compose([f"{group}={name}"]))
+    assert cfg.run_dir == "/tmp/relax-test-run"
+
+
+def test_config_roundtrip_through_run_dir_file(tmp_path):
+    cfg = to_train_config(_compose(["experiment=tiny_cpu", "algo.max_staleness=2"]))
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigError, match=r"algo\.bogus"):
+        to_train_config(_compose(["+algo.bogus=1"]))
+    with pytest.raises(ConfigCompositionException, match="algo.bogus"):
+        _compose(["algo.bogus=1"])
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(ConfigCompositionException, match="max_staleness"):
+        _compose(["algo.max_staleness=soon"])
+
+
+def test_cross_field_check_names_the_override():
+    with pytest.raises(ConfigError, match=r"rollout\.n_samples_per_prompt"):
+        to_train_config(_compose(["rollout.n_samples_per_prompt=1"]))
+    with pytest.raises(ConfigError, match=r"algo\.max_staleness"):
+        to_train_config(_compose(["algo.max_staleness=-1"]))
+
+
+def test_bad_yaml_file_is_named(tmp_path):
+    bad = tmp_path / "config.yaml"
+    bad.write_text("run_dir: x\nalgo: {max_staleness: [1,\n")
+    with pytest.raises(ConfigError, match="config.yaml"):
+        load_config(bad)
