@@ -1,0 +1,39 @@
+"""Batch preparation: advantages per group, weights over the whole batch, token alignment."""
+
+import numpy as np
+import pytest
+import torch
+
+from relax_slurm.samples import Sample
+from relax_slurm.trainer.batch import collate, prepare_items, shard
+
+
+def _sample(gid, prompt, response, reward, mask=None):
+    return Sample(prompt_id=f"p{gid}", group_id=gid, prompt_ids=prompt, response_ids=response,
+                  loss_mask=mask if mask is not None else [1.0] * len(response),
+                  rollout_logprobs=[-0.5] * len(response), reward=reward)
+
+
+def test_prepare_items_advantages_and_weights():
+    groups = [[_sample(0, [1, 2], [3, 4], 1.0), _sample(0, [1, 2], [5], 0.0)],
+              [_sample(1, [7], [8, 9, 9], 0.5), _sample(1, [7], [8], 0.5)]]
+    items = prepare_items(groups, std_normalize=False, reduction="seq_mean_token_mean")
+    assert [it.advantage for it in items] == [0.5, -0.5, 0.0, 0.0]
+    # weights of the whole batch sum to 1 (4 samples, each its token mean / 4)
+    assert sum(float(it.weights.sum()) for it in items) == pytest.approx(1.0)
+    assert np.allclose(items[0].weights, [0.125, 0.125])
+    assert [len(s) for s in shard(items, 2)] == [2, 2]
+
+
+def test_collate_aligns_response_tokens_with_their_predicting_position():
+    groups = [[_sample(0, [1, 2, 3], [4, 5], 1.0, mask=[1.0, 0.0]), _sample(0, [1], [6], 0.0)]]
+    items = prepare_items(groups, std_normalize=False, reduction="token_mean")
+    mb = collate(items, pad_id=0, device=torch.device("cpu"))
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5], [1, 6, 0, 0, 0]]
+    assert mb.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    # position t predicts input_ids[t+1]: response of sample 0 is predicted at 2 and 3
+    assert mb.targets[0, 2].item() == 4 and mb.targets[0, 3].item() == 5
+    assert mb.weights[0].tolist() == [0.0, 0.0, 0.5, 0.0]  # second response token masked out
+    assert mb.weights[1].tolist() == [0.5, 0.0, 0.0, 0.0]
+    assert mb.advantages[0, 2].item() == 0.5 and mb.advantages[1, 0].item() == -0.5
+    assert mb.rollout_logp[1, 0].item() == -0.5 and mb.rollout_logp[1, 1].item() == 0.0
