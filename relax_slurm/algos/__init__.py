@@ -1,17 +1,19 @@
-"""Advantages and losses (pure torch). The trainer calls these and never branches on a name."""
+"""Advantages and losses (pure torch, no I/O), by name.
 
-from relax_slurm.algos.grpo import (
-    group_advantages,
-    grpo_policy_loss,
-    ppo_clip_token_loss,
-    reduction_weights,
-    truncated_is_weights,
-)
+    compute_advantages(name, rewards[B, G], **params) -> Tensor[B, G]
+    policy_loss(name, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=None,
+                **params) -> (loss, metrics)
+    names() -> list of registered algorithms
+
+The trainer calls these with `algo.name` and never branches on it.
+"""
+
+from relax_slurm.algos import grpo  # noqa: F401  (registers)
+from relax_slurm.algos.common import ppo_clip, truncated_is_weights
+from relax_slurm.algos.reduce import reduce, reduction_weights
+from relax_slurm.algos.registry import compute_advantages, get, names, policy_loss
 
 __all__ = [
-    "group_advantages",
-    "grpo_policy_loss",
-    "ppo_clip_token_loss",
-    "reduction_weights",
-    "truncated_is_weights",
+    "compute_advantages", "get", "names", "policy_loss", "ppo_clip", "reduce",
+    "reduction_weights", "truncated_is_weights",
 ]

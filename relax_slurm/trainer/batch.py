@@ -6,13 +6,15 @@ computed there, then the flat list of samples is cut into one equal shard per ra
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from relax_slurm.algos import group_advantages, reduction_weights
+from relax_slurm.algos import compute_advantages, reduction_weights
+from relax_slurm.config.schema import AlgoConfig
 from relax_slurm.samples import Group, Sample
 
 
@@ -26,9 +28,17 @@ class TrainItem:
     """Per response token loss weight (reduction folded in), [R] float32."""
 
 
-def prepare_items(groups: list[Group], std_normalize: bool, reduction: str) -> list[TrainItem]:
-    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [G, n]
-    adv = group_advantages(rewards, std_normalize=std_normalize).flatten()  # [G*n]
+def algo_params(algo: AlgoConfig) -> dict:
+    """The algorithm's knobs as keyword arguments (each function takes the ones it needs)."""
+    params = dataclasses.asdict(algo)
+    params.pop("name")
+    return params
+
+
+def prepare_items(groups: list[Group], algo: AlgoConfig) -> list[TrainItem]:
+    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [B, G]
+    adv = compute_advantages(algo.name, rewards, **algo_params(algo)).flatten()  # [B*G]
+    reduction = algo.loss_reduction
     samples = [s for g in groups for s in g]
     masks = [torch.from_numpy(s.loss_mask) for s in samples]
     weights = reduction_weights(masks, reduction)

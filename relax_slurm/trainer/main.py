@@ -83,7 +83,7 @@ def distribute(groups: list[Group] | None, cfg: TrainConfig) -> list[TrainItem]:
     world, rank = dist.get_world_size(), dist.get_rank()
     shards: list = [None] * world
     if rank == 0:
-        items = prepare_items(groups, cfg.algo.std_normalize, cfg.algo.loss_reduction)
+        items = prepare_items(groups, cfg.algo)
         shards = shard(items, world)
     out: list = [None]
     dist.scatter_object_list(out, shards if rank == 0 else None, src=0)
@@ -130,6 +130,7 @@ def run(run_dir: Path) -> None:
             weights = list(full_named_weights(model))
             if rank == 0:
                 sender.verify(weights)  # engines loaded the same checkpoint: must match already
+                log.info("initial weights verified on %d engine(s)", len(plan.engine_urls))
         last_end = time.monotonic()
         for step in range(cfg.trainer.total_steps):
             groups, stats = fetch_groups(broker, cfg, step) if rank == 0 else (None, None)
@@ -146,6 +147,8 @@ def run(run_dir: Path) -> None:
                 sync = sender.send(weights, version=step + 1)
                 if cfg.weight_sync.verify:
                     sender.verify(weights)
+                    log.info("step %d: weights verified bit for bit on %d engine(s)",
+                             step, len(plan.engine_urls))
                 broker.set_version(step + 1)
                 t2 = time.monotonic()
                 row = batch_metrics(groups, stats) | train | {

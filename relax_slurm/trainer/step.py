@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from relax_slurm.algos import grpo_policy_loss
+from relax_slurm.algos import policy_loss
 from relax_slurm.config.schema import AlgoConfig
-from relax_slurm.trainer.batch import MicroBatch, TrainItem, collate
+from relax_slurm.trainer.batch import MicroBatch, TrainItem, algo_params, collate
 
 
 def token_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
@@ -39,6 +39,8 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     world = dist.get_world_size()
     chunks = [items[i:i + micro_batch_size] for i in range(0, len(items), micro_batch_size)]
+    params = algo_params(algo)
+    params.pop("loss_reduction")  # folded into the per-token weights over the whole batch
     totals = torch.zeros(4, dtype=torch.float64)  # loss, clipped tokens, |logp diff|, tokens
     for i, chunk in enumerate(chunks):
         mb = collate(chunk, pad_id, device)
@@ -49,9 +51,9 @@ def train_step(
             logp = token_logprobs(model, mb, temperature)
             # one optimizer step per batch: the "old" policy is the current one, so ratio = 1 in
             # value and the PPO clip only shapes the gradient; detaching avoids a second forward
-            loss, sums = grpo_policy_loss(
-                logp, logp.detach(), mb.rollout_logp, mb.advantages, mb.weights,
-                algo.eps_clip, algo.eps_clip_high, algo.tis_clip,
+            loss, sums = policy_loss(
+                algo.name, logp, logp.detach(), mb.advantages, mb.weights, mb.rollout_logp,
+                reduction="weighted_sum", **params,
             )
             # weights sum to 1 over the whole batch across ranks; DDP averages over ranks
             (loss * world).backward()

@@ -6,9 +6,20 @@ import pytest
 import torch
 
 from relax_slurm.algos import (
-    group_advantages, grpo_policy_loss, ppo_clip_token_loss, reduction_weights,
-    truncated_is_weights,
+    compute_advantages, names, policy_loss, ppo_clip, reduction_weights, truncated_is_weights,
 )
+
+
+def group_advantages(rewards, std_normalize):
+    return compute_advantages("grpo", rewards, std_normalize=std_normalize)
+
+
+def ppo_clip_token_loss(logp, old, adv, eps_clip, eps_clip_high):
+    return ppo_clip(logp - old, adv, eps_clip, eps_clip_high)
+
+
+def test_grpo_is_registered():
+    assert "grpo" in names()
 
 
 def test_group_advantages_by_hand():
@@ -68,7 +79,8 @@ def test_grpo_policy_loss_by_hand_and_gradient():
     adv = torch.tensor([[1.0, 1.0], [-1.0, 0.0]])
     weights = reduction_weights([torch.ones(2), torch.tensor([1.0, 0.0])], "seq_mean_token_mean")
     weights = torch.stack(weights)
-    loss, sums = grpo_policy_loss(logp, logp.detach(), rollout, adv, weights, 0.2, 0.2, 2.0)
+    loss, sums = policy_loss("grpo", logp, logp.detach(), adv, weights, rollout,
+                             reduction="weighted_sum", eps_clip=0.2, tis_clip=2.0)
     # ratio = 1 everywhere: per-token loss = -A; sample 1 mean -1, sample 2: +1 * tis 2
     assert loss.item() == pytest.approx(0.5 * (-1.0) + 0.5 * (1.0 * 2.0))
     loss.backward()
@@ -76,3 +88,14 @@ def test_grpo_policy_loss_by_hand_and_gradient():
     assert torch.allclose(logp.grad, torch.tensor([[-0.25, -0.25], [1.0, 0.0]]))
     assert sums["tokens"].item() == 3
     assert sums["logprob_abs_diff"].item() == pytest.approx(math.log(3.0))
+
+
+def test_policy_loss_reduces_with_a_plain_mask():
+    # ratio 1, A = [[1, 1], [-1, pad]]: seq_mean_token_mean = mean(-1, +1) = 0; token_mean = -1/3
+    logp = torch.zeros(2, 2)
+    adv = torch.tensor([[1.0, 1.0], [-1.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, _ = policy_loss("grpo", logp, logp, adv, mask)
+    assert loss.item() == pytest.approx(0.0)
+    loss, _ = policy_loss("grpo", logp, logp, adv, mask, reduction="token_mean")
+    assert loss.item() == pytest.approx(-1.0 / 3.0)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from relax_slurm.config.schema import AlgoConfig
 from relax_slurm.samples import Sample
 from relax_slurm.trainer.batch import collate, prepare_items, shard
 
@@ -17,7 +18,7 @@ def _sample(gid, prompt, response, reward, mask=None):
 def test_prepare_items_advantages_and_weights():
     groups = [[_sample(0, [1, 2], [3, 4], 1.0), _sample(0, [1, 2], [5], 0.0)],
               [_sample(1, [7], [8, 9, 9], 0.5), _sample(1, [7], [8], 0.5)]]
-    items = prepare_items(groups, std_normalize=False, reduction="seq_mean_token_mean")
+    items = prepare_items(groups, AlgoConfig(std_normalize=False))
     assert [it.advantage for it in items] == [0.5, -0.5, 0.0, 0.0]
     # weights of the whole batch sum to 1 (4 samples, each its token mean / 4)
     assert sum(float(it.weights.sum()) for it in items) == pytest.approx(1.0)
@@ -27,7 +28,7 @@ def test_prepare_items_advantages_and_weights():
 
 def test_collate_aligns_response_tokens_with_their_predicting_position():
     groups = [[_sample(0, [1, 2, 3], [4, 5], 1.0, mask=[1.0, 0.0]), _sample(0, [1], [6], 0.0)]]
-    items = prepare_items(groups, std_normalize=False, reduction="token_mean")
+    items = prepare_items(groups, AlgoConfig(std_normalize=False, loss_reduction="token_mean"))
     mb = collate(items, pad_id=0, device=torch.device("cpu"))
     assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5], [1, 6, 0, 0, 0]]
     assert mb.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]

@@ -1,0 +1,37 @@
+"""Loss reductions: from per-token losses [N, T] to one scalar."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+REDUCTIONS = ("seq_mean_token_mean", "token_mean", "token_sum")
+
+
+def reduction_weights(masks: list[Tensor], reduction: str) -> list[Tensor]:
+    """Per-token weights over a whole batch so that sum(w * token_loss) is the batch loss.
+
+    Computed once over the full batch (before it is split across ranks) so that the loss is the
+    same however samples are sharded or micro-batched.
+    - seq_mean_token_mean: mean over a sample's tokens, then mean over samples;
+    - token_mean: mean over every token of the batch;
+    - token_sum: plain sum over tokens, divided by the number of samples (a constant scale, as
+      Dr.GRPO, so longer answers are not down-weighted).
+    """
+    n = len(masks)
+    if reduction == "seq_mean_token_mean":
+        return [m / (m.sum().clamp(min=1.0) * n) for m in masks]
+    if reduction == "token_mean":
+        total = sum(float(m.sum()) for m in masks)
+        return [m / max(total, 1.0) for m in masks]
+    if reduction == "token_sum":
+        return [m / n for m in masks]
+    raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
+
+
+def reduce(token_loss: Tensor, loss_mask: Tensor, reduction: str) -> Tensor:
+    """Reduce [N, T] token losses over the rows given; `weighted_sum` trusts the mask as weights."""
+    if reduction == "weighted_sum":
+        return (token_loss * loss_mask).sum()
+    weights = reduction_weights(list(loss_mask.float()), reduction)
+    return (token_loss * torch.stack(weights)).sum()
