@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -30,6 +29,10 @@ GROUP_SCHEMAS = {
 
 
 def register_configs() -> None:
+    # imported here: every role process loads configs, only the launcher composes them, and
+    # importing hydra costs more than a second of each role's start-up
+    from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     cs.store(name="base_train", node=schema.TrainConfig)
     for group, node in GROUP_SCHEMAS.items():

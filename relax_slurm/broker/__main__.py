@@ -1,0 +1,52 @@
+"""`python -m relax_slurm.broker --config RUN_DIR/config.yaml --router ADDR --pub ADDR`.
+
+Serves until a `shutdown` request or SIGTERM/SIGINT, then exits 0. Addresses may use a `*`
+port (`tcp://127.0.0.1:*`); the bound endpoints are printed on the first line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from types import FrameType
+
+from relax_slurm.broker.server import BrokerServer
+from relax_slurm.broker.state import BrokerState
+from relax_slurm.config import load_config
+from relax_slurm.errors import RelaxError
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m relax_slurm.broker", description=__doc__)
+    parser.add_argument("--config", required=True, help="the run's config.yaml")
+    parser.add_argument("--router", required=True, help="request socket, e.g. tcp://0.0.0.0:5555")
+    parser.add_argument("--pub", required=True, help="broadcast socket, e.g. tcp://0.0.0.0:5556")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+        state = BrokerState(cfg.algo.max_staleness, cfg.rollout.batch_size)
+        server = BrokerServer(state, args.router, args.pub, log=_log)
+    except RelaxError as e:
+        print(f"broker: {e}", file=sys.stderr, flush=True)
+        return 2
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        _log(f"broker: got {signal.Signals(signum).name}, stopping")
+        server.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    _log(f"broker: listening router={server.router_endpoint} pub={server.pub_endpoint} "
+         f"max_staleness={state.max_staleness} batch_size={state.batch_size}")
+    server.serve()
+    _log("broker: stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Clients of the broker: synchronous (trainer, tools), asyncio (rollout workers), subscriber.
+
+Every request carries a request id `rid` that the broker echoes. The sync client uses it to
+discard a late reply to an earlier request that timed out; the async client uses it to route
+replies to the awaiting task, so many tasks can share one socket.
+Every receive is bounded: a parked op (`acquire`, `get_batch`) gets `wait_s + timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from typing import Any
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from relax_slurm.broker.wire import decode, encode
+from relax_slurm.errors import BrokerError, BrokerTimeout
+from relax_slurm.samples import Group
+
+Batch = tuple[list[Group], dict[str, Any]]
+
+
+def _dealer(ctx: zmq.Context, addr: str, identity: str | None, timeout_s: float
+            ) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    # with the broker gone, requests queue up to the high-water mark and then a send would
+    # block forever; a send timeout turns that into BrokerTimeout too
+    sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+    if identity:
+        # readable in a debugger or packet dump; the suffix keeps two clients that were given
+        # the same name from receiving each other's replies
+        sock.setsockopt(zmq.ROUTING_ID, f"{identity}:{uuid.uuid4().hex[:8]}".encode())
+    sock.connect(addr)
+    return sock
+
+
+def _result(addr: str, op: str, reply: tuple[str, dict[str, Any], list[Group] | None]
+            ) -> tuple[dict[str, Any], list[Group] | None]:
+    kind, fields, groups = reply
+    if kind == "error":
+        raise BrokerError(f"broker at {addr} refused {op}: {fields.get('error')}")
+    return fields, groups
+
+
+def _timeout(op: str, addr: str, after_s: float) -> BrokerTimeout:
+    return BrokerTimeout(f"no reply to {op!r} from the broker at {addr} within {after_s:.1f}s; "
+                         "check that the broker is running (its log) or raise "
+                         "broker.request_timeout_s")
+
+
+def _batch(fields: dict[str, Any], groups: list[Group] | None) -> Batch | None:
+    if fields.get("timeout"):
+        return None
+    stats = dict(fields["stats"])
+    stats["wait_s"] = fields["wait_s"]
+    return groups or [], stats
+
+
+class BrokerClient:
+    """Blocking client; one request at a time."""
+
+    def __init__(self, addr: str, timeout_s: float, identity: str | None = None) -> None:
+        self.addr = addr
+        self.timeout_s = timeout_s
+        self._sock = _dealer(zmq.Context.instance(), addr, identity, timeout_s)
+        self._rids = itertools.count()
+
+    def _call(self, op: str, fields: dict[str, Any], groups: list[Group] | None = None,
+              wait_s: float = 0.0) -> tuple[dict[str, Any], list[Group] | None]:
+        rid = next(self._rids)
+        budget = wait_s + self.timeout_s
+        try:
+            self._sock.send_multipart(encode(op, {**fields, "rid": rid}, groups), copy=False)
+        except zmq.Again as e:
+            raise _timeout(op, self.addr, self.timeout_s) from e
+        end = time.monotonic() + budget
+        while True:
+            left_ms = int((end - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self._sock.poll(left_ms, zmq.POLLIN):
+                raise _timeout(op, self.addr, budget)
+            reply = decode(self._sock.recv_multipart(copy=False))
+            got = reply[1].get("rid")
+            if got == rid or (got is None and reply[0] == "error"):
+                return _result(self.addr, op, reply)
+            # else: a late reply to an earlier request that timed out; skip it
+
+    def acquire(self, max_n: int, wait_s: float = 0.0) -> int:
+        return int(self._call("acquire", {"max_n": max_n, "wait_s": wait_s}, wait_s=wait_s)[0]
+                   ["granted"])
+
+    def put_group(self, group: Group) -> None:
+        self._call("put_group", {}, [group])
+
+    def release(self, n: int) -> None:
+        self._call("release", {"n": n})
+
+    def get_batch(self, num_groups: int, version: int, wait_s: float = 0.0) -> Batch | None:
+        fields, groups = self._call(
+            "get_batch", {"num_groups": num_groups, "version": version, "wait_s": wait_s},
+            wait_s=wait_s)
+        return _batch(fields, groups)
+
+    def set_version(self, version: int) -> None:
+        self._call("set_version", {"version": version})
+
+    def heartbeat(self, role: str) -> None:
+        self._call("heartbeat", {"role": role})
+
+    def stats(self) -> dict[str, Any]:
+        fields, _ = self._call("stats", {})
+        fields.pop("rid", None)
+        return fields
+
+    def shutdown(self) -> None:
+        self._call("shutdown", {})
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> BrokerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncBrokerClient:
+    """asyncio client; its coroutines may be awaited concurrently from many tasks.
+
+    One receive task reads every reply and resolves the future of the request with that rid.
+    Create and use it inside one running event loop.
+    """
+
+    def __init__(self, addr: str, timeout_s: float, identity: str | None = None) -> None:
+        self.addr = addr
+        self.timeout_s = timeout_s
+        self._sock = _dealer(zmq.asyncio.Context.instance(), addr, identity, timeout_s)
+        self._rids = itertools.count()
+        self._pending: dict[int, asyncio.Future[tuple[str, dict[str, Any], Any]]] = {}
+        self._receiver: asyncio.Task[None] | None = None
+        self._send_lock = asyncio.Lock()
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            try:
+                reply = decode(frames)
+            except BrokerError as e:
+                # nothing to route it to; fail everyone waiting rather than let them time out
+                for fut in self._pending.values():
+                    if not fut.done():
+                        fut.set_exception(BrokerError(f"bad reply from {self.addr}: {e}"))
+                continue
+            fut = self._pending.get(reply[1].get("rid"))  # late replies find no future
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    async def _send(self, frames: list[Any]) -> None:
+        async with self._send_lock:
+            await self._sock.send_multipart(frames, copy=False)
+
+    async def _call(self, op: str, fields: dict[str, Any], groups: list[Group] | None = None,
+                    wait_s: float = 0.0) -> tuple[dict[str, Any], list[Group] | None]:
+        if self._receiver is None or self._receiver.done():
+            if self._receiver is not None and not self._receiver.cancelled():
+                self._receiver.result()  # re-raise why the receive task died
+            self._receiver = asyncio.get_running_loop().create_task(self._receive_loop())
+        rid = next(self._rids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        budget = wait_s + self.timeout_s
+        try:
+            await asyncio.wait_for(self._send(encode(op, {**fields, "rid": rid}, groups)),
+                                   self.timeout_s)
+            reply = await asyncio.wait_for(fut, budget)
+        except (asyncio.TimeoutError, zmq.Again) as e:
+            raise _timeout(op, self.addr, budget) from e
+        finally:
+            self._pending.pop(rid, None)
+        return _result(self.addr, op, reply)
+
+    async def acquire(self, max_n: int, wait_s: float = 0.0) -> int:
+        fields, _ = await self._call("acquire", {"max_n": max_n, "wait_s": wait_s}, wait_s=wait_s)
+        return int(fields["granted"])
+
+    async def put_group(self, group: Group) -> None:
+        await self._call("put_group", {}, [group])
+
+    async def release(self, n: int) -> None:
+        await self._call("release", {"n": n})
+
+    async def get_batch(self, num_groups: int, version: int, wait_s: float = 0.0
+                        ) -> Batch | None:
+        fields, groups = await self._call(
+            "get_batch", {"num_groups": num_groups, "version": version, "wait_s": wait_s},
+            wait_s=wait_s)
+        return _batch(fields, groups)
+
+    async def set_version(self, version: int) -> None:
+        await self._call("set_version", {"version": version})
+
+    async def heartbeat(self, role: str) -> None:
+        await self._call("heartbeat", {"role": role})
+
+    async def stats(self) -> dict[str, Any]:
+        fields, _ = await self._call("stats", {})
+        fields.pop("rid", None)
+        return fields
+
+    async def shutdown(self) -> None:
+        await self._call("shutdown", {})
+
+    def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+        for fut in self._pending.values():
+            fut.cancel()
+        self._sock.close(linger=0)
+
+    async def __aenter__(self) -> AsyncBrokerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Subscriber:
+    """Receives the broker's broadcasts: ('version', {'version': v}) and ('shutdown', {}).
+
+    PUB/SUB drops what is published before the subscription reaches the broker, so a
+    subscriber learns the current version from `BrokerClient.stats()` at start.
+    """
+
+    def __init__(self, pub_addr: str, topics: tuple[str, ...] = ("",)) -> None:
+        self.addr = pub_addr
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        for topic in topics:
+            self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sock.connect(pub_addr)
+
+    def poll(self, timeout_s: float) -> list[tuple[str, dict[str, Any]]]:
+        """Everything received, waiting up to `timeout_s` for the first message."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        wait_ms = max(0, int(timeout_s * 1000))
+        while self._sock.poll(0 if out else wait_ms, zmq.POLLIN):
+            frames = self._sock.recv_multipart()
+            if len(frames) != 2:
+                raise BrokerError(f"bad broadcast from {self.addr}: {len(frames)} frames")
+            try:
+                fields = msgpack.unpackb(frames[1], raw=False)
+            except Exception as e:
+                raise BrokerError(f"bad broadcast from {self.addr}: {e}") from e
+            out.append((frames[0].decode(), fields))
+        return out
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

@@ -1,0 +1,247 @@
+"""The broker process: a ROUTER socket for requests, a PUB socket for broadcasts.
+
+One thread, one poll loop. Requests that cannot be answered yet (`acquire` with no credit,
+`get_batch` with too few groups) are parked with a deadline and answered as soon as a later
+request changes the state, or at the deadline. The poll timeout is the time to the nearest
+deadline, capped so a stop request (signal) is seen quickly.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+from relax_slurm.broker.state import BrokerState
+from relax_slurm.broker.wire import decode, encode
+from relax_slurm.errors import BrokerError
+from relax_slurm.samples import Group
+
+_MAX_POLL_S = 0.2
+# long enough for the shutdown reply and broadcast to leave, short enough not to hang an exit
+_CLOSE_LINGER_MS = 500
+
+
+@dataclass
+class _Parked:
+    identity: bytes
+    rid: Any
+    args: dict[str, Any]
+    start: float
+    deadline: float
+
+
+def _get(fields: dict[str, Any], name: str, kind: type, minimum: float | None = 0) -> Any:
+    value = fields.get(name)
+    ok_types = (int, float) if kind is float else (kind,)
+    if not isinstance(value, ok_types) or isinstance(value, bool):
+        raise BrokerError(f"field {name!r} must be {kind.__name__}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise BrokerError(f"field {name!r}={value} must be >= {minimum}")
+    return value
+
+
+def publish_frames(topic: str, fields: dict[str, Any]) -> list[bytes]:
+    return [topic.encode(), msgpack.packb(fields, use_bin_type=True)]
+
+
+class BrokerServer:
+    def __init__(self, state: BrokerState, router_addr: str, pub_addr: str,
+                 log: Callable[[str], None] = lambda line: None) -> None:
+        self.state = state
+        self.log = log
+        self._ctx = zmq.Context()
+        self.router = self._ctx.socket(zmq.ROUTER)
+        self.pub = self._ctx.socket(zmq.PUB)
+        try:
+            self.router.bind(router_addr)
+            self.pub.bind(pub_addr)
+        except zmq.ZMQError as e:
+            self.close()
+            raise BrokerError(f"cannot bind broker sockets {router_addr} / {pub_addr}: {e}; "
+                              "pick free ports or another host address") from e
+        self.router_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.pub_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._acquires: list[_Parked] = []
+        self._batches: list[_Parked] = []
+        self._heartbeats: dict[str, float] = {}
+        self._stopping = False
+        self._handlers: dict[str, Callable[[bytes, Any, dict[str, Any], list[Group] | None],
+                                           None]] = {
+            "acquire": self._acquire, "put_group": self._put_group, "release": self._release,
+            "get_batch": self._get_batch, "set_version": self._set_version,
+            "heartbeat": self._heartbeat, "stats": self._stats, "shutdown": self._shutdown,
+        }
+
+    # ---- loop ----------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask the loop to exit (safe from a signal handler)."""
+        self._stopping = True
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                if poller.poll(self._poll_timeout_ms()):
+                    # drain everything queued before expiring deadlines: a put that arrived in
+                    # time should still satisfy a get_batch whose deadline is now
+                    while not self._stopping and self.router.poll(0):
+                        self._handle(self.router.recv_multipart(copy=False))
+                self._expire(time.monotonic())
+        finally:
+            self._refuse_parked("broker is shutting down")
+            self.close()
+
+    def close(self) -> None:
+        for sock in (self.router, self.pub):
+            if not sock.closed:
+                sock.close(linger=_CLOSE_LINGER_MS)
+        self._ctx.term()
+
+    def _poll_timeout_ms(self) -> int:
+        deadlines = [p.deadline for p in self._acquires + self._batches]
+        wait = min([_MAX_POLL_S, *(d - time.monotonic() for d in deadlines)])
+        return max(0, int(wait * 1000) + 1)
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        rid = None
+        try:
+            op, fields, groups = decode(frames[1:])
+            rid = fields.get("rid")
+            handler = self._handlers.get(op)
+            if handler is None:
+                raise BrokerError(f"unknown op {op!r}; expected one of {sorted(self._handlers)}")
+            handler(identity, rid, fields, groups)
+        except BrokerError as e:
+            self._reply(identity, rid, {"error": str(e)}, op="error")
+        except Exception as e:  # a bug must not kill the broker (that restarts the whole run)
+            traceback.print_exc(file=sys.stderr)
+            self._reply(identity, rid, {"error": f"internal broker error: {e!r}"}, op="error")
+
+    def _reply(self, identity: bytes, rid: Any, fields: dict[str, Any],
+               groups: list[Group] | None = None, op: str = "ok") -> None:
+        frames = encode(op, {**fields, "rid": rid}, groups)
+        self.router.send_multipart([identity, *frames], copy=False)
+
+    # ---- parked requests -----------------------------------------------------------------
+    def _park(self, queue: list[_Parked], identity: bytes, rid: Any, args: dict[str, Any],
+              wait_s: float) -> None:
+        now = time.monotonic()
+        queue.append(_Parked(identity, rid, args, now, now + wait_s))
+
+    def _wake(self) -> None:
+        """Answer parked requests the state can now satisfy, batches first (drops free credit)."""
+        now = time.monotonic()
+        while self._batches:
+            p = self._batches[0]
+            result = self.state.take_batch(p.args["num_groups"], p.args["version"])
+            if result is None:
+                break
+            self._batches.pop(0)
+            groups, stats = result
+            self._reply(p.identity, p.rid, {"stats": stats, "wait_s": now - p.start}, groups)
+        while self._acquires:
+            p = self._acquires[0]
+            granted = self.state.admit(p.args["max_n"])
+            if granted == 0:
+                break
+            self._acquires.pop(0)
+            self._reply(p.identity, p.rid, {"granted": granted})
+
+    def _expire(self, now: float) -> None:
+        for p in [p for p in self._acquires if p.deadline <= now]:
+            self._acquires.remove(p)
+            self._reply(p.identity, p.rid, {"granted": 0})
+        for p in [p for p in self._batches if p.deadline <= now]:
+            self._batches.remove(p)
+            self._reply(p.identity, p.rid, {"timeout": True, "wait_s": now - p.start})
+
+    def _refuse_parked(self, why: str) -> None:
+        for p in self._acquires + self._batches:
+            self._reply(p.identity, p.rid, {"error": why}, op="error")
+        self._acquires.clear()
+        self._batches.clear()
+
+    # ---- ops -----------------------------------------------------------------------------
+    def _acquire(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
+        max_n = _get(fields, "max_n", int, 1)
+        wait_s = _get(fields, "wait_s", float)
+        granted = self.state.admit(max_n) if not self._acquires else 0  # FIFO among waiters
+        if granted or wait_s == 0:
+            self._reply(identity, rid, {"granted": granted})
+        else:
+            self._park(self._acquires, identity, rid, {"max_n": max_n}, wait_s)
+
+    def _put_group(self, identity: bytes, rid: Any, _: dict[str, Any],
+                   groups: list[Group] | None) -> None:
+        if groups is None or len(groups) != 1:
+            raise BrokerError("put_group carries exactly one group")
+        self.state.accept(groups[0])
+        self._reply(identity, rid, {})
+        self._wake()
+
+    def _release(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
+        self.state.release(_get(fields, "n", int))
+        self._reply(identity, rid, {})
+        self._wake()
+
+    def _get_batch(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
+        args = {"num_groups": _get(fields, "num_groups", int, 1),
+                "version": _get(fields, "version", int)}
+        wait_s = _get(fields, "wait_s", float)
+        result = None
+        if not self._batches:  # FIFO among waiting trainers
+            result = self.state.take_batch(args["num_groups"], args["version"])
+        if result is not None:
+            groups, stats = result
+            self._reply(identity, rid, {"stats": stats, "wait_s": 0.0}, groups)
+        elif wait_s == 0:
+            self._reply(identity, rid, {"timeout": True, "wait_s": 0.0})
+        else:
+            self._park(self._batches, identity, rid, args, wait_s)
+        self._wake()  # take_batch may have dropped stale groups, freeing credits
+
+    def _set_version(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
+        version = _get(fields, "version", int)
+        changed = version != self.state.version
+        dropped = self.state.set_version(version)
+        if changed:
+            self.pub.send_multipart(publish_frames("version", {"version": version}))
+            c = self.state.counters()
+            self.log(f"broker: version {version} accepted={c['accepted']} "
+                     f"consumed={c['consumed']} dropped={c['dropped']} (+{dropped}) "
+                     f"queue={c['queue_depth']} in_flight={c['in_flight']}")
+        self._reply(identity, rid, {"version": version})
+        self._wake()
+
+    def _heartbeat(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
+        role = fields.get("role")
+        if not isinstance(role, str) or not role:
+            raise BrokerError(f"heartbeat needs a non-empty role string, got {role!r}")
+        self._heartbeats[role] = time.monotonic()
+        self._reply(identity, rid, {})
+
+    def _stats(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
+        now = time.monotonic()
+        self._reply(identity, rid, {
+            **self.state.counters(),
+            "max_staleness": self.state.max_staleness,
+            "batch_size": self.state.batch_size,
+            "parked_acquires": len(self._acquires),
+            "parked_get_batch": len(self._batches),
+            "heartbeat_age_s": {role: now - t for role, t in self._heartbeats.items()},
+        })
+
+    def _shutdown(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
+        self.pub.send_multipart(publish_frames("shutdown", {}))
+        self.log("broker: shutdown requested")
+        self._reply(identity, rid, {})
+        self.stop()

@@ -1,0 +1,140 @@
+"""The broker's state machine: credits (admission control), the group queue, the drop rule.
+
+Pure: no sockets, no clocks, no I/O, so every rule is unit- and property-testable.
+
+Admission: a worker may start a new prompt group only while
+
+    (accepted - dropped) + in_flight < (max_staleness + version + 1) * batch_size
+
+Groups that were dropped as stale give their credit back (otherwise a drop would shrink the
+budget for good and, with enough drops, deadlock the run); released groups (abandoned or
+filtered by the worker) give it back too because they leave `in_flight` without entering
+`accepted`. With the trainer consuming `batch_size` groups per version this keeps at most
+`(max_staleness + 1) * batch_size` groups queued or in flight.
+
+Drop rule: a group whose oldest sample version lags the trainer by more than `max_staleness`
+is never handed out. Admission alone bounds staleness when groups come back in the order they
+were admitted; a straggler overtaken by later groups can still come back too old, and this
+rule catches it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Any
+
+from relax_slurm.errors import BrokerError
+from relax_slurm.samples import Group, group_version_min
+
+COUNTER_NAMES = ("version", "accepted", "dropped", "consumed", "in_flight", "released")
+
+
+class BrokerState:
+    def __init__(self, max_staleness: int, batch_size: int) -> None:
+        if max_staleness < 0 or batch_size < 1:
+            raise BrokerError(f"max_staleness={max_staleness} must be >= 0 and "
+                              f"batch_size={batch_size} >= 1")
+        self.max_staleness = max_staleness
+        self.batch_size = batch_size
+        self.version = 0
+        self.accepted = 0
+        self.dropped = 0
+        self.consumed = 0
+        self.in_flight = 0
+        self.released = 0
+        self.queue: deque[Group] = deque()
+
+    # ---- workers -------------------------------------------------------------------------
+    def capacity(self) -> int:
+        """Credits that could be granted right now."""
+        budget = (self.max_staleness + self.version + 1) * self.batch_size
+        return max(0, budget - (self.accepted - self.dropped) - self.in_flight)
+
+    def admit(self, max_n: int) -> int:
+        """Grant up to `max_n` credits (one per prompt group to start)."""
+        n = min(max(0, max_n), self.capacity())
+        self.in_flight += n
+        return n
+
+    def accept(self, group: Group) -> None:
+        """A worker returns a finished group for a credit it holds."""
+        if not group:
+            raise BrokerError("put_group with an empty group; send at least one sample")
+        if self.in_flight < 1:
+            raise BrokerError("put_group without a credit: call acquire before generating")
+        self.in_flight -= 1
+        self.accepted += 1
+        if self._is_stale(group, self.version):
+            # too old for any trainer at >= self.version: drop now so its credit frees at once
+            self.dropped += 1
+        else:
+            self.queue.append(group)
+
+    def release(self, n: int) -> None:
+        """A worker gives back `n` credits it will not turn into groups."""
+        if n < 0 or n > self.in_flight:
+            raise BrokerError(f"release({n}) but only {self.in_flight} credits are in flight")
+        self.in_flight -= n
+        self.released += n
+
+    # ---- trainer -------------------------------------------------------------------------
+    def _is_stale(self, group: Group, trainer_version: int) -> bool:
+        return trainer_version - group_version_min(group) > self.max_staleness
+
+    def _drop_stale(self, trainer_version: int) -> int:
+        fresh = [g for g in self.queue if not self._is_stale(g, trainer_version)]
+        n = len(self.queue) - len(fresh)
+        if n:
+            self.queue = deque(fresh)
+        self.dropped += n
+        return n
+
+    def take_batch(self, num_groups: int, trainer_version: int
+                   ) -> tuple[list[Group], dict[str, Any]] | None:
+        """The oldest `num_groups` fresh groups with staleness stats, or None (keep waiting)."""
+        if num_groups < 1:
+            raise BrokerError(f"get_batch num_groups={num_groups}: must be >= 1")
+        self._drop_stale(trainer_version)
+        if len(self.queue) < num_groups:
+            return None
+        groups = [self.queue.popleft() for _ in range(num_groups)]
+        self.consumed += num_groups
+        staleness = [trainer_version - s.version_min for g in groups for s in g]
+        stats = {
+            "staleness_max": max(staleness),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_hist": dict(sorted(Counter(staleness).items())),
+            "queue_depth": len(self.queue),
+            "dropped_stale": self.dropped,
+            "accepted": self.accepted,
+            "consumed": self.consumed,
+            "in_flight": self.in_flight,
+        }
+        return groups, stats
+
+    def set_version(self, version: int) -> int:
+        """Move the policy version forward; returns how many queued groups became stale."""
+        if version < self.version:
+            raise BrokerError(f"set_version({version}) but the broker is at {self.version}; "
+                              "versions only move forward (resume from a matching checkpoint)")
+        self.version = version
+        return self._drop_stale(version)
+
+    # ---- resume --------------------------------------------------------------------------
+    def counters(self) -> dict[str, int]:
+        return {**{k: getattr(self, k) for k in COUNTER_NAMES}, "queue_depth": len(self.queue)}
+
+    def restore(self, counters: dict[str, int]) -> None:
+        """Resume from saved counters with an empty queue and no credits in flight."""
+        missing = [k for k in ("version", "dropped", "consumed") if k not in counters]
+        if missing:
+            raise BrokerError(f"restore: counters lack {missing}")
+        self.version = int(counters["version"])
+        self.dropped = int(counters["dropped"])
+        self.consumed = int(counters["consumed"])
+        self.released = int(counters.get("released", 0))
+        # groups queued at save time are not restored; counting them as accepted would keep
+        # their credits taken forever (and deadlock a run that saved a full queue)
+        self.accepted = self.consumed + self.dropped
+        self.in_flight = 0
+        self.queue.clear()

@@ -1,0 +1,254 @@
+"""The broker as a real process (`python -m relax_slurm.broker`) driven by the clients."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from relax_slurm.broker import AsyncBrokerClient, BrokerClient, Subscriber
+from relax_slurm.broker.wire import decode, encode
+from relax_slurm.config import save_config
+from relax_slurm.config.schema import (
+    AlgoConfig, DataConfig, ModelConfig, RolloutConfig, TrainConfig,
+)
+from relax_slurm.errors import BrokerError, BrokerTimeout
+from relax_slurm.samples import Group, Sample
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+REPO = Path(__file__).resolve().parents[3]
+TIMEOUT_S = 5.0  # client timeout while the broker is alive; generous on a loaded machine
+
+
+@dataclass
+class Broker:
+    proc: subprocess.Popen[bytes]
+    router: str
+    pub: str
+    log: Path
+
+    def client(self, identity: str | None = None, timeout_s: float = TIMEOUT_S) -> BrokerClient:
+        return BrokerClient(self.router, timeout_s, identity)
+
+
+def group(gid: int, version: int = 0, n: int = 2) -> Group:
+    return [Sample(prompt_id=f"p{gid}", group_id=gid, prompt_ids=np.arange(3),
+                   response_ids=np.arange(i + 1), loss_mask=np.ones(i + 1),
+                   rollout_logprobs=-np.ones(i + 1), reward=float(i), version=version,
+                   version_min=version, metadata={"i": i}) for i in range(n)]
+
+
+@pytest.fixture
+def start_broker(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(max_staleness: int = 0, batch_size: int = 1) -> Broker:
+        cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path="x"),
+                          data=DataConfig(train_files=["x"]),
+                          algo=AlgoConfig(max_staleness=max_staleness),
+                          rollout=RolloutConfig(batch_size=batch_size))
+        save_config(cfg, tmp_path / "config.yaml")
+        log = tmp_path / f"broker{len(started)}.log"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
+        with open(log, "wb") as out:
+            # port `*`: the OS picks free ports and the broker prints what it bound
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "relax_slurm.broker", "--config",
+                 str(tmp_path / "config.yaml"), "--router", "tcp://127.0.0.1:*",
+                 "--pub", "tcp://127.0.0.1:*"], cwd=REPO, env=env, stdout=out,
+                stderr=subprocess.STDOUT)
+        started.append(proc)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            m = re.search(r"router=(\S+) pub=(\S+)", log.read_text())
+            if m:
+                return Broker(proc, m[1], m[2], log)
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"broker did not start:\n{log.read_text()}")
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def send_malformed(router: str) -> None:
+    """Garbage and invalid requests get error replies; the broker keeps serving."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(router)
+    try:
+        for frames in ([b"\xc1not msgpack"], encode("nope", {"rid": 1}),
+                       encode("acquire", {"rid": 2, "max_n": "x", "wait_s": 0}),
+                       encode("put_group", {"rid": 3}),
+                       [msgpack.packb({"op": "put_group", "f": {}, "g": [[{}]]})]):
+            sock.send_multipart(frames)
+            assert sock.poll(int(TIMEOUT_S * 1000)), "no reply"
+            op, fields, _ = decode(sock.recv_multipart())
+            assert op == "error" and fields["error"], fields
+    finally:
+        sock.close()
+
+
+def assert_times_out(router: str) -> None:
+    with BrokerClient(router, 0.3) as c:
+        with pytest.raises(BrokerTimeout, match=rf"'stats'.*{re.escape(router)}"):
+            c.stats()
+        with pytest.raises(BrokerTimeout, match="'get_batch'"):
+            c.get_batch(1, 0, wait_s=0.1)
+
+    async def main() -> None:
+        async with AsyncBrokerClient(router, 0.3) as ac:
+            with pytest.raises(BrokerTimeout, match="'acquire'"):
+                await ac.acquire(1)
+    asyncio.run(main())
+
+
+def test_every_op_errors_and_a_killed_broker(start_broker: Callable[..., Broker]) -> None:
+    broker = start_broker(max_staleness=1, batch_size=2)
+    with broker.client("trainer") as trainer, broker.client("worker-0") as worker:
+        worker.heartbeat("rollout")
+        assert worker.acquire(10) == 4  # (1 + 0 + 1) * 2
+        sent = [group(1), group(2, n=3)]
+        for g in sent:
+            worker.put_group(g)
+        worker.release(2)
+        batch = trainer.get_batch(2, 0)
+        assert batch is not None
+        groups, stats = batch
+        for a, b in zip(sent, groups, strict=True):
+            assert [(s.prompt_id, s.reward, s.metadata) for s in a] == \
+                   [(s.prompt_id, s.reward, s.metadata) for s in b]
+            for sa, sb in zip(a, b):
+                np.testing.assert_array_equal(sa.rollout_logprobs, sb.rollout_logprobs)
+        assert stats["staleness_hist"] == {0: 5} and stats["consumed"] == 2
+        assert stats["wait_s"] == 0.0
+        trainer.set_version(1)
+        s = trainer.stats()
+        assert {k: s[k] for k in ("version", "accepted", "consumed", "in_flight", "released",
+                                  "queue_depth", "dropped")} == {
+            "version": 1, "accepted": 2, "consumed": 2, "in_flight": 0, "released": 2,
+            "queue_depth": 0, "dropped": 0}
+        assert 0 <= s["heartbeat_age_s"]["rollout"] < 5
+        with pytest.raises(BrokerError, match="only move forward"):
+            trainer.set_version(0)
+        with pytest.raises(BrokerError, match="in flight"):
+            worker.release(100)
+        with pytest.raises(BrokerError, match="without a credit"):
+            worker.put_group(group(3))
+        send_malformed(broker.router)
+        assert trainer.stats()["version"] == 1  # still serving
+    assert "broker: version 1" in broker.log.read_text()
+    broker.proc.kill()
+    broker.proc.wait(10)
+    assert_times_out(broker.router)
+
+
+def test_parked_requests_wake_and_expire(start_broker: Callable[..., Broker]) -> None:
+    broker = start_broker(max_staleness=0, batch_size=1)
+    results: dict[str, object] = {}
+    with broker.client("trainer") as trainer, broker.client("worker") as worker:
+        # deadlines: nothing to grant, nothing to hand out
+        t0 = time.monotonic()
+        assert worker.acquire(1) == 1
+        assert worker.acquire(1, wait_s=0.3) == 0
+        assert trainer.get_batch(1, 0, wait_s=0.3) is None
+        assert 0.5 <= time.monotonic() - t0 < 15  # loose: a loaded CI machine
+
+        # a parked get_batch is answered by the next put
+        def get() -> None:
+            with broker.client("trainer-thread") as c:
+                results["batch"] = c.get_batch(1, 0, wait_s=10)
+        th = threading.Thread(target=get)
+        th.start()
+        wait_for(lambda: trainer.stats()["parked_get_batch"] == 1)
+        worker.put_group(group(1))
+        th.join(15)
+        groups, stats = results["batch"]  # type: ignore[misc]
+        assert groups[0][0].group_id == 1 and stats["wait_s"] > 0
+
+        # a parked acquire is answered by set_version (the budget grows by batch_size)
+        def acquire() -> None:
+            with broker.client("worker-thread") as c:
+                results["granted"] = c.acquire(3, wait_s=10)
+        th = threading.Thread(target=acquire)
+        th.start()
+        wait_for(lambda: trainer.stats()["parked_acquires"] == 1)
+        trainer.set_version(1)
+        th.join(15)
+        assert results["granted"] == 1
+    broker.proc.send_signal(signal.SIGTERM)
+    assert broker.proc.wait(10) == 0
+    log = broker.log.read_text()
+    assert "broker: version 1" in log and "SIGTERM" in log
+
+
+def check_shutdown_broadcast(broker: Broker) -> None:
+    sub = Subscriber(broker.pub)
+    try:
+        with broker.client() as c:
+            # PUB/SUB drops messages until the subscription lands: bump versions until one shows
+            seen: list[tuple[str, dict]] = []
+            for v in range(2, 100):
+                c.set_version(v)
+                seen = sub.poll(0.1)
+                if seen:
+                    break
+            assert seen and seen[0][0] == "version" and seen[0][1]["version"] >= 1
+            c.shutdown()
+        msgs = sub.poll(5.0)
+        assert ("shutdown", {}) in msgs
+        assert broker.proc.wait(10) == 0
+    finally:
+        sub.close()
+
+
+def test_async_concurrency_and_shutdown(start_broker: Callable[..., Broker]) -> None:
+    broker = start_broker(max_staleness=0, batch_size=50)
+
+    async def main() -> None:
+        async with AsyncBrokerClient(broker.router, TIMEOUT_S, "workers") as workers, \
+                AsyncBrokerClient(broker.router, TIMEOUT_S, "trainer") as trainer:
+            version = 0
+
+            async def work(gid: int) -> None:
+                assert await workers.acquire(1, wait_s=20) == 1
+                await workers.put_group(group(gid, version))
+            # 60 prompts for a budget of 50: ten wait for the next version
+            tasks = [asyncio.create_task(work(i)) for i in range(60)]
+            batch = await trainer.get_batch(50, 0, wait_s=20)
+            assert batch is not None
+            assert len({g[0].group_id for g in batch[0]}) == 50
+            assert (await trainer.stats())["parked_acquires"] == 10
+            version = 1
+            await trainer.set_version(1)
+            await asyncio.wait_for(asyncio.gather(*tasks), 20)
+            assert await trainer.get_batch(50, 1) is None  # only ten queued
+            assert (await trainer.stats())["queue_depth"] == 10
+    asyncio.run(main())
+    check_shutdown_broadcast(broker)
