@@ -1,0 +1,90 @@
+"""tools/make_tiny_model.py and tools/prepare_data.py, run as a user runs them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_tool(*args: str) -> str:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    stdout = run_tool("tools/make_tiny_model.py", "--out", str(out / "model"))
+    assert "parameters" in stdout and str(out / "model") in stdout
+    run_tool("tools/prepare_data.py", "--out", str(out), "--n-train", "300", "--n-test", "50")
+    return out
+
+
+def test_prepare_data_rows(tiny):
+    train = [json.loads(line) for line in (tiny / "arith_train.jsonl").read_text().splitlines()]
+    test = [json.loads(line) for line in (tiny / "arith_test.jsonl").read_text().splitlines()]
+    assert (len(train), len(test)) == (300, 50)
+    for row in train + test:
+        a, b = int(row["prompt"][0]), int(row["prompt"][2])
+        assert row["prompt"] == f"{a}+{b}=" and row["label"] == str((a + b) % 10)
+    assert len({r["id"] for r in train + test}) == 350
+
+
+def test_model_and_tokenizer_load_and_generate(tiny):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny / "model")
+    model = AutoModelForCausalLM.from_pretrained(tiny / "model")
+    assert model.config.model_type == "qwen3" and model.config.tie_word_embeddings
+    assert 50_000 < model.num_parameters() < 150_000
+
+    ids = tok.apply_chat_template([{"role": "user", "content": "3+4="}],
+                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == tok("3+4=", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 4 and tok.unk_token_id not in ids
+    assert tok.decode(tok("3+4=7 ")["input_ids"]) == "3+4=7 "
+    assert tok.decode([*ids, tok.eos_token_id], skip_special_tokens=True) == "3+4="
+    convo = [{"role": "user", "content": "3+4="}, {"role": "assistant", "content": "7"}]
+    assert tok.apply_chat_template(convo, tokenize=False) == "3+4=7<eos>"
+
+    for cfg in (model.config, model.generation_config):
+        assert (cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id) == (
+            tok.eos_token_id, tok.pad_token_id, tok.bos_token_id)
+
+    batch = tok(["3+4=", "12+5="], return_tensors="pt", padding=True)  # left-padded
+    out = model.generate(**batch, max_new_tokens=3, do_sample=False)
+    assert out.shape == (2, 5 + 3) and out.dtype == torch.long
+
+
+def test_build_model_is_seeded():
+    spec = importlib.util.spec_from_file_location("make_tiny_model",
+                                                  REPO / "tools" / "make_tiny_model.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tok = tool.build_tokenizer()
+    a, b, c = (tool.build_model(tok, seed=s).state_dict() for s in (0, 0, 1))
+    assert all(a[k].equal(b[k]) for k in a)
+    assert not a["model.layers.0.self_attn.q_proj.weight"].equal(
+        c["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_data_pipeline_reads_the_tool_output(tiny):
+    from transformers import AutoTokenizer
+
+    from relax_slurm.config.schema import DataConfig
+    from relax_slurm.data import PromptDataset
+
+    tok = AutoTokenizer.from_pretrained(tiny / "model")
+    ds = PromptDataset(DataConfig(train_files=[str(tiny / "arith_train.jsonl")]), tok)
+    p = next(ds)
+    assert len(ds) == 300 and len(p.input_ids) == 4 and p.text.endswith("=")
