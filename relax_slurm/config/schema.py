@@ -128,8 +128,18 @@ class TrainerConfig:
     """How long a step waits for its batch from the broker before failing."""
     torch_threads: int = 1
     """Intra-op threads per rank on CPU."""
+    save_every: int = 0
+    """Checkpoint every this many steps (0: only at the end of the run)."""
+    keep_last: int = 2
+    """Checkpoints kept in run_dir/checkpoints (older ones are deleted after a newer completes)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+    save_hf_every: int = 0
+    """Export a Hugging Face directory every this many steps (0: never), for evaluation."""
 
     def __post_init__(self) -> None:
+        _check(self.save_every >= 0, f"trainer.save_every={self.save_every}: must be >= 0")
+        _check(self.keep_last >= 1, f"trainer.keep_last={self.keep_last}: keep at least 1")
         _check(self.backend in ("torch", "megatron"),
                f"trainer.backend={self.backend!r}: use torch or megatron")
         _check(self.strategy in ("ddp", "fsdp2"),
@@ -221,6 +231,11 @@ class TrainConfig:
     run_dir: str = MISSING
     """Directory of this run: config.yaml, metrics.jsonl, logs/, checkpoints/."""
     seed: int = 0
+    resume: str = "auto"
+    """auto: resume from the latest complete checkpoint in run_dir if any; none: start fresh
+    (refused if run_dir has checkpoints, unless overwrite=true); or a checkpoint path."""
+    overwrite: bool = False
+    """With resume=none, allow starting over in a run_dir that has checkpoints."""
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
