@@ -1,0 +1,253 @@
+"""HTTP client of an engine: an SGLang server or our hf engine (same routes, same JSON).
+
+Used by rollout workers (generate) and the trainer (weight-sync routes). Only SGLang's native
+API is used, so the same code works against `python -m sglang.launch_server`; the one hf-only
+route is `weights_checksum` (bit-exact tests), which SGLang servers do not have.
+
+Every call has a timeout; every failure raises EngineError naming the URL, the route and the
+server's message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import httpx
+
+from relax_slurm.errors import EngineError
+
+
+@dataclass
+class GenerateResult:
+    """One generated sequence: tokens, their log-probs, why it stopped, the weights that made it."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    """Log-prob of each output token (empty when return_logprob=False)."""
+    finish_reason: str
+    """stop (EOS, stop token or stop string), length (max_new_tokens) or abort."""
+    weight_version: Optional[str]
+    text: str = ""
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_generate_item(item: dict[str, Any]) -> GenerateResult:
+    """One element of a /generate response (SGLang shape) -> GenerateResult."""
+    meta = item.get("meta_info") or {}
+    token_logprobs = meta.get("output_token_logprobs")  # [[logprob, token_id, text|None], ...]
+    if token_logprobs is not None:
+        # the sampled tokens themselves, aligned one to one with their log-probs
+        output_ids = [int(e[1]) for e in token_logprobs]
+        logprobs = [float(e[0]) for e in token_logprobs]
+    else:
+        output_ids = [int(t) for t in item.get("output_ids") or []]
+        logprobs = []
+    finish = meta.get("finish_reason")
+    finish_type = finish.get("type", "") if isinstance(finish, dict) else str(finish or "")
+    version = meta.get("weight_version")
+    return GenerateResult(output_ids=output_ids, logprobs=logprobs, finish_reason=finish_type,
+                          weight_version=None if version is None else str(version),
+                          text=item.get("text", ""), meta_info=meta)
+
+
+def _server_message(resp: httpx.Response) -> str:
+    """The error text of a response: {message}, {error: {message}}, {detail} or the body."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text.strip()[:2000]
+    if isinstance(body, dict):
+        if isinstance(body.get("error"), dict) and "message" in body["error"]:
+            return str(body["error"]["message"])
+        for key in ("message", "detail"):
+            if key in body:
+                return str(body[key])
+    return str(body)[:2000]
+
+
+class _Base:
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _check(self, route: str, resp: httpx.Response) -> httpx.Response:
+        if resp.status_code >= 400:
+            raise EngineError(f"engine {self.url}{route}: HTTP {resp.status_code}: "
+                              f"{_server_message(resp)}")
+        return resp
+
+    def _json(self, route: str, resp: httpx.Response) -> Any:
+        self._check(route, resp)
+        try:
+            body = resp.json()
+        except ValueError as e:
+            raise EngineError(f"engine {self.url}{route}: answer is not JSON: "
+                              f"{resp.text[:200]!r}") from e
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineError(f"engine {self.url}{route}: {body.get('message', body)}")
+        return body
+
+    def _error(self, route: str, e: Exception) -> EngineError:
+        if isinstance(e, httpx.TimeoutException):
+            return EngineError(f"engine {self.url}{route}: no answer within {self.timeout_s}s "
+                               f"({type(e).__name__})")
+        return EngineError(f"engine {self.url}{route}: {type(e).__name__}: {e}")
+
+    @staticmethod
+    def _generate_body(input_ids: list[list[int]], sampling_params: dict[str, Any],
+                       return_logprob: bool) -> dict[str, Any]:
+        return {"input_ids": [list(map(int, ids)) for ids in input_ids],
+                "sampling_params": dict(sampling_params), "return_logprob": return_logprob}
+
+    def _parse_generate(self, body: Any, n: int) -> list[GenerateResult]:
+        items = body if isinstance(body, list) else [body]
+        if len(items) != n:
+            raise EngineError(f"engine {self.url}/generate: {len(items)} results for {n} inputs")
+        return [parse_generate_item(item) for item in items]
+
+
+class EngineClient(_Base):
+    """Synchronous client (thread-safe: httpx.Client shares its connection pool)."""
+
+    def __init__(self, url: str, timeout_s: float = 300.0) -> None:
+        super().__init__(url, timeout_s)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, route: str, body: Any = None,
+              timeout_s: Optional[float] = None) -> httpx.Response:
+        try:
+            return self._http.request(method, route, json=body,
+                                      timeout=timeout_s or self.timeout_s)
+        except httpx.HTTPError as e:
+            raise self._error(route, e) from e
+
+    def health(self, timeout_s: float = 10.0) -> bool:
+        """True when GET /health answers 200; raises EngineError otherwise (down, 503, timeout)."""
+        try:
+            resp = self._http.get("/health", timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise self._error("/health", e) from e
+        self._check("/health", resp)
+        if resp.status_code != 200:
+            raise EngineError(f"engine {self.url}/health: HTTP {resp.status_code}")
+        return True
+
+    def model_info(self) -> dict[str, Any]:
+        return self._json("/get_model_info", self._call("GET", "/get_model_info"))
+
+    def weight_version(self) -> Optional[str]:
+        version = self._json("/get_weight_version",
+                             self._call("GET", "/get_weight_version"))["weight_version"]
+        return None if version is None else str(version)
+
+    def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
+                 return_logprob: bool = True) -> list[GenerateResult]:
+        """One batch request; results in the order of input_ids."""
+        if not input_ids:
+            return []
+        body = self._generate_body(input_ids, sampling_params, return_logprob)
+        return self._parse_generate(self._json("/generate", self._call("POST", "/generate", body)),
+                                    len(input_ids))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl") -> dict[str, Any]:
+        """Blocks until the whole group formed (the trainer must join concurrently)."""
+        body = {"master_address": master_address, "master_port": master_port,
+                "rank_offset": rank_offset, "world_size": world_size,
+                "group_name": group_name, "backend": backend}
+        return self._json("/init_weights_update_group",
+                          self._call("POST", "/init_weights_update_group", body))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self._json("/destroy_weights_update_group",
+                          self._call("POST", "/destroy_weights_update_group",
+                                     {"group_name": group_name}))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]],
+                                        group_name: str = "weight_update_group",
+                                        weight_version: Optional[str] = None,
+                                        flush_cache: bool = True) -> dict[str, Any]:
+        """Blocks until the engine received and loaded every tensor (broadcast concurrently)."""
+        body = {"names": list(names), "dtypes": list(dtypes),
+                "shapes": [list(map(int, s)) for s in shapes], "group_name": group_name,
+                "flush_cache": flush_cache, "weight_version": weight_version}
+        return self._json("/update_weights_from_distributed",
+                          self._call("POST", "/update_weights_from_distributed", body))
+
+    def pause_generation(self, mode: str = "in_place") -> None:
+        """Stop starting new work (SGLang's mode: abort, retract or in_place; hf: in_place)."""
+        self._check("/pause_generation",
+                    self._call("POST", "/pause_generation", {"mode": mode}))
+
+    def continue_generation(self) -> None:
+        self._check("/continue_generation", self._call("POST", "/continue_generation", {}))
+
+    def flush_cache(self) -> None:
+        self._check("/flush_cache", self._call("POST", "/flush_cache"))
+
+    def weights_checksum(self) -> dict[str, str]:
+        """hf engine only: {parameter name: sha256 hex of its raw bytes}."""
+        return self._json("/weights_checksum", self._call("GET", "/weights_checksum"))["checksums"]
+
+
+class AsyncEngineClient(_Base):
+    """asyncio client for rollout workers that keep many requests in flight."""
+
+    def __init__(self, url: str, timeout_s: float = 300.0, max_connections: int = 256) -> None:
+        super().__init__(url, timeout_s)
+        limits = httpx.Limits(max_connections=max_connections,
+                              max_keepalive_connections=max_connections)
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, limits=limits)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncEngineClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _call(self, method: str, route: str, body: Any = None) -> httpx.Response:
+        try:
+            return await self._http.request(method, route, json=body)
+        except httpx.HTTPError as e:
+            raise self._error(route, e) from e
+
+    async def health(self, timeout_s: float = 10.0) -> bool:
+        """True when GET /health answers 200; raises EngineError otherwise."""
+        try:
+            resp = await self._http.get("/health", timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise self._error("/health", e) from e
+        self._check("/health", resp)
+        if resp.status_code != 200:
+            raise EngineError(f"engine {self.url}/health: HTTP {resp.status_code}")
+        return True
+
+    async def model_info(self) -> dict[str, Any]:
+        return self._json("/get_model_info", await self._call("GET", "/get_model_info"))
+
+    async def weight_version(self) -> Optional[str]:
+        body = self._json("/get_weight_version", await self._call("GET", "/get_weight_version"))
+        return None if body["weight_version"] is None else str(body["weight_version"])
+
+    async def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
+                       return_logprob: bool = True) -> list[GenerateResult]:
+        if not input_ids:
+            return []
+        body = self._generate_body(input_ids, sampling_params, return_logprob)
+        resp = await self._call("POST", "/generate", body)
+        return self._parse_generate(self._json("/generate", resp), len(input_ids))

@@ -1,0 +1,693 @@
+"""A CPU inference server wrapping transformers, speaking SGLang's native HTTP API.
+
+Routes and JSON shapes follow sglang/srt/entrypoints/http_server.py and managers/io_struct.py
+(GenerateReqInput, InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput), so a
+rollout worker or trainer cannot tell this server from `python -m sglang.launch_server`:
+
+  POST /generate                      text | input_ids (one or a batch), sampling_params,
+                                      return_logprob -> {text, output_ids, meta_info} or a list
+  GET  /health, /health_generate      200 when the generation thread is alive, else 503
+  GET  /get_model_info                {model_path, tokenizer_path, is_generation, ...}
+  GET  /get_weight_version            {weight_version}
+  POST /init_weights_update_group     join the trainer's weight-sync group (blocks until formed)
+  POST /destroy_weights_update_group  leave it
+  POST /update_weights_from_distributed  receive one broadcast per name from rank 0, in order
+  POST /flush_cache                   no prefix cache here: a no-op answering 200
+  POST /pause_generation, /continue_generation
+  GET  /get_server_info               hf extension: batching counters
+  GET  /weights_checksum              hf extension: sha256 of every parameter's raw bytes
+
+Dynamic batching: requests queue up; one generation thread takes up to --max-batch-size
+sequences (waiting up to --batch-wait-ms for more) and runs one `model.generate` with left
+padding. Per-row sampling params, stop conditions and log-probs are handled by a logits
+processor and a stopping criterion that share one `_BatchState`.
+
+  python -m relax_slurm.rollout.hf_engine --model-path P --host H --port N --dtype float32 \
+      --max-batch-size 1024 --batch-wait-ms 5 --torch-threads 1 --seed S --weight-version 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
+                          LogitsProcessor, LogitsProcessorList, StoppingCriteria,
+                          StoppingCriteriaList)
+
+from relax_slurm.errors import WeightSyncError
+from relax_slurm.weightsync.receiver import WeightReceiver, load_named_tensors, model_checksums
+
+log = logging.getLogger("relax_slurm.hf_engine")
+
+GREEDY_EPS = 1e-6
+"""SGLang samples greedily (top_k=1) when temperature < 1e-6; so do we."""
+
+
+class BadRequest(ValueError):
+    """The request cannot be served as sent: answered with HTTP 400 and the reason."""
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """The subset of SGLang's SamplingParams the hf engine implements (same names, defaults)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: frozenset = frozenset()
+    stop: tuple = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+# SGLang sampling params accepted only at their default value (the hf engine lacks them)
+_DEFAULT_ONLY = {"n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                 "repetition_penalty": 1.0, "min_new_tokens": 0, "json_schema": None,
+                 "regex": None, "ebnf": None, "structural_tag": None, "logit_bias": None,
+                 "custom_params": None, "stop_regex": None}
+_TEXT_ONLY = {"spaces_between_special_tokens"}  # affects detokenization only; ignored
+
+
+def _number(params: dict, key: str, default: float, lo: float, hi: float,
+            integer: bool = False) -> Any:
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (integer and not float(value).is_integer()):
+        kind = "an integer" if integer else "a number"
+        raise BadRequest(f"sampling_params.{key}={value!r}: expected {kind}")
+    if not lo <= value <= hi:
+        raise BadRequest(f"sampling_params.{key}={value}: must be in [{lo}, {hi}]")
+    return int(value) if integer else float(value)
+
+
+def parse_sampling_params(params: Optional[dict]) -> SamplingSpec:
+    """SGLang sampling_params dict -> SamplingSpec; BadRequest names the offending key."""
+    if params is not None and not isinstance(params, dict):
+        raise BadRequest("sampling_params must be an object")
+    params = dict(params or {})
+    known = set(SamplingSpec.__dataclass_fields__) | set(_DEFAULT_ONLY) | _TEXT_ONLY
+    for key in params:
+        if key not in known:
+            raise BadRequest(f"unknown sampling param {key!r}")
+    for key, default in _DEFAULT_ONLY.items():
+        if key in params and params[key] is not None and params[key] != default:
+            raise BadRequest(f"sampling_params.{key}={params[key]!r} is not supported by the hf "
+                             f"engine (only {default!r})")
+    top_k = _number(params, "top_k", -1, -1, 2**31, integer=True)
+    if top_k == 0:
+        raise BadRequest("sampling_params.top_k=0: use -1 to disable top-k")
+    stop = params.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    stop_ids = params.get("stop_token_ids") or ()
+    if not all(isinstance(s, str) and s for s in stop) or \
+            not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise BadRequest("sampling_params.stop must be strings and stop_token_ids integers")
+    return SamplingSpec(
+        max_new_tokens=_number(params, "max_new_tokens", 128, 0, 2**31, integer=True),
+        temperature=_number(params, "temperature", 1.0, 0.0, 1e6),
+        top_p=_number(params, "top_p", 1.0, 1e-9, 1.0), top_k=top_k,
+        min_p=_number(params, "min_p", 0.0, 0.0, 1.0),
+        stop_token_ids=frozenset(stop_ids), stop=stop,
+        ignore_eos=bool(params.get("ignore_eos", False)),
+        skip_special_tokens=bool(params.get("skip_special_tokens", True)),
+        no_stop_trim=bool(params.get("no_stop_trim", False)))
+
+
+def _per_item(value: Any, n: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise BadRequest(f"{name} has {len(value)} entries for a batch of {n}")
+        return value
+    return [value] * n
+
+
+def parse_generate_request(body: dict, tokenizer: Any, vocab_size: int
+                           ) -> tuple[list[list[int]], list[SamplingSpec], list[bool], bool]:
+    """GenerateReqInput JSON -> (prompts, specs, return_logprob flags, is_batch)."""
+    if body.get("stream"):
+        raise BadRequest("stream=true is not supported by the hf engine")
+    for key in ("top_logprobs_num", "token_ids_logprob", "return_hidden_states", "input_embeds",
+                "image_data", "lora_path"):
+        if body.get(key):
+            raise BadRequest(f"{key} is not supported by the hf engine")
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("send exactly one of text or input_ids")
+    if text is not None:
+        is_batch = isinstance(text, list)
+        texts = text if is_batch else [text]
+        if not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text must be a string or a list of strings")
+        prompts = [tokenizer(t)["input_ids"] for t in texts]
+    else:
+        is_batch = isinstance(ids, list) and len(ids) > 0 and isinstance(ids[0], list)
+        prompts = ids if is_batch else [ids]
+        for p in prompts:
+            if not isinstance(p, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in p):
+                raise BadRequest("input_ids must be a list of ints or a list of lists of ints")
+            bad = [t for t in p if not 0 <= t < vocab_size]
+            if bad:
+                raise BadRequest(f"input_ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise BadRequest("empty prompt: every input needs at least one token")
+    n = len(prompts)
+    specs = [parse_sampling_params(sp) for sp in _per_item(body.get("sampling_params"), n,
+                                                           "sampling_params")]
+    flags = [bool(f) for f in _per_item(body.get("return_logprob"), n, "return_logprob")]
+    return prompts, specs, flags, is_batch
+
+
+@dataclass
+class _Request:
+    """One HTTP /generate call: its rows finish in any order, the future resolves once."""
+
+    future: Future
+    results: list
+    remaining: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def deliver(self, index: int, item: dict) -> None:
+        with self.lock:
+            self.results[index] = item
+            self.remaining -= 1
+            done = self.remaining == 0
+        if done:
+            try:
+                self.future.set_result(self.results)
+            except InvalidStateError:  # the HTTP side timed out and cancelled it
+                pass
+
+    def fail(self, exc: BaseException) -> None:
+        try:
+            self.future.set_exception(exc)
+        except InvalidStateError:
+            pass
+
+
+@dataclass
+class _Row:
+    input_ids: list[int]
+    spec: SamplingSpec
+    return_logprob: bool
+    request: _Request
+    index: int
+
+
+class _BatchState:
+    """Per-row outputs of one generate call, filled step by step."""
+
+    def __init__(self, rows: list[_Row], eos_ids: set[int], tokenizer: Any,
+                 device: torch.device) -> None:
+        self.rows = rows
+        self.eos_ids = eos_ids
+        self.tokenizer = tokenizer
+        self.device = device
+        temps = [r.spec.temperature for r in rows]
+        self.greedy = torch.tensor([t < GREEDY_EPS for t in temps], device=device)
+        # greedy rows keep temperature 1 for their log-probs, as SGLang does
+        self.temperature = torch.tensor([1.0 if t < GREEDY_EPS else t for t in temps],
+                                        dtype=torch.float32, device=device)[:, None]  # [B, 1]
+        self.out_ids: list[list[int]] = [[] for _ in rows]
+        self.logprobs: list[list[float]] = [[] for _ in rows]
+        self.finish: list[Optional[dict]] = [None for _ in rows]
+        self.last_scaled: Optional[torch.Tensor] = None  # [B, V] logits / temperature, this step
+        self.last_lse: Optional[torch.Tensor] = None  # [B] their logsumexp
+
+    def finish_reason(self, i: int) -> Optional[dict]:
+        """SGLang's Req.check_finished order: length first, then stop tokens, then stop strings."""
+        spec, out = self.rows[i].spec, self.out_ids[i]
+        if len(out) >= spec.max_new_tokens:
+            return {"type": "length", "length": spec.max_new_tokens}
+        last = out[-1]
+        if not spec.ignore_eos and (last in spec.stop_token_ids or last in self.eos_ids):
+            return {"type": "stop", "matched": last}
+        if spec.stop:
+            text = self.tokenizer.decode(out, skip_special_tokens=spec.skip_special_tokens)
+            for s in spec.stop:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        return None
+
+
+class _RowSampler(LogitsProcessor):
+    """Per-row temperature, top-k, top-p, min-p; records the log-probs SGLang would return."""
+
+    def __init__(self, state: _BatchState) -> None:
+        self.state = state
+        specs = [r.spec for r in state.rows]
+        self.top_k = [1 if g else (s.top_k if s.top_k > 0 else 0)
+                      for g, s in zip(state.greedy.tolist(), specs)]  # 0 = no top-k
+        self.top_p = torch.tensor([s.top_p for s in specs], device=state.device)[:, None]
+        self.min_p = torch.tensor([s.min_p for s in specs], device=state.device)[:, None]
+        self.needs_filter = (any(k > 0 for k in self.top_k) or any(s.top_p < 1.0 for s in specs)
+                             or any(s.min_p > 0.0 for s in specs))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scaled = scores.float() / self.state.temperature  # [B, V]
+        # SGLang (default, SGLANG_RETURN_ORIGINAL_LOGPROB unset) returns log-probs of the
+        # temperature-scaled logits, before top-k/top-p/min-p truncation; we do the same:
+        # logprob(token) = scaled[token] - logsumexp(scaled), gathered once the token is sampled
+        self.state.last_scaled = scaled
+        self.state.last_lse = torch.logsumexp(scaled, dim=-1)  # [B]
+        if not self.needs_filter:
+            return scaled
+        vocab = scaled.shape[-1]
+        vals, idx = scaled.sort(dim=-1, descending=True)  # [B, V]
+        pos = torch.arange(vocab, device=scaled.device)[None, :]
+        k = torch.tensor([kk if kk > 0 else vocab for kk in self.top_k], device=scaled.device)
+        remove = pos >= k[:, None]
+        probs = torch.softmax(vals.masked_fill(remove, float("-inf")), dim=-1)
+        remove |= (probs.cumsum(dim=-1) - probs) > self.top_p  # keeps at least the first token
+        remove |= probs < self.min_p * probs[:, :1]
+        vals = vals.masked_fill(remove, float("-inf"))
+        return torch.empty_like(vals).scatter_(1, idx, vals)
+
+
+class _RowStopper(StoppingCriteria):
+    """Called after each new token: record it and its log-prob, decide which rows are done."""
+
+    def __init__(self, state: _BatchState) -> None:
+        self.state = state
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        st = self.state
+        last = input_ids[:, -1]  # [B]
+        lps = (st.last_scaled.gather(1, last[:, None]).squeeze(1) - st.last_lse).tolist()
+        for i, (tok, lp) in enumerate(zip(last.tolist(), lps)):
+            if st.finish[i] is not None:
+                continue
+            st.out_ids[i].append(tok)
+            st.logprobs[i].append(lp)
+            st.finish[i] = st.finish_reason(i)
+        return torch.tensor([f is not None for f in st.finish], dtype=torch.bool,
+                            device=input_ids.device)
+
+
+class HFEngine:
+    """The model, the request queue and the generation thread."""
+
+    def __init__(self, model_path: str, tokenizer_path: Optional[str], dtype: str, device: str,
+                 max_batch_size: int, batch_wait_ms: float, weight_version: str,
+                 sync_timeout_s: float) -> None:
+        self.model_path = model_path
+        self.tokenizer_path = tokenizer_path or model_path
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.eos_ids = self._eos_ids()
+        self.pad_id = next(i for i in (self.tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
+                           if i is not None)
+        # The model's own generation_config (top_k=20, temperature=0.6, eos ids, ...) would be
+        # merged into every call; per-row sampling is ours, so make the defaults neutral.
+        self.model.generation_config = GenerationConfig(
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=self.pad_id,
+            eos_token_id=None, bos_token_id=None)
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_ms / 1000.0
+        self.weight_version = str(weight_version)
+        self.receiver = WeightReceiver(sync_timeout_s)
+        self.sync_timeout_s = sync_timeout_s
+        self.stats = {"num_batches": 0, "num_sequences": 0, "max_batch_seen": 0}
+        self._pending: deque[_Row] = deque()
+        self._cond = threading.Condition()
+        self._paused = False
+        self._busy = False  # a batch was taken from the queue and is not delivered yet
+        self._stop = False
+        self._model_lock = threading.Lock()  # held by a generate call or a weight update
+        self._thread = threading.Thread(target=self._loop, name="hf-generate", daemon=True)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.tokenizer.eos_token_id, self.model.config.eos_token_id,
+                    getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(i) for i in src)
+        return ids
+
+    # ---- queue and generation thread ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+    def submit(self, prompts: list[list[int]], specs: list[SamplingSpec],
+               logprob_flags: list[bool]) -> Future:
+        """Queue one request's sequences; the future resolves to their response items."""
+        req = _Request(future=Future(), results=[None] * len(prompts), remaining=len(prompts))
+        rows = [_Row(ids, spec, lp, req, i)
+                for i, (ids, spec, lp) in enumerate(zip(prompts, specs, logprob_flags))]
+        queued = []
+        for row in rows:
+            if row.spec.max_new_tokens == 0:  # nothing to generate
+                req.deliver(row.index, self._item(row, [], [], {"type": "length", "length": 0}))
+            else:
+                queued.append(row)
+        with self._cond:
+            self._pending.extend(queued)
+            self._cond.notify_all()
+        return req.future
+
+    def _next_batch(self) -> list[_Row]:
+        with self._cond:
+            if not self._pending or self._paused:
+                self._cond.wait(timeout=0.5)
+                return []
+            # dynamic batching: wait a little for more sequences to arrive
+            deadline = time.monotonic() + self.batch_wait_s
+            while len(self._pending) < self.max_batch_size and not self._paused:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(timeout=left)
+            if self._paused:
+                return []
+            n = min(self.max_batch_size, len(self._pending))
+            self._busy = True
+            return [self._pending.popleft() for _ in range(n)]
+
+    def _loop(self) -> None:
+        while not self._stop:
+            rows = self._next_batch()
+            if not rows:
+                continue
+            try:
+                self._run_batch(rows)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _run_batch(self, rows: list[_Row]) -> None:
+        with self._model_lock:  # a weight update waits for this batch to finish
+            version = self.weight_version
+            try:
+                outputs = self._generate(rows)
+            except Exception as e:  # a bad batch fails its requests, not the server
+                log.exception("generate failed for a batch of %d", len(rows))
+                for row in rows:
+                    row.request.fail(e)
+                return
+        for row, (ids, lps, finish) in zip(rows, outputs):
+            row.request.deliver(row.index, self._item(row, ids, lps, finish, version))
+
+    @torch.no_grad()
+    def _generate(self, rows: list[_Row]) -> list[tuple[list[int], list[float], dict]]:
+        batch, width = len(rows), max(len(r.input_ids) for r in rows)
+        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # [B, L] left-padded
+        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, width - len(row.input_ids):] = torch.tensor(row.input_ids)
+            attention_mask[i, width - len(row.input_ids):] = 1
+        state = _BatchState(rows, self.eos_ids, self.tokenizer, self.device)
+        self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+            max_new_tokens=max(r.spec.max_new_tokens for r in rows),
+            logits_processor=LogitsProcessorList([_RowSampler(state)]),
+            stopping_criteria=StoppingCriteriaList([_RowStopper(state)]))
+        self.stats["num_batches"] += 1
+        self.stats["num_sequences"] += batch
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], batch)
+        return [(state.out_ids[i], state.logprobs[i],
+                 state.finish[i] or {"type": "length", "length": len(state.out_ids[i])})
+                for i in range(batch)]
+
+    def _item(self, row: _Row, out_ids: list[int], logprobs: list[float], finish: dict,
+              version: Optional[str] = None) -> dict:
+        """One response element in SGLang's shape."""
+        spec = row.spec
+        text = self.tokenizer.decode(out_ids, skip_special_tokens=spec.skip_special_tokens)
+        if finish.get("type") == "stop" and isinstance(finish.get("matched"), str) \
+                and not spec.no_stop_trim:
+            text = text[:text.find(finish["matched"])]
+        meta: dict[str, Any] = {
+            "id": uuid.uuid4().hex, "finish_reason": finish,
+            "prompt_tokens": len(row.input_ids), "completion_tokens": len(out_ids),
+            "cached_tokens": 0, "weight_version": version or self.weight_version,
+        }
+        if row.return_logprob:
+            # SGLang: [logprob, token_id, token_text]; text is None unless return_text_in_logprobs
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, out_ids)]
+        return {"text": text, "output_ids": out_ids, "meta_info": meta}
+
+    # ---- control: pause, weights ------------------------------------------------------------
+
+    def pause(self, mode: str) -> None:
+        """Start no new batch; abort drops the queued requests (finish_reason abort).
+        hf cannot stop a generate call midway, so every mode lets the batch in flight finish."""
+        with self._cond:
+            self._paused = True
+            aborted = list(self._pending) if mode == "abort" else []
+            if aborted:
+                self._pending.clear()
+        for row in aborted:
+            finish = {"type": "abort", "message": "Abort by /pause_generation"}
+            row.request.deliver(row.index, self._item(row, [], [], finish))
+        self._wait_idle()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def _wait_idle(self) -> None:
+        deadline = time.monotonic() + self.sync_timeout_s
+        with self._cond:
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the batch in flight did not finish within "
+                                       f"{self.sync_timeout_s}s")
+                self._cond.wait(timeout=left)
+
+    def update_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                       group_name: str, weight_version: Optional[str]) -> None:
+        """Receive (per-tensor broadcast from rank 0, in the order of names) and load."""
+        if not self._model_lock.acquire(timeout=self.sync_timeout_s):
+            raise WeightSyncError(f"generation held the model for more than {self.sync_timeout_s}s")
+        try:
+            received = self.receiver.receive(names, dtypes, shapes, group_name, self.device)
+            load_named_tensors(self.model, received)
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+        finally:
+            self._model_lock.release()
+        log.info("loaded %d tensors from group %r (weight_version %s)", len(names), group_name,
+                 self.weight_version)
+
+    def checksums(self) -> dict[str, str]:
+        with self._model_lock:
+            return model_checksums(self.model)
+
+
+# ---- HTTP -----------------------------------------------------------------------------------
+
+def _error(status: int, message: str) -> JSONResponse:
+    # {success, message} as SGLang's weight routes; {error: {message}} as its /generate errors
+    return JSONResponse({"success": False, "message": message, "error": {"message": message}},
+                        status_code=status)
+
+
+def _json_errors(fn):
+    """Every failure becomes JSON {success: false, message} with a 4xx/5xx code."""
+    @functools.wraps(fn)
+    async def wrapper(request: Request):
+        try:
+            return await fn(request)
+        except (BadRequest, WeightSyncError, ValueError, KeyError, TypeError) as e:
+            return _error(400, f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e))
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            return _error(504, f"timed out: {e}")
+        except Exception as e:
+            log.exception("%s failed", request.url.path)
+            return _error(500, f"{type(e).__name__}: {e}")
+    return wrapper
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def build_app(engine: HFEngine, request_timeout_s: float) -> FastAPI:
+    app = FastAPI(title="relax-slurm hf engine")
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    @_json_errors
+    async def generate(request: Request):
+        body = await _body(request)
+        prompts, specs, flags, is_batch = parse_generate_request(body, engine.tokenizer,
+                                                                 engine.vocab_size)
+        future = engine.submit(prompts, specs, flags)
+        items = await asyncio.wait_for(asyncio.wrap_future(future), timeout=request_timeout_s)
+        return JSONResponse(items if is_batch else items[0])
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.alive() else 503)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict:
+        return {"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path,
+                "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": engine.weight_version}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict:
+        return {"weight_version": engine.weight_version}
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict:
+        return {"engine": "hf", "model_path": engine.model_path,
+                "max_batch_size": engine.max_batch_size,
+                "batch_wait_ms": engine.batch_wait_s * 1000.0,
+                "weight_version": engine.weight_version, "paused": engine._paused,
+                "queued_sequences": len(engine._pending), "internal_states": [dict(engine.stats)]}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        return Response(content="Cache flushed.\n", status_code=200)  # no prefix cache to drop
+
+    @app.post("/pause_generation")
+    @_json_errors
+    async def pause_generation(request: Request):
+        mode = (await _body(request)).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"Invalid mode: {mode!r}. Expected one of abort, retract, in_place")
+        await asyncio.to_thread(engine.pause, mode)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> JSONResponse:
+        engine.resume()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/init_weights_update_group")
+    @_json_errors
+    async def init_weights_update_group(request: Request):
+        b = await _body(request)
+        await asyncio.to_thread(engine.receiver.init_group, str(b["master_address"]),
+                                int(b["master_port"]), int(b["rank_offset"]),
+                                int(b["world_size"]), b.get("group_name", "weight_update_group"),
+                                b.get("backend", "nccl"))
+        return JSONResponse({"success": True,
+                             "message": "Succeeded to initialize custom process group."})
+
+    @app.post("/destroy_weights_update_group")
+    @_json_errors
+    async def destroy_weights_update_group(request: Request):
+        name = (await _body(request)).get("group_name", "weight_update_group")
+        if not await asyncio.to_thread(engine.receiver.destroy_group, name):
+            raise BadRequest(f"no weight-update group {name!r}")
+        return JSONResponse({"success": True, "message": f"Destroyed group {name}."})
+
+    @app.post("/update_weights_from_distributed")
+    @_json_errors
+    async def update_weights_from_distributed(request: Request):
+        b = await _body(request)
+        names, dtypes, shapes = list(b["names"]), list(b["dtypes"]), list(b["shapes"])
+        if not len(names) == len(dtypes) == len(shapes):
+            raise BadRequest(f"names, dtypes and shapes differ in length: {len(names)}, "
+                             f"{len(dtypes)}, {len(shapes)}")
+        if b.get("load_format") is not None:
+            raise BadRequest(f"load_format={b['load_format']!r} is not supported by the hf "
+                             "engine: send one tensor per name (load_format null)")
+        group = b.get("group_name", "weight_update_group")
+        if not engine.receiver.has_group(group):
+            raise BadRequest(f"no weight-update group {group!r}: call /init_weights_update_group")
+        version = b.get("weight_version")
+        await asyncio.to_thread(engine.update_weights, names, dtypes, shapes, group, version)
+        message = "Succeeded to update parameter online."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return JSONResponse({"success": True, "message": message})
+
+    @app.get("/weights_checksum")
+    async def weights_checksum() -> dict:
+        checksums = await asyncio.to_thread(engine.checksums)
+        return {"success": True, "weight_version": engine.weight_version, "checksums": checksums}
+
+    return app
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description="transformers inference server with SGLang's API")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-batch-size", type=int, default=1024)
+    p.add_argument("--batch-wait-ms", type=float, default=5.0)
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="longest a /generate call may wait for its batch")
+    p.add_argument("--weight-sync-timeout-s", type=float, default=300.0,
+                   help="timeout of group formation, broadcasts and waiting for the model lock")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    if args.max_batch_size < 1:
+        p.error("--max-batch-size must be >= 1")
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.torch_threads)
+    torch.manual_seed(args.seed)
+    engine = HFEngine(args.model_path, args.tokenizer_path, args.dtype, args.device,
+                      args.max_batch_size, args.batch_wait_ms, args.weight_version,
+                      args.weight_sync_timeout_s)
+    engine.start()
+    log.info("serving %s on %s:%d (max batch %d, wait %.1f ms)", args.model_path, args.host,
+             args.port, args.max_batch_size, args.batch_wait_ms)
+    try:
+        uvicorn.run(build_app(engine, args.request_timeout_s), host=args.host, port=args.port,
+                    log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The engine side of weight sync, used by the hf engine server.
+
+Mirrors what an SGLang server does for `/init_weights_update_group` and
+`/update_weights_from_distributed`: join the named group at rank `rank_offset`, then for a
+request (names, dtypes, shapes) allocate one empty tensor per name and receive it by a broadcast
+from group rank 0, in the order of `names` (all issued async, then waited), and load them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from datetime import timedelta
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from relax_slurm.errors import WeightSyncError
+from relax_slurm.weightsync.group import destroy_weight_update_group, init_weight_update_group
+
+log = logging.getLogger(__name__)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'bfloat16' or 'torch.bfloat16' -> torch.bfloat16 (SGLang uses getattr(torch, name))."""
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}: use a torch dtype name such as bfloat16")
+    return dtype
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of the tensor's raw bytes (row-major, contiguous), as hex."""
+    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+
+
+def model_checksums(model: torch.nn.Module) -> dict[str, str]:
+    """sha256 per parameter name; tied parameters appear under every name they have."""
+    return {name: tensor_sha256(p) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy tensors into the model's parameters/buffers by name: all checked first, then copied.
+
+    Tied weights (lm_head.weight is embed_tokens.weight) are one tensor, so either name works.
+    """
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(dict(model.named_buffers(remove_duplicate=False)))
+    named = list(named)
+    for name, t in named:
+        if name not in targets:
+            raise ValueError(f"unknown parameter {name!r}: the engine's model has no such name "
+                             "(send Hugging Face parameter names)")
+        if tuple(targets[name].shape) != tuple(t.shape):
+            raise ValueError(f"parameter {name!r}: shape {tuple(t.shape)} sent, engine has "
+                             f"{tuple(targets[name].shape)}")
+    with torch.no_grad():
+        for name, t in named:
+            targets[name].copy_(t)
+
+
+class WeightReceiver:
+    """Named weight-update groups of one engine process, and receiving tensors on them."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._lock = threading.Lock()
+
+    def has_group(self, group_name: str) -> bool:
+        with self._lock:
+            return group_name in self._groups
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int,
+                   world_size: int, group_name: str, backend: str) -> None:
+        """Join `group_name` as rank `rank_offset` (one rank per engine: tp_size 1)."""
+        self.destroy_group(group_name)  # a new cohort under an old name replaces it
+        pg = init_weight_update_group(master_address, master_port, rank_offset, world_size,
+                                      group_name, backend, self.timeout_s)
+        with self._lock:
+            self._groups[group_name] = pg
+
+    def destroy_group(self, group_name: str) -> bool:
+        with self._lock:
+            pg = self._groups.pop(group_name, None)
+        destroy_weight_update_group(pg)
+        return pg is not None
+
+    def receive(self, names: Sequence[str], dtypes: Sequence[str],
+                shapes: Sequence[Sequence[int]], group_name: str,
+                device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        """One broadcast from group rank 0 per name, in order; returns (name, tensor) pairs."""
+        with self._lock:
+            pg = self._groups.get(group_name)
+        if pg is None:
+            raise WeightSyncError(f"no weight-update group {group_name!r}: call "
+                                  "/init_weights_update_group first")
+        received, works = [], []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            t = torch.empty(list(shape), dtype=parse_dtype(dtype), device=device)
+            works.append(dist.broadcast(t, src=0, group=pg, async_op=True))
+            received.append((name, t))
+        timeout = timedelta(seconds=self.timeout_s)
+        for (name, _), work in zip(received, works):
+            try:
+                ok = work.wait(timeout=timeout)
+            except Exception as e:
+                raise WeightSyncError(f"receiving {name!r} on group {group_name!r} failed: "
+                                      f"{e}") from e
+            if ok is False:
+                raise WeightSyncError(f"receiving {name!r} on group {group_name!r} timed out "
+                                      f"after {self.timeout_s}s")
+        return received

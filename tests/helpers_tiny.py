@@ -1,0 +1,130 @@
+"""Test helpers: a tiny Qwen3 model with a character tokenizer, and engine processes.
+
+Imported by tests/unit/rollout/conftest.py and tests/integration/ (add tests/ to sys.path first).
+Everything here runs on CPU in a few seconds and needs no model hub.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# <pad>=0, <eos>=1, <unk>=2, then one token per character: 16 tokens.
+TINY_VOCAB = ["<pad>", "<eos>", "<unk>", *"0123456789", "+", "=", " "]
+
+
+def make_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """A random tiny Qwen3ForCausalLM (tied embeddings) and a char tokenizer, save_pretrained."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {tok: i for i, tok in enumerate(TINY_VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # every character is its own token; decoding concatenates them back
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                     unk_token="<unk>")
+    hf_tok.save_pretrained(out)
+
+    config = Qwen3Config(
+        vocab_size=len(TINY_VOCAB), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        tie_word_embeddings=True, eos_token_id=vocab["<eos>"], pad_token_id=vocab["<pad>"],
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    # random init is near uniform; widen it so greedy outputs depend visibly on the weights
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(out)
+    return out
+
+
+def free_port() -> int:
+    """A TCP port the OS says is free now (it may be taken again later; use it at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    """Environment for child processes: one thread, the repo importable."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["MKL_NUM_THREADS"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    paths = [str(REPO_ROOT), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
+
+
+def start_engine(model_dir: str | Path, port: int, log_path: str | Path,
+                 extra_args: Optional[list[str]] = None) -> subprocess.Popen:
+    """Start `python -m relax_slurm.rollout.hf_engine` in its own process group."""
+    cmd = [sys.executable, "-m", "relax_slurm.rollout.hf_engine", "--model-path", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--torch-threads", "1", "--seed", "0", "--weight-version", "0", *(extra_args or [])]
+    log = open(log_path, "wb")
+    try:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+                                cwd=str(REPO_ROOT), start_new_session=True)
+    finally:
+        log.close()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float,
+                 log_path: str | Path = "") -> None:
+    """Poll GET /health until 200; fail early (with the log tail) if the process dies."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine at {url} exited with {proc.returncode}:\n{_tail(log_path)}")
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"engine at {url} not healthy after {timeout_s}s:\n{_tail(log_path)}")
+
+
+def stop_process(proc: Optional[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """Terminate exactly this process (and the session it leads), then kill if it lingers."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=timeout_s)
+
+
+def _tail(path: str | Path, n: int = 4000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-n:]
+    except OSError:
+        return ""

@@ -1,0 +1,98 @@
+"""torchrun --nproc-per-node 2 weight_sync_trainer.py --model-dir D --engines U1,U2 --port P --out F
+
+Both ranks share a default gloo group (as trainer ranks do). Rank 0 also forms the weight-sync
+group with the engines, pushes perturbed weights twice, verifies them bit for bit, checks that
+generation changed and that weight_version followed, and that verify() catches a mismatch.
+Rank 1 waits at a barrier meanwhile. Rank 0 writes its findings as JSON to --out.
+"""
+
+import argparse
+import json
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from relax_slurm.errors import WeightSyncError
+from relax_slurm.rollout.engine_client import EngineClient
+from relax_slurm.weightsync import WeightSender, tensor_sha256
+
+PROMPTS = [[4, 5, 13, 6, 14], [9, 10]]
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+def perturbed(named, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(n, t + 0.5 * torch.randn(t.shape, generator=g, dtype=t.dtype)) for n, t in named]
+
+
+def greedy_outputs(clients):
+    return [[r.output_ids for r in c.generate(PROMPTS, GREEDY)] for c in clients]
+
+
+def run_rank0(args):
+    named = list(load_file(os.path.join(args.model_dir, "model.safetensors")).items())
+    urls = args.engines.split(",")
+    clients = [EngineClient(u, timeout_s=60) for u in urls]
+    out = {"before": greedy_outputs(clients)}
+    sender = WeightSender(urls, "127.0.0.1", args.port, group_name="relax_test_sync",
+                          backend="gloo", timeout_s=60, bucket_mb=0.02)
+    sender.connect()
+    try:
+        first = perturbed(named, seed=1)
+        out["stats1"] = sender.send(first, version=1)
+        sender.verify(first)
+        out["after1"] = greedy_outputs(clients)
+        out["versions1"] = [c.weight_version() for c in clients]
+        out["gen_versions1"] = [r.weight_version for c in clients
+                                for r in c.generate(PROMPTS, GREEDY)]
+        embed = dict(first)["model.embed_tokens.weight"]
+        out["tied_ok"] = all(c.weights_checksum()["lm_head.weight"] == tensor_sha256(embed)
+                             for c in clients)
+
+        second = perturbed(named, seed=2)
+        out["stats2"] = sender.send(second, version="2")
+        sender.verify(second)
+        out["versions2"] = [c.weight_version() for c in clients]
+
+        name, t = second[3]
+        tampered = second[:3] + [(name, t + 1e-3)] + second[4:]
+        try:
+            sender.verify(tampered)
+            out["mismatch_error"] = None
+        except WeightSyncError as e:
+            out["mismatch_error"] = str(e)
+        out["tampered_name"] = name
+    finally:
+        sender.close()
+        for c in clients:
+            c.close()
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--engines", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    rank = dist.get_rank()
+    t = torch.ones(1) * (rank + 1)
+    dist.all_reduce(t)  # the trainer's own group works before the weight group exists
+    result = run_rank0(args) if rank == 0 else None
+    t = torch.ones(1)
+    dist.all_reduce(t)  # ... and after it
+    if rank == 0:
+        result["default_group_ok"] = t.item() == dist.get_world_size()
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Weight sync end to end: torchrun (2 ranks) -> 2 hf engine processes over a gloo group."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
+from helpers_tiny import (REPO_ROOT, child_env, free_port, make_tiny_model,  # noqa: E402
+                          start_engine, stop_process, wait_healthy)
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "weight_sync_trainer.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_weight_sync_two_engines_bit_exact(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "model")
+    engines, trainer = [], None
+    try:
+        urls = []
+        for i in range(2):
+            port = free_port()
+            log = tmp_path / f"engine{i}.log"
+            engines.append((start_engine(model_dir, port, log), log))
+            urls.append(f"http://127.0.0.1:{port}")
+        for (proc, log), url in zip(engines, urls):
+            wait_healthy(url, proc, timeout_s=180, log_path=log)
+
+        out_file, trainer_log = tmp_path / "result.json", tmp_path / "trainer.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", str(SCRIPT), "--model-dir", str(model_dir),
+               "--engines", ",".join(urls), "--port", str(free_port()), "--out", str(out_file)]
+        with open(trainer_log, "wb") as logf:
+            trainer = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=child_env(),
+                                       cwd=str(REPO_ROOT), start_new_session=True)
+        rc = trainer.wait(timeout=240)
+        assert rc == 0, trainer_log.read_text()[-5000:]
+        r = json.loads(out_file.read_text())
+    finally:
+        stop_process(trainer)
+        for proc, _ in engines:
+            stop_process(proc)
+
+    assert r["default_group_ok"]
+    assert r["stats1"]["num_buckets"] > 1 and r["stats1"]["bytes"] > 0
+    assert r["after1"] != r["before"], "generation did not change after the weights did"
+    assert r["after1"][0] == r["after1"][1]  # both engines hold the same weights
+    assert r["versions1"] == ["1", "1"] and set(r["gen_versions1"]) == {"1"}
+    assert r["tied_ok"], "lm_head.weight no longer tied to embed_tokens after the update"
+    assert r["versions2"] == ["2", "2"]
+    assert r["mismatch_error"] is not None
+    assert r["tampered_name"] in r["mismatch_error"] and urls[0] in r["mismatch_error"]

@@ -1,0 +1,251 @@
+"""The hf engine as a real process: every route's JSON shape, batching, pause, errors, clients."""
+
+import asyncio
+import math
+import threading
+
+import httpx
+import pytest
+
+from helpers_tiny import free_port, start_engine, stop_process, wait_healthy
+from relax_slurm.errors import EngineError
+from relax_slurm.rollout.engine_client import AsyncEngineClient, EngineClient
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+EOS = 1
+PROMPTS = [[4, 5, 13, 6, 14], [9, 10], [3, 3, 3, 3, 3, 3, 3]]
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("engine_log") / "engine.log"
+    proc = start_engine(tiny_model_dir, port, log,
+                        ["--max-batch-size", "64", "--batch-wait-ms", "50"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, timeout_s=150, log_path=log)
+        yield url
+    finally:
+        stop_process(proc)
+
+
+def post(url, route, body, timeout=60):
+    return httpx.post(url + route, json=body, timeout=timeout)
+
+
+def check_item(item, max_new, want_logprobs=True):
+    assert set(item) >= {"text", "output_ids", "meta_info"}
+    meta = item["meta_info"]
+    assert set(meta) >= {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+                         "weight_version"}
+    ids = item["output_ids"]
+    assert 1 <= len(ids) <= max_new and meta["completion_tokens"] == len(ids)
+    assert all(isinstance(t, int) and 0 <= t < 16 for t in ids)
+    finish = meta["finish_reason"]
+    if finish["type"] == "length":
+        assert finish == {"type": "length", "length": max_new} and len(ids) == max_new
+    else:
+        assert finish == {"type": "stop", "matched": EOS} and ids[-1] == EOS
+        assert EOS not in ids[:-1]
+    if want_logprobs:
+        lps = meta["output_token_logprobs"]
+        assert len(lps) == len(ids)
+        for (lp, tok, text), out_tok in zip(lps, ids):
+            assert tok == out_tok and text is None and math.isfinite(lp) and lp <= 0.0
+    else:
+        assert "output_token_logprobs" not in meta
+
+
+def test_info_routes(engine_url, tiny_model_dir):
+    assert httpx.get(engine_url + "/health").status_code == 200
+    info = httpx.get(engine_url + "/get_model_info").json()
+    assert info["model_path"] == str(tiny_model_dir) and info["is_generation"] is True
+    assert info["weight_version"] == "0"
+    assert httpx.get(engine_url + "/get_weight_version").json() == {"weight_version": "0"}
+    assert httpx.post(engine_url + "/flush_cache").status_code == 200
+    sums = httpx.get(engine_url + "/weights_checksum").json()["checksums"]
+    # tied embeddings: both names present, same tensor
+    assert sums["lm_head.weight"] == sums["model.embed_tokens.weight"]
+    assert all(len(h) == 64 for h in sums.values())
+
+
+def test_generate_single_and_batch(engine_url):
+    sp = {"max_new_tokens": 6, "temperature": 1.0}
+    single = post(engine_url, "/generate", {"input_ids": PROMPTS[0], "sampling_params": sp,
+                                            "return_logprob": True}).json()
+    assert isinstance(single, dict)
+    check_item(single, 6)
+    batch = post(engine_url, "/generate", {"input_ids": PROMPTS, "sampling_params": sp,
+                                           "return_logprob": True}).json()
+    assert isinstance(batch, list) and len(batch) == 3
+    for item in batch:
+        check_item(item, 6)
+        assert item["meta_info"]["weight_version"] == "0"
+    one = post(engine_url, "/generate", {"input_ids": [PROMPTS[1]], "sampling_params": sp}).json()
+    assert isinstance(one, list) and len(one) == 1
+    check_item(one[0], 6, want_logprobs=False)
+    text = post(engine_url, "/generate", {"text": ["1+2=", "33"], "sampling_params": sp}).json()
+    assert [t["meta_info"]["prompt_tokens"] for t in text] == [4, 2]
+
+
+def test_finish_reasons_eos_length_and_stop_tokens(engine_url):
+    greedy = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    out = post(engine_url, "/generate", {"input_ids": PROMPTS, "sampling_params": greedy}).json()
+    for item in out:
+        assert len(item["output_ids"]) == 5
+        assert item["meta_info"]["finish_reason"]["type"] == "length"
+    # greedy is deterministic, alone or batched with left padding
+    again = post(engine_url, "/generate",
+                 {"input_ids": PROMPTS[2], "sampling_params": greedy}).json()
+    assert again["output_ids"] == out[2]["output_ids"]
+    # a stop token ends the sequence with finish_reason stop, the token included
+    first = out[0]["output_ids"][0]
+    stopped = post(engine_url, "/generate", {"input_ids": PROMPTS[0], "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0.0, "stop_token_ids": [first]}}).json()
+    assert stopped["output_ids"] == [first]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
+    # a stop string ends it too; text is cut before the string
+    text = out[1]["text"]
+    assert text, "greedy output decodes to nothing"
+    stop_str = text[-1]
+    cut = post(engine_url, "/generate", {"input_ids": PROMPTS[1], "sampling_params": {
+        **greedy, "stop": [stop_str]}}).json()
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_str}
+    assert cut["text"] == text[:text.find(stop_str)]
+    assert cut["output_ids"] == out[1]["output_ids"][:len(cut["output_ids"])]
+    # sampling at temperature 1 over 16 tokens: EOS ends some sequences, length others
+    many = post(engine_url, "/generate", {"input_ids": [PROMPTS[0]] * 24, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 1.0}, "return_logprob": True}).json()
+    for item in many:
+        check_item(item, 12)
+    assert any(i["meta_info"]["finish_reason"]["type"] == "stop" for i in many)
+
+
+def test_concurrent_requests_are_batched(engine_url):
+    before = httpx.get(engine_url + "/get_server_info").json()["internal_states"][0]
+    results, errors = [None] * 8, []
+
+    def one(i):
+        try:
+            sp = {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 8}
+            results[i] = post(engine_url, "/generate", {
+                "input_ids": PROMPTS[i % 3], "sampling_params": sp, "return_logprob": True}).json()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    for r in results:
+        check_item(r, 4)
+    after = httpx.get(engine_url + "/get_server_info").json()["internal_states"][0]
+    assert after["num_sequences"] - before["num_sequences"] == 8
+    assert after["num_batches"] - before["num_batches"] < 8  # some requests shared a batch
+
+
+def test_pause_and_continue(engine_url):
+    assert post(engine_url, "/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
+    done = threading.Event()
+    result = {}
+
+    def gen():
+        result["r"] = post(engine_url, "/generate", {"input_ids": PROMPTS[0],
+                                                     "sampling_params": {"max_new_tokens": 2}})
+        done.set()
+
+    t = threading.Thread(target=gen)
+    t.start()
+    try:
+        assert not done.wait(1.0), "generation ran while paused"
+    finally:
+        assert post(engine_url, "/continue_generation", {}).status_code == 200
+    assert done.wait(30)
+    t.join()
+    assert result["r"].status_code == 200
+
+
+def test_errors_are_json(engine_url):
+    cases = [
+        {"sampling_params": {"max_new_tokens": 2}},                      # no input
+        {"input_ids": [1, 99]},                                          # outside vocab
+        {"input_ids": []},                                               # empty
+        {"input_ids": [1, 2], "sampling_params": {"bogus": 1}},          # unknown param
+        {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}},
+        {"input_ids": [1, 2], "stream": True},
+    ]
+    for body in cases:
+        r = post(engine_url, "/generate", body)
+        assert r.status_code == 400, body
+        assert r.json()["success"] is False and r.json()["message"]
+    r = httpx.post(engine_url + "/generate", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    r = post(engine_url, "/update_weights_from_distributed", {
+        "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
+    assert r.status_code == 400 and "nope" in r.json()["message"]
+    r = post(engine_url, "/init_weights_update_group", {"master_address": "127.0.0.1"})
+    assert r.status_code == 400 and r.json()["success"] is False
+
+
+def test_sync_client(engine_url, tiny_model_dir):
+    with EngineClient(engine_url, timeout_s=60) as client:
+        assert client.health()
+        assert client.model_info()["model_path"] == str(tiny_model_dir)
+        assert client.weight_version() == "0"
+        results = client.generate(PROMPTS, {"max_new_tokens": 5, "temperature": 1.0})
+        assert len(results) == 3
+        for r in results:
+            assert len(r.output_ids) == len(r.logprobs) >= 1
+            assert r.finish_reason in ("stop", "length") and r.weight_version == "0"
+        client.flush_cache()
+        client.pause_generation("in_place")
+        client.continue_generation()
+        assert "lm_head.weight" in client.weights_checksum()
+        with pytest.raises(EngineError) as err:
+            client.generate([[1, 99]], {"max_new_tokens": 2})
+        assert engine_url in str(err.value) and "/generate" in str(err.value)
+        assert "vocabulary" in str(err.value)
+    with EngineClient(f"http://127.0.0.1:{free_port()}", timeout_s=2) as dead:
+        with pytest.raises(EngineError, match="/health"):
+            dead.health()
+        with pytest.raises(EngineError, match="/get_model_info"):
+            dead.model_info()
+
+
+def test_async_client(engine_url):
+    async def run():
+        async with AsyncEngineClient(engine_url, timeout_s=60) as client:
+            assert await client.health()
+            outs = await asyncio.gather(*[
+                client.generate([p], {"max_new_tokens": 3, "temperature": 1.0}) for p in PROMPTS])
+            return outs
+
+    outs = asyncio.run(run())
+    assert [len(o) for o in outs] == [1, 1, 1]
+    assert all(len(o[0].output_ids) == len(o[0].logprobs) for o in outs)
+
+
+def test_logprobs_match_teacher_forcing(engine_url, tiny_model_dir):
+    """Engine log-probs equal log_softmax(logits / T) of a plain forward pass (what the trainer
+    recomputes), for each sequence of a left-padded batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    temperature = 0.8
+    out = post(engine_url, "/generate", {"input_ids": PROMPTS, "return_logprob": True,
+                                         "sampling_params": {"max_new_tokens": 6,
+                                                             "temperature": temperature}}).json()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for prompt, item in zip(PROMPTS, out):
+        response = item["output_ids"]
+        ids = torch.tensor([prompt + response])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1:-1] / temperature  # [T, V]
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])
+        got = torch.tensor([lp for lp, _, _ in item["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(got, expected.squeeze(1), atol=1e-4), (got, expected)
