@@ -53,14 +53,14 @@ class ProcessSet:
         self.roles: list[Role] = []
 
     def start(self, name: str, cmd: list[str], *, ports: dict[str, int] | None = None,
-              cpus: list[int] | None = None) -> Role:
+              host: str = "127.0.0.1", cpus: list[int] | None = None) -> Role:
         log = self.log_dir / f"{name}.log"
         f = log.open("ab")
         preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=self.env, start_new_session=True, preexec_fn=preexec)
         f.close()  # the child holds its own descriptor
-        role = Role(name=name, proc=proc, log=log, ports=ports or {})
+        role = Role(name=name, proc=proc, log=log, ports=ports or {}, host=host)
         self.roles.append(role)
         return role
 

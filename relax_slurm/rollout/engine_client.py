@@ -13,9 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import logging
+
 import httpx
 
 from relax_slurm.errors import EngineError
+
+# httpx logs every request at INFO: thousands of lines per step in a role's log
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 @dataclass

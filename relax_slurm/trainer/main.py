@@ -11,6 +11,7 @@ import argparse
 import datetime
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -72,7 +73,6 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
         "broker/queue_depth": stats.get("queue_depth", 0),
         "broker/dropped_stale": stats.get("dropped_stale", 0),
         "broker/dropped_stale_samples": stats.get("dropped_stale", 0) * len(groups[0]),
-        "perf/trainer_wait_s": stats.get("wait_s", 0.0),
         "perf/gen_time_s": (max(ends) - min(starts)) if starts and ends else 0.0,
         "train/samples": n,
     }
@@ -119,8 +119,10 @@ def run(run_dir: Path) -> None:
     broker = sender = metrics = None
     if rank == 0:
         broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s, identity="trainer")
+        # empty host: wherever rank 0 landed (c10d rendezvous picks it on multi-node Slurm runs)
+        sync_host = plan.weight_sync_host or socket.gethostname()
         sender = WeightSender(
-            plan.engine_urls, plan.weight_sync_host, plan.weight_sync_port, WEIGHT_GROUP,
+            plan.engine_urls, sync_host, plan.weight_sync_port, WEIGHT_GROUP,
             cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
         )
         sender.connect()
@@ -133,7 +135,9 @@ def run(run_dir: Path) -> None:
                 log.info("initial weights verified on %d engine(s)", len(plan.engine_urls))
         last_end = time.monotonic()
         for step in range(cfg.trainer.total_steps):
+            tf = time.monotonic()
             groups, stats = fetch_groups(broker, cfg, step) if rank == 0 else (None, None)
+            td = time.monotonic()
             items = distribute(groups, cfg)
             t0 = time.monotonic()
             train = train_step(
@@ -152,6 +156,8 @@ def run(run_dir: Path) -> None:
                 broker.set_version(step + 1)
                 t2 = time.monotonic()
                 row = batch_metrics(groups, stats) | train | {
+                    "perf/trainer_wait_s": td - tf,
+                    "perf/distribute_s": t0 - td,
                     "perf/train_time_s": t1 - t0,
                     "perf/weight_sync_s": t2 - t1,
                     "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20,

@@ -1,0 +1,85 @@
+"""What to run for each role of a run: pure functions from (config, plan) to command lines.
+
+The same specs serve the local runner (run as they are) and the Slurm driver (each prefixed
+with `srun --het-group=K ...` for the nodes it goes to), so both launch identical programs.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from relax_slurm.config import TrainConfig
+from relax_slurm.launch.plan import RunPlan
+
+TRAINER_GROUP, ROLLOUT_GROUP = 0, 1  # Slurm het groups: trainer + broker, engines + workers
+
+
+@dataclass(kw_only=True)
+class RoleSpec:
+    name: str
+    argv: list[str]
+    het_group: int
+    host: str
+    """Where it runs (a node name on Slurm, 127.0.0.1 locally)."""
+    ports: dict[str, int] = field(default_factory=dict)
+    cpus: list[int] | None = None
+    """CPU ids to pin to (local runs only)."""
+    health_url: str | None = None
+    """Poll this engine URL's /health before starting later roles."""
+
+
+def _hostport(url: str) -> tuple[str, int]:
+    u = urlparse(url)
+    return u.hostname or "127.0.0.1", int(u.port or 0)
+
+
+def broker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path) -> RoleSpec:
+    host, router = _hostport(plan.broker_router)
+    _, pub = _hostport(plan.broker_pub)
+    bind = "0.0.0.0" if cfg.cluster.kind == "slurm" else host
+    return RoleSpec(
+        name="broker", het_group=TRAINER_GROUP, host=host, ports={"router": router, "pub": pub},
+        argv=[sys.executable, "-m", "relax_slurm.broker", "--config", str(run_dir / "config.yaml"),
+              "--router", f"tcp://{bind}:{router}", "--pub", f"tcp://{bind}:{pub}"],
+    )
+
+
+def engine_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
+    specs = []
+    for i, url in enumerate(plan.engine_urls):
+        host, port = _hostport(url)
+        bind = "0.0.0.0" if cfg.cluster.kind == "slurm" else host
+        specs.append(RoleSpec(
+            name=f"engine{i}", het_group=ROLLOUT_GROUP, host=host, ports={"http": port},
+            cpus=cfg.cluster.rollout_cpus, health_url=url,
+            argv=[sys.executable, "-m", "relax_slurm.rollout.hf_engine",
+                  "--model-path", cfg.model.path, "--host", bind, "--port", str(port),
+                  "--dtype", cfg.model.dtype,
+                  "--max-batch-size", str(cfg.rollout.engine_max_batch_size),
+                  "--batch-wait-ms", str(cfg.rollout.engine_batch_wait_ms),
+                  "--torch-threads", str(cfg.rollout.torch_threads),
+                  "--seed", str(cfg.seed + i), "--weight-version", "0"],
+        ))
+    return specs
+
+
+def worker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, host: str) -> RoleSpec:
+    return RoleSpec(
+        name="rollout", het_group=ROLLOUT_GROUP, host=host, cpus=cfg.cluster.rollout_cpus,
+        argv=[sys.executable, "-m", "relax_slurm.rollout.worker", "--run-dir", str(run_dir)],
+    )
+
+
+def trainer_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, hosts: list[str]) -> RoleSpec:
+    """torchrun with c10d rendezvous on the first trainer host."""
+    return RoleSpec(
+        name="trainer", het_group=TRAINER_GROUP, host=hosts[0], cpus=cfg.cluster.trainer_cpus,
+        ports={"rdzv": plan.trainer_master_port, "weight_sync": plan.weight_sync_port},
+        argv=[sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}",
+              f"--nproc-per-node={cfg.trainer.nproc_per_node}", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint={hosts[0]}:{plan.trainer_master_port}",
+              "-m", "relax_slurm.trainer", "--run-dir", str(run_dir)],
+    )

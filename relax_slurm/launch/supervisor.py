@@ -1,0 +1,111 @@
+"""Start the roles of a run in order, watch them, and always tear them down.
+
+Shared by the local runner and the Slurm driver: they differ only in the plan (addresses) and
+in how a role's command is wrapped (as is, or in `srun --het-group=K ...`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from relax_slurm.config import TrainConfig
+from relax_slurm.errors import RelaxError, RoleFailed
+from relax_slurm.launch.processes import ProcessSet, Role
+from relax_slurm.launch.roles import RoleSpec
+from relax_slurm.metrics.jsonl import METRICS_FILE, iter_metrics
+from relax_slurm.metrics.progress import Progress
+from relax_slurm.metrics.summary import summarize, write_summary
+from relax_slurm.rollout.engine_client import EngineClient
+
+POLL_S = 0.5
+Wrap = Callable[[RoleSpec], list[str]]
+
+
+def child_env(cfg: TrainConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",  # everything is local; never wait on a hub
+        "OMP_NUM_THREADS": str(max(cfg.trainer.torch_threads, cfg.rollout.torch_threads)),
+    })
+    return env
+
+
+def wait_healthy(procs: ProcessSet, pending: dict[str, Role], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        procs.check_alive()
+        for url in list(pending):
+            try:
+                EngineClient(url, timeout_s=2.0).health()
+                pending.pop(url)
+            except RelaxError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise next(iter(pending.values())).failure(
+                f"did not answer /health within rollout.startup_timeout_s={timeout_s}s")
+        time.sleep(POLL_S)
+
+
+def start(procs: ProcessSet, specs: list[RoleSpec], cfg: TrainConfig, wrap: Wrap) -> Role:
+    """Start roles in order; engines must be healthy before the roles after them start."""
+    pending: dict[str, Role] = {}
+    trainer = None
+    for spec in specs:
+        if pending and spec.health_url is None:
+            wait_healthy(procs, pending, cfg.rollout.startup_timeout_s)
+        role = procs.start(spec.name, wrap(spec), ports=spec.ports, host=spec.host, cpus=spec.cpus)
+        if spec.health_url:
+            pending[spec.health_url] = role
+        if spec.name == "trainer":
+            trainer = role
+    assert trainer is not None, "a run needs a trainer role"
+    return trainer
+
+
+def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path) -> None:
+    """Return when the trainer exits 0; raise RoleFailed for any death or a stalled run."""
+    progress = Progress(cfg.trainer.total_steps, enabled=cfg.metrics.progress)
+    metrics_path = run_dir / METRICS_FILE
+    seen, last_step_t = 0, time.monotonic()
+    try:
+        while True:
+            rows = list(iter_metrics(metrics_path))
+            for row in rows[seen:]:
+                progress.update(row)
+                last_step_t = time.monotonic()
+            seen = max(seen, len(rows))
+            if trainer.proc.poll() == 0:
+                return
+            procs.check_alive()
+            if time.monotonic() - last_step_t > cfg.cluster.step_timeout_s:
+                raise trainer.failure(
+                    f"made no step for cluster.step_timeout_s={cfg.cluster.step_timeout_s}s "
+                    "(hung?); see also logs/rollout.log and logs/engine*.log")
+            time.sleep(POLL_S)
+    finally:
+        progress.close()
+
+
+def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap) -> dict:
+    """Run the roles to the end; write roles.json and summary.json; return the summary."""
+    t0 = time.monotonic()
+    procs = ProcessSet(run_dir / "logs", child_env(cfg))
+    try:
+        trainer = start(procs, specs, cfg, wrap)
+        (run_dir / "roles.json").write_text(json.dumps([r.info() for r in procs.roles], indent=2))
+        watch(procs, trainer, cfg, run_dir)
+    finally:
+        procs.close()
+    rows = list(iter_metrics(run_dir / METRICS_FILE))
+    summary = summarize(rows, time.monotonic() - t0, cfg.algo.max_staleness)
+    write_summary(run_dir, summary)
+    if len(rows) < cfg.trainer.total_steps:
+        raise RoleFailed(f"trainer exited after {len(rows)} of {cfg.trainer.total_steps} steps; "
+                         f"see {run_dir / 'logs' / 'trainer.log'}")
+    return summary
