@@ -8,12 +8,17 @@
 The trainer calls these with `algo.name` and never branches on it.
 """
 
-from relax_slurm.algos import grpo  # noqa: F401  (registers)
-from relax_slurm.algos.common import ppo_clip, truncated_is_weights
+# importing a module registers its algorithms
+from relax_slurm.algos import dapo, grpo, gspo, opd, reinforce, rloo, sapo  # noqa: F401
+from relax_slurm.algos.common import (
+    importance_weights, kl_penalty, opsm_keep, ppo_clip, truncated_is_weights,
+)
+from relax_slurm.algos.dapo import is_informative_group, overlong_penalty
 from relax_slurm.algos.reduce import reduce, reduction_weights
 from relax_slurm.algos.registry import compute_advantages, get, names, policy_loss
 
 __all__ = [
-    "compute_advantages", "get", "names", "policy_loss", "ppo_clip", "reduce",
+    "compute_advantages", "get", "importance_weights", "is_informative_group", "kl_penalty",
+    "names", "opsm_keep", "overlong_penalty", "policy_loss", "ppo_clip", "reduce",
     "reduction_weights", "truncated_is_weights",
 ]

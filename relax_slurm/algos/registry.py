@@ -1,7 +1,10 @@
 """Algorithms by name: each is an advantage estimator plus a per-token policy loss.
 
-Adding an algorithm is one file that calls `register(...)` and one YAML under `conf/algo/`.
-The trainer only ever calls `compute_advantages` and `policy_loss` with `algo.name`.
+Adding an algorithm is one file that calls `register(...)` and one YAML under `conf/algo/`
+(and its name in `relax_slurm.config.schema.ALGO_NAMES`, which validates `algo.name` without
+importing torch). The trainer only ever calls `compute_advantages` and `policy_loss` with
+`algo.name`, passing every `AlgoConfig` field as a keyword: each function takes the ones it
+needs and ignores the rest (`**_`).
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ from typing import Callable
 from torch import Tensor
 
 from relax_slurm.algos import reduce as reductions
-from relax_slurm.algos.common import truncated_is_weights
+from relax_slurm.algos.common import importance_weights, kl_penalty, opsm_keep
 
 # (rewards [B, G], **params) -> advantages [B, G]
 AdvantageFn = Callable[..., Tensor]
 # (logp, old_logp, advantages, loss_mask, **params) -> (token loss [N, T], clipped 0/1 [N, T])
-TokenLossFn = Callable[..., tuple[Tensor, Tensor]]
+# or (token loss, clipped, metrics): extra mask-weighted metric sums such as opd_reverse_kl
+TokenLossFn = Callable[..., tuple]
 
 
 @dataclass(frozen=True)
@@ -63,23 +67,65 @@ def policy_loss(
     *,
     reduction: str = "seq_mean_token_mean",
     tis_clip: float | None = None,
+    tis_type: str = "truncate",
+    tis_clip_low: float | None = None,
+    opsm_delta: float | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    ref_logprobs: Tensor | None = None,
+    kl_loss_coef: float = 0.0,
+    kl_loss_type: str = "low_var_kl",
     **params,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The named algorithm's loss over token tensors shaped [N, T]; returns (loss, metrics).
 
-    `advantages` are per token (a sample's advantage broadcast over its tokens). With
-    `rollout_logprobs`, token losses are weighted by truncated importance sampling
-    min(exp(old - rollout), tis_clip). `reduction="weighted_sum"` takes `loss_mask` as
-    precomputed per-token weights (see `reduce.reduction_weights`), which is how the trainer
-    makes the loss independent of how a batch is split over ranks and micro-batches.
-    Metrics are mask-weighted sums (`clipped_tokens`, `logprob_abs_diff`, `tokens`) so callers
-    can add them across micro-batches and ranks before dividing.
+    `advantages` are per token (a sample's advantage broadcast over its tokens). On top of the
+    algorithm's per-token policy-gradient loss, in this order:
+    - `rollout_logprobs`: importance weights against the engine (`common.importance_weights`,
+      `tis_type` truncate or icepop, band `[tis_clip_low, tis_clip]`);
+    - `opsm_delta`: off-policy sequence masking (`common.opsm_keep`) against the rollout
+      log-probs (the old ones without rollout log-probs);
+    - `entropy_coef * entropy` is subtracted (entropy [N, T] from the trainer, with gradient);
+    - `kl_loss_coef * kl(logprobs, ref_logprobs)` is added (`kl_loss_type`, `common.kl_penalty`).
+    `reduction="weighted_sum"` takes `loss_mask` as precomputed per-token weights (see
+    `reduce.reduction_weights`), which makes the loss independent of how a batch is split over
+    ranks and micro-batches. Metrics are mask-weighted sums (`clipped_tokens`, `tokens`, and
+    when they apply `logprob_abs_diff`, `tis_masked_tokens`, `opsm_masked_tokens`, `entropy`,
+    `kl_loss`, `opd_reverse_kl`) so callers add them across micro-batches and ranks, then
+    divide by `tokens`.
     """
-    token_loss, clipped = get(name).token_loss(logprobs, old_logprobs, advantages, loss_mask,
-                                               **params)
+    out = get(name).token_loss(logprobs, old_logprobs, advantages, loss_mask, **params)
+    token_loss, clipped = out[0], out[1]
     mask = (loss_mask != 0).float()
     metrics = {"clipped_tokens": (clipped * mask).sum().detach(), "tokens": mask.sum()}
+    metrics.update(out[2] if len(out) > 2 else {})
     if rollout_logprobs is not None:
-        token_loss = token_loss * truncated_is_weights(old_logprobs, rollout_logprobs, tis_clip)
-        metrics["logprob_abs_diff"] = ((old_logprobs.detach() - rollout_logprobs).abs() * mask).sum()
+        w = importance_weights(old_logprobs, rollout_logprobs, tis_clip, tis_type, tis_clip_low)
+        token_loss = token_loss * w
+        gap = (old_logprobs.detach() - rollout_logprobs).abs()
+        metrics["logprob_abs_diff"] = (gap * mask).sum()
+        if tis_type == "icepop":
+            metrics["tis_masked_tokens"] = ((w == 0).float() * mask).sum()
+    if opsm_delta is not None:
+        behaviour = old_logprobs if rollout_logprobs is None else rollout_logprobs
+        keep = opsm_keep(logprobs, behaviour, advantages, loss_mask, opsm_delta)  # [N, 1]
+        token_loss = token_loss * keep
+        metrics["opsm_masked_tokens"] = ((1.0 - keep) * mask).sum()
+    if entropy_coef:
+        if entropy is None:
+            raise ValueError(f"algo.entropy_coef={entropy_coef} needs the per-token entropy: "
+                             "pass entropy=[N, T] to policy_loss")
+        token_loss = token_loss - entropy_coef * entropy
+    if entropy is not None:
+        metrics["entropy"] = (entropy.detach() * mask).sum()
+    if kl_loss_coef:
+        if ref_logprobs is None:
+            raise ValueError(f"algo.kl_loss_coef={kl_loss_coef} needs the reference model's "
+                             "log-probs: pass ref_logprobs=[N, T] to policy_loss")
+        kl = kl_penalty(logprobs, ref_logprobs, kl_loss_type)
+        token_loss = token_loss + kl_loss_coef * kl
+        metrics["kl_loss"] = (kl.detach() * mask).sum()
+    elif ref_logprobs is not None:
+        kl = kl_penalty(logprobs.detach(), ref_logprobs, kl_loss_type)
+        metrics["kl_loss"] = (kl * mask).sum()
     return reductions.reduce(token_loss, loss_mask, reduction), metrics

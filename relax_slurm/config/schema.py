@@ -33,10 +33,16 @@ class ModelConfig:
                f"model.dtype={self.dtype!r}: use float32, bfloat16 or float16")
 
 
+# Names registered in relax_slurm.algos (checked against its registry by a unit test), kept here
+# so that validating a config does not import torch.
+ALGO_NAMES = ("dapo", "grpo", "gspo", "opd", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+              "rloo", "sapo")
+
+
 @dataclass(kw_only=True)
 class AlgoConfig:
     name: str = "grpo"
-    """Advantage estimator and loss family."""
+    """Advantage estimator and loss family (see docs/algorithms.md)."""
     max_staleness: int = 0
     """How many policy versions a trained sample may lag behind; 0 is strictly on-policy."""
     std_normalize: bool = True
@@ -47,21 +53,81 @@ class AlgoConfig:
     """PPO clip range above 1; defaults to eps_clip (0.28 is DAPO's clip-higher)."""
     tis_clip: Optional[float] = 2.0
     """Truncated importance sampling cap on exp(train_logp - rollout_logp); null disables."""
+    tis_type: str = "truncate"
+    """truncate (weights capped at tis_clip) or icepop (weights outside [tis_clip_low, tis_clip]
+    set to 0)."""
+    tis_clip_low: Optional[float] = None
+    """icepop: lower end of the kept band; null means 1 / tis_clip."""
     loss_reduction: str = "seq_mean_token_mean"
     """seq_mean_token_mean (per-sample token mean, then mean), token_sum or token_mean."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: entropy_coef * per-token entropy is subtracted from the loss; 0 disables."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL-to-reference-model loss term; 0 disables (no reference model needed)."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the KL loss: k1, k2, k3 or low_var_kl (k3 clamped to +-10)."""
+    opsm_delta: Optional[float] = None
+    """Off-policy sequence masking: drop sequences with A < 0 and mean KL(rollout || policy)
+    above this many nats; null disables."""
+    tau_pos: float = 1.0
+    """SAPO: gate temperature for tokens with positive advantage."""
+    tau_neg: float = 1.05
+    """SAPO: gate temperature for tokens with negative (or zero) advantage."""
+    opd_kl_coef: float = 1.0
+    """OPD: weight of (logp_student - logp_teacher) subtracted from each token's advantage."""
+    opd_only_reward: bool = False
+    """OPD: drop the task reward's advantage and learn from the teacher term alone."""
+    dynamic_sampling: bool = False
+    """Data filter: drop groups whose rewards are all equal and sample more prompts to refill
+    the batch (DAPO)."""
+    overlong_buffer_tokens: int = 0
+    """Data filter: soft overlong penalty over the last this-many tokens before
+    rollout.max_new_tokens (DAPO); 0 disables."""
+    overlong_penalty_factor: float = 1.0
+    """Penalty added to the reward of a response reaching rollout.max_new_tokens (scaled down
+    linearly inside the buffer)."""
 
     def __post_init__(self) -> None:
-        _check(self.name == "grpo", f"algo.name={self.name!r}: this version supports algo=grpo")
+        _check(self.name in ALGO_NAMES,
+               f"algo.name={self.name!r}: choose one of {', '.join(ALGO_NAMES)} (algo=<name>)")
         _check(self.max_staleness >= 0,
                f"algo.max_staleness={self.max_staleness}: must be >= 0 (0 = on-policy)")
         _check(self.eps_clip > 0, f"algo.eps_clip={self.eps_clip}: must be > 0")
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
+        _check(self.eps_clip_high > 0, f"algo.eps_clip_high={self.eps_clip_high}: must be > 0")
         _check(self.loss_reduction in ("seq_mean_token_mean", "token_sum", "token_mean"),
                f"algo.loss_reduction={self.loss_reduction!r}: use seq_mean_token_mean, "
                "token_sum or token_mean")
         _check(self.tis_clip is None or self.tis_clip > 0,
                f"algo.tis_clip={self.tis_clip}: must be > 0 or null")
+        self._check_terms()
+
+    def _check_terms(self) -> None:
+        _check(self.tis_type in ("truncate", "icepop"),
+               f"algo.tis_type={self.tis_type!r}: use truncate or icepop")
+        if self.tis_type == "icepop":
+            _check(self.tis_clip is not None,
+                   "algo.tis_type=icepop needs a band: set algo.tis_clip (e.g. 5.0)")
+            low = self.tis_clip_low if self.tis_clip_low is not None else 1.0 / self.tis_clip
+            _check(0 <= low < self.tis_clip,
+                   f"algo.tis_clip_low={self.tis_clip_low}: must be >= 0 and below "
+                   f"algo.tis_clip={self.tis_clip}")
+        _check(self.entropy_coef >= 0, f"algo.entropy_coef={self.entropy_coef}: must be >= 0")
+        _check(self.kl_loss_coef >= 0, f"algo.kl_loss_coef={self.kl_loss_coef}: must be >= 0")
+        _check(self.kl_loss_type in ("k1", "k2", "k3", "low_var_kl"),
+               f"algo.kl_loss_type={self.kl_loss_type!r}: use k1, k2, k3 or low_var_kl")
+        _check(self.opsm_delta is None or self.opsm_delta >= 0,
+               f"algo.opsm_delta={self.opsm_delta}: must be >= 0 or null")
+        _check(self.tau_pos > 0 and self.tau_neg > 0,
+               f"algo.tau_pos={self.tau_pos}, algo.tau_neg={self.tau_neg}: must be > 0")
+        _check(self.opd_kl_coef >= 0, f"algo.opd_kl_coef={self.opd_kl_coef}: must be >= 0")
+        _check(not self.opd_only_reward or self.name == "opd",
+               f"algo.opd_only_reward=true only applies to algo=opd (algo.name={self.name!r})")
+        _check(self.overlong_buffer_tokens >= 0,
+               f"algo.overlong_buffer_tokens={self.overlong_buffer_tokens}: must be >= 0")
+        _check(self.overlong_penalty_factor >= 0,
+               f"algo.overlong_penalty_factor={self.overlong_penalty_factor}: must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -178,7 +244,54 @@ class DataConfig:
 @dataclass(kw_only=True)
 class RewardConfig:
     name: str = "exact_match"
-    """A registered reward (see relax_slurm.rewards) or a dotted path module:function."""
+    """A registered reward (see relax_slurm.rewards), boxed_<name>, or a dotted path
+    module:function; a sample's metadata.rm_type overrides it."""
+    num_workers: int = 4
+    """Reward worker processes per rollout worker (the concurrency cap)."""
+    timeout_s: float = 60.0
+    """Per-response time limit; a reward that takes longer scores 0 and counts as an error."""
+    remote_url: Optional[str] = None
+    """remote: the URL rewards are POSTed to."""
+    remote_timeout_s: float = 30.0
+    """remote: timeout of one attempt."""
+    remote_max_retries: int = 3
+    """remote: retries after a connection error, timeout, HTTP 429 or 5xx."""
+    remote_backoff_s: float = 0.5
+    """remote: wait before the first retry, doubled for each further one."""
+    genrm_url: Optional[str] = None
+    """genrm: base URL of the judge engine (hf engine or SGLang server; /generate is used)."""
+    genrm_template: Optional[str] = None
+    """genrm: judge prompt with {prompt}, {response}, {label}; null uses the built-in one."""
+    genrm_parser: str = "yes_no"
+    """genrm: how to read the judge's answer: yes_no or score."""
+    genrm_max_score: float = 10.0
+    """genrm, score parser: the judge's score is divided by this."""
+    genrm_max_new_tokens: int = 512
+    """genrm: tokens the judge may generate."""
+    genrm_temperature: float = 0.0
+    """genrm: judge sampling temperature (0: greedy)."""
+    genrm_timeout_s: float = 50.0
+    """genrm: timeout of one judge call."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_workers >= 1, f"reward.num_workers={self.num_workers}: must be >= 1")
+        _check(self.timeout_s > 0, f"reward.timeout_s={self.timeout_s}: must be > 0")
+        _check(self.remote_max_retries >= 0,
+               f"reward.remote_max_retries={self.remote_max_retries}: must be >= 0")
+        _check(self.remote_timeout_s > 0 and self.remote_backoff_s >= 0,
+               "reward.remote_timeout_s must be > 0 and reward.remote_backoff_s >= 0")
+        _check(self.genrm_parser in ("yes_no", "score"),
+               f"reward.genrm_parser={self.genrm_parser!r}: use yes_no or score")
+        _check(self.genrm_max_score > 0,
+               f"reward.genrm_max_score={self.genrm_max_score}: must be > 0")
+        if self.name == "remote":
+            _check(self.timeout_s >= self.remote_timeout_s,
+                   f"reward.timeout_s={self.timeout_s} is below reward.remote_timeout_s="
+                   f"{self.remote_timeout_s}: raise reward.timeout_s so one attempt fits")
+        if self.name == "genrm":
+            _check(self.timeout_s >= self.genrm_timeout_s,
+                   f"reward.timeout_s={self.timeout_s} is below reward.genrm_timeout_s="
+                   f"{self.genrm_timeout_s}: raise reward.timeout_s so one judge call fits")
 
 
 @dataclass(kw_only=True)
@@ -207,7 +320,7 @@ class BrokerConfig:
 @dataclass(kw_only=True)
 class ClusterConfig:
     kind: str = "local"
-    """local (subprocesses on this machine) or slurm."""
+    """local (subprocesses on this machine) or slurm (an sbatch job; see docs/slurm.md)."""
     step_timeout_s: float = 900.0
     """A run with no new step for this long is failed as hung."""
     trainer_cpus: Optional[list[int]] = None
@@ -215,8 +328,100 @@ class ClusterConfig:
     rollout_cpus: Optional[list[int]] = None
     """Pin engines and rollout workers to these CPU ids (local runs)."""
 
+    # ---- slurm: the allocation ------------------------------------------------------------
+    layout: str = "hetjob"
+    """hetjob (component 0: trainer + broker, component 1: engines + rollout worker) or
+    colocated (one plain allocation; rollout roles on the nodes after the trainer's, or on the
+    trainer's own nodes when rollout_nodes=0)."""
+    partition: Optional[str] = None
+    """--partition of the trainer component (and of the rollout one unless rollout_partition)."""
+    rollout_partition: Optional[str] = None
+    """--partition of the rollout component; null: same as partition."""
+    account: Optional[str] = None
+    """--account to charge; null: your default account."""
+    qos: Optional[str] = None
+    """--qos; null: the partition's default."""
+    time_limit_min: int = 60
+    """--time of each component, in minutes."""
+    trainer_nodes: int = 1
+    """Nodes running the torchrun trainer (one torchrun agent per node, c10d rendezvous)."""
+    rollout_nodes: int = 1
+    """Nodes running engines and the rollout worker; colocated layout: 0 shares the trainer's."""
+    gpus_per_node: int = 0
+    """--gpus-per-node of the trainer component (0: CPU only); match trainer.nproc_per_node."""
+    rollout_gpus_per_node: Optional[int] = None
+    """--gpus-per-node of the rollout component; null: same as gpus_per_node."""
+    cpus_per_task: int = 4
+    """--cpus-per-task; every component runs one task per node, so this is CPUs per node."""
+    mem_gb: Optional[int] = None
+    """--mem per node in GB; null: the partition's default; 0: all of the node's memory."""
+    job_name: str = "relax"
+    """--job-name; every role's srun step is named after the role."""
+
+    # ---- slurm: preemption and time limits ------------------------------------------------
+    requeue: bool = True
+    """--requeue: a preempted or time-limited job goes back to the queue and resumes."""
+    signal_lead_s: int = 120
+    """--signal=B:USR1@N: seconds before the time limit the driver is told to checkpoint and
+    requeue (Slurm may deliver it up to ~30 s late; keep it >= 60); 0: no signal."""
+    preempt_timeout_s: float = 60.0
+    """After that signal, how long the trainer may take to checkpoint and exit before the job is
+    requeued anyway (resuming from the previous checkpoint)."""
+
+    # ---- slurm: software on the nodes -----------------------------------------------------
+    python: Optional[str] = None
+    """Python of the driver and every role on the nodes; null: the one running relax-train."""
+    setup_lines: list[str] = field(default_factory=list)
+    """Shell lines run in the batch script before the driver (module load, source venv, ...)."""
+    container_image: Optional[str] = None
+    """pyxis/enroot image for every role's srun (--container-image); null: no container."""
+    container_mounts: list[str] = field(default_factory=list)
+    """--container-mounts entries (SRC:DST); the run directory and the working directory
+    must be visible inside."""
+    container_prefix: list[str] = field(default_factory=list)
+    """Words put before every role's command inside srun, e.g. [apptainer, exec, --nv,
+    image.sif]; the alternative to container_image for Apptainer/Singularity."""
+    container_python: str = "python"
+    """Python inside the container (used when container_image or container_prefix is set)."""
+    extra_sbatch_args: list[str] = field(default_factory=list)
+    """More sbatch options for every component, e.g. [--constraint=a100, --exclusive]."""
+    extra_srun_args: list[str] = field(default_factory=list)
+    """More srun options for every role's step, e.g. [--mpi=none, --cpu-bind=none]."""
+
+    # ---- slurm: submission ----------------------------------------------------------------
+    wait: bool = False
+    """relax-train blocks until the job ends (requeues included) and exits with its status."""
+    wait_poll_s: float = 10.0
+    """With wait=true, seconds between two looks at squeue."""
+    dry_run: bool = False
+    """relax-train prints the sbatch script and the srun lines, and submits nothing."""
+
     def __post_init__(self) -> None:
         _check(self.kind in ("local", "slurm"), f"cluster.kind={self.kind!r}: use local or slurm")
+        _check(self.layout in ("hetjob", "colocated"),
+               f"cluster.layout={self.layout!r}: use hetjob or colocated")
+        _check(self.trainer_nodes >= 1, f"cluster.trainer_nodes={self.trainer_nodes}: >= 1")
+        min_rollout = 1 if self.layout == "hetjob" else 0
+        _check(self.rollout_nodes >= min_rollout,
+               f"cluster.rollout_nodes={self.rollout_nodes}: must be >= {min_rollout} with "
+               f"cluster.layout={self.layout} (colocated may share the trainer's nodes with 0)")
+        _check(self.time_limit_min >= 1, f"cluster.time_limit_min={self.time_limit_min}: >= 1")
+        _check(self.gpus_per_node >= 0 and (self.rollout_gpus_per_node or 0) >= 0,
+               "cluster.gpus_per_node and cluster.rollout_gpus_per_node must be >= 0")
+        _check(self.cpus_per_task >= 1, f"cluster.cpus_per_task={self.cpus_per_task}: >= 1")
+        _check(self.mem_gb is None or self.mem_gb >= 0,
+               f"cluster.mem_gb={self.mem_gb}: must be >= 0 or null")
+        _check(0 <= self.signal_lead_s < self.time_limit_min * 60,
+               f"cluster.signal_lead_s={self.signal_lead_s}: must be >= 0 and below "
+               f"cluster.time_limit_min={self.time_limit_min} minutes")
+        _check(self.preempt_timeout_s > 0 and (
+                   self.signal_lead_s == 0 or self.preempt_timeout_s < self.signal_lead_s),
+               f"cluster.preempt_timeout_s={self.preempt_timeout_s}: must be > 0 and below "
+               f"cluster.signal_lead_s={self.signal_lead_s} so the requeue happens before the end")
+        _check(not (self.container_image and self.container_prefix),
+               "cluster.container_image (pyxis) and cluster.container_prefix (apptainer) are "
+               "alternatives: set one of them")
+        _check(self.wait_poll_s > 0, f"cluster.wait_poll_s={self.wait_poll_s}: must be > 0")
 
 
 @dataclass(kw_only=True)

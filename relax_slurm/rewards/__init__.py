@@ -1,16 +1,34 @@
 """Rewards: plain callables `fn(inp: RewardInput) -> float`, looked up by name.
 
-Importing this package registers the built-in rewards: `exact_match` (exact_match.py) and
-`math` (math.py). Get one with `get_reward_fn(cfg.reward.name)`.
+    score(name, response, label, metadata=None) -> float
+    names() -> registered reward names (each also as boxed_<name>)
+    build_reward(cfg.reward) -> the run's picklable reward (honours metadata.rm_type)
+    RewardPool(max_workers, timeout_s): rewards in worker processes with a timeout
+
+Importing this package registers the built-in rewards, one module each: exact_match, math,
+dapo, deepscaler, multiple_choice and gpqa, f1, ifeval, remote, genrm.
 """
 
-from relax_slurm.rewards import exact_match, math  # noqa: F401  (importing registers them)
+# importing a module registers its rewards
+from relax_slurm.rewards import (  # noqa: F401
+    dapo, deepscaler, exact_match, f1, genrm, ifeval, math, multiple_choice, remote,
+)
+from relax_slurm.rewards.pool import RewardPool
 from relax_slurm.rewards.registry import (
+    RewardError,
     RewardFn,
     RewardInput,
+    Scorer,
+    build_reward,
     get_reward_fn,
+    names,
     register,
+    register_factory,
     registered_names,
+    score,
 )
 
-__all__ = ["RewardFn", "RewardInput", "get_reward_fn", "register", "registered_names"]
+__all__ = [
+    "RewardError", "RewardFn", "RewardInput", "RewardPool", "Scorer", "build_reward",
+    "get_reward_fn", "names", "register", "register_factory", "registered_names", "score",
+]

@@ -1,17 +1,34 @@
-"""Rewards by name: `@register("name")` on a function, `get_reward_fn(name)` to look it up.
+r"""Rewards by name: `@register("name")` on a function, `get_reward_fn(name)` to look it up.
 
-A reward is a plain callable `fn(inp: RewardInput) -> float`: strings in, a number out, no I/O.
-`reward.name` is a registered name or a dotted path `package.module:function` to your own.
+A reward is a plain callable `fn(inp: RewardInput) -> float`: strings in, a number out, no I/O
+(except `remote` and `genrm`, which call a server). A reward that needs settings (a URL) is
+registered as a factory `make(cfg: RewardConfig) -> RewardFn` with `@register_factory`.
+A name is:
+- a registered reward or factory (`names()`);
+- `boxed_<name>`: grades only the content of the response's last `\boxed{}` with `<name>`
+  (0 when there is no complete box);
+- a dotted path `package.module:function` to your own.
+`Scorer(name, cfg)` is the picklable reward of a run: it uses `reward.name`, or a sample's
+`metadata["rm_type"]` when set. `score(name, response, label, metadata)` scores one response.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from relax_slurm.errors import ConfigError
+from relax_slurm.errors import ConfigError, RelaxError
+from relax_slurm.rewards.extract import last_boxed
+
+BOXED_PREFIX = "boxed_"
+
+
+class RewardError(RelaxError):
+    """A reward could not score a response (server down, unparseable judge output, ...)."""
 
 
 @dataclass(kw_only=True)
@@ -31,42 +48,138 @@ class RewardInput:
 
 
 RewardFn = Callable[[RewardInput], float]
+RewardFactory = Callable[[Any], RewardFn]
 
 _REGISTRY: dict[str, RewardFn] = {}
+_FACTORIES: dict[str, RewardFactory] = {}
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator adding a reward under `name`; names are unique."""
 
     def add(fn: RewardFn) -> RewardFn:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered by {_REGISTRY[name]!r}")
+        if (name in _REGISTRY and _REGISTRY[name] is not fn) or name in _FACTORIES:
+            raise ValueError(f"reward {name!r} is already registered by "
+                             f"{_REGISTRY.get(name) or _FACTORIES[name]!r}")
         _REGISTRY[name] = fn
         return fn
 
     return add
 
 
-def registered_names() -> list[str]:
-    return sorted(_REGISTRY)
+def register_factory(name: str) -> Callable[[RewardFactory], RewardFactory]:
+    """Decorator adding a reward built from the reward config: `make(cfg) -> RewardFn`."""
+
+    def add(make: RewardFactory) -> RewardFactory:
+        if name in _REGISTRY or (name in _FACTORIES and _FACTORIES[name] is not make):
+            raise ValueError(f"reward {name!r} is already registered")
+        _FACTORIES[name] = make
+        return make
+
+    return add
 
 
-def get_reward_fn(name: str) -> RewardFn:
-    """The reward registered as `name`, or the function at dotted path `package.module:function`.
+def names() -> list[str]:
+    """Every registered reward name (each also works with the `boxed_` prefix)."""
+    return sorted({*_REGISTRY, *_FACTORIES})
+
+
+registered_names = names
+
+
+def get_reward_fn(name: str, cfg: Any = None) -> RewardFn:
+    """The reward called `name` (see the module doc); `cfg` is the RewardConfig of factories.
 
     >>> reward = get_reward_fn("exact_match")
     >>> reward(RewardInput(prompt="3+4=", response="7", label="7", finish_reason="stop"))
     1.0
+    >>> boxed = get_reward_fn("boxed_exact_match")
+    >>> boxed(RewardInput(prompt="", response=r"so \\boxed{7}", label="7"))
+    1.0
     """
     if ":" in name:
         return _import_reward(name)
-    try:
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
-        raise ConfigError(
-            f"reward.name={name!r} is not a registered reward. Fix: use one of "
-            f"{registered_names()}, or a dotted path reward.name=package.module:function"
-        ) from None
+    if name in _FACTORIES:
+        if cfg is None:
+            from relax_slurm.config.schema import RewardConfig
+
+            cfg = RewardConfig(name=name)
+        return _FACTORIES[name](cfg)
+    if name.startswith(BOXED_PREFIX) and len(name) > len(BOXED_PREFIX):
+        return functools.partial(grade_boxed, get_reward_fn(name[len(BOXED_PREFIX):], cfg))
+    raise ConfigError(
+        f"reward.name={name!r} is not a registered reward. Fix: use one of {names()} (or "
+        f"{BOXED_PREFIX}<name>), or a dotted path reward.name=package.module:function"
+    )
+
+
+def grade_boxed(fn: RewardFn, inp: RewardInput) -> float:
+    """`fn` applied to the content of the response's last complete `\\boxed{}`; 0 without one."""
+    boxed = last_boxed(inp.response)
+    if boxed is None:
+        return 0.0
+    return fn(replace(inp, response=boxed))
+
+
+class Scorer:
+    """The reward of a run, picklable (for worker processes): `Scorer(name, cfg)(inp) -> float`.
+
+    Uses the sample's `metadata["rm_type"]` when set, else `name`; rewards are built once per
+    name and process. Raises RewardError when a reward returns something that is not a finite
+    number, so that a bad reward is counted as an error instead of poisoning advantages.
+    """
+
+    def __init__(self, name: str, cfg: Any = None) -> None:
+        self.name = name
+        self.cfg = cfg
+        self._fns: dict[str, RewardFn] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"name": self.name, "cfg": self.cfg}  # built rewards (HTTP clients) stay here
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["name"], state["cfg"])
+
+    def reward_fn(self, name: str) -> RewardFn:
+        if name not in self._fns:
+            self._fns[name] = get_reward_fn(name, self.cfg)
+        return self._fns[name]
+
+    def __call__(self, inp: RewardInput) -> float:
+        name = (inp.metadata or {}).get("rm_type") or self.name
+        value = self.reward_fn(str(name))(inp)
+        try:
+            value = float(value)
+        except (TypeError, ValueError) as e:
+            raise RewardError(f"reward {name!r} returned {value!r}, not a number") from e
+        if not math.isfinite(value):
+            raise RewardError(f"reward {name!r} returned {value}")
+        return value
+
+
+def build_reward(cfg: Any) -> Scorer:
+    """The run's reward from its RewardConfig; builds it once so a bad config fails at start."""
+    scorer = Scorer(cfg.name, cfg)
+    scorer.reward_fn(cfg.name)
+    return scorer
+
+
+def score(
+    name: str, response: str, label: Any, metadata: dict[str, Any] | None = None, *,
+    prompt: str = "", finish_reason: str = "stop", cfg: Any = None,
+) -> float:
+    """Score one response with the reward `name` (or `metadata["rm_type"]`).
+
+    >>> score("math", r"so \\boxed{\\frac{1}{2}}", "0.5")
+    1.0
+    >>> score("exact_match", "7", "7", {"rm_type": "math"})
+    1.0
+    """
+    inp = RewardInput(prompt=prompt, response=response, label=label, metadata=metadata or {},
+                      finish_reason=finish_reason)
+    return Scorer(name, cfg)(inp)
 
 
 def _import_reward(path: str) -> RewardFn:
@@ -77,7 +190,7 @@ def _import_reward(path: str) -> RewardFn:
         raise ConfigError(
             f"reward.name={path!r}: cannot import module {module_name!r} ({e}). Fix: make it "
             "importable (installed, or on PYTHONPATH) or use a registered reward: "
-            f"{registered_names()}"
+            f"{names()}"
         ) from e
     fn = getattr(module, attr, None)
     if not callable(fn):

@@ -1,4 +1,4 @@
-"""Rewards: registry lookup, exact_match, math, and the modules' doctests."""
+"""Rewards: registry lookup, exact_match, math, and every reward module's doctests."""
 
 from __future__ import annotations
 
@@ -8,16 +8,20 @@ import pytest
 
 from relax_slurm.errors import ConfigError
 from relax_slurm.rewards import RewardInput, get_reward_fn, register, registered_names
+from relax_slurm.rewards import dapo, deepscaler, extract, f1, genrm, ifeval, multiple_choice
 from relax_slurm.rewards import exact_match as exact_match_module
 from relax_slurm.rewards import math as math_module
-from relax_slurm.rewards import registry
+from relax_slurm.rewards import registry, remote
 
 
 def inp(response: str, label, finish_reason: str = "stop") -> RewardInput:
     return RewardInput(prompt="", response=response, label=label, finish_reason=finish_reason)
 
 
-@pytest.mark.parametrize("module", [exact_match_module, math_module, registry])
+@pytest.mark.parametrize("module", [
+    exact_match_module, math_module, registry, extract, dapo, deepscaler, multiple_choice, f1,
+    ifeval, remote, genrm,
+], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
 def test_doctests(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
@@ -78,7 +82,9 @@ def test_exact_match(response, label, finish, want):
     ("3 apples and -4 pears", "-4", 1.0),
     ("1,234,567 in total", "1234567", 1.0),
     (r"\boxed{8}", "7", 0.0),
-    (r"\boxed{1/2}", "0.5", 0.0),  # no symbolic equivalence
+    (r"\boxed{1/2}", "0.5", 1.0),  # symbolic equivalence (math-verify)
+    (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}", 1.0),
+    (r"\boxed{1/3}", "0.33", 0.0),
     ("I do not know", "7", 0.0),
     (r"the label may be boxed too: 5", r"\boxed{5}", 1.0),
 ])

@@ -1,0 +1,244 @@
+"""Rewards in worker processes, with a concurrency cap and a per-call timeout.
+
+    pool = RewardPool(max_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    value, error = await pool.score(build_reward(cfg.reward), inp)
+
+A reward that raises, returns a non-number, hangs past `timeout_s` or kills its process scores
+0.0 with `error=True` (count these in rollout/reward_errors); the run goes on. A reward that
+cannot be sent to or rebuilt in a worker (unpicklable, not importable) or whose config is
+wrong raises ConfigError instead: it would fail every sample.
+
+Why processes and not threads: a thread cannot be stopped. A reward stuck in a pure-Python
+loop (a pathological SymPy simplification, a regex with catastrophic backtracking) would hold
+its thread forever, slowly using up the pool, and keep taking the GIL from the event loop that
+drives generation. A process is killed at the timeout and replaced. Processes also run CPU-heavy
+grading in parallel, and math-verify's own SIGALRM time limits only work in a main thread, which
+each worker has. The cost is pickling each input (small next to generation) and a process
+start-up per worker. Workers are forked from a `forkserver`: a small single-threaded process
+that imported the rewards (and math-verify, with `warm_up`) once, so a worker, or the
+replacement of a killed one, starts in milliseconds; forking the caller itself would be unsafe
+once it holds torch, CUDA or asyncio threads. `start_method="spawn"` also works (slower starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import multiprocessing as mp
+import pickle
+import signal
+import sys
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from relax_slurm.errors import ConfigError, RelaxError
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 120.0
+MAX_CACHED_FNS = 256  # reward objects a worker keeps (with their HTTP clients) between calls
+PRELOAD = ["relax_slurm.rewards"]
+
+
+class _WorkerDied(Exception):
+    pass
+
+
+def _worker_main(conn: Connection, warm_up: bool, sys_path: list[str]) -> None:
+    """Worker loop: receive (key, fn or None, inp), reply ("ok", value) or (kind, message)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
+    sys.path[:] = sys_path  # the fork server's path dates from its start; custom rewards move
+    import relax_slurm.rewards  # noqa: F401  (registers the built-in rewards)
+    from relax_slurm.rewards.registry import Scorer
+
+    if warm_up:  # seconds of SymPy imports belong to start-up, not to a timed first call
+        from relax_slurm.rewards.math import warm_up as load_math_verify
+
+        load_math_verify()
+
+    fns: dict[int, Callable[[Any], float]] = {}
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # parent gone
+            return
+        except Exception as e:  # could not unpickle what the parent sent
+            conn.send(("config_error", f"cannot load the reward in a worker: {e!r}"))
+            continue
+        if msg is None:
+            return
+        key, fn, inp = msg
+        if fn is not None:
+            if len(fns) >= MAX_CACHED_FNS:
+                fns.clear()
+            fns[key] = Scorer(fn) if isinstance(fn, str) else fn
+        elif key not in fns:
+            conn.send(("resend", None))
+            continue
+        try:
+            value = float(fns[key](inp))
+            conn.send(("ok", value) if math.isfinite(value)
+                      else ("error", f"reward returned {value}"))
+        except ConfigError as e:
+            conn.send(("config_error", str(e)))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, warm_up: bool) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, warm_up, list(sys.path)),
+                                daemon=True, name="relax-reward")
+        self.proc.start()
+        child.close()
+        self.known: set[int] = set()  # fn keys this worker has received
+
+    async def _recv(self) -> Any:
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        fd = self.conn.fileno()
+        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+        try:
+            await readable
+        finally:
+            loop.remove_reader(fd)
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError) as e:
+            raise _WorkerDied(f"reward worker exited (code {self.proc.exitcode})") from e
+
+    async def started(self) -> None:
+        status, _ = await asyncio.wait_for(self._recv(), STARTUP_TIMEOUT_S)
+        assert status == "ready", status
+
+    async def call(self, key: int, fn: Any, inp: Any) -> tuple[str, Any]:
+        # Connection.send pickles before writing: a pickling error leaves the pipe clean
+        self.conn.send((key, None if key in self.known else fn, inp))
+        self.known.add(key)
+        reply = await self._recv()
+        if reply[0] == "resend":  # the worker dropped fn from its cache
+            self.conn.send((key, fn, inp))
+            reply = await self._recv()
+        return reply
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5.0)
+        self.conn.close()
+
+
+class RewardPool:
+    """At most `max_workers` rewards at once, each in a worker process, each within `timeout_s`.
+
+    `warm_up` loads math-verify and SymPy before a worker takes its first call (a few seconds,
+    once in the fork server), so that the first math grade is not cut by the timeout; turn it
+    off for rewards that do not use them. `await pool.start()` starts every worker up front.
+    """
+
+    def __init__(self, max_workers: int, timeout_s: float, *, warm_up: bool = True,
+                 start_method: str = "forkserver") -> None:
+        if max_workers < 1 or timeout_s <= 0:
+            raise ConfigError(f"reward pool: max_workers={max_workers} must be >= 1 and "
+                              f"timeout_s={timeout_s} > 0 (reward.num_workers, reward.timeout_s)")
+        self.max_workers, self.timeout_s, self.warm_up = max_workers, timeout_s, warm_up
+        self._ctx = mp.get_context(start_method)
+        if start_method == "forkserver":  # takes effect if this process's server is not up yet
+            self._ctx.set_forkserver_preload(PRELOAD + (["relax_slurm.rewards.warm"] if warm_up
+                                                        else []))
+        self._slots = asyncio.Semaphore(max_workers)
+        self._idle: list[_Worker] = []
+        self._all: set[_Worker] = set()
+        self._keys: dict[int, tuple[int, Any]] = {}  # id(fn) -> (key, fn kept alive)
+        self._next_key = itertools.count()
+        self.calls = 0
+        self.errors = 0
+
+    async def start(self) -> None:
+        """Start every worker now, before the first `score` (optional: else on first use)."""
+        while len(self._all) < self.max_workers:
+            self._idle.append(await self._spawn())
+
+    async def score(self, fn: Callable[[Any], float] | str, inp: Any) -> tuple[float, bool]:
+        """(fn(inp), False), or (0.0, True) when fn raised, hung or died. `fn` must be picklable
+        (a module-level function, a `Scorer`, ...) or a reward name."""
+        key = self._key(fn)
+        async with self._slots:
+            worker = self._idle.pop() if self._idle else await self._spawn()
+            self.calls += 1
+            try:
+                status, payload = await asyncio.wait_for(worker.call(key, fn, inp),
+                                                         self.timeout_s)
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
+                self._idle.append(worker)
+                raise ConfigError(f"reward {fn!r} cannot be sent to a reward worker ({e}). Fix: "
+                                  "use a module-level function or a registered name") from e
+            except asyncio.TimeoutError:
+                return self._fail(worker, f"no result within {self.timeout_s}s (killed)")
+            except _WorkerDied as e:
+                return self._fail(worker, str(e))
+            except BaseException:  # cancelled mid-call: the worker's state is unknown
+                self._discard(worker)
+                raise
+            self._idle.append(worker)
+        if status == "ok":
+            return payload, False
+        if status == "config_error":
+            worker.known.discard(key)
+            raise ConfigError(payload)
+        return self._fail(None, payload)
+
+    def _key(self, fn: Any) -> int:
+        """A number per reward object, so a worker receives each object once and keeps it."""
+        if id(fn) not in self._keys or self._keys[id(fn)][1] is not fn:
+            if len(self._keys) >= MAX_CACHED_FNS:  # callers making a new object per call
+                self._keys.clear()
+            self._keys[id(fn)] = (next(self._next_key), fn)
+        return self._keys[id(fn)][0]
+
+    async def _spawn(self) -> _Worker:
+        # off the event loop: the first start waits for the fork server to import everything
+        worker = await asyncio.to_thread(_Worker, self._ctx, self.warm_up)
+        self._all.add(worker)
+        try:
+            await worker.started()
+        except (asyncio.TimeoutError, _WorkerDied) as e:
+            self._discard(worker)
+            raise RelaxError(f"a reward worker did not start within {STARTUP_TIMEOUT_S}s: {e}. "
+                             "Run `python -c 'import relax_slurm.rewards'` to see why") from e
+        return worker
+
+    def _fail(self, worker: _Worker | None, message: str) -> tuple[float, bool]:
+        if worker is not None:
+            self._discard(worker)
+        self.errors += 1
+        if self.errors <= 10 or self.errors % 100 == 0:
+            log.warning("reward error %d (of %d calls), scored 0: %s", self.errors, self.calls,
+                        message)
+        return 0.0, True
+
+    def _discard(self, worker: _Worker) -> None:
+        self._all.discard(worker)
+        worker.kill()
+
+    def close(self) -> None:
+        """Stop every worker (idle ones are asked to exit, busy ones are killed)."""
+        for worker in list(self._all):
+            if worker in self._idle:
+                try:
+                    worker.conn.send(None)
+                    worker.proc.join(timeout=2.0)
+                except (OSError, ValueError):
+                    pass
+            self._discard(worker)
+        self._idle.clear()
+
+    async def __aenter__(self) -> "RewardPool":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

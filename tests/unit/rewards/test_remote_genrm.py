@@ -1,0 +1,188 @@
+"""`remote` and `genrm` against a real HTTP server of the test's own on a free local port."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from relax_slurm.config.schema import RewardConfig
+from relax_slurm.rewards import RewardError, RewardInput, build_reward, score
+from relax_slurm.rewards.genrm import DEFAULT_TEMPLATE, EngineJudge, GenRM, render
+from relax_slurm.rewards.remote import RemoteReward
+
+# handler(path, body) -> (status, json answer); may sleep
+Reply = Callable[[str, dict], tuple[int, object]]
+
+
+class Server:
+    def __init__(self, reply: Reply) -> None:
+        self.reply, self.requests = reply, []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append((self.path, body))
+                status, answer = outer.reply(self.path, body)
+                data = json.dumps(answer).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client timed out
+                    pass
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)  # the OS picks the port
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Reply], Server]]:
+    servers: list[Server] = []
+
+    def start(reply: Reply) -> Server:
+        servers.append(Server(reply))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+INP = RewardInput(prompt="2+2?", response="<think>easy</think>4", label="4",
+                  metadata={"id": 1})
+
+
+def test_remote_posts_the_sample_and_reads_the_reward(serve):
+    server = serve(lambda path, body: (200, {"reward": 0.75}))
+    cfg = RewardConfig(name="remote", remote_url=server.url + "/score")
+    assert build_reward(cfg)(INP) == 0.75
+    path, body = server.requests[0]
+    assert path == "/score"
+    assert body == {"prompt": "2+2?", "response": "<think>easy</think>4", "label": "4",
+                    "metadata": {"id": 1}}
+    assert score("remote", "x", "y", cfg=cfg) == 0.75
+
+
+def test_remote_retries_503_with_backoff(serve):
+    answers = iter([(503, {"error": "busy"}), (503, {"error": "busy"}), (200, 1.0)])
+    server = serve(lambda path, body: next(answers))
+    reward = RemoteReward(server.url, timeout_s=5.0, max_retries=3, backoff_s=0.05)
+    start = time.perf_counter()
+    assert reward(INP) == 1.0
+    assert len(server.requests) == 3
+    assert time.perf_counter() - start >= 0.05 + 0.1  # waited 0.05 then 0.1
+
+
+def test_remote_gives_up_after_the_retries(serve):
+    server = serve(lambda path, body: (500, {"error": "down"}))
+    reward = RemoteReward(server.url, timeout_s=5.0, max_retries=2, backoff_s=0.01)
+    with pytest.raises(RewardError, match="failed 3 times.*HTTP 500"):
+        reward(INP)
+    assert len(server.requests) == 3
+
+
+def test_remote_does_not_retry_a_client_error(serve):
+    server = serve(lambda path, body: (422, {"detail": "bad label"}))
+    with pytest.raises(RewardError, match="HTTP 422"):
+        RemoteReward(server.url, max_retries=3, backoff_s=0.01)(INP)
+    assert len(server.requests) == 1
+
+
+def test_remote_times_out_each_attempt(serve):
+    def slow_after_the_first(path, body):
+        if body["prompt"] != "warm-up":
+            time.sleep(5.0)
+        return 200, 1.0
+
+    server = serve(slow_after_the_first)
+    reward = RemoteReward(server.url, timeout_s=0.3, max_retries=1, backoff_s=0.01)
+    assert reward(RewardInput(prompt="warm-up", response="", label="")) == 1.0  # client set up
+    start = time.perf_counter()
+    with pytest.raises(RewardError, match="ReadTimeout"):
+        reward(INP)
+    # two attempts cut at 0.3 s each, not two 5 s waits
+    assert time.perf_counter() - start < 4.0
+    assert len(server.requests) == 3
+
+
+def test_remote_without_a_server_is_an_error(serve):
+    server = serve(lambda path, body: (200, 1.0))
+    url = server.url
+    server.close()  # nothing listens there any more
+    with pytest.raises(RewardError, match="ConnectError"):
+        RemoteReward(url, timeout_s=1.0, max_retries=1, backoff_s=0.01)(INP)
+
+
+def test_remote_rejects_an_answer_without_a_number(serve):
+    server = serve(lambda path, body: (200, {"verdict": "good"}))
+    with pytest.raises(RewardError, match="no numeric reward"):
+        RemoteReward(server.url)(INP)
+
+
+def judge_engine(answer: str) -> Reply:
+    """A fake engine: /generate with text input, answering in SGLang's shape."""
+
+    def reply(path: str, body: dict) -> tuple[int, object]:
+        if path != "/generate" or not isinstance(body.get("text"), str):
+            return 400, {"error": {"message": "send text"}}
+        return 200, {"text": answer, "meta_info": {"finish_reason": {"type": "stop"}}}
+
+    return reply
+
+
+def test_genrm_through_an_engine(serve):
+    server = serve(judge_engine("The response says 4, the reference is 4.\nYES"))
+    cfg = RewardConfig(name="genrm", genrm_url=server.url, genrm_max_new_tokens=64,
+                       genrm_timeout_s=5.0)
+    assert build_reward(cfg)(INP) == 1.0
+    _, body = server.requests[0]
+    assert body["sampling_params"] == {"max_new_tokens": 64, "temperature": 0.0}
+    assert "2+2?" in body["text"] and "easy" not in body["text"]  # reasoning left out
+    assert body["text"] == render(DEFAULT_TEMPLATE, INP)
+
+
+def test_genrm_score_parser_and_custom_template(serve):
+    server = serve(judge_engine("Reasonable work. Score: 8"))
+    cfg = RewardConfig(name="genrm", genrm_url=server.url, genrm_parser="score",
+                       genrm_max_score=10.0, genrm_template=r"Q={prompt} A={response} \frac{1}{2}")
+    assert build_reward(cfg)(INP) == pytest.approx(0.8)
+    assert server.requests[0][1]["text"] == r"Q=2+2? A=4 \frac{1}{2}"
+
+
+def test_genrm_unreadable_or_failing_judge_is_an_error(serve):
+    server = serve(judge_engine("I cannot decide."))
+    with pytest.raises(RewardError, match="YES/NO"):
+        GenRM(EngineJudge(server.url, timeout_s=5.0))(INP)
+    broken = serve(lambda path, body: (500, {"error": "oom"}))
+    with pytest.raises(RewardError, match="HTTP 500"):
+        GenRM(EngineJudge(broken.url, timeout_s=5.0))(INP)
+
+
+def test_genrm_takes_any_judge_callable():
+    seen = []
+
+    def judge(prompt_text: str) -> str:
+        seen.append(prompt_text)
+        return "no"
+
+    assert GenRM(judge, template="{label}|{response}")(INP) == 0.0
+    assert seen == ["4|4"]
