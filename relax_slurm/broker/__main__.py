@@ -7,6 +7,7 @@ port (`tcp://127.0.0.1:*`); the bound endpoints are printed on the first line of
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from types import FrameType
@@ -26,10 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="the run's config.yaml")
     parser.add_argument("--router", required=True, help="request socket, e.g. tcp://0.0.0.0:5555")
     parser.add_argument("--pub", required=True, help="broadcast socket, e.g. tcp://0.0.0.0:5556")
+    parser.add_argument("--restore", default=None,
+                        help="a checkpoint's meta.json: resume its version and counters")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config)
-        state = BrokerState(cfg.algo.max_staleness, cfg.rollout.batch_size)
+        # closed until the trainer's first set_version: engines must hold its weights first
+        state = BrokerState(cfg.algo.max_staleness, cfg.rollout.batch_size, open_admission=False)
+        if args.restore:
+            counters = json.loads(open(args.restore).read())["extra_state"]["broker"]
+            state.restore(counters)
+            _log(f"broker: restored from {args.restore}: {counters}")
         server = BrokerServer(state, args.router, args.pub, log=_log)
     except RelaxError as e:
         print(f"broker: {e}", file=sys.stderr, flush=True)

@@ -30,7 +30,7 @@ COUNTER_NAMES = ("version", "accepted", "dropped", "consumed", "in_flight", "rel
 
 
 class BrokerState:
-    def __init__(self, max_staleness: int, batch_size: int) -> None:
+    def __init__(self, max_staleness: int, batch_size: int, open_admission: bool = True) -> None:
         if max_staleness < 0 or batch_size < 1:
             raise BrokerError(f"max_staleness={max_staleness} must be >= 0 and "
                               f"batch_size={batch_size} >= 1")
@@ -43,10 +43,15 @@ class BrokerState:
         self.in_flight = 0
         self.released = 0
         self.queue: deque[Group] = deque()
+        # A run's broker starts closed: nothing is generated until the trainer has pushed its
+        # weights to the engines and announced that version (fresh start or resume alike).
+        self.open = open_admission
 
     # ---- workers -------------------------------------------------------------------------
     def capacity(self) -> int:
         """Credits that could be granted right now."""
+        if not self.open:
+            return 0
         budget = (self.max_staleness + self.version + 1) * self.batch_size
         return max(0, budget - (self.accepted - self.dropped) - self.in_flight)
 
@@ -118,6 +123,7 @@ class BrokerState:
             raise BrokerError(f"set_version({version}) but the broker is at {self.version}; "
                               "versions only move forward (resume from a matching checkpoint)")
         self.version = version
+        self.open = True
         return self._drop_stale(version)
 
     # ---- resume --------------------------------------------------------------------------

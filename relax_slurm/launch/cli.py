@@ -1,6 +1,7 @@
-"""`relax-train`: compose the config with Hydra, validate it, run it.
+"""`relax-train`: compose the config with Hydra, validate it, run it (or submit it to Slurm).
 
     relax-train experiment=tiny_cpu run_dir=runs/demo algo.max_staleness=2
+    relax-train experiment=tiny_cpu cluster=slurm cluster.partition=gpu [cluster.wait=true]
 
 Hydra runs here only; every role reads the resolved `run_dir/config.yaml`.
 """
@@ -24,9 +25,10 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 def _run(cfg: DictConfig) -> None:
     try:
         train_cfg = to_train_config(cfg)
-        if train_cfg.cluster.kind != "local":
-            raise RelaxError(f"cluster.kind={train_cfg.cluster.kind!r} is not available in this "
-                             "version; use cluster=local")
+        if train_cfg.cluster.kind == "slurm":
+            from relax_slurm.launch.sbatch import run_sbatch
+
+            sys.exit(run_sbatch(train_cfg))
         from relax_slurm.launch.local import run_local
 
         summary = run_local(train_cfg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from relax_slurm.checkpoint import clear_checkpoints, resolve_resume
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.errors import ConfigError
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
@@ -47,7 +48,12 @@ def local_plan(cfg: TrainConfig) -> RunPlan:
 
 
 def prepare_run_dir(cfg: TrainConfig, plan: RunPlan) -> Path:
+    """Resolve what to resume from (once, for every role), then write config and plan."""
     run_dir = Path(cfg.run_dir).resolve()
+    resume = resolve_resume(run_dir, cfg.resume, cfg.overwrite)
+    if resume is None and cfg.overwrite:
+        clear_checkpoints(run_dir)
+    plan.resume_from = str(resume) if resume else None
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     save_plan(plan, run_dir)

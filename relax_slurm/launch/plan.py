@@ -30,6 +30,8 @@ class RunPlan:
     weight_sync_port: int = 0
     trainer_master_port: int = 0
     """torchrun rendezvous port on the first trainer node."""
+    resume_from: str | None = None
+    """Checkpoint directory every role resumes from (resolved once by the launcher), or None."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -43,7 +43,9 @@ def broker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path) -> RoleSpec:
     return RoleSpec(
         name="broker", het_group=TRAINER_GROUP, host=host, ports={"router": router, "pub": pub},
         argv=[sys.executable, "-m", "relax_slurm.broker", "--config", str(run_dir / "config.yaml"),
-              "--router", f"tcp://{bind}:{router}", "--pub", f"tcp://{bind}:{pub}"],
+              "--router", f"tcp://{bind}:{router}", "--pub", f"tcp://{bind}:{pub}",
+              *(["--restore", str(Path(plan.resume_from) / "meta.json")] if plan.resume_from
+                else [])],
     )
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Callable
 
 from relax_slurm.config import TrainConfig
-from relax_slurm.errors import RelaxError, RoleFailed
+from relax_slurm.errors import Preempted, RelaxError, RoleFailed
+from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.roles import RoleSpec
 from relax_slurm.metrics.jsonl import METRICS_FILE, iter_metrics
@@ -68,8 +69,20 @@ def start(procs: ProcessSet, specs: list[RoleSpec], cfg: TrainConfig, wrap: Wrap
     return trainer
 
 
+def _preempted(trainer: Role, run_dir: Path, steps: int) -> Preempted | None:
+    """The trainer's exit answers a preemption request (torchrun reports a rank's own exit code
+    75 as its generic 1, so a request on file counts as well)."""
+    rc = trainer.proc.poll()
+    if rc is None or rc == 0 or not (rc == PREEMPT_EXIT_CODE or preempt_requested(run_dir)):
+        return None
+    return Preempted(f"trainer stopped on a preemption request after {steps} logged steps "
+                     f"(exit code {rc}); it resumes from its last checkpoint in "
+                     f"{run_dir / 'checkpoints'} when the run is started again")
+
+
 def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path) -> None:
-    """Return when the trainer exits 0; raise RoleFailed for any death or a stalled run."""
+    """Return when the trainer exits 0; raise Preempted when it stopped on a preemption request
+    (see launch/control.py), RoleFailed for any other death or a stalled run."""
     progress = Progress(cfg.trainer.total_steps, enabled=cfg.metrics.progress)
     metrics_path = run_dir / METRICS_FILE
     seen, last_step_t = 0, time.monotonic()
@@ -82,6 +95,9 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path) -> 
             seen = max(seen, len(rows))
             if trainer.proc.poll() == 0:
                 return
+            preempted = _preempted(trainer, run_dir, seen)
+            if preempted is not None:
+                raise preempted
             procs.check_alive()
             if time.monotonic() - last_step_t > cfg.cluster.step_timeout_s:
                 raise trainer.failure(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import asyncio
 import logging
 
 import httpx
@@ -21,6 +22,7 @@ from relax_slurm.errors import EngineError
 
 # httpx logs every request at INFO: thousands of lines per step in a role's log
 logging.getLogger("httpx").setLevel(logging.WARNING)
+STALE_CONNECTION_RETRIES = 2
 
 
 @dataclass
@@ -100,10 +102,13 @@ class _Base:
         return EngineError(f"engine {self.url}{route}: {type(e).__name__}: {e}")
 
     @staticmethod
-    def _generate_body(input_ids: list[list[int]], sampling_params: dict[str, Any],
+    def _generate_body(input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
                        return_logprob: bool) -> dict[str, Any]:
         return {"input_ids": [list(map(int, ids)) for ids in input_ids],
-                "sampling_params": dict(sampling_params), "return_logprob": return_logprob}
+                "sampling_params": ([dict(p) for p in sampling_params]
+                                    if isinstance(sampling_params, list)
+                                    else dict(sampling_params)),
+                "return_logprob": return_logprob}
 
     def _parse_generate(self, body: Any, n: int) -> list[GenerateResult]:
         items = body if isinstance(body, list) else [body]
@@ -117,7 +122,10 @@ class EngineClient(_Base):
 
     def __init__(self, url: str, timeout_s: float = 300.0) -> None:
         super().__init__(url, timeout_s)
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        # no keep-alive: these calls are seconds apart (weight updates, control), longer than
+        # servers keep idle connections, and a weight update must not be retried blindly
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s,
+                                  limits=httpx.Limits(max_keepalive_connections=0))
 
     def close(self) -> None:
         self._http.close()
@@ -155,7 +163,7 @@ class EngineClient(_Base):
                              self._call("GET", "/get_weight_version"))["weight_version"]
         return None if version is None else str(version)
 
-    def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
+    def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
                  return_logprob: bool = True) -> list[GenerateResult]:
         """One batch request; results in the order of input_ids."""
         if not input_ids:
@@ -226,10 +234,18 @@ class AsyncEngineClient(_Base):
         await self.aclose()
 
     async def _call(self, method: str, route: str, body: Any = None) -> httpx.Response:
-        try:
-            return await self._http.request(method, route, json=body)
-        except httpx.HTTPError as e:
-            raise self._error(route, e) from e
+        for attempt in range(STALE_CONNECTION_RETRIES + 1):
+            try:
+                return await self._http.request(method, route, json=body)
+            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError) as e:
+                # a pooled keep-alive connection the server closed while idle (uvicorn closes
+                # them after 5 s by default, SGLang included): retry on a fresh connection
+                if attempt == STALE_CONNECTION_RETRIES:
+                    raise self._error(route, e) from e
+                await asyncio.sleep(0.05 * (attempt + 1))
+            except httpx.HTTPError as e:
+                raise self._error(route, e) from e
+        raise AssertionError("unreachable")
 
     async def health(self, timeout_s: float = 10.0) -> bool:
         """True when GET /health answers 200; raises EngineError otherwise."""
@@ -249,7 +265,7 @@ class AsyncEngineClient(_Base):
         body = self._json("/get_weight_version", await self._call("GET", "/get_weight_version"))
         return None if body["weight_version"] is None else str(body["weight_version"])
 
-    async def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any],
+    async def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
                        return_logprob: bool = True) -> list[GenerateResult]:
         if not input_ids:
             return []

@@ -58,6 +58,11 @@ GREEDY_EPS = 1e-6
 """SGLang samples greedily (top_k=1) when temperature < 1e-6; so do we."""
 
 
+# idle keep-alive connections live this long (uvicorn's 5 s default races with clients that
+# reuse a connection after a pause between training steps)
+KEEP_ALIVE_S = 120
+
+
 class BadRequest(ValueError):
     """The request cannot be served as sent: answered with HTTP 400 and the reason."""
 
@@ -76,6 +81,8 @@ class SamplingSpec:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    sampling_seed: Optional[int] = None
+    """SGLang's per-request seed: the same seed gives the same tokens whatever else is batched."""
 
 
 # SGLang sampling params accepted only at their default value (the hf engine lacks them)
@@ -130,7 +137,9 @@ def parse_sampling_params(params: Optional[dict]) -> SamplingSpec:
         stop_token_ids=frozenset(stop_ids), stop=stop,
         ignore_eos=bool(params.get("ignore_eos", False)),
         skip_special_tokens=bool(params.get("skip_special_tokens", True)),
-        no_stop_trim=bool(params.get("no_stop_trim", False)))
+        no_stop_trim=bool(params.get("no_stop_trim", False)),
+        sampling_seed=(None if params.get("sampling_seed") is None else
+                       _number(params, "sampling_seed", 0, 0, 2**63 - 1, integer=True)))
 
 
 def _per_item(value: Any, n: int, name: str) -> list:
@@ -231,6 +240,11 @@ class _BatchState:
         self.out_ids: list[list[int]] = [[] for _ in rows]
         self.logprobs: list[list[float]] = [[] for _ in rows]
         self.finish: list[Optional[dict]] = [None for _ in rows]
+        # seeded rows draw from their own generator, so their tokens do not depend on what else
+        # is in the batch or on the engine's history (exact resume relies on this)
+        self.generators = [None if r.spec.sampling_seed is None else
+                           torch.Generator(device=device).manual_seed(r.spec.sampling_seed)
+                           for r in rows]
         self.last_scaled: Optional[torch.Tensor] = None  # [B, V] logits / temperature, this step
         self.last_lse: Optional[torch.Tensor] = None  # [B] their logsumexp
 
@@ -270,8 +284,25 @@ class _RowSampler(LogitsProcessor):
         # logprob(token) = scaled[token] - logsumexp(scaled), gathered once the token is sampled
         self.state.last_scaled = scaled
         self.state.last_lse = torch.logsumexp(scaled, dim=-1)  # [B]
-        if not self.needs_filter:
-            return scaled
+        filtered = self._filter(scaled) if self.needs_filter else scaled
+        return self._draw_seeded(filtered)
+
+    def _draw_seeded(self, filtered: torch.Tensor) -> torch.Tensor:
+        """Seeded rows: sample here with the row's generator and leave generate() one choice."""
+        gens = self.state.generators
+        if not any(gens):
+            return filtered
+        out = filtered.clone()
+        for i, gen in enumerate(gens):
+            if gen is None or bool(self.state.greedy[i]):
+                continue
+            probs = torch.softmax(filtered[i], dim=-1)
+            token = torch.multinomial(probs, 1, generator=gen)
+            out[i].fill_(float("-inf"))
+            out[i, token] = 0.0
+        return out
+
+    def _filter(self, scaled: torch.Tensor) -> torch.Tensor:
         vocab = scaled.shape[-1]
         vals, idx = scaled.sort(dim=-1, descending=True)  # [B, V]
         pos = torch.arange(vocab, device=scaled.device)[None, :]
@@ -684,7 +715,8 @@ def main(argv: Optional[list[str]] = None) -> None:
              args.port, args.max_batch_size, args.batch_wait_ms)
     try:
         uvicorn.run(build_app(engine, args.request_timeout_s), host=args.host, port=args.port,
-                    log_level="warning", timeout_graceful_shutdown=5)
+                    log_level="warning", timeout_graceful_shutdown=5,
+                    timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         engine.shutdown()
 

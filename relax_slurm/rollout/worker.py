@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import logging
 import signal
 import time
@@ -32,6 +33,21 @@ log = logging.getLogger("relax_slurm.rollout")
 ACQUIRE_WAIT_S = 2.0  # one parked admission request; short so shutdown is noticed promptly
 
 
+def sample_seed(run_seed: int, group_id: int, index: int, n: int) -> int:
+    """SGLang `sampling_seed` of one sample: a pure function of (run seed, group, index), so a
+    resumed run draws exactly the tokens the uninterrupted run would have drawn."""
+    return (run_seed << 40) + group_id * n + index
+
+
+def resume_state(resume_from: str | None, worker_rank: int) -> tuple[dict | None, int]:
+    """Data position and next group id saved in a checkpoint's meta.json (JSON, no torch)."""
+    if not resume_from:
+        return None, worker_rank
+    extra = json.loads((Path(resume_from) / "meta.json").read_text())["extra_state"]
+    rollout = extra.get("rollout", {}).get(str(worker_rank), {})
+    return rollout.get("data_state"), int(rollout.get("next_group_id", worker_rank))
+
+
 def sampling_params(cfg: TrainConfig) -> dict:
     r = cfg.rollout
     return {
@@ -47,7 +63,11 @@ class RolloutWorker:
         plan = load_plan(run_dir)
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.prompts = iter(PromptDataset(cfg.data, self.tokenizer))
+        self.dataset = PromptDataset(cfg.data, self.tokenizer)
+        data_state, first_group_id = resume_state(plan.resume_from, worker_rank)
+        if data_state is not None:
+            self.dataset.load_state_dict(data_state)
+            log.info("resumed data position %s, next group id %d", data_state, first_group_id)
         self.reward_fn = get_reward_fn(cfg.reward.name)
         self.broker = AsyncBrokerClient(
             plan.broker_router, cfg.broker.request_timeout_s, identity=f"rollout{worker_rank}"
@@ -57,19 +77,21 @@ class RolloutWorker:
         )
         self.params = sampling_params(cfg)
         # group ids unique across workers without coordination
-        self.group_ids = itertools.count(worker_rank, num_workers)
+        self.worker_rank = worker_rank
+        self.group_ids = itertools.count(first_group_id, num_workers)
         self.stop = asyncio.Event()
         self.failed: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
 
-    async def rollout_group(self, prompt: Prompt) -> None:
+    async def rollout_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
         n = self.cfg.rollout.n_samples_per_prompt
+        params = [{**self.params, "sampling_seed": sample_seed(self.cfg.seed, gid, i, n)}
+                  for i in range(n)]
         t_start = time.time()
         async with self.router.pick() as engine:
-            results = await engine.generate([prompt.input_ids] * n, self.params, return_logprob=True)
+            results = await engine.generate([prompt.input_ids] * n, params, return_logprob=True)
         t_end = time.time()
         group: Group = []
-        gid = next(self.group_ids)
         for res in results:
             response = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
             reward = self.reward_fn(RewardInput(
@@ -83,7 +105,8 @@ class RolloutWorker:
                 loss_mask=[1.0] * len(res.output_ids), rollout_logprobs=res.logprobs,
                 reward=float(reward), version=version, version_min=version,
                 finish_reason=res.finish_reason,
-                metadata={"t_start": t_start, "t_end": t_end},
+                metadata={"t_start": t_start, "t_end": t_end, "worker": self.worker_rank,
+                          "data_state": data_state},
             ))
         await self.broker.put_group(group)
 
@@ -102,13 +125,15 @@ class RolloutWorker:
                 continue
             granted = await self.broker.acquire(room, wait_s=ACQUIRE_WAIT_S)
             for i in range(granted):
-                prompt = next(self.prompts, None)
+                prompt = next(self.dataset, None)
                 if prompt is None:  # data exhausted (data.num_epochs): hand back the credits
                     await self.broker.release(granted - i)
                     log.info("prompt data exhausted after data.num_epochs=%d", self.cfg.data.num_epochs)
                     self.stop.set()
                     break
-                task = asyncio.create_task(self.rollout_group(prompt))
+                # the position after this prompt: where a resume continues once it is trained
+                task = asyncio.create_task(self.rollout_group(
+                    prompt, next(self.group_ids), self.dataset.state_dict()))
                 self.tasks.add(task)
                 task.add_done_callback(self._done)
         for t in self.tasks:

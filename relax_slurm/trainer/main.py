@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -19,10 +21,13 @@ import torch
 import torch.distributed as dist
 
 from relax_slurm.broker.client import BrokerClient
+from relax_slurm.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint, save_hf
+from relax_slurm.checkpoint.dcp import wait_pending
+from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import BrokerTimeout, ConfigError
 from relax_slurm.launch.plan import load_plan
-from relax_slurm.metrics.jsonl import MetricsWriter
+from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsWriter
 from relax_slurm.samples import Group
 from relax_slurm.trainer.batch import TrainItem, prepare_items, shard
 from relax_slurm.trainer.model import (
@@ -104,7 +109,73 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def run(run_dir: Path) -> None:
+class RankZero:
+    """What only rank 0 holds: the broker client, the weight sender, the metrics file."""
+
+    def __init__(self, cfg: TrainConfig, plan, run_dir: Path, start_step: int) -> None:
+        self.broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
+                                   identity="trainer")
+        # empty host: wherever rank 0 landed (c10d rendezvous picks it on multi-node Slurm runs)
+        sync_host = plan.weight_sync_host or socket.gethostname()
+        self.sender = WeightSender(
+            plan.engine_urls, sync_host, plan.weight_sync_port, WEIGHT_GROUP,
+            cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
+        )
+        self.sender.connect()
+        truncate_metrics(run_dir, start_step)
+        self.metrics = MetricsWriter(run_dir)
+        self.verify = cfg.weight_sync.verify
+        self.num_engines = len(plan.engine_urls)
+
+    def push_weights(self, weights: list, version: int) -> dict:
+        """Engines serve `version` once this returns (checked bit for bit with verify=true)."""
+        stats = self.sender.send(weights, version=version)
+        if self.verify:
+            self.sender.verify(weights)
+            log.info("version %d: weights verified bit for bit on %d engine(s)", version,
+                     self.num_engines)
+        return stats
+
+    def close(self) -> None:
+        for closeable in (self.sender, self.broker, self.metrics):
+            closeable.close()
+
+
+def truncate_metrics(run_dir: Path, start_step: int) -> None:
+    """On resume, forget steps logged after the checkpoint: they are trained again."""
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) < start_step]
+    path.write_text("".join(line + "\n" for line in rows))
+
+
+def rollout_state(groups: list[Group]) -> dict:
+    """Per worker: the data position after its newest trained prompt and its next group id."""
+    out: dict[str, dict] = {}
+    for g in sorted(groups, key=lambda g: g[0].group_id):
+        meta = g[0].metadata
+        if "data_state" in meta:
+            out[str(meta.get("worker", 0))] = {"data_state": meta["data_state"],
+                                                "next_group_id": g[0].group_id + 1}
+    return out
+
+
+def broker_counters(broker: BrokerClient, version: int) -> dict:
+    """What a restarted broker needs: its counters as of `version` (queued groups are not kept)."""
+    stats = broker.stats()
+    return {"version": version, "dropped": stats.get("dropped", 0),
+            "consumed": stats.get("consumed", 0), "released": stats.get("released", 0)}
+
+
+def broadcast_flag(flag: bool) -> bool:
+    t = torch.tensor([int(flag)])
+    dist.broadcast(t, src=0)
+    return bool(t.item())
+
+
+def run(run_dir: Path) -> int:
     cfg = load_config(run_dir / "config.yaml")
     plan = load_plan(run_dir)
     device = init_distributed(cfg)
@@ -115,29 +186,30 @@ def run(run_dir: Path) -> None:
     pad_id = raw.config.pad_token_id if raw.config.pad_token_id is not None else 0
     model = wrap_parallel(raw, cfg.trainer, device)
     optimizer, scheduler = build_optimizer(model, cfg.trainer)
+    start_step, extra = 0, {}
+    if plan.resume_from:
+        extra = load_checkpoint(plan.resume_from, model, optimizer, scheduler)
+        start_step = extra["step"]
+        log.info("resumed from %s at step %d", plan.resume_from, start_step)
+    rollout_states: dict = extra.get("rollout", {})
 
-    broker = sender = metrics = None
-    if rank == 0:
-        broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s, identity="trainer")
-        # empty host: wherever rank 0 landed (c10d rendezvous picks it on multi-node Slurm runs)
-        sync_host = plan.weight_sync_host or socket.gethostname()
-        sender = WeightSender(
-            plan.engine_urls, sync_host, plan.weight_sync_port, WEIGHT_GROUP,
-            cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
-        )
-        sender.connect()
-        metrics = MetricsWriter(run_dir)
+    zero = RankZero(cfg, plan, run_dir, start_step) if rank == 0 else None
+    ckpt_root = checkpoints_dir(run_dir)
     try:
-        if cfg.weight_sync.verify:
-            weights = list(full_named_weights(model))
-            if rank == 0:
-                sender.verify(weights)  # engines loaded the same checkpoint: must match already
-                log.info("initial weights verified on %d engine(s)", len(plan.engine_urls))
+        # engines started from model.path; give them the trainer's weights (a checkpoint's on
+        # resume), then open admission: nothing is generated with other weights
+        weights = list(full_named_weights(model))
+        if rank == 0:
+            zero.push_weights(weights, version=start_step)
+            zero.broker.set_version(start_step)
         last_end = time.monotonic()
-        for step in range(cfg.trainer.total_steps):
+        for step in range(start_step, cfg.trainer.total_steps):
             tf = time.monotonic()
-            groups, stats = fetch_groups(broker, cfg, step) if rank == 0 else (None, None)
+            groups, stats = fetch_groups(zero.broker, cfg, step) if rank == 0 else (None, None)
             td = time.monotonic()
+            if rank == 0:
+                groups.sort(key=lambda g: g[0].group_id)  # arrival order is timing; this is not
+                rollout_states.update(rollout_state(groups))
             items = distribute(groups, cfg)
             t0 = time.monotonic()
             train = train_step(
@@ -146,32 +218,49 @@ def run(run_dir: Path) -> None:
                 temperature=cfg.rollout.temperature, pad_id=pad_id, device=device,
             )
             t1 = time.monotonic()
+            done = step + 1
             weights = list(full_named_weights(model))  # collective under FSDP2: every rank
+            sync = zero.push_weights(weights, version=done) if rank == 0 else {}
+            t2 = time.monotonic()
+            preempt = broadcast_flag(rank == 0 and preempt_requested(run_dir))
+            final = preempt or done == cfg.trainer.total_steps
+            if final or (cfg.trainer.save_every and done % cfg.trainer.save_every == 0):
+                # before set_version: in sync mode the worker is idle, so the data position
+                # saved is exactly where the next batch starts
+                extra = {"rollout": rollout_states,
+                         "broker": broker_counters(zero.broker, done) if rank == 0 else {}}
+                handle = save_checkpoint(
+                    ckpt_root, done, model, optimizer, scheduler, extra,
+                    keep_last=cfg.trainer.keep_last, async_save=cfg.trainer.async_save,
+                    hf_assets_src=cfg.model.path)
+                if final:
+                    handle.wait()
+            if cfg.trainer.save_hf_every and done % cfg.trainer.save_hf_every == 0:
+                save_hf(model, cfg.model.path, run_dir / "hf" / f"step_{done}")
+            t3 = time.monotonic()
             if rank == 0:
-                sync = sender.send(weights, version=step + 1)
-                if cfg.weight_sync.verify:
-                    sender.verify(weights)
-                    log.info("step %d: weights verified bit for bit on %d engine(s)",
-                             step, len(plan.engine_urls))
-                broker.set_version(step + 1)
-                t2 = time.monotonic()
+                zero.broker.set_version(done)
                 row = batch_metrics(groups, stats) | train | {
                     "perf/trainer_wait_s": td - tf,
-                    "perf/distribute_s": t0 - td,
                     "perf/train_time_s": t1 - t0,
                     "perf/weight_sync_s": t2 - t1,
                     "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20,
-                    "perf/step_time_s": t2 - last_end,
-                    "perf/samples_per_s": len(items) * dist.get_world_size() / (t2 - last_end),
-                    "policy/version": step + 1,
+                    "perf/checkpoint_s": t3 - t2,
+                    "perf/step_time_s": t3 - last_end,
+                    "perf/samples_per_s": len(items) * dist.get_world_size() / (t3 - last_end),
+                    "policy/version": done,
                 }
-                metrics.log(step, row)
-                last_end = t2
+                zero.metrics.log(step, row)
+            last_end = t3
+            if preempt:
+                log.info("preempted: checkpoint step_%d saved; exiting for requeue", done)
+                wait_pending()
+                return PREEMPT_EXIT_CODE
+        wait_pending()
+        return 0
     finally:
-        if rank == 0:
-            for closeable in (sender, broker, metrics):
-                if closeable is not None:
-                    closeable.close()
+        if zero is not None:
+            zero.close()
         dist.destroy_process_group()
 
 
@@ -180,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
-    run(args.run_dir)
+    sys.exit(run(args.run_dir))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,201 @@
+"""`relax-train ... cluster=slurm`: render the run's sbatch script, submit it, optionally wait.
+
+    relax-train experiment=X cluster=slurm cluster.partition=gpu        # submit, print job id
+    relax-train experiment=X cluster=slurm cluster.wait=true            # ... and wait for the end
+    relax-train experiment=X cluster=slurm cluster.dry_run=true         # print script + srun lines
+
+The script is rendered from `TEMPLATE`: one `#SBATCH` block per het component (0: trainer +
+broker, 1: engines + rollout worker; a single block for cluster.layout=colocated), then the
+driver (`relax_slurm.launch.slurm_driver`), which starts every role with its own `srun` step.
+It is written to `RUN_DIR/job.sbatch`, next to `config.yaml`, so the run can be resubmitted by
+hand (`sbatch RUN_DIR/job.sbatch`) and resumes from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from relax_slurm.checkpoint import resolve_resume
+from relax_slurm.config import TrainConfig, save_config
+from relax_slurm.config.schema import ClusterConfig
+from relax_slurm.errors import ConfigError, RelaxError
+from relax_slurm.launch.control import read_status
+from relax_slurm.launch.slurm_env import SlurmAllocation
+
+SCRIPT_NAME = "job.sbatch"
+SBATCH_TIMEOUT_S = 120
+TEMPLATE = """\
+#!/bin/bash
+# relax-slurm run {{run_dir}}
+# Rendered by relax-train (relax_slurm/launch/sbatch.py). Resubmit with `sbatch {{script}}`:
+# the run resumes from its latest checkpoint in the same run directory.
+{{sbatch}}
+
+set -eo pipefail
+cd {{workdir}}
+{{setup}}
+# exec: the driver replaces this shell, so Slurm's B:USR1 (preemption/time limit) reaches it
+exec {{python}} -m relax_slurm.launch.slurm_driver --run-dir {{run_dir}}
+"""
+
+
+def fill(template: str, **values: str) -> str:
+    """Replace every {{name}}; an unknown or missing name is an error, not a blank."""
+    out = re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], template)
+    assert "{{" not in out, out
+    return out
+
+
+def component_options(c: ClusterConfig, group: int) -> list[str]:
+    """sbatch options of one het component (or of the whole job when colocated)."""
+    if group == 0:
+        nodes = c.trainer_nodes + (c.rollout_nodes if c.layout == "colocated" else 0)
+        gpus, partition = c.gpus_per_node, c.partition
+    else:
+        nodes = c.rollout_nodes
+        gpus = c.gpus_per_node if c.rollout_gpus_per_node is None else c.rollout_gpus_per_node
+        partition = c.rollout_partition or c.partition
+    opts = [f"--partition={partition}"] if partition else []
+    opts += [f"--account={c.account}"] if c.account else []
+    opts += [f"--qos={c.qos}"] if c.qos else []
+    opts += [f"--time={c.time_limit_min}", f"--nodes={nodes}", "--ntasks-per-node=1",
+             f"--cpus-per-task={c.cpus_per_task}"]
+    opts += [f"--gpus-per-node={gpus}"] if gpus else []
+    opts += [f"--mem={c.mem_gb}G"] if c.mem_gb is not None else []
+    return opts + list(c.extra_sbatch_args)
+
+
+def sbatch_lines(c: ClusterConfig, run_dir: Path) -> list[str]:
+    job = [f"--job-name={c.job_name}", f"--output={run_dir}/slurm-%j.out", "--open-mode=append",
+           "--requeue" if c.requeue else "--no-requeue"]
+    job += [f"--signal=B:USR1@{c.signal_lead_s}"] if c.signal_lead_s else []
+    lines = [f"#SBATCH {o}" for o in job + component_options(c, 0)]
+    if c.layout == "hetjob":
+        lines += ["#SBATCH hetjob"] + [f"#SBATCH {o}" for o in component_options(c, 1)]
+    return lines
+
+
+def job_python(c: ClusterConfig) -> str:
+    return c.python or sys.executable
+
+
+def render_script(cfg: TrainConfig, run_dir: Path, workdir: Path) -> str:
+    c = cfg.cluster
+    return fill(TEMPLATE, run_dir=shlex.quote(str(run_dir)),
+                script=shlex.quote(str(run_dir / SCRIPT_NAME)),
+                sbatch="\n".join(sbatch_lines(c, run_dir)), workdir=shlex.quote(str(workdir)),
+                setup="\n".join(c.setup_lines), python=shlex.quote(job_python(c)))
+
+
+def example_allocation(c: ClusterConfig) -> SlurmAllocation:
+    """A made-up allocation of the requested size, to show the srun lines before submitting."""
+    trainer = tuple(f"trainer-node{i + 1}" for i in range(c.trainer_nodes))
+    rollout = tuple(f"rollout-node{i + 1}" for i in range(c.rollout_nodes))
+    if c.layout == "colocated":
+        return SlurmAllocation(job_id="JOBID", het_groups=(trainer + rollout,))
+    return SlurmAllocation(job_id="JOBID", het_groups=(trainer, rollout), is_het=True)
+
+
+def srun_lines(cfg: TrainConfig, run_dir: Path, workdir: Path) -> list[str]:
+    from relax_slurm.launch import slurm_driver as drv
+
+    layout = drv.make_layout(cfg, example_allocation(cfg.cluster))
+    plan = drv.slurm_plan(cfg, layout)
+    wrap = drv.srun_wrap(cfg, layout, str(workdir))
+    return [shlex.join(wrap(s)) for s in drv.role_specs(cfg, plan, layout, run_dir)]
+
+
+def dry_run_text(cfg: TrainConfig, run_dir: Path, workdir: Path) -> str:
+    example = "; ".join(f"component {k}: {','.join(g)}" for k, g in
+                        enumerate(example_allocation(cfg.cluster).het_groups))
+    lines = srun_lines(cfg, run_dir, workdir)
+    return (f"{render_script(cfg, run_dir, workdir)}\n"
+            f"# The driver then starts one srun step per role (nodes as in an allocation of\n"
+            f"# {example}; ports are chosen in the allocation):\n"
+            + "\n".join(lines) + "\n")
+
+
+def _run(cmd: list[str], timeout_s: float = SBATCH_TIMEOUT_S) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except FileNotFoundError as e:
+        raise ConfigError(f"`{cmd[0]}` not found: cluster=slurm needs the Slurm client commands "
+                          "(run relax-train on a login node, or use cluster=local)") from e
+    except subprocess.TimeoutExpired as e:
+        raise RelaxError(f"`{shlex.join(cmd)}` did not answer within {timeout_s}s") from e
+
+
+def submit_script(script: Path) -> str:
+    """`sbatch --parsable SCRIPT` -> job id."""
+    r = _run(["sbatch", "--parsable", str(script)])
+    if r.returncode != 0:
+        raise RelaxError(f"sbatch {script} failed: {r.stderr.strip() or r.stdout.strip()}")
+    return r.stdout.strip().split(";")[0]
+
+
+def job_states(job_id: str) -> list[str]:
+    """States of the job's components in squeue; [] once the job has left the queue."""
+    r = _run(["squeue", "-h", "-j", job_id, "-o", "%T"], timeout_s=60)
+    if r.returncode != 0:
+        if "Invalid job id" in r.stderr:
+            return []
+        raise RelaxError(f"squeue -j {job_id} failed: {r.stderr.strip()}")
+    return r.stdout.split()
+
+
+def wait_for_job(job_id: str, run_dir: Path, poll_s: float) -> dict:
+    """Block until the job has left the queue (requeues included); return its final status."""
+    last: list[str] = []
+    while True:
+        states = job_states(job_id)
+        if states != last and states:
+            print(f"job {job_id}: {' '.join(sorted(set(states)))}", flush=True)
+        last = states
+        if not states:
+            break
+        time.sleep(poll_s)
+    status = read_status(run_dir) or {"state": "unknown"}
+    if status["state"] in ("running", "requeued"):  # gone without the driver saying how it ended
+        status = {**status, "state": "failed",
+                  "message": f"job {job_id} ended without the driver reporting (killed? time "
+                             f"limit?); see {run_dir}/slurm-{job_id}.out"}
+    return status
+
+
+def run_sbatch(cfg: TrainConfig) -> int:
+    """The relax-train entry for cluster=slurm: dry run, or submit (and wait). Exit code."""
+    from relax_slurm.launch.local import check_inputs
+
+    run_dir, workdir = Path(cfg.run_dir).resolve(), Path.cwd()
+    cfg.run_dir = str(run_dir)
+    if cfg.cluster.dry_run:
+        print(dry_run_text(cfg, run_dir, workdir), end="")
+        return 0
+    check_inputs(cfg)
+    resolve_resume(run_dir, cfg.resume, cfg.overwrite)  # refuse now, not in the queue
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    script = run_dir / SCRIPT_NAME
+    script.write_text(render_script(cfg, run_dir, workdir))
+    job_id = submit_script(script)
+    print(f"submitted job {job_id}\nrun directory: {run_dir}\n"
+          f"slurm log: {run_dir}/slurm-{job_id}.out", flush=True)
+    if not cfg.cluster.wait:
+        return 0
+    try:
+        status = wait_for_job(job_id, run_dir, cfg.cluster.wait_poll_s)
+    except KeyboardInterrupt:
+        print(f"stopped waiting; job {job_id} keeps running (`scancel {job_id}` stops it)",
+              flush=True)
+        return 130
+    print(f"job {job_id}: {status['state']}"
+          + (f": {status['message']}" if status.get("message") else ""), flush=True)
+    summary = run_dir / "summary.json"
+    if status["state"] == "completed" and summary.is_file():
+        print(summary.read_text(), end="")
+    return 0 if status["state"] == "completed" else 1

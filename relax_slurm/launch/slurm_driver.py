@@ -1,0 +1,307 @@
+"""The driver inside a Slurm allocation: `python -m relax_slurm.launch.slurm_driver --run-dir DIR`.
+
+It runs on the first node of het component 0 (the batch host), reads the allocation from
+Slurm's environment (`slurm_env`), places the roles, and starts each one as its own job step:
+
+    srun --het-group=K --nodes=N --ntasks=N --ntasks-per-node=1 --nodelist=HOSTS --overlap \\
+         --job-name=ROLE --kill-on-bad-exit=1 [container flags] ROLE-COMMAND
+
+with the same role commands and the same supervisor as the local runner. `--overlap` lets the
+steps share the allocation (without it a second step on a node waits for the first).
+
+Preemption and time limits: Slurm sends SIGUSR1 `cluster.signal_lead_s` before the end
+(`#SBATCH --signal=B:USR1@N`; the batch shell `exec`s this driver so it is the one signalled).
+The driver asks the trainer to checkpoint and stop (`control.request_preempt`); when the trainer
+has stopped, the supervisor raises `Preempted` and the driver runs `scontrol requeue` on its own
+job. The next attempt, same job id and run directory, clears the request and starts every role
+again; the trainer resumes from its latest checkpoint (`resume=auto`).
+
+`--compose OVERRIDES...` (used by the ready scripts in sbatch/) composes the config here first,
+with `run_dir` defaulting to `runs/slurm-<job id>` so that a requeued attempt finds its run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from relax_slurm.checkpoint import clear_checkpoints, find_latest, resolve_resume
+from relax_slurm.config import TrainConfig, load_config
+from relax_slurm.errors import ConfigError, Preempted, RelaxError, RoleFailed
+from relax_slurm.launch.control import clear_preempt, request_preempt, write_status
+from relax_slurm.launch.local import check_inputs
+from relax_slurm.launch.plan import RunPlan, free_port, save_plan
+from relax_slurm.launch.roles import RoleSpec, broker_spec, engine_specs, trainer_spec, worker_spec
+from relax_slurm.launch.slurm_env import SlurmAllocation, read_allocation
+from relax_slurm.launch.supervisor import Wrap, supervise
+from relax_slurm.metrics.summary import write_summary
+
+log = logging.getLogger("relax_slurm.slurm")
+ANY_HOST = "0.0.0.0"
+REQUEUE_TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which nodes run what. `het`: steps name their component with --het-group."""
+
+    trainer_hosts: tuple[str, ...]
+    rollout_hosts: tuple[str, ...]
+    het: bool
+
+
+def make_layout(cfg: TrainConfig, alloc: SlurmAllocation) -> Layout:
+    """hetjob: component 0 trains, component 1 rolls out. colocated: one node list, trainer on
+    the first cluster.trainer_nodes nodes, rollout on the rest (or on the trainer's nodes)."""
+    if alloc.is_het:
+        if len(alloc.het_groups) != 2:
+            raise ConfigError(
+                f"the job has {len(alloc.het_groups)} het components; relax-slurm expects 2 "
+                "(0: trainer + broker, 1: rollout). Use sbatch/train_hetjob.sbatch or "
+                "cluster.layout=colocated for a plain job")
+        return Layout(trainer_hosts=alloc.het_groups[0], rollout_hosts=alloc.het_groups[1],
+                      het=True)
+    nodes = alloc.het_groups[0]
+    t = cfg.cluster.trainer_nodes
+    if len(nodes) < t:
+        raise ConfigError(
+            f"the allocation has {len(nodes)} node(s) but cluster.trainer_nodes={t}; request "
+            f"more nodes or lower cluster.trainer_nodes")
+    return Layout(trainer_hosts=nodes[:t], rollout_hosts=nodes[t:] or nodes, het=False)
+
+
+def slurm_plan(cfg: TrainConfig, layout: Layout) -> RunPlan:
+    """Addresses by node name. Ports are ones free on this node now: nodes of one job are
+    alike, and a role that cannot bind fails loudly and names its port."""
+    head, rollout = layout.trainer_hosts[0], layout.rollout_hosts
+    return RunPlan(
+        broker_router=f"tcp://{head}:{free_port(ANY_HOST)}",
+        broker_pub=f"tcp://{head}:{free_port(ANY_HOST)}",
+        engine_urls=[f"http://{rollout[i % len(rollout)]}:{free_port(ANY_HOST)}"
+                     for i in range(cfg.rollout.num_engines)],
+        weight_sync_host="",  # wherever trainer rank 0 lands (the trainer resolves it)
+        weight_sync_port=free_port(ANY_HOST),
+        trainer_master_port=free_port(ANY_HOST),
+    )
+
+
+def resume_point(cfg: TrainConfig, run_dir: Path, attempt: int) -> Path | None:
+    """What this attempt resumes from. A requeued attempt (attempt > 0) continues its own run
+    from its latest checkpoint whatever `resume=`/`overwrite=` say: they apply to the first."""
+    latest = find_latest(run_dir) if attempt > 0 else None
+    if latest is not None:
+        return latest
+    resume = resolve_resume(run_dir, cfg.resume, cfg.overwrite)
+    if resume is None and cfg.overwrite:
+        clear_checkpoints(run_dir)
+    return resume
+
+
+def role_specs(cfg: TrainConfig, plan: RunPlan, layout: Layout, run_dir: Path) -> list[RoleSpec]:
+    specs = [broker_spec(cfg, plan, run_dir), *engine_specs(cfg, plan),
+             worker_spec(cfg, plan, run_dir, layout.rollout_hosts[0]),
+             trainer_spec(cfg, plan, run_dir, list(layout.trainer_hosts))]
+    # CPU pinning is for local runs: here it would pin the srun client, not the role
+    return [dataclasses.replace(s, cpus=None) for s in specs]
+
+
+def srun_wrap(cfg: TrainConfig, layout: Layout, workdir: str) -> Wrap:
+    """spec -> `srun ... argv` for its nodes (all trainer nodes for the trainer)."""
+    c = cfg.cluster
+    container = bool(c.container_image or c.container_prefix)
+
+    def wrap(spec: RoleSpec) -> list[str]:
+        hosts = layout.trainer_hosts if spec.name == "trainer" else (spec.host,)
+        n = len(hosts)
+        argv = ["srun"]
+        if layout.het:
+            argv.append(f"--het-group={spec.het_group}")
+        argv += [f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
+                 f"--nodelist={','.join(hosts)}", "--overlap", f"--job-name={spec.name}",
+                 "--kill-on-bad-exit=1"]
+        if c.container_image:
+            argv += [f"--container-image={c.container_image}", f"--container-workdir={workdir}"]
+            if c.container_mounts:
+                argv.append(f"--container-mounts={','.join(c.container_mounts)}")
+        argv += c.extra_srun_args
+        command = list(spec.argv)
+        if container and command[0] == sys.executable:
+            command[0] = c.container_python
+        return [*argv, *c.container_prefix, *command]
+
+    return wrap
+
+
+def requeue(job_id: str) -> None:
+    try:
+        r = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
+                           timeout=REQUEUE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RoleFailed(f"`scontrol requeue {job_id}` failed: {e}") from e
+    if r.returncode != 0:
+        raise RoleFailed(f"`scontrol requeue {job_id}` failed: {r.stderr.strip()}; the "
+                         "checkpoint is kept: resubmit with the same run_dir to resume")
+
+
+class PreemptSignal:
+    """SIGUSR1: ask the trainer to checkpoint and stop; if it has not stopped within
+    cluster.preempt_timeout_s, requeue anyway (it then resumes from its previous checkpoint)."""
+
+    def __init__(self, run_dir: Path, alloc: SlurmAllocation, cfg: TrainConfig) -> None:
+        self.run_dir, self.alloc, self.cfg = run_dir, alloc, cfg
+        self.timer: threading.Timer | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        log.warning("got %s: asking the trainer to checkpoint and stop",
+                    signal.Signals(signum).name)
+        request_preempt(self.run_dir, reason=signal.Signals(signum).name)
+        if self.timer is None and self.cfg.cluster.requeue:
+            self.timer = threading.Timer(self.cfg.cluster.preempt_timeout_s, self._force)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _force(self) -> None:
+        log.error("the trainer did not stop within cluster.preempt_timeout_s=%ss; requeueing "
+                  "job %s without a fresh checkpoint", self.cfg.cluster.preempt_timeout_s,
+                  self.alloc.job_id)
+        requeue(self.alloc.job_id)
+
+    def cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+def _terminate(signum: int, frame: object) -> None:
+    # scancel, the time limit and a requeue send SIGTERM: stop every step in supervise's finally
+    raise KeyboardInterrupt
+
+
+def slurm_info(alloc: SlurmAllocation, layout: Layout, specs: list[RoleSpec]) -> dict:
+    group = {"trainer": 0, "rollout": 1}
+    return {
+        "job_id": alloc.job_id, "attempt": alloc.restart_count, "het": layout.het,
+        "trainer_hosts": list(layout.trainer_hosts), "rollout_hosts": list(layout.rollout_hosts),
+        "roles": {s.name: {"het_group": s.het_group if layout.het else 0,
+                           "hosts": list(layout.trainer_hosts if s.name == "trainer"
+                                         else (s.host,)),
+                           "side": "trainer" if s.het_group == group["trainer"] else "rollout"}
+                  for s in specs},
+    }
+
+
+def drive(run_dir: str | Path, alloc: SlurmAllocation | None = None) -> dict:
+    """Run the roles of `run_dir` (config.yaml written) in this allocation; return the summary.
+
+    Raises Preempted after requeueing the job (unless cluster.requeue=false)."""
+    run_dir = Path(run_dir).resolve()
+    alloc = alloc or read_allocation()
+    cfg = load_config(run_dir / "config.yaml")
+    clear_preempt(run_dir)  # a request from the attempt before must not stop this one
+    layout = make_layout(cfg, alloc)
+    plan = slurm_plan(cfg, layout)
+    resume = resume_point(cfg, run_dir, alloc.restart_count)
+    plan.resume_from = str(resume) if resume else None
+    save_plan(plan, run_dir)
+    specs = role_specs(cfg, plan, layout, run_dir)
+    wrap = srun_wrap(cfg, layout, workdir=str(Path.cwd()))
+    log.info("attempt %d %s", alloc.restart_count,
+             f"resumes from {resume}" if resume else "starts fresh")
+    info = slurm_info(alloc, layout, specs)
+    (run_dir / "slurm.json").write_text(json.dumps(info, indent=2))
+    for spec in specs:
+        log.info("%s: %s", spec.name, shlex.join(wrap(spec)))
+    on_usr1 = PreemptSignal(run_dir, alloc, cfg)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, on_usr1)
+        signal.signal(signal.SIGTERM, _terminate)
+    write_status(run_dir, "running", job_id=alloc.job_id, attempt=alloc.restart_count)
+    try:
+        summary = supervise(specs, cfg, run_dir, wrap)
+    except Preempted as e:
+        on_usr1.cancel()
+        if cfg.cluster.requeue:
+            write_status(run_dir, "requeued", job_id=alloc.job_id, attempt=alloc.restart_count,
+                         message=str(e))
+            log.warning("%s; requeueing job %s", e, alloc.job_id)
+            requeue(alloc.job_id)
+        else:
+            write_status(run_dir, "preempted", job_id=alloc.job_id,
+                         attempt=alloc.restart_count, message=str(e))
+        raise
+    except RelaxError as e:
+        write_status(run_dir, "failed", job_id=alloc.job_id, attempt=alloc.restart_count,
+                     message=str(e))
+        raise
+    except KeyboardInterrupt:
+        write_status(run_dir, "terminated", job_id=alloc.job_id, attempt=alloc.restart_count,
+                     message="SIGTERM (scancel or the time limit)")
+        raise
+    finally:
+        on_usr1.cancel()
+    summary["slurm"] = info
+    write_summary(run_dir, summary)
+    write_status(run_dir, "completed", job_id=alloc.job_id, attempt=alloc.restart_count)
+    return summary
+
+
+def compose_run_dir(overrides: list[str], alloc: SlurmAllocation) -> Path:
+    """Compose the config of a ready sbatch script (sbatch/*.sbatch) and write its run_dir.
+
+    A requeued attempt reuses the config.yaml its first attempt wrote."""
+    from relax_slurm.config import save_config
+    from relax_slurm.launch.submit import compose_config, slurm_overrides
+
+    cfg = compose_config(slurm_overrides(overrides, default_run_dir=f"runs/slurm-{alloc.job_id}"))
+    run_dir = Path(cfg.run_dir).resolve()
+    if alloc.restart_count > 0 and (run_dir / "config.yaml").is_file():
+        return run_dir
+    check_inputs(cfg)
+    cfg.run_dir = str(run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    return run_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m relax_slurm.launch.slurm_driver",
+                                     description=__doc__.split("\n\n")[0])
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--run-dir", type=Path, help="a run directory with config.yaml")
+    group.add_argument("--compose", nargs=argparse.REMAINDER, metavar="OVERRIDE",
+                       help="Hydra overrides (experiment=X key=value ...)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s driver %(message)s",
+                        stream=sys.stdout)
+    t0 = time.monotonic()
+    try:
+        alloc = read_allocation()
+        run_dir = args.run_dir if args.compose is None else compose_run_dir(args.compose, alloc)
+        log.info("job %s attempt %d, run directory %s", alloc.job_id, alloc.restart_count,
+                 Path(run_dir).resolve())
+        summary = drive(run_dir, alloc)
+    except Preempted as e:
+        print(f"relax-slurm driver: {e}", flush=True)
+        return 0
+    except RelaxError as e:
+        print(f"relax-slurm driver: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("relax-slurm driver: terminated; every step of the run was stopped", flush=True)
+        return 143
+    print(json.dumps(summary, indent=2))
+    print(f"relax-slurm driver: run finished in {time.monotonic() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

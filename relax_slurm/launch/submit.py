@@ -1,0 +1,159 @@
+"""Submit a run from Python through submitit; get back its `Job`.
+
+    import relax_slurm
+    job = relax_slurm.submit(["experiment=tiny_cpu", "cluster.partition=gpu", "run_dir=runs/a"])
+    job.job_id, job.state          # "RUNNING", ... ("REQUEUED"/"PENDING" while requeued)
+    summary = job.result()         # the run's summary.json, once the run has finished
+    job.cancel()
+
+The job is the same heterogeneous job as `relax-train cluster=slurm` renders (component 0:
+trainer + broker, component 1: engines + rollout worker), with the same driver
+(`slurm_driver.drive`) running in component 0. submitit 1.5 has no het-job option, so component
+1 is added as `#SBATCH hetjob` lines in its `setup`, and sacct's `<id>+<k>` rows are read back
+with a small watcher fix (submitit would report such a job as UNKNOWN forever).
+
+Preemption works as with sbatch: `--signal=B:USR1@<cluster.signal_lead_s>` reaches the submitit
+process (it `exec`s the batch shell), the driver checkpoints, requeues and ends the attempt
+without a result; submitit runs the function again in the requeued job, which resumes, and
+`result()` returns the summary of the finished run.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from relax_slurm.checkpoint import resolve_resume
+from relax_slurm.config import TrainConfig, save_config, to_train_config
+from relax_slurm.errors import ConfigError, Preempted
+from relax_slurm.launch.control import PREEMPT_EXIT_CODE, read_status
+
+SUBMITIT_DIR = "submitit"
+
+
+def compose_config(overrides: Sequence[str]) -> TrainConfig:
+    """The TrainConfig `relax-train OVERRIDES...` would run (Hydra's compose API, no output dir)."""
+    from hydra import compose, initialize_config_dir
+
+    from relax_slurm.config import register_configs
+    from relax_slurm.launch.cli import CONF_DIR
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_train_config(compose("train", overrides=list(overrides)))
+
+
+def slurm_overrides(overrides: Sequence[str], default_run_dir: str | None = None) -> list[str]:
+    """Overrides for a Slurm run: `cluster=slurm` unless a cluster is chosen, and `run_dir`
+    unless one is given."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    return [*([] if "cluster" in keys else ["cluster=slurm"]), *overrides,
+            *([] if "run_dir" in keys or default_run_dir is None
+              else [f"run_dir={default_run_dir}"])]
+
+
+def run_in_allocation(run_dir: str) -> dict:
+    """What the submitted job runs (component 0, first node): the driver; returns the summary."""
+    from relax_slurm.launch.slurm_driver import drive
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s driver %(message)s",
+                        stream=sys.stdout)
+    try:
+        return drive(run_dir)
+    except Preempted as e:
+        if (read_status(run_dir) or {}).get("state") != "requeued":
+            raise
+        # requeued: end this attempt without a result; the next attempt returns the summary
+        print(f"relax-slurm driver: {e}", flush=True)
+        raise SystemExit(PREEMPT_EXIT_CODE) from e
+
+
+def _sbatch_params(args: Sequence[str]) -> dict[str, Any]:
+    """["--constraint=a100", "--exclusive"] -> {"constraint": "a100", "exclusive": True}."""
+    out: dict[str, Any] = {}
+    for arg in args:
+        if not arg.startswith("--"):
+            raise ConfigError(f"cluster.extra_sbatch_args: {arg!r}: use the long form "
+                              "--option=value with submit()")
+        key, eq, value = arg[2:].partition("=")
+        out[key] = value if eq else True
+    return out
+
+
+def executor_parameters(cfg: TrainConfig, workdir: Path) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters for the run's het job (or plain job when colocated)."""
+    from relax_slurm.launch.sbatch import component_options
+
+    c = cfg.cluster
+    extra = _sbatch_params(c.extra_sbatch_args)
+    extra["requeue" if c.requeue else "no-requeue"] = True
+    if c.signal_lead_s:
+        extra["signal"] = f"B:USR1@{c.signal_lead_s}"  # replaces submitit's own USR2 signal
+    nodes = c.trainer_nodes + (c.rollout_nodes if c.layout == "colocated" else 0)
+    params: dict[str, Any] = dict(
+        job_name=c.job_name, time=c.time_limit_min, nodes=nodes, ntasks_per_node=1,
+        cpus_per_task=c.cpus_per_task, use_srun=False, additional_parameters=extra,
+        stderr_to_stdout=True,
+    )
+    for key, value in (("partition", c.partition), ("account", c.account), ("qos", c.qos),
+                       ("gpus_per_node", c.gpus_per_node or None), ("mem", c.mem_gb)):
+        if value is not None:
+            params[key] = value
+    setup = []
+    if c.layout == "hetjob":
+        setup = ["#SBATCH hetjob", *(f"#SBATCH {o}" for o in component_options(c, 1))]
+    params["setup"] = [*setup, f"cd {shlex.quote(str(workdir))}", *c.setup_lines]
+    return params
+
+
+def _job_classes():
+    """submitit's Slurm executor and job, made to read het jobs' sacct rows (`<id>+<k>`)."""
+    from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
+
+    class HetInfoWatcher(SlurmInfoWatcher):
+        def read_info(self, string: bytes | str) -> dict[str, dict[str, str]]:
+            text = string.decode() if isinstance(string, bytes) else string
+            rows = []
+            for line in text.splitlines():
+                job_id, sep, rest = line.partition("|")
+                if "+" in job_id:  # component rows: the job's state is component 0's
+                    base, _, comp = job_id.partition("+")
+                    if comp != "0":
+                        continue
+                    line = base + sep + rest
+                rows.append(line)
+            return super().read_info("\n".join(rows))
+
+    class RelaxJob(SlurmJob):
+        watcher = HetInfoWatcher(delay_s=60)
+
+    class RelaxExecutor(SlurmExecutor):
+        job_class = RelaxJob
+
+    return RelaxExecutor
+
+
+def submit(cfg: TrainConfig | Sequence[str]) -> Any:
+    """Submit a run (a TrainConfig, or Hydra overrides as for relax-train) as a Slurm job through
+    submitit; returns the `submitit.Job`, whose `result()` is the run's summary."""
+    if not isinstance(cfg, TrainConfig):
+        cfg = compose_config(slurm_overrides(list(cfg)))
+    from relax_slurm.launch.local import check_inputs
+
+    run_dir, workdir = Path(cfg.run_dir).resolve(), Path.cwd()
+    cfg.run_dir = str(run_dir)
+    check_inputs(cfg)
+    resolve_resume(run_dir, cfg.resume, cfg.overwrite)  # refuse now, not in the queue
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    python = cfg.cluster.python or sys.executable
+    try:
+        executor = _job_classes()(folder=run_dir / SUBMITIT_DIR,
+                                  python=f"exec {shlex.quote(python)}")
+    except RuntimeError as e:  # submitit: no srun on PATH
+        raise ConfigError(f"submit() needs the Slurm client commands: {e}") from e
+    executor.update_parameters(**executor_parameters(cfg, workdir))
+    return executor.submit(run_in_allocation, str(run_dir))

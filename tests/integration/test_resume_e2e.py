@@ -1,0 +1,72 @@
+"""Exact resume through the real process topology: 6 steps straight == 3 + stop + resume + 3."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import REPO
+
+TIMEOUT_S = 600
+
+
+def relax_train(run_dir: Path, tiny: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_cpu",
+           f"run_dir={run_dir}", f"model.path={tiny / 'model'}",
+           f"data.train_files=[{tiny / 'arith_train.jsonl'}]", "algo.max_staleness=0",
+           *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def rewards(run_dir: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["rollout/reward_mean"]) for r in rows]
+
+
+def final_weights(run_dir: Path, tmp: Path) -> dict:
+    out = tmp / f"hf_{run_dir.name}"
+    subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--input",
+                    str(run_dir / "checkpoints" / "step_6"), "--output", str(out), "--to", "hf"],
+                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    return load_file(str(out / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_resume_is_exact(tmp_path, tiny_assets):
+    # a higher lr makes the 6 steps move the weights and rewards visibly
+    common = ("trainer.lr=2e-3", "trainer.save_every=3")
+    straight = tmp_path / "straight"
+    relax_train(straight, tiny_assets, "trainer.total_steps=6", *common)
+    split = tmp_path / "split"
+    relax_train(split, tiny_assets, "trainer.total_steps=3", *common)
+    assert (split / "checkpoints" / "step_3").is_dir()
+    relax_train(split, tiny_assets, "trainer.total_steps=6", *common)  # resume=auto
+    assert "resumed from" in (split / "logs" / "trainer.log").read_text()
+    assert [s for s, _ in rewards(split)] == list(range(6))  # no step twice, none skipped
+    assert rewards(split) == rewards(straight)
+    a, b = final_weights(straight, tmp_path), final_weights(split, tmp_path)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].equal(b[name]), name  # bitwise
+
+
+@pytest.mark.slow
+def test_resume_none_refuses_a_run_dir_with_checkpoints(tmp_path, tiny_assets):
+    run_dir = tmp_path / "r"
+    relax_train(run_dir, tiny_assets, "trainer.total_steps=1")
+    cmd = [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_cpu",
+           f"run_dir={run_dir}", f"model.path={tiny_assets / 'model'}",
+           f"data.train_files=[{tiny_assets / 'arith_train.jsonl'}]", "resume=none"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode != 0
+    assert "overwrite=true" in proc.stderr
