@@ -1,0 +1,108 @@
+"""The launcher fails loudly on a dead role and stops everything it started, on death or Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+START_TIMEOUT_S = 300
+
+
+def start_run(run_dir: Path, tiny: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_cpu",
+           f"run_dir={run_dir}", f"model.path={tiny / 'model'}",
+           f"data.train_files=[{tiny / 'arith_train.jsonl'}]", "trainer.total_steps=100000"]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def wait_for_first_step(proc: subprocess.Popen, run_dir: Path) -> list[dict]:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if (run_dir / "roles.json").exists() and metrics.exists() and metrics.read_text():
+            return json.loads((run_dir / "roles.json").read_text())
+        time.sleep(0.5)
+    raise AssertionError("the run made no step in time")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes (its parent, the launcher, is gone or reaping)
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """Every live process whose command line names the run dir (torchrun's ranks included)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(run_dir) in cmdline and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def assert_all_gone(roles: list[dict], run_dir: Path, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and (any(alive(r["pid"]) for r in roles)
+                                           or processes_of(run_dir)):
+        time.sleep(0.2)
+    assert not [r["name"] for r in roles if alive(r["pid"])]
+    assert not processes_of(run_dir)
+
+
+@pytest.fixture
+def run(tmp_path, tiny_assets):
+    proc = start_run(tmp_path / "run", tiny_assets)
+    yield proc, tmp_path / "run"
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+    roles = tmp_path / "run" / "roles.json"
+    for r in json.loads(roles.read_text()) if roles.exists() else []:
+        if alive(r["pid"]):
+            os.killpg(r["pid"], signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_dead_engine_fails_the_run_naming_it(run):
+    proc, run_dir = run
+    roles = wait_for_first_step(proc, run_dir)
+    engine = next(r for r in roles if r["name"] == "engine0")
+    os.kill(engine["pid"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    # the engine itself, or the first role that noticed it, is named with its log
+    assert "role '" in err and "log is" in err, err[-2000:]
+    assert_all_gone(roles, run_dir)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process(run):
+    proc, run_dir = run
+    roles = wait_for_first_step(proc, run_dir)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert_all_gone(roles, run_dir)
