@@ -133,6 +133,9 @@ def test_every_op_errors_and_a_killed_broker(start_broker: Callable[..., Broker]
     broker = start_broker(max_staleness=1, batch_size=2)
     with broker.client("trainer") as trainer, broker.client("worker-0") as worker:
         worker.heartbeat("rollout")
+        # a run's broker is closed until the trainer announces its (pushed) weights
+        assert worker.acquire(10) == 0
+        trainer.set_version(0)
         assert worker.acquire(10) == 4  # (1 + 0 + 1) * 2
         sent = [group(1), group(2, n=3)]
         for g in sent:
@@ -174,6 +177,7 @@ def test_parked_requests_wake_and_expire(start_broker: Callable[..., Broker]) ->
     results: dict[str, object] = {}
     with broker.client("trainer") as trainer, broker.client("worker") as worker:
         # deadlines: nothing to grant, nothing to hand out
+        trainer.set_version(0)  # opens admission
         t0 = time.monotonic()
         assert worker.acquire(1) == 1
         assert worker.acquire(1, wait_s=0.3) == 0
@@ -235,6 +239,7 @@ def test_async_concurrency_and_shutdown(start_broker: Callable[..., Broker]) -> 
         async with AsyncBrokerClient(broker.router, TIMEOUT_S, "workers") as workers, \
                 AsyncBrokerClient(broker.router, TIMEOUT_S, "trainer") as trainer:
             version = 0
+            await trainer.set_version(0)  # opens admission
 
             async def work(gid: int) -> None:
                 assert await workers.acquire(1, wait_s=20) == 1
