@@ -31,3 +31,8 @@ class WeightSyncError(RelaxError):
 
 class RoleFailed(RelaxError):
     """A child process of the run died or hung; the message names the role and its log."""
+
+
+class Preempted(RelaxError):
+    """The run checkpointed and stopped on request (Slurm's preemption or time-limit signal);
+    it resumes from that checkpoint when started again with the same run directory."""
