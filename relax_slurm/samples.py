@@ -23,6 +23,10 @@ ARRAY_FIELDS: dict[str, np.dtype] = {
     "loss_mask": np.dtype(np.float32),
     "rollout_logprobs": np.dtype(np.float32),
 }
+# Arrays a sample may lack (None): sent only when set, so messages without them stay valid.
+OPTIONAL_ARRAY_FIELDS: dict[str, np.dtype] = {
+    "teacher_logprobs": np.dtype(np.float32),
+}
 
 
 @dataclass(kw_only=True)
@@ -52,16 +56,27 @@ class Sample:
     """References to multimodal inputs (msgpack-able); empty for text."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Free-form, msgpack-able: label, data source, per-turn info, ..."""
+    teacher_logprobs: np.ndarray | None = None
+    """Log-probs of `response_ids` under the teacher engine (on-policy distillation), [R]
+    float32, or None without a teacher."""
 
     def __post_init__(self) -> None:
         for name, dtype in ARRAY_FIELDS.items():
             setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
+        for name, dtype in OPTIONAL_ARRAY_FIELDS.items():
+            if getattr(self, name) is not None:
+                setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
         n = len(self.response_ids)
         if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
             raise ValueError(
                 f"sample {self.prompt_id}/{self.group_id}: response_ids has {n} tokens but "
                 f"loss_mask has {len(self.loss_mask)} and rollout_logprobs "
                 f"{len(self.rollout_logprobs)}; all three must match"
+            )
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(
+                f"sample {self.prompt_id}/{self.group_id}: response_ids has {n} tokens but "
+                f"teacher_logprobs has {len(self.teacher_logprobs)}; they must match"
             )
 
     @property

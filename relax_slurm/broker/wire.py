@@ -4,7 +4,9 @@
     frame 1..N   the raw bytes of every array of every sample, in the order the headers name them
 
 A sample header holds the scalar fields of `Sample` and, under "a", one entry per array field:
-`[dtype.str, shape, frame index]`. Arrays are never pickled or copied into the header: on send
+`[dtype.str, shape, frame index]`. Optional arrays (`OPTIONAL_ARRAY_FIELDS`, e.g. the teacher's
+log-probs) appear under "a" only when the sample has them, so a message from a sender that does
+not know them still decodes. Arrays are never pickled or copied into the header: on send
 they are handed to ZMQ as buffers (zero-copy with `copy=False`), on receive `np.frombuffer`
 views the received frame. The request id `rid` travels as an ordinary field.
 """
@@ -18,7 +20,7 @@ import msgpack
 import numpy as np
 
 from relax_slurm.errors import BrokerError
-from relax_slurm.samples import ARRAY_FIELDS, Group, Sample
+from relax_slurm.samples import ARRAY_FIELDS, OPTIONAL_ARRAY_FIELDS, Group, Sample
 
 Frame = Union[bytes, memoryview]
 SCALAR_FIELDS = (
@@ -29,6 +31,7 @@ _SCALAR_TYPES: dict[str, type | tuple[type, ...]] = {
     "prompt_id": str, "group_id": int, "reward": (int, float), "version": int,
     "version_min": int, "finish_reason": str, "multimodal": dict, "metadata": dict,
 }
+_ALL_ARRAYS = {**ARRAY_FIELDS, **OPTIONAL_ARRAY_FIELDS}
 
 
 def _pack(obj: Any, what: str) -> bytes:
@@ -53,7 +56,9 @@ def encode(op: str, fields: dict[str, Any], groups: list[Group] | None = None) -
                 head: dict[str, Any] = {k: getattr(s, k) for k in SCALAR_FIELDS}
                 head["reward"] = float(s.reward)
                 arrays = {}
-                for name, dtype in ARRAY_FIELDS.items():
+                for name, dtype in _ALL_ARRAYS.items():
+                    if getattr(s, name) is None:  # an optional array the sample lacks
+                        continue
                     # contiguous in the expected dtype: a no-op unless the field was reassigned
                     arr = np.ascontiguousarray(getattr(s, name), dtype=dtype)
                     arrays[name] = [arr.dtype.str, list(arr.shape), len(frames)]
@@ -74,7 +79,7 @@ def _decode_array(name: str, spec: Any, frames: Sequence[Any], used: set[int]) -
     if not (isinstance(spec, list) and len(spec) == 3):
         raise BrokerError(f"array {name!r}: expected [dtype, shape, frame], got {spec!r}")
     dtype_str, shape, index = spec
-    expected = ARRAY_FIELDS[name]
+    expected = _ALL_ARRAYS[name]
     if dtype_str != expected.str:
         raise BrokerError(f"array {name!r}: dtype {dtype_str!r}, expected {expected.str!r}")
     if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
@@ -101,9 +106,11 @@ def _decode_sample(head: Any, frames: Sequence[Any], used: set[int]) -> Sample:
         if not isinstance(head[k], types) or isinstance(head[k], bool):
             raise BrokerError(f"sample field {k!r}: unexpected type {type(head[k]).__name__}")
     specs = head["a"]
-    if not isinstance(specs, dict) or set(specs) != set(ARRAY_FIELDS):
-        raise BrokerError(f"sample arrays must be exactly {sorted(ARRAY_FIELDS)}")
-    arrays = {name: _decode_array(name, specs[name], frames, used) for name in ARRAY_FIELDS}
+    if not isinstance(specs, dict) or not set(ARRAY_FIELDS) <= set(specs) <= set(_ALL_ARRAYS):
+        raise BrokerError(f"sample arrays must be {sorted(ARRAY_FIELDS)}, optionally with "
+                          f"{sorted(OPTIONAL_ARRAY_FIELDS)}")
+    arrays = {name: _decode_array(name, specs[name], frames, used) for name in _ALL_ARRAYS
+              if name in specs}
     try:
         return Sample(**{k: head[k] for k in SCALAR_FIELDS}, **arrays)
     except ValueError as e:

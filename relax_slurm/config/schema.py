@@ -77,6 +77,10 @@ class AlgoConfig:
     """OPD: weight of (logp_student - logp_teacher) subtracted from each token's advantage."""
     opd_only_reward: bool = False
     """OPD: drop the task reward's advantage and learn from the teacher term alone."""
+    teacher_model_path: Optional[str] = None
+    """OPD: Hugging Face directory of the teacher (same tokenizer as model.path). cluster=local
+    serves it on one more hf engine (role `teacher`) whose prefill log-probs of every response
+    go into the samples; required by algo=opd."""
     dynamic_sampling: bool = False
     """Data filter: drop groups whose rewards are all equal and sample more prompts to refill
     the batch (DAPO)."""
@@ -451,3 +455,10 @@ class TrainConfig:
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        buffer, max_new = self.algo.overlong_buffer_tokens, self.rollout.max_new_tokens
+        _check(buffer == 0 or buffer < max_new,
+               f"algo.overlong_buffer_tokens={buffer} must be below rollout.max_new_tokens="
+               f"{max_new} (the penalty ramps up over the last buffer tokens before the limit): "
+               "lower algo.overlong_buffer_tokens (about a fifth of max_new_tokens) or set it to 0")

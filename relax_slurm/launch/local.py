@@ -1,6 +1,7 @@
 """The local runner (cluster=local): every role a subprocess of this one on this machine.
 
-Start order: broker, engines (wait for /health), rollout worker, torchrun trainer. The run ends
+Start order: broker, engines and the teacher engine if any (wait for /health), rollout worker,
+torchrun trainer. The run ends
 when the trainer exits 0; any other exit, or no new step for `cluster.step_timeout_s`, fails
 it naming the role and its log. Every child is stopped in `finally`, Ctrl-C included.
 """
@@ -13,7 +14,9 @@ from relax_slurm.checkpoint import clear_checkpoints, resolve_resume
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.errors import ConfigError
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
-from relax_slurm.launch.roles import broker_spec, engine_specs, trainer_spec, worker_spec
+from relax_slurm.launch.roles import (
+    broker_spec, engine_specs, teacher_specs, trainer_spec, worker_spec,
+)
 from relax_slurm.launch.supervisor import supervise
 
 LOCALHOST = "127.0.0.1"
@@ -33,6 +36,20 @@ def check_inputs(cfg: TrainConfig) -> None:
                 f"data.train_files: {f} does not exist. For the demo data run "
                 "`python tools/prepare_data.py --out tiny`"
             )
+    check_teacher(cfg)
+
+
+def check_teacher(cfg: TrainConfig) -> None:
+    teacher = cfg.algo.teacher_model_path
+    if cfg.algo.name == "opd" and not teacher:
+        raise ConfigError(
+            "algo=opd needs a teacher: set algo.teacher_model_path=DIR (a Hugging Face model "
+            "directory with the same tokenizer as model.path); relax-train serves it on one "
+            "more hf engine (role `teacher`)"
+        )
+    if teacher and not (Path(teacher) / "config.json").is_file():
+        raise ConfigError(f"algo.teacher_model_path={teacher}: no config.json there. Point it "
+                          "at a Hugging Face model directory")
 
 
 def local_plan(cfg: TrainConfig) -> RunPlan:
@@ -41,6 +58,8 @@ def local_plan(cfg: TrainConfig) -> RunPlan:
         broker_router=f"tcp://{host}:{free_port(host)}",
         broker_pub=f"tcp://{host}:{free_port(host)}",
         engine_urls=[f"http://{LOCALHOST}:{free_port()}" for _ in range(cfg.rollout.num_engines)],
+        teacher_url=(f"http://{LOCALHOST}:{free_port()}" if cfg.algo.teacher_model_path
+                     else None),
         weight_sync_host=LOCALHOST,
         weight_sync_port=free_port(),
         trainer_master_port=free_port(),
@@ -65,7 +84,7 @@ def run_local(cfg: TrainConfig) -> dict:
     check_inputs(cfg)
     plan = local_plan(cfg)
     run_dir = prepare_run_dir(cfg, plan)
-    specs = [broker_spec(cfg, plan, run_dir), *engine_specs(cfg, plan),
+    specs = [broker_spec(cfg, plan, run_dir), *engine_specs(cfg, plan), *teacher_specs(cfg, plan),
              worker_spec(cfg, plan, run_dir, LOCALHOST),
              trainer_spec(cfg, plan, run_dir, [LOCALHOST])]
     return supervise(specs, cfg, run_dir, wrap=lambda spec: spec.argv)

@@ -49,29 +49,43 @@ def broker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path) -> RoleSpec:
     )
 
 
+def _hf_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed: int
+                    ) -> RoleSpec:
+    host, port = _hostport(url)
+    bind = "0.0.0.0" if cfg.cluster.kind == "slurm" else host
+    return RoleSpec(
+        name=name, het_group=ROLLOUT_GROUP, host=host, ports={"http": port},
+        cpus=cfg.cluster.rollout_cpus, health_url=url,
+        argv=[sys.executable, "-m", "relax_slurm.rollout.hf_engine",
+              "--model-path", model_path, "--host", bind, "--port", str(port),
+              "--dtype", cfg.model.dtype,
+              "--max-batch-size", str(cfg.rollout.engine_max_batch_size),
+              "--batch-wait-ms", str(cfg.rollout.engine_batch_wait_ms),
+              "--torch-threads", str(cfg.rollout.torch_threads),
+              "--seed", str(seed), "--weight-version", "0"],
+    )
+
+
 def engine_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
-    specs = []
-    for i, url in enumerate(plan.engine_urls):
-        host, port = _hostport(url)
-        bind = "0.0.0.0" if cfg.cluster.kind == "slurm" else host
-        specs.append(RoleSpec(
-            name=f"engine{i}", het_group=ROLLOUT_GROUP, host=host, ports={"http": port},
-            cpus=cfg.cluster.rollout_cpus, health_url=url,
-            argv=[sys.executable, "-m", "relax_slurm.rollout.hf_engine",
-                  "--model-path", cfg.model.path, "--host", bind, "--port", str(port),
-                  "--dtype", cfg.model.dtype,
-                  "--max-batch-size", str(cfg.rollout.engine_max_batch_size),
-                  "--batch-wait-ms", str(cfg.rollout.engine_batch_wait_ms),
-                  "--torch-threads", str(cfg.rollout.torch_threads),
-                  "--seed", str(cfg.seed + i), "--weight-version", "0"],
-        ))
-    return specs
+    return [_hf_engine_spec(cfg, f"engine{i}", url, cfg.model.path, cfg.seed + i)
+            for i, url in enumerate(plan.engine_urls)]
+
+
+def teacher_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
+    """The teacher engine of on-policy distillation (role `teacher`), if the plan has one: an hf
+    engine serving algo.teacher_model_path, outside the weight sync (its weights never change)."""
+    if plan.teacher_url is None:
+        return []
+    assert cfg.algo.teacher_model_path, "plan.teacher_url set without algo.teacher_model_path"
+    return [_hf_engine_spec(cfg, "teacher", plan.teacher_url, cfg.algo.teacher_model_path,
+                            cfg.seed)]
 
 
 def worker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, host: str) -> RoleSpec:
     return RoleSpec(
         name="rollout", het_group=ROLLOUT_GROUP, host=host, cpus=cfg.cluster.rollout_cpus,
-        argv=[sys.executable, "-m", "relax_slurm.rollout.worker", "--run-dir", str(run_dir)],
+        # the package's __main__, not rollout.worker: see relax_slurm/rollout/__main__.py
+        argv=[sys.executable, "-m", "relax_slurm.rollout", "--run-dir", str(run_dir)],
     )
 
 
@@ -83,5 +97,8 @@ def trainer_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, hosts: list[str
         argv=[sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}",
               f"--nproc-per-node={cfg.trainer.nproc_per_node}", "--rdzv-backend=c10d",
               f"--rdzv-endpoint={hosts[0]}:{plan.trainer_master_port}",
+              # torchrun polls its workers every 0.1 s by default: a fifth of a core on a small
+              # machine, for failure detection that 1 s serves as well
+              "--monitor-interval=1",
               "-m", "relax_slurm.trainer", "--run-dir", str(run_dir)],
     )

@@ -37,6 +37,9 @@ class GenerateResult:
     weight_version: Optional[str]
     text: str = ""
     meta_info: dict[str, Any] = field(default_factory=dict)
+    input_logprobs: list[Optional[float]] = field(default_factory=list)
+    """Log-prob of each input token from logprob_start_len on (the very first token's is None);
+    empty unless the request set logprob_start_len >= 0."""
 
 
 def parse_generate_item(item: dict[str, Any]) -> GenerateResult:
@@ -53,9 +56,11 @@ def parse_generate_item(item: dict[str, Any]) -> GenerateResult:
     finish = meta.get("finish_reason")
     finish_type = finish.get("type", "") if isinstance(finish, dict) else str(finish or "")
     version = meta.get("weight_version")
+    # [[logprob | None, token_id, text | None], ...] from logprob_start_len on
+    inputs = [None if e[0] is None else float(e[0]) for e in meta.get("input_token_logprobs") or []]
     return GenerateResult(output_ids=output_ids, logprobs=logprobs, finish_reason=finish_type,
                           weight_version=None if version is None else str(version),
-                          text=item.get("text", ""), meta_info=meta)
+                          text=item.get("text", ""), meta_info=meta, input_logprobs=inputs)
 
 
 def _server_message(resp: httpx.Response) -> str:
@@ -103,12 +108,16 @@ class _Base:
 
     @staticmethod
     def _generate_body(input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
-                       return_logprob: bool) -> dict[str, Any]:
-        return {"input_ids": [list(map(int, ids)) for ids in input_ids],
+                       return_logprob: bool, logprob_start_len: Optional[int] = None
+                       ) -> dict[str, Any]:
+        body = {"input_ids": [list(map(int, ids)) for ids in input_ids],
                 "sampling_params": ([dict(p) for p in sampling_params]
                                     if isinstance(sampling_params, list)
                                     else dict(sampling_params)),
                 "return_logprob": return_logprob}
+        if logprob_start_len is not None:
+            body["logprob_start_len"] = int(logprob_start_len)
+        return body
 
     def _parse_generate(self, body: Any, n: int) -> list[GenerateResult]:
         items = body if isinstance(body, list) else [body]
@@ -266,9 +275,26 @@ class AsyncEngineClient(_Base):
         return None if body["weight_version"] is None else str(body["weight_version"])
 
     async def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
-                       return_logprob: bool = True) -> list[GenerateResult]:
+                       return_logprob: bool = True, logprob_start_len: Optional[int] = None
+                       ) -> list[GenerateResult]:
         if not input_ids:
             return []
-        body = self._generate_body(input_ids, sampling_params, return_logprob)
+        body = self._generate_body(input_ids, sampling_params, return_logprob, logprob_start_len)
         resp = await self._call("POST", "/generate", body)
         return self._parse_generate(self._json("/generate", resp), len(input_ids))
+
+    async def prefill_logprobs(self, input_ids: list[list[int]], temperature: float = 1.0
+                               ) -> list[list[float]]:
+        """Log-probs of tokens 1..L-1 of each sequence given the ones before it, [L-1] each:
+        the prefill path of /generate (max_new_tokens=0, logprob_start_len=0), no sampling.
+        How a teacher engine scores a student's prompt + response."""
+        params = {"max_new_tokens": 0, "temperature": temperature}
+        results = await self.generate(input_ids, params, return_logprob=True, logprob_start_len=0)
+        out = []
+        for ids, res in zip(input_ids, results):
+            lps = res.input_logprobs[1:]  # the first token has no log-prob
+            if len(lps) != len(ids) - 1 or any(lp is None for lp in lps):
+                raise EngineError(f"engine {self.url}/generate: {len(res.input_logprobs)} input "
+                                  f"log-probs for {len(ids)} input tokens (logprob_start_len=0)")
+            out.append([float(lp) for lp in lps])
+        return out

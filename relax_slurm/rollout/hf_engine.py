@@ -5,7 +5,8 @@ Routes and JSON shapes follow sglang/srt/entrypoints/http_server.py and managers
 rollout worker or trainer cannot tell this server from `python -m sglang.launch_server`:
 
   POST /generate                      text | input_ids (one or a batch), sampling_params,
-                                      return_logprob -> {text, output_ids, meta_info} or a list
+                                      return_logprob, logprob_start_len
+                                      -> {text, output_ids, meta_info} or a list
   GET  /health, /health_generate      200 when the generation thread is alive, else 503
   GET  /get_model_info                {model_path, tokenizer_path, is_generation, ...}
   GET  /get_weight_version            {weight_version}
@@ -16,6 +17,11 @@ rollout worker or trainer cannot tell this server from `python -m sglang.launch_
   POST /pause_generation, /continue_generation
   GET  /get_server_info               hf extension: batching counters
   GET  /weights_checksum              hf extension: sha256 of every parameter's raw bytes
+
+Prefill log-probs (how a teacher scores a student's response): `return_logprob=true` with
+`logprob_start_len=k >= 0` adds `meta_info.input_token_logprobs`, one `[logprob, token_id, None]`
+per input position from k on, the first input token's log-prob being None, as SGLang does;
+with `max_new_tokens=0` nothing is generated and only the prefill runs.
 
 Dynamic batching: requests queue up; one generation thread takes up to --max-batch-size
 sequences (waiting up to --batch-wait-ms for more) and runs one `model.generate` with left
@@ -151,8 +157,10 @@ def _per_item(value: Any, n: int, name: str) -> list:
 
 
 def parse_generate_request(body: dict, tokenizer: Any, vocab_size: int
-                           ) -> tuple[list[list[int]], list[SamplingSpec], list[bool], bool]:
-    """GenerateReqInput JSON -> (prompts, specs, return_logprob flags, is_batch)."""
+                           ) -> tuple[list[list[int]], list[SamplingSpec], list[bool], list[int],
+                                      bool]:
+    """GenerateReqInput JSON -> (prompts, specs, return_logprob flags, logprob_start_lens,
+    is_batch); a start length of -1 (SGLang's default) returns no input log-probs."""
     if body.get("stream"):
         raise BadRequest("stream=true is not supported by the hf engine")
     for key in ("top_logprobs_num", "token_ids_logprob", "return_hidden_states", "input_embeds",
@@ -184,7 +192,13 @@ def parse_generate_request(body: dict, tokenizer: Any, vocab_size: int
     specs = [parse_sampling_params(sp) for sp in _per_item(body.get("sampling_params"), n,
                                                            "sampling_params")]
     flags = [bool(f) for f in _per_item(body.get("return_logprob"), n, "return_logprob")]
-    return prompts, specs, flags, is_batch
+    starts = _per_item(body.get("logprob_start_len"), n, "logprob_start_len")
+    starts = [-1 if v is None else v for v in starts]
+    for start, prompt in zip(starts, prompts):
+        if isinstance(start, bool) or not isinstance(start, int) or not -1 <= start < len(prompt):
+            raise BadRequest(f"logprob_start_len={start!r}: must be -1 (output log-probs only) "
+                             f"or an index into the input (below its length {len(prompt)})")
+    return prompts, specs, flags, starts, is_batch
 
 
 @dataclass
@@ -221,6 +235,18 @@ class _Row:
     return_logprob: bool
     request: _Request
     index: int
+    logprob_start_len: int = -1
+    """>= 0: also return the log-probs of the input tokens from this position on."""
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        # greedy rows keep temperature 1 for their log-probs, as SGLang does
+        t = self.spec.temperature
+        return 1.0 if t < GREEDY_EPS else t
 
 
 class _BatchState:
@@ -394,14 +420,16 @@ class HFEngine:
             self._cond.notify_all()
 
     def submit(self, prompts: list[list[int]], specs: list[SamplingSpec],
-               logprob_flags: list[bool]) -> Future:
+               logprob_flags: list[bool], logprob_start_lens: Optional[list[int]] = None
+               ) -> Future:
         """Queue one request's sequences; the future resolves to their response items."""
         req = _Request(future=Future(), results=[None] * len(prompts), remaining=len(prompts))
-        rows = [_Row(ids, spec, lp, req, i)
-                for i, (ids, spec, lp) in enumerate(zip(prompts, specs, logprob_flags))]
+        starts = logprob_start_lens or [-1] * len(prompts)
+        rows = [_Row(ids, spec, lp, req, i, start) for i, (ids, spec, lp, start)
+                in enumerate(zip(prompts, specs, logprob_flags, starts))]
         queued = []
         for row in rows:
-            if row.spec.max_new_tokens == 0:  # nothing to generate
+            if row.spec.max_new_tokens == 0 and not row.wants_input_logprobs:  # nothing to run
                 req.deliver(row.index, self._item(row, [], [], {"type": "length", "length": 0}))
             else:
                 queued.append(row)
@@ -444,14 +472,45 @@ class HFEngine:
         with self._model_lock:  # a weight update waits for this batch to finish
             version = self.weight_version
             try:
-                outputs = self._generate(rows)
+                to_generate = [r for r in rows if r.spec.max_new_tokens > 0]
+                outputs = dict(zip(map(id, to_generate), self._generate(to_generate)
+                                   if to_generate else []))
+                inputs = self._input_logprobs([r for r in rows if r.wants_input_logprobs])
             except Exception as e:  # a bad batch fails its requests, not the server
                 log.exception("generate failed for a batch of %d", len(rows))
                 for row in rows:
                     row.request.fail(e)
                 return
-        for row, (ids, lps, finish) in zip(rows, outputs):
-            row.request.deliver(row.index, self._item(row, ids, lps, finish, version))
+        prefill_only = ([], [], {"type": "length", "length": 0})
+        for row in rows:
+            ids, lps, finish = outputs.get(id(row), prefill_only)
+            row.request.deliver(row.index, self._item(row, ids, lps, finish, version,
+                                                      inputs.get(id(row))))
+
+    @torch.no_grad()
+    def _input_logprobs(self, rows: list[_Row]) -> dict[int, list[Optional[float]]]:
+        """Per row (by id): log-probs of its input tokens from logprob_start_len on, the first
+        input token's being None; one teacher-forced forward per chunk of rows."""
+        out: dict[int, list[Optional[float]]] = {}
+        for lo in range(0, len(rows), self.max_batch_size):
+            chunk = rows[lo:lo + self.max_batch_size]
+            width = max(len(r.input_ids) for r in chunk)
+            # right padding: real tokens keep positions 0..L-1 and never attend to the padding
+            input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)  # [B, L]
+            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for i, row in enumerate(chunk):
+                input_ids[i, :len(row.input_ids)] = torch.tensor(row.input_ids)
+                attention_mask[i, :len(row.input_ids)] = 1
+            logits = self.model(input_ids=input_ids.to(self.device),
+                                attention_mask=attention_mask.to(self.device),
+                                use_cache=False).logits  # [B, L, V]
+            for i, row in enumerate(chunk):
+                n = len(row.input_ids)
+                scaled = logits[i, :n - 1].float() / row.logprob_temperature  # [L-1, V]
+                targets = input_ids[i, 1:n].to(self.device)[:, None]
+                lps = (scaled.gather(1, targets).squeeze(1) - torch.logsumexp(scaled, -1))
+                out[id(row)] = [None, *lps.tolist()][row.logprob_start_len:]
+        return out
 
     @torch.no_grad()
     def _generate(self, rows: list[_Row]) -> list[tuple[list[int], list[float], dict]]:
@@ -475,7 +534,8 @@ class HFEngine:
                 for i in range(batch)]
 
     def _item(self, row: _Row, out_ids: list[int], logprobs: list[float], finish: dict,
-              version: Optional[str] = None) -> dict:
+              version: Optional[str] = None,
+              input_logprobs: Optional[list[Optional[float]]] = None) -> dict:
         """One response element in SGLang's shape."""
         spec = row.spec
         text = self.tokenizer.decode(out_ids, skip_special_tokens=spec.skip_special_tokens)
@@ -490,6 +550,10 @@ class HFEngine:
         if row.return_logprob:
             # SGLang: [logprob, token_id, token_text]; text is None unless return_text_in_logprobs
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, out_ids)]
+        if input_logprobs is not None:
+            tokens = row.input_ids[row.logprob_start_len:]
+            meta["input_token_logprobs"] = [[lp, tok, None]
+                                            for lp, tok in zip(input_logprobs, tokens)]
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
     # ---- control: pause, weights ------------------------------------------------------------
@@ -586,9 +650,9 @@ def build_app(engine: HFEngine, request_timeout_s: float) -> FastAPI:
     @_json_errors
     async def generate(request: Request):
         body = await _body(request)
-        prompts, specs, flags, is_batch = parse_generate_request(body, engine.tokenizer,
-                                                                 engine.vocab_size)
-        future = engine.submit(prompts, specs, flags)
+        prompts, specs, flags, starts, is_batch = parse_generate_request(
+            body, engine.tokenizer, engine.vocab_size)
+        future = engine.submit(prompts, specs, flags, starts)
         items = await asyncio.wait_for(asyncio.wrap_future(future), timeout=request_timeout_s)
         return JSONResponse(items if is_batch else items[0])
 

@@ -1,10 +1,19 @@
-"""Rollout worker: prompts -> engines -> rewards -> groups -> broker.
+"""Rollout worker: prompts -> engines -> rewards (+ teacher) -> groups -> broker.
 
-`python -m relax_slurm.rollout.worker --run-dir DIR`. One asyncio loop drives many prompt
-groups at once: it asks the broker for admission credits (which is what bounds staleness),
-starts one task per admitted prompt, and each task samples `n_samples_per_prompt` responses
-from one engine, scores them and puts the group on the broker. The worker cannot tell an SGLang
-server from the hf engine: both speak the same HTTP protocol.
+`python -m relax_slurm.rollout --run-dir DIR` (see rollout/__main__.py). One asyncio loop drives
+many prompt groups at once: it asks the broker for admission credits (which is what bounds
+staleness), starts one task per admitted prompt, and each task samples `n_samples_per_prompt`
+responses from one engine, scores them in the reward pool (worker processes with a timeout),
+asks the teacher engine for their log-probs when the run has one (on-policy distillation) and
+puts the group on the broker. The worker cannot tell an SGLang server from the hf engine: both
+speak the same HTTP protocol.
+
+Data-side algorithm knobs applied here (pure functions from relax_slurm.algos):
+- `algo.overlong_buffer_tokens`: the soft overlong penalty is added to each reward;
+- `algo.dynamic_sampling`: a group whose (penalised) rewards are all equal is not put on the
+  broker; its credit is released, so the loop admits and samples another prompt instead.
+Events of groups that never reach the broker (filtered groups, their reward errors) ride in the
+metadata of the next group that does, so the trainer's metrics count them.
 """
 
 from __future__ import annotations
@@ -16,16 +25,20 @@ import json
 import logging
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from transformers import AutoTokenizer
 
+from relax_slurm.algos.dapo import is_informative_group, overlong_penalty
 from relax_slurm.broker.client import AsyncBrokerClient
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data import Prompt, PromptDataset
+from relax_slurm.errors import ConfigError
 from relax_slurm.launch.plan import load_plan
-from relax_slurm.rewards import RewardInput, get_reward_fn
-from relax_slurm.rollout.engine_client import AsyncEngineClient
+from relax_slurm.rewards import RewardInput, RewardPool, build_reward
+from relax_slurm.rollout.engine_client import AsyncEngineClient, GenerateResult
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.samples import Group, Sample
 
@@ -48,6 +61,44 @@ def resume_state(resume_from: str | None, worker_rank: int) -> tuple[dict | None
     return rollout.get("data_state"), int(rollout.get("next_group_id", worker_rank))
 
 
+@dataclass
+class PendingCounts:
+    """Counts of groups that did not reach the broker, handed to the next group that does."""
+
+    reward_errors: int = 0
+    filtered_groups: int = 0
+
+    def take(self, reward_errors: int) -> dict[str, int]:
+        """This group's counts plus everything pending (then reset): its samples' metadata."""
+        out = {"reward_errors": self.reward_errors + reward_errors,
+               "filtered_groups": self.filtered_groups}
+        self.reward_errors = self.filtered_groups = 0
+        return out
+
+
+def shaped_rewards(cfg: TrainConfig, rewards: list[float], lengths: list[int]) -> list[float]:
+    """Rewards with the soft overlong penalty added (algo.overlong_buffer_tokens, 0 = off)."""
+    a = cfg.algo
+    return [r + overlong_penalty(n, cfg.rollout.max_new_tokens, a.overlong_buffer_tokens,
+                                 a.overlong_penalty_factor)
+            for r, n in zip(rewards, lengths)]
+
+
+def grades_like_math(reward_name: str) -> bool:
+    """Whether the reward uses math-verify, worth pre-loading in the pool (seconds of SymPy
+    imports, which would otherwise count against the first call's timeout)."""
+    return any(k in reward_name for k in ("math", "dapo", "deepscaler"))
+
+
+def check_same_tokenizer(tokenizer, teacher_path: str, model_path: str) -> None:
+    """The teacher is sent the student's token ids: it must read them as the same text."""
+    if AutoTokenizer.from_pretrained(teacher_path).get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(
+            f"algo.teacher_model_path={teacher_path} has another tokenizer than model.path="
+            f"{model_path}: on-policy distillation sends token ids, so the teacher needs the "
+            "same vocabulary")
+
+
 def sampling_params(cfg: TrainConfig) -> dict:
     r = cfg.rollout
     return {
@@ -68,13 +119,24 @@ class RolloutWorker:
         if data_state is not None:
             self.dataset.load_state_dict(data_state)
             log.info("resumed data position %s, next group id %d", data_state, first_group_id)
-        self.reward_fn = get_reward_fn(cfg.reward.name)
+        self.reward = build_reward(cfg.reward)  # a bad reward config fails here, at start
+        self.reward_pool = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s,
+                                      warm_up=grades_like_math(cfg.reward.name))
+        self.counts = PendingCounts()
         self.broker = AsyncBrokerClient(
             plan.broker_router, cfg.broker.request_timeout_s, identity=f"rollout{worker_rank}"
         )
         self.router = LeastLoadedRouter(
             [AsyncEngineClient(u, cfg.rollout.request_timeout_s) for u in plan.engine_urls]
         )
+        if cfg.algo.teacher_model_path and plan.teacher_url is None:
+            raise ConfigError(
+                f"algo.teacher_model_path={cfg.algo.teacher_model_path} is set but this run has "
+                "no teacher engine (only cluster=local starts one); unset it or run locally")
+        self.teacher = None
+        if plan.teacher_url:
+            check_same_tokenizer(self.tokenizer, cfg.algo.teacher_model_path, cfg.model.path)
+            self.teacher = AsyncEngineClient(plan.teacher_url, cfg.rollout.request_timeout_s)
         self.params = sampling_params(cfg)
         # group ids unique across workers without coordination
         self.worker_rank = worker_rank
@@ -82,6 +144,28 @@ class RolloutWorker:
         self.stop = asyncio.Event()
         self.failed: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
+
+    async def score(self, prompt: Prompt, results: list[GenerateResult]
+                    ) -> tuple[list[float], int]:
+        """Every response's reward from the pool, concurrently; (rewards, number of errors)."""
+        inputs = [RewardInput(prompt=prompt.text, label=prompt.label, metadata=prompt.metadata,
+                              response=self.tokenizer.decode(r.output_ids,
+                                                             skip_special_tokens=True),
+                              finish_reason=r.finish_reason) for r in results]
+        scored = await asyncio.gather(*(self.reward_pool.score(self.reward, i) for i in inputs))
+        return [value for value, _ in scored], sum(error for _, error in scored)
+
+    async def teacher_logprobs(self, prompt: Prompt, results: list[GenerateResult]
+                               ) -> list[np.ndarray | None]:
+        """The teacher's log-prob of each response token given prompt + response so far, from
+        the prefill path of its /generate; [None] * n without a teacher."""
+        if self.teacher is None:
+            return [None] * len(results)
+        P = len(prompt.input_ids)
+        seqs = [list(prompt.input_ids) + list(r.output_ids) for r in results]
+        lps = await self.teacher.prefill_logprobs(seqs, self.cfg.rollout.temperature)
+        # token t of the sequence is predicted at position t - 1: the response starts at P - 1
+        return [np.asarray(lp[P - 1:], dtype=np.float32) for lp in lps]
 
     async def rollout_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
         n = self.cfg.rollout.n_samples_per_prompt
@@ -91,22 +175,28 @@ class RolloutWorker:
         async with self.router.pick() as engine:
             results = await engine.generate([prompt.input_ids] * n, params, return_logprob=True)
         t_end = time.time()
+        (rewards, errors), teacher = await asyncio.gather(
+            self.score(prompt, results), self.teacher_logprobs(prompt, results))
+        rewards = shaped_rewards(self.cfg, rewards, [len(r.output_ids) for r in results])
+        if self.cfg.algo.dynamic_sampling and not is_informative_group(rewards):
+            # all advantages would be 0: hand the credit back, the loop admits another prompt
+            self.counts.filtered_groups += 1
+            self.counts.reward_errors += errors
+            await self.broker.release(1)
+            return
+        counts = self.counts.take(errors)
         group: Group = []
-        for res in results:
-            response = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
-            reward = self.reward_fn(RewardInput(
-                prompt=prompt.text, response=response, label=prompt.label,
-                metadata=prompt.metadata, finish_reason=res.finish_reason,
-            ))
+        for res, reward, teacher_lp in zip(results, rewards, teacher):
             version = int(res.weight_version) if res.weight_version is not None else 0
             group.append(Sample(
                 prompt_id=prompt.prompt_id, group_id=gid,
                 prompt_ids=prompt.input_ids, response_ids=res.output_ids,
                 loss_mask=[1.0] * len(res.output_ids), rollout_logprobs=res.logprobs,
+                teacher_logprobs=teacher_lp,
                 reward=float(reward), version=version, version_min=version,
                 finish_reason=res.finish_reason,
                 metadata={"t_start": t_start, "t_end": t_end, "worker": self.worker_rank,
-                          "data_state": data_state},
+                          "data_state": data_state, **counts},
             ))
         await self.broker.put_group(group)
 
@@ -118,6 +208,7 @@ class RolloutWorker:
 
     async def run(self) -> None:
         limit = self.cfg.rollout.max_inflight_groups
+        await self.reward_pool.start()  # a reward worker that cannot start fails the run now
         while not self.stop.is_set():
             room = limit - len(self.tasks)
             if room <= 0:
@@ -142,6 +233,10 @@ class RolloutWorker:
         if self.failed is not None:
             raise self.failed
 
+    def close(self) -> None:
+        self.reward_pool.close()
+        self.broker.close()
+
 
 async def _amain(run_dir: Path) -> None:
     cfg = load_config(run_dir / "config.yaml")
@@ -152,7 +247,7 @@ async def _amain(run_dir: Path) -> None:
     try:
         await worker.run()
     finally:
-        worker.broker.close()
+        worker.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -63,6 +63,7 @@ class MicroBatch:
     weights: Tensor         # [B, T-1] loss weight of each predicted token (0 off-response)
     advantages: Tensor      # [B, T-1]
     rollout_logp: Tensor    # [B, T-1]
+    teacher_logp: Tensor | None = None  # [B, T-1], when the samples carry teacher log-probs
 
 
 def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroBatch:
@@ -73,6 +74,11 @@ def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroB
     weights = torch.zeros((B, T - 1))
     adv = torch.zeros((B, T - 1))
     rollout_logp = torch.zeros((B, T - 1))
+    with_teacher = [it.sample.teacher_logprobs is not None for it in items]
+    if any(with_teacher) and not all(with_teacher):
+        raise ValueError(f"{sum(with_teacher)} of {len(items)} samples carry teacher log-probs: "
+                         "a batch needs them on every sample or none")
+    teacher_logp = torch.zeros((B, T - 1)) if all(with_teacher) else None
     for i, it in enumerate(items):
         s = it.sample
         P, R = len(s.prompt_ids), s.response_len
@@ -84,6 +90,8 @@ def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroB
         weights[i, span] = torch.from_numpy(it.weights)
         adv[i, span] = it.advantage
         rollout_logp[i, span] = torch.from_numpy(s.rollout_logprobs)
+        if teacher_logp is not None:
+            teacher_logp[i, span] = torch.from_numpy(s.teacher_logprobs)
     return MicroBatch(
         input_ids=input_ids.to(device),
         attention_mask=attention.to(device),
@@ -91,4 +99,5 @@ def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroB
         weights=weights.to(device),
         advantages=adv.to(device),
         rollout_logp=rollout_logp.to(device),
+        teacher_logp=None if teacher_logp is None else teacher_logp.to(device),
     )

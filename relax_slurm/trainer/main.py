@@ -31,7 +31,7 @@ from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsWriter
 from relax_slurm.samples import Group
 from relax_slurm.trainer.batch import TrainItem, prepare_items, shard
 from relax_slurm.trainer.model import (
-    build_optimizer, full_named_weights, load_hf_model, wrap_parallel,
+    build_optimizer, full_named_weights, load_hf_model, load_reference_model, wrap_parallel,
 )
 from relax_slurm.trainer.step import train_step
 from relax_slurm.weightsync import WeightSender
@@ -66,6 +66,8 @@ def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int) -> tuple[
 
 def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
     samples = [s for g in groups for s in g]
+    # per group (the same on each of its samples), including groups the worker did not send
+    counts = [g[0].metadata for g in groups]
     starts = [s.metadata.get("t_start") for s in samples if "t_start" in s.metadata]
     ends = [s.metadata.get("t_end") for s in samples if "t_end" in s.metadata]
     n = len(samples)
@@ -73,6 +75,8 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
         "rollout/reward_mean": sum(s.reward for s in samples) / n,
         "rollout/response_len_mean": sum(s.response_len for s in samples) / n,
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
+        "rollout/reward_errors": sum(int(c.get("reward_errors", 0)) for c in counts),
+        "rollout/filtered_groups": sum(int(c.get("filtered_groups", 0)) for c in counts),
         "broker/staleness_max": stats.get("staleness_max", 0),
         "broker/staleness_mean": stats.get("staleness_mean", 0.0),
         "broker/queue_depth": stats.get("queue_depth", 0),
@@ -186,6 +190,8 @@ def run(run_dir: Path) -> int:
     pad_id = raw.config.pad_token_id if raw.config.pad_token_id is not None else 0
     model = wrap_parallel(raw, cfg.trainer, device)
     optimizer, scheduler = build_optimizer(model, cfg.trainer)
+    # the KL loss's anchor: model.path as loaded, frozen (also on resume)
+    ref_model = load_reference_model(cfg.model, device) if cfg.algo.kl_loss_coef > 0 else None
     start_step, extra = 0, {}
     if plan.resume_from:
         extra = load_checkpoint(plan.resume_from, model, optimizer, scheduler)
@@ -216,6 +222,7 @@ def run(run_dir: Path) -> int:
                 model, optimizer, scheduler, items, cfg.algo,
                 micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
                 temperature=cfg.rollout.temperature, pad_id=pad_id, device=device,
+                ref_model=ref_model,
             )
             t1 = time.monotonic()
             done = step + 1

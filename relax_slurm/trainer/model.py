@@ -26,6 +26,14 @@ def load_hf_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
     return model.to(device)
 
 
+def load_reference_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
+    """A frozen copy of `model.path` for the KL loss: eval mode, no gradients, a plain replica on
+    every rank (not sharded: it only runs forward passes, on this rank's micro-batches)."""
+    model = load_hf_model(cfg, device).eval()
+    model.requires_grad_(False)
+    return model
+
+
 def wrap_parallel(model: nn.Module, cfg: TrainerConfig, device: torch.device) -> nn.Module:
     """DDP replicates and all-reduces gradients; FSDP2 shards parameters across ranks."""
     if dist.get_world_size() == 1:

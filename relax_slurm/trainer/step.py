@@ -1,4 +1,11 @@
-"""One optimizer step on this rank's shard: log-probs, GRPO loss, backward, clip, step."""
+"""One optimizer step on this rank's shard: log-probs, the algorithm's loss, backward, clip, step.
+
+Per micro-batch the policy forward gives the log-probs of the sampled tokens and, from the same
+logits, the per-token entropy (with gradient only when `algo.entropy_coef > 0`); a frozen
+reference model adds `ref_logprobs` when `algo.kl_loss_coef > 0`; teacher log-probs come with
+the samples (on-policy distillation). Everything goes to `algos.policy_loss`, whose metric sums
+are added over micro-batches and ranks and divided by the number of trained tokens.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +19,40 @@ from relax_slurm.algos import policy_loss
 from relax_slurm.config.schema import AlgoConfig
 from relax_slurm.trainer.batch import MicroBatch, TrainItem, algo_params, collate
 
+# policy_loss metric sums logged under another name (all are divided by the trained tokens)
+_LOG_NAMES = {"clipped_tokens": "clipfrac", "tis_masked_tokens": "tis_masked_frac",
+              "opsm_masked_tokens": "opsm_masked_frac",
+              "logprob_abs_diff": "rollout_train_logprob_diff"}
+
+
+def scaled_logits(model: nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
+    """Logits predicting each next token, divided by the engine's temperature, [B, T-1, V]."""
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+    return logits[:, :-1].float() / temperature
+
+
+def gather_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """log p(target) at every position, [B, T-1]."""
+    # gather - logsumexp: avoids materialising the full log_softmax over the vocabulary
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy of each position's distribution, [B, T-1]: logsumexp(l) - sum(softmax(l) * l)."""
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
 
 def token_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
     """log p(target) at every position, [B, T-1], under the same temperature the engine used."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-    logits = logits[:, :-1].float() / temperature
-    # gather - logsumexp: avoids materialising the full log_softmax over the vocabulary
-    picked = logits.gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    return gather_logprobs(scaled_logits(model, mb, temperature), mb.targets)
+
+
+@torch.no_grad()
+def reference_logprobs(ref_model: nn.Module | None, mb: MicroBatch, temperature: float
+                       ) -> Tensor | None:
+    """The frozen reference model's log-probs of the same tokens, [B, T-1], or None."""
+    return None if ref_model is None else token_logprobs(ref_model, mb, temperature)
 
 
 def train_step(
@@ -34,6 +67,7 @@ def train_step(
     temperature: float,
     pad_id: int,
     device: torch.device,
+    ref_model: nn.Module | None = None,
 ) -> dict[str, float]:
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -41,36 +75,48 @@ def train_step(
     chunks = [items[i:i + micro_batch_size] for i in range(0, len(items), micro_batch_size)]
     params = algo_params(algo)
     params.pop("loss_reduction")  # folded into the per-token weights over the whole batch
-    totals = torch.zeros(4, dtype=torch.float64)  # loss, clipped tokens, |logp diff|, tokens
+    sums: dict[str, float] = {"loss": 0.0}
     for i, chunk in enumerate(chunks):
         mb = collate(chunk, pad_id, device)
         last = i == len(chunks) - 1
         # DDP: all-reduce gradients once, on the last micro-batch
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
-            logp = token_logprobs(model, mb, temperature)
+            logits = scaled_logits(model, mb, temperature)  # [B, T-1, V]
+            logp = gather_logprobs(logits, mb.targets)
+            # the bonus needs the entropy's gradient; otherwise it is only logged
+            entropy = token_entropy(logits if algo.entropy_coef else logits.detach())
             # one optimizer step per batch: the "old" policy is the current one, so ratio = 1 in
             # value and the PPO clip only shapes the gradient; detaching avoids a second forward
-            loss, sums = policy_loss(
+            loss, metrics = policy_loss(
                 algo.name, logp, logp.detach(), mb.advantages, mb.weights, mb.rollout_logp,
-                reduction="weighted_sum", **params,
+                reduction="weighted_sum", entropy=entropy,
+                ref_logprobs=reference_logprobs(ref_model, mb, temperature),
+                teacher_logprobs=mb.teacher_logp, **params,
             )
             # weights sum to 1 over the whole batch across ranks; DDP averages over ranks
             (loss * world).backward()
-        totals += torch.tensor([loss.item(), sums["clipped_tokens"].item(),
-                                sums["logprob_abs_diff"].item(), sums["tokens"].item()],
-                               dtype=torch.float64)
+        sums["loss"] += loss.item()
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     optimizer.step()
     scheduler.step()
+    return {**reduce_metrics(sums), "train/grad_norm": float(grad_norm),
+            "train/lr": scheduler.get_last_lr()[0]}
+
+
+def reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """Add every rank's sums (same keys everywhere: they depend on the config only) and divide
+    each by the trained tokens: train/loss, train/tokens, train/clipfrac, train/entropy, ..."""
+    keys = sorted(sums)
+    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(totals)
-    tokens = max(totals[3].item(), 1.0)
-    return {
-        "train/loss": totals[0].item(),
-        "train/grad_norm": float(grad_norm),
-        "train/clipfrac": totals[1].item() / tokens,
-        "train/rollout_train_logprob_diff": totals[2].item() / tokens,
-        "train/lr": scheduler.get_last_lr()[0],
-    }
+    total = dict(zip(keys, totals.tolist()))
+    tokens = max(total.get("tokens", 0.0), 1.0)
+    out = {"train/loss": total.pop("loss"), "train/tokens": total.pop("tokens", 0.0)}
+    for key, value in total.items():
+        out[f"train/{_LOG_NAMES.get(key, key)}"] = value / tokens
+    return out

@@ -101,3 +101,34 @@ def test_inconsistent_lengths_rejected() -> None:
                                    f.__setitem__(3, np.ones(3, np.float32).tobytes())))
     with pytest.raises(BrokerError, match="must match"):
         decode(frames)
+
+
+def test_teacher_logprobs_travel_when_set_and_old_messages_still_decode() -> None:
+    with_teacher = make_sample(teacher_logprobs=np.array([-0.1, -0.2, -0.3, -0.4]))
+    without = make_sample(prompt_id="p2")
+    frames = encode("put_group", {}, [[with_teacher, without]])
+    assert len(frames) == 1 + 4 + 1 + 4  # the optional array only where it is set
+    _, _, out = decode(frames)
+    assert out is not None
+    a, b = out[0]
+    assert a.teacher_logprobs is not None and a.teacher_logprobs.dtype == np.float32
+    np.testing.assert_array_equal(a.teacher_logprobs, np.float32([-0.1, -0.2, -0.3, -0.4]))
+    assert b.teacher_logprobs is None
+    # a header written before the field existed (no "teacher_logprobs" under "a") decodes
+    old = _tamper(lambda h, f: None)
+    assert "teacher_logprobs" not in msgpack.unpackb(old[0], strict_map_key=False)["g"][0][0]["a"]
+    assert decode(old)[2][0][0].teacher_logprobs is None
+
+
+def test_bad_teacher_logprobs_are_rejected() -> None:
+    with pytest.raises(ValueError, match="teacher_logprobs"):
+        make_sample(teacher_logprobs=np.zeros(3))  # 4 response tokens
+    frames = encode("put_group", {}, [[make_sample(teacher_logprobs=np.zeros(4))]])
+    header = msgpack.unpackb(frames[0], strict_map_key=False)
+    header["g"][0][0]["a"]["teacher_logprobs"][0] = "<f8"
+    frames[0] = msgpack.packb(header)
+    with pytest.raises(BrokerError, match="teacher_logprobs"):
+        decode(frames)
+    unknown = _tamper(lambda h, f: h["g"][0][0]["a"].__setitem__("bogus", ["<f4", [4], 4]))
+    with pytest.raises(BrokerError, match="optionally"):
+        decode(unknown)

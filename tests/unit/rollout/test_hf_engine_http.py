@@ -249,3 +249,47 @@ def test_logprobs_match_teacher_forcing(engine_url, tiny_model_dir):
         expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])
         got = torch.tensor([lp for lp, _, _ in item["meta_info"]["output_token_logprobs"]])
         assert torch.allclose(got, expected.squeeze(1), atol=1e-4), (got, expected)
+
+
+def test_prefill_logprobs_of_the_input(engine_url):
+    """max_new_tokens=0 with logprob_start_len (how a teacher scores a response): SGLang's
+    meta_info.input_token_logprobs, equal to the log-probs the tokens got when sampled."""
+    temperature = 0.7
+    sp = {"max_new_tokens": 5, "temperature": temperature}
+    gen = post(engine_url, "/generate", {"input_ids": PROMPTS, "sampling_params": sp,
+                                         "return_logprob": True}).json()
+    seqs = [p + g["output_ids"] for p, g in zip(PROMPTS, gen)]
+    score = {"input_ids": seqs, "return_logprob": True, "logprob_start_len": 0,
+             "sampling_params": {"max_new_tokens": 0, "temperature": temperature}}
+    out = post(engine_url, "/generate", score).json()
+    for prompt, seq, g, item in zip(PROMPTS, seqs, gen, out):
+        assert item["output_ids"] == [] and item["meta_info"]["output_token_logprobs"] == []
+        assert item["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+        entries = item["meta_info"]["input_token_logprobs"]
+        assert [tok for _, tok, _ in entries] == seq and entries[0][0] is None
+        assert all(text is None for _, _, text in entries)
+        scored = [lp for lp, _, _ in entries[len(prompt):]]
+        sampled = [lp for lp, _, _ in g["meta_info"]["output_token_logprobs"]]
+        assert scored == pytest.approx(sampled, abs=1e-4)
+
+    # a later start slices the same values; the default (-1) returns none
+    one = post(engine_url, "/generate", {**score, "input_ids": seqs[0],
+                                         "logprob_start_len": 2}).json()
+    tail = one["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in tail] == seqs[0][2:]
+    assert [e[0] for e in tail] == pytest.approx([e[0] for e in out[0]["meta_info"]
+                                                  ["input_token_logprobs"][2:]], abs=1e-5)
+    plain = post(engine_url, "/generate", {**score, "logprob_start_len": None}).json()
+    assert all("input_token_logprobs" not in item["meta_info"] for item in plain)
+    bad = post(engine_url, "/generate", {**score, "logprob_start_len": len(seqs[0]) + 5})
+    assert bad.status_code == 400 and "logprob_start_len" in bad.json()["message"]
+
+    async def score_async():
+        async with AsyncEngineClient(engine_url, timeout_s=60) as client:
+            return await client.prefill_logprobs(seqs, temperature)
+
+    lps = asyncio.run(score_async())
+    for seq, item, row in zip(seqs, out, lps):
+        assert len(row) == len(seq) - 1
+        assert row == pytest.approx([e[0] for e in item["meta_info"]["input_token_logprobs"][1:]],
+                                    abs=1e-6)

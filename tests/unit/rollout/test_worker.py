@@ -1,0 +1,211 @@
+"""The rollout worker's group pipeline with fake engines and an in-process broker state:
+rewards through the pool (errors counted), dynamic sampling, overlong penalty, teacher log-probs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from relax_slurm.broker.state import BrokerState
+from relax_slurm.config import save_config
+from relax_slurm.config.schema import (
+    AlgoConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig,
+)
+from relax_slurm.errors import ConfigError
+from relax_slurm.launch.plan import RunPlan, save_plan
+from relax_slurm.rollout.engine_client import GenerateResult
+from relax_slurm.rollout.router import LeastLoadedRouter
+from relax_slurm.rollout.worker import PendingCounts, RolloutWorker, shaped_rewards
+
+EOS = 1  # helpers_tiny vocabulary: <pad>=0, <eos>=1, <unk>=2, digits from 3
+PROMPTS = ["1+1=", "2+2=", "3+3=", "4+4=", "5+5=", "6+6="]
+
+# a reward the pool's workers import by module name: exact match, and an error on "0"
+REWARD_MODULE = textwrap.dedent("""
+    def grade(inp):
+        if inp.response == "0":
+            raise RuntimeError("cannot grade 0")
+        return float(inp.response == inp.label)
+""")
+
+
+class FakeEngine:
+    """Answers every sample of a prompt from `answers[prompt text]` (one string per sample)."""
+
+    def __init__(self, tokenizer, answers: dict[str, list[str]]) -> None:
+        self.tokenizer, self.answers = tokenizer, answers
+
+    async def generate(self, input_ids, params, return_logprob=True):
+        text = self.tokenizer.decode(input_ids[0])
+        out = []
+        for answer in self.answers[text][:len(input_ids)]:
+            ids = self.tokenizer(answer)["input_ids"] + [EOS]
+            out.append(GenerateResult(output_ids=ids, logprobs=[-0.5] * len(ids),
+                                      finish_reason="stop", weight_version="0"))
+        return out
+
+
+class FakeTeacher:
+    """Log-prob of token t is -t / 100 (position-coded, to check the alignment)."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+
+    async def prefill_logprobs(self, seqs, temperature=1.0):
+        self.seen += seqs
+        return [[-t / 100 for t in range(1, len(s))] for s in seqs]
+
+
+class FakeBroker:
+    """The broker's real state machine in process; stops the worker after `stop_after` groups."""
+
+    def __init__(self, worker: RolloutWorker, stop_after: int) -> None:
+        self.state = BrokerState(max_staleness=0, batch_size=stop_after)
+        self.worker, self.stop_after = worker, stop_after
+        self.groups: list = []
+        self.released = 0
+
+    async def acquire(self, max_n, wait_s=0.0):
+        granted = self.state.admit(max_n)
+        if not granted:
+            await asyncio.sleep(0.01)
+        return granted
+
+    async def put_group(self, group):
+        self.state.accept(group)
+        self.groups.append(group)
+        if len(self.groups) >= self.stop_after:
+            self.worker.stop.set()
+
+    async def release(self, n):
+        self.state.release(n)
+        self.released += n
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def make_worker(tmp_path, tiny_model_dir, monkeypatch):
+    module = f"worker_reward_{tmp_path.name}"
+    (tmp_path / f"{module}.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "label": str(2 * (i + 1) % 10), "id": i})
+                            + "\n" for i, p in enumerate(PROMPTS)))
+    workers = []
+
+    def make(teacher: bool = False, **algo) -> RolloutWorker:
+        cfg = TrainConfig(
+            run_dir=str(tmp_path), model=ModelConfig(path=str(tiny_model_dir)),
+            algo=AlgoConfig(**algo, teacher_model_path=str(tiny_model_dir) if teacher else None),
+            rollout=RolloutConfig(batch_size=2, n_samples_per_prompt=4, max_new_tokens=3),
+            data=DataConfig(train_files=[str(data)], apply_chat_template=False, shuffle=False),
+            reward=RewardConfig(name=f"{module}:grade", num_workers=2, timeout_s=30.0),
+        )
+        save_config(cfg, tmp_path / "config.yaml")
+        save_plan(RunPlan(broker_router="tcp://127.0.0.1:1", broker_pub="tcp://127.0.0.1:2",
+                          engine_urls=["http://127.0.0.1:3"],
+                          teacher_url="http://127.0.0.1:4" if teacher else None), tmp_path)
+        worker = RolloutWorker(cfg, tmp_path)
+        workers.append(worker)
+        return worker
+
+    yield make
+    for w in workers:
+        w.close()
+    sys.modules.pop(module, None)
+
+
+def test_pending_counts_ride_on_the_next_group():
+    counts = PendingCounts()
+    counts.filtered_groups += 2
+    counts.reward_errors += 3
+    assert counts.take(1) == {"reward_errors": 4, "filtered_groups": 2}
+    assert counts.take(0) == {"reward_errors": 0, "filtered_groups": 0}
+
+
+def test_overlong_penalty_is_added_to_rewards():
+    cfg = TrainConfig(run_dir="x", rollout=RolloutConfig(max_new_tokens=10),
+                      algo=AlgoConfig(overlong_buffer_tokens=4, overlong_penalty_factor=2.0))
+    assert shaped_rewards(cfg, [1.0, 1.0, 0.0, 1.0], [6, 8, 10, 12]) == [1.0, 0.0, -2.0, -1.0]
+    off = TrainConfig(run_dir="x", rollout=RolloutConfig(max_new_tokens=10))
+    assert shaped_rewards(off, [1.0, 0.0], [10, 10]) == [1.0, 0.0]
+
+
+def test_overlong_buffer_must_fit_below_max_new_tokens():
+    with pytest.raises(ConfigError, match="algo.overlong_buffer_tokens"):
+        TrainConfig(run_dir="x", rollout=RolloutConfig(max_new_tokens=4),
+                    algo=AlgoConfig(overlong_buffer_tokens=4))
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_refills(make_worker):
+    async def main():
+        worker = make_worker(dynamic_sampling=True)
+        # 1+1= and 2+2= are all right / all wrong (filtered: credit released, next prompt
+        # drawn); 3+3= and 4+4= are mixed; a "0" answer is a reward error scored 0
+        worker.router = LeastLoadedRouter([FakeEngine(worker.tokenizer, {
+            "1+1=": ["2"] * 4, "2+2=": ["5", "0", "5", "5"],
+            "3+3=": ["6", "6", "0", "1"], "4+4=": ["8", "1", "1", "1"],
+            "5+5=": ["0"] * 4, "6+6=": ["2"] * 4})])
+        worker.broker.close()
+        worker.broker = FakeBroker(worker, stop_after=2)
+        await worker.run()
+        return worker.broker
+
+    broker = asyncio.run(main())
+    assert broker.released == 2
+    assert sorted(g[0].prompt_id for g in broker.groups) == ["2", "3"]
+    for g in broker.groups:
+        assert len({s.reward for s in g}) > 1  # only informative groups reach the broker
+        assert all(s.teacher_logprobs is None for s in g)
+    by_id = {g[0].prompt_id: g for g in broker.groups}
+    assert [s.reward for s in by_id["2"]] == [1.0, 1.0, 0.0, 0.0]
+    # both filtered groups and the one error of "2+2=" are reported by the groups that were sent
+    metas = [g[0].metadata for g in broker.groups]
+    assert sum(m["filtered_groups"] for m in metas) == 2
+    assert sum(m["reward_errors"] for m in metas) == 2
+    assert broker.state.counters()["released"] == 2
+
+
+def test_without_dynamic_sampling_every_group_is_sent_with_teacher_logprobs(make_worker):
+    async def main():
+        worker = make_worker(teacher=True)
+        worker.router = LeastLoadedRouter([FakeEngine(worker.tokenizer, {
+            p: ["2", "12", "2", "2"] for p in PROMPTS})])
+        worker.teacher = FakeTeacher()
+        worker.broker.close()
+        worker.broker = FakeBroker(worker, stop_after=2)
+        await worker.run()
+        return worker
+
+    worker = asyncio.run(main())
+    broker = worker.broker
+    assert broker.released == 0 and len(broker.groups) == 2
+    by_id = {g[0].prompt_id: g for g in broker.groups}
+    assert sorted(by_id) == ["0", "1"]  # the first two prompts (no shuffle), uniform or not
+    assert [s.reward for s in by_id["0"]] == [1.0, 0.0, 1.0, 1.0]
+    assert [s.reward for s in by_id["1"]] == [0.0] * 4
+    for g in broker.groups:
+        for s in g:
+            P, R = len(s.prompt_ids), s.response_len
+            # response token j sits at sequence position P + j, scored -(P + j) / 100
+            expected = -np.arange(P, P + R, dtype=np.float32) / 100
+            np.testing.assert_allclose(s.teacher_logprobs, expected, rtol=1e-6)
+    sent = [list(s.prompt_ids) + list(s.response_ids) for g in broker.groups for s in g]
+    assert sorted(worker.teacher.seen) == sorted(sent)
+
+
+def test_a_teacher_path_without_a_teacher_engine_fails_at_start(make_worker, tmp_path):
+    with pytest.raises(ConfigError, match="teacher"):
+        worker = make_worker(teacher=True)
+        save_plan(RunPlan(broker_router="tcp://127.0.0.1:1", broker_pub="tcp://127.0.0.1:2",
+                          engine_urls=["http://127.0.0.1:3"]), tmp_path)
+        RolloutWorker(worker.cfg, tmp_path)
