@@ -1,14 +1,19 @@
 """Child processes of a run: start with a log file per role, watch, and always tear down.
 
 Each child gets its own session so that stopping it also stops what it started (torchrun's
-ranks); teardown happens in `close()`, which the local runner calls in `finally`.
+ranks); teardown happens in `close()`, which the local runner calls in `finally`. A launcher that
+is killed outright (SIGKILL, OOM killer, a test's timeout) runs no `finally`: every child also
+asks the kernel for SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG), so no role outlives
+the launcher and keeps a broker, an engine or a trainer running with nobody to stop it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +22,21 @@ from relax_slurm.errors import RoleFailed
 
 TERM_GRACE_S = 10.0
 LOG_TAIL_LINES = 20
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _child_setup(parent: int, cpus: list[int] | None):
+    """preexec_fn: die with the launcher, then pin to `cpus` (if any)."""
+    def setup() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:  # the launcher died before prctl took effect
+                os._exit(1)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return setup
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -56,9 +76,9 @@ class ProcessSet:
               host: str = "127.0.0.1", cpus: list[int] | None = None) -> Role:
         log = self.log_dir / f"{name}.log"
         f = log.open("ab")
-        preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=self.env, start_new_session=True, preexec_fn=preexec)
+                                env=self.env, start_new_session=True,
+                                preexec_fn=_child_setup(os.getpid(), cpus))
         f.close()  # the child holds its own descriptor
         role = Role(name=name, proc=proc, log=log, ports=ports or {}, host=host)
         self.roles.append(role)

@@ -17,7 +17,7 @@ from relax_slurm.errors import Preempted, RelaxError, RoleFailed
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.roles import RoleSpec
-from relax_slurm.metrics.jsonl import METRICS_FILE, iter_metrics
+from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsTail, iter_metrics
 from relax_slurm.metrics.progress import Progress
 from relax_slurm.metrics.summary import summarize, write_summary
 from relax_slurm.rollout.engine_client import EngineClient
@@ -84,18 +84,16 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path) -> 
     """Return when the trainer exits 0; raise Preempted when it stopped on a preemption request
     (see launch/control.py), RoleFailed for any other death or a stalled run."""
     progress = Progress(cfg.trainer.total_steps, enabled=cfg.metrics.progress)
-    metrics_path = run_dir / METRICS_FILE
-    seen, last_step_t = 0, time.monotonic()
+    tail = MetricsTail(run_dir / METRICS_FILE)
+    last_step_t = time.monotonic()
     try:
         while True:
-            rows = list(iter_metrics(metrics_path))
-            for row in rows[seen:]:
+            for row in tail.new_rows():
                 progress.update(row)
                 last_step_t = time.monotonic()
-            seen = max(seen, len(rows))
             if trainer.proc.poll() == 0:
                 return
-            preempted = _preempted(trainer, run_dir, seen)
+            preempted = _preempted(trainer, run_dir, tail.count)
             if preempted is not None:
                 raise preempted
             procs.check_alive()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,6 +31,32 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._f.close()
+
+
+class MetricsTail:
+    """New rows of a growing metrics.jsonl, read incrementally (the file is never re-parsed).
+
+    A resumed trainer truncates the file to its checkpoint's step: then reading starts over and
+    `count` (rows in the file as last read) drops accordingly."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._offset, self._partial, self.count = path, 0, b"", 0
+
+    def new_rows(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                if os.fstat(f.fileno()).st_size < self._offset:  # truncated
+                    self._offset, self._partial, self.count = 0, b"", 0
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()  # an incomplete last line, finished by a later read
+        rows = [json.loads(line) for line in lines if line.strip()]
+        self.count += len(rows)
+        return rows
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

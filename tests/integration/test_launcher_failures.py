@@ -106,3 +106,14 @@ def test_ctrl_c_stops_every_process(run):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     assert_all_gone(roles, run_dir)
+
+
+@pytest.mark.slow
+def test_killed_launcher_takes_every_role_with_it(run):
+    """SIGKILL runs no `finally`: the roles must still go (PR_SET_PDEATHSIG), not keep a broker,
+    an engine and a trainer running with nobody to stop them."""
+    proc, run_dir = run
+    roles = wait_for_first_step(proc, run_dir)
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert_all_gone(roles, run_dir, timeout_s=60)

@@ -36,7 +36,20 @@ def test_prepare_data_rows(tiny):
     for row in train + test:
         a, b = int(row["prompt"][0]), int(row["prompt"][2])
         assert row["prompt"] == f"{a}+{b}=" and row["label"] == str((a + b) % 10)
+        assert a <= 4 and b <= 4  # the default --max-operand
     assert len({r["id"] for r in train + test}) == 350
+    assert len({r["prompt"] for r in train}) == 25  # 300 draws cover the 5x5 table
+
+
+def test_prepare_data_full_table_and_bad_operand(tmp_path):
+    run_tool("tools/prepare_data.py", "--out", str(tmp_path), "--n-train", "2000", "--n-test",
+             "0", "--max-operand", "9")
+    rows = [json.loads(x) for x in (tmp_path / "arith_train.jsonl").read_text().splitlines()]
+    assert len({r["prompt"] for r in rows}) == 100
+    assert any(int(r["prompt"][0]) + int(r["prompt"][2]) >= 10 for r in rows)
+    r = subprocess.run([sys.executable, "tools/prepare_data.py", "--out", str(tmp_path),
+                        "--max-operand", "12"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode != 0 and "--max-operand must be a digit" in r.stderr
 
 
 def test_model_and_tokenizer_load_and_generate(tiny):
