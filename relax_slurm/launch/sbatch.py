@@ -31,17 +31,15 @@ SCRIPT_NAME = "job.sbatch"
 SBATCH_TIMEOUT_S = 120
 TEMPLATE = """\
 #!/bin/bash
-# relax-slurm run {{run_dir}}
-# Rendered by relax-train (relax_slurm/launch/sbatch.py). Resubmit with `sbatch {{script}}`:
-# the run resumes from its latest checkpoint in the same run directory.
+{{header}}
 {{sbatch}}
 
 set -eo pipefail
-cd {{workdir}}
 {{setup}}
 # exec: the driver replaces this shell, so Slurm's B:USR1 (preemption/time limit) reaches it
-exec {{python}} -m relax_slurm.launch.slurm_driver --run-dir {{run_dir}}
+exec {{driver}}
 """
+DRIVER = "-m relax_slurm.launch.slurm_driver"
 
 
 def fill(template: str, **values: str) -> str:
@@ -66,12 +64,14 @@ def component_options(c: ClusterConfig, group: int) -> list[str]:
     opts += [f"--time={c.time_limit_min}", f"--nodes={nodes}", "--ntasks-per-node=1",
              f"--cpus-per-task={c.cpus_per_task}"]
     opts += [f"--gpus-per-node={gpus}"] if gpus else []
-    opts += [f"--mem={c.mem_gb}G"] if c.mem_gb is not None else []
+    opts += [f"--mem={c.mem_gb}G" if c.mem_gb else "--mem=0"] if c.mem_gb is not None else []
     return opts + list(c.extra_sbatch_args)
 
 
-def sbatch_lines(c: ClusterConfig, run_dir: Path) -> list[str]:
-    job = [f"--job-name={c.job_name}", f"--output={run_dir}/slurm-%j.out", "--open-mode=append",
+def sbatch_lines(c: ClusterConfig, output: str) -> list[str]:
+    """Every #SBATCH line: job-wide options first (they belong to component 0), then one block
+    per component, separated by `#SBATCH hetjob`."""
+    job = [f"--job-name={c.job_name}", f"--output={output}", "--open-mode=append",
            "--requeue" if c.requeue else "--no-requeue"]
     job += [f"--signal=B:USR1@{c.signal_lead_s}"] if c.signal_lead_s else []
     lines = [f"#SBATCH {o}" for o in job + component_options(c, 0)]
@@ -85,11 +85,57 @@ def job_python(c: ClusterConfig) -> str:
 
 
 def render_script(cfg: TrainConfig, run_dir: Path, workdir: Path) -> str:
+    """The sbatch script of one run (its config.yaml already in run_dir)."""
     c = cfg.cluster
-    return fill(TEMPLATE, run_dir=shlex.quote(str(run_dir)),
-                script=shlex.quote(str(run_dir / SCRIPT_NAME)),
-                sbatch="\n".join(sbatch_lines(c, run_dir)), workdir=shlex.quote(str(workdir)),
-                setup="\n".join(c.setup_lines), python=shlex.quote(job_python(c)))
+    script = shlex.quote(str(run_dir / SCRIPT_NAME))
+    header = (f"# relax-slurm run {run_dir}\n"
+              f"# Rendered by relax-train (relax_slurm/launch/sbatch.py). Resubmit with `sbatch "
+              f"{script}`:\n"
+              "# the run resumes from its latest checkpoint in the same run directory.")
+    return fill(TEMPLATE, header=header,
+                sbatch="\n".join(sbatch_lines(c, f"{run_dir}/slurm-%j.out")),
+                setup="\n".join([f"cd {shlex.quote(str(workdir))}", *c.setup_lines]),
+                driver=f"{shlex.quote(job_python(c))} {DRIVER} --run-dir "
+                       f"{shlex.quote(str(run_dir))}")
+
+
+# The ready scripts in sbatch/: (cluster settings, overrides the script passes, description).
+# `python -m relax_slurm.launch.sbatch --write-presets` rewrites them; a unit test checks that
+# the files match.
+_GPU_NODE = dict(kind="slurm", gpus_per_node=8, cpus_per_task=32, mem_gb=0, time_limit_min=240)
+PRESETS: dict[str, tuple[ClusterConfig, list[str], str]] = {
+    "train_hetjob": (
+        ClusterConfig(layout="hetjob", trainer_nodes=1, rollout_nodes=1, **_GPU_NODE), [],
+        "Heterogeneous job: component 0 = 1 node with the torchrun trainer (8 GPUs) and the\n"
+        "# broker; component 1 = 1 node with the engines and the rollout worker."),
+    "train_colocated": (
+        ClusterConfig(layout="colocated", trainer_nodes=1, rollout_nodes=0, **_GPU_NODE),
+        ["cluster.layout=colocated", "cluster.trainer_nodes=1", "cluster.rollout_nodes=0"],
+        "One plain allocation of 1 node: trainer, broker, engines and rollout worker share it\n"
+        "# (set trainer.nproc_per_node to the GPUs the trainer takes)."),
+    "train_multinode": (
+        ClusterConfig(layout="hetjob", trainer_nodes=2, rollout_nodes=2, **_GPU_NODE), [],
+        "Heterogeneous job, multi-node: component 0 = 2 trainer nodes x 8 GPUs (one torchrun\n"
+        "# agent per node, c10d rendezvous on the first) + the broker; component 1 = 2 rollout\n"
+        "# nodes (engines spread over them). Use trainer.nproc_per_node=8."),
+}
+
+
+def render_preset(name: str) -> str:
+    c, fixed, what = PRESETS[name]
+    header = (f"# {what}\n#\n"
+              f"#   sbatch sbatch/{name}.sbatch experiment=X key=value ...\n#\n"
+              "# Arguments are Hydra overrides, as for relax-train. Edit the #SBATCH lines for "
+              "your\n"
+              "# cluster, or override them on the command line, where an option applies to every\n"
+              f"# component: sbatch -p gpu -A myproj sbatch/{name}.sbatch ...\n"
+              "# The run directory defaults to runs/slurm-<job id>; a requeued attempt (--signal,\n"
+              "# preemption) resumes there. RELAX_PYTHON: the interpreter with relax-slurm\n"
+              "# installed (default: python on PATH). See docs/slurm.md.")
+    driver_args = " ".join([*fixed, '"$@"'])
+    return fill(TEMPLATE, header=header, sbatch="\n".join(sbatch_lines(c, "slurm-%x-%j.out")),
+                setup="# module load ... / source .venv/bin/activate: here",
+                driver=f'"${{RELAX_PYTHON:-python}}" {DRIVER} --compose {driver_args}')
 
 
 def example_allocation(c: ClusterConfig) -> SlurmAllocation:
@@ -199,3 +245,22 @@ def run_sbatch(cfg: TrainConfig) -> int:
     if status["state"] == "completed" and summary.is_file():
         print(summary.read_text(), end="")
     return 0 if status["state"] == "completed" else 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m relax_slurm.launch.sbatch",
+                                     description="Rewrite the ready scripts in sbatch/.")
+    parser.add_argument("--write-presets", type=Path, metavar="DIR", required=True)
+    args = parser.parse_args(argv)
+    args.write_presets.mkdir(parents=True, exist_ok=True)
+    for name in PRESETS:
+        path = args.write_presets / f"{name}.sbatch"
+        path.write_text(render_preset(name))
+        path.chmod(0o755)
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

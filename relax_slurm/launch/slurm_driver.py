@@ -14,7 +14,9 @@ Preemption and time limits: Slurm sends SIGUSR1 `cluster.signal_lead_s` before t
 The driver asks the trainer to checkpoint and stop (`control.request_preempt`); when the trainer
 has stopped, the supervisor raises `Preempted` and the driver runs `scontrol requeue` on its own
 job. The next attempt, same job id and run directory, clears the request and starts every role
-again; the trainer resumes from its latest checkpoint (`resume=auto`).
+again; the trainer resumes from its latest checkpoint (`resume=auto`). A trainer that has not
+stopped within `cluster.preempt_timeout_s` is not waited for: the job is requeued anyway and the
+next attempt resumes from the latest complete checkpoint.
 
 `--compose OVERRIDES...` (used by the ready scripts in sbatch/) composes the config here first,
 with `run_dir` defaulting to `runs/slurm-<job id>` so that a requeued attempt finds its run.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import shlex
@@ -38,7 +41,9 @@ from pathlib import Path
 from relax_slurm.checkpoint import clear_checkpoints, find_latest, resolve_resume
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import ConfigError, Preempted, RelaxError, RoleFailed
-from relax_slurm.launch.control import clear_preempt, request_preempt, write_status
+from relax_slurm.launch.control import (
+    PREEMPT_EXIT_CODE, clear_preempt, read_status, request_preempt, write_status,
+)
 from relax_slurm.launch.local import check_inputs
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.roles import RoleSpec, broker_spec, engine_specs, trainer_spec, worker_spec
@@ -160,6 +165,7 @@ class PreemptSignal:
     def __init__(self, run_dir: Path, alloc: SlurmAllocation, cfg: TrainConfig) -> None:
         self.run_dir, self.alloc, self.cfg = run_dir, alloc, cfg
         self.timer: threading.Timer | None = None
+        self.forced = False
 
     def __call__(self, signum: int, frame: object) -> None:
         log.warning("got %s: asking the trainer to checkpoint and stop",
@@ -174,7 +180,15 @@ class PreemptSignal:
         log.error("the trainer did not stop within cluster.preempt_timeout_s=%ss; requeueing "
                   "job %s without a fresh checkpoint", self.cfg.cluster.preempt_timeout_s,
                   self.alloc.job_id)
-        requeue(self.alloc.job_id)
+        self.forced = True
+        write_status(self.run_dir, "requeued", job_id=self.alloc.job_id,
+                     attempt=self.alloc.restart_count,
+                     message="the trainer did not stop within cluster.preempt_timeout_s; "
+                             "the next attempt resumes from the latest complete checkpoint")
+        try:
+            requeue(self.alloc.job_id)
+        except RoleFailed as e:
+            log.error("%s", e)
 
     def cancel(self) -> None:
         if self.timer is not None:
@@ -187,26 +201,21 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def slurm_info(alloc: SlurmAllocation, layout: Layout, specs: list[RoleSpec]) -> dict:
-    group = {"trainer": 0, "rollout": 1}
+    """Where this attempt put each role (slurm.json, and the summary's "slurm" section)."""
     return {
         "job_id": alloc.job_id, "attempt": alloc.restart_count, "het": layout.het,
         "trainer_hosts": list(layout.trainer_hosts), "rollout_hosts": list(layout.rollout_hosts),
         "roles": {s.name: {"het_group": s.het_group if layout.het else 0,
-                           "hosts": list(layout.trainer_hosts if s.name == "trainer"
-                                         else (s.host,)),
-                           "side": "trainer" if s.het_group == group["trainer"] else "rollout"}
+                           "hosts": list(layout.trainer_hosts) if s.name == "trainer"
+                           else [s.host]}
                   for s in specs},
     }
 
 
-def drive(run_dir: str | Path, alloc: SlurmAllocation | None = None) -> dict:
-    """Run the roles of `run_dir` (config.yaml written) in this allocation; return the summary.
-
-    Raises Preempted after requeueing the job (unless cluster.requeue=false)."""
-    run_dir = Path(run_dir).resolve()
-    alloc = alloc or read_allocation()
-    cfg = load_config(run_dir / "config.yaml")
-    clear_preempt(run_dir)  # a request from the attempt before must not stop this one
+def prepare(cfg: TrainConfig, alloc: SlurmAllocation, run_dir: Path) -> tuple[list[RoleSpec],
+                                                                              Wrap, dict]:
+    """Place the roles on this allocation, resolve the resume point, write plan.json and
+    slurm.json; return the role specs, the srun wrap and the placement."""
     layout = make_layout(cfg, alloc)
     plan = slurm_plan(cfg, layout)
     resume = resume_point(cfg, run_dir, alloc.restart_count)
@@ -214,43 +223,61 @@ def drive(run_dir: str | Path, alloc: SlurmAllocation | None = None) -> dict:
     save_plan(plan, run_dir)
     specs = role_specs(cfg, plan, layout, run_dir)
     wrap = srun_wrap(cfg, layout, workdir=str(Path.cwd()))
-    log.info("attempt %d %s", alloc.restart_count,
-             f"resumes from {resume}" if resume else "starts fresh")
     info = slurm_info(alloc, layout, specs)
     (run_dir / "slurm.json").write_text(json.dumps(info, indent=2))
+    log.info("attempt %d %s", alloc.restart_count,
+             f"resumes from {resume}" if resume else "starts fresh")
     for spec in specs:
         log.info("%s: %s", spec.name, shlex.join(wrap(spec)))
-    on_usr1 = PreemptSignal(run_dir, alloc, cfg)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGUSR1, on_usr1)
-        signal.signal(signal.SIGTERM, _terminate)
-    write_status(run_dir, "running", job_id=alloc.job_id, attempt=alloc.restart_count)
+    return specs, wrap, info
+
+
+def drive(run_dir: str | Path, alloc: SlurmAllocation | None = None) -> dict:
+    """Run the roles of `run_dir` (config.yaml written) in this allocation; return the summary.
+
+    Records the outcome in slurm_status.json. Raises Preempted after requeueing the job (unless
+    cluster.requeue=false), RelaxError for a failed run."""
+    run_dir = Path(run_dir).resolve()
+    alloc = alloc or read_allocation()
+    status = functools.partial(write_status, run_dir, job_id=alloc.job_id,
+                               attempt=alloc.restart_count)
+    on_usr1: PreemptSignal | None = None
     try:
+        cfg = load_config(run_dir / "config.yaml")
+        clear_preempt(run_dir)  # a request from the attempt before must not stop this one
+        specs, wrap, info = prepare(cfg, alloc, run_dir)
+        on_usr1 = PreemptSignal(run_dir, alloc, cfg)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, on_usr1)
+            signal.signal(signal.SIGTERM, _terminate)
+        status("running")
         summary = supervise(specs, cfg, run_dir, wrap)
     except Preempted as e:
         on_usr1.cancel()
-        if cfg.cluster.requeue:
-            write_status(run_dir, "requeued", job_id=alloc.job_id, attempt=alloc.restart_count,
-                         message=str(e))
-            log.warning("%s; requeueing job %s", e, alloc.job_id)
+        if not cfg.cluster.requeue:
+            status("preempted", message=str(e))
+            raise
+        status("requeued", message=str(e))
+        log.warning("%s; requeueing job %s", e, alloc.job_id)
+        try:
             requeue(alloc.job_id)
-        else:
-            write_status(run_dir, "preempted", job_id=alloc.job_id,
-                         attempt=alloc.restart_count, message=str(e))
+        except RoleFailed as failed:
+            status("preempted", message=f"{e}; {failed}")
+            raise failed from e
         raise
     except RelaxError as e:
-        write_status(run_dir, "failed", job_id=alloc.job_id, attempt=alloc.restart_count,
-                     message=str(e))
+        status("failed", message=str(e))
         raise
     except KeyboardInterrupt:
-        write_status(run_dir, "terminated", job_id=alloc.job_id, attempt=alloc.restart_count,
-                     message="SIGTERM (scancel or the time limit)")
+        if on_usr1 is None or not on_usr1.forced:  # (a forced requeue has said so already)
+            status("terminated", message="SIGTERM (scancel or the time limit)")
         raise
     finally:
-        on_usr1.cancel()
+        if on_usr1 is not None:
+            on_usr1.cancel()
     summary["slurm"] = info
     write_summary(run_dir, summary)
-    write_status(run_dir, "completed", job_id=alloc.job_id, attempt=alloc.restart_count)
+    status("completed")
     return summary
 
 
@@ -291,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = drive(run_dir, alloc)
     except Preempted as e:
         print(f"relax-slurm driver: {e}", flush=True)
-        return 0
+        requeued = (read_status(run_dir) or {}).get("state") == "requeued"
+        return 0 if requeued else PREEMPT_EXIT_CODE
     except RelaxError as e:
         print(f"relax-slurm driver: error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -1,0 +1,136 @@
+"""sbatch rendering: golden files for the rendered scripts and the ready scripts in sbatch/.
+
+Regenerate after an intended change with
+    RELAX_UPDATE_GOLDEN=1 python -m pytest tests/unit/launch/test_sbatch.py
+(and `python -m relax_slurm.launch.sbatch --write-presets sbatch` for sbatch/), then read the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from relax_slurm.config.schema import ClusterConfig
+from relax_slurm.launch import sbatch
+from relax_slurm.launch.submit import compose_config
+from tests.conftest import REPO
+
+GOLDEN = Path(__file__).parent / "golden"
+RUN_DIR, WORKDIR = Path("/scratch/runs/demo"), Path("/home/me/project")
+UPDATE = os.environ.get("RELAX_UPDATE_GOLDEN") == "1"
+
+CASES = {
+    "hetjob": [],
+    "colocated": ["cluster.layout=colocated", "cluster.rollout_nodes=0", "cluster.mem_gb=64"],
+    "multinode": ["cluster.trainer_nodes=2", "cluster.rollout_nodes=2", "cluster.gpus_per_node=8",
+                  "trainer.nproc_per_node=8", "rollout.num_engines=4", "cluster.partition=gpu",
+                  "cluster.rollout_partition=gpu-inference", "cluster.account=proj42",
+                  "cluster.qos=high", "cluster.time_limit_min=1440", "cluster.mem_gb=0",
+                  "cluster.signal_lead_s=300", "cluster.preempt_timeout_s=200",
+                  "cluster.container_image='nvcr.io#nvidia/pytorch:24.05-py3'",
+                  "cluster.container_mounts=[/scratch:/scratch,/home/me:/home/me]",
+                  "cluster.extra_sbatch_args=[--exclusive]",
+                  "cluster.extra_srun_args=['--cpu-bind=none']",
+                  "cluster.setup_lines=[module load cuda/12.4,source .venv/bin/activate]"],
+}
+
+
+def cfg_for(overrides: list[str]):
+    cfg = compose_config(["experiment=tiny_cpu", "cluster=slurm", f"run_dir={RUN_DIR}",
+                          "cluster.python=/opt/venv/bin/python", *overrides])
+    cfg.model.path = "/models/tiny"
+    return cfg
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if UPDATE:
+        path.write_text(text)
+    assert path.is_file(), f"{path} missing: run with RELAX_UPDATE_GOLDEN=1 once"
+    assert text == path.read_text(), f"{name} changed; see the module docstring to update"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rendered_script_matches_golden(case):
+    text = sbatch.render_script(cfg_for(CASES[case]), RUN_DIR, WORKDIR)
+    check_golden(f"{case}.sbatch", text)
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # valid shell
+
+
+@pytest.mark.parametrize("name", sbatch.PRESETS)
+def test_ready_scripts_match_their_presets(name):
+    path = REPO / "sbatch" / f"{name}.sbatch"
+    assert path.read_text() == sbatch.render_preset(name), (
+        f"{path} differs from PRESETS[{name!r}]: python -m relax_slurm.launch.sbatch "
+        "--write-presets sbatch")
+    assert os.access(path, os.X_OK)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_ready_scripts_pass_overrides_and_requeue():
+    for name in sbatch.PRESETS:
+        text = (REPO / "sbatch" / f"{name}.sbatch").read_text()
+        assert text.rstrip().endswith('"$@"'), name  # Hydra overrides passed through
+        for line in ("#SBATCH --requeue", "#SBATCH --open-mode=append",
+                     "#SBATCH --signal=B:USR1@120", "slurm_driver --compose"):
+            assert line in text, (name, line)
+
+
+def test_hetjob_blocks_and_job_wide_options():
+    lines = sbatch.sbatch_lines(cfg_for(CASES["multinode"]).cluster, "out-%j")
+    sep = lines.index("#SBATCH hetjob")
+    first, second = lines[:sep], lines[sep + 1:]
+    assert "#SBATCH --signal=B:USR1@300" in first and "#SBATCH --requeue" in first
+    assert not any("--signal" in l or "--output" in l for l in second)  # job-wide: once
+    assert "#SBATCH --partition=gpu" in first and "#SBATCH --partition=gpu-inference" in second
+    assert "#SBATCH --nodes=2" in first and "#SBATCH --nodes=2" in second
+    assert "#SBATCH --mem=0" in first and "#SBATCH --exclusive" in second
+
+
+def test_colocated_is_one_block_with_all_nodes():
+    lines = sbatch.sbatch_lines(ClusterConfig(kind="slurm", layout="colocated", trainer_nodes=2,
+                                              rollout_nodes=1, requeue=False, signal_lead_s=0),
+                                "o")
+    assert "#SBATCH hetjob" not in lines and "#SBATCH --nodes=3" in lines
+    assert "#SBATCH --no-requeue" in lines and not any("--signal" in l for l in lines)
+
+
+def test_dry_run_shows_script_and_one_srun_per_role():
+    cfg = cfg_for(CASES["multinode"])
+    text = sbatch.dry_run_text(cfg, RUN_DIR, WORKDIR)
+    assert text.startswith("#!/bin/bash")
+    sruns = [shlex.split(l) for l in text.splitlines() if l.startswith("srun ")]
+    names = [next(a for a in s if a.startswith("--job-name=")).split("=")[1] for s in sruns]
+    assert names == ["broker", "engine0", "engine1", "engine2", "engine3", "rollout", "trainer"]
+    trainer = sruns[-1]
+    assert "--het-group=0" in trainer and "--nodes=2" in trainer
+    assert "--nodelist=trainer-node1,trainer-node2" in trainer
+    assert all("--het-group=1" in s for s in sruns[1:6])
+    assert all("--overlap" in s and "--container-image=nvcr.io#nvidia/pytorch:24.05-py3" in s
+               for s in sruns)
+
+
+def test_run_sbatch_dry_run_submits_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sbatch, "submit_script", lambda p: pytest.fail("submitted"))
+    cfg = cfg_for(["cluster.dry_run=true"])
+    cfg.run_dir = str(tmp_path / "run")
+    assert sbatch.run_sbatch(cfg) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH hetjob" in out and "srun --het-group=1" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_submit_failure_and_job_id_parsing(tmp_path, monkeypatch):
+    def fake_run(cmd, **kw):
+        if cmd[0] == "sbatch":
+            return subprocess.CompletedProcess(cmd, 0, "1234;cluster\n", "")
+        return subprocess.CompletedProcess(cmd, 1, "", "slurm_load_jobs error: Invalid job id")
+
+    monkeypatch.setattr(sbatch, "_run", fake_run)
+    assert sbatch.submit_script(tmp_path / "x.sbatch") == "1234"
+    assert sbatch.job_states("1234") == []
+    assert sbatch.wait_for_job("1234", tmp_path, 0.01)["state"] == "unknown"

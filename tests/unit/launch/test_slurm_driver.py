@@ -1,0 +1,151 @@
+"""The driver's pure parts: layout, plan, srun lines, resume point, the USR1 handler."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from relax_slurm.errors import ConfigError
+from relax_slurm.launch import slurm_driver as drv
+from relax_slurm.launch.control import preempt_requested
+from relax_slurm.launch.slurm_env import SlurmAllocation
+from relax_slurm.launch.submit import compose_config
+
+HET = SlurmAllocation(job_id="41", het_groups=(("t1", "t2"), ("r1", "r2")), is_het=True)
+PLAIN = SlurmAllocation(job_id="42", het_groups=(("n1", "n2", "n3"),))
+
+
+def cfg_for(*overrides: str):
+    return compose_config(["experiment=tiny_cpu", "cluster=slurm", "run_dir=/tmp/relax-unit-run",
+                           *overrides])
+
+
+def test_hetjob_layout_takes_components_as_they_are():
+    layout = drv.make_layout(cfg_for(), HET)
+    assert layout == drv.Layout(trainer_hosts=("t1", "t2"), rollout_hosts=("r1", "r2"), het=True)
+    with pytest.raises(ConfigError, match="3 het components"):
+        drv.make_layout(cfg_for(), SlurmAllocation(job_id="1", het_groups=(("a",),) * 3,
+                                                   is_het=True))
+
+
+def test_colocated_layout_splits_or_shares_nodes():
+    layout = drv.make_layout(cfg_for("cluster.layout=colocated", "cluster.trainer_nodes=2"), PLAIN)
+    assert layout.trainer_hosts == ("n1", "n2") and layout.rollout_hosts == ("n3",)
+    assert not layout.het
+    one = SlurmAllocation(job_id="1", het_groups=(("n1",),))
+    shared = drv.make_layout(cfg_for("cluster.layout=colocated", "cluster.rollout_nodes=0"), one)
+    assert shared.trainer_hosts == shared.rollout_hosts == ("n1",)
+    with pytest.raises(ConfigError, match="cluster.trainer_nodes=4"):
+        drv.make_layout(cfg_for("cluster.layout=colocated", "cluster.trainer_nodes=4"), PLAIN)
+
+
+def test_plan_addresses_roles_by_node_name():
+    cfg = cfg_for("rollout.num_engines=3")
+    plan = drv.slurm_plan(cfg, drv.make_layout(cfg, HET))
+    assert plan.broker_router.startswith("tcp://t1:") and plan.broker_pub.startswith("tcp://t1:")
+    hosts = [u.split("//")[1].split(":")[0] for u in plan.engine_urls]
+    assert hosts == ["r1", "r2", "r1"]  # round robin over the rollout nodes
+    assert plan.weight_sync_host == ""  # wherever trainer rank 0 lands
+    assert plan.weight_sync_port > 0 and plan.trainer_master_port > 0
+
+
+def _srun_lines(cfg, alloc, run_dir=Path("/runs/x")):
+    layout = drv.make_layout(cfg, alloc)
+    plan = drv.slurm_plan(cfg, layout)
+    wrap = drv.srun_wrap(cfg, layout, "/work")
+    return {s.name: wrap(s) for s in drv.role_specs(cfg, plan, layout, run_dir)}, plan
+
+
+def test_srun_lines_of_a_het_job():
+    lines, plan = _srun_lines(cfg_for(), HET)
+    assert lines["broker"][:2] == ["srun", "--het-group=0"]
+    assert "--nodelist=t1" in lines["broker"] and "0.0.0.0" in " ".join(lines["broker"])
+    assert lines["engine0"][1] == "--het-group=1" and "--nodelist=r1" in lines["engine0"]
+    assert lines["rollout"][1] == "--het-group=1"
+    trainer = lines["trainer"]
+    assert "--nodes=2" in trainer and "--ntasks=2" in trainer and "--ntasks-per-node=1" in trainer
+    assert "--nodelist=t1,t2" in trainer
+    assert "--nnodes=2" in trainer and f"--rdzv-endpoint=t1:{plan.trainer_master_port}" in trainer
+    for argv in lines.values():  # concurrent steps must share the allocation
+        assert "--overlap" in argv and "--kill-on-bad-exit=1" in argv
+
+
+def test_srun_lines_of_a_plain_job_have_no_het_group():
+    lines, _ = _srun_lines(cfg_for("cluster.layout=colocated"), PLAIN)
+    assert not any(a.startswith("--het-group") for argv in lines.values() for a in argv)
+
+
+def test_containers_pyxis_and_prefix():
+    lines, _ = _srun_lines(cfg_for("cluster.container_image=img.sqsh",
+                                   "cluster.container_mounts=[/data:/data]",
+                                   "cluster.container_python=python3"), HET)
+    broker = lines["broker"]
+    assert "--container-image=img.sqsh" in broker and "--container-mounts=/data:/data" in broker
+    assert "--container-workdir=/work" in broker
+    cmd = broker.index("-m") - 1  # the role's command follows srun's options
+    assert broker[cmd:cmd + 3] == ["python3", "-m", "relax_slurm.broker"]
+    assert all(a.startswith("--") for a in broker[1:cmd])
+    lines, _ = _srun_lines(cfg_for("cluster.container_prefix=[apptainer,exec,--nv,img.sif]"), HET)
+    tail = lines["engine0"][lines["engine0"].index("--kill-on-bad-exit=1") + 1:]
+    assert tail[:5] == ["apptainer", "exec", "--nv", "img.sif", "python"]
+
+
+def test_extra_srun_args_come_before_the_command():
+    lines, _ = _srun_lines(cfg_for("cluster.extra_srun_args=['--mpi=none']"), HET)
+    argv = lines["trainer"]
+    assert argv.index("--mpi=none") < argv.index("-m")
+
+
+def _fake_checkpoint(run_dir: Path, step: int) -> Path:
+    d = run_dir / "checkpoints" / f"step_{step}"
+    d.mkdir(parents=True)
+    (d / ".metadata").write_text("x")
+    (d / "meta.json").write_text(json.dumps({"step": step}))
+    return d
+
+
+def test_resume_point_first_attempt_follows_config(tmp_path):
+    assert drv.resume_point(cfg_for(), tmp_path, attempt=0) is None
+    ckpt = _fake_checkpoint(tmp_path, 5)
+    assert drv.resume_point(cfg_for(), tmp_path, attempt=0) == ckpt
+    with pytest.raises(ConfigError, match="resume=none"):
+        drv.resume_point(cfg_for("resume=none"), tmp_path, attempt=0)
+
+
+def test_requeued_attempt_always_continues_its_own_run(tmp_path):
+    ckpt = _fake_checkpoint(tmp_path, 7)
+    cfg = cfg_for("resume=none", "overwrite=true")
+    assert drv.resume_point(cfg, tmp_path, attempt=1) == ckpt  # not cleared by overwrite=true
+    assert ckpt.is_dir()
+    assert drv.resume_point(cfg, tmp_path, attempt=0) is None  # first attempt: starts over
+    assert not ckpt.exists()
+
+
+def test_usr1_requests_preemption_and_arms_the_fallback(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(drv, "requeue", calls.append)
+    handler = drv.PreemptSignal(tmp_path, HET, cfg_for("cluster.preempt_timeout_s=0.05"))
+    handler(signal.SIGUSR1, None)
+    assert preempt_requested(tmp_path)
+    handler.timer.join(timeout=5)
+    assert calls == ["41"]  # the trainer did not stop in time: requeued anyway
+
+
+def test_usr1_fallback_is_cancelled_when_the_trainer_stops(tmp_path, monkeypatch):
+    monkeypatch.setattr(drv, "requeue", lambda job: pytest.fail("requeued"))
+    handler = drv.PreemptSignal(tmp_path, HET, cfg_for("cluster.preempt_timeout_s=30"))
+    handler(signal.SIGUSR1, None)
+    handler.cancel()
+    assert not handler.timer.is_alive() or handler.timer.finished.is_set()
+
+
+def test_requeue_failure_says_how_to_resume(monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a[0], 1, "", "Requested operation is presently disabled"))
+    with pytest.raises(drv.RoleFailed, match="same run_dir to resume"):
+        drv.requeue("41")
