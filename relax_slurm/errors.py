@@ -21,6 +21,10 @@ class BrokerError(RelaxError):
     """The broker answered with an error."""
 
 
+class BrokerShutdown(BrokerError):
+    """The broker is stopping (the run is ending): a client stops too, quietly."""
+
+
 class EngineError(RelaxError):
     """An inference engine answered with an error or did not answer in time."""
 

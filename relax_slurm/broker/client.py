@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from relax_slurm.broker.wire import decode, encode
-from relax_slurm.errors import BrokerError, BrokerTimeout
+from relax_slurm.errors import BrokerError, BrokerShutdown, BrokerTimeout
 from relax_slurm.samples import Group
 
 Batch = tuple[list[Group], dict[str, Any]]
@@ -44,7 +44,8 @@ def _result(addr: str, op: str, reply: tuple[str, dict[str, Any], list[Group] | 
             ) -> tuple[dict[str, Any], list[Group] | None]:
     kind, fields, groups = reply
     if kind == "error":
-        raise BrokerError(f"broker at {addr} refused {op}: {fields.get('error')}")
+        cls = BrokerShutdown if fields.get("shutdown") else BrokerError
+        raise cls(f"broker at {addr} refused {op}: {fields.get('error')}")
     return fields, groups
 
 

@@ -166,7 +166,7 @@ class BrokerServer:
 
     def _refuse_parked(self, why: str) -> None:
         for p in self._acquires + self._batches:
-            self._reply(p.identity, p.rid, {"error": why}, op="error")
+            self._reply(p.identity, p.rid, {"error": why, "shutdown": True}, op="error")
         self._acquires.clear()
         self._batches.clear()
 

@@ -84,9 +84,12 @@ class ProcessSet:
         self.roles.append(role)
         return role
 
-    def check_alive(self, exclude: tuple[str, ...] = ()) -> None:
-        """Raise RoleFailed for the first role that exited (roles in `exclude` may exit 0)."""
+    def check_alive(self, exclude: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> None:
+        """Raise RoleFailed for the first role that exited (roles in `exclude` may exit 0;
+        roles in `skip` are the caller's to check)."""
         for role in self.roles:
+            if role.name in skip:
+                continue
             rc = role.proc.poll()
             if rc is None:
                 continue

@@ -91,12 +91,15 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path) -> 
             for row in tail.new_rows():
                 progress.update(row)
                 last_step_t = time.monotonic()
-            if trainer.proc.poll() == 0:
+            # one poll decides for the trainer: a trainer that exits 0 between two polls must
+            # not be reported by check_alive as a role that died
+            rc = trainer.proc.poll()
+            if rc == 0:
                 return
-            preempted = _preempted(trainer, run_dir, tail.count)
-            if preempted is not None:
-                raise preempted
-            procs.check_alive()
+            if rc is not None:
+                preempted = _preempted(trainer, run_dir, tail.count)
+                raise preempted or trainer.failure(f"exited with code {rc}")
+            procs.check_alive(skip=("trainer",))
             if time.monotonic() - last_step_t > cfg.cluster.step_timeout_s:
                 raise trainer.failure(
                     f"made no step for cluster.step_timeout_s={cfg.cluster.step_timeout_s}s "

@@ -35,7 +35,7 @@ from relax_slurm.algos.dapo import is_informative_group, overlong_penalty
 from relax_slurm.broker.client import AsyncBrokerClient
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data import Prompt, PromptDataset
-from relax_slurm.errors import ConfigError
+from relax_slurm.errors import BrokerShutdown, ConfigError
 from relax_slurm.launch.plan import load_plan
 from relax_slurm.rewards import RewardInput, RewardPool, build_reward
 from relax_slurm.rollout.engine_client import AsyncEngineClient, GenerateResult
@@ -246,6 +246,8 @@ async def _amain(run_dir: Path) -> None:
         loop.add_signal_handler(sig, worker.stop.set)
     try:
         await worker.run()
+    except BrokerShutdown as e:  # the run is ending: not an error worth a traceback
+        log.info("stopping: %s", e)
     finally:
         worker.close()
 

@@ -25,7 +25,7 @@ from relax_slurm.config import save_config
 from relax_slurm.config.schema import (
     AlgoConfig, DataConfig, ModelConfig, RolloutConfig, TrainConfig,
 )
-from relax_slurm.errors import BrokerError, BrokerTimeout
+from relax_slurm.errors import BrokerError, BrokerShutdown, BrokerTimeout
 from relax_slurm.samples import Group, Sample
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
@@ -257,3 +257,28 @@ def test_async_concurrency_and_shutdown(start_broker: Callable[..., Broker]) -> 
             assert (await trainer.stats())["queue_depth"] == 10
     asyncio.run(main())
     check_shutdown_broadcast(broker)
+
+
+def test_a_parked_request_learns_of_shutdown(start_broker: Callable[..., Broker]) -> None:
+    """SIGTERM refuses parked requests with BrokerShutdown, which a worker takes as 'stop
+    quietly' rather than a failure worth a traceback."""
+    broker = start_broker()
+    errors: list[BaseException] = []
+
+    def park() -> None:
+        with broker.client("worker", timeout_s=30) as c:
+            try:
+                c.acquire(1, wait_s=20)  # admission is closed until a set_version: parks
+            except BrokerError as e:
+                errors.append(e)
+    t = threading.Thread(target=park)
+    t.start()
+    with broker.client() as c:  # the acquire is parked once the broker reports it
+        deadline = time.monotonic() + 10
+        while c.stats()["parked_acquires"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    broker.proc.send_signal(signal.SIGTERM)
+    t.join(20)
+    assert len(errors) == 1 and isinstance(errors[0], BrokerShutdown), errors
+    assert "shutting down" in str(errors[0])
