@@ -1,19 +1,39 @@
-"""Wire format of broker messages: one msgpack header frame plus raw array frames.
+"""Wire format of broker messages: one msgpack header frame plus raw array frames, columnar per
+group.
 
-    frame 0      msgpack map {"op": str, "f": {fields}, "g": [[sample header, ...], ...] | None}
-    frame 1..N   the raw bytes of every array of every sample, in the order the headers name them
+    frame 0      msgpack map {"op": str, "f": {fields}, "g": [group header, ...] | None}
+    frame 1..N   per group, one frame per array field: that field of every sample of the group,
+                 concatenated in sample order (raw bytes, C order, the field's dtype)
 
-A sample header holds the scalar fields of `Sample` and, under "a", one entry per array field:
-`[dtype.str, shape, frame index]`. Optional arrays (`OPTIONAL_ARRAY_FIELDS`, e.g. the teacher's
-log-probs) appear under "a" only when the sample has them, so a message from a sender that does
-not know them still decodes. Arrays are never pickled or copied into the header: on send
-they are handed to ZMQ as buffers (zero-copy with `copy=False`), on receive `np.frombuffer`
-views the received frame. The request id `rid` travels as an ordinary field.
+A group header is a map with exactly three keys:
+
+    "n"   the number of samples in the group
+    "s"   {scalar field: [value of sample 0, ..., value of sample n-1]}, one list per field of
+          `SCALAR_FIELDS`
+    "a"   {array field: [dtype.str, frame index, [length of sample 0, ..., of sample n-1]]}
+
+So a step's batch (32 groups x 16 samples x 4-5 arrays) travels in ~150 frames, not ~2500, and
+decode does one `np.frombuffer` and one validation per field per group; the per-sample arrays
+are slices (views) of that buffer. Only 1-D arrays travel (every field of `Sample` is 1-D);
+`encode` rejects anything else with a BrokerError. The required `ARRAY_FIELDS` are always
+present, even for an empty group (empty frames). An optional array (`OPTIONAL_ARRAY_FIELDS`,
+e.g. the teacher's log-probs) is present for a group only when every sample has it; a group that
+mixes samples with and without it is an encode error (the trainer needs it on all samples or
+none). `encode` copies each field once (`np.concatenate`) and hands the result to ZMQ as a
+buffer (no further copy with `copy=False`); `decode` never copies: the arrays view the received
+frames (callers that keep or modify them decide whether to copy). The request id `rid` travels
+as an ordinary field.
+
+`decode` raises BrokerError on anything malformed: bad msgpack or header layout, a scalar of the
+wrong type, a count of values or lengths that differs from "n", a negative or non-integer
+length, a wrong dtype, a frame whose byte size is not sum(lengths) * itemsize, an unknown array
+name, a missing required array, a frame index out of range or used twice, an unreferenced frame.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any, Union
 
 import msgpack
@@ -31,7 +51,9 @@ _SCALAR_TYPES: dict[str, type | tuple[type, ...]] = {
     "prompt_id": str, "group_id": int, "reward": (int, float), "version": int,
     "version_min": int, "finish_reason": str, "multimodal": dict, "metadata": dict,
 }
+_EXACT_TYPES = {k: frozenset(t if isinstance(t, tuple) else (t,)) for k, t in _SCALAR_TYPES.items()}
 _ALL_ARRAYS = {**ARRAY_FIELDS, **OPTIONAL_ARRAY_FIELDS}
+_GROUP_KEYS = {"n", "s", "a"}
 
 
 def _pack(obj: Any, what: str) -> bytes:
@@ -44,28 +66,44 @@ def _pack(obj: Any, what: str) -> bytes:
         ) from e
 
 
+def _encode_group(gi: int, group: Group, frames: list[Frame]) -> dict[str, Any]:
+    scalars = {k: [getattr(s, k) for s in group] for k in SCALAR_FIELDS}
+    scalars["reward"] = [float(r) for r in scalars["reward"]]
+    arrays: dict[str, list[Any]] = {}
+    for name, dtype in _ALL_ARRAYS.items():
+        values = [getattr(s, name) for s in group]
+        if name in OPTIONAL_ARRAY_FIELDS:
+            have = sum(v is not None for v in values)
+            if have == 0:
+                continue
+            if have != len(values):
+                raise BrokerError(
+                    f"group {gi}: {have} of {len(values)} samples carry {name}; a group must "
+                    "carry it on every sample or on none")
+        try:
+            lengths = [len(v) for v in values]
+            # one copy into a contiguous buffer of the expected dtype (a cast only if a field
+            # was reassigned after the Sample was built)
+            flat = (np.concatenate(values, dtype=dtype, casting="unsafe") if values
+                    else np.empty(0, dtype))
+        except (TypeError, ValueError) as e:
+            flat, detail = None, f": {e}"
+        else:
+            detail = ""
+        if flat is None or flat.ndim != 1:
+            raise BrokerError(f"group {gi}: array {name!r} must be 1-D in every sample (the wire "
+                              f"format carries 1-D arrays only){detail}")
+        arrays[name] = [flat.dtype.str, len(frames), lengths]
+        frames.append(flat.data)
+    return {"n": len(group), "s": scalars, "a": arrays}
+
+
 def encode(op: str, fields: dict[str, Any], groups: list[Group] | None = None) -> list[Frame]:
-    """Frames for one message; array frames are views of the samples' arrays (no copy)."""
+    """Frames for one message: a msgpack header, then per group one frame per array field."""
     frames: list[Frame] = [b""]
     group_headers = None
     if groups is not None:
-        group_headers = []
-        for group in groups:
-            sample_headers = []
-            for s in group:
-                head: dict[str, Any] = {k: getattr(s, k) for k in SCALAR_FIELDS}
-                head["reward"] = float(s.reward)
-                arrays = {}
-                for name, dtype in _ALL_ARRAYS.items():
-                    if getattr(s, name) is None:  # an optional array the sample lacks
-                        continue
-                    # contiguous in the expected dtype: a no-op unless the field was reassigned
-                    arr = np.ascontiguousarray(getattr(s, name), dtype=dtype)
-                    arrays[name] = [arr.dtype.str, list(arr.shape), len(frames)]
-                    frames.append(arr.data)
-                head["a"] = arrays
-                sample_headers.append(head)
-            group_headers.append(sample_headers)
+        group_headers = [_encode_group(gi, g, frames) for gi, g in enumerate(groups)]
     frames[0] = _pack({"op": op, "f": fields, "g": group_headers}, f"message {op!r}")
     return frames
 
@@ -75,50 +113,79 @@ def _buffer(frame: Any) -> memoryview:
     return memoryview(getattr(frame, "buffer", frame))
 
 
-def _decode_array(name: str, spec: Any, frames: Sequence[Any], used: set[int]) -> np.ndarray:
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _decode_array(where: str, name: str, spec: Any, n: int, frames: Sequence[Any],
+                  used: set[int]) -> list[np.ndarray]:
+    """The n per-sample views of one field of one group."""
+    what = f"{where}, array {name!r}"
     if not (isinstance(spec, list) and len(spec) == 3):
-        raise BrokerError(f"array {name!r}: expected [dtype, shape, frame], got {spec!r}")
-    dtype_str, shape, index = spec
+        raise BrokerError(f"{what}: expected [dtype, frame, lengths], got {spec!r}")
+    dtype_str, index, lengths = spec
     expected = _ALL_ARRAYS[name]
     if dtype_str != expected.str:
-        raise BrokerError(f"array {name!r}: dtype {dtype_str!r}, expected {expected.str!r}")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise BrokerError(f"array {name!r}: bad shape {shape!r}")
-    if not isinstance(index, int) or not 1 <= index < len(frames) or index in used:
-        raise BrokerError(f"array {name!r}: frame index {index!r} is missing or reused "
+        raise BrokerError(f"{what}: dtype {dtype_str!r}, expected {expected.str!r}")
+    if not (isinstance(lengths, list) and len(lengths) == n):
+        raise BrokerError(f"{what}: expected a list of {n} lengths (one per sample), got "
+                          f"{lengths!r}")
+    if not set(map(type, lengths)) <= {int} or min(lengths, default=0) < 0:  # (bool is no int)
+        raise BrokerError(f"{what}: lengths must be non-negative integers, got {lengths!r}")
+    if not _is_int(index) or not 1 <= index < len(frames) or index in used:
+        raise BrokerError(f"{what}: frame index {index!r} is out of range or used twice "
                           f"(message has {len(frames)} frames)")
     used.add(index)
     buf = _buffer(frames[index])
-    size = int(np.prod(shape, dtype=np.int64)) * expected.itemsize
+    ends = list(accumulate(lengths))
+    size = (ends[-1] if ends else 0) * expected.itemsize
     if buf.nbytes != size:
-        raise BrokerError(f"array {name!r}: frame {index} has {buf.nbytes} bytes, "
-                          f"shape {shape} needs {size}")
-    return np.frombuffer(buf, dtype=expected).reshape(shape)
+        raise BrokerError(f"{what}: frame {index} has {buf.nbytes} bytes, lengths {lengths} "
+                          f"need {size}")
+    flat = np.frombuffer(buf, dtype=expected)
+    # slices of one buffer: views, no copy (np.split does the same with more overhead)
+    return [flat[end - length:end] for length, end in zip(lengths, ends)]
 
 
-def _decode_sample(head: Any, frames: Sequence[Any], used: set[int]) -> Sample:
-    if not isinstance(head, dict):
-        raise BrokerError(f"sample header must be a map, got {type(head).__name__}")
-    missing = [k for k in (*SCALAR_FIELDS, "a") if k not in head]
+def _decode_group(gi: int, head: Any, frames: Sequence[Any], used: set[int]) -> Group:
+    where = f"group {gi}"
+    if not isinstance(head, dict) or set(head) != _GROUP_KEYS:
+        raise BrokerError(f"{where}: header must be a map with keys n, s, a")
+    n, scalars, specs = head["n"], head["s"], head["a"]
+    if not (_is_int(n) and n >= 0):
+        raise BrokerError(f"{where}: n must be a non-negative integer, got {n!r}")
+    if not isinstance(scalars, dict):
+        raise BrokerError(f"{where}: s must be a map of per-sample scalar lists")
+    missing = [k for k in SCALAR_FIELDS if k not in scalars]
     if missing:
-        raise BrokerError(f"sample header lacks {missing}")
+        raise BrokerError(f"{where}: scalar fields {missing} are missing")
     for k, types in _SCALAR_TYPES.items():
-        if not isinstance(head[k], types) or isinstance(head[k], bool):
-            raise BrokerError(f"sample field {k!r}: unexpected type {type(head[k]).__name__}")
-    specs = head["a"]
+        column = scalars[k]
+        if not (isinstance(column, list) and len(column) == n):
+            raise BrokerError(f"{where}: sample field {k!r} must be a list of {n} values")
+        # msgpack decodes to exact builtin types, so comparing type sets is an isinstance check
+        # (bool, a subclass of int, is rejected as before) done in C for the whole column
+        bad = set(map(type, column)) - _EXACT_TYPES[k]
+        if bad:
+            raise BrokerError(f"{where}: sample field {k!r}: unexpected type "
+                              f"{' / '.join(sorted(t.__name__ for t in bad))}")
     if not isinstance(specs, dict) or not set(ARRAY_FIELDS) <= set(specs) <= set(_ALL_ARRAYS):
-        raise BrokerError(f"sample arrays must be {sorted(ARRAY_FIELDS)}, optionally with "
-                          f"{sorted(OPTIONAL_ARRAY_FIELDS)}")
-    arrays = {name: _decode_array(name, specs[name], frames, used) for name in _ALL_ARRAYS
-              if name in specs}
+        got = sorted(map(str, specs)) if isinstance(specs, dict) else specs
+        raise BrokerError(f"{where}: arrays must be {sorted(ARRAY_FIELDS)}, optionally with "
+                          f"{sorted(OPTIONAL_ARRAY_FIELDS)}; got {got!r}")
+    arrays = {name: _decode_array(where, name, specs[name], n, frames, used)
+              for name in _ALL_ARRAYS if name in specs}
+    names = (*SCALAR_FIELDS, *arrays)
+    columns = [*(scalars[k] for k in SCALAR_FIELDS), *arrays.values()]
     try:
-        return Sample(**{k: head[k] for k in SCALAR_FIELDS}, **arrays)
+        return [Sample(**dict(zip(names, row))) for row in zip(*columns)]
     except ValueError as e:
-        raise BrokerError(f"invalid sample: {e}") from e
+        raise BrokerError(f"{where}: invalid sample: {e}") from e
 
 
 def decode(frames: Sequence[Any]) -> tuple[str, dict[str, Any], list[Group] | None]:
-    """Inverse of `encode`; raises BrokerError on anything malformed."""
+    """Inverse of `encode`; raises BrokerError on anything malformed. The arrays of the
+    returned samples are views of `frames` (no copy)."""
     if len(frames) < 1:
         raise BrokerError("empty message")
     try:
@@ -134,10 +201,10 @@ def decode(frames: Sequence[Any]) -> tuple[str, dict[str, Any], list[Group] | No
         if len(frames) != 1:
             raise BrokerError(f"message {op!r} has {len(frames) - 1} array frames but no groups")
         return op, fields, None
-    if not isinstance(group_headers, list) or not all(isinstance(g, list) for g in group_headers):
-        raise BrokerError(f"message {op!r}: g must be a list of lists of sample headers")
+    if not isinstance(group_headers, list):
+        raise BrokerError(f"message {op!r}: g must be a list of group headers")
     used: set[int] = set()
-    groups = [[_decode_sample(h, frames, used) for h in g] for g in group_headers]
+    groups = [_decode_group(gi, h, frames, used) for gi, h in enumerate(group_headers)]
     if len(used) != len(frames) - 1:
         raise BrokerError(f"message {op!r}: {len(frames) - 1 - len(used)} unreferenced frames")
     return op, fields, groups

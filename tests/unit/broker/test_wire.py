@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import msgpack
 import numpy as np
 import pytest
 
-from relax_slurm.broker.wire import decode, encode
+from relax_slurm.broker.wire import SCALAR_FIELDS, decode, encode
 from relax_slurm.errors import BrokerError
 from relax_slurm.samples import ARRAY_FIELDS, Sample
 
@@ -26,37 +28,87 @@ def make_sample(n_prompt: int = 3, n_resp: int = 4, **kw: object) -> Sample:
 
 
 def assert_same(a: Sample, b: Sample) -> None:
-    for name in ("prompt_id", "group_id", "reward", "version", "version_min", "finish_reason",
-                 "multimodal", "metadata"):
+    for name in SCALAR_FIELDS:
         assert getattr(a, name) == getattr(b, name), name
     for name, dtype in ARRAY_FIELDS.items():
         x, y = getattr(a, name), getattr(b, name)
         assert y.dtype == dtype and x.shape == y.shape
         np.testing.assert_array_equal(x, y)
+    if a.teacher_logprobs is None:
+        assert b.teacher_logprobs is None
+    else:
+        assert b.teacher_logprobs is not None and b.teacher_logprobs.dtype == np.float32
+        np.testing.assert_array_equal(a.teacher_logprobs, b.teacher_logprobs)
+
+
+def header_of(frames: list) -> dict:
+    return msgpack.unpackb(frames[0], strict_map_key=False)
 
 
 def test_round_trip_all_fields() -> None:
-    groups = [[make_sample(), make_sample(5, 0, prompt_id="p2", multimodal={}, metadata={})],
+    groups = [[make_sample(), make_sample(5, 0, prompt_id="p2", multimodal={}, metadata={},
+                                          reward=1)],
               [make_sample(0, 2, group_id=8)], []]
     frames = encode("put_group", {"rid": 3, "x": [1, 2]}, groups)
-    assert len(frames) == 1 + 4 * 3
+    assert len(frames) == 1 + 4 * 3  # one frame per array field per group, even an empty one
     op, fields, out = decode(frames)
     assert op == "put_group" and fields == {"rid": 3, "x": [1, 2]}
     assert out is not None and [len(g) for g in out] == [2, 1, 0]
     for ga, gb in zip(groups, out):
         for a, b in zip(ga, gb):
             assert_same(a, b)
+    assert isinstance(out[0][1].reward, float)
 
 
-def test_arrays_are_sent_without_copy() -> None:
+def test_layout_is_columnar_per_group() -> None:
+    group = [make_sample(3, 4), make_sample(5, 2, prompt_id="p2", version=4)]
+    frames = encode("put_group", {}, [group])
+    g = header_of(frames)["g"][0]
+    assert set(g) == {"n", "s", "a"} and g["n"] == 2
+    assert g["s"]["prompt_id"] == ["p1", "p2"] and g["s"]["version"] == [3, 4]
+    assert g["a"]["prompt_ids"] == ["<i8", 1, [3, 5]]
+    assert g["a"]["response_ids"] == ["<i8", 2, [4, 2]]
+    assert g["a"]["loss_mask"] == ["<f4", 3, [4, 2]]
+    assert "teacher_logprobs" not in g["a"]
+    np.testing.assert_array_equal(np.frombuffer(frames[1], np.int64),
+                                  np.concatenate([s.prompt_ids for s in group]))
+
+
+def test_decoded_arrays_are_views_of_the_frame() -> None:
+    group = [make_sample(3, 4), make_sample(5, 2)]
+    frames = [bytes(f) if i == 0 else bytearray(f) for i, f in enumerate(encode("g", {}, [group]))]
+    _, _, out = decode(frames)
+    assert out is not None
+    a, b = out[0]
+    flat = np.frombuffer(frames[1], np.int64)
+    assert np.shares_memory(a.prompt_ids, flat) and np.shares_memory(b.prompt_ids, flat)
+    assert not np.shares_memory(a.prompt_ids, b.prompt_ids)
+    assert a.prompt_ids.flags.writeable  # a writable received frame gives writable arrays
+    b.prompt_ids[:] = -1  # writing one sample's slice leaves its neighbour alone
+    np.testing.assert_array_equal(a.prompt_ids, group[0].prompt_ids)
+
+
+def test_reassigned_fields_are_cast_to_the_wire_dtype() -> None:
     s = make_sample()
-    frames = encode("put_group", {}, [[s]])
-    assert isinstance(frames[1], memoryview)
-    assert np.shares_memory(np.frombuffer(frames[1], np.int64), s.prompt_ids)
+    s.loss_mask = [1, 0, 1, 1]  # type: ignore[assignment]
+    _, _, out = decode(encode("g", {}, [[s]]))
+    assert out is not None and out[0][0].loss_mask.dtype == np.float32
+    np.testing.assert_array_equal(out[0][0].loss_mask, [1, 0, 1, 1])
+
+
+def test_only_1d_arrays_are_encoded() -> None:
+    s = make_sample()
+    s.prompt_ids = np.zeros((2, 3), np.int64)
+    with pytest.raises(BrokerError, match="1-D"):
+        encode("g", {}, [[s]])
+    s.prompt_ids = np.int64(3)  # type: ignore[assignment]
+    with pytest.raises(BrokerError, match="1-D"):
+        encode("g", {}, [[s]])
 
 
 def test_no_groups() -> None:
     assert decode(encode("stats", {})) == ("stats", {}, None)
+    assert decode(encode("get", {}, [])) == ("get", {}, [])
 
 
 def test_unencodable_metadata_names_the_fix() -> None:
@@ -64,71 +116,143 @@ def test_unencodable_metadata_names_the_fix() -> None:
         encode("put_group", {}, [[make_sample(metadata={"x": object()})]])
 
 
-def _tamper(mutate: object) -> list:
-    frames = encode("put_group", {}, [[make_sample()]])
-    header = msgpack.unpackb(frames[0], strict_map_key=False)
-    mutate(header, frames)  # type: ignore[operator]
+def _tamper(mutate: Callable[[dict, list], Any], group: list[Sample] | None = None) -> list:
+    """Frames of a valid two-sample group after `mutate(group header, frames)`."""
+    group = group or [make_sample(), make_sample(5, 2, prompt_id="p2")]
+    frames = encode("put_group", {}, [group])
+    header = header_of(frames)
+    mutate(header["g"][0], frames)
     frames[0] = msgpack.packb(header)
     return frames
 
 
-@pytest.mark.parametrize("frames", [
-    [],
-    [b"\xc1garbage"],
-    [msgpack.packb([1, 2])],
-    [msgpack.packb({"op": 1, "f": {}, "g": None})],
-    [msgpack.packb({"op": "x", "f": {}, "g": None}), b"extra"],
-    [msgpack.packb({"op": "x", "f": {}, "g": [{"a": 1}]})],
-    _tamper(lambda h, f: h["g"][0][0]["a"].__setitem__("loss_mask", ["<f8", [4], 3])),
-    _tamper(lambda h, f: h["g"][0][0]["a"].__setitem__("loss_mask", ["<f4", [5], 3])),
-    _tamper(lambda h, f: h["g"][0][0]["a"].__setitem__("loss_mask", ["<f4", [4], 99])),
-    _tamper(lambda h, f: h["g"][0][0]["a"].__setitem__("loss_mask", ["<f4", [4], 1])),
-    _tamper(lambda h, f: h["g"][0][0]["a"].__setitem__("loss_mask", ["<f4", [-1], 3])),
-    _tamper(lambda h, f: h["g"][0][0]["a"].pop("loss_mask")),
-    _tamper(lambda h, f: h["g"][0][0].pop("version")),
-    _tamper(lambda h, f: h["g"][0][0].__setitem__("group_id", "seven")),
-    _tamper(lambda h, f: f.pop()),
-    _tamper(lambda h, f: f.append(b"x")),
-], ids=lambda f: str(len(f)))
+def _set(path: tuple, value: Any) -> Callable[[dict, list], None]:
+    def mutate(g: dict, frames: list) -> None:
+        *head, last = path
+        for key in head:
+            g = g[key]
+        g[last] = value
+    return mutate
+
+
+MALFORMED = {
+    "empty": [],
+    "garbage": [b"\xc1garbage"],
+    "not a map": [msgpack.packb([1, 2])],
+    "op not str": [msgpack.packb({"op": 1, "f": {}, "g": None})],
+    "frames without groups": [msgpack.packb({"op": "x", "f": {}, "g": None}), b"extra"],
+    "g not a list": [msgpack.packb({"op": "x", "f": {}, "g": {"a": 1}})],
+    "group not a map": [msgpack.packb({"op": "x", "f": {}, "g": [[{"a": 1}]]})],
+    "group extra key": _tamper(_set(("x",), 1)),
+    "group lacks n": _tamper(lambda g, f: g.pop("n")),
+    "n negative": _tamper(_set(("n",), -1)),
+    "n bool": _tamper(_set(("n",), True)),
+    "n too large": _tamper(_set(("n",), 3)),
+    "scalar missing": _tamper(lambda g, f: g["s"].pop("version")),
+    "scalar wrong type": _tamper(_set(("s", "group_id"), [7, "seven"])),
+    "scalar bool": _tamper(_set(("s", "version"), [3, True])),
+    "scalar column short": _tamper(_set(("s", "reward"), [0.5])),
+    "scalar column not list": _tamper(_set(("s", "reward"), 0.5)),
+    "array missing": _tamper(lambda g, f: g["a"].pop("loss_mask")),
+    "array unknown": _tamper(_set(("a", "bogus"), ["<f4", 4, [4, 2]])),
+    "spec not a triple": _tamper(_set(("a", "loss_mask"), ["<f4", 3])),
+    "wrong dtype": _tamper(_set(("a", "loss_mask", 0), "<f8")),
+    "wrong byte size": _tamper(lambda g, f: f.__setitem__(3, bytes(f[3])[:-4])),
+    "lengths too few": _tamper(_set(("a", "loss_mask", 2), [6])),
+    "lengths too many": _tamper(_set(("a", "loss_mask", 2), [4, 2, 0])),
+    "lengths not a list": _tamper(_set(("a", "loss_mask", 2), 6)),
+    "negative length": _tamper(_set(("a", "loss_mask", 2), [-1, 7])),
+    "float length": _tamper(_set(("a", "loss_mask", 2), [4.0, 2])),
+    "lengths disagree with frame": _tamper(_set(("a", "loss_mask", 2), [4, 3])),
+    "frame out of range": _tamper(_set(("a", "loss_mask", 1), 99)),
+    "frame zero (the header)": _tamper(_set(("a", "loss_mask", 1), 0)),
+    "frame not int": _tamper(_set(("a", "loss_mask", 1), "3")),
+    "frame missing": _tamper(lambda g, f: f.pop()),
+}
+
+
+@pytest.mark.parametrize("frames", MALFORMED.values(), ids=MALFORMED.keys())
 def test_malformed_raises_broker_error(frames: list) -> None:
     with pytest.raises(BrokerError):
         decode(frames)
 
 
-def test_inconsistent_lengths_rejected() -> None:
-    # a header that passes frame checks but breaks Sample's own length invariant
-    frames = _tamper(lambda h, f: (h["g"][0][0]["a"].__setitem__("loss_mask", ["<f4", [3], 3]),
-                                   f.__setitem__(3, np.ones(3, np.float32).tobytes())))
-    with pytest.raises(BrokerError, match="must match"):
+def test_wrong_dtype_is_named() -> None:
+    with pytest.raises(BrokerError, match=r"group 0, array 'loss_mask': dtype '<f8'"):
+        decode(MALFORMED["wrong dtype"])
+
+
+def test_wrong_byte_size_is_named() -> None:
+    with pytest.raises(BrokerError, match=r"frame 3 has 20 bytes, lengths \[4, 2\] need 24"):
+        decode(MALFORMED["wrong byte size"])
+
+
+def test_length_count_must_match_the_group() -> None:
+    for case in ("lengths too few", "lengths too many"):
+        with pytest.raises(BrokerError, match=r"expected a list of 2 lengths"):
+            decode(MALFORMED[case])
+
+
+def test_negative_length_rejected() -> None:
+    # [-1, 7] sums to the frame's 6 elements: only the sign check catches it
+    with pytest.raises(BrokerError, match="non-negative"):
+        decode(MALFORMED["negative length"])
+
+
+def test_frame_referenced_twice() -> None:
+    # rollout_logprobs names loss_mask's frame (same dtype and lengths, so only the reuse check
+    # can catch it); its own frame would be left over
+    frames = _tamper(_set(("a", "rollout_logprobs", 1), 3))
+    with pytest.raises(BrokerError, match="used twice"):
         decode(frames)
 
 
-def test_teacher_logprobs_travel_when_set_and_old_messages_still_decode() -> None:
-    with_teacher = make_sample(teacher_logprobs=np.array([-0.1, -0.2, -0.3, -0.4]))
-    without = make_sample(prompt_id="p2")
-    frames = encode("put_group", {}, [[with_teacher, without]])
-    assert len(frames) == 1 + 4 + 1 + 4  # the optional array only where it is set
+def test_unreferenced_frame() -> None:
+    with pytest.raises(BrokerError, match="1 unreferenced frames"):
+        decode(_tamper(lambda g, f: f.append(b"x")))
+    # a frame dropped from the header but kept in the message is also unreferenced
+    frames = _tamper(lambda g, f: g["a"].pop("teacher_logprobs"),
+                     [make_sample(teacher_logprobs=np.zeros(4))])
+    with pytest.raises(BrokerError, match="1 unreferenced frames"):
+        decode(frames)
+
+
+def test_inconsistent_lengths_rejected() -> None:
+    # lengths that pass the frame checks but break Sample's own length invariant
+    def mutate(g: dict, f: list) -> None:
+        g["a"]["loss_mask"][2] = [3, 2]
+        f[3] = np.ones(5, np.float32).tobytes()
+    with pytest.raises(BrokerError, match="must match"):
+        decode(_tamper(mutate))
+
+
+def test_group_with_teacher_logprobs_round_trips() -> None:
+    group = [make_sample(teacher_logprobs=np.array([-0.1, -0.2, -0.3, -0.4])),
+             make_sample(5, 2, prompt_id="p2", teacher_logprobs=np.float32([-1, -2]))]
+    plain = [make_sample(group_id=9)]
+    frames = encode("put_group", {}, [group, plain])
+    assert len(frames) == 1 + 5 + 4  # the optional array only for the group that has it
+    assert header_of(frames)["g"][0]["a"]["teacher_logprobs"] == ["<f4", 5, [4, 2]]
     _, _, out = decode(frames)
     assert out is not None
-    a, b = out[0]
-    assert a.teacher_logprobs is not None and a.teacher_logprobs.dtype == np.float32
-    np.testing.assert_array_equal(a.teacher_logprobs, np.float32([-0.1, -0.2, -0.3, -0.4]))
-    assert b.teacher_logprobs is None
-    # a header written before the field existed (no "teacher_logprobs" under "a") decodes
-    old = _tamper(lambda h, f: None)
-    assert "teacher_logprobs" not in msgpack.unpackb(old[0], strict_map_key=False)["g"][0][0]["a"]
-    assert decode(old)[2][0][0].teacher_logprobs is None
+    for a, b in zip(group + plain, out[0] + out[1]):
+        assert_same(a, b)
+    assert out[1][0].teacher_logprobs is None
+    np.testing.assert_array_equal(out[0][1].teacher_logprobs, np.float32([-1, -2]))
+
+
+def test_group_mixing_teacher_and_none_is_an_encode_error() -> None:
+    mixed = [make_sample(teacher_logprobs=np.zeros(4)), make_sample(prompt_id="p2")]
+    with pytest.raises(BrokerError, match="1 of 2 samples carry teacher_logprobs"):
+        encode("put_group", {}, [[make_sample()], mixed])
 
 
 def test_bad_teacher_logprobs_are_rejected() -> None:
     with pytest.raises(ValueError, match="teacher_logprobs"):
         make_sample(teacher_logprobs=np.zeros(3))  # 4 response tokens
-    frames = encode("put_group", {}, [[make_sample(teacher_logprobs=np.zeros(4))]])
-    header = msgpack.unpackb(frames[0], strict_map_key=False)
-    header["g"][0][0]["a"]["teacher_logprobs"][0] = "<f8"
-    frames[0] = msgpack.packb(header)
+    with_teacher = [make_sample(teacher_logprobs=np.zeros(4))]
     with pytest.raises(BrokerError, match="teacher_logprobs"):
-        decode(frames)
-    unknown = _tamper(lambda h, f: h["g"][0][0]["a"].__setitem__("bogus", ["<f4", [4], 4]))
-    with pytest.raises(BrokerError, match="optionally"):
-        decode(unknown)
+        decode(_tamper(_set(("a", "teacher_logprobs", 0), "<f8"), with_teacher))
+    with pytest.raises(BrokerError, match="teacher_logprobs.*must match"):
+        decode(_tamper(lambda g, f: (g["a"]["teacher_logprobs"].__setitem__(2, [3]),
+                                     f.__setitem__(5, bytes(12))), with_teacher))
