@@ -1,7 +1,14 @@
 """Rewards in worker processes, with a concurrency cap and a per-call timeout.
 
     pool = RewardPool(max_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
-    value, error = await pool.score(build_reward(cfg.reward), inp)
+    scored = await pool.score_many(build_reward(cfg.reward), inputs)  # [(value, error), ...]
+    value, error = await pool.score(build_reward(cfg.reward), inp)  # one input
+
+`score_many` sends a group's inputs to a worker in one message and gets one reply per input, so
+a group costs one round trip per worker instead of one per sample; a large group is split
+across up to `max_workers` workers. `timeout_s` still applies to each input, from when its
+worker could start it (the previous input's result): a hanging input costs one timeout, its
+worker is killed, and the inputs after it go on in a fresh worker.
 
 A reward that raises, returns a non-number, hangs past `timeout_s` or kills its process scores
 0.0 with `error=True` (count these in rollout/reward_errors); the run goes on. A reward that
@@ -46,8 +53,20 @@ class _WorkerDied(Exception):
     pass
 
 
+def _score_one(fn: Callable[[Any], float], inp: Any) -> tuple[str, Any]:
+    """("ok", value), or ("error" | "config_error", message)."""
+    try:
+        value = float(fn(inp))
+    except ConfigError as e:
+        return "config_error", str(e)
+    except Exception as e:
+        return "error", f"{type(e).__name__}: {e}"
+    return ("ok", value) if math.isfinite(value) else ("error", f"reward returned {value}")
+
+
 def _worker_main(conn: Connection, warm_up: bool, sys_path: list[str]) -> None:
-    """Worker loop: receive (key, fn or None, inp), reply ("ok", value) or (kind, message)."""
+    """Worker loop: receive (key, fn or None, inputs), reply per input, in order, ("ok", value)
+    or (kind, message); or one ("resend" | "config_error", ...) for the whole message."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
     sys.path[:] = sys_path  # the fork server's path dates from its start; custom rewards move
     import relax_slurm.rewards  # noqa: F401  (registers the built-in rewards)
@@ -70,7 +89,7 @@ def _worker_main(conn: Connection, warm_up: bool, sys_path: list[str]) -> None:
             continue
         if msg is None:
             return
-        key, fn, inp = msg
+        key, fn, inputs = msg
         if fn is not None:
             if len(fns) >= MAX_CACHED_FNS:
                 fns.clear()
@@ -78,14 +97,11 @@ def _worker_main(conn: Connection, warm_up: bool, sys_path: list[str]) -> None:
         elif key not in fns:
             conn.send(("resend", None))
             continue
-        try:
-            value = float(fns[key](inp))
-            conn.send(("ok", value) if math.isfinite(value)
-                      else ("error", f"reward returned {value}"))
-        except ConfigError as e:
-            conn.send(("config_error", str(e)))
-        except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+        for inp in inputs:  # a reply per input as it is done: the parent times each one
+            reply = _score_one(fns[key], inp)
+            conn.send(reply)
+            if reply[0] == "config_error":  # the parent raises; the rest would fail alike
+                break
 
 
 class _Worker:
@@ -98,14 +114,15 @@ class _Worker:
         self.known: set[int] = set()  # fn keys this worker has received
 
     async def _recv(self) -> Any:
-        loop = asyncio.get_running_loop()
-        readable = loop.create_future()
-        fd = self.conn.fileno()
-        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
-        try:
-            await readable
-        finally:
-            loop.remove_reader(fd)
+        if not self.conn.poll():  # replies of a fast reward are often waiting already
+            loop = asyncio.get_running_loop()
+            readable = loop.create_future()
+            fd = self.conn.fileno()
+            loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+            try:
+                await readable
+            finally:
+                loop.remove_reader(fd)
         try:
             return self.conn.recv()
         except (EOFError, OSError) as e:
@@ -115,15 +132,19 @@ class _Worker:
         status, _ = await asyncio.wait_for(self._recv(), STARTUP_TIMEOUT_S)
         assert status == "ready", status
 
-    async def call(self, key: int, fn: Any, inp: Any) -> tuple[str, Any]:
+    async def call(self, key: int, fn: Any, inputs: list) -> tuple[str, Any]:
+        """Send inputs to score in order; the first input's reply (then `next_reply` each)."""
         # Connection.send pickles before writing: a pickling error leaves the pipe clean
-        self.conn.send((key, None if key in self.known else fn, inp))
+        self.conn.send((key, None if key in self.known else fn, inputs))
         self.known.add(key)
         reply = await self._recv()
         if reply[0] == "resend":  # the worker dropped fn from its cache
-            self.conn.send((key, fn, inp))
+            self.conn.send((key, fn, inputs))
             reply = await self._recv()
         return reply
+
+    async def next_reply(self) -> tuple[str, Any]:
+        return await self._recv()
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -159,38 +180,76 @@ class RewardPool:
         self.errors = 0
 
     async def start(self) -> None:
-        """Start every worker now, before the first `score` (optional: else on first use)."""
+        """Start every worker now, before the first call (optional: else on first use)."""
         while len(self._all) < self.max_workers:
             self._idle.append(await self._spawn())
 
     async def score(self, fn: Callable[[Any], float] | str, inp: Any) -> tuple[float, bool]:
         """(fn(inp), False), or (0.0, True) when fn raised, hung or died. `fn` must be picklable
         (a module-level function, a `Scorer`, ...) or a reward name."""
+        return (await self.score_many(fn, [inp]))[0]
+
+    async def score_many(self, fn: Callable[[Any], float] | str, inputs: list
+                         ) -> list[tuple[float, bool]]:
+        """`score` of each input, in order, in as few messages as possible: the inputs are split
+        into at most `max_workers` contiguous chunks, each scored by one worker at a time."""
+        if not inputs:
+            return []
         key = self._key(fn)
+        size = -(-len(inputs) // min(self.max_workers, len(inputs)))
+        chunks = [inputs[i:i + size] for i in range(0, len(inputs), size)]
+        if len(chunks) == 1:
+            return await self._score_chunk(key, fn, chunks[0])
+        tasks = [asyncio.ensure_future(self._score_chunk(key, fn, c)) for c in chunks]
+        try:
+            scored = await asyncio.gather(*tasks)
+        except BaseException:  # a ConfigError fails the whole group: stop the other chunks
+            for task in tasks:
+                task.cancel()
+            raise
+        return [result for chunk in scored for result in chunk]
+
+    async def _score_chunk(self, key: int, fn: Any, inputs: list) -> list[tuple[float, bool]]:
+        """Inputs in order on one worker; after a timeout or death, the rest on a fresh one."""
+        results: list[tuple[float, bool]] = []
         async with self._slots:
-            worker = self._idle.pop() if self._idle else await self._spawn()
-            self.calls += 1
-            try:
-                status, payload = await asyncio.wait_for(worker.call(key, fn, inp),
-                                                         self.timeout_s)
-            except (pickle.PicklingError, TypeError, AttributeError) as e:
-                self._idle.append(worker)
-                raise ConfigError(f"reward {fn!r} cannot be sent to a reward worker ({e}). Fix: "
-                                  "use a module-level function or a registered name") from e
-            except asyncio.TimeoutError:
-                return self._fail(worker, f"no result within {self.timeout_s}s (killed)")
-            except _WorkerDied as e:
-                return self._fail(worker, str(e))
-            except BaseException:  # cancelled mid-call: the worker's state is unknown
-                self._discard(worker)
-                raise
+            self.calls += len(inputs)
+            while len(results) < len(inputs):
+                worker = self._idle.pop() if self._idle else await self._spawn()
+                if await self._run(worker, key, fn, inputs[len(results):], results):
+                    self._idle.append(worker)
+        return results
+
+    async def _run(self, worker: _Worker, key: int, fn: Any, inputs: list,
+                   results: list[tuple[float, bool]]) -> bool:
+        """Append inputs' results from worker until one hangs or kills it (that one scores as an
+        error and the worker is discarded: False); True when all are done and worker is idle."""
+        try:
+            for i in range(len(inputs)):
+                # each input's clock starts at the previous result, when the worker took it up
+                reply = worker.call(key, fn, inputs) if i == 0 else worker.next_reply()
+                status, payload = await asyncio.wait_for(reply, self.timeout_s)
+                if status == "config_error":
+                    worker.known.discard(key)
+                    raise ConfigError(payload)
+                results.append((payload, False) if status == "ok" else self._fail(None, payload))
+        except (pickle.PicklingError, TypeError, AttributeError) as e:  # nothing was sent
             self._idle.append(worker)
-        if status == "ok":
-            return payload, False
-        if status == "config_error":
-            worker.known.discard(key)
-            raise ConfigError(payload)
-        return self._fail(None, payload)
+            raise ConfigError(f"reward {fn!r} cannot be sent to a reward worker ({e}). Fix: "
+                              "use a module-level function or a registered name") from e
+        except ConfigError:  # the worker stopped at it and waits for the next message
+            self._idle.append(worker)
+            raise
+        except asyncio.TimeoutError:
+            results.append(self._fail(worker, f"no result within {self.timeout_s}s (killed)"))
+            return False
+        except _WorkerDied as e:
+            results.append(self._fail(worker, str(e)))
+            return False
+        except BaseException:  # cancelled mid-call: the worker's state is unknown
+            self._discard(worker)
+            raise
+        return True
 
     def _key(self, fn: Any) -> int:
         """A number per reward object, so a worker receives each object once and keeps it."""

@@ -39,6 +39,22 @@ HELPERS = textwrap.dedent("""
     def sleepy(inp):
         time.sleep(0.5)
         return float(os.getpid())
+
+    def item(inp):  # score_many: a number scores itself; a word says how to fail
+        if inp == "hang":
+            while True:
+                pass
+        if inp == "boom":
+            raise RuntimeError("boom")
+        if inp == "crash":
+            os._exit(3)
+        if inp == "nap":
+            time.sleep(0.1)
+            return -1.0
+        return float(inp)
+
+    def pid_of(inp):
+        return float(os.getpid())
 """)
 
 INP = RewardInput(prompt="", response="7", label="7")
@@ -143,6 +159,70 @@ def test_rewards_that_cannot_reach_a_worker_fail_loudly(helpers):
         run(main())
     finally:
         sys.modules.pop(ghost.__name__, None)
+
+
+def test_score_many_keeps_order_and_splits_across_workers(helpers):
+    async def main():
+        async with RewardPool(2, timeout_s=10.0, warm_up=False) as pool:
+            assert await pool.score_many(helpers.item, []) == []
+            assert await pool.score_many(helpers.item, list(range(7))) == [
+                (float(i), False) for i in range(7)]
+            pids = [pid for pid, _ in await pool.score_many(helpers.pid_of, list(range(6)))]
+            assert pids[:3] == [pids[0]] * 3 and pids[3:] == [pids[3]] * 3  # contiguous chunks
+            assert pids[0] != pids[3]
+            assert await pool.score_many("exact_match", [INP, INP]) == [(1.0, False)] * 2
+            assert (pool.calls, pool.errors) == (15, 0)
+
+    run(main())
+
+
+def test_score_many_times_each_input_not_the_group(helpers):
+    async def main():
+        async with RewardPool(1, timeout_s=1.5, warm_up=False) as pool:
+            await pool.start()
+            # 0.1 s inputs, 2 s in all: over the timeout, each well within it (even on a busy
+            # machine, where a sleep may overrun several-fold)
+            start = time.perf_counter()
+            assert await pool.score_many(helpers.item, ["nap"] * 20) == [(-1.0, False)] * 20
+            assert time.perf_counter() - start >= 2.0
+            first = next(iter(pool._all))
+            start = time.perf_counter()
+            scored = await pool.score_many(helpers.item, [1, "hang", 3, 4])
+            elapsed = time.perf_counter() - start
+            assert scored == [(1.0, False), (0.0, True), (3.0, False), (4.0, False)]
+            assert 1.5 <= elapsed < 6.0  # one timeout, then the rest in a fresh worker
+            assert not first.proc.is_alive() and len(pool._all) == 1
+            assert (pool.calls, pool.errors) == (24, 1)
+
+    run(main())
+
+
+def test_score_many_errors_only_the_failing_inputs(helpers):
+    async def main():
+        async with RewardPool(1, timeout_s=10.0, warm_up=False) as pool:
+            await pool.start()
+            worker = next(iter(pool._all))
+            assert await pool.score_many(helpers.item, [1, "boom", 3, 1e999]) == [
+                (1.0, False), (0.0, True), (3.0, False), (0.0, True)]  # raised; infinite
+            assert pool._idle == [worker]  # a raising reward does not cost the worker
+            assert await pool.score_many(helpers.item, [1, "crash", 3, "crash", 5]) == [
+                (1.0, False), (0.0, True), (3.0, False), (0.0, True), (5.0, False)]
+            assert not worker.proc.is_alive()
+            assert (pool.calls, pool.errors) == (9, 4)
+
+    run(main())
+
+
+def test_score_many_raises_config_errors(helpers):
+    async def main():
+        async with RewardPool(2, timeout_s=10.0, warm_up=False) as pool:
+            with pytest.raises(ConfigError, match="module-level"):
+                await pool.score_many(lambda inp: 1.0, [INP] * 4)
+            with pytest.raises(ConfigError, match="remote_url"):
+                await pool.score_many("remote", [INP] * 3)
+            assert await pool.score_many("exact_match", [INP] * 3) == [(1.0, False)] * 3
+
+    run(main())
 
 
 def test_math_with_rm_type_in_a_warmed_worker():
