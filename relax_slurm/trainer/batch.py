@@ -1,7 +1,9 @@
 """From broker groups to per-rank tensors: advantages, loss weights, sharding, padding.
 
 Rank 0 receives whole groups; advantages and loss weights need the whole batch, so they are
-computed there, then the flat list of samples is cut into one equal shard per rank.
+computed there, the whole batch is collated into padded tensors, and each rank receives an
+equal block of rows (`scatter_batch`: tensors on the wire, no pickling of samples). The train
+step cuts its block into micro-batches with `MicroBatch.rows`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from relax_slurm.algos import compute_advantages, reduction_weights
@@ -48,13 +51,6 @@ def prepare_items(groups: list[Group], algo: AlgoConfig) -> list[TrainItem]:
     ]
 
 
-def shard(items: list[TrainItem], world_size: int) -> list[list[TrainItem]]:
-    """Equal contiguous shards; the config check guarantees divisibility."""
-    per = len(items) // world_size
-    assert per * world_size == len(items), "batch not divisible by trainer ranks"
-    return [items[r * per:(r + 1) * per] for r in range(world_size)]
-
-
 @dataclass
 class MicroBatch:
     input_ids: Tensor       # [B, T] prompt + response, right-padded
@@ -64,6 +60,24 @@ class MicroBatch:
     advantages: Tensor      # [B, T-1]
     rollout_logp: Tensor    # [B, T-1]
     teacher_logp: Tensor | None = None  # [B, T-1], when the samples carry teacher log-probs
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, lo: int, hi: int) -> "MicroBatch":
+        """Rows lo..hi-1, cut to their longest sequence (a block is padded to the batch's)."""
+        width = max(int(self.attention_mask[lo:hi].sum(1).max()), 2)
+        return MicroBatch(
+            input_ids=self.input_ids[lo:hi, :width],
+            attention_mask=self.attention_mask[lo:hi, :width],
+            targets=self.targets[lo:hi, :width - 1],
+            **{name: None if t is None else t[lo:hi, :width - 1]
+               for name, t in ((f, getattr(self, f)) for f in _PER_POSITION)},
+        )
+
+
+# [B, T-1] float fields; teacher_logp last because it is optional
+_PER_POSITION = ("weights", "advantages", "rollout_logp", "teacher_logp")
 
 
 def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroBatch:
@@ -100,4 +114,32 @@ def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroB
         advantages=adv.to(device),
         rollout_logp=rollout_logp.to(device),
         teacher_logp=None if teacher_logp is None else teacher_logp.to(device),
+    )
+
+
+def scatter_batch(batch: MicroBatch | None, device: torch.device) -> MicroBatch:
+    """Rank 0 holds the whole collated batch (on the CPU); every rank gets its equal block of
+    rows on `device`. Collective: every rank calls it (the others with None)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    head = torch.zeros(3, dtype=torch.long, device=device)  # rows, width, teacher present
+    if rank == 0:
+        assert len(batch) % world == 0, "batch not divisible by trainer ranks"
+        head = torch.tensor([len(batch) // world, batch.input_ids.shape[1],
+                             int(batch.teacher_logp is not None)], device=device)
+    dist.broadcast(head, src=0)
+    rows, width, teacher = head.tolist()
+
+    def part(name: str, dtype: torch.dtype, w: int) -> Tensor:
+        out = torch.empty((rows, w), dtype=dtype, device=device)
+        blocks = (list(getattr(batch, name).to(device).split(rows)) if rank == 0 else None)
+        dist.scatter(out, blocks, src=0)
+        return out
+
+    input_ids = part("input_ids", torch.long, width)
+    return MicroBatch(
+        input_ids=input_ids,
+        attention_mask=part("attention_mask", torch.long, width),
+        targets=input_ids[:, 1:],
+        **{name: part(name, torch.float32, width - 1) for name in _PER_POSITION
+           if name != "teacher_logp" or teacher},
     )

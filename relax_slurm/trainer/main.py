@@ -29,7 +29,7 @@ from relax_slurm.errors import BrokerTimeout, ConfigError
 from relax_slurm.launch.plan import load_plan
 from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsWriter
 from relax_slurm.samples import Group
-from relax_slurm.trainer.batch import TrainItem, prepare_items, shard
+from relax_slurm.trainer.batch import MicroBatch, collate, prepare_items, scatter_batch
 from relax_slurm.trainer.model import (
     build_optimizer, full_named_weights, load_hf_model, load_reference_model, wrap_parallel,
 )
@@ -87,16 +87,13 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
     }
 
 
-def distribute(groups: list[Group] | None, cfg: TrainConfig) -> list[TrainItem]:
-    """Rank 0 prepares the whole batch and scatters one shard to every rank."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    shards: list = [None] * world
-    if rank == 0:
-        items = prepare_items(groups, cfg.algo)
-        shards = shard(items, world)
-    out: list = [None]
-    dist.scatter_object_list(out, shards if rank == 0 else None, src=0)
-    return out[0]
+def distribute(groups: list[Group] | None, cfg: TrainConfig, pad_id: int,
+               device: torch.device) -> MicroBatch:
+    """Rank 0 prepares and collates the whole batch; every rank gets its block of rows."""
+    whole = None
+    if dist.get_rank() == 0:
+        whole = collate(prepare_items(groups, cfg.algo), pad_id, torch.device("cpu"))
+    return scatter_batch(whole, device)
 
 
 def init_distributed(cfg: TrainConfig) -> torch.device:
@@ -216,13 +213,12 @@ def run(run_dir: Path) -> int:
             if rank == 0:
                 groups.sort(key=lambda g: g[0].group_id)  # arrival order is timing; this is not
                 rollout_states.update(rollout_state(groups))
-            items = distribute(groups, cfg)
+            batch = distribute(groups, cfg, pad_id, device)
             t0 = time.monotonic()
             train = train_step(
-                model, optimizer, scheduler, items, cfg.algo,
+                model, optimizer, scheduler, batch, cfg.algo,
                 micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
-                temperature=cfg.rollout.temperature, pad_id=pad_id, device=device,
-                ref_model=ref_model,
+                temperature=cfg.rollout.temperature, ref_model=ref_model,
             )
             t1 = time.monotonic()
             done = step + 1
@@ -254,7 +250,7 @@ def run(run_dir: Path) -> int:
                     "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20,
                     "perf/checkpoint_s": t3 - t2,
                     "perf/step_time_s": t3 - last_end,
-                    "perf/samples_per_s": len(items) * dist.get_world_size() / (t3 - last_end),
+                    "perf/samples_per_s": len(batch) * dist.get_world_size() / (t3 - last_end),
                     "policy/version": done,
                 }
                 zero.metrics.log(step, row)

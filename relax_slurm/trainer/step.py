@@ -1,4 +1,4 @@
-"""One optimizer step on this rank's shard: log-probs, the algorithm's loss, backward, clip, step.
+"""One optimizer step on this rank's block of the batch: log-probs, the algorithm's loss, backward, clip, step.
 
 Per micro-batch the policy forward gives the log-probs of the sampled tokens and, from the same
 logits, the per-token entropy (with gradient only when `algo.entropy_coef > 0`); a frozen
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from relax_slurm.algos import policy_loss
 from relax_slurm.config.schema import AlgoConfig
-from relax_slurm.trainer.batch import MicroBatch, TrainItem, algo_params, collate
+from relax_slurm.trainer.batch import MicroBatch, algo_params
 
 # policy_loss metric sums logged under another name (all are divided by the trained tokens)
 _LOG_NAMES = {"clipped_tokens": "clipfrac", "tis_masked_tokens": "tis_masked_frac",
@@ -59,26 +59,24 @@ def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,
-    items: list[TrainItem],
+    batch: MicroBatch,
     algo: AlgoConfig,
     *,
     micro_batch_size: int,
     grad_clip: float,
     temperature: float,
-    pad_id: int,
-    device: torch.device,
     ref_model: nn.Module | None = None,
 ) -> dict[str, float]:
     model.train()
     optimizer.zero_grad(set_to_none=True)
     world = dist.get_world_size()
-    chunks = [items[i:i + micro_batch_size] for i in range(0, len(items), micro_batch_size)]
+    starts = range(0, len(batch), micro_batch_size)
     params = algo_params(algo)
     params.pop("loss_reduction")  # folded into the per-token weights over the whole batch
     sums: dict[str, float] = {"loss": 0.0}
-    for i, chunk in enumerate(chunks):
-        mb = collate(chunk, pad_id, device)
-        last = i == len(chunks) - 1
+    for i, lo in enumerate(starts):
+        mb = batch.rows(lo, lo + micro_batch_size)
+        last = i == len(starts) - 1
         # DDP: all-reduce gradients once, on the last micro-batch
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:

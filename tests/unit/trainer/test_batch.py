@@ -6,7 +6,7 @@ import torch
 
 from relax_slurm.config.schema import AlgoConfig
 from relax_slurm.samples import Sample
-from relax_slurm.trainer.batch import collate, prepare_items, shard
+from relax_slurm.trainer.batch import collate, prepare_items
 
 
 def _sample(gid, prompt, response, reward, mask=None):
@@ -23,7 +23,6 @@ def test_prepare_items_advantages_and_weights():
     # weights of the whole batch sum to 1 (4 samples, each its token mean / 4)
     assert sum(float(it.weights.sum()) for it in items) == pytest.approx(1.0)
     assert np.allclose(items[0].weights, [0.125, 0.125])
-    assert [len(s) for s in shard(items, 2)] == [2, 2]
 
 
 def test_collate_aligns_response_tokens_with_their_predicting_position():
@@ -38,3 +37,14 @@ def test_collate_aligns_response_tokens_with_their_predicting_position():
     assert mb.weights[1].tolist() == [0.5, 0.0, 0.0, 0.0]
     assert mb.advantages[0, 2].item() == 0.5 and mb.advantages[1, 0].item() == -0.5
     assert mb.rollout_logp[1, 0].item() == -0.5 and mb.rollout_logp[1, 1].item() == 0.0
+
+
+def test_rows_cut_a_block_to_its_longest_sequence():
+    groups = [[_sample(0, [1, 2, 3], [4, 5, 6], 1.0), _sample(0, [1], [6], 0.0),
+               _sample(0, [1], [7, 8], 0.5)]]
+    mb = collate(prepare_items(groups, AlgoConfig()), pad_id=0, device=torch.device("cpu"))
+    tail = mb.rows(1, 3)
+    assert len(tail) == 2 and tail.input_ids.tolist() == [[1, 6, 0], [1, 7, 8]]
+    assert tail.targets.tolist() == [[6, 0], [7, 8]]
+    assert tail.weights.shape == (2, 2) and tail.teacher_logp is None
+    assert torch.equal(tail.advantages, mb.advantages[1:3, :2])
