@@ -151,6 +151,10 @@ class RolloutConfig:
     """-1 disables top-k."""
     max_inflight_groups: int = 64
     """Groups the worker generates concurrently (bounded further by admission control)."""
+    groups_per_request: int = 1
+    """Groups admitted together go to an engine in one batched /generate of at most this many
+    groups (fewer HTTP round trips and bigger hf-engine batches; a batch returns when its
+    slowest sequence ends, so keep 1 for long, uneven GPU generations)."""
     engine_max_batch_size: int = 1024
     """hf engine: sequences batched into one generate call."""
     engine_batch_wait_ms: float = 5.0
@@ -170,6 +174,8 @@ class RolloutConfig:
         _check(self.n_samples_per_prompt >= 2,
                f"rollout.n_samples_per_prompt={self.n_samples_per_prompt}: GRPO needs >= 2 "
                "samples per prompt to compare")
+        _check(self.groups_per_request >= 1,
+               f"rollout.groups_per_request={self.groups_per_request}: must be >= 1")
         _check(self.max_new_tokens >= 1, f"rollout.max_new_tokens={self.max_new_tokens}: >= 1")
         _check(self.temperature > 0,
                f"rollout.temperature={self.temperature}: must be > 0 for RL sampling")

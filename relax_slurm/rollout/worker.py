@@ -3,7 +3,8 @@
 `python -m relax_slurm.rollout --run-dir DIR` (see rollout/__main__.py). One asyncio loop drives
 many prompt groups at once: it asks the broker for admission credits (which is what bounds
 staleness), starts one task per admitted prompt, and each task samples `n_samples_per_prompt`
-responses from one engine, scores them in the reward pool (worker processes with a timeout),
+responses from one engine (tasks started together share one batched request, see
+rollout/coalesce.py), scores them in the reward pool (worker processes with a timeout),
 asks the teacher engine for their log-probs when the run has one (on-policy distillation) and
 puts the group on the broker. The worker cannot tell an SGLang server from the hf engine: both
 speak the same HTTP protocol.
@@ -38,6 +39,7 @@ from relax_slurm.data import Prompt, PromptDataset
 from relax_slurm.errors import BrokerShutdown, ConfigError
 from relax_slurm.launch.plan import load_plan
 from relax_slurm.rewards import RewardInput, RewardPool, build_reward
+from relax_slurm.rollout.coalesce import CoalescingEngine
 from relax_slurm.rollout.engine_client import AsyncEngineClient, GenerateResult
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.samples import Group, Sample
@@ -127,7 +129,8 @@ class RolloutWorker:
             plan.broker_router, cfg.broker.request_timeout_s, identity=f"rollout{worker_rank}"
         )
         self.router = LeastLoadedRouter(
-            [AsyncEngineClient(u, cfg.rollout.request_timeout_s) for u in plan.engine_urls]
+            [CoalescingEngine(AsyncEngineClient(u, cfg.rollout.request_timeout_s),
+                              cfg.rollout.groups_per_request) for u in plan.engine_urls]
         )
         if cfg.algo.teacher_model_path and plan.teacher_url is None:
             raise ConfigError(
@@ -147,12 +150,12 @@ class RolloutWorker:
 
     async def score(self, prompt: Prompt, results: list[GenerateResult]
                     ) -> tuple[list[float], int]:
-        """Every response's reward from the pool, concurrently; (rewards, number of errors)."""
+        """Every response's reward from the pool; (rewards, number of errors)."""
         inputs = [RewardInput(prompt=prompt.text, label=prompt.label, metadata=prompt.metadata,
                               response=self.tokenizer.decode(r.output_ids,
                                                              skip_special_tokens=True),
                               finish_reason=r.finish_reason) for r in results]
-        scored = await asyncio.gather(*(self.reward_pool.score(self.reward, i) for i in inputs))
+        scored = await self.reward_pool.score_many(self.reward, inputs)  # one message per group
         return [value for value, _ in scored], sum(error for _, error in scored)
 
     async def teacher_logprobs(self, prompt: Prompt, results: list[GenerateResult]
@@ -173,7 +176,7 @@ class RolloutWorker:
                   for i in range(n)]
         t_start = time.time()
         async with self.router.pick() as engine:
-            results = await engine.generate([prompt.input_ids] * n, params, return_logprob=True)
+            results = await engine.generate([prompt.input_ids] * n, params)
         t_end = time.time()
         (rewards, errors), teacher = await asyncio.gather(
             self.score(prompt, results), self.teacher_logprobs(prompt, results))

@@ -293,3 +293,30 @@ def test_prefill_logprobs_of_the_input(engine_url):
         assert len(row) == len(seq) - 1
         assert row == pytest.approx([e[0] for e in item["meta_info"]["input_token_logprobs"][1:]],
                                     abs=1e-6)
+
+
+def test_coalesced_calls_share_one_request_and_keep_their_seeded_responses(engine_url):
+    """Groups started in the same loop turn go out as one /generate; each caller gets its own
+    slice back, the same tokens its seeds draw when it is sent alone."""
+    from relax_slurm.rollout.coalesce import CoalescingEngine
+
+    def params(g):
+        return [{"max_new_tokens": 4, "temperature": 1.0, "sampling_seed": 100 * g + i}
+                for i in range(3)]
+
+    async def run(max_groups):
+        async with AsyncEngineClient(engine_url, timeout_s=60) as client:
+            engine = CoalescingEngine(client, max_groups)
+            return await asyncio.gather(*[engine.generate([PROMPTS[g % 3]] * 3, params(g))
+                                          for g in range(5)])
+
+    info = lambda: httpx.get(engine_url + "/get_server_info").json()["internal_states"][0]  # noqa: E731
+    before = info()
+    together = asyncio.run(run(max_groups=8))
+    after = info()
+    assert after["num_batches"] - before["num_batches"] == 1  # one request, one generate call
+    assert after["max_batch_seen"] >= 15
+    alone = asyncio.run(run(max_groups=1))
+    assert [[r.output_ids for r in g] for g in together] == \
+        [[r.output_ids for r in g] for g in alone]
+    assert all(len(g) == 3 for g in together)
