@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,24 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_command(run_dir: Path, tiny: Path, *overrides: str) -> list[str]:
+    """`relax-train experiment=tiny_cpu` on the session's tiny model and data."""
+    return [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_cpu",
+            f"run_dir={run_dir}", f"model.path={tiny / 'model'}",
+            f"data.train_files=[{tiny / 'arith_train.jsonl'}]", *overrides]
+
+
+def run_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def relax_train(run_dir: Path, tiny: Path, *overrides: str, timeout_s: float = 900
+                ) -> subprocess.CompletedProcess:
+    """Run the tiny experiment to its end (the real launcher and process topology)."""
+    return subprocess.run(tiny_command(run_dir, tiny, *overrides), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout_s, env=run_env())
 
 
 @pytest.fixture(scope="session")

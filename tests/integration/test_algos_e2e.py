@@ -9,14 +9,13 @@ the fewest that still show learning clearly (see STEPS).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, relax_train
 
 RUN_TIMEOUT_S = 900
 TEACHER_SHARPNESS = 6.0
@@ -27,15 +26,6 @@ RUNS = {
     "dapo": (40, []),
 }
 RISE = 0.1  # reward_last - reward_first: GRPO on the preset gains ~0.2 by step 40
-
-
-def relax_train(run_dir: Path, tiny: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_cpu",
-           f"run_dir={run_dir}", f"model.path={tiny / 'model'}",
-           f"data.train_files=[{tiny / 'arith_train.jsonl'}]", "metrics.progress=false",
-           *overrides]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 def finished(run_dir: Path, proc: subprocess.CompletedProcess, steps: int
@@ -56,7 +46,7 @@ def finished(run_dir: Path, proc: subprocess.CompletedProcess, steps: int
 def test_algorithm_learns_the_tiny_task(tmp_path, tiny_assets, algo):
     steps, overrides = RUNS[algo]
     run_dir = tmp_path / algo
-    proc = relax_train(run_dir, tiny_assets, f"algo={algo}", f"trainer.total_steps={steps}",
+    proc = relax_train(run_dir, tiny_assets, "metrics.progress=false", f"algo={algo}", f"trainer.total_steps={steps}",
                        *overrides)
     summary, rows = finished(run_dir, proc, steps)
     assert summary["reward_last"] >= summary["reward_first"] + RISE, summary
@@ -89,7 +79,7 @@ def test_opd_distills_a_teacher_engine(tmp_path, tiny_assets):
     steps = 60
     teacher = make_teacher(tiny_assets, tmp_path / "teacher")
     run_dir = tmp_path / "opd"
-    proc = relax_train(run_dir, tiny_assets, "algo=opd", f"algo.teacher_model_path={teacher}",
+    proc = relax_train(run_dir, tiny_assets, "metrics.progress=false", "algo=opd", f"algo.teacher_model_path={teacher}",
                        f"trainer.total_steps={steps}")
     _, rows = finished(run_dir, proc, steps)
     roles = {r["name"] for r in json.loads((run_dir / "roles.json").read_text())}

@@ -6,23 +6,20 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_env, tiny_command
 
 START_TIMEOUT_S = 300
 
 
 def start_run(run_dir: Path, tiny: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_cpu",
-           f"run_dir={run_dir}", f"model.path={tiny / 'model'}",
-           f"data.train_files=[{tiny / 'arith_train.jsonl'}]", "trainer.total_steps=100000"]
+    cmd = tiny_command(run_dir, tiny, "trainer.total_steps=100000")
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            text=True, env=run_env())
 
 
 def wait_for_first_step(proc: subprocess.Popen, run_dir: Path) -> list[dict]:

@@ -11,18 +11,13 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import REPO
+from tests.conftest import REPO, relax_train
 
 TIMEOUT_S = 600
 
 
-def relax_train(run_dir: Path, tiny: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_cpu",
-           f"run_dir={run_dir}", f"model.path={tiny / 'model'}",
-           f"data.train_files=[{tiny / 'arith_train.jsonl'}]", "algo.max_staleness=0",
-           *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+def train(run_dir: Path, tiny: Path, *overrides: str) -> subprocess.CompletedProcess:
+    proc = relax_train(run_dir, tiny, "algo.max_staleness=0", *overrides, timeout_s=TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -45,11 +40,11 @@ def test_resume_is_exact(tmp_path, tiny_assets):
     # a higher lr makes the 6 steps move the weights and rewards visibly
     common = ("trainer.lr=2e-3", "trainer.save_every=3")
     straight = tmp_path / "straight"
-    relax_train(straight, tiny_assets, "trainer.total_steps=6", *common)
+    train(straight, tiny_assets, "trainer.total_steps=6", *common)
     split = tmp_path / "split"
-    relax_train(split, tiny_assets, "trainer.total_steps=3", *common)
+    train(split, tiny_assets, "trainer.total_steps=3", *common)
     assert (split / "checkpoints" / "step_3").is_dir()
-    relax_train(split, tiny_assets, "trainer.total_steps=6", *common)  # resume=auto
+    train(split, tiny_assets, "trainer.total_steps=6", *common)  # resume=auto
     assert "resumed from" in (split / "logs" / "trainer.log").read_text()
     assert [s for s, _ in rewards(split)] == list(range(6))  # no step twice, none skipped
     assert rewards(split) == rewards(straight)
@@ -62,7 +57,7 @@ def test_resume_is_exact(tmp_path, tiny_assets):
 @pytest.mark.slow
 def test_resume_none_refuses_a_run_dir_with_checkpoints(tmp_path, tiny_assets):
     run_dir = tmp_path / "r"
-    relax_train(run_dir, tiny_assets, "trainer.total_steps=1")
+    train(run_dir, tiny_assets, "trainer.total_steps=1")
     cmd = [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_cpu",
            f"run_dir={run_dir}", f"model.path={tiny_assets / 'model'}",
            f"data.train_files=[{tiny_assets / 'arith_train.jsonl'}]", "resume=none"]
