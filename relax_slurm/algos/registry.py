@@ -102,7 +102,7 @@ def policy_loss(
     if rollout_logprobs is not None:
         w = importance_weights(old_logprobs, rollout_logprobs, tis_clip, tis_type, tis_clip_low)
         token_loss = token_loss * w
-        gap = (old_logprobs.detach() - rollout_logprobs).abs()
+        gap = (logprobs.detach() - rollout_logprobs).abs()  # trainer vs engine
         metrics["logprob_abs_diff"] = (gap * mask).sum()
         if tis_type == "icepop":
             metrics["tis_masked_tokens"] = ((w == 0).float() * mask).sum()

@@ -51,6 +51,12 @@ class AlgoConfig:
     """PPO clip range below 1."""
     eps_clip_high: Optional[float] = None
     """PPO clip range above 1; defaults to eps_clip (0.28 is DAPO's clip-higher)."""
+    old_logprobs: str = "recompute"
+    """The PPO ratio's denominator. recompute: the trainer's policy before this step (one
+    optimizer step per batch, so the ratio is 1 and the clip only shapes the gradient; stale
+    samples are corrected by TIS). rollout: the engine's log-probs, so the clip also bounds how
+    far an update moves from the policy that sampled (classic PPO on off-policy data; the TIS
+    weight is then 1)."""
     tis_clip: Optional[float] = 2.0
     """Truncated importance sampling cap on exp(train_logp - rollout_logp); null disables."""
     tis_type: str = "truncate"
@@ -103,6 +109,8 @@ class AlgoConfig:
         _check(self.loss_reduction in ("seq_mean_token_mean", "token_sum", "token_mean"),
                f"algo.loss_reduction={self.loss_reduction!r}: use seq_mean_token_mean, "
                "token_sum or token_mean")
+        _check(self.old_logprobs in ("recompute", "rollout"),
+               f"algo.old_logprobs={self.old_logprobs!r}: use recompute or rollout")
         _check(self.tis_clip is None or self.tis_clip > 0,
                f"algo.tis_clip={self.tis_clip}: must be > 0 or null")
         self._check_terms()

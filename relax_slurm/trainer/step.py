@@ -73,6 +73,7 @@ def train_step(
     starts = range(0, len(batch), micro_batch_size)
     params = algo_params(algo)
     params.pop("loss_reduction")  # folded into the per-token weights over the whole batch
+    params.pop("old_logprobs")
     sums: dict[str, float] = {"loss": 0.0}
     for i, lo in enumerate(starts):
         mb = batch.rows(lo, lo + micro_batch_size)
@@ -85,9 +86,11 @@ def train_step(
             # the bonus needs the entropy's gradient; otherwise it is only logged
             entropy = token_entropy(logits if algo.entropy_coef else logits.detach())
             # one optimizer step per batch: the "old" policy is the current one, so ratio = 1 in
-            # value and the PPO clip only shapes the gradient; detaching avoids a second forward
+            # value and the PPO clip only shapes the gradient; detaching avoids a second forward.
+            # old_logprobs=rollout measures the ratio against the sampling engine instead
+            old = mb.rollout_logp if algo.old_logprobs == "rollout" else logp.detach()
             loss, metrics = policy_loss(
-                algo.name, logp, logp.detach(), mb.advantages, mb.weights, mb.rollout_logp,
+                algo.name, logp, old, mb.advantages, mb.weights, mb.rollout_logp,
                 reduction="weighted_sum", entropy=entropy,
                 ref_logprobs=reference_logprobs(ref_model, mb, temperature),
                 teacher_logprobs=mb.teacher_logp, **params,

@@ -126,6 +126,7 @@ def test_trainer_style_call_with_every_config_field(name):
     rewards = torch.tensor([[1.0, 0.0]])
     adv = compute_advantages(name, rewards, **params).flatten()
     params.pop("loss_reduction")
+    params.pop("old_logprobs")  # the trainer picks the ratio denominator itself
     weights = torch.stack(reduction_weights([torch.ones(3), torch.tensor([1.0, 1.0, 0.0])],
                                             cfg.loss_reduction))
     logp = torch.full((2, 3), -1.0, requires_grad=True)
