@@ -7,22 +7,8 @@ DIR=${SLURM_CI_DIR:-/tmp/relax-slurm-ci}
 CONF=$DIR/etc/slurm.conf
 export SLURM_CONF=$CONF
 PURGE=0; [ "${1:-}" = --purge ] && PURGE=1
-log() { echo "[slurm-ci $(date +%T)] $*"; }
-alive() {
-  local pid
-  pid=$(cat "$1" 2>/dev/null) || return 1
-  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 1
-  local s; s=$({ tr '\0' '\n' < "/proc/$pid/cmdline"; tr '\0' '\n' < "/proc/$pid/environ"; } 2>/dev/null)
-  [[ $s == *"$2"* ]]   # (no grep -q in a pipe: with pipefail, SIGPIPE would make this fail)
-}
-stop_pidfile() { # stop_pidfile PIDFILE PATTERN NAME
-  alive "$1" "$2" || { rm -f "$1"; return 0; }
-  local pid; pid=$(cat "$1"); log "stopping $3 (pid $pid)"
-  kill -TERM "$pid" 2>/dev/null
-  for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-  if kill -0 "$pid" 2>/dev/null; then log "$3 still running, SIGKILL"; kill -KILL "$pid" 2>/dev/null; fi
-  rm -f "$1"
-}
+# shellcheck source=common.sh
+. "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"   # log, alive, stop_pidfile
 [ -d "$DIR" ] || { log "nothing to do ($DIR does not exist)"; exit 0; }
 
 # 1. cancel every job of this cluster while slurmctld/slurmd can still clean up their processes

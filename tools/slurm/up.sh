@@ -36,46 +36,39 @@ CTLD_PORT=$BASE; DBD_PORT=$((BASE + 1)); DB_PORT=$((BASE + 2))
 NODELIST="${PREFIX}[0-$((NODES - 1))]"; [ "$NODES" = 1 ] && NODELIST="${PREFIX}0"
 export SLURM_CONF=$CONF
 
-log() { echo "[slurm-ci $(date +%T)] $*"; }
+# shellcheck source=common.sh
+. "$HERE/common.sh"   # log, alive, stop_pidfile
 die() { echo "[slurm-ci] ERROR: $*" >&2; for f in "$DIR"/log/*.log; do [ -f "$f" ] && { echo "--- $f" >&2; tail -n 15 "$f" >&2; }; done; exit 1; }
 
-# alive PIDFILE PATTERN: the PID in PIDFILE runs and its cmdline or environment mentions PATTERN
-alive() {
-  local pid
-  pid=$(cat "$1" 2>/dev/null) || return 1
-  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 1
-  local s; s=$({ tr '\0' '\n' < "/proc/$pid/cmdline"; tr '\0' '\n' < "/proc/$pid/environ"; } 2>/dev/null)
-  [[ $s == *"$2"* ]]   # (no grep -q in a pipe: with pipefail, SIGPIPE would make this fail)
-}
 wait_for() { # wait_for SECONDS DESCRIPTION COMMAND...
   local t=$1 what=$2; shift 2
   local end=$((SECONDS + t))
   until "$@" >/dev/null 2>&1; do [ $SECONDS -ge $end ] && die "timed out waiting for $what"; sleep 0.2; done
 }
-stop_pidfile() { # stop_pidfile PIDFILE PATTERN NAME
-  alive "$1" "$2" || { rm -f "$1"; return 0; }
-  local pid; pid=$(cat "$1"); log "stopping $3 (pid $pid)"
-  kill -TERM "$pid" 2>/dev/null || true
-  for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-  kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null || true
-  rm -f "$1"
-}
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 # 1. packages ------------------------------------------------------------------------------------
 need=()
-for b in slurmctld slurmd sbatch munged mungekey; do command -v "$b" >/dev/null || need+=(slurmctld slurmd slurm-client munge); done
+# slurm-wlm: slurmctld + slurmd + slurm-client (sbatch, srun, squeue, scontrol, sacct)
+for b in slurmctld slurmd sbatch munged mungekey; do command -v "$b" >/dev/null || need+=(slurm-wlm munge); done
 if [ "$DBD" = 1 ]; then
   for b in slurmdbd mariadbd mariadb-install-db mariadb; do command -v "$b" >/dev/null || need+=(slurmdbd mariadb-server-core mariadb-client-core); done
 fi
 if [ ${#need[@]} -gt 0 ]; then
-  [ "$IS_ROOT" = 1 ] && [ "$INSTALL" = 1 ] || die "missing packages: $(printf '%s\n' "${need[@]}" | sort -u | tr '\n' ' ')(install them as root)"
-  log "apt-get install $(printf '%s\n' "${need[@]}" | sort -u | tr '\n' ' ')"
+  pkgs=$(printf '%s\n' "${need[@]}" | sort -u | tr '\n' ' ')
+  [ "$IS_ROOT" = 1 ] && [ "$INSTALL" = 1 ] || die "missing packages: ${pkgs}(install them as root: apt-get install $pkgs)"
+  command -v apt-get >/dev/null || die "missing packages: $pkgs(and no apt-get to install them)"
+  log "apt-get update && apt-get install $pkgs(a few minutes)"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q >/dev/null
-  # Package scripts try to start the daemons through invoke-rc.d; without an init system that is
-  # refused (policy-rc.d) or fails harmlessly. Nothing is started.
-  apt-get install -y -q --no-install-recommends $(printf '%s\n' "${need[@]}" | sort -u) >/dev/null
+  # Package scripts would start the system's own munged/slurmd/slurmctld through invoke-rc.d;
+  # a policy-rc.d answering 101 ("action forbidden") keeps them stopped while we install.
+  policy=/usr/sbin/policy-rc.d; own_policy=0
+  if [ ! -e "$policy" ]; then printf '#!/bin/sh\nexit 101\n' > "$policy"; chmod 755 "$policy"; own_policy=1; fi
+  mkdir -p "$DIR/log"; rc=0
+  { apt-get update -q && apt-get install -y -q --no-install-recommends $pkgs; } > "$DIR/log/apt.log" 2>&1 || rc=$?
+  [ "$own_policy" = 1 ] && rm -f "$policy"
+  [ "$rc" = 0 ] || die "apt-get install $pkgs failed (log: $DIR/log/apt.log)"
+  for b in slurmctld slurmd sbatch munged; do command -v "$b" >/dev/null || die "$b still missing after apt-get install"; done
 fi
 
 # 2. directories, munge key, configs -------------------------------------------------------------
@@ -203,9 +196,11 @@ fi
 ctld_up() { [[ $(scontrol ping 2>/dev/null) == *"is UP"* ]]; }
 wait_for 60 slurmctld ctld_up
 
+started_slurmd=0
 for i in $(seq 0 $((NODES - 1))); do
   n=$PREFIX$i
   if ! alive "$DIR/run/slurmd-$n.pid" "$CONF"; then
+    started_slurmd=$((started_slurmd + 1))
     port_busy $((BASE + 10 + i)) && die "port $((BASE + 10 + i)) (slurmd $n) is already in use"
     log "starting slurmd $n on port $((BASE + 10 + i))"
     slurmd -f "$CONF" -N "$n"
@@ -219,6 +214,17 @@ until nodes_up; do
   [ $SECONDS -ge $end ] && { sinfo -N -l >&2; die "nodes did not come up"; }
   sleep 0.2
 done
+# Every slurmd was (re)started just now, so no job process of this cluster can be alive: jobs
+# that slurmctld recovered from its saved state (the machine or the daemons were killed without
+# down.sh) are ghosts that would hold the nodes for hours, or pending runs of a past session.
+if [ "$started_slurmd" = "$NODES" ]; then
+  ghosts=$(squeue -h -o %A 2>/dev/null | sort -u | tr '\n' ' ')
+  if [ -n "${ghosts// /}" ]; then
+    log "cancelling jobs left from an earlier life of this cluster: $ghosts"
+    scancel $ghosts 2>/dev/null || true
+    for _ in $(seq 1 150); do [ -z "$(squeue -h -o %A 2>/dev/null)" ] && break; sleep 0.2; done
+  fi
+fi
 log "cluster up: $(sinfo -h -o '%P %a %D %T %N' | tr '\n' ' ')"
 
 # 4. smoke test ----------------------------------------------------------------------------------
