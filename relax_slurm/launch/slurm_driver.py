@@ -46,7 +46,9 @@ from relax_slurm.launch.control import (
 )
 from relax_slurm.launch.local import check_inputs
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
-from relax_slurm.launch.roles import RoleSpec, broker_spec, engine_specs, trainer_spec, worker_spec
+from relax_slurm.launch.roles import (
+    RoleSpec, broker_spec, engine_specs, teacher_specs, trainer_spec, worker_spec,
+)
 from relax_slurm.launch.slurm_env import SlurmAllocation, read_allocation
 from relax_slurm.launch.supervisor import Wrap, supervise
 from relax_slurm.metrics.summary import write_summary
@@ -89,11 +91,15 @@ def slurm_plan(cfg: TrainConfig, layout: Layout) -> RunPlan:
     """Addresses by node name. Ports are ones free on this node now: nodes of one job are
     alike, and a role that cannot bind fails loudly and names its port."""
     head, rollout = layout.trainer_hosts[0], layout.rollout_hosts
+    n = cfg.rollout.num_engines
     return RunPlan(
         broker_router=f"tcp://{head}:{free_port(ANY_HOST)}",
         broker_pub=f"tcp://{head}:{free_port(ANY_HOST)}",
         engine_urls=[f"http://{rollout[i % len(rollout)]}:{free_port(ANY_HOST)}"
-                     for i in range(cfg.rollout.num_engines)],
+                     for i in range(n)],
+        # on-policy distillation's teacher engine: next in the round robin after the engines
+        teacher_url=(f"http://{rollout[n % len(rollout)]}:{free_port(ANY_HOST)}"
+                     if cfg.algo.teacher_model_path else None),
         weight_sync_host="",  # wherever trainer rank 0 lands (the trainer resolves it)
         weight_sync_port=free_port(ANY_HOST),
         trainer_master_port=free_port(ANY_HOST),
@@ -113,7 +119,7 @@ def resume_point(cfg: TrainConfig, run_dir: Path, attempt: int) -> Path | None:
 
 
 def role_specs(cfg: TrainConfig, plan: RunPlan, layout: Layout, run_dir: Path) -> list[RoleSpec]:
-    specs = [broker_spec(cfg, plan, run_dir), *engine_specs(cfg, plan),
+    specs = [broker_spec(cfg, plan, run_dir), *engine_specs(cfg, plan), *teacher_specs(cfg, plan),
              worker_spec(cfg, plan, run_dir, layout.rollout_hosts[0]),
              trainer_spec(cfg, plan, run_dir, list(layout.trainer_hosts))]
     # CPU pinning is for local runs: here it would pin the srun client, not the role

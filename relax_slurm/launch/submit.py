@@ -98,8 +98,11 @@ def executor_parameters(cfg: TrainConfig, workdir: Path) -> dict[str, Any]:
         cpus_per_task=c.cpus_per_task, use_srun=False, additional_parameters=extra,
         stderr_to_stdout=True,
     )
+    # submitit writes `mem` as given (--mem=64 would be 64 MB): give it the unit, as
+    # component_options does for the other component
+    mem = None if c.mem_gb is None else (f"{c.mem_gb}G" if c.mem_gb else "0")
     for key, value in (("partition", c.partition), ("account", c.account), ("qos", c.qos),
-                       ("gpus_per_node", c.gpus_per_node or None), ("mem", c.mem_gb)):
+                       ("gpus_per_node", c.gpus_per_node or None), ("mem", mem)):
         if value is not None:
             params[key] = value
     setup = []

@@ -57,16 +57,15 @@ def test_tiny_sync_learns(tmp_path, tiny_assets):
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT_S + 100)
 def test_tiny_async_learns_within_staleness_bound(tmp_path, tiny_assets):
-    # 60 steps: rollout runs ahead within the bound and the reward rises. Known gap (issue 2):
-    # at the preset's lr 3e-3, async learning peaks near 0.27 around step 50 and then falls
-    # (0.18 at step 80), where sync reaches 0.8 by step 100; the 200-step >= 0.8 criterion is
-    # asserted for sync only until that is fixed.
+    # 100 steps: rollout runs ahead within the bound and the reward rises (algo.old_logprobs
+    # resolves to rollout). Measured here: 0.84 at step 100, then a noisy 0.6-0.86 plateau
+    # (0.71 at step 200), where sync holds ~0.85: issue 2's async >= 0.8 at 200 is not met yet.
     run_dir = tmp_path / "async"
     proc = relax_train(run_dir, tiny_assets, *VERIFIED, "algo.max_staleness=2",
-                       "trainer.total_steps=60", timeout_s=RUN_TIMEOUT_S)
-    summary = check_run_dir(run_dir, proc, steps=60)
+                       "trainer.total_steps=100", timeout_s=RUN_TIMEOUT_S)
+    summary = check_run_dir(run_dir, proc, steps=100)
     assert summary["reward_first"] <= 0.35
-    assert summary["reward_last"] >= summary["reward_first"] + 0.1, summary
+    assert summary["reward_last"] >= 0.5, summary
     stale = [r["broker/staleness_max"] for r in read_rows(run_dir)]
     assert max(stale) >= 1  # rollout really ran ahead of the trainer
     assert max(stale) <= 2

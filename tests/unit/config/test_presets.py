@@ -62,3 +62,13 @@ def test_bad_yaml_file_is_named(tmp_path):
     bad.write_text("run_dir: x\nalgo: {max_staleness: [1,\n")
     with pytest.raises(ConfigError, match="config.yaml"):
         load_config(bad)
+
+
+@pytest.mark.parametrize("staleness,want", [(0, "recompute"), (2, "rollout")])
+def test_old_logprobs_auto_follows_staleness(staleness, want):
+    from relax_slurm.config.schema import AlgoConfig
+
+    assert AlgoConfig(max_staleness=staleness).old_logprobs == want
+    assert AlgoConfig(max_staleness=staleness, old_logprobs="recompute").old_logprobs == "recompute"
+    with pytest.raises(ConfigError, match="algo.old_logprobs"):
+        AlgoConfig(old_logprobs="behaviour")
