@@ -73,3 +73,13 @@ def test_het_job_state_is_read_from_component_0():
     assert info["40"]["State"] == "COMPLETED"
     done = watcher.read_info("JobID|State|NodeList\n41+0|COMPLETED|ci0\n41+1|COMPLETED|ci1\n")
     assert done["41"]["State"] == "COMPLETED"
+
+
+@pytest.mark.parametrize("mem_gb,line", [(64, "--mem=64G"), (0, "--mem=0"), (None, None)])
+def test_memory_has_its_unit_in_every_component(tmp_path, mem_gb, line):
+    # submitit writes `mem` as given: a bare 64 would ask component 0 for 64 MB
+    value = "null" if mem_gb is None else mem_gb
+    params = sub.executor_parameters(cfg_for(f"cluster.mem_gb={value}"), Path("/w"))
+    text = _make_sbatch_string(command="exec py -u -m x", folder=tmp_path, **params)
+    mems = [l.split(" ", 1)[1] for l in text.splitlines() if l.startswith("#SBATCH --mem")]
+    assert mems == ([] if line is None else [line, line])  # component 0, then component 1
