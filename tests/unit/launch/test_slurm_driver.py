@@ -73,6 +73,23 @@ def test_srun_lines_of_a_het_job():
         assert "--overlap" in argv and "--kill-on-bad-exit=1" in argv
 
 
+def test_opd_teacher_engine_runs_in_the_rollout_component(tmp_path):
+    # the teacher of on-policy distillation is a role like the engines: the local runner starts
+    # it, and so must the driver (without it every teacher request fails)
+    teacher = tmp_path / "teacher"
+    cfg = cfg_for("algo=opd", f"algo.teacher_model_path={teacher}", "rollout.num_engines=1")
+    lines, plan = _srun_lines(cfg, HET)
+    assert list(lines) == ["broker", "engine0", "teacher", "rollout", "trainer"]
+    assert plan.teacher_url.startswith("http://r2:")  # next in the round robin: engine0 is on r1
+    port = plan.teacher_url.rsplit(":", 1)[1]
+    argv = lines["teacher"]
+    assert argv[:2] == ["srun", "--het-group=1"] and "--nodelist=r2" in argv
+    assert argv[argv.index("--model-path") + 1] == str(teacher)
+    assert argv[argv.index("--port") + 1] == port
+    assert cfg_for().algo.teacher_model_path is None
+    assert "teacher" not in _srun_lines(cfg_for(), HET)[0]
+
+
 def test_srun_lines_of_a_plain_job_have_no_het_group():
     lines, _ = _srun_lines(cfg_for("cluster.layout=colocated"), PLAIN)
     assert not any(a.startswith("--het-group") for argv in lines.values() for a in argv)
