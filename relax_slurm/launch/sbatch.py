@@ -29,6 +29,7 @@ from relax_slurm.launch.slurm_env import SlurmAllocation
 
 SCRIPT_NAME = "job.sbatch"
 SBATCH_TIMEOUT_S = 120
+SQUEUE_RETRIES = 5
 TEMPLATE = """\
 #!/bin/bash
 {{header}}
@@ -195,10 +196,24 @@ def job_states(job_id: str) -> list[str]:
 
 
 def wait_for_job(job_id: str, run_dir: Path, poll_s: float) -> dict:
-    """Block until the job has left the queue (requeues included); return its final status."""
+    """Block until the job has left the queue (requeues included); return its final status.
+
+    A busy slurmctld sometimes fails a query ("Socket timed out"): only SQUEUE_RETRIES
+    failures in a row end the wait (the job itself is not affected either way)."""
     last: list[str] = []
+    failures = 0
     while True:
-        states = job_states(job_id)
+        try:
+            states = job_states(job_id)
+            failures = 0
+        except RelaxError as e:
+            failures += 1
+            if failures > SQUEUE_RETRIES:
+                raise RelaxError(f"{e} ({failures} times in a row); job {job_id} may still be "
+                                 f"running: `squeue -j {job_id}`, `scancel {job_id}`") from e
+            print(f"job {job_id}: {e}; retrying", flush=True)
+            time.sleep(max(poll_s, 1.0))
+            continue
         if states != last and states:
             print(f"job {job_id}: {' '.join(sorted(set(states)))}", flush=True)
         last = states

@@ -134,3 +134,23 @@ def test_submit_failure_and_job_id_parsing(tmp_path, monkeypatch):
     assert sbatch.submit_script(tmp_path / "x.sbatch") == "1234"
     assert sbatch.job_states("1234") == []
     assert sbatch.wait_for_job("1234", tmp_path, 0.01)["state"] == "unknown"
+
+
+def test_wait_survives_a_busy_slurmctld(tmp_path, monkeypatch, capsys):
+    # a loaded slurmctld times out a query now and then; that must not end relax-train's wait
+    # while the job runs on
+    busy = subprocess.CompletedProcess(["squeue"], 1, "", "slurm_load_jobs error: Socket timed "
+                                       "out on send/recv operation")
+    answers = [busy, busy, subprocess.CompletedProcess(["squeue"], 0, "RUNNING\nRUNNING\n", ""),
+               busy, subprocess.CompletedProcess(["squeue"], 0, "", "")]
+    monkeypatch.setattr(sbatch, "_run", lambda cmd, **kw: answers.pop(0))
+    monkeypatch.setattr(sbatch.time, "sleep", lambda s: None)
+    (tmp_path / "slurm_status.json").write_text('{"state": "completed"}')
+    assert sbatch.wait_for_job("7", tmp_path, 0.01)["state"] == "completed"
+    assert not answers
+    out = capsys.readouterr().out
+    assert "job 7: RUNNING" in out and out.count("retrying") == 3
+
+    answers[:] = [busy] * (sbatch.SQUEUE_RETRIES + 1)
+    with pytest.raises(sbatch.RelaxError, match="may still be running"):
+        sbatch.wait_for_job("7", tmp_path, 0.01)
