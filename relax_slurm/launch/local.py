@@ -1,7 +1,7 @@
 """The local runner (cluster=local): every role a subprocess of this one on this machine.
 
-Start order: broker, engines and the teacher engine if any (wait for /health), rollout worker,
-torchrun trainer. The run ends
+Roles: broker, engines and the teacher engine if any, rollout worker, torchrun trainer, all
+started at once (the worker and trainer wait for the engines' /health). The run ends
 when the trainer exits 0; any other exit, or no new step for `cluster.step_timeout_s`, fails
 it naming the role and its log. Every child is stopped in `finally`, Ctrl-C included.
 """

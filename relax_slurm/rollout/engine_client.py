@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import asyncio
 import logging
+import time
 
 import httpx
 
@@ -222,6 +223,26 @@ class EngineClient(_Base):
     def weights_checksum(self) -> dict[str, str]:
         """hf engine only: {parameter name: sha256 hex of its raw bytes}."""
         return self._json("/weights_checksum", self._call("GET", "/weights_checksum"))["checksums"]
+
+
+def wait_until_healthy(urls: list[str], timeout_s: float, poll_s: float = 0.5) -> None:
+    """Block until every engine answers /health (roles start together, so an engine may still
+    be loading its model); EngineError names the first one still down after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        client = EngineClient(url, timeout_s=10.0)
+        try:
+            while True:
+                try:
+                    client.health(timeout_s=5.0)
+                    break
+                except EngineError as e:
+                    if time.monotonic() > deadline:
+                        raise EngineError(f"{e} (still down after rollout.startup_timeout_s="
+                                          f"{timeout_s}s)") from e
+                    time.sleep(poll_s)
+        finally:
+            client.close()
 
 
 class AsyncEngineClient(_Base):

@@ -40,7 +40,9 @@ from relax_slurm.errors import BrokerShutdown, ConfigError
 from relax_slurm.launch.plan import load_plan
 from relax_slurm.rewards import RewardInput, RewardPool, build_reward
 from relax_slurm.rollout.coalesce import CoalescingEngine
-from relax_slurm.rollout.engine_client import AsyncEngineClient, GenerateResult
+from relax_slurm.rollout.engine_client import (
+    AsyncEngineClient, GenerateResult, wait_until_healthy,
+)
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.samples import Group, Sample
 
@@ -203,6 +205,11 @@ class RolloutWorker:
             ))
         await self.broker.put_group(group)
 
+    async def wait_for_engines(self) -> None:
+        """The launcher starts every role at once: engines may still be loading their models."""
+        urls = [e.url for e in self.router.engines] + ([self.teacher.url] if self.teacher else [])
+        await asyncio.to_thread(wait_until_healthy, urls, self.cfg.rollout.startup_timeout_s)
+
     def _done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None and self.failed is None:
@@ -248,6 +255,7 @@ async def _amain(run_dir: Path) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop.set)
     try:
+        await worker.wait_for_engines()
         await worker.run()
     except BrokerShutdown as e:  # the run is ending: not an error worth a traceback
         log.info("stopping: %s", e)

@@ -28,6 +28,7 @@ from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import BrokerTimeout, ConfigError
 from relax_slurm.launch.plan import load_plan
 from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsWriter
+from relax_slurm.rollout.engine_client import wait_until_healthy
 from relax_slurm.samples import Group
 from relax_slurm.trainer.batch import MicroBatch, collate, prepare_items, scatter_batch
 from relax_slurm.trainer.model import (
@@ -122,6 +123,8 @@ class RankZero:
             plan.engine_urls, sync_host, plan.weight_sync_port, WEIGHT_GROUP,
             cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
         )
+        # every role starts at once: the engines may still be loading their models
+        wait_until_healthy(plan.engine_urls, cfg.rollout.startup_timeout_s)
         self.sender.connect()
         truncate_metrics(run_dir, start_step)
         self.metrics = MetricsWriter(run_dir)
