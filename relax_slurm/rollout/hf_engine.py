@@ -56,6 +56,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
                           StoppingCriteriaList)
 
 from relax_slurm.errors import WeightSyncError
+from relax_slurm.launch.exit import exit_now
 from relax_slurm.weightsync.receiver import WeightReceiver, load_named_tensors, model_checksums
 
 log = logging.getLogger("relax_slurm.hf_engine")
@@ -783,6 +784,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         engine.shutdown()
+    exit_now(0)  # uvicorn stopped and nothing is written: skip the interpreter's teardown
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from relax_slurm.broker.client import AsyncBrokerClient
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data import Prompt, PromptDataset
 from relax_slurm.errors import BrokerShutdown, ConfigError
+from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.plan import load_plan
 from relax_slurm.rewards import RewardInput, RewardPool, build_reward
 from relax_slurm.rollout.coalesce import CoalescingEngine
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(message)s")
     asyncio.run(_amain(args.run_dir))
+    exit_now(0)  # the reward pool and sockets are closed; skip the interpreter's teardown
 
 
 if __name__ == "__main__":

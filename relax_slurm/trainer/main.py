@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from relax_slurm.broker.client import BrokerClient
 from relax_slurm.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint, save_hf
 from relax_slurm.checkpoint.dcp import wait_pending
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
+from relax_slurm.launch.exit import exit_now
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import BrokerTimeout, ConfigError
 from relax_slurm.launch.plan import load_plan
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
-    sys.exit(run(args.run_dir))
+    exit_now(run(args.run_dir))  # run() closed everything; skip seconds of interpreter teardown
 
 
 if __name__ == "__main__":
