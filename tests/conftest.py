@@ -36,6 +36,7 @@ def tiny_assets(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny")
     for cmd in (["tools/make_tiny_model.py", "--out", str(out / "model")],
                 ["tools/prepare_data.py", "--out", str(out)]):
-        subprocess.run([sys.executable, *cmd], cwd=REPO, check=True, timeout=120,
+        # generous: seconds when idle, but a loaded 2-core machine has taken over 120 s
+        subprocess.run([sys.executable, *cmd], cwd=REPO, check=True, timeout=600,
                        capture_output=True)
     return out

@@ -82,7 +82,7 @@ def _worker_main(conn: Connection, warm_up: bool, sys_path: list[str]) -> None:
     while True:
         try:
             msg = conn.recv()
-        except EOFError:  # parent gone
+        except (EOFError, OSError):  # parent gone, or it closed our pipe (pool closing)
             return
         except Exception as e:  # could not unpickle what the parent sent
             conn.send(("config_error", f"cannot load the reward in a worker: {e!r}"))
@@ -206,6 +206,8 @@ class RewardPool:
         except BaseException:  # a ConfigError fails the whole group: stop the other chunks
             for task in tasks:
                 task.cancel()
+                # whatever they end with (the pool may be closing under them) is moot now
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
             raise
         return [result for chunk in scored for result in chunk]
 

@@ -63,7 +63,7 @@ def make_teacher(tiny: Path, out: Path) -> Path:
     from the student), which the student can then be seen to approach.
     """
     subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(out), "--seed", "1"],
-                   cwd=REPO, check=True, timeout=120, capture_output=True)
+                   cwd=REPO, check=True, timeout=600, capture_output=True)
     import torch
     from transformers import AutoModelForCausalLM
 
