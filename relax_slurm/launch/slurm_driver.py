@@ -206,6 +206,11 @@ def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _requeue_sigterm(signum: int, frame: object) -> None:
+    # our own `scontrol requeue` ends this attempt with SIGTERM; the roles are already stopped
+    log.info("SIGTERM from the requeue: this attempt ends")
+
+
 def slurm_info(alloc: SlurmAllocation, layout: Layout, specs: list[RoleSpec]) -> dict:
     """Where this attempt put each role (slurm.json, and the summary's "slurm" section)."""
     return {
@@ -265,6 +270,10 @@ def drive(run_dir: str | Path, alloc: SlurmAllocation | None = None) -> dict:
             raise
         status("requeued", message=str(e))
         log.warning("%s; requeueing job %s", e, alloc.job_id)
+        if threading.current_thread() is threading.main_thread():
+            # the requeue SIGTERMs this process at once, maybe before scontrol has returned:
+            # _terminate's KeyboardInterrupt would report the attempt as terminated (exit 143)
+            signal.signal(signal.SIGTERM, _requeue_sigterm)
         try:
             requeue(alloc.job_id)
         except RoleFailed as failed:

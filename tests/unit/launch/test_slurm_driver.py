@@ -166,3 +166,31 @@ def test_requeue_failure_says_how_to_resume(monkeypatch):
         a[0], 1, "", "Requested operation is presently disabled"))
     with pytest.raises(drv.RoleFailed, match="same run_dir to resume"):
         drv.requeue("41")
+
+
+def test_sigterm_of_our_own_requeue_does_not_read_as_terminated(tmp_path, monkeypatch):
+    import os
+
+    from relax_slurm.config import save_config
+    from relax_slurm.errors import Preempted
+    from relax_slurm.launch.control import read_status
+
+    cfg = cfg_for(f"run_dir={tmp_path}")
+    save_config(cfg, tmp_path / "config.yaml")
+
+    def preempted(*args, **kwargs):
+        raise Preempted("trainer stopped on a preemption request")
+
+    def requeue(job_id):  # what slurmctld does on `scontrol requeue`: SIGTERM to the batch step
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(drv, "supervise", preempted)
+    monkeypatch.setattr(drv, "requeue", requeue)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        with pytest.raises(Preempted):  # not KeyboardInterrupt ("terminated", exit 143)
+            drv.drive(tmp_path, HET)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    assert read_status(tmp_path)["state"] == "requeued"
