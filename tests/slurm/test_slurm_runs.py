@@ -1,13 +1,16 @@
-"""The tiny experiment on a real slurmctld: as a het job from relax-train, as a submitit job,
-and preempted mid-run through a ready script (requeue, resume, finish).
+"""The tiny experiment on a real slurmctld (tools/slurm/up.sh, see conftest.py): as a het job from
+relax-train, as a submitit job, and preempted mid-run through a ready script (requeue, resume,
+finish).
 
-Each test bounds its time, names its jobs uniquely and cancels them if it gives up.
+Runs are short (the tiny run needs ~90 s to start its five processes and ~2-4 s per step on 2
+cores): 40 steps, where the preset's reward has risen from ~0 to ~0.3-0.4, for the two learning
+runs; 30 for the preempted one. Each test bounds its time, cancels its job if it gives up, and
+puts the run's logs into its failure message.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,19 +22,27 @@ import pytest
 from relax_slurm.checkpoint import find_latest
 from relax_slurm.checkpoint.resume import parse_step
 from relax_slurm.launch.control import read_status
-from tests.conftest import REPO
+from tests.conftest import REPO, tiny_command
+from tests.slurm.conftest import SETUP_ALLOWANCE_S
 
 pytestmark = pytest.mark.slurm
 
-FULL_RUN_TIMEOUT_S = 1800  # 300 steps: ~2 min on an idle machine, far more on a loaded one
-PREEMPT_STEPS = 20
+LEARN_STEPS = 40
+RUN_TIMEOUT_S = 900  # a 40-step run takes ~4 min here; more when the machine is busy
+PREEMPT_STEPS = 30
+SIGNAL_AFTER = 5  # steps logged before the USR1
+SAVE_EVERY = 5
+RISE = 0.1  # reward_last - reward_first after LEARN_STEPS (~0.35 on this preset)
 ROLE_GROUPS = {"broker": 0, "trainer": 0, "engine0": 1, "rollout": 1}
+LOGS = ("broker", "engine0", "rollout", "trainer")
 
 
-def tiny_overrides(tiny: Path, run_dir: Path) -> list[str]:
-    return ["experiment=tiny_cpu", f"run_dir={run_dir}", f"model.path={tiny / 'model'}",
-            f"data.train_files=[{tiny / 'arith_train.jsonl'}]",
-            "rollout.startup_timeout_s=1200"]  # a loaded 2-core machine: engines start slowly
+def tiny_overrides(tiny: Path, run_dir: Path, steps: int) -> list[str]:
+    """The overrides of tests/conftest.py's tiny_command (without `python -m ...cli`)."""
+    cmd = tiny_command(run_dir, tiny, f"trainer.total_steps={steps}",
+                       "rollout.startup_timeout_s=600")  # a loaded 2-core machine: slow start
+    assert cmd[1:3] == ["-m", "relax_slurm.launch.cli"], cmd
+    return cmd[3:]
 
 
 def job_env(slurm_env: dict[str, str]) -> dict[str, str]:
@@ -42,25 +53,25 @@ def slurm(env: dict, *cmd: str) -> subprocess.CompletedProcess:
     return subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=60)
 
 
-def wait_until(pred, timeout_s: float, what: str, poll_s: float = 1.0):
+def wait_until(pred, timeout_s: float, what: str, poll_s: float = 1.0, why=lambda: ""):
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         value = pred()
         if value:
             return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{why()}")
         time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
 def in_queue(env: dict, job_id: str) -> bool:
     return bool(slurm(env, "squeue", "-h", "-j", job_id, "-o", "%T").stdout.strip())
 
 
-def step_components(env: dict, job_id: str) -> dict[str, set[int]] | None:
-    """Job step name -> het components it ran in, from sacct (None without accounting)."""
-    r = slurm(env, "sacct", "-j", job_id, "-D", "-n", "-P", "-o", "JobID,JobName")
-    if r.returncode != 0:
-        return None
+def step_components(env: dict, job_id: str) -> dict[str, set[int]]:
+    """Job step name -> the het components it ran in, as sacct recorded them."""
+    r = slurm(env, "sacct", "-j", job_id, "-n", "-P", "-o", "JobID,JobName")
+    assert r.returncode == 0, r.stderr
     out: dict[str, set[int]] = {}
     for line in r.stdout.splitlines():
         jid, _, name = line.partition("|")
@@ -71,116 +82,162 @@ def step_components(env: dict, job_id: str) -> dict[str, set[int]] | None:
 
 def read_rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() \
-        else []
+    if not path.exists():
+        return []
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def diagnose(run_dir: Path, *extra: Path) -> str:
+    """The tails of the driver's and the roles' logs, for failure messages."""
+    parts = []
+    for path in [*extra, *sorted(run_dir.glob("slurm-*.out")), run_dir / "slurm_status.json",
+                 *(run_dir / "logs" / f"{n}.log" for n in LOGS)]:
+        if path.is_file():
+            lines = path.read_text(errors="replace").splitlines()[-15:]
+            parts.append(f"--- {path}\n" + "\n".join(lines))
+    return "\n".join(parts) or f"(nothing in {run_dir})"
 
 
 def check_het_run(run_dir: Path, summary: dict, env: dict, job_id: str, steps: int) -> None:
-    assert summary["steps"] == steps, summary
-    for log in ("broker", "engine0", "rollout", "trainer"):
-        assert (run_dir / "logs" / f"{log}.log").stat().st_size > 0, log
+    """A finished run of the tiny experiment as one het job: it learned, every role ran in its
+    component (by the driver's record and by Slurm's), and every log is there."""
+    why = diagnose(run_dir)
+    assert summary["steps"] == steps, why
+    assert [r["step"] for r in read_rows(run_dir)] == list(range(steps)), why
+    assert summary["reward_last"] > summary["reward_first"] + RISE, summary
+    for log in LOGS:
+        path = run_dir / "logs" / f"{log}.log"
+        assert path.is_file() and path.stat().st_size > 0, (log, why)
     info = summary["slurm"]
-    assert info["het"] and info["job_id"] == job_id
-    assert set(info["trainer_hosts"]).isdisjoint(info["rollout_hosts"])  # one node per component
+    assert info["het"] and info["job_id"] == job_id and info["attempt"] == 0, info
+    assert set(info["trainer_hosts"]).isdisjoint(info["rollout_hosts"]), info  # a node each
     for role, group in ROLE_GROUPS.items():
         assert info["roles"][role]["het_group"] == group, (role, info["roles"][role])
-    steps_seen = step_components(env, job_id)
-    if steps_seen is not None:  # what Slurm itself recorded: each role ran in its component
-        for role, group in ROLE_GROUPS.items():
-            assert steps_seen.get(role) == {group}, (role, steps_seen)
-    assert summary["reward_first"] <= 0.35, summary
-    assert summary["reward_last"] >= 0.8, summary
+    assert json.loads((run_dir / "slurm.json").read_text()) == info
+    assert read_status(run_dir)["state"] == "completed"
+    # what Slurm itself recorded: one step per role, in the role's component (sacct may lag
+    # the job's end by a moment)
+    seen = wait_until(lambda: (s := step_components(env, job_id)).keys() >= ROLE_GROUPS.keys()
+                      and s, 60, f"sacct to list the steps of job {job_id}", poll_s=2,
+                      why=lambda: str(step_components(env, job_id)))
+    for role, group in ROLE_GROUPS.items():
+        assert seen[role] == {group}, (role, seen)
 
 
-@pytest.mark.timeout(FULL_RUN_TIMEOUT_S + 120)
+@pytest.mark.timeout(RUN_TIMEOUT_S + 120 + SETUP_ALLOWANCE_S)
 def test_relax_train_hetjob_learns(tmp_path, tiny_assets, slurm_env):
     run_dir, name = tmp_path / "run", f"relax-test-{uuid.uuid4().hex[:8]}"
     env = job_env(slurm_env)
-    cmd = [sys.executable, "-m", "relax_slurm.launch.cli", *tiny_overrides(tiny_assets, run_dir),
+    cmd = [sys.executable, "-m", "relax_slurm.launch.cli",
+           *tiny_overrides(tiny_assets, run_dir, LEARN_STEPS),
            "cluster=slurm", "cluster.wait=true", "cluster.wait_poll_s=2",
-           f"cluster.job_name={name}", "cluster.time_limit_min=60"]
+           f"cluster.job_name={name}", "cluster.time_limit_min=30"]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=FULL_RUN_TIMEOUT_S)
+                              timeout=RUN_TIMEOUT_S)
     finally:
         slurm(env, "scancel", f"--name={name}")  # a no-op once the job has ended
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:] + "\n" + diagnose(run_dir)
     job_id = proc.stdout.split("submitted job ")[1].split()[0]
-    assert f"run directory: {run_dir}" in proc.stdout and f"job {job_id}: completed" in proc.stdout
-    assert (run_dir / "job.sbatch").read_text().count("#SBATCH hetjob") == 1
-    assert "run finished" in (run_dir / f"slurm-{job_id}.out").read_text()
+    assert f"run directory: {run_dir}" in proc.stdout and f"job {job_id}: completed" in out
+    script = (run_dir / "job.sbatch").read_text()
+    assert script.count("#SBATCH hetjob") == 1 and f"--job-name={name}" in script
+    driver_log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert "run finished" in driver_log and "srun --het-group=1" in driver_log
     summary = json.loads((run_dir / "summary.json").read_text())
-    check_het_run(run_dir, summary, env, job_id, steps=300)
+    check_het_run(run_dir, summary, env, job_id, steps=LEARN_STEPS)
 
 
-@pytest.mark.timeout(FULL_RUN_TIMEOUT_S + 120)
+@pytest.mark.timeout(RUN_TIMEOUT_S + 180 + SETUP_ALLOWANCE_S)
 def test_submitit_job_learns(tmp_path, tiny_assets, slurm_env, monkeypatch):
     import relax_slurm
 
     run_dir = tmp_path / "run"
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     monkeypatch.chdir(REPO)
-    job = relax_slurm.submit([*tiny_overrides(tiny_assets, run_dir), "cluster.time_limit_min=60",
+    job = relax_slurm.submit([*tiny_overrides(tiny_assets, run_dir, LEARN_STEPS),
+                              "cluster.time_limit_min=30",
                               f"cluster.job_name=relax-test-{uuid.uuid4().hex[:8]}"])
     try:
-        wait_until(lambda: job.done(force_check=True), FULL_RUN_TIMEOUT_S, "the submitit job",
-                   poll_s=5)
+        wait_until(lambda: job.done(force_check=True), RUN_TIMEOUT_S, "the submitit job",
+                   poll_s=5, why=lambda: diagnose(run_dir, Path(job.paths.stdout)))
         summary = job.result()
     finally:
         if not job.done():
             job.cancel(check=False)
     # a het job's state, read from sacct's "<id>+0" row (submitit alone: UNKNOWN forever)
     wait_until(lambda: job.get_info(mode="force").get("State") == "COMPLETED", 120,
-               "sacct to report the job COMPLETED", poll_s=2)
-    assert "broker: srun --het-group=0" in (job.stdout() or "")  # the driver's log
-    check_het_run(run_dir, summary, slurm_env, job.job_id, steps=300)
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 300
+               "sacct to report the job COMPLETED", poll_s=2,
+               why=lambda: str(job.get_info(mode="force")))
+    assert job.state == "COMPLETED"
+    driver_log = job.stdout() or ""
+    assert "broker: srun --het-group=0" in driver_log and "rollout: srun --het-group=1" in \
+        driver_log, driver_log[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    check_het_run(run_dir, summary, slurm_env, job.job_id, steps=LEARN_STEPS)
 
 
-def _has_gpus(env: dict) -> bool:
-    return "gpu:" in slurm(env, "sinfo", "-h", "-o", "%G").stdout
-
-
-@pytest.mark.timeout(2700)
+@pytest.mark.timeout(1500 + SETUP_ALLOWANCE_S)
 def test_preempted_run_requeues_and_resumes(tmp_path, tiny_assets, slurm_env):
-    """USR1 mid-run (as Slurm sends it before the time limit): the trainer checkpoints, the job
-    requeues itself, and the next attempt resumes at the checkpointed step and finishes."""
+    """USR1 mid-run (what Slurm sends `signal_lead_s` before the time limit): the trainer
+    checkpoints after its current step, the driver requeues the job, and the next attempt (same
+    job id) resumes at the checkpointed step and finishes: metrics.jsonl has every step exactly
+    once, and the steps of the first attempt were not trained again."""
     run_dir, env = tmp_path / "run", job_env(slurm_env)
     # the ready script asks for 8 GPUs per node; tools/slurm's nodes advertise fake ones
-    extra = [] if _has_gpus(env) else ["--gpus-per-node=0"]
-    overrides = [*tiny_overrides(tiny_assets, run_dir), f"trainer.total_steps={PREEMPT_STEPS}",
-                 # a busy machine may need minutes to checkpoint: never force the requeue here
-                 "cluster.signal_lead_s=1800", "cluster.preempt_timeout_s=1200",
-                 "cluster.time_limit_min=60"]
+    # (without mknod, e.g. not root, they have none)
+    gpus = "gpu:" in slurm(env, "sinfo", "-h", "-o", "%G").stdout
+    overrides = [*tiny_overrides(tiny_assets, run_dir, PREEMPT_STEPS),
+                 f"trainer.save_every={SAVE_EVERY}",
+                 # the step in progress + a checkpoint take seconds; a forced requeue (without
+                 # a fresh checkpoint) must not happen here. The limit: < the script's USR1@120
+                 "cluster.preempt_timeout_s=110"]
     script = REPO / "sbatch" / "train_hetjob.sbatch"
-    r = subprocess.run(["sbatch", "--parsable", *extra, str(script), *overrides], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["sbatch", "--parsable", *([] if gpus else ["--gpus-per-node=0"]),
+                        str(script), *overrides], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip().split(";")[0]
+    out = tmp_path / f"slurm-relax-{job_id}.out"  # the script's --output, in the submit dir
+    why = lambda: diagnose(run_dir, out)  # noqa: E731
     try:
-        wait_until(lambda: len(read_rows(run_dir)) >= 3 or not in_queue(env, job_id), 900,
-                   "3 training steps")
-        assert slurm(env, "scancel", "--batch", "--signal=USR1", job_id).returncode == 0
-        wait_until(lambda: (read_status(run_dir) or {}).get("state") in ("requeued", "failed"),
-                   900, "the driver to requeue the job", poll_s=0.5)
-        first = read_rows(run_dir)  # attempt 0 is over: what it trained
+        wait_until(lambda: len(read_rows(run_dir)) >= SIGNAL_AFTER or not in_queue(env, job_id),
+                   600, f"{SIGNAL_AFTER} training steps", why=why)
+        assert in_queue(env, job_id), why()
+        r = slurm(env, "scancel", "--batch", "--signal=USR1", job_id)
+        assert r.returncode == 0, r.stderr
+        wait_until(lambda: (read_status(run_dir) or {}).get("state") not in (None, "running"),
+                   300, "the driver to stop the first attempt", poll_s=0.5, why=why)
+        status = read_status(run_dir)
+        assert status["state"] == "requeued" and status["attempt"] == 0, (status, why())
+        first = read_rows(run_dir)  # what attempt 0 trained (its roles are stopped)
         ckpt = find_latest(run_dir)
-        assert read_status(run_dir)["state"] == "requeued", read_status(run_dir)
         k = parse_step(ckpt)
-        assert 3 <= k < PREEMPT_STEPS and [row["step"] for row in first] == list(range(k))
+        assert SIGNAL_AFTER <= k < PREEMPT_STEPS, (k, why())
+        assert [row["step"] for row in first] == list(range(k)), why()
+        # the requeued attempt: same job id, SLURM_RESTART_COUNT=1 (restarts 10-70 s later
+        # on this cluster, see tools/slurm/slurm.conf.in)
         wait_until(lambda: not in_queue(env, job_id), 900, "the requeued attempt to finish",
-                   poll_s=2)
+                   poll_s=2, why=why)
     finally:
-        slurm(env, "scancel", job_id)
+        slurm(env, "scancel", job_id)  # a no-op once the job has ended
     status = read_status(run_dir)
-    assert status["state"] == "completed" and status["attempt"] == 1, status
+    assert status["state"] == "completed" and status["attempt"] == 1, (status, why())
     rows = read_rows(run_dir)
-    assert [row["step"] for row in rows] == list(range(PREEMPT_STEPS))  # none twice, none skipped
-    assert rows[:k] == first  # attempt 0's steps were not trained again
-    assert f"resumed from {ckpt} at step {k}" in (run_dir / "logs/trainer.log").read_text()
-    broker_log = (run_dir / "logs/broker.log").read_text()
+    assert [row["step"] for row in rows] == list(range(PREEMPT_STEPS)), why()  # once each
+    assert rows[:k] == first  # attempt 0's rows kept as they were: not trained again
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert f"preempted: checkpoint step_{k} saved" in trainer_log
+    assert f"resumed from {ckpt} at step {k}" in trainer_log
+    broker_log = (run_dir / "logs" / "broker.log").read_text()
     assert f"restored from {ckpt}" in broker_log and f"'version': {k}" in broker_log
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == PREEMPT_STEPS and summary["slurm"]["attempt"] == 1
-    assert (tmp_path / f"slurm-relax-{job_id}.out").is_file()  # the script's --output, appended
-    assert "got SIGUSR1" in (tmp_path / f"slurm-relax-{job_id}.out").read_text()
+    assert summary["steps"] == PREEMPT_STEPS and summary["slurm"]["attempt"] == 1, summary
+    assert summary["slurm"]["job_id"] == job_id
+    driver_log = out.read_text()  # both attempts, appended (--open-mode=append)
+    assert "got SIGUSR1" in driver_log and "requeueing job" in driver_log
+    assert "terminated" not in driver_log  # the requeue's own SIGTERM is not a termination
+    assert f"job {job_id} attempt 1" in driver_log and "resumes from" in driver_log
+    assert "run finished" in driver_log
+    assert find_latest(run_dir).name == f"step_{PREEMPT_STEPS}"
