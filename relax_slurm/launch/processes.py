@@ -109,8 +109,32 @@ class ProcessSet:
                 pass
         for role in self.roles:
             _signal_session(role.proc, signal.SIGKILL)  # stragglers in the session, too
-            if role.proc.poll() is None:
-                role.proc.wait(timeout=5)
+            _reap(role.proc, timeout_s=5.0)
+
+
+def _reap(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Wait for a SIGKILLed child without ever raising: teardown runs in `finally` and must not
+    replace the error (or the Ctrl-C) that brought it there.
+
+    A KeyboardInterrupt raised by a signal handler while `Popen.poll` held its private waitpid
+    lock leaves that lock taken, and every later `Popen.wait` then times out (seen in CI:
+    Ctrl-C exited 1 instead of 130). `os.waitpid` reaps the child regardless of that lock.
+    """
+    try:
+        proc.wait(timeout=timeout_s)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
+        except ChildProcessError:
+            return  # reaped already
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return
+        time.sleep(0.05)
 
 
 def _signal_session(proc: subprocess.Popen, sig: int) -> None:
