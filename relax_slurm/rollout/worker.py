@@ -38,6 +38,7 @@ from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data import Prompt, PromptDataset
 from relax_slurm.errors import BrokerShutdown, ConfigError
 from relax_slurm.launch.exit import exit_now
+from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.launch.plan import load_plan
 from relax_slurm.rewards import RewardInput, RewardPool, build_reward
 from relax_slurm.rollout.coalesce import CoalescingEngine
@@ -244,7 +245,10 @@ class RolloutWorker:
         if self.failed is not None:
             raise self.failed
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
+        """Cancel the requests still open on the engines, then close every connection."""
+        for engine in [*self.router.engines, *([self.teacher] if self.teacher else [])]:
+            await engine.aclose()
         self.reward_pool.close()
         self.broker.close()
 
@@ -252,6 +256,7 @@ class RolloutWorker:
 async def _amain(run_dir: Path) -> None:
     cfg = load_config(run_dir / "config.yaml")
     worker = RolloutWorker(cfg, run_dir)
+    freeze_heap()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop.set)
@@ -261,7 +266,7 @@ async def _amain(run_dir: Path) -> None:
     except BrokerShutdown as e:  # the run is ending: not an error worth a traceback
         log.info("stopping: %s", e)
     finally:
-        worker.close()
+        await worker.aclose()
 
 
 def main(argv: list[str] | None = None) -> None:

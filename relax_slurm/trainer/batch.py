@@ -38,6 +38,16 @@ def algo_params(algo: AlgoConfig) -> dict:
     return params
 
 
+def loss_params(algo: AlgoConfig) -> dict:
+    """`algo_params` for `policy_loss`: without the knobs the trainer applies itself (the
+    reduction is folded into the per-token weights over the whole batch; old_logprobs picks
+    the ratio's denominator)."""
+    params = algo_params(algo)
+    params.pop("loss_reduction")
+    params.pop("old_logprobs")
+    return params
+
+
 def prepare_items(groups: list[Group], algo: AlgoConfig) -> list[TrainItem]:
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [B, G]
     adv = compute_advantages(algo.name, rewards, **algo_params(algo)).flatten()  # [B*G]

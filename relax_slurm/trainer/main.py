@@ -24,6 +24,7 @@ from relax_slurm.checkpoint import checkpoints_dir, load_checkpoint, save_checkp
 from relax_slurm.checkpoint.dcp import wait_pending
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
 from relax_slurm.launch.exit import exit_now
+from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import BrokerTimeout, ConfigError
 from relax_slurm.launch.plan import load_plan
@@ -119,9 +120,13 @@ class RankZero:
                                    identity="trainer")
         # empty host: wherever rank 0 landed (c10d rendezvous picks it on multi-node Slurm runs)
         sync_host = plan.weight_sync_host or socket.gethostname()
+        # on-policy (max_staleness=0), nothing generates while weights are sent: the broker
+        # admits no group of the next version before set_version. Pausing the engines is then
+        # two HTTP round trips per step for nothing.
         self.sender = WeightSender(
             plan.engine_urls, sync_host, plan.weight_sync_port, WEIGHT_GROUP,
             cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
+            pause_mode="in_place" if cfg.algo.max_staleness > 0 else None,
         )
         # every role starts at once: the engines may still be loading their models
         wait_until_healthy(plan.engine_urls, cfg.rollout.startup_timeout_s)
@@ -198,6 +203,7 @@ def run(run_dir: Path) -> int:
         start_step = extra["step"]
         log.info("resumed from %s at step %d", plan.resume_from, start_step)
     rollout_states: dict = extra.get("rollout", {})
+    freeze_heap()
 
     zero = RankZero(cfg, plan, run_dir, start_step) if rank == 0 else None
     ckpt_root = checkpoints_dir(run_dir)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from relax_slurm.algos import policy_loss
 from relax_slurm.config.schema import AlgoConfig
-from relax_slurm.trainer.batch import MicroBatch, algo_params
+from relax_slurm.trainer.batch import MicroBatch, loss_params
 
 # policy_loss metric sums logged under another name (all are divided by the trained tokens)
 _LOG_NAMES = {"clipped_tokens": "clipfrac", "tis_masked_tokens": "tis_masked_frac",
@@ -71,9 +71,7 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     world = dist.get_world_size()
     starts = range(0, len(batch), micro_batch_size)
-    params = algo_params(algo)
-    params.pop("loss_reduction")  # folded into the per-token weights over the whole batch
-    params.pop("old_logprobs")
+    params = loss_params(algo)
     sums: dict[str, float] = {"loss": 0.0}
     for i, lo in enumerate(starts):
         mb = batch.rows(lo, lo + micro_batch_size)

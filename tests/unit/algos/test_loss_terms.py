@@ -14,6 +14,7 @@ from relax_slurm.algos import (
 )
 from relax_slurm.config.schema import ALGO_NAMES, AlgoConfig
 from relax_slurm.errors import ConfigError
+from relax_slurm.trainer.batch import loss_params
 
 CONF_ALGO = Path(__file__).resolve().parents[3] / "conf" / "algo"
 
@@ -125,8 +126,7 @@ def test_trainer_style_call_with_every_config_field(name):
     params.pop("name")
     rewards = torch.tensor([[1.0, 0.0]])
     adv = compute_advantages(name, rewards, **params).flatten()
-    params.pop("loss_reduction")
-    params.pop("old_logprobs")  # the trainer picks the ratio denominator itself
+    params = loss_params(cfg)
     weights = torch.stack(reduction_weights([torch.ones(3), torch.tensor([1.0, 1.0, 0.0])],
                                             cfg.loss_reduction))
     logp = torch.full((2, 3), -1.0, requires_grad=True)

@@ -51,6 +51,9 @@ class FakeEngine:
                                       finish_reason="stop", weight_version="0"))
         return out
 
+    async def aclose(self):
+        pass
+
 
 class FakeTeacher:
     """Log-prob of token t is -t / 100 (position-coded, to check the alignment)."""
@@ -61,6 +64,9 @@ class FakeTeacher:
     async def prefill_logprobs(self, seqs, temperature=1.0):
         self.seen += seqs
         return [[-t / 100 for t in range(1, len(s))] for s in seqs]
+
+    async def aclose(self):
+        pass
 
 
 class FakeBroker:
@@ -120,7 +126,7 @@ def make_worker(tmp_path, tiny_model_dir, monkeypatch):
 
     yield make
     for w in workers:
-        w.close()
+        asyncio.run(w.aclose())
     sys.modules.pop(module, None)
 
 
