@@ -208,6 +208,11 @@ class TrainerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     warmup_steps: int = 0
+    """Linear lr warm-up over this many steps."""
+    lr_schedule: str = "constant"
+    """After warm-up: constant, cosine or linear decay to min_lr_ratio x lr at total_steps."""
+    min_lr_ratio: float = 0.0
+    """The decayed lr at total_steps, as a fraction of lr (cosine and linear)."""
     grad_clip: float = 1.0
     micro_batch_size: int = 64
     """Samples per forward/backward on one rank (gradient accumulation beyond it)."""
@@ -235,6 +240,11 @@ class TrainerConfig:
         _check(self.nproc_per_node >= 1, f"trainer.nproc_per_node={self.nproc_per_node}: >= 1")
         _check(self.total_steps >= 1, f"trainer.total_steps={self.total_steps}: >= 1")
         _check(self.lr > 0, f"trainer.lr={self.lr}: must be > 0")
+        _check(self.warmup_steps >= 0, f"trainer.warmup_steps={self.warmup_steps}: >= 0")
+        _check(self.lr_schedule in ("constant", "cosine", "linear"),
+               f"trainer.lr_schedule={self.lr_schedule!r}: use constant, cosine or linear")
+        _check(0.0 <= self.min_lr_ratio <= 1.0,
+               f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         _check(self.micro_batch_size >= 1, f"trainer.micro_batch_size: >= 1")
 
 

@@ -6,6 +6,7 @@ Qwen3-4B; nothing here knows the model is tiny.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from relax_slurm.config.schema import ModelConfig, TrainerConfig
+from relax_slurm.trainer.schedule import lr_factor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,10 +60,9 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig):
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
     )
-    warmup = max(cfg.warmup_steps, 0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(
+        lr_factor, total_steps=cfg.total_steps, warmup_steps=cfg.warmup_steps,
+        schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio))
     return opt, sched
 
 
