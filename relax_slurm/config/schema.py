@@ -212,7 +212,10 @@ class TrainerConfig:
     lr_schedule: str = "constant"
     """After warm-up: constant, cosine or linear decay to min_lr_ratio x lr at total_steps."""
     min_lr_ratio: float = 0.0
-    """The decayed lr at total_steps, as a fraction of lr (cosine and linear)."""
+    """The decayed lr at the end of the decay, as a fraction of lr (cosine and linear)."""
+    lr_decay_steps: Optional[int] = None
+    """Steps over which the lr decays (Megatron's lr_decay_iters); null: total_steps. Fixing
+    it makes a shorter run follow the first steps of the full run's schedule."""
     grad_clip: float = 1.0
     micro_batch_size: int = 64
     """Samples per forward/backward on one rank (gradient accumulation beyond it)."""
@@ -243,6 +246,8 @@ class TrainerConfig:
         _check(self.warmup_steps >= 0, f"trainer.warmup_steps={self.warmup_steps}: >= 0")
         _check(self.lr_schedule in ("constant", "cosine", "linear"),
                f"trainer.lr_schedule={self.lr_schedule!r}: use constant, cosine or linear")
+        _check(self.lr_decay_steps is None or self.lr_decay_steps >= 1,
+               f"trainer.lr_decay_steps={self.lr_decay_steps}: >= 1, or null for total_steps")
         _check(0.0 <= self.min_lr_ratio <= 1.0,
                f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         _check(self.micro_batch_size >= 1, f"trainer.micro_batch_size: >= 1")
@@ -359,6 +364,9 @@ class ClusterConfig:
     """Pin trainer ranks to these CPU ids (local runs); null leaves it to the OS."""
     rollout_cpus: Optional[list[int]] = None
     """Pin engines and rollout workers to these CPU ids (local runs)."""
+    max_global_restarts: int = 0
+    """Local runs: when a role dies or hangs, stop every role and start the run again from its
+    latest checkpoint (trainer.save_every sets how much is redone), at most this many times."""
 
     # ---- slurm: the allocation ------------------------------------------------------------
     layout: str = "hetjob"

@@ -4,22 +4,32 @@ Roles: broker, engines and the teacher engine if any, rollout worker, torchrun t
 started at once (the worker and trainer wait for the engines' /health). The run ends
 when the trainer exits 0; any other exit, or no new step for `cluster.step_timeout_s`, fails
 it naming the role and its log. Every child is stopped in `finally`, Ctrl-C included.
+
+With `cluster.max_global_restarts > 0` a failed attempt is followed by a global restart: every
+role anew (fresh ports), the trainer from the latest checkpoint in the run directory, the
+broker at that version. Each restart is recorded in RUN_DIR/restarts.jsonl and counted in
+summary.json (`global_restarts`).
 """
 
 from __future__ import annotations
 
+import json
+import sys
+import time
 from pathlib import Path
 
-from relax_slurm.checkpoint import clear_checkpoints, resolve_resume
+from relax_slurm.checkpoint import clear_checkpoints, find_latest, resolve_resume
 from relax_slurm.config import TrainConfig, save_config
-from relax_slurm.errors import ConfigError
+from relax_slurm.errors import ConfigError, RoleFailed
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.roles import (
     broker_spec, engine_specs, teacher_specs, trainer_spec, worker_spec,
 )
 from relax_slurm.launch.supervisor import supervise
+from relax_slurm.metrics.summary import write_summary
 
 LOCALHOST = "127.0.0.1"
+RESTARTS_FILE = "restarts.jsonl"
 
 
 def check_inputs(cfg: TrainConfig) -> None:
@@ -66,12 +76,18 @@ def local_plan(cfg: TrainConfig) -> RunPlan:
     )
 
 
-def prepare_run_dir(cfg: TrainConfig, plan: RunPlan) -> Path:
-    """Resolve what to resume from (once, for every role), then write config and plan."""
+def prepare_run_dir(cfg: TrainConfig, plan: RunPlan, attempt: int = 0) -> Path:
+    """Resolve what to resume from (once, for every role), then write config and plan.
+
+    A restarted attempt (attempt > 0) continues its own run from its latest checkpoint,
+    whatever `resume=`/`overwrite=` say: they apply to the first attempt."""
     run_dir = Path(cfg.run_dir).resolve()
-    resume = resolve_resume(run_dir, cfg.resume, cfg.overwrite)
-    if resume is None and cfg.overwrite:
-        clear_checkpoints(run_dir)
+    if attempt > 0:
+        resume = find_latest(run_dir)
+    else:
+        resume = resolve_resume(run_dir, cfg.resume, cfg.overwrite)
+        if resume is None and cfg.overwrite:
+            clear_checkpoints(run_dir)
     plan.resume_from = str(resume) if resume else None
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
@@ -79,12 +95,46 @@ def prepare_run_dir(cfg: TrainConfig, plan: RunPlan) -> Path:
     return run_dir
 
 
-def run_local(cfg: TrainConfig) -> dict:
-    """Run to the end; returns the summary. Raises RoleFailed/ConfigError with the cause."""
-    check_inputs(cfg)
-    plan = local_plan(cfg)
-    run_dir = prepare_run_dir(cfg, plan)
+def run_attempt(cfg: TrainConfig, attempt: int) -> dict:
+    plan = local_plan(cfg)  # fresh ports: the last attempt's may not be free yet
+    run_dir = prepare_run_dir(cfg, plan, attempt)
     specs = [broker_spec(cfg, plan, run_dir), *engine_specs(cfg, plan), *teacher_specs(cfg, plan),
              worker_spec(cfg, plan, run_dir, LOCALHOST),
              trainer_spec(cfg, plan, run_dir, [LOCALHOST])]
     return supervise(specs, cfg, run_dir, wrap=lambda spec: spec.argv)
+
+
+def record_restart(run_dir: Path, attempt: int, cap: int, cause: RoleFailed) -> None:
+    resumes = find_latest(run_dir)
+    row = {"attempt": attempt, "time": time.time(), "cause": str(cause).splitlines()[0],
+           "resumes_from": str(resumes) if resumes else None}
+    with (run_dir / RESTARTS_FILE).open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    # the launcher's own voice, like its errors (Hydra owns the logging config here)
+    print(f"relax-train: global restart {attempt} of {cap} ({row['cause']}), from "
+          f"{row['resumes_from'] or 'the start'}", file=sys.stderr, flush=True)
+
+
+def run_local(cfg: TrainConfig) -> dict:
+    """Run to the end, restarting globally after a failure up to cluster.max_global_restarts;
+    returns the summary. Raises RoleFailed/ConfigError with the cause."""
+    check_inputs(cfg)
+    t0 = time.monotonic()
+    cap = cfg.cluster.max_global_restarts
+    attempt = 0
+    while True:
+        try:
+            summary = run_attempt(cfg, attempt)
+            break
+        except RoleFailed as e:
+            if attempt >= cap:
+                if cap:
+                    raise RoleFailed(f"{e}\n(gave up after cluster.max_global_restarts={cap} "
+                                     "global restarts; see restarts.jsonl)") from e
+                raise
+            attempt += 1
+            record_restart(Path(cfg.run_dir).resolve(), attempt, cap, e)
+    summary["global_restarts"] = attempt
+    summary["wall_s"] = round(time.monotonic() - t0, 3)  # every attempt, not only the last
+    write_summary(Path(cfg.run_dir).resolve(), summary)
+    return summary
