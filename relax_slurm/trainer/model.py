@@ -61,8 +61,8 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig):
         betas=(cfg.adam_beta1, cfg.adam_beta2),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(
-        lr_factor, total_steps=cfg.total_steps, warmup_steps=cfg.warmup_steps,
-        schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio))
+        lr_factor, total_steps=cfg.lr_decay_steps or cfg.total_steps,
+        warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule, min_lr_ratio=cfg.min_lr_ratio))
     return opt, sched
 
 

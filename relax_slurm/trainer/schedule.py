@@ -1,7 +1,8 @@
 """Learning-rate schedules: the lr factor at an optimizer step, as a pure function.
 
 Linear warm-up over `warmup_steps`, then `constant`, or a `cosine`/`linear` decay to
-`min_lr_ratio` x lr at `total_steps` (as Megatron's lr_decay_style and verl's
+`min_lr_ratio` x lr at `total_steps` (the trainer passes `trainer.lr_decay_steps` or
+`trainer.total_steps`; as Megatron's lr_decay_style/lr_decay_iters and verl's
 lr_scheduler_type). RL runs at a fixed lr keep moving once the reward saturates; decaying
 it lets a run settle, which matters most off-policy (max_staleness > 0).
 """

@@ -52,3 +52,16 @@ def test_bad_schedule_names_the_key():
         TrainerConfig(lr_schedule="cosin")
     with pytest.raises(ConfigError, match="trainer.min_lr_ratio"):
         TrainerConfig(min_lr_ratio=2.0)
+
+
+def test_lr_decay_steps_fixes_the_horizon():
+    """A 4-step run of a schedule decaying over 8 steps follows the 8-step run's first 4."""
+    model = torch.nn.Linear(2, 1)
+    short = TrainerConfig(lr=1.0, total_steps=4, lr_decay_steps=8, lr_schedule="linear")
+    opt, sched = build_optimizer(model, short)
+    seen = []
+    for _ in range(4):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([1.0, 0.875, 0.75, 0.625])
