@@ -27,7 +27,9 @@ from relax_slurm.launch.exit import exit_now
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import BrokerTimeout, ConfigError
 from relax_slurm.launch.plan import load_plan
-from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsWriter
+from relax_slurm.metrics.fanout import open_sinks
+from relax_slurm.metrics.jsonl import METRICS_FILE
+from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.rollout.engine_client import wait_until_healthy
 from relax_slurm.samples import Group
 from relax_slurm.trainer.batch import MicroBatch, collate, prepare_items, scatter_batch
@@ -112,7 +114,7 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
 
 
 class RankZero:
-    """What only rank 0 holds: the broker client, the weight sender, the metrics file."""
+    """What only rank 0 holds: the broker client, the weight sender, the metrics sinks."""
 
     def __init__(self, cfg: TrainConfig, plan, run_dir: Path, start_step: int) -> None:
         self.broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
@@ -127,7 +129,9 @@ class RankZero:
         wait_until_healthy(plan.engine_urls, cfg.rollout.startup_timeout_s)
         self.sender.connect()
         truncate_metrics(run_dir, start_step)
-        self.metrics = MetricsWriter(run_dir)
+        self.metrics = open_sinks(cfg, run_dir)
+        self.decode = (tokenizer_decode(cfg.model.path, cfg.model.trust_remote_code)
+                       if cfg.debug.dump_rollouts else None)
         self.verify = cfg.weight_sync.verify
         self.num_engines = len(plan.engine_urls)
 
@@ -257,6 +261,8 @@ def run(run_dir: Path) -> int:
                     "policy/version": done,
                 }
                 zero.metrics.log(step, row)
+                if zero.decode is not None:
+                    write_dump(run_dir, step, groups, zero.decode)
             last_end = t3
             if preempt:
                 log.info("preempted: checkpoint step_%d saved; exiting for requeue", done)
