@@ -2,37 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from relax_slurm.config.schema import NotifyConfig
 from relax_slurm.metrics.notify import Notifier, step_message
+from tests.json_receiver import json_receiver
 
 
 @pytest.fixture
 def receiver():
-    got: list[dict] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's naming
-            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"json://127.0.0.1:{server.server_address[1]}/hook", got
-    server.shutdown()
-    server.server_close()
+    with json_receiver() as r:
+        yield r
 
 
 def test_start_steps_and_end_reach_a_local_json_receiver(receiver):
