@@ -31,6 +31,7 @@ from relax_slurm.metrics.fanout import open_sinks
 from relax_slurm.metrics.jsonl import METRICS_FILE
 from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.rollout.engine_client import wait_until_healthy
+from relax_slurm.rollout.evaluate import Evaluator, eval_due
 from relax_slurm.samples import Group
 from relax_slurm.trainer.batch import MicroBatch, collate, prepare_items, scatter_batch
 from relax_slurm.trainer.model import (
@@ -132,6 +133,7 @@ class RankZero:
         self.metrics = open_sinks(cfg, run_dir)
         self.decode = (tokenizer_decode(cfg.model.path, cfg.model.trust_remote_code)
                        if cfg.debug.dump_rollouts else None)
+        self.evaluator = Evaluator(cfg, plan.engine_urls) if cfg.eval.every else None
         self.verify = cfg.weight_sync.verify
         self.num_engines = len(plan.engine_urls)
 
@@ -145,8 +147,9 @@ class RankZero:
         return stats
 
     def close(self) -> None:
-        for closeable in (self.sender, self.broker, self.metrics):
-            closeable.close()
+        for closeable in (self.sender, self.broker, self.metrics, self.evaluator):
+            if closeable is not None:
+                closeable.close()
 
 
 def truncate_metrics(run_dir: Path, start_step: int) -> None:
@@ -248,9 +251,12 @@ def run(run_dir: Path) -> int:
             if cfg.trainer.save_hf_every and done % cfg.trainer.save_hf_every == 0:
                 save_hf(model, cfg.model.path, run_dir / "hf" / f"step_{done}")
             t3 = time.monotonic()
+            # engines serve `done` and (sync runs) the worker waits for set_version: evaluate now
+            evals = (zero.evaluator.run() if rank == 0 and zero.evaluator is not None
+                     and eval_due(cfg.eval.every, done, cfg.trainer.total_steps) else {})
             if rank == 0:
                 zero.broker.set_version(done)
-                row = batch_metrics(groups, stats) | train | {
+                row = batch_metrics(groups, stats) | train | evals | {
                     "perf/trainer_wait_s": td - tf,
                     "perf/train_time_s": t1 - t0,
                     "perf/weight_sync_s": t2 - t1,

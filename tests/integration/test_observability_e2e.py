@@ -1,5 +1,5 @@
 """A tiny run with every observability output on: TensorBoard, offline wandb, rollout dumps,
-notifications to a local json:// receiver, then relax-plot on the run directory."""
+periodic greedy eval, notifications to a local json:// receiver, then relax-plot."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def test_tiny_run_writes_tensorboard_wandb_dumps_notifications_and_plots(tmp_pat
             run_dir, tiny_assets, f"trainer.total_steps={STEPS}", "metrics.tensorboard=true",
             "metrics.wandb.enabled=true", "metrics.wandb.mode=offline",
             "debug.dump_rollouts=true", f"notify.urls=[{url}]", "notify.every_steps=2",
+            "eval.every=2", f"eval.datasets=[{tiny_assets / 'arith_test.jsonl'}]",
+            "eval.max_prompts=16",
             timeout_s=800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -45,8 +47,13 @@ def test_tiny_run_writes_tensorboard_wandb_dumps_notifications_and_plots(tmp_pat
         assert rows and all(r["step"] == step and r["response"] is not None for r in rows)
         assert all(step - r["version_min"] >= 0 for r in rows)
 
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # eval after steps 2 and 4 (the rows of 0-based steps 1 and 3), greedy: k = 1
+    assert [r["step"] for r in rows if "eval/arith_test/mean@1" in r] == [1, 3]
+    assert 0.0 <= rows[3]["eval/arith_test/pass@1"] <= 1.0
+
     titles = [m["title"].split(": ", 1)[1] for m in got]
     assert titles == ["started", "step 2/4", "step 4/4", "finished"], titles
 
-    assert {p.stem for p in plot_run(run_dir)} >= {"reward", "staleness", "time_breakdown",
-                                                  "overview"}
+    assert {p.stem for p in plot_run(run_dir)} >= {"reward", "eval", "staleness",
+                                                  "time_breakdown", "overview"}
