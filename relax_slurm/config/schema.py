@@ -465,10 +465,75 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True)
+class WandbConfig:
+    enabled: bool = False
+    """Log every metrics row to Weights & Biases as well (needs `pip install wandb`)."""
+    mode: str = "auto"
+    """auto: online when WANDB_API_KEY is set, offline otherwise; or online, offline."""
+    project: str = "relax-slurm"
+    entity: Optional[str] = None
+    """wandb team or user; null: the API key's default entity."""
+    name: Optional[str] = None
+    """Run name; null: the run directory's name."""
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check(self.mode in ("auto", "online", "offline"),
+               f"metrics.wandb.mode={self.mode!r}: use auto, online or offline")
+
+
+@dataclass(kw_only=True)
 class MetricsConfig:
     progress: bool = True
     """Progress bar on a terminal, plain lines otherwise."""
     log_every: int = 1
+    tensorboard: bool = False
+    """Also write TensorBoard event files to run_dir/tensorboard (needs `pip install tensorboard`)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    every: int = 0
+    """Evaluate on the engines every this many steps (and after the last); 0 disables."""
+    datasets: list[str] = field(default_factory=list)
+    """jsonl / parquet files read like data.train_files (same keys); metrics are named after
+    each file's stem: eval/<stem>/mean@k, eval/<stem>/pass@k."""
+    n_samples: int = 1
+    """k: responses per prompt. 1 with temperature 0 is greedy accuracy."""
+    temperature: float = 0.0
+    """0 is greedy; use > 0 with n_samples > 1 for pass@k."""
+    max_prompts: int = 0
+    """Evaluate the first this many prompts of each dataset; 0: all."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"eval.every={self.every}: must be >= 0")
+        _check(self.every == 0 or len(self.datasets) > 0,
+               f"eval.every={self.every} but eval.datasets is empty: set "
+               "eval.datasets=[path/to/test.jsonl] or eval.every=0")
+        _check(self.n_samples >= 1, f"eval.n_samples={self.n_samples}: must be >= 1")
+        _check(self.temperature > 0 or self.n_samples == 1,
+               f"eval.n_samples={self.n_samples} with eval.temperature=0 draws the same greedy "
+               "response k times: set eval.temperature (e.g. 0.6) or eval.n_samples=1")
+
+
+@dataclass(kw_only=True)
+class DebugConfig:
+    dump_rollouts: bool = False
+    """Write every trained sample (prompt, response, reward, version) to
+    run_dir/rollouts/step_NNNNNN.jsonl, one file per step."""
+
+
+@dataclass(kw_only=True)
+class NotifyConfig:
+    urls: list[str] = field(default_factory=list)
+    """Apprise URLs (slack://..., mailto://..., json://host:port/...); empty: no notifications.
+    Needs `pip install apprise`; without it the run warns once and goes on."""
+    every_steps: int = 0
+    """Also send the latest key metrics every this many steps; 0: only start, end and crash."""
+
+    def __post_init__(self) -> None:
+        _check(self.every_steps >= 0, f"notify.every_steps={self.every_steps}: must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -491,6 +556,9 @@ class TrainConfig:
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    notify: NotifyConfig = field(default_factory=NotifyConfig)
 
     def __post_init__(self) -> None:
         buffer, max_new = self.algo.overlong_buffer_tokens, self.rollout.max_new_tokens

@@ -17,7 +17,9 @@ from relax_slurm.errors import Preempted, RelaxError, RoleFailed
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.roles import RoleSpec
+from relax_slurm.metrics.fanout import check_installed
 from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsTail, iter_metrics
+from relax_slurm.metrics.notify import Notifier
 from relax_slurm.metrics.progress import Progress
 from relax_slurm.metrics.summary import summarize, write_summary
 from relax_slurm.rollout.engine_client import EngineClient
@@ -85,7 +87,8 @@ def _preempted(trainer: Role, run_dir: Path, steps: int) -> Preempted | None:
                      f"{run_dir / 'checkpoints'} when the run is started again")
 
 
-def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path) -> None:
+def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
+          notifier: Notifier | None = None) -> None:
     """Return when the trainer exits 0; raise Preempted when it stopped on a preemption request
     (see launch/control.py), RoleFailed for any other death or a stalled run."""
     progress = Progress(cfg.trainer.total_steps, enabled=cfg.metrics.progress)
@@ -95,6 +98,8 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path) -> 
         while True:
             for row in tail.new_rows():
                 progress.update(row)
+                if notifier is not None:
+                    notifier.on_row(row, cfg.trainer.total_steps)
                 last_step_t = time.monotonic()
             # one poll decides for the trainer: a trainer that exits 0 between two polls must
             # not be reported by check_alive as a role that died
@@ -117,17 +122,30 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path) -> 
 def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap) -> dict:
     """Run the roles to the end; write roles.json and summary.json; return the summary."""
     t0 = time.monotonic()
+    check_installed(cfg)  # a missing tensorboard/wandb fails now, not after engines load
+    notifier = Notifier(cfg.notify, run_dir.name)
     procs = ProcessSet(run_dir / "logs", child_env(cfg))
     try:
-        trainer = start(procs, specs, cfg, wrap)
-        (run_dir / "roles.json").write_text(json.dumps([r.info() for r in procs.roles], indent=2))
-        watch(procs, trainer, cfg, run_dir)
-    finally:
-        procs.close()
-    rows = list(iter_metrics(run_dir / METRICS_FILE))
-    summary = summarize(rows, time.monotonic() - t0, cfg.algo.max_staleness)
-    write_summary(run_dir, summary)
-    if len(rows) < cfg.trainer.total_steps:
-        raise RoleFailed(f"trainer exited after {len(rows)} of {cfg.trainer.total_steps} steps; "
-                         f"see {run_dir / 'logs' / 'trainer.log'}")
+        try:
+            trainer = start(procs, specs, cfg, wrap)
+            (run_dir / "roles.json").write_text(
+                json.dumps([r.info() for r in procs.roles], indent=2))
+            notifier.send("started", f"{cfg.trainer.total_steps} steps, run dir {run_dir}")
+            watch(procs, trainer, cfg, run_dir, notifier)
+        finally:
+            procs.close()
+        rows = list(iter_metrics(run_dir / METRICS_FILE))
+        summary = summarize(rows, time.monotonic() - t0, cfg.algo.max_staleness)
+        write_summary(run_dir, summary)
+        if len(rows) < cfg.trainer.total_steps:
+            raise RoleFailed(f"trainer exited after {len(rows)} of {cfg.trainer.total_steps} "
+                             f"steps; see {run_dir / 'logs' / 'trainer.log'}")
+    except Preempted as e:
+        notifier.send("preempted", str(e))
+        raise
+    except BaseException as e:
+        # RoleFailed names the failing role and ends with its log tail
+        notifier.send("crashed", f"{type(e).__name__}: {e}")
+        raise
+    notifier.send("finished", json.dumps(summary, indent=1))
     return summary

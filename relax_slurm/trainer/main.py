@@ -28,8 +28,11 @@ from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import BrokerTimeout, ConfigError
 from relax_slurm.launch.plan import load_plan
-from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsWriter
+from relax_slurm.metrics.fanout import open_sinks
+from relax_slurm.metrics.jsonl import METRICS_FILE
+from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.rollout.engine_client import wait_until_healthy
+from relax_slurm.rollout.evaluate import Evaluator, eval_due
 from relax_slurm.samples import Group
 from relax_slurm.trainer.batch import MicroBatch, collate, prepare_items, scatter_batch
 from relax_slurm.trainer.model import (
@@ -113,7 +116,7 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
 
 
 class RankZero:
-    """What only rank 0 holds: the broker client, the weight sender, the metrics file."""
+    """What only rank 0 holds: the broker client, the weight sender, the metrics sinks."""
 
     def __init__(self, cfg: TrainConfig, plan, run_dir: Path, start_step: int) -> None:
         self.broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
@@ -132,7 +135,10 @@ class RankZero:
         wait_until_healthy(plan.engine_urls, cfg.rollout.startup_timeout_s)
         self.sender.connect()
         truncate_metrics(run_dir, start_step)
-        self.metrics = MetricsWriter(run_dir)
+        self.metrics = open_sinks(cfg, run_dir)
+        self.decode = (tokenizer_decode(cfg.model.path, cfg.model.trust_remote_code)
+                       if cfg.debug.dump_rollouts else None)
+        self.evaluator = Evaluator(cfg, plan.engine_urls) if cfg.eval.every else None
         self.verify = cfg.weight_sync.verify
         self.num_engines = len(plan.engine_urls)
 
@@ -146,8 +152,9 @@ class RankZero:
         return stats
 
     def close(self) -> None:
-        for closeable in (self.sender, self.broker, self.metrics):
-            closeable.close()
+        for closeable in (self.sender, self.broker, self.metrics, self.evaluator):
+            if closeable is not None:
+                closeable.close()
 
 
 def truncate_metrics(run_dir: Path, start_step: int) -> None:
@@ -250,9 +257,12 @@ def run(run_dir: Path) -> int:
             if cfg.trainer.save_hf_every and done % cfg.trainer.save_hf_every == 0:
                 save_hf(model, cfg.model.path, run_dir / "hf" / f"step_{done}")
             t3 = time.monotonic()
+            # engines serve `done` and (sync runs) the worker waits for set_version: evaluate now
+            evals = (zero.evaluator.run() if rank == 0 and zero.evaluator is not None
+                     and eval_due(cfg.eval.every, done, cfg.trainer.total_steps) else {})
             if rank == 0:
                 zero.broker.set_version(done)
-                row = batch_metrics(groups, stats) | train | {
+                row = batch_metrics(groups, stats) | train | evals | {
                     "perf/trainer_wait_s": td - tf,
                     "perf/train_time_s": t1 - t0,
                     "perf/weight_sync_s": t2 - t1,
@@ -263,6 +273,8 @@ def run(run_dir: Path) -> int:
                     "policy/version": done,
                 }
                 zero.metrics.log(step, row)
+                if zero.decode is not None:
+                    write_dump(run_dir, step, groups, zero.decode)
             last_end = t3
             if preempt:
                 log.info("preempted: checkpoint step_%d saved; exiting for requeue", done)

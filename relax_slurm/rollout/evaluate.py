@@ -1,0 +1,88 @@
+"""Periodic evaluation on the engines: `eval.datasets`, k samples per prompt, mean@k / pass@k.
+
+Called by the trainer's rank 0 right after the engines got a new version: in a sync run
+(max_staleness=0) the rollout worker is idle then (it waits for set_version), so evaluation
+uses engines nobody else is using; in an async run it shares them with rollout for a moment.
+Rewards are computed in this process with the run's reward (eval sets are small).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from relax_slurm.config.schema import TrainConfig
+from relax_slurm.data import Prompt, PromptDataset
+from relax_slurm.rewards import RewardInput, build_reward
+from relax_slurm.rollout.engine_client import EngineClient
+
+log = logging.getLogger("relax_slurm.eval")
+CORRECT = 1.0  # a response counts as solved for pass@k when its reward reaches the full 1.0
+
+
+def eval_due(every: int, done: int, total: int) -> bool:
+    return every > 0 and (done % every == 0 or done == total)
+
+
+def k_metrics(rewards: list[list[float]], k: int) -> dict[str, float]:
+    """Pure: per-prompt rewards of k samples -> mean@k (mean reward) and pass@k (share of
+    prompts with at least one correct sample)."""
+    n = max(len(rewards), 1)
+    return {f"mean@{k}": sum(sum(r) / len(r) for r in rewards) / n,
+            f"pass@{k}": sum(any(x >= CORRECT for x in r) for r in rewards) / n}
+
+
+class Evaluator:
+    def __init__(self, cfg: TrainConfig, engine_urls: list[str]) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg.eval
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.reward = build_reward(cfg.reward)
+        self.engines = [EngineClient(u, cfg.rollout.request_timeout_s) for u in engine_urls]
+        self.params = {"max_new_tokens": cfg.rollout.max_new_tokens,
+                       "temperature": self.cfg.temperature,
+                       "top_p": cfg.rollout.top_p if self.cfg.temperature > 0 else 1.0,
+                       "top_k": cfg.rollout.top_k if self.cfg.temperature > 0 else -1}
+        self.sets: dict[str, list[Prompt]] = {}
+        for path in self.cfg.datasets:
+            data_cfg = dataclasses.replace(cfg.data, train_files=[path], shuffle=False)
+            prompts = PromptDataset(data_cfg, self.tokenizer).prompts
+            self.sets[Path(path).stem] = prompts[:self.cfg.max_prompts or None]
+
+    def run(self) -> dict[str, float]:
+        """Every dataset once; {eval/<stem>/mean@k, eval/<stem>/pass@k, perf/eval_s}."""
+        t0 = time.monotonic()
+        k, out = self.cfg.n_samples, {}
+        for name, prompts in self.sets.items():
+            rewards = [self._score(p, rs) for p, rs in zip(prompts, self._generate(prompts, k))]
+            out |= {f"eval/{name}/{m}": v for m, v in k_metrics(rewards, k).items()}
+        out["perf/eval_s"] = time.monotonic() - t0
+        return out
+
+    def _generate(self, prompts: list[Prompt], k: int) -> list[list[Any]]:
+        """One batched request per engine, prompts split round-robin."""
+        ids = [p.input_ids for p in prompts for _ in range(k)]
+        seeds = [{**self.params, "sampling_seed": i} for i in range(len(ids))]
+        n = len(self.engines)
+        results: list[Any] = [None] * len(ids)
+        for e, engine in enumerate(self.engines):
+            mine = list(range(e, len(ids), n))
+            if mine:
+                got = engine.generate([ids[i] for i in mine], [seeds[i] for i in mine])
+                for i, r in zip(mine, got):
+                    results[i] = r
+        return [results[i * k:(i + 1) * k] for i in range(len(prompts))]
+
+    def _score(self, prompt: Prompt, results: list[Any]) -> list[float]:
+        return [self.reward(RewardInput(
+            prompt=prompt.text, label=prompt.label, metadata=prompt.metadata,
+            response=self.tokenizer.decode(r.output_ids, skip_special_tokens=True),
+            finish_reason=r.finish_reason)) for r in results]
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
