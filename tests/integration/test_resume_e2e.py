@@ -52,15 +52,15 @@ def test_resume_is_exact(tmp_path, tiny_assets):
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].equal(b[name]), name  # bitwise
+    refuses_to_start_over(split, tiny_assets)
 
 
-@pytest.mark.slow
-def test_resume_none_refuses_a_run_dir_with_checkpoints(tmp_path, tiny_assets):
-    run_dir = tmp_path / "r"
-    train(run_dir, tiny_assets, "trainer.total_steps=1")
+def refuses_to_start_over(run_dir: Path, tiny: Path) -> None:
+    """resume=none on a run dir with checkpoints fails at once, pointing at overwrite=true
+    (checked on this test's run dir: a run of its own cost ~60 s of start-up)."""
     cmd = [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_cpu",
-           f"run_dir={run_dir}", f"model.path={tiny_assets / 'model'}",
-           f"data.train_files=[{tiny_assets / 'arith_train.jsonl'}]", "resume=none"]
+           f"run_dir={run_dir}", f"model.path={tiny / 'model'}",
+           f"data.train_files=[{tiny / 'arith_train.jsonl'}]", "resume=none"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode != 0
