@@ -42,6 +42,8 @@ PANELS = (
     Panel("entropy", "entropy (nats/token)", ("train/entropy",)),
     Panel("staleness", "staleness (policy versions)",
           ("broker/staleness_max", "broker/staleness_mean", "broker/dropped_stale")),
+    Panel("staleness_hist", "share of samples by staleness", ("broker/staleness_hist/",),
+          stacked=True),
     Panel("throughput", "throughput (samples/s)", ("perf/samples_per_s",)),
     Panel("time_breakdown", "time per step (s)",
           ("perf/trainer_wait_s", "perf/train_time_s", "perf/weight_sync_s",

@@ -69,6 +69,15 @@ def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int) -> tuple[
     )
 
 
+def staleness_histogram(stats: dict, max_staleness: int) -> dict[str, float]:
+    """The broker's per-batch staleness counts as shares 0..max_staleness: every key on every
+    step, so relax-plot can stack them into a histogram over time."""
+    counts = {int(k): v for k, v in stats.get("staleness_hist", {}).items()}
+    total = sum(counts.values()) or 1
+    return {f"broker/staleness_hist/{k}": counts.get(k, 0) / total
+            for k in range(max_staleness + 1)}
+
+
 def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
     samples = [s for g in groups for s in g]
     # per group (the same on each of its samples), including groups the worker did not send
@@ -262,7 +271,8 @@ def run(run_dir: Path) -> int:
                      and eval_due(cfg.eval.every, done, cfg.trainer.total_steps) else {})
             if rank == 0:
                 zero.broker.set_version(done)
-                row = batch_metrics(groups, stats) | train | evals | {
+                row = (batch_metrics(groups, stats) | train | evals
+                       | staleness_histogram(stats, cfg.algo.max_staleness) | {
                     "perf/trainer_wait_s": td - tf,
                     "perf/train_time_s": t1 - t0,
                     "perf/weight_sync_s": t2 - t1,
@@ -271,7 +281,7 @@ def run(run_dir: Path) -> int:
                     "perf/step_time_s": t3 - last_end,
                     "perf/samples_per_s": len(batch) * dist.get_world_size() / (t3 - last_end),
                     "policy/version": done,
-                }
+                })
                 zero.metrics.log(step, row)
                 if zero.decode is not None:
                     write_dump(run_dir, step, groups, zero.decode)

@@ -21,7 +21,8 @@ def synthetic_rows(n: int) -> list[dict]:
                "train/rollout_train_logprob_diff": 1e-3, "broker/staleness_max": i % 3,
                "broker/staleness_mean": (i % 3) / 2, "broker/dropped_stale": 0,
                "perf/samples_per_s": 30.0, "perf/trainer_wait_s": 1.0,
-               "perf/train_time_s": 0.5, "perf/weight_sync_s": 0.1, "perf/checkpoint_s": 0.0}
+               "perf/train_time_s": 0.5, "perf/weight_sync_s": 0.1, "perf/checkpoint_s": 0.0,
+               "broker/staleness_hist/0": 1 - i / n, "broker/staleness_hist/1": i / n}
         if i % 4 == 3:
             row["eval/arith/mean@4"] = i / n
         rows.append(row)

@@ -15,7 +15,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from relax_slurm.config.schema import AlgoConfig, TrainerConfig
 from relax_slurm.samples import Sample
 from relax_slurm.trainer.batch import collate, prepare_items
-from relax_slurm.trainer.main import batch_metrics
+from relax_slurm.trainer.main import batch_metrics, staleness_histogram
 from relax_slurm.trainer.model import build_optimizer
 from relax_slurm.trainer.step import (
     gather_logprobs, reduce_metrics, scaled_logits, token_entropy, train_step,
@@ -170,3 +170,12 @@ def test_batch_metrics_count_reward_errors_and_filtered_groups():
     out = batch_metrics(gs, {})
     assert out["rollout/reward_errors"] == 3 and out["rollout/filtered_groups"] == 4
     assert batch_metrics(groups(), {})["rollout/reward_errors"] == 0  # older workers: absent
+
+
+def test_staleness_histogram_has_every_bucket_as_a_share():
+    # msgpack may hand the broker's int keys back as ints or (from JSON) as strings
+    stats = {"staleness_hist": {0: 24, "2": 8}}
+    assert staleness_histogram(stats, 2) == {"broker/staleness_hist/0": 0.75,
+                                             "broker/staleness_hist/1": 0.0,
+                                             "broker/staleness_hist/2": 0.25}
+    assert staleness_histogram({}, 0) == {"broker/staleness_hist/0": 0.0}
