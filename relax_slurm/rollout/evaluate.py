@@ -1,9 +1,12 @@
 """Periodic evaluation on the engines: `eval.datasets`, k samples per prompt, mean@k / pass@k.
 
-Called by the trainer's rank 0 right after the engines got a new version: in a sync run
-(max_staleness=0) the rollout worker is idle then (it waits for set_version), so evaluation
-uses engines nobody else is using; in an async run it shares them with rollout for a moment.
-Rewards are computed in this process with the run's reward (eval sets are small).
+Started by the trainer's rank 0 right after the engines got a new version (`EvalSchedule`).
+In a sync run (max_staleness=0) the rollout worker is idle then (it waits for set_version), so
+evaluation runs inline on engines nobody else is using. In an async run it runs in a
+background thread, interleaved with rollout on the same engines, while training goes on; its
+results land in the row of the step during which it finished, with `policy/eval_version`
+naming the version evaluated. Rewards are computed in this process with the run's reward
+(eval sets are small).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +90,41 @@ class Evaluator:
     def close(self) -> None:
         for engine in self.engines:
             engine.close()
+
+
+class EvalSchedule:
+    """When evaluation runs and where its metrics go (see the module docstring)."""
+
+    def __init__(self, evaluator: Evaluator, every: int, total_steps: int,
+                 background: bool) -> None:
+        self.evaluator = evaluator
+        self.every, self.total_steps = every, total_steps
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="eval") if background else None
+        self.pending: tuple[int, Future] | None = None
+
+    def after_step(self, done: int) -> dict[str, float]:
+        """Call once the engines serve version `done`; returns metrics for this step's row."""
+        out = self._collect(wait=False)
+        if eval_due(self.every, done, self.total_steps):
+            if self.pool is None:
+                out |= self.evaluator.run() | {"policy/eval_version": done}
+            elif self.pending is None:
+                self.pending = (done, self.pool.submit(self.evaluator.run))
+            else:  # the last one is still running: skip rather than queue up behind it
+                log.warning("eval of version %d skipped: the eval of version %d is still running",
+                            done, self.pending[0])
+        if done == self.total_steps:
+            out |= self._collect(wait=True)  # the final eval belongs in the final row
+        return out
+
+    def _collect(self, wait: bool) -> dict[str, float]:
+        if self.pending is None or not (wait or self.pending[1].done()):
+            return {}
+        version, future = self.pending
+        self.pending = None
+        return future.result() | {"policy/eval_version": version}
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        self.evaluator.close()

@@ -32,7 +32,7 @@ from relax_slurm.metrics.fanout import open_sinks
 from relax_slurm.metrics.jsonl import METRICS_FILE
 from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.rollout.engine_client import wait_until_healthy
-from relax_slurm.rollout.evaluate import Evaluator, eval_due
+from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
 from relax_slurm.samples import Group
 from relax_slurm.trainer.batch import MicroBatch, collate, prepare_items, scatter_batch
 from relax_slurm.trainer.model import (
@@ -147,7 +147,10 @@ class RankZero:
         self.metrics = open_sinks(cfg, run_dir)
         self.decode = (tokenizer_decode(cfg.model.path, cfg.model.trust_remote_code)
                        if cfg.debug.dump_rollouts else None)
-        self.evaluator = Evaluator(cfg, plan.engine_urls) if cfg.eval.every else None
+        self.evaluator = (EvalSchedule(Evaluator(cfg, plan.engine_urls), cfg.eval.every,
+                                       cfg.trainer.total_steps,
+                                       background=cfg.algo.max_staleness > 0)
+                          if cfg.eval.every else None)
         self.verify = cfg.weight_sync.verify
         self.num_engines = len(plan.engine_urls)
 
@@ -267,8 +270,8 @@ def run(run_dir: Path) -> int:
                 save_hf(model, cfg.model.path, run_dir / "hf" / f"step_{done}")
             t3 = time.monotonic()
             # engines serve `done` and (sync runs) the worker waits for set_version: evaluate now
-            evals = (zero.evaluator.run() if rank == 0 and zero.evaluator is not None
-                     and eval_due(cfg.eval.every, done, cfg.trainer.total_steps) else {})
+            evals = (zero.evaluator.after_step(done)
+                     if rank == 0 and zero.evaluator is not None else {})
             if rank == 0:
                 zero.broker.set_version(done)
                 row = (batch_metrics(groups, stats) | train | evals

@@ -3,11 +3,53 @@ tests/integration/test_observability_e2e.py)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from relax_slurm.config.schema import EvalConfig
 from relax_slurm.errors import ConfigError
-from relax_slurm.rollout.evaluate import eval_due, k_metrics
+from relax_slurm.rollout.evaluate import EvalSchedule, eval_due, k_metrics
+
+
+class GatedEvaluator:
+    """run() blocks until the test opens the gate; counts its calls."""
+
+    def __init__(self) -> None:
+        self.gate, self.calls, self.closed = threading.Event(), 0, False
+
+    def run(self) -> dict:
+        self.calls += 1
+        assert self.gate.wait(10)
+        return {"eval/x/mean@1": float(self.calls)}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_sync_schedule_evaluates_inline_on_the_due_steps():
+    ev = GatedEvaluator()
+    ev.gate.set()
+    sched = EvalSchedule(ev, every=2, total_steps=3, background=False)
+    rows = [sched.after_step(d) for d in (1, 2, 3)]
+    assert rows == [{}, {"eval/x/mean@1": 1.0, "policy/eval_version": 2},
+                    {"eval/x/mean@1": 2.0, "policy/eval_version": 3}]
+
+
+def test_async_schedule_runs_aside_skips_overlaps_and_waits_at_the_end():
+    ev = GatedEvaluator()
+    sched = EvalSchedule(ev, every=1, total_steps=4, background=True)
+    assert sched.after_step(1) == {}  # started in the background; training goes on
+    assert sched.after_step(2) == {}  # still running: version 2's eval is skipped
+    ev.gate.set()
+    sched.pending[1].result(timeout=10)
+    assert sched.after_step(3) == {"eval/x/mean@1": 1.0, "policy/eval_version": 1}
+    sched.pending[1].result(timeout=10)  # version 3's eval is done before step 4 ends
+    # the last step starts version 4's eval and waits for it: the final row has it
+    assert sched.after_step(4) == {"eval/x/mean@1": 3.0, "policy/eval_version": 4}
+    assert ev.calls == 3
+    sched.close()
+    assert ev.closed
 
 
 def test_eval_runs_every_n_steps_and_after_the_last():
