@@ -10,7 +10,7 @@ torch is imported lazily: `resolve_resume` and `find_latest` stay cheap for the 
 
 from relax_slurm.checkpoint.resume import (
     CheckpointError, checkpoints_dir, clear_checkpoints, find_latest, is_complete,
-    list_checkpoints, resolve_resume,
+    list_checkpoints, resolve_resume, resume_for_attempt,
 )
 
 _LAZY = {
@@ -31,5 +31,6 @@ def __getattr__(name: str):
 __all__ = [
     "CheckpointError", "SaveHandle", "checkpoints_dir", "clear_checkpoints", "convert_checkpoint",
     "detect_format", "find_latest", "is_complete", "list_checkpoints", "load_checkpoint",
-    "read_meta", "resolve_resume", "save_checkpoint", "save_hf", "wait_pending",
+    "read_meta", "resolve_resume", "resume_for_attempt", "save_checkpoint", "save_hf",
+    "wait_pending",
 ]

@@ -130,6 +130,20 @@ def resolve_resume(run_dir: str | Path, resume: str | None, overwrite: bool) -> 
     return _resolve_path(Path(mode).expanduser())
 
 
+def resume_for_attempt(run_dir: str | Path, resume: str | None, overwrite: bool,
+                       attempt: int) -> Path | None:
+    """What attempt `attempt` of a run resumes from. A restarted or requeued attempt
+    (attempt > 0) continues its own run from its latest checkpoint, whatever `resume=` and
+    `overwrite=` say: they apply to the first attempt, where overwrite clears old checkpoints."""
+    latest = find_latest(run_dir) if attempt > 0 else None
+    if latest is not None:
+        return latest
+    path = resolve_resume(run_dir, resume, overwrite)
+    if path is None and overwrite:
+        clear_checkpoints(run_dir)
+    return path
+
+
 def _resolve_path(path: Path) -> Path:
     if not path.exists():
         raise ConfigError(f"resume={path}: no such file or directory. Fix: resume=auto, "

@@ -13,6 +13,7 @@ from typing import Optional
 from omegaconf import MISSING
 
 from relax_slurm.errors import ConfigError
+from relax_slurm.trainer.schedule import SCHEDULES
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -244,8 +245,8 @@ class TrainerConfig:
         _check(self.total_steps >= 1, f"trainer.total_steps={self.total_steps}: >= 1")
         _check(self.lr > 0, f"trainer.lr={self.lr}: must be > 0")
         _check(self.warmup_steps >= 0, f"trainer.warmup_steps={self.warmup_steps}: >= 0")
-        _check(self.lr_schedule in ("constant", "cosine", "linear"),
-               f"trainer.lr_schedule={self.lr_schedule!r}: use constant, cosine or linear")
+        _check(self.lr_schedule in SCHEDULES,
+               f"trainer.lr_schedule={self.lr_schedule!r}: use one of {', '.join(SCHEDULES)}")
         _check(self.lr_decay_steps is None or self.lr_decay_steps >= 1,
                f"trainer.lr_decay_steps={self.lr_decay_steps}: >= 1, or null for total_steps")
         _check(0.0 <= self.min_lr_ratio <= 1.0,

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from relax_slurm.checkpoint import clear_checkpoints, find_latest, resolve_resume
+from relax_slurm.checkpoint import find_latest, resume_for_attempt
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.errors import ConfigError, RoleFailed
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
@@ -79,15 +79,9 @@ def local_plan(cfg: TrainConfig) -> RunPlan:
 def prepare_run_dir(cfg: TrainConfig, plan: RunPlan, attempt: int = 0) -> Path:
     """Resolve what to resume from (once, for every role), then write config and plan.
 
-    A restarted attempt (attempt > 0) continues its own run from its latest checkpoint,
-    whatever `resume=`/`overwrite=` say: they apply to the first attempt."""
+    A restarted attempt (attempt > 0) continues from its latest checkpoint."""
     run_dir = Path(cfg.run_dir).resolve()
-    if attempt > 0:
-        resume = find_latest(run_dir)
-    else:
-        resume = resolve_resume(run_dir, cfg.resume, cfg.overwrite)
-        if resume is None and cfg.overwrite:
-            clear_checkpoints(run_dir)
+    resume = resume_for_attempt(run_dir, cfg.resume, cfg.overwrite, attempt)
     plan.resume_from = str(resume) if resume else None
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from relax_slurm.checkpoint import clear_checkpoints, find_latest, resolve_resume
+from relax_slurm.checkpoint import resume_for_attempt
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import ConfigError, Preempted, RelaxError, RoleFailed
 from relax_slurm.launch.control import (
@@ -104,18 +104,6 @@ def slurm_plan(cfg: TrainConfig, layout: Layout) -> RunPlan:
         weight_sync_port=free_port(ANY_HOST),
         trainer_master_port=free_port(ANY_HOST),
     )
-
-
-def resume_point(cfg: TrainConfig, run_dir: Path, attempt: int) -> Path | None:
-    """What this attempt resumes from. A requeued attempt (attempt > 0) continues its own run
-    from its latest checkpoint whatever `resume=`/`overwrite=` say: they apply to the first."""
-    latest = find_latest(run_dir) if attempt > 0 else None
-    if latest is not None:
-        return latest
-    resume = resolve_resume(run_dir, cfg.resume, cfg.overwrite)
-    if resume is None and cfg.overwrite:
-        clear_checkpoints(run_dir)
-    return resume
 
 
 def role_specs(cfg: TrainConfig, plan: RunPlan, layout: Layout, run_dir: Path) -> list[RoleSpec]:
@@ -229,7 +217,7 @@ def prepare(cfg: TrainConfig, alloc: SlurmAllocation, run_dir: Path) -> tuple[li
     slurm.json; return the role specs, the srun wrap and the placement."""
     layout = make_layout(cfg, alloc)
     plan = slurm_plan(cfg, layout)
-    resume = resume_point(cfg, run_dir, alloc.restart_count)
+    resume = resume_for_attempt(run_dir, cfg.resume, cfg.overwrite, alloc.restart_count)
     plan.resume_from = str(resume) if resume else None
     save_plan(plan, run_dir)
     specs = role_specs(cfg, plan, layout, run_dir)

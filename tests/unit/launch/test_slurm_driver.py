@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from relax_slurm.checkpoint import resume_for_attempt
 from relax_slurm.errors import ConfigError
 from relax_slurm.launch import slurm_driver as drv
 from relax_slurm.launch.control import preempt_requested
@@ -124,20 +125,25 @@ def _fake_checkpoint(run_dir: Path, step: int) -> Path:
     return d
 
 
+def resume_point(cfg, run_dir, attempt):
+    """The rule the driver applies to each attempt (shared with local global restarts)."""
+    return resume_for_attempt(run_dir, cfg.resume, cfg.overwrite, attempt)
+
+
 def test_resume_point_first_attempt_follows_config(tmp_path):
-    assert drv.resume_point(cfg_for(), tmp_path, attempt=0) is None
+    assert resume_point(cfg_for(), tmp_path, attempt=0) is None
     ckpt = _fake_checkpoint(tmp_path, 5)
-    assert drv.resume_point(cfg_for(), tmp_path, attempt=0) == ckpt
+    assert resume_point(cfg_for(), tmp_path, attempt=0) == ckpt
     with pytest.raises(ConfigError, match="resume=none"):
-        drv.resume_point(cfg_for("resume=none"), tmp_path, attempt=0)
+        resume_point(cfg_for("resume=none"), tmp_path, attempt=0)
 
 
 def test_requeued_attempt_always_continues_its_own_run(tmp_path):
     ckpt = _fake_checkpoint(tmp_path, 7)
     cfg = cfg_for("resume=none", "overwrite=true")
-    assert drv.resume_point(cfg, tmp_path, attempt=1) == ckpt  # not cleared by overwrite=true
+    assert resume_point(cfg, tmp_path, attempt=1) == ckpt  # not cleared by overwrite=true
     assert ckpt.is_dir()
-    assert drv.resume_point(cfg, tmp_path, attempt=0) is None  # first attempt: starts over
+    assert resume_point(cfg, tmp_path, attempt=0) is None  # first attempt: starts over
     assert not ckpt.exists()
 
 

@@ -35,16 +35,20 @@ def test_cosine_shape():
     assert lr_factor(25, **kw) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
 
 
-def test_optimizer_follows_the_schedule():
-    model = torch.nn.Linear(2, 1)
-    cfg = TrainerConfig(lr=1.0, total_steps=4, lr_schedule="linear", min_lr_ratio=0.0)
-    opt, sched = build_optimizer(model, cfg)
+def lrs_of_a_run(cfg: TrainerConfig) -> list[float]:
+    """The lr of each optimizer step of a `cfg.total_steps` run, as the trainer steps it."""
+    opt, sched = build_optimizer(torch.nn.Linear(2, 1), cfg)
     seen = []
-    for _ in range(4):
+    for _ in range(cfg.total_steps):
         seen.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    assert seen == pytest.approx([1.0, 0.75, 0.5, 0.25])
+    return seen
+
+
+def test_optimizer_follows_the_schedule():
+    cfg = TrainerConfig(lr=1.0, total_steps=4, lr_schedule="linear", min_lr_ratio=0.0)
+    assert lrs_of_a_run(cfg) == pytest.approx([1.0, 0.75, 0.5, 0.25])
 
 
 def test_bad_schedule_names_the_key():
@@ -56,12 +60,5 @@ def test_bad_schedule_names_the_key():
 
 def test_lr_decay_steps_fixes_the_horizon():
     """A 4-step run of a schedule decaying over 8 steps follows the 8-step run's first 4."""
-    model = torch.nn.Linear(2, 1)
     short = TrainerConfig(lr=1.0, total_steps=4, lr_decay_steps=8, lr_schedule="linear")
-    opt, sched = build_optimizer(model, short)
-    seen = []
-    for _ in range(4):
-        seen.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    assert seen == pytest.approx([1.0, 0.875, 0.75, 0.625])
+    assert lrs_of_a_run(short) == pytest.approx([1.0, 0.875, 0.75, 0.625])
