@@ -38,7 +38,7 @@ def write_dump(run_dir: Path, step: int, groups: Iterable[list], decode: Decode)
 
 
 def tokenizer_decode(model_path: str, trust_remote_code: bool) -> Decode:
-    from transformers import AutoTokenizer
+    from relax_slurm.data.tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    tok = load_tokenizer(model_path, trust_remote_code)
     return lambda ids: tok.decode(ids, skip_special_tokens=False)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_slurm.config.schema import TrainConfig
-from relax_slurm.data import Prompt, PromptDataset
+from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.rewards import RewardInput, build_reward
 from relax_slurm.rollout.engine_client import EngineClient
 
@@ -41,10 +41,8 @@ def k_metrics(rewards: list[list[float]], k: int) -> dict[str, float]:
 
 class Evaluator:
     def __init__(self, cfg: TrainConfig, engine_urls: list[str]) -> None:
-        from transformers import AutoTokenizer
-
         self.cfg = cfg.eval
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path)
         self.reward = build_reward(cfg.reward)
         self.engines = [EngineClient(u, cfg.rollout.request_timeout_s) for u in engine_urls]
         self.params = {"max_new_tokens": cfg.rollout.max_new_tokens,

@@ -9,7 +9,7 @@ asks the teacher engine for their log-probs when the run has one (on-policy dist
 puts the group on the broker. The worker cannot tell an SGLang server from the hf engine: both
 speak the same HTTP protocol.
 
-Data-side algorithm knobs applied here (pure functions from relax_slurm.algos):
+Data-side algorithm knobs applied here (pure functions in relax_slurm/rewards/shaping.py):
 - `algo.overlong_buffer_tokens`: the soft overlong penalty is added to each reward;
 - `algo.dynamic_sampling`: a group whose (penalised) rewards are all equal is not put on the
   broker; its credit is released, so the loop admits and samples another prompt instead.
@@ -30,17 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from transformers import AutoTokenizer
 
-from relax_slurm.algos.dapo import is_informative_group, overlong_penalty
 from relax_slurm.broker.client import AsyncBrokerClient
 from relax_slurm.config import TrainConfig, load_config
-from relax_slurm.data import Prompt, PromptDataset
+from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.errors import BrokerShutdown, ConfigError
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.launch.plan import load_plan
 from relax_slurm.rewards import RewardInput, RewardPool, build_reward
+from relax_slurm.rewards.shaping import is_informative_group, overlong_penalty
 from relax_slurm.rollout.coalesce import CoalescingEngine
 from relax_slurm.rollout.engine_client import (
     AsyncEngineClient, GenerateResult, wait_until_healthy,
@@ -98,7 +97,7 @@ def grades_like_math(reward_name: str) -> bool:
 
 def check_same_tokenizer(tokenizer, teacher_path: str, model_path: str) -> None:
     """The teacher is sent the student's token ids: it must read them as the same text."""
-    if AutoTokenizer.from_pretrained(teacher_path).get_vocab() != tokenizer.get_vocab():
+    if load_tokenizer(teacher_path).get_vocab() != tokenizer.get_vocab():
         raise ConfigError(
             f"algo.teacher_model_path={teacher_path} has another tokenizer than model.path="
             f"{model_path}: on-policy distillation sends token ids, so the teacher needs the "
@@ -119,7 +118,7 @@ class RolloutWorker:
     def __init__(self, cfg: TrainConfig, run_dir: Path, worker_rank: int = 0, num_workers: int = 1):
         plan = load_plan(run_dir)
         self.cfg = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path)
         self.dataset = PromptDataset(cfg.data, self.tokenizer)
         data_state, first_group_id = resume_state(plan.resume_from, worker_rank)
         if data_state is not None:
