@@ -29,6 +29,14 @@ class EngineError(RelaxError):
     """An inference engine answered with an error or did not answer in time."""
 
 
+class EngineDown(EngineError):
+    """An engine did not answer /health within rollout.startup_timeout_s."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
 class WeightSyncError(RelaxError):
     """Forming the weight-sync group or broadcasting weights failed or timed out."""
 

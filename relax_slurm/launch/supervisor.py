@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from relax_slurm.config import TrainConfig
-from relax_slurm.errors import Preempted, RelaxError, RoleFailed
+from relax_slurm.errors import EngineDown, Preempted, RoleFailed
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.roles import RoleSpec
@@ -22,7 +22,7 @@ from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsTail, iter_metrics
 from relax_slurm.metrics.notify import Notifier
 from relax_slurm.metrics.progress import Progress
 from relax_slurm.metrics.summary import summarize, write_summary
-from relax_slurm.rollout.engine_client import EngineClient
+from relax_slurm.rollout.engine_client import wait_until_healthy
 
 POLL_S = 0.5
 Wrap = Callable[[RoleSpec], list[str]]
@@ -40,19 +40,13 @@ def child_env(cfg: TrainConfig) -> dict[str, str]:
 
 
 def wait_healthy(procs: ProcessSet, pending: dict[str, Role], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        procs.check_alive()
-        for url in list(pending):
-            try:
-                EngineClient(url, timeout_s=2.0).health()
-                pending.pop(url)
-            except RelaxError:
-                pass
-        if pending and time.monotonic() > deadline:
-            raise next(iter(pending.values())).failure(
-                f"did not answer /health within rollout.startup_timeout_s={timeout_s}s")
-        time.sleep(POLL_S)
+    """Wait for every engine's /health; a role that dies meanwhile, or an engine still down at
+    the timeout, fails the run as that role (with its log tail)."""
+    try:
+        wait_until_healthy(list(pending), timeout_s, POLL_S, between_polls=procs.check_alive)
+    except EngineDown as e:
+        raise pending[e.url].failure(
+            f"did not answer /health within rollout.startup_timeout_s={timeout_s}s") from e
 
 
 def start(procs: ProcessSet, specs: list[RoleSpec], cfg: TrainConfig, wrap: Wrap) -> Role:
@@ -137,9 +131,12 @@ def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap
         rows = list(iter_metrics(run_dir / METRICS_FILE))
         summary = summarize(rows, time.monotonic() - t0, cfg.algo.max_staleness)
         write_summary(run_dir, summary)
-        if len(rows) < cfg.trainer.total_steps:
-            raise RoleFailed(f"trainer exited after {len(rows)} of {cfg.trainer.total_steps} "
-                             f"steps; see {run_dir / 'logs' / 'trainer.log'}")
+        # by the last step logged, not the row count: a run resumed from another run's
+        # checkpoint (resume=PATH) logs only the steps after it in this run dir
+        reached = rows[-1]["step"] + 1 if rows else 0
+        if reached < cfg.trainer.total_steps:
+            raise RoleFailed(f"trainer exited after step {reached} of {cfg.trainer.total_steps}"
+                             f"; see {run_dir / 'logs' / 'trainer.log'}")
     except Preempted as e:
         notifier.send("preempted", str(e))
         raise

@@ -11,7 +11,7 @@ server's message.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import asyncio
 import logging
@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from relax_slurm.errors import EngineError
+from relax_slurm.errors import EngineDown, EngineError
 
 # httpx logs every request at INFO: thousands of lines per step in a role's log
 logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -225,23 +225,36 @@ class EngineClient(_Base):
         return self._json("/weights_checksum", self._call("GET", "/weights_checksum"))["checksums"]
 
 
-def wait_until_healthy(urls: list[str], timeout_s: float, poll_s: float = 0.5) -> None:
+def wait_until_healthy(urls: list[str], timeout_s: float, poll_s: float = 0.5,
+                       between_polls: Callable[[], None] = lambda: None) -> None:
     """Block until every engine answers /health (roles start together, so an engine may still
-    be loading its model); EngineError names the first one still down after timeout_s."""
+    be loading its model); EngineDown names the first one still down after timeout_s.
+
+    One client per engine for the whole wait: creating an httpx client loads the CA bundle
+    (~0.1 CPU-s), which at two polls a second was a quarter of a core during start-up.
+    `between_polls` runs before every round (the launcher raises there when a role died)."""
     deadline = time.monotonic() + timeout_s
-    for url in urls:
-        client = EngineClient(url, timeout_s=10.0)
-        try:
-            while True:
+    clients = {url: EngineClient(url, timeout_s=10.0) for url in urls}
+    try:
+        pending = list(urls)
+        while True:
+            between_polls()
+            errors: dict[str, EngineError] = {}
+            for url in pending:
                 try:
-                    client.health(timeout_s=5.0)
-                    break
+                    clients[url].health(timeout_s=5.0)
                 except EngineError as e:
-                    if time.monotonic() > deadline:
-                        raise EngineError(f"{e} (still down after rollout.startup_timeout_s="
-                                          f"{timeout_s}s)") from e
-                    time.sleep(poll_s)
-        finally:
+                    errors[url] = e
+            pending = [u for u in pending if u in errors]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                url = pending[0]
+                raise EngineDown(url, f"{errors[url]} (still down after "
+                                      f"rollout.startup_timeout_s={timeout_s}s)")
+            time.sleep(poll_s)
+    finally:
+        for client in clients.values():
             client.close()
 
 
