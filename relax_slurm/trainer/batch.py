@@ -70,19 +70,23 @@ class MicroBatch:
     advantages: Tensor      # [B, T-1]
     rollout_logp: Tensor    # [B, T-1]
     teacher_logp: Tensor | None = None  # [B, T-1], when the samples carry teacher log-probs
+    # prompt + response length of each row, on the host: cutting micro-batches to their longest
+    # row then needs no device->host copy (a GPU sync) per micro-batch
+    seq_lens: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def rows(self, lo: int, hi: int) -> "MicroBatch":
         """Rows lo..hi-1, cut to their longest sequence (a block is padded to the batch's)."""
-        width = max(int(self.attention_mask[lo:hi].sum(1).max()), 2)
+        width = max((*self.seq_lens[lo:hi], 2))
         return MicroBatch(
             input_ids=self.input_ids[lo:hi, :width],
             attention_mask=self.attention_mask[lo:hi, :width],
             targets=self.targets[lo:hi, :width - 1],
             **{name: None if t is None else t[lo:hi, :width - 1]
                for name, t in ((f, getattr(self, f)) for f in _PER_POSITION)},
+            seq_lens=self.seq_lens[lo:hi],
         )
 
 
@@ -124,6 +128,7 @@ def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroB
         advantages=adv.to(device),
         rollout_logp=rollout_logp.to(device),
         teacher_logp=None if teacher_logp is None else teacher_logp.to(device),
+        seq_lens=tuple(lengths),
     )
 
 
@@ -146,10 +151,12 @@ def scatter_batch(batch: MicroBatch | None, device: torch.device) -> MicroBatch:
         return out
 
     input_ids = part("input_ids", torch.long, width)
+    attention_mask = part("attention_mask", torch.long, width)
     return MicroBatch(
         input_ids=input_ids,
-        attention_mask=part("attention_mask", torch.long, width),
+        attention_mask=attention_mask,
         targets=input_ids[:, 1:],
         **{name: part(name, torch.float32, width - 1) for name in _PER_POSITION
            if name != "teacher_logp" or teacher},
+        seq_lens=tuple(attention_mask.sum(1).tolist()),  # one device->host copy per step
     )

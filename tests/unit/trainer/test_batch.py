@@ -43,7 +43,9 @@ def test_rows_cut_a_block_to_its_longest_sequence():
     groups = [[_sample(0, [1, 2, 3], [4, 5, 6], 1.0), _sample(0, [1], [6], 0.0),
                _sample(0, [1], [7, 8], 0.5)]]
     mb = collate(prepare_items(groups, AlgoConfig()), pad_id=0, device=torch.device("cpu"))
+    assert mb.seq_lens == (6, 2, 3) == tuple(mb.attention_mask.sum(1).tolist())
     tail = mb.rows(1, 3)
+    assert tail.seq_lens == (2, 3)  # the width comes from these, not from the device
     assert len(tail) == 2 and tail.input_ids.tolist() == [[1, 6, 0], [1, 7, 8]]
     assert tail.targets.tolist() == [[6, 0], [7, 8]]
     assert tail.weights.shape == (2, 2) and tail.teacher_logp is None
