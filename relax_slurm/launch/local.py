@@ -26,7 +26,6 @@ from relax_slurm.launch.roles import (
     broker_spec, engine_specs, teacher_specs, trainer_spec, worker_spec,
 )
 from relax_slurm.launch.supervisor import supervise
-from relax_slurm.metrics.summary import write_summary
 
 LOCALHOST = "127.0.0.1"
 RESTARTS_FILE = "restarts.jsonl"
@@ -89,13 +88,14 @@ def prepare_run_dir(cfg: TrainConfig, plan: RunPlan, attempt: int = 0) -> Path:
     return run_dir
 
 
-def run_attempt(cfg: TrainConfig, attempt: int) -> dict:
+def run_attempt(cfg: TrainConfig, attempt: int, started: float) -> dict:
     plan = local_plan(cfg)  # fresh ports: the last attempt's may not be free yet
     run_dir = prepare_run_dir(cfg, plan, attempt)
     specs = [broker_spec(cfg, plan, run_dir), *engine_specs(cfg, plan), *teacher_specs(cfg, plan),
              worker_spec(cfg, plan, run_dir, LOCALHOST),
              trainer_spec(cfg, plan, run_dir, [LOCALHOST])]
-    return supervise(specs, cfg, run_dir, wrap=lambda spec: spec.argv)
+    return supervise(specs, cfg, run_dir, wrap=lambda spec: spec.argv, started=started,
+                     extra={"global_restarts": attempt})
 
 
 def record_restart(run_dir: Path, attempt: int, cap: int, cause: RoleFailed) -> None:
@@ -118,7 +118,7 @@ def run_local(cfg: TrainConfig) -> dict:
     attempt = 0
     while True:
         try:
-            summary = run_attempt(cfg, attempt)
+            summary = run_attempt(cfg, attempt, started=t0)
             break
         except RoleFailed as e:
             if attempt >= cap:
@@ -128,7 +128,4 @@ def run_local(cfg: TrainConfig) -> dict:
                 raise
             attempt += 1
             record_restart(Path(cfg.run_dir).resolve(), attempt, cap, e)
-    summary["global_restarts"] = attempt
-    summary["wall_s"] = round(time.monotonic() - t0, 3)  # every attempt, not only the last
-    write_summary(Path(cfg.run_dir).resolve(), summary)
     return summary

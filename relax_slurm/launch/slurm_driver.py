@@ -51,7 +51,6 @@ from relax_slurm.launch.roles import (
 )
 from relax_slurm.launch.slurm_env import SlurmAllocation, read_allocation
 from relax_slurm.launch.supervisor import Wrap, supervise
-from relax_slurm.metrics.summary import write_summary
 
 log = logging.getLogger("relax_slurm.slurm")
 ANY_HOST = "0.0.0.0"
@@ -250,7 +249,7 @@ def drive(run_dir: str | Path, alloc: SlurmAllocation | None = None) -> dict:
             signal.signal(signal.SIGUSR1, on_usr1)
             signal.signal(signal.SIGTERM, _terminate)
         status("running")
-        summary = supervise(specs, cfg, run_dir, wrap)
+        summary = supervise(specs, cfg, run_dir, wrap, extra={"slurm": info})
     except Preempted as e:
         on_usr1.cancel()
         if not cfg.cluster.requeue:
@@ -278,8 +277,6 @@ def drive(run_dir: str | Path, alloc: SlurmAllocation | None = None) -> dict:
     finally:
         if on_usr1 is not None:
             on_usr1.cancel()
-    summary["slurm"] = info
-    write_summary(run_dir, summary)
     status("completed")
     return summary
 

@@ -113,9 +113,14 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
         progress.close()
 
 
-def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap) -> dict:
-    """Run the roles to the end; write roles.json and summary.json; return the summary."""
-    t0 = time.monotonic()
+def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap,
+              started: float | None = None, extra: dict | None = None) -> dict:
+    """Run the roles to the end; write roles.json and summary.json; return the summary.
+
+    summary.json is written once, also for a failed run: `wall_s` counts from `started` (a
+    monotonic time; default now, a restarted run passes its first attempt's) and `extra` is
+    merged in (the launcher's own records: global restarts, the Slurm allocation)."""
+    t0 = time.monotonic() if started is None else started
     check_installed(cfg)  # a missing tensorboard/wandb fails now, not after engines load
     notifier = Notifier(cfg.notify, run_dir.name)
     procs = ProcessSet(run_dir / "logs", child_env(cfg))
@@ -129,7 +134,7 @@ def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap
         finally:
             procs.close()
         rows = list(iter_metrics(run_dir / METRICS_FILE))
-        summary = summarize(rows, time.monotonic() - t0, cfg.algo.max_staleness)
+        summary = summarize(rows, time.monotonic() - t0, cfg.algo.max_staleness) | (extra or {})
         write_summary(run_dir, summary)
         # by the last step logged, not the row count: a run resumed from another run's
         # checkpoint (resume=PATH) logs only the steps after it in this run dir
