@@ -8,7 +8,7 @@ import json
 import pytest
 
 from relax_slurm.metrics.plot import plot_run
-from tests.conftest import relax_train
+from tests.conftest import ONE_RANK, relax_train
 from tests.json_receiver import json_receiver
 from tests.unit.metrics.test_fanout import tb_scalars
 from tests.unit.metrics.wandb_records import history_keys
@@ -25,8 +25,8 @@ def test_tiny_run_writes_tensorboard_wandb_dumps_notifications_and_plots(tmp_pat
     run_dir = tmp_path / "run"
     with json_receiver() as (url, got):
         proc = relax_train(
-            run_dir, tiny_assets, f"trainer.total_steps={STEPS}", "metrics.tensorboard=true",
-            "metrics.wandb.enabled=true", "metrics.wandb.mode=offline",
+            run_dir, tiny_assets, ONE_RANK, f"trainer.total_steps={STEPS}",
+            "metrics.tensorboard=true", "metrics.wandb.enabled=true", "metrics.wandb.mode=offline",
             "debug.dump_rollouts=true", f"notify.urls=[{url}]", "notify.every_steps=2",
             "eval.every=2", f"eval.datasets=[{tiny_assets / 'arith_test.jsonl'}]",
             "eval.max_prompts=16",

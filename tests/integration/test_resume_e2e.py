@@ -1,4 +1,6 @@
-"""Exact resume through the real process topology: 6 steps straight == 3 + stop + resume + 3."""
+"""Exact resume through the real process topology: 6 steps straight == resume from the
+straight run's step-3 checkpoint + 3 steps (the resumed run sees exactly what a run stopped at
+step 3 would: its checkpoint holds the data position, RNG, broker counters and version)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from relax_slurm.checkpoint.convert import dcp_to_hf
 from tests.conftest import REPO, relax_train
 
 TIMEOUT_S = 600
@@ -28,31 +31,30 @@ def rewards(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def final_weights(run_dir: Path, tmp: Path) -> dict:
-    out = tmp / f"hf_{run_dir.name}"
-    subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--input",
-                    str(run_dir / "checkpoints" / "step_6"), "--output", str(out), "--to", "hf"],
-                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    out = dcp_to_hf(run_dir / "checkpoints" / "step_6", tmp / f"hf_{run_dir.name}")
     return load_file(str(out / "model.safetensors"))
 
 
 @pytest.mark.slow
 def test_resume_is_exact(tmp_path, tiny_assets):
+    # two ranks (the preset's): each rank's RNG and data shard must come back
     # a higher lr makes the 6 steps move the weights and rewards visibly
-    common = ("trainer.lr=2e-3", "trainer.save_every=3")
+    common = ("trainer.lr=2e-3", "trainer.save_every=3", "trainer.total_steps=6")
     straight = tmp_path / "straight"
-    train(straight, tiny_assets, "trainer.total_steps=6", *common)
-    split = tmp_path / "split"
-    train(split, tiny_assets, "trainer.total_steps=3", *common)
-    assert (split / "checkpoints" / "step_3").is_dir()
-    train(split, tiny_assets, "trainer.total_steps=6", *common)  # resume=auto
-    assert "resumed from" in (split / "logs" / "trainer.log").read_text()
-    assert [s for s, _ in rewards(split)] == list(range(6))  # no step twice, none skipped
-    assert rewards(split) == rewards(straight)
-    a, b = final_weights(straight, tmp_path), final_weights(split, tmp_path)
+    train(straight, tiny_assets, *common)
+    step_3 = straight / "checkpoints" / "step_3"
+    assert step_3.is_dir()
+    resumed = tmp_path / "resumed"
+    train(resumed, tiny_assets, *common, f"resume={step_3}")
+    log = (resumed / "logs" / "trainer.log").read_text()
+    assert "resumed from" in log and "at step 3" in log, log[-2000:]
+    assert [s for s, _ in rewards(resumed)] == [3, 4, 5]  # no step twice, none skipped
+    assert rewards(resumed) == rewards(straight)[3:]
+    a, b = final_weights(straight, tmp_path), final_weights(resumed, tmp_path)
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].equal(b[name]), name  # bitwise
-    refuses_to_start_over(split, tiny_assets)
+    refuses_to_start_over(resumed, tiny_assets)
 
 
 def refuses_to_start_over(run_dir: Path, tiny: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import relax_train
+from tests.conftest import ONE_RANK, relax_train
 
 RUN_TIMEOUT_S = 1200  # 100 steps at ~3 s plus ~90 s of start-up on 2 busy cores (x3 margin)
 VERIFIED = ("weight_sync.verify=true",)  # engine weights == trainer weights after every sync
@@ -58,9 +58,10 @@ def test_tiny_sync_learns(tmp_path, tiny_assets):
 @pytest.mark.timeout(RUN_TIMEOUT_S + 100)
 def test_tiny_async_learns_within_staleness_bound(tmp_path, tiny_assets):
     # the preset's 100 steps: rollout runs ahead within the bound and the reward rises
-    # (algo.old_logprobs resolves to rollout; the cosine lr keeps it from a noisy plateau)
+    # (algo.old_logprobs resolves to rollout; the cosine lr keeps it from a noisy plateau);
+    # one rank: the sync run above covers the preset's two
     run_dir = tmp_path / "async"
-    proc = relax_train(run_dir, tiny_assets, *VERIFIED, "algo.max_staleness=2",
+    proc = relax_train(run_dir, tiny_assets, *VERIFIED, ONE_RANK, "algo.max_staleness=2",
                        timeout_s=RUN_TIMEOUT_S)
     summary = check_run_dir(run_dir, proc, steps=100)
     assert summary["reward_first"] <= 0.35

@@ -2,9 +2,9 @@
 relax-train, as a submitit job, and preempted mid-run through a ready script (requeue, resume,
 finish).
 
-Runs are short (the tiny run needs ~90 s to start its five processes and ~2-4 s per step on 2
-cores): 40 steps, where the preset's reward has risen from ~0 to ~0.3-0.4, for the two learning
-runs; 30 for the preempted one. Each test bounds its time, cancels its job if it gives up, and
+Runs are short (the tiny run needs ~90 s to start its processes and ~2-4 s per step on 2
+cores) and train on one rank: 30 steps, where the preset's reward has risen from ~0 to ~0.3, for
+the two learning runs; 15 for the preempted one. Each test bounds its time, cancels its job if it gives up, and
 puts the run's logs into its failure message.
 """
 
@@ -22,24 +22,24 @@ import pytest
 from relax_slurm.checkpoint import find_latest
 from relax_slurm.checkpoint.resume import parse_step
 from relax_slurm.launch.control import read_status
-from tests.conftest import REPO, tiny_command
+from tests.conftest import ONE_RANK, REPO, tiny_command
 from tests.slurm.conftest import SETUP_ALLOWANCE_S
 
 pytestmark = pytest.mark.slurm
 
-LEARN_STEPS = 40
-RUN_TIMEOUT_S = 900  # a 40-step run takes ~4 min here; more when the machine is busy
-PREEMPT_STEPS = 30
+LEARN_STEPS = 30
+RUN_TIMEOUT_S = 900  # a 30-step run takes ~3 min here; more when the machine is busy
+PREEMPT_STEPS = 15
 SIGNAL_AFTER = 5  # steps logged before the USR1
 SAVE_EVERY = 5
-RISE = 0.1  # reward_last - reward_first after LEARN_STEPS (~0.35 on this preset)
+RISE = 0.1  # reward_last - reward_first after LEARN_STEPS (~0.3 on this preset)
 ROLE_GROUPS = {"broker": 0, "trainer": 0, "engine0": 1, "rollout": 1}
 LOGS = ("broker", "engine0", "rollout", "trainer")
 
 
 def tiny_overrides(tiny: Path, run_dir: Path, steps: int) -> list[str]:
     """The overrides of tests/conftest.py's tiny_command (without `python -m ...cli`)."""
-    cmd = tiny_command(run_dir, tiny, f"trainer.total_steps={steps}",
+    cmd = tiny_command(run_dir, tiny, f"trainer.total_steps={steps}", ONE_RANK,
                        "rollout.startup_timeout_s=600")  # a loaded 2-core machine: slow start
     assert cmd[1:3] == ["-m", "relax_slurm.launch.cli"], cmd
     return cmd[3:]
