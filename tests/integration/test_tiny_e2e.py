@@ -65,7 +65,7 @@ def test_tiny_async_learns_within_staleness_bound(tmp_path, tiny_assets):
                        timeout_s=RUN_TIMEOUT_S)
     summary = check_run_dir(run_dir, proc, steps=100)
     assert summary["reward_first"] <= 0.35
-    assert summary["reward_last"] >= 0.6, summary  # measured 0.85
+    assert summary["reward_last"] >= 0.6, summary  # measured 0.85 (two ranks), 0.82 (one)
     stale = [r["broker/staleness_max"] for r in read_rows(run_dir)]
     assert max(stale) >= 1  # rollout really ran ahead of the trainer
     assert max(stale) <= 2
