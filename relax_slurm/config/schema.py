@@ -592,3 +592,8 @@ class TrainConfig:
                f"algo.overlong_buffer_tokens={buffer} must be below rollout.max_new_tokens="
                f"{max_new} (the penalty ramps up over the last buffer tokens before the limit): "
                "lower algo.overlong_buffer_tokens (about a fifth of max_new_tokens) or set it to 0")
+        # shared GPUs: engines hold no memory while the trainer steps, so nothing may generate
+        # then; only the on-policy schedule (rollout, then train) guarantees that
+        _check(not self.rollout.release_memory_during_train or self.algo.max_staleness == 0,
+               f"rollout.release_memory_during_train=true needs algo.max_staleness=0 (engines "
+               f"are asleep while the trainer steps; got {self.algo.max_staleness})")

@@ -99,7 +99,7 @@ def check_body(route: str, body: dict[str, Any]) -> None:
 def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_id: int,
                 tp_size: int,
                 ep_size: int, mem_fraction_static: float, dtype: str, seed: int,
-                api_key: bool, enable_memory_saver: bool,
+                trust_remote_code: bool, api_key: bool, enable_memory_saver: bool,
                 extra_args: list[str]) -> list[str]:
     """`python -m sglang.launch_server ...` for one engine (flags of SGLang 0.5.x server_args).
 
@@ -110,7 +110,9 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
             "--host", host, "--port", str(port), "--base-gpu-id", str(base_gpu_id),
             "--tp-size", str(tp_size),
             "--mem-fraction-static", str(mem_fraction_static), "--dtype", dtype,
-            "--random-seed", str(seed), "--weight-version", "0", "--trust-remote-code"]
+            "--random-seed", str(seed), "--weight-version", "0"]
+    if trust_remote_code:
+        argv.append("--trust-remote-code")
     if ep_size > 1:
         argv += ["--ep-size", str(ep_size)]
     if enable_memory_saver:

@@ -54,7 +54,7 @@ def test_unknown_or_missing_keys_are_named():
 def test_server_argv_has_sglang_flags():
     argv = api.server_argv("/py", model_path="/m", host="0.0.0.0", port=30000, base_gpu_id=4,
                            tp_size=2, ep_size=2, mem_fraction_static=0.7, dtype="bfloat16",
-                           seed=3, api_key=False, enable_memory_saver=True,
+                           seed=3, trust_remote_code=True, api_key=False, enable_memory_saver=True,
                            extra_args=["--context-length", "8192"])
     assert argv[:3] == ["/py", "-m", "sglang.launch_server"]
     flags = dict(zip(argv[3::2], argv[4::2]))
@@ -63,9 +63,10 @@ def test_server_argv_has_sglang_flags():
         assert flag in argv and argv[argv.index(flag) + 1] == value, (flag, flags)
     assert argv[argv.index("--ep-size") + 1] == "2" and "--enable-memory-saver" in argv
     assert argv[-2:] == ["--context-length", "8192"] and "--api-key" not in argv
+    assert "--trust-remote-code" in argv
     keyed = api.server_argv("/py", model_path="/m", host="h", port=1, base_gpu_id=0, tp_size=1,
                             ep_size=1, mem_fraction_static=0.8, dtype="float16", seed=0,
-                            api_key=True, enable_memory_saver=False, extra_args=[])
+                            trust_remote_code=False, api_key=True, enable_memory_saver=False, extra_args=[])
     assert keyed[:2] == ["bash", "-c"] and keyed[2].startswith("exec /py -m sglang.launch_server")
     assert keyed[2].endswith(f'--api-key "${api.API_KEY_ENV}"') and "--ep-size" not in keyed[2]
 
@@ -110,7 +111,8 @@ def test_real_sglang_server_answers_the_client(tmp_path):
     port = free_port()
     argv = api.server_argv(sys.executable, model_path=os.environ["RELAX_SGLANG_TEST_MODEL"],
                            host="127.0.0.1", port=port, base_gpu_id=0, tp_size=1, ep_size=1,
-                           mem_fraction_static=0.5, dtype="bfloat16", seed=0, api_key=False,
+                           mem_fraction_static=0.5, dtype="bfloat16", seed=0,
+                           trust_remote_code=False, api_key=False,
                            enable_memory_saver=True, extra_args=[])
     log = open(tmp_path / "sglang.log", "w")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
