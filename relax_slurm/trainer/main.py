@@ -161,11 +161,13 @@ class RankZero:
         trainer (on-policy only: the worker waits for the next version)."""
         if self.release_memory:
             self.sender.release_memory()
+            log.info("engines released their memory for the trainer step")
 
     def engines_wake(self) -> None:
         """Shared GPUs: memory back before the weights arrive and the next rollout starts."""
         if self.release_memory:
             self.sender.resume_memory()
+            log.info("engines resumed their memory")
 
     def push_weights(self, weights: list, version: int) -> dict:
         """Engines serve `version` once this returns (checked bit for bit with verify=true)."""
