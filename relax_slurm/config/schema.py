@@ -178,8 +178,33 @@ class RolloutConfig:
     """How long to wait for an engine's /health after starting it."""
     torch_threads: int = 1
     """Intra-op threads of each engine process."""
+    engine_tp_size: int = 1
+    """sglang: GPUs per engine (--tp-size); the engine joins the weight sync as ranks
+    rank_offset .. rank_offset + engine_tp_size - 1."""
+    engine_ep_size: int = 1
+    """sglang: expert parallel size inside an engine (--ep-size, MoE models; divides tp)."""
+    engine_mem_fraction: float = 0.8
+    """sglang: --mem-fraction-static, the GPU memory share for weights and KV cache."""
+    engine_api_key: bool = False
+    """sglang: servers require the key in the environment variable RELAX_ENGINE_API_KEY
+    (--api-key; the key itself is never written to the config or a command line); every
+    client sends it whenever that variable is set."""
+    engine_extra_args: list[str] = field(default_factory=list)
+    """sglang: more `python -m sglang.launch_server` flags, passed as they are."""
+    release_memory_during_train: bool = False
+    """Colocated placement: engines release GPU memory (/release_memory_occupation) while the
+    trainer steps and resume it for rollout; sglang engines then start --enable-memory-saver."""
 
     def __post_init__(self) -> None:
+        _check(self.engine_tp_size >= 1, f"rollout.engine_tp_size={self.engine_tp_size}: >= 1")
+        _check(self.engine_ep_size >= 1 and self.engine_tp_size % self.engine_ep_size == 0,
+               f"rollout.engine_ep_size={self.engine_ep_size}: must divide "
+               f"rollout.engine_tp_size={self.engine_tp_size}")
+        _check(0 < self.engine_mem_fraction < 1,
+               f"rollout.engine_mem_fraction={self.engine_mem_fraction}: must be in (0, 1)")
+        _check(self.engine == "sglang" or (self.engine_tp_size == 1 and self.engine_ep_size == 1),
+               f"rollout.engine_tp_size/engine_ep_size > 1 need rollout.engine=sglang "
+               f"(rollout.engine={self.engine!r})")
         _check(self.engine in ("hf", "sglang"),
                f"rollout.engine={self.engine!r}: use hf (CPU) or sglang (GPU)")
         _check(self.num_engines >= 1, f"rollout.num_engines={self.num_engines}: must be >= 1")
@@ -567,3 +592,8 @@ class TrainConfig:
                f"algo.overlong_buffer_tokens={buffer} must be below rollout.max_new_tokens="
                f"{max_new} (the penalty ramps up over the last buffer tokens before the limit): "
                "lower algo.overlong_buffer_tokens (about a fifth of max_new_tokens) or set it to 0")
+        # shared GPUs: engines hold no memory while the trainer steps, so nothing may generate
+        # then; only the on-policy schedule (rollout, then train) guarantees that
+        _check(not self.rollout.release_memory_during_train or self.algo.max_staleness == 0,
+               f"rollout.release_memory_during_train=true needs algo.max_staleness=0 (engines "
+               f"are asleep while the trainer steps; got {self.algo.max_staleness})")

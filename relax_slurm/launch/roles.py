@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 
 from relax_slurm.config import TrainConfig
 from relax_slurm.launch.plan import RunPlan
+from relax_slurm.rollout import sglang_api
 
 TRAINER_GROUP, ROLLOUT_GROUP = 0, 1  # Slurm het groups: trainer + broker, engines + workers
 
@@ -66,8 +67,61 @@ def _hf_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed
     )
 
 
+def base_gpu_id(cfg: TrainConfig, slot: int) -> int:
+    """First GPU of the engine in `slot` (0, 1, ... among the engines of its node).
+
+    Separate pools: engines on a node the trainer also uses (local runs, or
+    cluster.layout=colocated with cluster.rollout_nodes=0) start after the trainer's
+    trainer.nproc_per_node GPUs. Shared GPUs (rollout.release_memory_during_train): engines
+    start at GPU 0 and free their memory while the trainer steps."""
+    c, r = cfg.cluster, cfg.rollout
+    shares_node = c.kind == "local" or (c.layout == "colocated" and c.rollout_nodes == 0)
+    offset = (cfg.trainer.nproc_per_node
+              if shares_node and not r.release_memory_during_train else 0)
+    return offset + slot * r.engine_tp_size
+
+
+def _sglang_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed: int,
+                        slot: int = 0) -> RoleSpec:
+    """`python -m sglang.launch_server` on rollout.engine_tp_size GPUs of its node."""
+    host, port = _hostport(url)
+    r = cfg.rollout
+    return RoleSpec(
+        name=name, het_group=ROLLOUT_GROUP, host=host, ports={"http": port}, health_url=url,
+        argv=sglang_api.server_argv(
+            sys.executable, model_path=model_path,
+            host="0.0.0.0" if cfg.cluster.kind == "slurm" else host, port=port,
+            base_gpu_id=base_gpu_id(cfg, slot),
+            tp_size=r.engine_tp_size, ep_size=r.engine_ep_size,
+            mem_fraction_static=r.engine_mem_fraction,
+            dtype=cfg.model.dtype, seed=seed, trust_remote_code=cfg.model.trust_remote_code,
+            api_key=r.engine_api_key,
+            enable_memory_saver=r.release_memory_during_train,
+            extra_args=r.engine_extra_args),
+    )
+
+
+def _engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed: int,
+                 slot: int = 0) -> RoleSpec:
+    if cfg.rollout.engine == "sglang":
+        return _sglang_engine_spec(cfg, name, url, model_path, seed, slot)
+    return _hf_engine_spec(cfg, name, url, model_path, seed)
+
+
+def _slots(urls: list[str]) -> list[int]:
+    """Index of each engine among the engines of its host, in plan order."""
+    seen: dict[str, int] = {}
+    slots = []
+    for url in urls:
+        host = _hostport(url)[0]
+        slots.append(seen.get(host, 0))
+        seen[host] = slots[-1] + 1
+    return slots
+
+
 def engine_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
-    return [_hf_engine_spec(cfg, f"engine{i}", url, cfg.model.path, cfg.seed + i)
+    slots = _slots([*plan.engine_urls, *([plan.teacher_url] if plan.teacher_url else [])])
+    return [_engine_spec(cfg, f"engine{i}", url, cfg.model.path, cfg.seed + i, slots[i])
             for i, url in enumerate(plan.engine_urls)]
 
 
@@ -77,8 +131,9 @@ def teacher_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
     if plan.teacher_url is None:
         return []
     assert cfg.algo.teacher_model_path, "plan.teacher_url set without algo.teacher_model_path"
-    return [_hf_engine_spec(cfg, "teacher", plan.teacher_url, cfg.algo.teacher_model_path,
-                            cfg.seed)]
+    slot = _slots([*plan.engine_urls, plan.teacher_url])[-1]
+    return [_engine_spec(cfg, "teacher", plan.teacher_url, cfg.algo.teacher_model_path,
+                         cfg.seed, slot)]
 
 
 def worker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, host: str) -> RoleSpec:

@@ -20,6 +20,7 @@ import time
 import httpx
 
 from relax_slurm.errors import EngineDown, EngineError
+from relax_slurm.rollout import sglang_api
 
 # httpx logs every request at INFO: thousands of lines per step in a role's log
 logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -135,6 +136,7 @@ class EngineClient(_Base):
         # no keep-alive: these calls are seconds apart (weight updates, control), longer than
         # servers keep idle connections, and a weight update must not be retried blindly
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s,
+                                  headers=sglang_api.auth_headers(),
                                   limits=httpx.Limits(max_keepalive_connections=0))
 
     def close(self) -> None:
@@ -186,9 +188,8 @@ class EngineClient(_Base):
                                   world_size: int, group_name: str = "weight_update_group",
                                   backend: str = "nccl") -> dict[str, Any]:
         """Blocks until the whole group formed (the trainer must join concurrently)."""
-        body = {"master_address": master_address, "master_port": master_port,
-                "rank_offset": rank_offset, "world_size": world_size,
-                "group_name": group_name, "backend": backend}
+        body = sglang_api.init_group_body(master_address, master_port, rank_offset,
+                                          world_size, group_name, backend)
         return self._json("/init_weights_update_group",
                           self._call("POST", "/init_weights_update_group", body))
 
@@ -203,22 +204,44 @@ class EngineClient(_Base):
                                         weight_version: Optional[str] = None,
                                         flush_cache: bool = True) -> dict[str, Any]:
         """Blocks until the engine received and loaded every tensor (broadcast concurrently)."""
-        body = {"names": list(names), "dtypes": list(dtypes),
-                "shapes": [list(map(int, s)) for s in shapes], "group_name": group_name,
-                "flush_cache": flush_cache, "weight_version": weight_version}
+        body = sglang_api.update_weights_body(names, dtypes, shapes, group_name,
+                                              weight_version, flush_cache)
         return self._json("/update_weights_from_distributed",
                           self._call("POST", "/update_weights_from_distributed", body))
 
     def pause_generation(self, mode: str = "in_place") -> None:
         """Stop starting new work (SGLang's mode: abort, retract or in_place; hf: in_place)."""
         self._check("/pause_generation",
-                    self._call("POST", "/pause_generation", {"mode": mode}))
+                    self._call("POST", "/pause_generation", sglang_api.pause_body(mode)))
 
     def continue_generation(self) -> None:
         self._check("/continue_generation", self._call("POST", "/continue_generation", {}))
 
     def flush_cache(self) -> None:
         self._check("/flush_cache", self._call("POST", "/flush_cache"))
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort one request by id, or every request in flight (they finish with abort)."""
+        self._check("/abort_request", self._call("POST", "/abort_request",
+                                                 sglang_api.abort_body(rid, abort_all)))
+
+    def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Colocated placement: free the engine's GPU memory (weights, KV cache) for training."""
+        self._check("/release_memory_occupation",
+                    self._call("POST", "/release_memory_occupation",
+                               sglang_api.memory_body(tags)))
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Colocated placement: take the memory back before the next rollout."""
+        self._check("/resume_memory_occupation",
+                    self._call("POST", "/resume_memory_occupation",
+                               sglang_api.memory_body(tags)))
+
+    def health_generate(self, timeout_s: float = 60.0) -> bool:
+        """GET /health_generate: the server generates one token (a deeper check than /health)."""
+        self._check("/health_generate", self._call("GET", "/health_generate",
+                                                   timeout_s=timeout_s))
+        return True
 
     def weights_checksum(self) -> dict[str, str]:
         """hf engine only: {parameter name: sha256 hex of its raw bytes}."""
@@ -265,7 +288,8 @@ class AsyncEngineClient(_Base):
         super().__init__(url, timeout_s)
         limits = httpx.Limits(max_connections=max_connections,
                               max_keepalive_connections=max_connections)
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, limits=limits)
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, limits=limits,
+                                       headers=sglang_api.auth_headers())
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -56,6 +56,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
                           StoppingCriteriaList)
 
 from relax_slurm.errors import WeightSyncError
+from relax_slurm.rollout import sglang_api
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.weightsync.receiver import WeightReceiver, load_named_tensors, model_checksums
@@ -410,6 +411,10 @@ class HFEngine:
         self._pending: deque[_Row] = deque()
         self._cond = threading.Condition()
         self._paused = False
+        self.released: set[str] = set()
+        """Memory regions let go by /release_memory_occupation (colocated placement); CPU
+        frees nothing, but generation is refused until resumed, as SGLang cannot generate
+        without its weights and KV cache."""
         self._busy = False  # a batch was taken from the queue and is not delivered yet
         self._stop = False
         self._model_lock = threading.Lock()  # held by a generate call or a weight update
@@ -590,6 +595,17 @@ class HFEngine:
             row.request.deliver(row.index, self._item(row, [], [], finish))
         self._wait_idle()
 
+    def abort_queued(self) -> int:
+        """/abort_request with abort_all: queued requests finish with abort (the batch in
+        flight completes: hf cannot stop a generate call midway)."""
+        with self._cond:
+            aborted = list(self._pending)
+            self._pending.clear()
+        for row in aborted:
+            finish = {"type": "abort", "message": "Abort by /abort_request"}
+            row.request.deliver(row.index, self._item(row, [], [], finish))
+        return len(aborted)
+
     def resume(self) -> None:
         with self._cond:
             self._paused = False
@@ -662,6 +678,17 @@ async def _body(request: Request) -> dict:
     return body
 
 
+def _memory_tags(body: dict, route: str) -> list[str]:
+    sglang_api.check_body(route, body)
+    tags = body.get("tags")
+    if tags is None:
+        return list(sglang_api.MEMORY_TAGS)
+    bad = [t for t in tags if t not in sglang_api.MEMORY_TAGS]
+    if bad:
+        raise BadRequest(f"{route}: unknown tags {bad}; use {list(sglang_api.MEMORY_TAGS)}")
+    return list(tags)
+
+
 def build_app(engine: HFEngine, request_timeout_s: float) -> FastAPI:
     app = FastAPI(title="relax-slurm hf engine")
 
@@ -669,6 +696,9 @@ def build_app(engine: HFEngine, request_timeout_s: float) -> FastAPI:
     @_json_errors
     async def generate(request: Request):
         body = await _body(request)
+        if engine.released:
+            raise BadRequest(f"memory {sorted(engine.released)} is released: call "
+                             "/resume_memory_occupation before /generate")
         prompts, specs, flags, starts, is_batch = parse_generate_request(
             body, engine.tokenizer, engine.vocab_size)
         future = engine.submit(prompts, specs, flags, starts)
@@ -696,6 +726,7 @@ def build_app(engine: HFEngine, request_timeout_s: float) -> FastAPI:
                 "max_batch_size": engine.max_batch_size,
                 "batch_wait_ms": engine.batch_wait_s * 1000.0,
                 "weight_version": engine.weight_version, "paused": engine._paused,
+                "memory_released": sorted(engine.released),
                 "queued_sequences": len(engine._pending), "internal_states": [dict(engine.stats)]}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -720,6 +751,7 @@ def build_app(engine: HFEngine, request_timeout_s: float) -> FastAPI:
     @_json_errors
     async def init_weights_update_group(request: Request):
         b = await _body(request)
+        sglang_api.check_body("/init_weights_update_group", b)
         await asyncio.to_thread(engine.receiver.init_group, str(b["master_address"]),
                                 int(b["master_port"]), int(b["rank_offset"]),
                                 int(b["world_size"]), b.get("group_name", "weight_update_group"),
@@ -739,6 +771,7 @@ def build_app(engine: HFEngine, request_timeout_s: float) -> FastAPI:
     @_json_errors
     async def update_weights_from_distributed(request: Request):
         b = await _body(request)
+        sglang_api.check_body("/update_weights_from_distributed", b)
         names, dtypes, shapes = list(b["names"]), list(b["dtypes"]), list(b["shapes"])
         if not len(names) == len(dtypes) == len(shapes):
             raise BadRequest(f"names, dtypes and shapes differ in length: {len(names)}, "
@@ -755,6 +788,33 @@ def build_app(engine: HFEngine, request_timeout_s: float) -> FastAPI:
         if version is not None:
             message += f" Weight version updated to {version}."
         return JSONResponse({"success": True, "message": message})
+
+    @app.post("/abort_request")
+    @_json_errors
+    async def abort_request(request: Request):
+        b = await _body(request)
+        sglang_api.check_body("/abort_request", b)
+        # no request ids here: a single rid matches nothing, as an unknown rid in SGLang
+        if b.get("abort_all"):
+            await asyncio.to_thread(engine.abort_queued)
+        return Response(status_code=200)
+
+    @app.post("/release_memory_occupation")
+    @_json_errors
+    async def release_memory_occupation(request: Request):
+        tags = _memory_tags(await _body(request), "/release_memory_occupation")
+        await asyncio.to_thread(engine.pause, "in_place")  # as SGLang, after the batch in flight
+        engine.released |= set(tags)
+        return JSONResponse({"success": True, "message": f"released {sorted(tags)}"})
+
+    @app.post("/resume_memory_occupation")
+    @_json_errors
+    async def resume_memory_occupation(request: Request):
+        tags = _memory_tags(await _body(request), "/resume_memory_occupation")
+        engine.released -= set(tags)
+        if not engine.released:
+            engine.resume()
+        return JSONResponse({"success": True, "message": f"resumed {sorted(tags)}"})
 
     @app.get("/weights_checksum")
     async def weights_checksum() -> dict:

@@ -139,6 +139,7 @@ class RankZero:
             plan.engine_urls, sync_host, plan.weight_sync_port, WEIGHT_GROUP,
             cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
             pause_mode="in_place" if cfg.algo.max_staleness > 0 else None,
+            ranks_per_engine=cfg.rollout.engine_tp_size,
         )
         # every role starts at once: the engines may still be loading their models
         wait_until_healthy(plan.engine_urls, cfg.rollout.startup_timeout_s)
@@ -153,6 +154,20 @@ class RankZero:
                           if cfg.eval.every else None)
         self.verify = cfg.weight_sync.verify
         self.num_engines = len(plan.engine_urls)
+        self.release_memory = cfg.rollout.release_memory_during_train
+
+    def engines_sleep(self) -> None:
+        """Shared GPUs: the rollout of this step is in, so engines free their memory for the
+        trainer (on-policy only: the worker waits for the next version)."""
+        if self.release_memory:
+            self.sender.release_memory()
+            log.info("engines released their memory for the trainer step")
+
+    def engines_wake(self) -> None:
+        """Shared GPUs: memory back before the weights arrive and the next rollout starts."""
+        if self.release_memory:
+            self.sender.resume_memory()
+            log.info("engines resumed their memory")
 
     def push_weights(self, weights: list, version: int) -> dict:
         """Engines serve `version` once this returns (checked bit for bit with verify=true)."""
@@ -241,6 +256,8 @@ def run(run_dir: Path) -> int:
             if rank == 0:
                 groups.sort(key=lambda g: g[0].group_id)  # arrival order is timing; this is not
                 rollout_states.update(rollout_state(groups))
+            if rank == 0:
+                zero.engines_sleep()
             batch = distribute(groups, cfg, pad_id, device)
             t0 = time.monotonic()
             train = train_step(
@@ -251,6 +268,8 @@ def run(run_dir: Path) -> int:
             t1 = time.monotonic()
             done = step + 1
             weights = list(full_named_weights(model))  # collective under FSDP2: every rank
+            if rank == 0:
+                zero.engines_wake()
             sync = zero.push_weights(weights, version=done) if rank == 0 else {}
             t2 = time.monotonic()
             preempt = broadcast_flag(rank == 0 and preempt_requested(run_dir))

@@ -35,7 +35,7 @@ class WeightSender:
     def __init__(self, engine_urls: Sequence[str], master_addr: str, master_port: int,
                  group_name: str = "weight_update_group", backend: str = "auto",
                  timeout_s: float = 300.0, bucket_mb: float = 512.0,
-                 pause_mode: Optional[str] = "in_place") -> None:
+                 pause_mode: Optional[str] = "in_place", ranks_per_engine: int = 1) -> None:
         if not engine_urls:
             raise WeightSyncError("WeightSender needs at least one engine URL")
         self.engine_urls = list(engine_urls)
@@ -48,7 +48,10 @@ class WeightSender:
         self.pause_mode = pause_mode
         """Pause engines around a multi-bucket send so no batch sees half-updated weights;
         None disables (SGLang: in_place keeps running requests, abort returns them)."""
-        self.world_size = 1 + len(self.engine_urls)
+        self.ranks_per_engine = ranks_per_engine
+        """Group ranks of one engine: its TP size (SGLang: rank = rank_offset + tp_rank; every
+        TP rank receives the full tensor and keeps its shard)."""
+        self.world_size = 1 + len(self.engine_urls) * ranks_per_engine
         self.clients = [EngineClient(u, timeout_s) for u in self.engine_urls]
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients),
                                         thread_name_prefix="weight-sync-http")
@@ -84,13 +87,24 @@ class WeightSender:
             raise first_error
         return results
 
+    def release_memory(self) -> None:
+        """Shared GPUs: every engine of the cohort frees its memory (weights, KV cache)."""
+        route = "/release_memory_occupation"
+        self._join(route, self._on_engines(lambda c, i: c.release_memory_occupation()))
+
+    def resume_memory(self) -> None:
+        """Shared GPUs: every engine takes its memory back (before weights are sent)."""
+        route = "/resume_memory_occupation"
+        self._join(route, self._on_engines(lambda c, i: c.resume_memory_occupation()))
+
     def connect(self) -> None:
         """Form the group: every engine joins over HTTP (threads) while this process is rank 0."""
         if self._pg is not None:
             raise WeightSyncError(f"group {self.group_name!r} is already connected")
         route = "/init_weights_update_group"
         http = self._on_engines(lambda c, i: c.init_weights_update_group(
-            self.master_addr, self.master_port, 1 + i, self.world_size, self.group_name,
+            self.master_addr, self.master_port, 1 + i * self.ranks_per_engine, self.world_size,
+            self.group_name,
             self.backend))
         # rank 0 blocks in the store until every engine joined; run it aside so that an engine
         # refusing (wrong backend, port unreachable) fails the call now, not after timeout_s

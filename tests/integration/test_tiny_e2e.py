@@ -69,3 +69,19 @@ def test_tiny_async_learns_within_staleness_bound(tmp_path, tiny_assets):
     stale = [r["broker/staleness_max"] for r in read_rows(run_dir)]
     assert max(stale) >= 1  # rollout really ran ahead of the trainer
     assert max(stale) <= 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_shared_gpu_schedule_releases_and_resumes_engine_memory(tmp_path, tiny_assets):
+    """rollout.release_memory_during_train on CPU: the hf engine refuses /generate while its
+    memory is released, so the run only completes if the trainer resumes the engines before
+    every rollout; weights verified after each sync."""
+    run_dir = tmp_path / "shared"
+    proc = relax_train(run_dir, tiny_assets, *VERIFIED, "algo.max_staleness=0",
+                       "rollout.release_memory_during_train=true", "trainer.total_steps=2",
+                       "trainer.nproc_per_node=1", timeout_s=500)
+    check_run_dir(run_dir, proc, steps=2)
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert log.count("engines released their memory") == 2
+    assert log.count("engines resumed their memory") == 2

@@ -3,6 +3,7 @@
 import asyncio
 import math
 import threading
+import time
 
 import httpx
 import pytest
@@ -320,3 +321,39 @@ def test_coalesced_calls_share_one_request_and_keep_their_seeded_responses(engin
     assert [[r.output_ids for r in g] for g in together] == \
         [[r.output_ids for r in g] for g in alone]
     assert all(len(g) == 3 for g in together)
+
+
+def test_colocated_memory_routes_abort_and_health_generate(engine_url):
+    """The routes of colocated mode through the client: released memory refuses /generate
+    until resumed; an abort_all drops queued requests with finish_reason abort."""
+    with EngineClient(engine_url, timeout_s=60) as c:
+        assert c.health_generate()
+        c.release_memory_occupation()
+        info = httpx.get(engine_url + "/get_server_info", timeout=10).json()
+        assert info["memory_released"] == ["kv_cache", "weights"] and info["paused"]
+        with pytest.raises(EngineError, match="resume_memory_occupation"):
+            c.generate([PROMPTS[0]], {"max_new_tokens": 2})
+        c.resume_memory_occupation(["kv_cache"])  # weights still released
+        with pytest.raises(EngineError, match="weights"):
+            c.generate([PROMPTS[0]], {"max_new_tokens": 2})
+        c.resume_memory_occupation(["weights"])
+        assert len(c.generate([PROMPTS[0]], {"max_new_tokens": 2})[0].output_ids) >= 1
+        with pytest.raises(EngineError, match="unknown tags"):
+            c.release_memory_occupation(["cuda_graph_x"])
+
+        # queue a request behind a pause, abort everything, then continue
+        c.pause_generation("in_place")
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault(
+            "r", c.generate([PROMPTS[0]], {"max_new_tokens": 2})))
+        t.start()
+        time.sleep(1.0)
+        c.abort_request(abort_all=True)
+        t.join(30)
+        c.continue_generation()
+        assert result["r"][0].finish_reason == "abort"
+        c.abort_request(rid="no-such-request")  # unknown rid: a no-op, as in SGLang
+        assert c.generate([PROMPTS[0]], {"max_new_tokens": 2})[0].finish_reason in ("stop", "length")
+    bad = post(engine_url, "/update_weights_from_distributed",
+               {"names": [], "dtypes": [], "shapes": [], "bogus": 1})
+    assert bad.status_code == 400 and "bogus" in bad.json()["message"]

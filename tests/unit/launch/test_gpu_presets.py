@@ -1,0 +1,99 @@
+"""GPU presets under `cluster.dry_run=true`: golden sbatch scripts with their srun, torchrun and
+sglang.launch_server command lines, and the GPU placement each preset promises.
+
+Regenerate after an intended change with
+    RELAX_UPDATE_GOLDEN=1 python -m pytest tests/unit/launch/test_gpu_presets.py
+then read the diff.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relax_slurm.launch import sbatch
+from relax_slurm.launch.submit import compose_config
+from tests.unit.launch.test_sbatch import check_golden
+
+RUN_DIR, WORKDIR = Path("/scratch/runs/demo"), Path("/home/me/project")
+PRESETS = ["qwen3_4b_dapo", "qwen3_30b_a3b_dapo", "qwen3_vl_4b_openr1"]
+
+
+def dry_run(preset: str, *overrides: str) -> str:
+    cfg = compose_config([f"experiment={preset}", f"run_dir={RUN_DIR}",
+                          "cluster.python=/opt/venv/bin/python", *overrides])
+    text = sbatch.dry_run_text(cfg, RUN_DIR, WORKDIR)
+    # ports are picked free in the allocation and the interpreter is this one's: normalise
+    text = text.replace(sys.executable, "PYTHON")
+    text = re.sub(r"(?<=:)\d{4,5}\b", "PORT", text)
+    return re.sub(r"--port \d+", "--port PORT", text)
+
+
+def sruns(text: str) -> dict[str, list[str]]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("srun "):
+            argv = shlex.split(line)
+            out[next(a for a in argv if a.startswith("--job-name=")).split("=")[1]] = argv
+    return out
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_dry_run_matches_golden(preset):
+    text = dry_run(preset)
+    check_golden(f"{preset}.dryrun", text)
+    script = text.split("\n# The driver then starts")[0]
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_qwen3_4b_separate_pools_on_one_node():
+    lines = sruns(dry_run("qwen3_4b_dapo"))
+    engines = [lines[f"engine{i}"] for i in range(4)]
+    assert [flag(e, "--base-gpu-id") for e in engines] == ["4", "5", "6", "7"]
+    assert all("sglang.launch_server" in e and flag(e, "--tp-size") == "1" for e in engines)
+    assert all("--nodelist=trainer-node1" in e and "--het-group=1" not in e for e in engines)
+    assert "--nproc-per-node=4" in lines["trainer"]
+    assert "--enable-memory-saver" not in engines[0]
+
+
+def test_qwen3_4b_shared_gpus_release_memory():
+    lines = sruns(dry_run("qwen3_4b_dapo", "trainer.nproc_per_node=8", "rollout.num_engines=2",
+                          "rollout.engine_tp_size=4", "rollout.release_memory_during_train=true",
+                          "rollout.engine_mem_fraction=0.5", "algo.max_staleness=0"))
+    assert [flag(lines[f"engine{i}"], "--base-gpu-id") for i in range(2)] == ["0", "4"]
+    assert all("--enable-memory-saver" in lines[f"engine{i}"] for i in range(2))
+
+
+def test_qwen3_30b_a3b_engines_use_expert_parallelism():
+    text = dry_run("qwen3_30b_a3b_dapo")
+    lines = sruns(text)
+    assert "#SBATCH hetjob" in text
+    for i, node in enumerate(["rollout-node1", "rollout-node2"]):
+        e = lines[f"engine{i}"]
+        assert flag(e, "--tp-size") == "8" and flag(e, "--ep-size") == "8"
+        assert flag(e, "--base-gpu-id") == "0" and f"--nodelist={node}" in e
+        assert "--het-group=1" in e and flag(e, "--dtype") == "bfloat16"
+    assert "--nnodes=2" in lines["trainer"] and "--nproc-per-node=8" in lines["trainer"]
+
+
+def test_api_key_never_printed():
+    text = dry_run("qwen3_vl_4b_openr1", "rollout.engine_api_key=true")
+    e = sruns(text)["engine0"]
+    assert e[-3:-1] == ["bash", "-c"] and e[-1].endswith('--api-key "$RELAX_ENGINE_API_KEY"')
+
+
+def test_shared_gpus_need_the_on_policy_schedule():
+    from relax_slurm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="release_memory_during_train.*max_staleness=0"):
+        compose_config(["experiment=qwen3_4b_dapo", f"run_dir={RUN_DIR}",
+                        "rollout.release_memory_during_train=true", "algo.max_staleness=1"])

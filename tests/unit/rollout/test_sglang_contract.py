@@ -1,0 +1,139 @@
+"""The bodies our client sends are valid SGLang 0.5.x requests; the server command line has
+SGLang's flags. With sglang installed (GPU clusters) the recorded schemas are compared with the
+real dataclasses and a real server answers the client (marked gpu)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+import pytest
+
+from relax_slurm.rollout import sglang_api as api
+
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+BODIES = {
+    "/init_weights_update_group": api.init_group_body("10.0.0.1", 29500, 1, 3, "g", "nccl"),
+    "/update_weights_from_distributed": api.update_weights_body(
+        ["w"], ["bfloat16"], [(2, 3)], "g", "7", True),
+    "/pause_generation": api.pause_body("in_place"),
+    "/abort_request": api.abort_body(abort_all=True),
+    "/release_memory_occupation": api.memory_body(None),
+    "/resume_memory_occupation": api.memory_body(["weights"]),
+}
+
+
+@pytest.mark.parametrize("route", BODIES)
+def test_client_bodies_build_sglang_requests(route):
+    api.check_body(route, BODIES[route])
+
+
+def test_issue_fields_are_recorded():
+    """The fields the issue lists for SGLang 0.5.x, checked against our record."""
+    req, opt = api.SGLANG_REQUESTS["InitWeightsUpdateGroupReqInput"]
+    assert req | opt == {"master_address", "master_port", "rank_offset", "world_size",
+                         "group_name", "backend"}
+    req, opt = api.SGLANG_REQUESTS["UpdateWeightsFromDistributedReqInput"]
+    assert {"names", "dtypes", "shapes"} == req
+    assert {"group_name", "flush_cache", "abort_all_requests", "weight_version",
+            "load_format"} <= opt
+    body = BODIES["/update_weights_from_distributed"]
+    assert body["shapes"] == [[2, 3]] and body["weight_version"] == "7"
+
+
+def test_unknown_or_missing_keys_are_named():
+    with pytest.raises(ValueError, match=r"unknown \['mode_x'\]"):
+        api.check_body("/pause_generation", {"mode_x": "abort"})
+    with pytest.raises(ValueError, match=r"missing \['world_size'\]"):
+        body = dict(BODIES["/init_weights_update_group"])
+        del body["world_size"]
+        api.check_body("/init_weights_update_group", body)
+
+
+def test_server_argv_has_sglang_flags():
+    argv = api.server_argv("/py", model_path="/m", host="0.0.0.0", port=30000, base_gpu_id=4,
+                           tp_size=2, ep_size=2, mem_fraction_static=0.7, dtype="bfloat16",
+                           seed=3, trust_remote_code=True, api_key=False, enable_memory_saver=True,
+                           extra_args=["--context-length", "8192"])
+    assert argv[:3] == ["/py", "-m", "sglang.launch_server"]
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    for flag, value in {"--model-path": "/m", "--port": "30000", "--base-gpu-id": "4",
+                        "--tp-size": "2", "--mem-fraction-static": "0.7"}.items():
+        assert flag in argv and argv[argv.index(flag) + 1] == value, (flag, flags)
+    assert argv[argv.index("--ep-size") + 1] == "2" and "--enable-memory-saver" in argv
+    assert argv[-2:] == ["--context-length", "8192"] and "--api-key" not in argv
+    assert "--trust-remote-code" in argv
+    keyed = api.server_argv("/py", model_path="/m", host="h", port=1, base_gpu_id=0, tp_size=1,
+                            ep_size=1, mem_fraction_static=0.8, dtype="float16", seed=0,
+                            trust_remote_code=False, api_key=True, enable_memory_saver=False, extra_args=[])
+    assert keyed[:2] == ["bash", "-c"] and keyed[2].startswith("exec /py -m sglang.launch_server")
+    assert keyed[2].endswith(f'--api-key "${api.API_KEY_ENV}"') and "--ep-size" not in keyed[2]
+
+
+def test_clients_send_the_api_key_from_the_environment(monkeypatch):
+    from relax_slurm.rollout.engine_client import EngineClient
+
+    monkeypatch.setenv(api.API_KEY_ENV, "s3cret")
+    with EngineClient("http://127.0.0.1:1") as c:
+        assert c._http.headers["Authorization"] == "Bearer s3cret"
+    monkeypatch.delenv(api.API_KEY_ENV)
+    with EngineClient("http://127.0.0.1:1") as c:
+        assert "Authorization" not in c._http.headers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SGLANG, reason="sglang is not installed (GPU clusters only)")
+def test_recorded_schemas_match_installed_sglang():
+    from sglang.srt.managers import io_struct
+
+    for name, (required, optional) in api.SGLANG_REQUESTS.items():
+        cls = getattr(io_struct, name)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key in required | optional:
+            assert key in fields, (name, key)
+        for key in required:  # required here: no default there
+            f = fields[key]
+            assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, (
+                name, key)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_SGLANG or not os.environ.get("RELAX_SGLANG_TEST_MODEL"),
+                    reason="needs sglang, a GPU and RELAX_SGLANG_TEST_MODEL=<small HF model dir>")
+def test_real_sglang_server_answers_the_client(tmp_path):
+    import subprocess
+    import sys
+
+    from relax_slurm.launch.plan import free_port
+    from relax_slurm.rollout.engine_client import EngineClient, wait_until_healthy
+
+    port = free_port()
+    argv = api.server_argv(sys.executable, model_path=os.environ["RELAX_SGLANG_TEST_MODEL"],
+                           host="127.0.0.1", port=port, base_gpu_id=0, tp_size=1, ep_size=1,
+                           mem_fraction_static=0.5, dtype="bfloat16", seed=0,
+                           trust_remote_code=False, api_key=False,
+                           enable_memory_saver=True, extra_args=[])
+    log = open(tmp_path / "sglang.log", "w")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_healthy([url], timeout_s=600)
+        with EngineClient(url) as c:
+            assert c.health_generate()
+            out = c.generate([[1, 2, 3]], {"max_new_tokens": 4, "temperature": 1.0})
+            assert 1 <= len(out[0].output_ids) <= 4 and len(out[0].logprobs) == len(out[0].output_ids)
+            assert c.weight_version() == "0"
+            c.release_memory_occupation()
+            c.resume_memory_occupation()
+            c.pause_generation("in_place")
+            c.abort_request(abort_all=True)
+            c.continue_generation()
+            c.flush_cache()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
