@@ -1,0 +1,93 @@
+"""Environments by name: `@register_env("name")` on a class or factory, `env_factory(cfg)`.
+
+`env.name` in the config is a registered name (`names()`) or a dotted path
+`package.module:attr` to a `BaseEnv` subclass or to any callable returning an environment.
+`env.kwargs` are passed to it as keyword arguments, once per episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from typing import Any, Callable
+
+from relax_slurm.envs.base import BaseEnv, EnvError
+
+EnvFactory = Callable[..., BaseEnv]
+_REGISTRY: dict[str, EnvFactory] = {}
+
+
+def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
+    """Decorator adding an environment class or factory under `name`."""
+
+    def add(factory: EnvFactory) -> EnvFactory:
+        if name in _REGISTRY and _REGISTRY[name] is not factory:
+            raise ValueError(f"environment {name!r} is already registered by {_REGISTRY[name]!r}")
+        _REGISTRY[name] = factory
+        return factory
+
+    return add
+
+
+def names() -> list[str]:
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def _load_builtins() -> None:
+    import relax_slurm.envs.arith_feedback  # noqa: F401  (registers on import)
+    import relax_slurm.envs.tools  # noqa: F401
+
+
+def resolve(name: str) -> EnvFactory:
+    """The factory of a registered name or of a `module:attr` path; EnvError names the fix."""
+    _load_builtins()
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" not in name:
+        raise EnvError(f"env.name={name!r}: not a registered environment ({', '.join(names())}) "
+                       "nor a dotted path package.module:attr")
+    module, _, attr = name.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError as e:
+        raise EnvError(f"env.name={name!r}: cannot import {module!r}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise EnvError(f"env.name={name!r}: {module!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise EnvError(f"env.name={name!r}: {attr!r} is not callable")
+    return obj
+
+
+def env_factory(name: str, kwargs: dict[str, Any] | None = None) -> Callable[[], BaseEnv]:
+    """A zero-argument callable building a fresh environment per episode. One environment is
+    built here, and closed, so that a wrong name or keyword fails at start-up."""
+    factory, kw = resolve(name), dict(kwargs or {})
+
+    def make() -> BaseEnv:
+        try:
+            env = factory(**kw)
+        except TypeError as e:
+            raise EnvError(f"env.name={name!r} with env.kwargs={kw}: {e}") from e
+        for method in ("reset", "step", "format_observation", "close"):
+            if not callable(getattr(env, method, None)):
+                raise EnvError(f"env.name={name!r} built a {type(env).__name__} without a "
+                               f"{method}() method; subclass relax_slurm.envs.BaseEnv")
+        return env
+
+    close = make().close()
+    if inspect.isawaitable(close):
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop here (the worker's start-up): run it to its end
+            asyncio.run(_wait(close))
+        else:  # inside a loop: close it there
+            asyncio.ensure_future(close)
+    return make
+
+
+async def _wait(awaitable: Any) -> None:
+    await awaitable
