@@ -1,0 +1,184 @@
+"""Multi-turn episodes: model turns and environment observations, kept as tokens.
+
+Token in, token out: an episode's sequence is the prompt's ids, then every model turn's output
+ids exactly as the engine sampled them, then the ids the chat template puts around each
+observation; nothing the model wrote is ever re-tokenised (a decode/encode round trip can change
+ids, and the trainer must score exactly the tokens the engine sampled). Model tokens get loss
+mask 1 and their rollout log-probs; template and observation tokens mask 0 and log-prob 0, so
+the trainer's masked losses and importance ratios see the model's tokens only.
+
+    episode = await run_episode(generate, env, prompt, renderer, limits, params)
+
+An episode ends when the environment says `done`, after `limits.max_turns` model turns, or when
+the next turn or observation would pass `limits.max_total_tokens` (prompt included); the last
+two mark it truncated. A model turn also ends at any of the environment's `stop` strings (the
+engine stops there; the text handed to `env.step` is cut at the match, the ids are kept).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from relax_slurm.envs.base import BaseEnv, EnvError, Message, StepResult
+from relax_slurm.rollout.engine_client import GenerateResult
+
+Generate = Callable[[list[int], dict[str, Any]], Awaitable[GenerateResult]]
+END_REASONS = ("done", "max_turns", "max_total_tokens")
+_PROBE_USER, _PROBE_MODEL = "relax-probe-user", "relax-probe-model"
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_turns: int
+    max_total_tokens: int
+    """Prompt + every turn and observation of the episode."""
+    max_new_tokens: int
+    """Per model turn (rollout.max_new_tokens)."""
+
+
+@dataclass
+class Episode:
+    response_ids: list[int] = field(default_factory=list)
+    """Everything after the prompt: model turns and observations, in order."""
+    loss_mask: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    turns: int = 0
+    end: str = "done"
+    finish_reason: str = "stop"
+    """The last model turn's (stop / length / abort)."""
+    images: list[dict] = field(default_factory=list)
+    """Images observations carried ({"turn", "offset", "images"}): the multimodal hook."""
+    infos: list[dict] = field(default_factory=list)
+
+    @property
+    def truncated(self) -> bool:
+        return self.end != "done"
+
+    def reward(self, turn_reward_coef: float = 0.0) -> float:
+        """The last step's reward, plus `turn_reward_coef` x the earlier turns' (shaping)."""
+        if not self.turn_rewards:
+            return 0.0
+        return self.turn_rewards[-1] + turn_reward_coef * sum(self.turn_rewards[:-1])
+
+    def add(self, ids: list[int], model: bool, logprobs: list[float] | None = None) -> None:
+        self.response_ids += ids
+        self.loss_mask += [1.0 if model else 0.0] * len(ids)
+        self.logprobs += list(logprobs) if model else [0.0] * len(ids)
+
+
+class ObservationRenderer:
+    """The ids the chat template puts after a model turn: the rest of the turn's closing (what
+    the model did not sample itself, e.g. the newline after `<|im_end|>`) and the observation's
+    messages with the next generation prompt.
+
+    Found by rendering a probe conversation with and without the messages and keeping the text
+    that was added, so any template works whose earlier turns render the same whatever follows
+    them (an `EnvError` says so otherwise). Without the chat template (data.apply_chat_template
+    = false) an observation is its messages' contents, one per line."""
+
+    def __init__(self, tokenizer: Any, apply_chat_template: bool) -> None:
+        self.tokenizer, self.chat = tokenizer, apply_chat_template
+        self._close_ids: list[int] = []
+        if self.chat:
+            closed = self._render(self._probe(), False)
+            at = closed.rfind(_PROBE_MODEL)
+            if at < 0:
+                raise EnvError("the tokenizer's chat template does not render an assistant "
+                               "turn as its content: multi-turn rollouts cannot place "
+                               "observations; set data.apply_chat_template=false")
+            self._close_ids = self._encode(closed[at + len(_PROBE_MODEL):])
+
+    def _probe(self) -> list[Message]:
+        return [{"role": "user", "content": _PROBE_USER},
+                {"role": "assistant", "content": _PROBE_MODEL}]
+
+    def _render(self, messages: list[Message], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def close_ids(self, model_ids: list[int]) -> list[int]:
+        """What closes a model turn that ended with `model_ids`, minus the part it sampled
+        (an EOS that is the template's end-of-turn token)."""
+        for k in range(min(len(self._close_ids), len(model_ids)), 0, -1):
+            if model_ids[-k:] == self._close_ids[:k]:
+                return self._close_ids[k:]
+        return self._close_ids
+
+    def observation_ids(self, messages: list[Message]) -> list[int]:
+        if not messages:
+            return []
+        if not self.chat:
+            return self._encode("".join(f"\n{m.get('content', '')}" for m in messages) + "\n")
+        before = self._render(self._probe(), False)
+        after = self._render([*self._probe(), *messages], True)
+        if not after.startswith(before):
+            raise EnvError("the tokenizer's chat template renders earlier turns differently "
+                           "once an observation follows; multi-turn rollouts need a template "
+                           "that only appends (or data.apply_chat_template=false)")
+        return self._encode(after[len(before):])
+
+
+async def _call(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def _as_step(result: Any) -> StepResult:
+    try:
+        return StepResult(*result)
+    except TypeError as e:
+        raise EnvError(f"env.step must return (observation, reward, done, info), got "
+                       f"{result!r}") from e
+
+
+async def run_episode(generate: Generate, env: BaseEnv, prompt: Any, prompt_ids: list[int],
+                      renderer: ObservationRenderer, limits: TurnLimits,
+                      params: dict[str, Any], decode: Callable[[list[int]], str]) -> Episode:
+    """One episode of `env` from `prompt`; the environment is closed whatever happens."""
+    ep = Episode()
+    try:
+        first, _ = await _call(env.reset(prompt))
+        if first is not None:
+            raise EnvError(f"{type(env).__name__}.reset returned a first observation; put it "
+                           "in the dataset's prompt (multi-turn rollouts start with the model)")
+        stop = list(params.get("stop") or []) + list(getattr(env, "stop", ()) or ())
+        while True:
+            room = limits.max_total_tokens - len(prompt_ids) - len(ep.response_ids)
+            if room <= 0:
+                ep.end = "max_total_tokens"
+                break
+            turn_params = {**params, "max_new_tokens": min(limits.max_new_tokens, room)}
+            if stop:
+                turn_params["stop"] = stop
+            res = await generate(prompt_ids + ep.response_ids, turn_params)
+            ep.add(res.output_ids, model=True, logprobs=res.logprobs)
+            ep.turns += 1
+            ep.finish_reason = res.finish_reason
+            text = res.text if stop else decode(res.output_ids)
+            step = _as_step(await _call(env.step(text)))
+            ep.turn_rewards.append(float(step.reward))
+            ep.infos.append(dict(step.info or {}))
+            if step.done:
+                ep.end = "done"
+                break
+            if ep.turns >= limits.max_turns:
+                ep.end = "max_turns"
+                break
+            messages = env.format_observation(step.observation)
+            obs_ids = renderer.close_ids(res.output_ids) + renderer.observation_ids(messages)
+            if len(prompt_ids) + len(ep.response_ids) + len(obs_ids) >= limits.max_total_tokens:
+                ep.end = "max_total_tokens"  # no room left for the model's answer to it
+                break
+            images = [img for m in messages for img in m.get("images", ())]
+            if images:
+                ep.images.append({"turn": ep.turns, "offset": len(ep.response_ids),
+                                  "images": images})
+            ep.add(obs_ids, model=False)
+    finally:
+        await _call(env.close())
+    return ep
