@@ -16,9 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 ONE_RANK = "trainer.nproc_per_node=1"
 
 
-def tiny_command(run_dir: Path, tiny: Path, *overrides: str) -> list[str]:
-    """`relax-train experiment=tiny_cpu` on the session's tiny model and data."""
-    return [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_cpu",
+def tiny_command(run_dir: Path, tiny: Path, *overrides: str, experiment: str = "tiny_cpu"
+                 ) -> list[str]:
+    """`relax-train experiment=tiny_cpu` (or another tiny experiment) on the session's tiny
+    model and data."""
+    return [sys.executable, "-m", "relax_slurm.launch.cli", f"experiment={experiment}",
             f"run_dir={run_dir}", f"model.path={tiny / 'model'}",
             f"data.train_files=[{tiny / 'arith_train.jsonl'}]", *overrides]
 

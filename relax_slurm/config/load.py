@@ -25,6 +25,7 @@ GROUP_SCHEMAS = {
     "data": schema.DataConfig,
     "reward": schema.RewardConfig,
     "cluster": schema.ClusterConfig,
+    "env": schema.EnvConfig,
 }
 
 

@@ -8,7 +8,7 @@ that fixes them; they run when `load_config` turns the merged config into these 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
@@ -276,7 +276,8 @@ class TrainerConfig:
                f"trainer.lr_decay_steps={self.lr_decay_steps}: >= 1, or null for total_steps")
         _check(0.0 <= self.min_lr_ratio <= 1.0,
                f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
-        _check(self.micro_batch_size >= 1, f"trainer.micro_batch_size: >= 1")
+        _check(self.micro_batch_size >= 1,
+               f"trainer.micro_batch_size={self.micro_batch_size}: must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -563,6 +564,35 @@ class NotifyConfig:
 
 
 @dataclass(kw_only=True)
+class EnvConfig:
+    """Multi-turn (agentic) rollouts: an environment answers each model turn (docs/agentic.md).
+    Without `env.name` every sample is one model turn scored by the reward function."""
+
+    name: Optional[str] = None
+    """A registered environment (tool, arith_feedback, ...) or `package.module:attr`."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment, one instance per episode."""
+    max_turns: int = 4
+    """Model turns per episode; an episode cut here is marked truncated."""
+    max_total_tokens: int = 512
+    """Prompt + every turn and observation of an episode (rollout.max_new_tokens bounds each
+    model turn); an episode that would pass it ends, marked truncated."""
+    reward_source: str = "env"
+    """env: the environment's reward of the last step; reward_fn: the reward function (reward.*)
+    on the last model turn, the final answer (e.g. env=tool with reward=math)."""
+    turn_reward_coef: float = 0.0
+    """The episode's reward is that final reward plus this x the earlier turns' rewards from the
+    environment (per-turn shaping; 0: the final reward only)."""
+
+    def __post_init__(self) -> None:
+        _check(self.reward_source in ("env", "reward_fn"),
+               f"env.reward_source={self.reward_source!r}: use env or reward_fn")
+        _check(self.max_turns >= 1, f"env.max_turns={self.max_turns}: must be >= 1")
+        _check(self.max_total_tokens >= 2,
+               f"env.max_total_tokens={self.max_total_tokens}: must be >= 2")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     run_dir: str = MISSING
     """Directory of this run: config.yaml, metrics.jsonl, logs/, checkpoints/."""
@@ -585,6 +615,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     notify: NotifyConfig = field(default_factory=NotifyConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
         buffer, max_new = self.algo.overlong_buffer_tokens, self.rollout.max_new_tokens

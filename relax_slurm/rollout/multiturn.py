@@ -52,6 +52,10 @@ class Episode:
     images: list[dict] = field(default_factory=list)
     """Images observations carried ({"turn", "offset", "images"}): the multimodal hook."""
     infos: list[dict] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """The weight version of each model turn (an async run may update weights mid-episode)."""
+    last_turn_text: str = ""
+    """The last model turn as handed to the environment (the final answer)."""
 
     @property
     def truncated(self) -> bool:
@@ -124,6 +128,11 @@ class ObservationRenderer:
         return self._encode(after[len(before):])
 
 
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of turn `turn` (0-based) of the sample seeded `seed`; turn 0 keeps it."""
+    return (seed + turn * 0x9E3779B97F4A7C15) % 2**63
+
+
 async def _call(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
@@ -153,13 +162,17 @@ async def run_episode(generate: Generate, env: BaseEnv, prompt: Any, prompt_ids:
                 ep.end = "max_total_tokens"
                 break
             turn_params = {**params, "max_new_tokens": min(limits.max_new_tokens, room)}
+            if "sampling_seed" in params:  # a seed per (sample, turn): turns draw afresh, and a
+                # resumed run redraws exactly the same tokens
+                turn_params["sampling_seed"] = turn_seed(params["sampling_seed"], ep.turns)
             if stop:
                 turn_params["stop"] = stop
             res = await generate(prompt_ids + ep.response_ids, turn_params)
             ep.add(res.output_ids, model=True, logprobs=res.logprobs)
             ep.turns += 1
             ep.finish_reason = res.finish_reason
-            text = res.text if stop else decode(res.output_ids)
+            ep.versions.append(int(res.weight_version) if res.weight_version is not None else 0)
+            text = ep.last_turn_text = res.text if stop else decode(res.output_ids)
             step = _as_step(await _call(env.step(text)))
             ep.turn_rewards.append(float(step.reward))
             ep.infos.append(dict(step.info or {}))

@@ -34,6 +34,7 @@ import numpy as np
 from relax_slurm.broker.client import AsyncBrokerClient
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
+from relax_slurm.envs import env_factory
 from relax_slurm.errors import BrokerShutdown, ConfigError
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
@@ -44,6 +45,7 @@ from relax_slurm.rollout.coalesce import CoalescingEngine
 from relax_slurm.rollout.engine_client import (
     AsyncEngineClient, GenerateResult, wait_until_healthy,
 )
+from relax_slurm.rollout.multiturn import Episode, ObservationRenderer, TurnLimits, run_episode
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.samples import Group, Sample
 
@@ -144,6 +146,15 @@ class RolloutWorker:
             check_same_tokenizer(self.tokenizer, cfg.algo.teacher_model_path, cfg.model.path)
             self.teacher = AsyncEngineClient(plan.teacher_url, cfg.rollout.request_timeout_s)
         self.params = sampling_params(cfg)
+        self.make_env = None  # multi-turn rollouts: one environment per episode
+        if cfg.env.name:
+            if self.teacher is not None:
+                raise ConfigError("env.name (multi-turn rollouts) with algo.teacher_model_path "
+                                  "(on-policy distillation) is not supported yet: unset one")
+            self.make_env = env_factory(cfg.env.name, cfg.env.kwargs)  # a bad env fails now
+            self.renderer = ObservationRenderer(self.tokenizer, cfg.data.apply_chat_template)
+            self.limits = TurnLimits(cfg.env.max_turns, cfg.env.max_total_tokens,
+                                     cfg.rollout.max_new_tokens)
         # group ids unique across workers without coordination
         self.worker_rank = worker_rank
         self.group_ids = itertools.count(first_group_id, num_workers)
@@ -178,6 +189,9 @@ class RolloutWorker:
         params = [{**self.params, "sampling_seed": sample_seed(self.cfg.seed, gid, i, n)}
                   for i in range(n)]
         t_start = time.time()
+        if self.make_env is not None:
+            await self.rollout_episodes(prompt, gid, data_state, params, t_start)
+            return
         async with self.router.pick() as engine:
             results = await engine.generate([prompt.input_ids] * n, params)
         t_end = time.time()
@@ -205,6 +219,61 @@ class RolloutWorker:
                           "data_state": data_state, **counts},
             ))
         await self.broker.put_group(group)
+
+    async def rollout_episodes(self, prompt: Prompt, gid: int, data_state: dict,
+                               params: list[dict], t_start: float) -> None:
+        """Multi-turn: n episodes of the environment, every turn of the group on one engine
+        (its prefix cache holds the shared prompt and each episode's history)."""
+        async with self.router.pick() as engine:
+            async def generate(ids: list[int], p: dict) -> GenerateResult:
+                [res] = await engine.generate([ids], [p])
+                return res
+
+            episodes = await asyncio.gather(*(
+                run_episode(generate, self.make_env(), prompt, prompt.input_ids, self.renderer,
+                            self.limits, p, self._decode) for p in params))
+        t_end = time.time()
+        rewards, errors = await self.episode_rewards(prompt, episodes)
+        rewards = shaped_rewards(self.cfg, rewards, [len(e.response_ids) for e in episodes])
+        if self.cfg.algo.dynamic_sampling and not is_informative_group(rewards):
+            self.counts.filtered_groups += 1
+            self.counts.reward_errors += errors
+            await self.broker.release(1)
+            return
+        counts = self.counts.take(errors)
+        group: Group = []
+        for ep, reward in zip(episodes, rewards):
+            group.append(Sample(
+                prompt_id=prompt.prompt_id, group_id=gid, prompt_ids=prompt.input_ids,
+                response_ids=ep.response_ids, loss_mask=ep.loss_mask,
+                rollout_logprobs=ep.logprobs, reward=float(reward),
+                version=max(ep.versions), version_min=min(ep.versions),
+                # a truncated episode counts as cut by length in rollout/truncated_frac
+                finish_reason="length" if ep.truncated else ep.finish_reason,
+                multimodal={"observation_images": ep.images} if ep.images else {},
+                metadata={"t_start": t_start, "t_end": t_end, "worker": self.worker_rank,
+                          "data_state": data_state, "turns": ep.turns, "episode_end": ep.end,
+                          **counts},
+            ))
+        await self.broker.put_group(group)
+
+    async def episode_rewards(self, prompt: Prompt, episodes: list[Episode]
+                              ) -> tuple[list[float], int]:
+        """env.reward_source=env: each episode's own (shaped) reward; reward_fn: the reward
+        function on the last model turn (the final answer), plus the env's turn shaping."""
+        coef = self.cfg.env.turn_reward_coef
+        if self.cfg.env.reward_source == "env":
+            return [ep.reward(coef) for ep in episodes], 0
+        inputs = [RewardInput(prompt=prompt.text, label=prompt.label, metadata=prompt.metadata,
+                              response=ep.last_turn_text, finish_reason=ep.finish_reason)
+                  for ep in episodes]
+        scored = await self.reward_pool.score_many(self.reward, inputs)
+        rewards = [value + coef * sum(ep.turn_rewards[:-1])
+                   for (value, _), ep in zip(scored, episodes)]
+        return rewards, sum(error for _, error in scored)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     async def wait_for_engines(self) -> None:
         """The launcher starts every role at once: engines may still be loading their models."""

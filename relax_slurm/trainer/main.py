@@ -85,6 +85,10 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
     starts = [s.metadata.get("t_start") for s in samples if "t_start" in s.metadata]
     ends = [s.metadata.get("t_end") for s in samples if "t_end" in s.metadata]
     n = len(samples)
+    # multi-turn runs: model turns per episode, and episodes cut by env.max_turns or
+    # env.max_total_tokens rather than ended by the environment
+    turns = [s.metadata["turns"] for s in samples if "turns" in s.metadata]
+    cut = [s.metadata.get("episode_end", "done") != "done" for s in samples if "turns" in s.metadata]
     return {
         "rollout/reward_mean": sum(s.reward for s in samples) / n,
         "rollout/response_len_mean": sum(s.response_len for s in samples) / n,
@@ -98,7 +102,8 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
         "broker/dropped_stale_samples": stats.get("dropped_stale", 0) * len(groups[0]),
         "perf/gen_time_s": (max(ends) - min(starts)) if starts and ends else 0.0,
         "train/samples": n,
-    }
+    } | ({"rollout/turns_mean": sum(turns) / len(turns),
+          "rollout/episode_truncated_frac": sum(cut) / len(cut)} if turns else {})
 
 
 def distribute(groups: list[Group] | None, cfg: TrainConfig, pad_id: int,

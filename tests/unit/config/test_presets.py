@@ -23,7 +23,7 @@ def _compose(overrides):
 
 def test_groups_are_the_documented_ones():
     assert set(GROUPS) == {"model", "algo", "rollout", "trainer", "data", "reward", "cluster",
-                           "experiment"}
+                           "env", "experiment"}
 
 
 @pytest.mark.parametrize("group,name", PRESETS, ids=[f"{g}={n}" for g, n in PRESETS])
@@ -72,3 +72,14 @@ def test_old_logprobs_auto_follows_staleness(staleness, want):
     assert AlgoConfig(max_staleness=staleness, old_logprobs="recompute").old_logprobs == "recompute"
     with pytest.raises(ConfigError, match="algo.old_logprobs"):
         AlgoConfig(old_logprobs="behaviour")
+
+
+def test_env_group_picks_multi_turn_and_checks_its_keys():
+    cfg = to_train_config(_compose(["experiment=tiny_agent_cpu", "env.max_turns=5"]))
+    assert (cfg.env.name, cfg.env.max_turns, cfg.env.kwargs["max_tries"]) == \
+        ("arith_feedback", 5, 3)
+    assert to_train_config(_compose([])).env.name is None  # env=none: single-turn
+    for bad, key in (("env.reward_source=judge", "env.reward_source"),
+                     ("env.max_turns=0", "env.max_turns")):
+        with pytest.raises(ConfigError, match=key):
+            to_train_config(_compose(["env=arith_feedback", bad]))
