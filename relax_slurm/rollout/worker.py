@@ -198,13 +198,9 @@ class RolloutWorker:
         (rewards, errors), teacher = await asyncio.gather(
             self.score(prompt, results), self.teacher_logprobs(prompt, results))
         rewards = shaped_rewards(self.cfg, rewards, [len(r.output_ids) for r in results])
-        if self.cfg.algo.dynamic_sampling and not is_informative_group(rewards):
-            # all advantages would be 0: hand the credit back, the loop admits another prompt
-            self.counts.filtered_groups += 1
-            self.counts.reward_errors += errors
-            await self.broker.release(1)
+        counts = await self.counts_or_filter(rewards, errors)
+        if counts is None:
             return
-        counts = self.counts.take(errors)
         group: Group = []
         for res, reward, teacher_lp in zip(results, rewards, teacher):
             version = int(res.weight_version) if res.weight_version is not None else 0
@@ -219,6 +215,16 @@ class RolloutWorker:
                           "data_state": data_state, **counts},
             ))
         await self.broker.put_group(group)
+
+    async def counts_or_filter(self, rewards: list[float], errors: int) -> dict | None:
+        """The counts for this group's samples' metadata; None when dynamic sampling drops it
+        (all advantages would be 0: the credit goes back and the loop admits another prompt)."""
+        if self.cfg.algo.dynamic_sampling and not is_informative_group(rewards):
+            self.counts.filtered_groups += 1
+            self.counts.reward_errors += errors
+            await self.broker.release(1)
+            return None
+        return self.counts.take(errors)
 
     async def rollout_episodes(self, prompt: Prompt, gid: int, data_state: dict,
                                params: list[dict], t_start: float) -> None:
@@ -235,12 +241,9 @@ class RolloutWorker:
         t_end = time.time()
         rewards, errors = await self.episode_rewards(prompt, episodes)
         rewards = shaped_rewards(self.cfg, rewards, [len(e.response_ids) for e in episodes])
-        if self.cfg.algo.dynamic_sampling and not is_informative_group(rewards):
-            self.counts.filtered_groups += 1
-            self.counts.reward_errors += errors
-            await self.broker.release(1)
+        counts = await self.counts_or_filter(rewards, errors)
+        if counts is None:
             return
-        counts = self.counts.take(errors)
         group: Group = []
         for ep, reward in zip(episodes, rewards):
             group.append(Sample(
