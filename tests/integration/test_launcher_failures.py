@@ -16,10 +16,16 @@ from tests.conftest import REPO, run_env, tiny_command
 START_TIMEOUT_S = 300
 
 
+def _default_sigint() -> None:
+    # a suite started in the background (`cmd &` without job control) inherits SIGINT ignored,
+    # and Python keeps an ignored SIGINT ignored: the launcher must start as a terminal would
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_run(run_dir: Path, tiny: Path) -> subprocess.Popen:
     cmd = tiny_command(run_dir, tiny, "trainer.total_steps=100000")
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=run_env())
+                            text=True, env=run_env(), preexec_fn=_default_sigint)
 
 
 def wait_for_first_step(proc: subprocess.Popen, run_dir: Path) -> list[dict]:
