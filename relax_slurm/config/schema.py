@@ -277,6 +277,9 @@ class TrainerConfig:
         _check(self.backend == "megatron" or parallel == (1, 1, 1, 1),
                f"trainer.backend={self.backend}: tensor/pipeline/context/expert parallel sizes "
                "need trainer=megatron (the torch backend is data parallel only); set them to 1")
+        _check(self.backend != "megatron" or not self.async_save,
+               "trainer.async_save=true: the megatron backend saves synchronously (Megatron "
+               "dist-checkpoint); set trainer.async_save=false")
         _check(self.context_parallel_size == 1,
                f"trainer.context_parallel_size={self.context_parallel_size}: context parallelism "
                "is not implemented by the megatron backend yet; use 1")

@@ -101,3 +101,25 @@ def test_pp2_trains_like_pp1(runs):
         str(runs["pp2"] / "trained.safetensors"))
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_dist_checkpoint_resumes_and_converts_to_hf(runs, layout, tmp_path):
+    r = result(runs[layout])["resume"]
+    assert r["extra"] == {"marker": 7, "step": 2, "lr_steps_done": 2}
+    assert r["weights_restored"] and r["next_step_equal"], r
+    # relax-convert detects the Megatron dist-checkpoint (from the checkpoints directory) and
+    # writes HF through the bridge, resharded to one rank: the trained weights, bit for bit
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
+                           str(runs[layout] / "checkpoints"), "--output", str(out)],
+                          env=child_env(), cwd=str(REPO_ROOT), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trained = load_file(str(runs[layout] / "trained.safetensors"))
+    converted = load_file(str(out / "model.safetensors"))
+    assert sorted(converted) == sorted(trained)
+    for k in trained:
+        assert torch.equal(converted[k], trained[k]), k
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()

@@ -72,10 +72,10 @@ def data_ranks() -> list[int]:
     return out
 
 
-def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig):
+def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weights: bool = True):
     """The bridge's model provider for the HF model, with our parallel sizes and dtype."""
     dtype = DTYPES[model_cfg.dtype]
-    provider = bridge.to_megatron_provider(load_weights=True)
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
     provider.tensor_model_parallel_size = cfg.tensor_parallel_size
     provider.pipeline_model_parallel_size = cfg.pipeline_parallel_size
     provider.context_parallel_size = cfg.context_parallel_size

@@ -7,7 +7,9 @@ TP/PP sizes, then (rank 0 writes DIR/result.json)
 - runs one forward/backward on a fixed synthetic batch (the trainer's GRPO loss) and writes the
   gradients, under HF names, to DIR/grads.safetensors,
 - trains two steps on that batch and writes the exported weights to DIR/trained.safetensors,
-for the test to compare across TP/PP sizes.
+for the test to compare across TP/PP sizes,
+- saves a Megatron dist-checkpoint (DIR/checkpoints/step_2), trains one more step, loads the
+  checkpoint back and trains that step again (weights restored and the step repeated bitwise).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from relax_slurm.config.schema import AlgoConfig, ModelConfig, TrainerConfig
 from relax_slurm.trainer.batch import MicroBatch
+from relax_slurm.trainer.megatron import checkpoint
 from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel
 from relax_slurm.trainer.megatron.step import train_step
 
@@ -98,7 +101,25 @@ def main() -> None:
     steps = [train_step(mm, mine, AlgoConfig(), micro_batch_size=cfg.micro_batch_size,
                         temperature=1.0) for _ in range(2)]
     result["steps"] = steps
-    trained = {k: v.contiguous() for k, v in mm.named_hf_weights()}
+    trained = {k: v.clone() for k, v in mm.named_hf_weights()}
+
+    # Megatron dist-checkpoint: save, move on one step, load, and the same next step again
+    root = args.out / "checkpoints"
+    checkpoint.save(root, 2, mm, {"marker": 7}, keep_last=1, hf_assets_src=args.model_dir)
+    after = train_step(mm, mine, AlgoConfig(), micro_batch_size=cfg.micro_batch_size,
+                       temperature=1.0)
+    after_w = {k: v.clone() for k, v in mm.named_hf_weights()}
+    extra = checkpoint.load(root / "step_2", mm)
+    restored = {k: v.clone() for k, v in mm.named_hf_weights()}
+    again = train_step(mm, mine, AlgoConfig(), micro_batch_size=cfg.micro_batch_size,
+                       temperature=1.0)
+    again_w = dict(mm.named_hf_weights())
+    result["resume"] = {
+        "extra": extra,
+        "weights_restored": all(torch.equal(restored[k], trained[k]) for k in trained),
+        "next_step_equal": all(torch.equal(again_w[k], after_w[k]) for k in after_w),
+        "next_loss": [after["train/loss"], again["train/loss"]],
+    }
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         save_file(trained, str(args.out / "trained.safetensors"))
