@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from relax_slurm.config import TrainConfig
@@ -40,7 +41,14 @@ class MegatronBackend:
                           temperature=self.cfg.rollout.temperature, ref_model=self.ref_model)
 
     def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
-        return self.mm.named_hf_weights()
+        """Every rank drives the bridge's export (gathers across TP/PP/EP); only rank 0, the
+        sender, keeps the tensors: the others would each hold a host copy of the whole model."""
+        export = self.mm.named_hf_weights()
+        if dist.get_rank() == 0:
+            return export
+        for _ in export:
+            pass
+        return iter(())
 
     def save(self, root: Path, step: int, extra: dict[str, Any], *, keep_last: int,
              async_save: bool, hf_assets_src: str | None):
