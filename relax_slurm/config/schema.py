@@ -222,7 +222,8 @@ class RolloutConfig:
 @dataclass(kw_only=True)
 class TrainerConfig:
     backend: str = "torch"
-    """torch (transformers model, DDP/FSDP2, CPU or GPU) or megatron (GPU)."""
+    """torch (transformers model, DDP/FSDP2) or megatron (megatron-core through megatron-bridge,
+    TP/PP/EP; on CPU through trainer/megatron/cpu_compat.py). See docs/backends.md."""
     strategy: str = "ddp"
     """torch backend data parallelism: ddp or fsdp2."""
     nproc_per_node: int = 2
@@ -258,8 +259,30 @@ class TrainerConfig:
     """Write checkpoints in the background while training continues."""
     save_hf_every: int = 0
     """Export a Hugging Face directory every this many steps (0: never), for evaluation."""
+    tensor_parallel_size: int = 1
+    """megatron backend: ranks a layer's matrices are split over (divides the attention heads)."""
+    pipeline_parallel_size: int = 1
+    """megatron backend: pipeline stages the layers are split into (divides the layers)."""
+    context_parallel_size: int = 1
+    """megatron backend: ranks a sequence is split over (reserved: only 1 is implemented)."""
+    expert_parallel_size: int = 1
+    """megatron backend: ranks the MoE experts are spread over (divides the experts)."""
 
     def __post_init__(self) -> None:
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+                    "expert_parallel_size"):
+            _check(getattr(self, key) >= 1, f"trainer.{key}={getattr(self, key)}: must be >= 1")
+        parallel = (self.tensor_parallel_size, self.pipeline_parallel_size,
+                    self.context_parallel_size, self.expert_parallel_size)
+        _check(self.backend == "megatron" or parallel == (1, 1, 1, 1),
+               f"trainer.backend={self.backend}: tensor/pipeline/context/expert parallel sizes "
+               "need trainer=megatron (the torch backend is data parallel only); set them to 1")
+        _check(self.backend != "megatron" or not self.async_save,
+               "trainer.async_save=true: the megatron backend saves synchronously (Megatron "
+               "dist-checkpoint); set trainer.async_save=false")
+        _check(self.context_parallel_size == 1,
+               f"trainer.context_parallel_size={self.context_parallel_size}: context parallelism "
+               "is not implemented by the megatron backend yet; use 1")
         _check(self.save_every >= 0, f"trainer.save_every={self.save_every}: must be >= 0")
         _check(self.keep_last >= 1, f"trainer.keep_last={self.keep_last}: keep at least 1")
         _check(self.backend in ("torch", "megatron"),
@@ -628,3 +651,16 @@ class TrainConfig:
         _check(not self.rollout.release_memory_during_train or self.algo.max_staleness == 0,
                f"rollout.release_memory_during_train=true needs algo.max_staleness=0 (engines "
                f"are asleep while the trainer steps; got {self.algo.max_staleness})")
+        t = self.trainer
+        world = t.nproc_per_node * self.cluster.trainer_nodes
+        model_parallel = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
+        _check(world % model_parallel == 0,
+               f"{world} trainer ranks (trainer.nproc_per_node x cluster.trainer_nodes) do not "
+               f"split into trainer.tensor_parallel_size={t.tensor_parallel_size} x "
+               f"pipeline_parallel_size={t.pipeline_parallel_size} x context_parallel_size="
+               f"{t.context_parallel_size}: change trainer.nproc_per_node or the parallel sizes")
+        data_parallel = world // model_parallel
+        _check(data_parallel % t.expert_parallel_size == 0,
+               f"trainer.expert_parallel_size={t.expert_parallel_size} must divide the data-"
+               f"parallel size {data_parallel} (ranks / (TP x PP x CP)): change it or "
+               "trainer.nproc_per_node")

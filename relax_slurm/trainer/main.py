@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from relax_slurm.broker.client import BrokerClient
-from relax_slurm.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint, save_hf
+from relax_slurm.checkpoint import checkpoints_dir
 from relax_slurm.checkpoint.dcp import wait_pending
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
 from relax_slurm.launch.exit import exit_now
@@ -34,11 +34,8 @@ from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.rollout.engine_client import wait_until_healthy
 from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
 from relax_slurm.samples import Group
+from relax_slurm.trainer.backend import build_backend
 from relax_slurm.trainer.batch import MicroBatch, collate, prepare_items, scatter_batch
-from relax_slurm.trainer.model import (
-    build_optimizer, full_named_weights, load_hf_model, load_reference_model, wrap_parallel,
-)
-from relax_slurm.trainer.step import train_step
 from relax_slurm.weightsync import WeightSender
 
 log = logging.getLogger("relax_slurm.trainer")
@@ -47,12 +44,14 @@ POLL_S = 5.0  # one get_batch call parks at most this long, so a stuck run is no
 
 
 def check_batch_divides(cfg: TrainConfig, world: int) -> None:
+    """`world`: data-parallel ranks (all ranks for the torch backend; ranks / (TP x PP) for
+    megatron)."""
     n = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
     if n % world:
         raise ConfigError(
             f"rollout.batch_size x rollout.n_samples_per_prompt = {n} samples per step does not "
-            f"split evenly over {world} trainer ranks; change rollout.batch_size or "
-            "trainer.nproc_per_node"
+            f"split evenly over {world} data-parallel trainer ranks; change rollout.batch_size "
+            "or trainer.nproc_per_node"
         )
 
 
@@ -107,12 +106,13 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
 
 
 def distribute(groups: list[Group] | None, cfg: TrainConfig, pad_id: int,
-               device: torch.device) -> MicroBatch:
-    """Rank 0 prepares and collates the whole batch; every rank gets its block of rows."""
+               device: torch.device, data_ranks: list[int]) -> MicroBatch:
+    """Rank 0 prepares and collates the whole batch; every rank gets its data-parallel rank's
+    block of rows (`data_ranks[r]` for global rank r)."""
     whole = None
     if dist.get_rank() == 0:
         whole = collate(prepare_items(groups, cfg.algo), pad_id, torch.device("cpu"))
-    return scatter_batch(whole, device)
+    return scatter_batch(whole, device, data_ranks)
 
 
 def init_distributed(cfg: TrainConfig) -> torch.device:
@@ -228,17 +228,13 @@ def run(run_dir: Path) -> int:
     plan = load_plan(run_dir)
     device = init_distributed(cfg)
     rank = dist.get_rank()
-    check_batch_divides(cfg, dist.get_world_size())
     torch.manual_seed(cfg.trainer.seed)
-    raw = load_hf_model(cfg.model, device)
-    pad_id = raw.config.pad_token_id if raw.config.pad_token_id is not None else 0
-    model = wrap_parallel(raw, cfg.trainer, device)
-    optimizer, scheduler = build_optimizer(model, cfg.trainer)
-    # the KL loss's anchor: model.path as loaded, frozen (also on resume)
-    ref_model = load_reference_model(cfg.model, device) if cfg.algo.kl_loss_coef > 0 else None
+    backend = build_backend(cfg, device)  # trainer.backend: model, optimizer, checkpoints
+    data_world = len(set(backend.data_ranks))
+    check_batch_divides(cfg, data_world)
     start_step, extra = 0, {}
     if plan.resume_from:
-        extra = load_checkpoint(plan.resume_from, model, optimizer, scheduler)
+        extra = backend.load(plan.resume_from)
         start_step = extra["step"]
         log.info("resumed from %s at step %d", plan.resume_from, start_step)
     rollout_states: dict = extra.get("rollout", {})
@@ -249,7 +245,7 @@ def run(run_dir: Path) -> int:
     try:
         # engines started from model.path; give them the trainer's weights (a checkpoint's on
         # resume), then open admission: nothing is generated with other weights
-        weights = list(full_named_weights(model))
+        weights = list(backend.named_hf_weights())
         if rank == 0:
             zero.push_weights(weights, version=start_step)
             zero.broker.set_version(start_step)
@@ -263,16 +259,13 @@ def run(run_dir: Path) -> int:
                 rollout_states.update(rollout_state(groups))
             if rank == 0:
                 zero.engines_sleep()
-            batch = distribute(groups, cfg, pad_id, device)
+            batch = distribute(groups, cfg, backend.pad_id, device, backend.data_ranks)
             t0 = time.monotonic()
-            train = train_step(
-                model, optimizer, scheduler, batch, cfg.algo,
-                micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
-                temperature=cfg.rollout.temperature, ref_model=ref_model,
-            )
+            train = backend.train_step(batch)
             t1 = time.monotonic()
             done = step + 1
-            weights = list(full_named_weights(model))  # collective under FSDP2: every rank
+            # a collective under FSDP2 and megatron (gathered over TP/PP): every rank
+            weights = list(backend.named_hf_weights())
             if rank == 0:
                 zero.engines_wake()
             sync = zero.push_weights(weights, version=done) if rank == 0 else {}
@@ -284,14 +277,13 @@ def run(run_dir: Path) -> int:
                 # saved is exactly where the next batch starts
                 extra = {"rollout": rollout_states,
                          "broker": broker_counters(zero.broker, done) if rank == 0 else {}}
-                handle = save_checkpoint(
-                    ckpt_root, done, model, optimizer, scheduler, extra,
-                    keep_last=cfg.trainer.keep_last, async_save=cfg.trainer.async_save,
-                    hf_assets_src=cfg.model.path)
+                handle = backend.save(
+                    ckpt_root, done, extra, keep_last=cfg.trainer.keep_last,
+                    async_save=cfg.trainer.async_save, hf_assets_src=cfg.model.path)
                 if final:
                     handle.wait()
             if cfg.trainer.save_hf_every and done % cfg.trainer.save_hf_every == 0:
-                save_hf(model, cfg.model.path, run_dir / "hf" / f"step_{done}")
+                backend.save_hf(run_dir / "hf" / f"step_{done}")
             t3 = time.monotonic()
             # engines serve `done` and (sync runs) the worker waits for set_version: evaluate now
             evals = (zero.evaluator.after_step(done)
@@ -306,7 +298,7 @@ def run(run_dir: Path) -> int:
                     "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20,
                     "perf/checkpoint_s": t3 - t2,
                     "perf/step_time_s": t3 - last_end,
-                    "perf/samples_per_s": len(batch) * dist.get_world_size() / (t3 - last_end),
+                    "perf/samples_per_s": len(batch) * data_world / (t3 - last_end),
                     "policy/version": done,
                 })
                 zero.metrics.log(step, row)
@@ -322,6 +314,7 @@ def run(run_dir: Path) -> int:
     finally:
         if zero is not None:
             zero.close()
+        backend.close()
         dist.destroy_process_group()
 
 

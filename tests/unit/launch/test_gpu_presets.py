@@ -97,3 +97,15 @@ def test_shared_gpus_need_the_on_policy_schedule():
     with pytest.raises(ConfigError, match="release_memory_during_train.*max_staleness=0"):
         compose_config(["experiment=qwen3_4b_dapo", f"run_dir={RUN_DIR}",
                         "rollout.release_memory_during_train=true", "algo.max_staleness=1"])
+
+
+def test_presets_parallel_sizes():
+    """The text-only Qwen3 presets train with megatron-core; the VL one stays on FSDP2."""
+    def sizes(preset):
+        t = compose_config([f"experiment={preset}", f"run_dir={RUN_DIR}"]).trainer
+        return (t.backend, t.tensor_parallel_size, t.pipeline_parallel_size,
+                t.expert_parallel_size, t.nproc_per_node)
+
+    assert sizes("qwen3_4b_dapo") == ("megatron", 2, 1, 1, 4)  # DP=2 on GPUs 0-3
+    assert sizes("qwen3_30b_a3b_dapo") == ("megatron", 2, 1, 8, 8)  # 16 GPUs: DP=8, EP=8
+    assert sizes("qwen3_vl_4b_openr1") == ("torch", 1, 1, 1, 8)
