@@ -299,10 +299,33 @@ class DataConfig:
     seed: int = 0
     num_epochs: int = 1000
     """Passes over the data; the run also stops at trainer.total_steps."""
+    multimodal_keys: dict[str, str] = field(default_factory=dict)
+    """Media columns by kind, e.g. {image: images, audio: audios}; the prompt's <image> and
+    <audio> placeholders take the row's items in order (docs/multimodal.md)."""
+    image_min_pixels: Optional[int] = None
+    """Images smaller than this many pixels are upscaled; null: the image processor's own."""
+    image_max_pixels: Optional[int] = None
+    """Images larger than this many pixels are downscaled (bounds image tokens); null: own."""
+    audio_sampling_rate_hz: int = 16000
+    """Audio is resampled to this rate before the feature extractor (Whisper-style: 16 kHz)."""
+    media_num_workers: int = 4
+    """Threads of the rollout worker that decode and process media (PIL and numpy release the
+    GIL for most of it), so rollout is not bound by one core's decoding."""
 
     def __post_init__(self) -> None:
         _check(self.train_files == MISSING or len(self.train_files) > 0,
                "data.train_files is empty: set data.train_files=[path/to/train.jsonl]")
+        bad = set(self.multimodal_keys) - {"image", "video", "audio"}
+        _check(not bad, f"data.multimodal_keys has unknown kinds {sorted(bad)}: use image, "
+               "video or audio, e.g. data.multimodal_keys={image: images}")
+        _check(self.image_min_pixels is None or self.image_max_pixels is None
+               or 0 < self.image_min_pixels <= self.image_max_pixels,
+               f"data.image_min_pixels={self.image_min_pixels} must be > 0 and <= "
+               f"data.image_max_pixels={self.image_max_pixels}")
+        _check(self.audio_sampling_rate_hz > 0,
+               f"data.audio_sampling_rate_hz={self.audio_sampling_rate_hz}: must be > 0")
+        _check(self.media_num_workers >= 1,
+               f"data.media_num_workers={self.media_num_workers}: must be >= 1")
 
 
 @dataclass(kw_only=True)
