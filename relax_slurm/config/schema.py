@@ -258,6 +258,9 @@ class TrainerConfig:
     """Write checkpoints in the background while training continues."""
     save_hf_every: int = 0
     """Export a Hugging Face directory every this many steps (0: never), for evaluation."""
+    freeze_modules: list[str] = field(default_factory=list)
+    """Parameter name prefixes not trained (still synced to engines), e.g. [model.visual] for
+    a Qwen-VL vision tower or [model.audio_tower] for Qwen2-Audio's encoder."""
 
     def __post_init__(self) -> None:
         _check(self.save_every >= 0, f"trainer.save_every={self.save_every}: must be >= 0")

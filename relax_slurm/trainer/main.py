@@ -36,7 +36,8 @@ from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
 from relax_slurm.samples import Group
 from relax_slurm.trainer.batch import MicroBatch, collate, prepare_items, scatter_batch
 from relax_slurm.trainer.model import (
-    build_optimizer, full_named_weights, load_hf_model, load_reference_model, wrap_parallel,
+    build_optimizer, freeze_modules, full_named_weights, load_hf_model, load_reference_model,
+    pad_token_id, wrap_parallel,
 )
 from relax_slurm.trainer.step import train_step
 from relax_slurm.weightsync import WeightSender
@@ -231,7 +232,10 @@ def run(run_dir: Path) -> int:
     check_batch_divides(cfg, dist.get_world_size())
     torch.manual_seed(cfg.trainer.seed)
     raw = load_hf_model(cfg.model, device)
-    pad_id = raw.config.pad_token_id if raw.config.pad_token_id is not None else 0
+    if cfg.trainer.freeze_modules:
+        log.info("froze %d parameters under %s", freeze_modules(raw, cfg.trainer.freeze_modules),
+                 cfg.trainer.freeze_modules)
+    pad_id = pad_token_id(raw.config)
     model = wrap_parallel(raw, cfg.trainer, device)
     optimizer, scheduler = build_optimizer(model, cfg.trainer)
     # the KL loss's anchor: model.path as loaded, frozen (also on resume)
