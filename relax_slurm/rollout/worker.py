@@ -96,7 +96,7 @@ def shaped_rewards(cfg: TrainConfig, rewards: list[float], lengths: list[int]) -
 def grades_like_math(reward_name: str) -> bool:
     """Whether the reward uses math-verify, worth pre-loading in the pool (seconds of SymPy
     imports, which would otherwise count against the first call's timeout)."""
-    return any(k in reward_name for k in ("math", "dapo", "deepscaler"))
+    return any(k in reward_name for k in ("math", "dapo", "deepscaler", "openr1mm"))
 
 
 def check_same_tokenizer(tokenizer, teacher_path: str, model_path: str) -> None:
