@@ -23,8 +23,8 @@ import numpy as np
 
 from relax_slurm.config.schema import DataConfig
 from relax_slurm.data.chat import encode_batch, to_messages
-from relax_slurm.data.media import (MediaRef, check_counts, check_image, replace_placeholders,
-                                    row_media)
+from relax_slurm.data.media import (MediaRef, add_placeholders, check_counts, check_image,
+                                    replace_placeholders, row_media)
 from relax_slurm.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -233,6 +233,8 @@ def _row_media(messages: list[dict[str, str]], columns: dict[str, list[Any]], ro
     items = {kind: row_media(col[row], kind, path.parent,
                              f"{path}, row {row}, key {cfg.multimodal_keys[kind]!r}")
              for kind, col in columns.items()}
+    if cfg.add_missing_placeholders:
+        messages = add_placeholders(messages, items)
     check_counts("".join(m["content"] for m in messages), items,
                  f"{path}, row {row}, key {cfg.prompt_key!r}")
     for ref in items.get("image", ()):

@@ -119,6 +119,26 @@ def check_counts(text: str, media: Mapping[str, Sequence[MediaRef]], where: str)
                 f"order (or map data.multimodal_keys.{kind} to the right column)")
 
 
+def add_placeholders(messages: list[dict[str, str]], media: Mapping[str, Sequence[MediaRef]]
+                     ) -> list[dict[str, str]]:
+    """One placeholder per item at the start of the first user message, for each kind whose
+    placeholders the messages lack altogether (`data.add_missing_placeholders`).
+
+    >>> add_placeholders([{"role": "user", "content": "What colour?"}],
+    ...                  {"image": [MediaRef(kind="image", path="/a.png")]})[0]["content"]
+    '<image>What colour?'
+    """
+    counts = count_placeholders("".join(m["content"] for m in messages))
+    prefix = "".join(PLACEHOLDERS[k] * len(media.get(k, ())) for k in MODALITIES
+                     if counts[k] == 0)
+    if not prefix:
+        return messages
+    out = [dict(m) for m in messages]
+    first = next((m for m in out if m["role"] == "user"), out[0])
+    first["content"] = prefix + first["content"]
+    return out
+
+
 def replace_placeholders(text: str, tokens: Mapping[str, str]) -> str:
     """`<image>` etc. -> the model's own markers (`<|vision_start|><|image_pad|><|vision_end|>`),
     one pad token per item; the processor expands each pad to the item's token count."""

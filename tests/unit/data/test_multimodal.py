@@ -155,3 +155,13 @@ def test_from_engine_forms(tmp_path: Path) -> None:
     assert from_engine("image", f"data:image/png;base64,{b64}", "r").data == b"abc"
     with pytest.raises(DataError, match="neither an existing file nor base64"):
         from_engine("image", "/no/such/file.png", "r")
+
+
+def test_add_missing_placeholders(tiny_mm_assets: Path) -> None:
+    rows = [{"prompt": [{"role": "system", "content": "Think."},
+                        {"role": "user", "content": "Which colour?"}],
+             "label": "0", "images": "colors/red_0.png"}]  # one item, not a list
+    with pytest.raises(DataError, match="0 <image> placeholder"):
+        vl_dataset(tiny_mm_assets, rows)
+    p = vl_dataset(tiny_mm_assets, rows, add_missing_placeholders=True)[0]
+    assert p.text == "Think.<|vision_start|><|image_pad|><|vision_end|>Which colour?"
