@@ -43,8 +43,9 @@ def answer_matches(predicted: str, gold: Any) -> bool:
 def openr1mm_reward(inp: RewardInput) -> float:
     r"""1.0 iff the response's `<answer>` equals the label (math-verify, then exact match).
 
-    >>> openr1mm_reward(RewardInput(prompt="", response="<think>..</think><answer>\\frac{1}{2}</answer>",
-    ...                             label="<answer> 0.5 </answer>"))
+    >>> openr1mm_reward(RewardInput(
+    ...     prompt="", response="<think>..</think><answer>\\frac{1}{2}</answer>",
+    ...     label="<answer> 0.5 </answer>"))
     1.0
     >>> openr1mm_reward(RewardInput(prompt="", response="<answer>Cat.</answer>", label="cat"))
     1.0

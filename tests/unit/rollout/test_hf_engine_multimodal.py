@@ -105,3 +105,21 @@ def test_bad_media_requests(served, tiny_mm_assets: Path) -> None:
     with pytest.raises(EngineError, match="neither an existing file nor base64"):
         client.generate([ds[0].input_ids], {"max_new_tokens": 1},
                         media=[{key: ["/no/such/file"]}])
+
+
+def test_evaluator_sends_the_media(served, tiny_mm_assets: Path) -> None:
+    from relax_slurm.config.schema import EvalConfig, TrainConfig
+    from relax_slurm.rollout.evaluate import Evaluator
+
+    kind, model, client = served
+    task, key, col = ("colors", "image", "images") if kind == "vl" else ("tones", "audio", "audios")
+    path = str(tiny_mm_assets / f"{task}_test.jsonl")
+    cfg = TrainConfig(model=ModelConfig(path=str(model)),
+                      data=DataConfig(train_files=[path], multimodal_keys={key: col}),
+                      eval=EvalConfig(every=1, datasets=[path], n_samples=2, max_prompts=3))
+    ev = Evaluator(cfg, [client.url])
+    try:
+        out = ev.run()
+    finally:
+        ev.close()
+    assert 0.0 <= out[f"eval/{task}_test/mean@2"] <= 1.0
