@@ -215,6 +215,10 @@ def media_markers(tokenizer: Any, cfg: DataConfig) -> dict[str, str]:
     tokenizer has no tokens for a kind."""
     from relax_slurm.data.processor import model_markers
 
+    if "video" in cfg.multimodal_keys:
+        raise ConfigError("data.multimodal_keys.video: videos are not supported yet (decoding "
+                          "and frame sampling need torchvision's video processor). Fix: pass "
+                          "sampled frames as images, or drop the key")
     found = model_markers(tokenizer.get_vocab())
     missing = [k for k in cfg.multimodal_keys if k not in found]
     if missing:
