@@ -445,6 +445,7 @@ class HFEngine:
         self._pending: deque[_Row] = deque()
         self._cond = threading.Condition()
         self._paused = False
+        self.partial_weights = False
         self.released: set[str] = set()
         """Memory regions let go by /release_memory_occupation (colocated placement); CPU
         frees nothing, but generation is refused until resumed, as SGLang cannot generate
@@ -701,8 +702,14 @@ class HFEngine:
         if not self._model_lock.acquire(timeout=self.sync_timeout_s):
             raise WeightSyncError(f"generation held the model for more than {self.sync_timeout_s}s")
         try:
-            received = self.receiver.receive(names, dtypes, shapes, group_name, self.device)
+            # received in place into the parameters: a failure midway leaves a mix of two
+            # versions, so the engine refuses /generate until a later update completes
+            self.partial_weights = True
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            received = self.receiver.receive(names, dtypes, shapes, group_name, self.device,
+                                             into=params)
             load_named_tensors(self.model, received)
+            self.partial_weights = False
             if weight_version is not None:
                 self.weight_version = str(weight_version)
         finally:
@@ -773,6 +780,10 @@ def build_app(engine: HFEngine, request_timeout_s: float) -> FastAPI:
         if engine.released:
             raise BadRequest(f"memory {sorted(engine.released)} is released: call "
                              "/resume_memory_occupation before /generate")
+        if engine.partial_weights:
+            raise WeightSyncError("the last weight update failed midway and left a mix of two "
+                                  "versions: generation resumes after the next complete "
+                                  "/update_weights_from_distributed")
         prompts, specs, flags, starts, is_batch = parse_generate_request(
             body, engine.tokenizer, engine.vocab_size)
         media = parse_media(body, len(prompts), is_batch)
