@@ -267,6 +267,9 @@ class TrainerConfig:
     """megatron backend: ranks a sequence is split over (reserved: only 1 is implemented)."""
     expert_parallel_size: int = 1
     """megatron backend: ranks the MoE experts are spread over (divides the experts)."""
+    freeze_modules: list[str] = field(default_factory=list)
+    """Parameter name prefixes not trained (still synced to engines), e.g. [model.visual] for
+    a Qwen-VL vision tower or [model.audio_tower] for Qwen2-Audio's encoder."""
 
     def __post_init__(self) -> None:
         for key in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
@@ -322,10 +325,36 @@ class DataConfig:
     seed: int = 0
     num_epochs: int = 1000
     """Passes over the data; the run also stops at trainer.total_steps."""
+    multimodal_keys: dict[str, str] = field(default_factory=dict)
+    """Media columns by kind, e.g. {image: images, audio: audios}; the prompt's <image> and
+    <audio> placeholders take the row's items in order (docs/multimodal.md)."""
+    add_missing_placeholders: bool = False
+    """A row whose prompt has no <image>/<audio> placeholder for its items gets one per item at
+    the start of its first user message (datasets that keep the image beside the text)."""
+    image_min_pixels: Optional[int] = None
+    """Images smaller than this many pixels are upscaled; null: the image processor's own."""
+    image_max_pixels: Optional[int] = None
+    """Images larger than this many pixels are downscaled (bounds image tokens); null: own."""
+    audio_sampling_rate_hz: int = 16000
+    """Audio is resampled to this rate before the feature extractor (Whisper-style: 16 kHz)."""
+    media_num_workers: int = 4
+    """Threads of the rollout worker that decode and process media (PIL and numpy release the
+    GIL for most of it), so rollout is not bound by one core's decoding."""
 
     def __post_init__(self) -> None:
         _check(self.train_files == MISSING or len(self.train_files) > 0,
                "data.train_files is empty: set data.train_files=[path/to/train.jsonl]")
+        bad = set(self.multimodal_keys) - {"image", "video", "audio"}
+        _check(not bad, f"data.multimodal_keys has unknown kinds {sorted(bad)}: use image, "
+               "video or audio, e.g. data.multimodal_keys={image: images}")
+        _check(self.image_min_pixels is None or self.image_max_pixels is None
+               or 0 < self.image_min_pixels <= self.image_max_pixels,
+               f"data.image_min_pixels={self.image_min_pixels} must be > 0 and <= "
+               f"data.image_max_pixels={self.image_max_pixels}")
+        _check(self.audio_sampling_rate_hz > 0,
+               f"data.audio_sampling_rate_hz={self.audio_sampling_rate_hz}: must be > 0")
+        _check(self.media_num_workers >= 1,
+               f"data.media_num_workers={self.media_num_workers}: must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -664,3 +693,8 @@ class TrainConfig:
                f"trainer.expert_parallel_size={t.expert_parallel_size} must divide the data-"
                f"parallel size {data_parallel} (ranks / (TP x PP x CP)): change it or "
                "trainer.nproc_per_node")
+        # the megatron backend builds GPT-style decoders through the bridge: no media towers
+        _check(t.backend != "megatron" or not (self.data.multimodal_keys or t.freeze_modules),
+               "trainer=megatron trains text decoders only: data.multimodal_keys and "
+               "trainer.freeze_modules need trainer=torch (FSDP2/DDP over the transformers "
+               "multimodal model)")

@@ -63,8 +63,21 @@ def _hf_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed
               "--max-batch-size", str(cfg.rollout.engine_max_batch_size),
               "--batch-wait-ms", str(cfg.rollout.engine_batch_wait_ms),
               "--torch-threads", str(cfg.rollout.torch_threads),
-              "--seed", str(seed), "--weight-version", "0"],
+              "--seed", str(seed), "--weight-version", "0", *_media_flags(cfg)],
     )
+
+
+def _media_flags(cfg: TrainConfig) -> list[str]:
+    """The data's media limits, so the engine processes media as the rollout worker does."""
+    d = cfg.data
+    if not d.multimodal_keys:
+        return []
+    flags = ["--audio-sampling-rate-hz", str(d.audio_sampling_rate_hz)]
+    for flag, value in (("--image-min-pixels", d.image_min_pixels),
+                        ("--image-max-pixels", d.image_max_pixels)):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
 
 
 def base_gpu_id(cfg: TrainConfig, slot: int) -> int:

@@ -38,6 +38,11 @@ SGLANG_REQUESTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
                                          "abort_message"})),
     "ReleaseMemoryOccupationReqInput": (frozenset(), frozenset({"tags"})),
     "ResumeMemoryOccupationReqInput": (frozenset(), frozenset({"tags"})),
+    # the fields of /generate we send: media as one list of items (file name, URL, base64) per
+    # input of a batch (SGLang's MultimodalDataInputFormat)
+    "GenerateReqInput": (frozenset(), frozenset({
+        "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
+        "image_data", "video_data", "audio_data"})),
 }
 
 # route -> request class (routes without a body: /health, /health_generate, /flush_cache,
@@ -50,6 +55,7 @@ ROUTE_REQUEST = {
     "/abort_request": "AbortReq",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/generate": "GenerateReqInput",
 }
 
 PAUSE_MODES = ("abort", "retract", "in_place")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import logging
@@ -34,6 +35,7 @@ import numpy as np
 from relax_slurm.broker.client import AsyncBrokerClient
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
+from relax_slurm.data.processor import MediaLimits, MediaProcessor, Processed
 from relax_slurm.envs import env_factory
 from relax_slurm.errors import BrokerShutdown, ConfigError
 from relax_slurm.launch.exit import exit_now
@@ -94,7 +96,7 @@ def shaped_rewards(cfg: TrainConfig, rewards: list[float], lengths: list[int]) -
 def grades_like_math(reward_name: str) -> bool:
     """Whether the reward uses math-verify, worth pre-loading in the pool (seconds of SymPy
     imports, which would otherwise count against the first call's timeout)."""
-    return any(k in reward_name for k in ("math", "dapo", "deepscaler"))
+    return any(k in reward_name for k in ("math", "dapo", "deepscaler", "openr1mm"))
 
 
 def check_same_tokenizer(tokenizer, teacher_path: str, model_path: str) -> None:
@@ -146,6 +148,7 @@ class RolloutWorker:
             check_same_tokenizer(self.tokenizer, cfg.algo.teacher_model_path, cfg.model.path)
             self.teacher = AsyncEngineClient(plan.teacher_url, cfg.rollout.request_timeout_s)
         self.params = sampling_params(cfg)
+        self.media, self.media_pool = self._media_processing(cfg)
         self.make_env = None  # multi-turn rollouts: one environment per episode
         if cfg.env.name:
             if self.teacher is not None:
@@ -161,6 +164,32 @@ class RolloutWorker:
         self.stop = asyncio.Event()
         self.failed: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
+
+    def _media_processing(self, cfg: TrainConfig
+                          ) -> tuple[MediaProcessor | None, concurrent.futures.Executor | None]:
+        """Multimodal data: the model's processors and the threads that run them."""
+        d = cfg.data
+        if not d.multimodal_keys:
+            return None, None
+        for option, value in (("algo.teacher_model_path", cfg.algo.teacher_model_path),
+                              ("env.name", cfg.env.name)):
+            if value:
+                raise ConfigError(f"data.multimodal_keys with {option}={value} is not supported "
+                                  f"yet: unset one of them")
+        limits = MediaLimits(image_min_pixels=d.image_min_pixels,
+                             image_max_pixels=d.image_max_pixels,
+                             audio_sampling_rate_hz=d.audio_sampling_rate_hz)
+        return (MediaProcessor(cfg.model.path, self.tokenizer.get_vocab(), limits),
+                concurrent.futures.ThreadPoolExecutor(d.media_num_workers,
+                                                      thread_name_prefix="media"))
+
+    async def processed(self, prompt: Prompt) -> Processed:
+        """The prompt's ids with media pads expanded and its media tensors (text: as is)."""
+        if self.media is None or not any(prompt.media.values()):
+            return Processed(input_ids=list(prompt.input_ids))
+        return await asyncio.get_running_loop().run_in_executor(
+            self.media_pool, self.media.process, prompt.input_ids, prompt.media,
+            f"prompt {prompt.prompt_id}")
 
     async def score(self, prompt: Prompt, results: list[GenerateResult]
                     ) -> tuple[list[float], int]:
@@ -192,8 +221,11 @@ class RolloutWorker:
         if self.make_env is not None:
             await self.rollout_episodes(prompt, gid, data_state, params, t_start)
             return
+        processed = await self.processed(prompt)
+        media = ([{k: [r.to_engine() for r in refs] for k, refs in prompt.media.items()}] * n
+                 if processed.tensors else None)
         async with self.router.pick() as engine:
-            results = await engine.generate([prompt.input_ids] * n, params)
+            results = await engine.generate([processed.input_ids] * n, params, media=media)
         t_end = time.time()
         (rewards, errors), teacher = await asyncio.gather(
             self.score(prompt, results), self.teacher_logprobs(prompt, results))
@@ -206,9 +238,10 @@ class RolloutWorker:
             version = int(res.weight_version) if res.weight_version is not None else 0
             group.append(Sample(
                 prompt_id=prompt.prompt_id, group_id=gid,
-                prompt_ids=prompt.input_ids, response_ids=res.output_ids,
+                prompt_ids=processed.input_ids, response_ids=res.output_ids,
                 loss_mask=[1.0] * len(res.output_ids), rollout_logprobs=res.logprobs,
                 teacher_logprobs=teacher_lp,
+                mm_inputs=processed.tensors,  # one dict: the group's samples share its arrays
                 reward=float(reward), version=version, version_min=version,
                 finish_reason=res.finish_reason,
                 metadata={"t_start": t_start, "t_end": t_end, "worker": self.worker_rank,
@@ -322,6 +355,8 @@ class RolloutWorker:
             await engine.aclose()
         self.reward_pool.close()
         self.broker.close()
+        if self.media_pool is not None:
+            self.media_pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def _amain(run_dir: Path) -> None:

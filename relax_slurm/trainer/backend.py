@@ -14,6 +14,7 @@ megatron-core (TP/PP/EP) built through megatron-bridge, with Megatron dist-check
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,18 +25,24 @@ from torch import Tensor
 from relax_slurm.config import TrainConfig
 from relax_slurm.trainer.batch import MicroBatch
 
+log = logging.getLogger("relax_slurm.trainer")
+
 
 class TorchBackend:
     """transformers model, DDP or FSDP2 over all ranks (every rank is a data-parallel rank)."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         from relax_slurm.trainer.model import (
-            build_optimizer, load_hf_model, load_reference_model, wrap_parallel,
+            build_optimizer, freeze_modules, load_hf_model, load_reference_model, pad_token_id,
+            wrap_parallel,
         )
 
         self.cfg = cfg
         raw = load_hf_model(cfg.model, device)
-        self.pad_id = raw.config.pad_token_id if raw.config.pad_token_id is not None else 0
+        if cfg.trainer.freeze_modules:
+            log.info("froze %d parameters under %s",
+                     freeze_modules(raw, cfg.trainer.freeze_modules), cfg.trainer.freeze_modules)
+        self.pad_id = pad_token_id(raw.config)
         self.model = wrap_parallel(raw, cfg.trainer, device)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.trainer)
         # the KL loss's anchor: model.path as loaded, frozen (also on resume)

@@ -27,7 +27,7 @@ _LOG_NAMES = {"clipped_tokens": "clipfrac", "tis_masked_tokens": "tis_masked_fra
 
 def scaled_logits(model: nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
     """Logits predicting each next token, divided by the engine's temperature, [B, T-1, V]."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+    logits = model(**mb.forward_kwargs()).logits
     return logits[:, :-1].float() / temperature
 
 

@@ -21,7 +21,8 @@ from relax_slurm.launch.submit import compose_config
 from tests.unit.launch.test_sbatch import check_golden
 
 RUN_DIR, WORKDIR = Path("/scratch/runs/demo"), Path("/home/me/project")
-PRESETS = ["qwen3_4b_dapo", "qwen3_30b_a3b_dapo", "qwen3_vl_4b_openr1"]
+PRESETS = ["qwen3_4b_dapo", "qwen3_30b_a3b_dapo", "qwen3_vl_4b_openr1",
+           "qwen3_omni_30b_a3b_avqa"]
 
 
 def dry_run(preset: str, *overrides: str) -> str:
@@ -109,3 +110,13 @@ def test_presets_parallel_sizes():
     assert sizes("qwen3_4b_dapo") == ("megatron", 2, 1, 1, 4)  # DP=2 on GPUs 0-3
     assert sizes("qwen3_30b_a3b_dapo") == ("megatron", 2, 1, 8, 8)  # 16 GPUs: DP=8, EP=8
     assert sizes("qwen3_vl_4b_openr1") == ("torch", 1, 1, 1, 8)
+
+
+def test_multimodal_presets_compose_with_their_media():
+    vl = compose_config(["experiment=qwen3_vl_4b_openr1", f"run_dir={RUN_DIR}"])
+    assert dict(vl.data.multimodal_keys) == {"image": "image"} and vl.reward.name == "openr1mm"
+    omni = compose_config(["experiment=qwen3_omni_30b_a3b_avqa", f"run_dir={RUN_DIR}"])
+    assert dict(omni.data.multimodal_keys) == {"audio": "audios"}
+    assert omni.reward.name == "multiple_choice"
+    lines = sruns(dry_run("qwen3_omni_30b_a3b_avqa"))
+    assert flag(lines["engine0"], "--ep-size") == "8" and flag(lines["engine0"], "--tp-size") == "8"
