@@ -113,3 +113,21 @@ def test_a_first_observation_without_the_chat_template_is_appended(tok):
     obs = [{"role": "user", "content": "5"}]
     out = renderer.first_observation_ids(ids(tok, "3+4="), obs)
     assert out == ids(tok, "3+4=") + renderer.observation_ids(obs)
+
+
+def test_proxy_mode_config_and_plan():
+    from relax_slurm.config.schema import EnvConfig, RolloutConfig, TrainConfig
+    from relax_slurm.errors import ConfigError
+    from relax_slurm.launch.local import local_plan
+    from relax_slurm.launch.roles import worker_spec
+
+    with pytest.raises(ConfigError, match="unset env.name"):
+        TrainConfig(run_dir="x", rollout=RolloutConfig(agent_mode="proxy"),
+                    env=EnvConfig(name="tool"))
+    with pytest.raises(ConfigError, match="rollout.agent_mode='agent'"):
+        RolloutConfig(agent_mode="agent")
+    cfg = TrainConfig(run_dir="x", rollout=RolloutConfig(agent_mode="proxy", proxy_port=8123))
+    plan = local_plan(cfg)
+    assert plan.proxy_url == "http://127.0.0.1:8123"
+    assert worker_spec(cfg, plan, Path("x"), "127.0.0.1").ports == {"proxy": 8123}
+    assert local_plan(TrainConfig(run_dir="x")).proxy_url is None
