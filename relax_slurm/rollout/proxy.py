@@ -371,6 +371,7 @@ class AgentProxy:
                                   "stopped): retry the request", "server_busy")
         ep.add(between, model=False)
         ep.add_turn(res)
+        ep.end = "done"  # a refused request before this one no longer ends the session
         content = res.text if req.stop else self.w._decode(res.output_ids)
         ep.last_turn_text = content
         s.episode = ep
