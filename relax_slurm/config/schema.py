@@ -194,8 +194,26 @@ class RolloutConfig:
     release_memory_during_train: bool = False
     """Colocated placement: engines release GPU memory (/release_memory_occupation) while the
     trainer steps and resume it for rollout; sglang engines then start --enable-memory-saver."""
+    agent_mode: str = "env"
+    """env: the worker draws prompts from data.* and runs them (single-turn, or episodes of
+    env.name); proxy: it serves an OpenAI-compatible /v1/chat/completions for external agent
+    programs and trains on their sessions (docs/agentic.md)."""
+    proxy_port: int = 0
+    """agent_mode=proxy: the proxy's TCP port on the rollout node (0: a free one, written to
+    RUN_DIR/plan.json and roles.json)."""
+    proxy_session_timeout_s: float = 600.0
+    """agent_mode=proxy: a group whose sessions see no request for this long is dropped (its
+    admission credit goes back), so a crashed agent cannot stall the run."""
+    proxy_admission_timeout_s: float = 300.0
+    """agent_mode=proxy: how long the first request of a new group waits for an admission
+    credit (the staleness bound) before it is answered 503."""
 
     def __post_init__(self) -> None:
+        _check(self.agent_mode in ("env", "proxy"),
+               f"rollout.agent_mode={self.agent_mode!r}: use env or proxy")
+        _check(0 <= self.proxy_port < 65536, f"rollout.proxy_port={self.proxy_port}: 0..65535")
+        _check(self.proxy_session_timeout_s > 0 and self.proxy_admission_timeout_s > 0,
+               "rollout.proxy_session_timeout_s and rollout.proxy_admission_timeout_s must be > 0")
         _check(self.engine_tp_size >= 1, f"rollout.engine_tp_size={self.engine_tp_size}: >= 1")
         _check(self.engine_ep_size >= 1 and self.engine_tp_size % self.engine_ep_size == 0,
                f"rollout.engine_ep_size={self.engine_ep_size}: must divide "
@@ -677,6 +695,11 @@ class TrainConfig:
                "lower algo.overlong_buffer_tokens (about a fifth of max_new_tokens) or set it to 0")
         # shared GPUs: engines hold no memory while the trainer steps, so nothing may generate
         # then; only the on-policy schedule (rollout, then train) guarantees that
+        _check(self.rollout.agent_mode == "env" or not (self.env.name
+                                                         or self.algo.teacher_model_path),
+               "rollout.agent_mode=proxy: external agents play the environment's part and "
+               "on-policy distillation is not supported there; unset env.name (env=none) and "
+               "algo.teacher_model_path, or use rollout.agent_mode=env")
         _check(not self.rollout.release_memory_during_train or self.algo.max_staleness == 0,
                f"rollout.release_memory_during_train=true needs algo.max_staleness=0 (engines "
                f"are asleep while the trainer steps; got {self.algo.max_staleness})")

@@ -69,6 +69,8 @@ def local_plan(cfg: TrainConfig) -> RunPlan:
         engine_urls=[f"http://{LOCALHOST}:{free_port()}" for _ in range(cfg.rollout.num_engines)],
         teacher_url=(f"http://{LOCALHOST}:{free_port()}" if cfg.algo.teacher_model_path
                      else None),
+        proxy_url=(f"http://{LOCALHOST}:{cfg.rollout.proxy_port or free_port()}"
+                   if cfg.rollout.agent_mode == "proxy" else None),
         weight_sync_host=LOCALHOST,
         weight_sync_port=free_port(),
         trainer_master_port=free_port(),

@@ -152,6 +152,7 @@ def teacher_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
 def worker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, host: str) -> RoleSpec:
     return RoleSpec(
         name="rollout", het_group=ROLLOUT_GROUP, host=host, cpus=cfg.cluster.rollout_cpus,
+        ports={"proxy": _hostport(plan.proxy_url)[1]} if plan.proxy_url else {},
         # the package's __main__, not rollout.worker: see relax_slurm/rollout/__main__.py
         argv=[sys.executable, "-m", "relax_slurm.rollout", "--run-dir", str(run_dir)],
     )

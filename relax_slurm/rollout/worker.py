@@ -1,5 +1,9 @@
 """Rollout worker: prompts -> engines -> rewards (+ teacher) -> groups -> broker.
 
+With rollout.agent_mode=proxy it serves the OpenAI-compatible proxy instead (rollout/proxy.py):
+external agent programs drive the conversations and give the rewards; the groups go to the
+broker the same way.
+
 `python -m relax_slurm.rollout --run-dir DIR` (see rollout/__main__.py). One asyncio loop drives
 many prompt groups at once: it asks the broker for admission credits (which is what bounds
 staleness), starts one task per admitted prompt, and each task samples `n_samples_per_prompt`
@@ -29,6 +33,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import numpy as np
 
@@ -47,7 +52,10 @@ from relax_slurm.rollout.coalesce import CoalescingEngine
 from relax_slurm.rollout.engine_client import (
     AsyncEngineClient, GenerateResult, wait_until_healthy,
 )
-from relax_slurm.rollout.multiturn import Episode, ObservationRenderer, TurnLimits, run_episode
+from relax_slurm.rollout.multiturn import (
+    Episode, ObservationRenderer, TurnLimits, episode_sample, run_episode,
+)
+from relax_slurm.rollout.proxy_server import serve_proxy
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.samples import Group, Sample
 
@@ -123,9 +131,15 @@ class RolloutWorker:
         plan = load_plan(run_dir)
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.dataset = PromptDataset(cfg.data, self.tokenizer)
+        self.proxy_url = plan.proxy_url  # rollout.agent_mode=proxy: external agents drive
+        if (cfg.rollout.agent_mode == "proxy") != bool(self.proxy_url):
+            raise ConfigError(f"rollout.agent_mode={cfg.rollout.agent_mode} but the run plan "
+                              f"has proxy_url={self.proxy_url}: start the run with relax-train")
+        # the proxy's sessions come from external agents, not from the dataset
+        self.dataset = (PromptDataset(cfg.data, self.tokenizer) if cfg.rollout.agent_mode == "env"
+                        else None)
         data_state, first_group_id = resume_state(plan.resume_from, worker_rank)
-        if data_state is not None:
+        if data_state is not None and self.dataset is not None:
             self.dataset.load_state_dict(data_state)
             log.info("resumed data position %s, next group id %d", data_state, first_group_id)
         self.reward = build_reward(cfg.reward)  # a bad reward config fails here, at start
@@ -155,6 +169,7 @@ class RolloutWorker:
                 raise ConfigError("env.name (multi-turn rollouts) with algo.teacher_model_path "
                                   "(on-policy distillation) is not supported yet: unset one")
             self.make_env = env_factory(cfg.env.name, cfg.env.kwargs)  # a bad env fails now
+        if cfg.env.name or cfg.rollout.agent_mode == "proxy":
             self.renderer = ObservationRenderer(self.tokenizer, cfg.data.apply_chat_template)
             self.limits = TurnLimits(cfg.env.max_turns, cfg.env.max_total_tokens,
                                      cfg.rollout.max_new_tokens)
@@ -273,25 +288,23 @@ class RolloutWorker:
                             self.limits, p, self._decode) for p in params))
         t_end = time.time()
         rewards, errors = await self.episode_rewards(prompt, episodes)
+        await self.put_episodes(prompt.prompt_id, gid, episodes, rewards, errors,
+                                {"t_start": t_start, "t_end": t_end, "data_state": data_state})
+
+    async def put_episodes(self, prompt_id: str, gid: int, episodes: list[Episode],
+                           rewards: list[float], errors: int, metadata: dict) -> bool:
+        """Episodes scored `rewards` -> one group on the broker (after the overlong penalty and
+        dynamic sampling, which may drop it: False). Shared by the env-driven episodes and the
+        proxy's sessions."""
         rewards = shaped_rewards(self.cfg, rewards, [len(e.response_ids) for e in episodes])
         counts = await self.counts_or_filter(rewards, errors)
         if counts is None:
-            return
-        group: Group = []
-        for ep, reward in zip(episodes, rewards):
-            group.append(Sample(
-                prompt_id=prompt.prompt_id, group_id=gid, prompt_ids=prompt.input_ids,
-                response_ids=ep.response_ids, loss_mask=ep.loss_mask,
-                rollout_logprobs=ep.logprobs, reward=float(reward),
-                version=max(ep.versions), version_min=min(ep.versions),
-                # a truncated episode counts as cut by length in rollout/truncated_frac
-                finish_reason="length" if ep.truncated else ep.finish_reason,
-                multimodal={"observation_images": ep.images} if ep.images else {},
-                metadata={"t_start": t_start, "t_end": t_end, "worker": self.worker_rank,
-                          "data_state": data_state, "turns": ep.turns, "episode_end": ep.end,
-                          **counts},
-            ))
-        await self.broker.put_group(group)
+            return False
+        meta = {**metadata, "worker": self.worker_rank, **counts}
+        await self.broker.put_group([episode_sample(ep, prompt_id=prompt_id, group_id=gid,
+                                                    reward=r, metadata=meta)
+                                     for ep, r in zip(episodes, rewards)])
+        return True
 
     async def episode_rewards(self, prompt: Prompt, episodes: list[Episode]
                               ) -> tuple[list[float], int]:
@@ -368,7 +381,12 @@ async def _amain(run_dir: Path) -> None:
         loop.add_signal_handler(sig, worker.stop.set)
     try:
         await worker.wait_for_engines()
-        await worker.run()
+        if worker.proxy_url:  # rollout.agent_mode=proxy: external agents drive the sessions
+            url = urlparse(worker.proxy_url)
+            host = "0.0.0.0" if cfg.cluster.kind == "slurm" else (url.hostname or "127.0.0.1")
+            await serve_proxy(worker, host, int(url.port or 0))
+        else:
+            await worker.run()
     except BrokerShutdown as e:  # the run is ending: not an error worth a traceback
         log.info("stopping: %s", e)
     finally:

@@ -1,0 +1,133 @@
+"""An external agent trained through the proxy (rollout.agent_mode=proxy), over plain OpenAI HTTP.
+
+    python tools/arith_agent.py --proxy http://127.0.0.1:PORT --data tiny/arith_train.jsonl
+
+It plays the tiny "a+b=" game of `env=arith_feedback` from outside the run: for every row of the
+data it opens a group of --n sessions (rollout.n_samples_per_prompt), each one a conversation
+with the policy through `{proxy}/s/{group}/{session}/v1/chat/completions`; a wrong answer gets
+"+" (higher), "-" (lower) or "*" (not a number) back and another try; the session ends with
+reward discount ** (try - 1) for a right answer (0 otherwise) posted to
+`{proxy}/s/{group}/{session}/reward`. It stops when the run ends (the proxy goes away) or after
+--max-groups groups. --record FILE appends one JSON line per session (what it sent and got).
+
+Any OpenAI client works the same way: `OpenAI(base_url=f"{proxy}/s/{group}/{session}/v1")`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+RETRY_S = 0.5
+
+
+class RunEnded(Exception):
+    """The proxy is gone: the run finished (or failed); the agent stops."""
+
+
+def post(client: httpx.Client, url: str, body: dict, timeout_s: float) -> dict:
+    """POST, retrying while the proxy answers 503 (no admission credit yet: the trainer is
+    behind); RunEnded when the proxy does not answer any more."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r = client.post(url, json=body)
+        except httpx.TransportError as e:
+            raise RunEnded(str(e)) from e
+        if r.status_code != 503:
+            break
+        if time.monotonic() > deadline:
+            raise RunEnded(f"{url}: still 503 after {timeout_s}s: {r.text}")
+        time.sleep(RETRY_S)
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text}")
+    return r.json()
+
+
+def feedback(answer: str, label: str) -> str:
+    try:
+        value = int(answer)
+    except ValueError:
+        return "*"
+    return "+" if value < int(label) else "-"
+
+
+def play(client: httpx.Client, base: str, prompt: str, label: str, max_tries: int,
+         discount: float, timeout_s: float) -> dict:
+    """One session: up to max_tries answers with feedback, then the reward."""
+    messages = [{"role": "user", "content": prompt}]
+    replies, observations, reward = [], [], 0.0
+    for attempt in range(max_tries):
+        body = post(client, f"{base}/v1/chat/completions",
+                    {"model": "policy", "messages": messages, "max_tokens": 3}, timeout_s)
+        reply = body["choices"][0]["message"]["content"]
+        replies.append(reply)
+        if reply.strip() == label:
+            reward = discount ** attempt
+            break
+        if attempt + 1 < max_tries:
+            observations.append(feedback(reply.strip(), label))
+            messages += [{"role": "assistant", "content": reply},
+                         {"role": "user", "content": observations[-1]}]
+    post(client, f"{base}/reward", {"reward": reward}, timeout_s)
+    return {"prompt": prompt, "replies": replies, "observations": observations,
+            "reward": reward}
+
+
+def wait_ready(proxy: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{proxy}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(RETRY_S)
+    raise RunEnded(f"{proxy}/health did not answer within {timeout_s}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--proxy", required=True, help="the run's proxy_url (RUN_DIR/plan.json)")
+    p.add_argument("--data", required=True, type=Path, help="jsonl rows {prompt, label}")
+    p.add_argument("--n", type=int, default=4, help="sessions per group "
+                   "(the run's rollout.n_samples_per_prompt)")
+    p.add_argument("--max-tries", type=int, default=2)
+    p.add_argument("--discount", type=float, default=0.5)
+    p.add_argument("--max-groups", type=int, default=0, help="0: until the run ends")
+    p.add_argument("--timeout-s", type=float, default=300.0,
+                   help="per request, retries of 503 included; also the wait for /health")
+    p.add_argument("--record", type=Path, help="append one JSON line per session here")
+    args = p.parse_args(argv)
+    proxy = args.proxy.rstrip("/")
+    rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
+    try:
+        wait_ready(proxy, args.timeout_s)
+        with httpx.Client(timeout=args.timeout_s) as client, \
+                ThreadPoolExecutor(args.n) as pool:
+            for k in itertools.count():
+                if args.max_groups and k >= args.max_groups:
+                    break
+                row = rows[k % len(rows)]
+                group = f"g{k}"  # a group name is used once
+                sessions = list(pool.map(lambda i: play(
+                    client, f"{proxy}/s/{group}/{i}", row["prompt"], str(row["label"]),
+                    args.max_tries, args.discount, args.timeout_s), range(args.n)))
+                if args.record:
+                    with args.record.open("a") as f:
+                        for i, s in enumerate(sessions):
+                            f.write(json.dumps({"group": group, "session": str(i), **s}) + "\n")
+    except RunEnded as e:
+        print(f"arith_agent: the run ended ({e})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
