@@ -2,6 +2,8 @@
 
 Serves until a `shutdown` request or SIGTERM/SIGINT, then exits 0. Addresses may use a `*`
 port (`tcp://127.0.0.1:*`); the bound endpoints are printed on the first line of stdout.
+The run's secret comes from the environment (RELAX_RUN_SECRET, set by relax-train); without it
+the broker does not start.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import signal
 import sys
 from types import FrameType
 
+from relax_slurm.auth import SECRET_ENV, run_secret
 from relax_slurm.broker.server import BrokerServer
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.config import load_config
-from relax_slurm.errors import RelaxError
+from relax_slurm.errors import ConfigError, RelaxError
 
 
 def _log(line: str) -> None:
@@ -25,8 +28,8 @@ def _log(line: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m relax_slurm.broker", description=__doc__)
     parser.add_argument("--config", required=True, help="the run's config.yaml")
-    parser.add_argument("--router", required=True, help="request socket, e.g. tcp://0.0.0.0:5555")
-    parser.add_argument("--pub", required=True, help="broadcast socket, e.g. tcp://0.0.0.0:5556")
+    parser.add_argument("--router", required=True, help="request socket, e.g. tcp://node1:5555")
+    parser.add_argument("--pub", required=True, help="broadcast socket, e.g. tcp://node1:5556")
     parser.add_argument("--restore", default=None,
                         help="a checkpoint's meta.json: resume its version and counters")
     args = parser.parse_args(argv)
@@ -38,7 +41,13 @@ def main(argv: list[str] | None = None) -> int:
             counters = json.loads(open(args.restore).read())["extra_state"]["broker"]
             state.restore(counters)
             _log(f"broker: restored from {args.restore}: {counters}")
-        server = BrokerServer(state, args.router, args.pub, log=_log)
+        secret = run_secret()
+        if secret is None:
+            raise ConfigError(f"{SECRET_ENV} is not set: the broker serves authenticated "
+                              "clients only. relax-train sets it; by hand, export it (e.g. "
+                              "`export RELAX_RUN_SECRET=$(cat RUN_DIR/secret)`)")
+        server = BrokerServer(state, args.router, args.pub, secret=secret,
+                              max_message_bytes=cfg.broker.max_message_mb << 20, log=_log)
     except RelaxError as e:
         print(f"broker: {e}", file=sys.stderr, flush=True)
         return 2

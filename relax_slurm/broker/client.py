@@ -4,6 +4,8 @@ Every request carries a request id `rid` that the broker echoes. The sync client
 discard a late reply to an earlier request that timed out; the async client uses it to route
 replies to the awaiting task, so many tasks can share one socket.
 Every receive is bounded: a parked op (`acquire`, `get_batch`) gets `wait_s + timeout_s`.
+Every request carries the run's secret (`auth` field): by default the one relax-train gave this
+process (`relax_slurm.auth.run_secret`); tools outside the run pass `read_secret(RUN_DIR)`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from relax_slurm.auth import run_secret
 from relax_slurm.broker.wire import decode, encode
 from relax_slurm.errors import BrokerError, BrokerShutdown, BrokerTimeout
 from relax_slurm.samples import Group
@@ -66,18 +69,24 @@ def _batch(fields: dict[str, Any], groups: list[Group] | None) -> Batch | None:
 class BrokerClient:
     """Blocking client; one request at a time."""
 
-    def __init__(self, addr: str, timeout_s: float, identity: str | None = None) -> None:
+    def __init__(self, addr: str, timeout_s: float, identity: str | None = None,
+                 secret: str | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
+        self._auth = secret or run_secret()
         self._sock = _dealer(zmq.Context.instance(), addr, identity, timeout_s)
         self._rids = itertools.count()
+
+    def _frames(self, op: str, fields: dict[str, Any], rid: int, groups: list[Group] | None
+                ) -> list[Any]:
+        return encode(op, {**fields, "rid": rid, "auth": self._auth}, groups)
 
     def _call(self, op: str, fields: dict[str, Any], groups: list[Group] | None = None,
               wait_s: float = 0.0) -> tuple[dict[str, Any], list[Group] | None]:
         rid = next(self._rids)
         budget = wait_s + self.timeout_s
         try:
-            self._sock.send_multipart(encode(op, {**fields, "rid": rid}, groups), copy=False)
+            self._sock.send_multipart(self._frames(op, fields, rid, groups), copy=False)
         except zmq.Again as e:
             raise _timeout(op, self.addr, self.timeout_s) from e
         end = time.monotonic() + budget
@@ -138,9 +147,11 @@ class AsyncBrokerClient:
     Create and use it inside one running event loop.
     """
 
-    def __init__(self, addr: str, timeout_s: float, identity: str | None = None) -> None:
+    def __init__(self, addr: str, timeout_s: float, identity: str | None = None,
+                 secret: str | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
+        self._auth = secret or run_secret()
         self._sock = _dealer(zmq.asyncio.Context.instance(), addr, identity, timeout_s)
         self._rids = itertools.count()
         self._pending: dict[int, asyncio.Future[tuple[str, dict[str, Any], Any]]] = {}
@@ -162,6 +173,8 @@ class AsyncBrokerClient:
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
+    _frames = BrokerClient._frames
+
     async def _send(self, frames: list[Any]) -> None:
         async with self._send_lock:
             await self._sock.send_multipart(frames, copy=False)
@@ -177,7 +190,7 @@ class AsyncBrokerClient:
         self._pending[rid] = fut
         budget = wait_s + self.timeout_s
         try:
-            await asyncio.wait_for(self._send(encode(op, {**fields, "rid": rid}, groups)),
+            await asyncio.wait_for(self._send(self._frames(op, fields, rid, groups)),
                                    self.timeout_s)
             reply = await asyncio.wait_for(fut, budget)
         except (asyncio.TimeoutError, zmq.Again) as e:

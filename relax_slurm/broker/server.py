@@ -4,6 +4,12 @@ One thread, one poll loop. Requests that cannot be answered yet (`acquire` with 
 `get_batch` with too few groups) are parked with a deadline and answered as soon as a later
 request changes the state, or at the deadline. The poll timeout is the time to the nearest
 deadline, capped so a stop request (signal) is seen quickly.
+
+Every request must carry the run's secret in its `auth` field (see relax_slurm/auth.py); one
+without it or with a wrong one gets an `error` reply and is counted (`auth_refused`), and
+nothing else happens. Inbound messages larger than `max_message_bytes` are dropped by ZMQ
+(it disconnects that peer) before they reach the loop; anything else malformed gets an
+`error` reply. No request can stop the loop except an authenticated `shutdown`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from relax_slurm.auth import secret_matches
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.broker.wire import decode, encode
 from relax_slurm.errors import BrokerError
@@ -26,6 +33,7 @@ from relax_slurm.samples import Group
 _MAX_POLL_S = 0.2
 # long enough for the shutdown reply and broadcast to leave, short enough not to hang an exit
 _CLOSE_LINGER_MS = 500
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
 
 @dataclass
@@ -52,12 +60,21 @@ def publish_frames(topic: str, fields: dict[str, Any]) -> list[bytes]:
 
 
 class BrokerServer:
-    def __init__(self, state: BrokerState, router_addr: str, pub_addr: str,
+    def __init__(self, state: BrokerState, router_addr: str, pub_addr: str, *, secret: str,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  log: Callable[[str], None] = lambda line: None) -> None:
+        if not secret:
+            raise BrokerError("the broker needs the run's secret (RELAX_RUN_SECRET); relax-train "
+                              "sets it for every role")
         self.state = state
         self.log = log
+        self._secret = secret
+        self.auth_refused = 0
         self._ctx = zmq.Context()
         self.router = self._ctx.socket(zmq.ROUTER)
+        # a peer sending more than this in one message is disconnected by ZMQ: a bogus length
+        # can never make the broker allocate without bound
+        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.pub = self._ctx.socket(zmq.PUB)
         try:
             self.router.bind(router_addr)
@@ -116,6 +133,11 @@ class BrokerServer:
         try:
             op, fields, groups = decode(frames[1:])
             rid = fields.get("rid")
+            if not secret_matches(self._secret, fields.pop("auth", None)):
+                self.auth_refused += 1
+                raise BrokerError("unauthenticated request: missing or wrong run secret (clients "
+                                  "of a run read it from RELAX_RUN_SECRET, set by relax-train; "
+                                  "tools read RUN_DIR/secret)")
             handler = self._handlers.get(op)
             if handler is None:
                 raise BrokerError(f"unknown op {op!r}; expected one of {sorted(self._handlers)}")
@@ -147,6 +169,7 @@ class BrokerServer:
                 break
             self._batches.pop(0)
             groups, stats = result
+            stats["auth_refused"] = self.auth_refused
             self._reply(p.identity, p.rid, {"stats": stats, "wait_s": now - p.start}, groups)
         while self._acquires:
             p = self._acquires[0]
@@ -202,6 +225,7 @@ class BrokerServer:
             result = self.state.take_batch(args["num_groups"], args["version"])
         if result is not None:
             groups, stats = result
+            stats["auth_refused"] = self.auth_refused
             self._reply(identity, rid, {"stats": stats, "wait_s": 0.0}, groups)
         elif wait_s == 0:
             self._reply(identity, rid, {"timeout": True, "wait_s": 0.0})
@@ -237,6 +261,7 @@ class BrokerServer:
             "batch_size": self.state.batch_size,
             "parked_acquires": len(self._acquires),
             "parked_get_batch": len(self._batches),
+            "auth_refused": self.auth_refused,
             "heartbeat_age_s": {role: now - t for role, t in self._heartbeats.items()},
         })
 

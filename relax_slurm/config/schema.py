@@ -185,10 +185,10 @@ class RolloutConfig:
     """sglang: expert parallel size inside an engine (--ep-size, MoE models; divides tp)."""
     engine_mem_fraction: float = 0.8
     """sglang: --mem-fraction-static, the GPU memory share for weights and KV cache."""
-    engine_api_key: bool = False
-    """sglang: servers require the key in the environment variable RELAX_ENGINE_API_KEY
-    (--api-key; the key itself is never written to the config or a command line); every
-    client sends it whenever that variable is set."""
+    engine_api_key: bool = True
+    """sglang: servers require a key (--api-key): RELAX_ENGINE_API_KEY from the launcher's
+    environment, else the run's secret (never in the config or a command line); every client
+    sends it. hf engines require the same key whenever that variable is set."""
     engine_extra_args: list[str] = field(default_factory=list)
     """sglang: more `python -m sglang.launch_server` flags, passed as they are."""
     release_memory_during_train: bool = False
@@ -379,6 +379,11 @@ class BrokerConfig:
     """Timeout of one request/reply with the broker."""
     host: str = "127.0.0.1"
     """Interface the broker binds (local runs); on Slurm the node's address."""
+    max_message_mb: int = 1024
+    """Largest request the broker accepts, in MB; a peer sending more is disconnected."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_message_mb >= 1, f"broker.max_message_mb={self.max_message_mb}: >= 1")
 
 
 @dataclass(kw_only=True)

@@ -40,11 +40,12 @@ def _hostport(url: str) -> tuple[str, int]:
 def broker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path) -> RoleSpec:
     host, router = _hostport(plan.broker_router)
     _, pub = _hostport(plan.broker_pub)
-    bind = "0.0.0.0" if cfg.cluster.kind == "slurm" else host
+    # the address the plan gives every client (127.0.0.1 locally, the node's name on Slurm),
+    # never all interfaces: the broker is reachable where the run needs it and nowhere else
     return RoleSpec(
         name="broker", het_group=TRAINER_GROUP, host=host, ports={"router": router, "pub": pub},
         argv=[sys.executable, "-m", "relax_slurm.broker", "--config", str(run_dir / "config.yaml"),
-              "--router", f"tcp://{bind}:{router}", "--pub", f"tcp://{bind}:{pub}",
+              "--router", f"tcp://{host}:{router}", "--pub", f"tcp://{host}:{pub}",
               *(["--restore", str(Path(plan.resume_from) / "meta.json")] if plan.resume_from
                 else [])],
     )

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from relax_slurm.auth import SECRET_ENV, ensure_secret
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineDown, Preempted, RoleFailed
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
@@ -23,13 +24,18 @@ from relax_slurm.metrics.notify import Notifier
 from relax_slurm.metrics.progress import Progress
 from relax_slurm.metrics.summary import summarize, write_summary
 from relax_slurm.rollout.engine_client import wait_until_healthy
+from relax_slurm.rollout.sglang_api import API_KEY_ENV
 
 POLL_S = 0.5
 Wrap = Callable[[RoleSpec], list[str]]
 
 
-def child_env(cfg: TrainConfig) -> dict[str, str]:
+def child_env(cfg: TrainConfig, secret: str) -> dict[str, str]:
+    """The roles' environment: the launcher's, plus the run's secret (the broker's auth token
+    and, unless the user set RELAX_ENGINE_API_KEY, the engines' API key too)."""
     env = dict(os.environ)
+    env[SECRET_ENV] = secret
+    env.setdefault(API_KEY_ENV, secret)
     env.update({
         "PYTHONUNBUFFERED": "1",
         "TOKENIZERS_PARALLELISM": "false",
@@ -123,7 +129,7 @@ def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap
     t0 = time.monotonic() if started is None else started
     check_installed(cfg)  # a missing tensorboard/wandb fails now, not after engines load
     notifier = Notifier(cfg.notify, run_dir.name)
-    procs = ProcessSet(run_dir / "logs", child_env(cfg))
+    procs = ProcessSet(run_dir / "logs", child_env(cfg, ensure_secret(run_dir)))
     try:
         try:
             trainer = start(procs, specs, cfg, wrap)

@@ -99,6 +99,7 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
         "broker/staleness_mean": stats.get("staleness_mean", 0.0),
         "broker/queue_depth": stats.get("queue_depth", 0),
         "broker/dropped_stale": stats.get("dropped_stale", 0),
+        "broker/auth_refused": stats.get("auth_refused", 0),
         "broker/dropped_stale_samples": stats.get("dropped_stale", 0) * len(groups[0]),
         "perf/gen_time_s": (max(ends) - min(starts)) if starts and ends else 0.0,
         "train/samples": n,
