@@ -45,6 +45,11 @@ class RoleFailed(RelaxError):
     """A child process of the run died or hung; the message names the role and its log."""
 
 
+class RoleHung(RoleFailed):
+    """A role stopped heartbeating (or an engine stopped answering /health, or the broker its
+    /status) for cluster.heartbeat_timeout_s: alive, maybe, but making no progress."""
+
+
 class Preempted(RelaxError):
     """The run checkpointed and stopped on request (Slurm's preemption or time-limit signal);
     it resumes from that checkpoint when started again with the same run directory."""

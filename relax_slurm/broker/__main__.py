@@ -25,11 +25,20 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
+def _hostport(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--admin {text!r}: expected HOST:PORT")
+    return host, int(port)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m relax_slurm.broker", description=__doc__)
     parser.add_argument("--config", required=True, help="the run's config.yaml")
     parser.add_argument("--router", required=True, help="request socket, e.g. tcp://node1:5555")
     parser.add_argument("--pub", required=True, help="broadcast socket, e.g. tcp://node1:5556")
+    parser.add_argument("--admin", default=None, metavar="HOST:PORT",
+                        help="admin HTTP (GET /status), e.g. node1:8080; port 0 lets the OS pick")
     parser.add_argument("--restore", default=None,
                         help="a checkpoint's meta.json: resume its version and counters")
     args = parser.parse_args(argv)
@@ -47,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                               "clients only. relax-train sets it; by hand, export it (e.g. "
                               "`export RELAX_RUN_SECRET=$(cat RUN_DIR/secret)`)")
         server = BrokerServer(state, args.router, args.pub, secret=secret,
+                              admin=_hostport(args.admin) if args.admin else None,
                               max_message_bytes=cfg.broker.max_message_mb << 20, log=_log)
     except RelaxError as e:
         print(f"broker: {e}", file=sys.stderr, flush=True)
@@ -58,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    _log(f"broker: listening router={server.router_endpoint} pub={server.pub_endpoint} "
+    admin = f" admin={server.admin.url}" if server.admin else ""
+    _log(f"broker: listening router={server.router_endpoint} pub={server.pub_endpoint}{admin} "
          f"max_staleness={state.max_staleness} batch_size={state.batch_size}")
     server.serve()
     _log("broker: stopped")

@@ -119,8 +119,9 @@ class BrokerClient:
     def set_version(self, version: int) -> None:
         self._call("set_version", {"version": version})
 
-    def heartbeat(self, role: str) -> None:
-        self._call("heartbeat", {"role": role})
+    def heartbeat(self, role: str, **info: Any) -> None:
+        """`role` is alive and making progress; `info` (msgpack-able) shows in /status."""
+        self._call("heartbeat", {"role": role, "info": info})
 
     def stats(self) -> dict[str, Any]:
         fields, _ = self._call("stats", {})
@@ -219,8 +220,8 @@ class AsyncBrokerClient:
     async def set_version(self, version: int) -> None:
         await self._call("set_version", {"version": version})
 
-    async def heartbeat(self, role: str) -> None:
-        await self._call("heartbeat", {"role": role})
+    async def heartbeat(self, role: str, **info: Any) -> None:
+        await self._call("heartbeat", {"role": role, "info": info})
 
     async def stats(self) -> dict[str, Any]:
         fields, _ = await self._call("stats", {})

@@ -14,7 +14,9 @@ nothing else happens. Inbound messages larger than `max_message_bytes` are dropp
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -25,6 +27,7 @@ import msgpack
 import zmq
 
 from relax_slurm.auth import secret_matches
+from relax_slurm.broker.admin import AdminServer
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.broker.wire import decode, encode
 from relax_slurm.errors import BrokerError
@@ -34,6 +37,7 @@ _MAX_POLL_S = 0.2
 # long enough for the shutdown reply and broadcast to leave, short enough not to hang an exit
 _CLOSE_LINGER_MS = 500
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+_MAX_ROLES = 4096  # distinct heartbeat names kept (a bound on what a buggy client can add)
 
 
 @dataclass
@@ -61,6 +65,7 @@ def publish_frames(topic: str, fields: dict[str, Any]) -> list[bytes]:
 
 class BrokerServer:
     def __init__(self, state: BrokerState, router_addr: str, pub_addr: str, *, secret: str,
+                 admin: tuple[str, int] | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  log: Callable[[str], None] = lambda line: None) -> None:
         if not secret:
@@ -87,7 +92,18 @@ class BrokerServer:
         self.pub_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._acquires: list[_Parked] = []
         self._batches: list[_Parked] = []
-        self._heartbeats: dict[str, float] = {}
+        self._heartbeats: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._started = time.monotonic()
+        # held by the loop while it handles a request, and by the admin thread's status()
+        self._lock = threading.Lock()
+        self.admin: AdminServer | None = None
+        if admin is not None:
+            try:
+                self.admin = AdminServer(*admin, secret=secret, status=self.status,
+                                         on_refused=self._count_refused)
+            except BrokerError:
+                self.close()
+                raise
         self._stopping = False
         self._handlers: dict[str, Callable[[bytes, Any, dict[str, Any], list[Group] | None],
                                            None]] = {
@@ -104,19 +120,27 @@ class BrokerServer:
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        if self.admin is not None:
+            self.admin.start()
         try:
             while not self._stopping:
                 if poller.poll(self._poll_timeout_ms()):
                     # drain everything queued before expiring deadlines: a put that arrived in
                     # time should still satisfy a get_batch whose deadline is now
                     while not self._stopping and self.router.poll(0):
-                        self._handle(self.router.recv_multipart(copy=False))
-                self._expire(time.monotonic())
+                        frames = self.router.recv_multipart(copy=False)
+                        with self._lock:
+                            self._handle(frames)
+                with self._lock:
+                    self._expire(time.monotonic())
         finally:
             self._refuse_parked("broker is shutting down")
             self.close()
 
     def close(self) -> None:
+        if self.admin is not None:
+            self.admin.close()
+            self.admin = None
         for sock in (self.router, self.pub):
             if not sock.closed:
                 sock.close(linger=_CLOSE_LINGER_MS)
@@ -248,10 +272,36 @@ class BrokerServer:
 
     def _heartbeat(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
         role = fields.get("role")
-        if not isinstance(role, str) or not role:
+        if not isinstance(role, str) or not role or len(role) > 128:
             raise BrokerError(f"heartbeat needs a non-empty role string, got {role!r}")
-        self._heartbeats[role] = time.monotonic()
+        info = fields.get("info") or {}
+        if not isinstance(info, dict) or len(info) > 32:
+            raise BrokerError("heartbeat info must be a map of at most 32 entries")
+        if role not in self._heartbeats and len(self._heartbeats) >= _MAX_ROLES:
+            raise BrokerError(f"more than {_MAX_ROLES} roles heartbeat; refusing {role!r}")
+        self._heartbeats[role] = (time.monotonic(), info)
         self._reply(identity, rid, {})
+
+    def _count_refused(self) -> None:
+        with self._lock:
+            self.auth_refused += 1
+
+    def status(self) -> dict[str, Any]:
+        """The run as the broker sees it (admin GET /status): one consistent snapshot."""
+        with self._lock:
+            now = time.monotonic()
+            c = self.state.counters()
+            return {
+                "version": c["version"], "queue_depth": c["queue_depth"],
+                "in_flight": c["in_flight"], "counters": c,
+                "max_staleness": self.state.max_staleness, "batch_size": self.state.batch_size,
+                "admission_open": self.state.open,
+                "parked_acquires": len(self._acquires), "parked_get_batch": len(self._batches),
+                "auth_refused": self.auth_refused, "uptime_s": now - self._started,
+                "pid": os.getpid(),
+                "roles": {role: {"heartbeat_age_s": now - t, **info}
+                          for role, (t, info) in sorted(self._heartbeats.items())},
+            }
 
     def _stats(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
         now = time.monotonic()
@@ -262,7 +312,7 @@ class BrokerServer:
             "parked_acquires": len(self._acquires),
             "parked_get_batch": len(self._batches),
             "auth_refused": self.auth_refused,
-            "heartbeat_age_s": {role: now - t for role, t in self._heartbeats.items()},
+            "heartbeat_age_s": {role: now - t for role, (t, _) in self._heartbeats.items()},
         })
 
     def _shutdown(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:

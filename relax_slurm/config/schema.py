@@ -399,6 +399,13 @@ class ClusterConfig:
     max_global_restarts: int = 0
     """Local runs: when a role dies or hangs, stop every role and start the run again from its
     latest checkpoint (trainer.save_every sets how much is redone), at most this many times."""
+    heartbeat_interval_s: float = 10.0
+    """Trainer and rollout worker heartbeat to the broker this often, from their main loops; the
+    launcher probes the broker's /status and the engines' /health as often."""
+    heartbeat_timeout_s: float = 600.0
+    """A role whose last heartbeat (or an engine whose last good /health, or a broker whose last
+    /status) is older than this is hung: the run fails naming it, or restarts
+    (cluster.max_global_restarts). Cover the longest step; 0 turns hang detection off."""
 
     # ---- slurm: the allocation ------------------------------------------------------------
     layout: str = "hetjob"
@@ -494,6 +501,11 @@ class ClusterConfig:
                "cluster.container_image (pyxis) and cluster.container_prefix (apptainer) are "
                "alternatives: set one of them")
         _check(self.wait_poll_s > 0, f"cluster.wait_poll_s={self.wait_poll_s}: must be > 0")
+        _check(self.heartbeat_interval_s > 0 and (
+                   self.heartbeat_timeout_s == 0
+                   or self.heartbeat_timeout_s >= 2 * self.heartbeat_interval_s),
+               f"cluster.heartbeat_timeout_s={self.heartbeat_timeout_s}: must be 0 (off) or at "
+               f"least twice cluster.heartbeat_interval_s={self.heartbeat_interval_s} (> 0)")
 
 
 @dataclass(kw_only=True)

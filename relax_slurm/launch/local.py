@@ -66,6 +66,7 @@ def local_plan(cfg: TrainConfig) -> RunPlan:
     return RunPlan(
         broker_router=f"tcp://{host}:{free_port(host)}",
         broker_pub=f"tcp://{host}:{free_port(host)}",
+        broker_admin=f"http://{host}:{free_port(host)}",
         engine_urls=[f"http://{LOCALHOST}:{free_port()}" for _ in range(cfg.rollout.num_engines)],
         teacher_url=(f"http://{LOCALHOST}:{free_port()}" if cfg.algo.teacher_model_path
                      else None),

@@ -42,10 +42,15 @@ def broker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path) -> RoleSpec:
     _, pub = _hostport(plan.broker_pub)
     # the address the plan gives every client (127.0.0.1 locally, the node's name on Slurm),
     # never all interfaces: the broker is reachable where the run needs it and nowhere else
+    ports = {"router": router, "pub": pub}
+    admin: list[str] = []
+    if plan.broker_admin:
+        ports["admin"] = _hostport(plan.broker_admin)[1]
+        admin = ["--admin", f"{host}:{ports['admin']}"]
     return RoleSpec(
-        name="broker", het_group=TRAINER_GROUP, host=host, ports={"router": router, "pub": pub},
+        name="broker", het_group=TRAINER_GROUP, host=host, ports=ports,
         argv=[sys.executable, "-m", "relax_slurm.broker", "--config", str(run_dir / "config.yaml"),
-              "--router", f"tcp://{host}:{router}", "--pub", f"tcp://{host}:{pub}",
+              "--router", f"tcp://{host}:{router}", "--pub", f"tcp://{host}:{pub}", *admin,
               *(["--restore", str(Path(plan.resume_from) / "meta.json")] if plan.resume_from
                 else [])],
     )

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from relax_slurm.broker.client import AsyncBrokerClient
+from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.envs import env_factory
@@ -157,6 +158,7 @@ class RolloutWorker:
                                      cfg.rollout.max_new_tokens)
         # group ids unique across workers without coordination
         self.worker_rank = worker_rank
+        self.role = "rollout" if worker_rank == 0 else f"rollout{worker_rank}"
         self.group_ids = itertools.count(first_group_id, num_workers)
         self.stop = asyncio.Event()
         self.failed: BaseException | None = None
@@ -292,10 +294,14 @@ class RolloutWorker:
     async def run(self) -> None:
         limit = self.cfg.rollout.max_inflight_groups
         await self.reward_pool.start()  # a reward worker that cannot start fails the run now
+        beat = Pacer(self.cfg.cluster.heartbeat_interval_s)
         while not self.stop.is_set():
+            if beat.due():  # from this loop, not a thread: a beat means the loop turns
+                await self.broker.heartbeat(self.role, groups_in_flight=len(self.tasks))
             room = limit - len(self.tasks)
             if room <= 0:
-                await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(self.tasks, timeout=beat.interval_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
                 continue
             granted = await self.broker.acquire(room, wait_s=ACQUIRE_WAIT_S)
             for i in range(granted):

@@ -14,12 +14,14 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from relax_slurm.broker.client import BrokerClient
+from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint, save_hf
 from relax_slurm.checkpoint.dcp import wait_pending
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
@@ -56,10 +58,14 @@ def check_batch_divides(cfg: TrainConfig, world: int) -> None:
         )
 
 
-def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int) -> tuple[list[Group], dict]:
+def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int,
+                 beat: Callable[[], None] = lambda: None) -> tuple[list[Group], dict]:
+    """The next batch, polling every POLL_S (each turn also heartbeats: waiting is progress)."""
     deadline = time.monotonic() + cfg.trainer.get_batch_timeout_s
     while time.monotonic() < deadline:
-        wait = min(POLL_S, max(deadline - time.monotonic(), 0.1))
+        beat()
+        wait = min(POLL_S, cfg.cluster.heartbeat_interval_s,
+                   max(deadline - time.monotonic(), 0.1))
         got = broker.get_batch(cfg.rollout.batch_size, version, wait_s=wait)
         if got is not None:
             return got
@@ -159,6 +165,12 @@ class RankZero:
                                        background=cfg.algo.max_staleness > 0)
                           if cfg.eval.every else None)
         self.verify = cfg.weight_sync.verify
+        self.pacer = Pacer(cfg.cluster.heartbeat_interval_s)
+
+    def heartbeat(self, step: int) -> None:
+        """From the step loop (see broker/heartbeat.py): the trainer's loop turns."""
+        if self.pacer.due():
+            self.broker.heartbeat("trainer", step=step)
         self.num_engines = len(plan.engine_urls)
         self.release_memory = cfg.rollout.release_memory_during_train
 
@@ -257,7 +269,8 @@ def run(run_dir: Path) -> int:
         last_end = time.monotonic()
         for step in range(start_step, cfg.trainer.total_steps):
             tf = time.monotonic()
-            groups, stats = fetch_groups(zero.broker, cfg, step) if rank == 0 else (None, None)
+            groups, stats = (fetch_groups(zero.broker, cfg, step, lambda: zero.heartbeat(step))
+                             if rank == 0 else (None, None))
             td = time.monotonic()
             if rank == 0:
                 groups.sort(key=lambda g: g[0].group_id)  # arrival order is timing; this is not

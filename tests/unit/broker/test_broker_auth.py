@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import msgpack
 import pytest
 import zmq
@@ -138,3 +139,28 @@ def test_fuzzed_frames_never_crash_the_broker(start_broker: Callable[..., Broker
         sock.close()
     assert broker.proc.poll() is None
     assert "Traceback" not in broker.log.read_text(), broker.log.read_text()
+
+
+def test_admin_status_needs_the_secret_and_shows_the_run(
+        start_broker: Callable[..., Broker]) -> None:
+    broker = start_broker(max_staleness=1, batch_size=2, admin=True)
+    assert broker.admin and broker.admin.startswith("http://127.0.0.1:")
+    ok = {"Authorization": f"Bearer {SECRET}"}
+    with httpx.Client(base_url=broker.admin, timeout=TIMEOUT_S) as http:
+        assert http.get("/status").status_code == 401
+        assert http.get("/status", headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert http.get("/nope", headers=ok).status_code == 404
+        assert http.post("/status", headers=ok).status_code == 405
+        with broker.client("trainer") as trainer, broker.client("worker") as worker:
+            trainer.set_version(3)
+            worker.heartbeat("rollout0", groups_in_flight=2)
+            trainer.heartbeat("trainer", step=3)
+            assert worker.acquire(1) == 1
+            worker.put_group(group(1, version=3))
+            status = http.get("/status", headers=ok).json()
+    assert status["version"] == 3 and status["queue_depth"] == 1 and status["in_flight"] == 0
+    assert status["counters"]["accepted"] == 1 and status["auth_refused"] == 2
+    assert status["roles"]["rollout0"]["groups_in_flight"] == 2
+    assert status["roles"]["trainer"]["step"] == 3
+    assert 0 <= status["roles"]["trainer"]["heartbeat_age_s"] < 5
+    assert status["pid"] == broker.proc.pid

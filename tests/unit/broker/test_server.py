@@ -40,6 +40,8 @@ class Broker:
     router: str
     pub: str
     log: Path
+    admin: str | None = None
+    """http://HOST:PORT of the admin HTTP, when started with it."""
 
     def client(self, identity: str | None = None, timeout_s: float = TIMEOUT_S) -> BrokerClient:
         return BrokerClient(self.router, timeout_s, identity)
@@ -63,7 +65,8 @@ def start_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     started: list[subprocess.Popen[bytes]] = []
     monkeypatch.setenv(SECRET_ENV, SECRET)
 
-    def start(max_staleness: int = 0, batch_size: int = 1, max_message_mb: int = 1024) -> Broker:
+    def start(max_staleness: int = 0, batch_size: int = 1, max_message_mb: int = 1024,
+              admin: bool = False) -> Broker:
         cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path="x"),
                           data=DataConfig(train_files=["x"]),
                           algo=AlgoConfig(max_staleness=max_staleness),
@@ -77,14 +80,15 @@ def start_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
             proc = subprocess.Popen(
                 [sys.executable, "-m", "relax_slurm.broker", "--config",
                  str(tmp_path / "config.yaml"), "--router", "tcp://127.0.0.1:*",
-                 "--pub", "tcp://127.0.0.1:*"], cwd=REPO, env=env, stdout=out,
+                 "--pub", "tcp://127.0.0.1:*", *(["--admin", "127.0.0.1:0"] if admin else [])],
+                cwd=REPO, env=env, stdout=out,
                 stderr=subprocess.STDOUT)
         started.append(proc)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            m = re.search(r"router=(\S+) pub=(\S+)", log.read_text())
+            m = re.search(r"router=(\S+) pub=(\S+)(?: admin=(\S+))?", log.read_text())
             if m:
-                return Broker(proc, m[1], m[2], log)
+                return Broker(proc, m[1], m[2], log, m[3])
             if proc.poll() is not None:
                 break
             time.sleep(0.05)

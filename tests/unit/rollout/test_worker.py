@@ -77,6 +77,7 @@ class FakeBroker:
         self.worker, self.stop_after = worker, stop_after
         self.groups: list = []
         self.released = 0
+        self.heartbeats: list = []
 
     async def acquire(self, max_n, wait_s=0.0):
         granted = self.state.admit(max_n)
@@ -93,6 +94,9 @@ class FakeBroker:
     async def release(self, n):
         self.state.release(n)
         self.released += n
+
+    async def heartbeat(self, role, **info):
+        self.heartbeats.append((role, info))
 
     def close(self):
         pass
@@ -168,6 +172,7 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(make_worker):
 
     broker = asyncio.run(main())
     assert broker.released == 2
+    assert broker.heartbeats[0] == ("rollout", {"groups_in_flight": 0})  # the loop's first turn
     assert sorted(g[0].prompt_id for g in broker.groups) == ["2", "3"]
     for g in broker.groups:
         assert len({s.reward for s in g}) > 1  # only informative groups reach the broker
