@@ -12,10 +12,12 @@ import argparse
 import json
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
 
 from relax_slurm.auth import SECRET_ENV, run_secret
 from relax_slurm.broker.server import BrokerServer
+from relax_slurm.broker.spill import Spill, replay
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.config import load_config
 from relax_slurm.errors import ConfigError, RelaxError
@@ -41,22 +43,43 @@ def main(argv: list[str] | None = None) -> int:
                         help="admin HTTP (GET /status), e.g. node1:8080; port 0 lets the OS pick")
     parser.add_argument("--restore", default=None,
                         help="a checkpoint's meta.json: resume its version and counters")
+    parser.add_argument("--spill", default=None, type=Path,
+                        help="record the state in this file (append-only; see broker/spill.py)")
+    parser.add_argument("--replay", action="store_true",
+                        help="continue from the --spill file (a restart in place) instead of "
+                             "starting it anew")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config)
-        # closed until the trainer's first set_version: engines must hold its weights first
-        state = BrokerState(cfg.algo.max_staleness, cfg.rollout.batch_size, open_admission=False)
-        if args.restore:
-            counters = json.loads(open(args.restore).read())["extra_state"]["broker"]
-            state.restore(counters)
-            _log(f"broker: restored from {args.restore}: {counters}")
         secret = run_secret()
         if secret is None:
             raise ConfigError(f"{SECRET_ENV} is not set: the broker serves authenticated "
                               "clients only. relax-train sets it; by hand, export it (e.g. "
                               "`export RELAX_RUN_SECRET=$(cat RUN_DIR/secret)`)")
+        cfg = load_config(args.config)
+        # closed until the trainer's first set_version: engines must hold its weights first
+        state = BrokerState(cfg.algo.max_staleness, cfg.rollout.batch_size, open_admission=False)
+        spill, answers = None, []
+        if args.replay:
+            if args.spill is None:
+                raise ConfigError("--replay needs --spill FILE")
+            replayed = replay(args.spill)
+            if replayed.snapshot is not None:
+                state.load_snapshot(replayed.snapshot, list(replayed.queue.values()))
+                answers = replayed.answers
+            _log(f"broker: replayed {replayed.records} records of {args.spill} "
+                 f"({replayed.torn_bytes} torn bytes cut): {state.counters()}")
+            spill = Spill(args.spill, cfg.broker.spill_fsync, cfg.broker.spill_compact_mb << 20,
+                          replayed)
+        elif args.restore:
+            counters = json.loads(open(args.restore).read())["extra_state"]["broker"]
+            state.restore(counters)
+            _log(f"broker: restored from {args.restore}: {counters}")
+        if spill is None and args.spill is not None:
+            spill = Spill(args.spill, cfg.broker.spill_fsync, cfg.broker.spill_compact_mb << 20)
+            spill.start(state)
         server = BrokerServer(state, args.router, args.pub, secret=secret,
                               admin=_hostport(args.admin) if args.admin else None,
+                              spill=spill, answers=answers,
                               max_message_bytes=cfg.broker.max_message_mb << 20, log=_log)
     except RelaxError as e:
         print(f"broker: {e}", file=sys.stderr, flush=True)

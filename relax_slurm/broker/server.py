@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ import zmq
 
 from relax_slurm.auth import secret_matches
 from relax_slurm.broker.admin import AdminServer
+from relax_slurm.broker.spill import Spill
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.broker.wire import decode, encode
 from relax_slurm.errors import BrokerError
@@ -37,6 +39,8 @@ _MAX_POLL_S = 0.2
 # long enough for the shutdown reply and broadcast to leave, short enough not to hang an exit
 _CLOSE_LINGER_MS = 500
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+_ANSWERS_PER_CLIENT = 64  # a client resends only its latest requests
+_ANSWERED_CLIENTS = 1024
 _MAX_ROLES = 4096  # distinct heartbeat names kept (a bound on what a buggy client can add)
 
 
@@ -65,7 +69,8 @@ def publish_frames(topic: str, fields: dict[str, Any]) -> list[bytes]:
 
 class BrokerServer:
     def __init__(self, state: BrokerState, router_addr: str, pub_addr: str, *, secret: str,
-                 admin: tuple[str, int] | None = None,
+                 admin: tuple[str, int] | None = None, spill: Spill | None = None,
+                 answers: list[tuple[bytes, Any, dict[str, Any], list[Group] | None]] = (),
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  log: Callable[[str], None] = lambda line: None) -> None:
         if not secret:
@@ -94,6 +99,12 @@ class BrokerServer:
         self._batches: list[_Parked] = []
         self._heartbeats: dict[str, tuple[float, dict[str, Any]]] = {}
         self._started = time.monotonic()
+        self.spill = spill
+        # (identity -> rid -> reply frames) of the latest replies: a client that resends a
+        # request (its reply was lost, or the broker restarted) gets the same answer again
+        self._answers: OrderedDict[bytes, OrderedDict[Any, list[Any]]] = OrderedDict()
+        for identity, rid, fields, groups in answers:  # replayed from the spill
+            self._remember(identity, rid, encode("ok", {**fields, "rid": rid}, groups))
         # held by the loop while it handles a request, and by the admin thread's status()
         self._lock = threading.Lock()
         self.admin: AdminServer | None = None
@@ -138,6 +149,8 @@ class BrokerServer:
             self.close()
 
     def close(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
         if self.admin is not None:
             self.admin.close()
             self.admin = None
@@ -162,6 +175,10 @@ class BrokerServer:
                 raise BrokerError("unauthenticated request: missing or wrong run secret (clients "
                                   "of a run read it from RELAX_RUN_SECRET, set by relax-train; "
                                   "tools read RUN_DIR/secret)")
+            if rid is not None and (not isinstance(rid, int) or isinstance(rid, bool)):
+                raise BrokerError(f"request id rid={rid!r}: must be an integer")
+            if rid is not None and self._is_resend(identity, rid):
+                return
             handler = self._handlers.get(op)
             if handler is None:
                 raise BrokerError(f"unknown op {op!r}; expected one of {sorted(self._handlers)}")
@@ -174,8 +191,33 @@ class BrokerServer:
 
     def _reply(self, identity: bytes, rid: Any, fields: dict[str, Any],
                groups: list[Group] | None = None, op: str = "ok") -> None:
+        if self.spill is not None and op == "ok":
+            # on file before the client hears of it (a no-op unless the state changed)
+            self.spill.record(self.state, (identity, rid), fields, groups)
         frames = encode(op, {**fields, "rid": rid}, groups)
+        if rid is not None and op == "ok":
+            self._remember(identity, rid, frames)
         self.router.send_multipart([identity, *frames], copy=False)
+
+    # ---- resends -------------------------------------------------------------------------
+    def _remember(self, identity: bytes, rid: Any, frames: list[Any]) -> None:
+        per = self._answers.pop(identity, None) or OrderedDict()
+        self._answers[identity] = per  # most recent identity last
+        per[rid] = frames
+        while len(per) > _ANSWERS_PER_CLIENT:
+            per.popitem(last=False)
+        while len(self._answers) > _ANSWERED_CLIENTS:
+            self._answers.popitem(last=False)
+
+    def _is_resend(self, identity: bytes, rid: Any) -> bool:
+        """A request seen before: answer it again from memory, or wait if it is parked."""
+        if any(p.identity == identity and p.rid == rid for p in self._acquires + self._batches):
+            return True
+        frames = self._answers.get(identity, {}).get(rid)
+        if frames is None:
+            return False
+        self.router.send_multipart([identity, *frames], copy=False)
+        return True
 
     # ---- parked requests -----------------------------------------------------------------
     def _park(self, queue: list[_Parked], identity: bytes, rid: Any, args: dict[str, Any],

@@ -144,3 +144,20 @@ class BrokerState:
         self.accepted = self.consumed + self.dropped
         self.in_flight = 0
         self.queue.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter and the admission flag: with the queued groups, the whole state (what
+        the spill file records; see spill.py)."""
+        return {**{k: getattr(self, k) for k in COUNTER_NAMES}, "open": self.open}
+
+    def load_snapshot(self, snap: dict[str, Any], queue: list[Group]) -> None:
+        """Continue exactly where a broker that recorded `snap` and `queue` stopped (a restart in
+        place): unlike `restore`, credits in flight stay taken, because their workers are still
+        generating and will put their groups."""
+        missing = [k for k in (*COUNTER_NAMES, "open") if k not in snap]
+        if missing:
+            raise BrokerError(f"load_snapshot: snapshot lacks {missing}")
+        for k in COUNTER_NAMES:
+            setattr(self, k, int(snap[k]))
+        self.open = bool(snap["open"])
+        self.queue = deque(queue)

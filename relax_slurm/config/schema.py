@@ -381,9 +381,18 @@ class BrokerConfig:
     """Interface the broker binds (local runs); on Slurm the node's address."""
     max_message_mb: int = 1024
     """Largest request the broker accepts, in MB; a peer sending more is disconnected."""
+    spill: bool = True
+    """Record the broker's state in RUN_DIR/broker/spill.bin so that it restarts in place (see
+    operations.md); false: a dead broker is a global restart."""
+    spill_fsync: bool = False
+    """fsync every spill record (survives the machine going down, not just the broker)."""
+    spill_compact_mb: int = 1024
+    """Rewrite the spill file as a snapshot of the live state once it is larger than this."""
 
     def __post_init__(self) -> None:
         _check(self.max_message_mb >= 1, f"broker.max_message_mb={self.max_message_mb}: >= 1")
+        _check(self.spill_compact_mb >= 1,
+               f"broker.spill_compact_mb={self.spill_compact_mb}: >= 1")
 
 
 @dataclass(kw_only=True)

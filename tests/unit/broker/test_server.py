@@ -66,7 +66,8 @@ def start_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(SECRET_ENV, SECRET)
 
     def start(max_staleness: int = 0, batch_size: int = 1, max_message_mb: int = 1024,
-              admin: bool = False) -> Broker:
+              admin: bool = False, router: str = "tcp://127.0.0.1:*",
+              pub: str = "tcp://127.0.0.1:*", extra_args: tuple[str, ...] = ()) -> Broker:
         cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path="x"),
                           data=DataConfig(train_files=["x"]),
                           algo=AlgoConfig(max_staleness=max_staleness),
@@ -79,8 +80,8 @@ def start_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
             # port `*`: the OS picks free ports and the broker prints what it bound
             proc = subprocess.Popen(
                 [sys.executable, "-m", "relax_slurm.broker", "--config",
-                 str(tmp_path / "config.yaml"), "--router", "tcp://127.0.0.1:*",
-                 "--pub", "tcp://127.0.0.1:*", *(["--admin", "127.0.0.1:0"] if admin else [])],
+                 str(tmp_path / "config.yaml"), "--router", router, "--pub", pub,
+                 *(["--admin", "127.0.0.1:0"] if admin else []), *extra_args],
                 cwd=REPO, env=env, stdout=out,
                 stderr=subprocess.STDOUT)
         started.append(proc)
