@@ -408,6 +408,9 @@ class ClusterConfig:
     max_global_restarts: int = 0
     """Local runs: when a role dies or hangs, stop every role and start the run again from its
     latest checkpoint (trainer.save_every sets how much is redone), at most this many times."""
+    max_role_restarts: int = 3
+    """Restarts in place of one role that dies (the broker, from its spill file; see
+    operations.md) before its next death fails the run (or restarts it globally)."""
     heartbeat_interval_s: float = 10.0
     """Trainer and rollout worker heartbeat to the broker this often, from their main loops; the
     launcher probes the broker's /status and the engines' /health as often."""
@@ -510,6 +513,8 @@ class ClusterConfig:
                "cluster.container_image (pyxis) and cluster.container_prefix (apptainer) are "
                "alternatives: set one of them")
         _check(self.wait_poll_s > 0, f"cluster.wait_poll_s={self.wait_poll_s}: must be > 0")
+        _check(self.max_role_restarts >= 0,
+               f"cluster.max_role_restarts={self.max_role_restarts}: >= 0")
         _check(self.heartbeat_interval_s > 0 and (
                    self.heartbeat_timeout_s == 0
                    or self.heartbeat_timeout_s >= 2 * self.heartbeat_interval_s),

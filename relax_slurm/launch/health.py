@@ -68,11 +68,7 @@ class HangWatch:
     def _check_broker(self, now: float) -> tuple[str, str] | None:
         if self.admin_url is None:
             return None
-        try:
-            r = self._admin.get(self.admin_url + "/status")
-            status = r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            status = None
+        status = self.broker_status()
         if status is None:
             if now - self._last_ok["broker"] > self.timeout_s:
                 return ("broker", f"has not answered GET /status for {self.timeout_s:.0f}s "
@@ -86,6 +82,16 @@ class HangWatch:
                               f"{self.timeout_s:.0f}s (hung: alive, but its main loop makes no "
                               "progress)")
         return None
+
+    def broker_status(self) -> dict | None:
+        """The broker's /status now, or None."""
+        if self.admin_url is None:
+            return None
+        try:
+            r = self._admin.get(self.admin_url + "/status")
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
 
     def _ok(self, url: str) -> bool:
         try:

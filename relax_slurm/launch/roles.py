@@ -15,7 +15,8 @@ from relax_slurm.config import TrainConfig
 from relax_slurm.launch.plan import RunPlan
 from relax_slurm.rollout import sglang_api
 
-TRAINER_GROUP, ROLLOUT_GROUP = 0, 1  # Slurm het groups: trainer + broker, engines + workers
+TRAINER_GROUP, ROLLOUT_GROUP = 0, 1
+SPILL_FILE = "broker/spill.bin"  # Slurm het groups: trainer + broker, engines + workers
 
 
 @dataclass(kw_only=True)
@@ -30,6 +31,8 @@ class RoleSpec:
     """CPU ids to pin to (local runs only)."""
     health_url: str | None = None
     """Poll this engine URL's /health before starting later roles."""
+    restart_argv: list[str] | None = None
+    """How to start it again in place after it died (None: its death ends the attempt)."""
 
 
 def _hostport(url: str) -> tuple[str, int]:
@@ -47,13 +50,16 @@ def broker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path) -> RoleSpec:
     if plan.broker_admin:
         ports["admin"] = _hostport(plan.broker_admin)[1]
         admin = ["--admin", f"{host}:{ports['admin']}"]
-    return RoleSpec(
-        name="broker", het_group=TRAINER_GROUP, host=host, ports=ports,
-        argv=[sys.executable, "-m", "relax_slurm.broker", "--config", str(run_dir / "config.yaml"),
-              "--router", f"tcp://{host}:{router}", "--pub", f"tcp://{host}:{pub}", *admin,
-              *(["--restore", str(Path(plan.resume_from) / "meta.json")] if plan.resume_from
-                else [])],
-    )
+    argv = [sys.executable, "-m", "relax_slurm.broker", "--config", str(run_dir / "config.yaml"),
+            "--router", f"tcp://{host}:{router}", "--pub", f"tcp://{host}:{pub}", *admin,
+            *(["--restore", str(Path(plan.resume_from) / "meta.json")] if plan.resume_from
+              else [])]
+    restart = None
+    if cfg.broker.spill:
+        argv += ["--spill", str(run_dir / SPILL_FILE)]
+        restart = [*argv, "--replay"]  # same ports: clients reconnect and resend
+    return RoleSpec(name="broker", het_group=TRAINER_GROUP, host=host, ports=ports, argv=argv,
+                    restart_argv=restart)
 
 
 def _hf_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed: int

@@ -19,12 +19,13 @@ from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
 from relax_slurm.launch.health import HangWatch
 from relax_slurm.launch.plan import PLAN_FILE, load_plan
 from relax_slurm.launch.processes import ProcessSet, Role
+from relax_slurm.launch.restart import InPlace, write_roles
 from relax_slurm.launch.roles import RoleSpec
 from relax_slurm.metrics.fanout import check_installed
 from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsTail, iter_metrics
 from relax_slurm.metrics.notify import Notifier
 from relax_slurm.metrics.progress import Progress
-from relax_slurm.metrics.summary import summarize, write_summary
+from relax_slurm.metrics.summary import samples_lost, summarize, write_summary
 from relax_slurm.rollout.engine_client import wait_until_healthy
 from relax_slurm.rollout.sglang_api import API_KEY_ENV
 
@@ -99,7 +100,8 @@ def hung(procs: ProcessSet, name: str, why: str) -> RoleHung:
 
 
 def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
-          notifier: Notifier | None = None, hangs: HangWatch | None = None) -> None:
+          notifier: Notifier | None = None, hangs: HangWatch | None = None,
+          in_place: InPlace | None = None) -> None:
     """Return when the trainer exits 0; raise Preempted when it stopped on a preemption request
     (see launch/control.py), RoleHung for a role that stopped heartbeating (see
     launch/health.py), RoleFailed for any other death or a stalled run."""
@@ -121,6 +123,8 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
             if rc is not None:
                 preempted = _preempted(trainer, run_dir, tail.count)
                 raise preempted or trainer.failure(f"exited with code {rc}")
+            if in_place is not None:
+                in_place.revive()
             procs.check_alive(skip=("trainer",))
             stuck = hangs.check() if hangs is not None else None
             if stuck is not None:
@@ -150,18 +154,24 @@ def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap
     hangs = HangWatch(admin, secret,
                       {spec.name: spec.health_url for spec in specs if spec.health_url},
                       cfg.cluster.heartbeat_interval_s, cfg.cluster.heartbeat_timeout_s)
+    in_place = InPlace(procs, specs, wrap, run_dir, cfg.cluster.max_role_restarts)
+    final_status = None
     try:
         try:
             trainer = start(procs, specs, cfg, wrap)
-            (run_dir / "roles.json").write_text(
-                json.dumps([r.info() for r in procs.roles], indent=2))
+            write_roles(procs, run_dir)
             notifier.send("started", f"{cfg.trainer.total_steps} steps, run dir {run_dir}")
-            watch(procs, trainer, cfg, run_dir, notifier, hangs)
+            watch(procs, trainer, cfg, run_dir, notifier, hangs, in_place)
+            final_status = hangs.broker_status()  # the trainer is done; the broker still up
         finally:
             hangs.close()
             procs.close()
         rows = list(iter_metrics(run_dir / METRICS_FILE))
         summary = summarize(rows, time.monotonic() - t0, cfg.algo.max_staleness) | (extra or {})
+        summary["restarts"] = in_place.counts()
+        if final_status is not None:
+            summary["samples_lost"] = samples_lost(final_status, rows, cfg.rollout.batch_size,
+                                                   cfg.rollout.n_samples_per_prompt)
         write_summary(run_dir, summary)
         # by the last step logged, not the row count: a run resumed from another run's
         # checkpoint (resume=PATH) logs only the steps after it in this run dir
