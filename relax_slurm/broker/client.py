@@ -139,6 +139,11 @@ class BrokerClient:
     def set_version(self, version: int) -> None:
         self._call("set_version", {"version": version})
 
+    def rejoin(self, rank: int) -> dict[str, Any]:
+        fields, _ = self._call("rejoin", {"rank": rank})
+        fields.pop("rid", None)
+        return fields
+
     def heartbeat(self, role: str, **info: Any) -> None:
         """`role` is alive and making progress; `info` (msgpack-able) shows in /status."""
         self._call("heartbeat", {"role": role, "info": info})
@@ -251,6 +256,13 @@ class AsyncBrokerClient:
 
     async def set_version(self, version: int) -> None:
         await self._call("set_version", {"version": version})
+
+    async def rejoin(self, rank: int) -> dict[str, Any]:
+        """At start: reclaim the credits a dead predecessor of this client's name held; returns
+        {reclaimed, position} (position: where that worker was in the data, or None)."""
+        fields, _ = await self._call("rejoin", {"rank": rank})
+        fields.pop("rid", None)
+        return fields
 
     async def heartbeat(self, role: str, **info: Any) -> None:
         await self._call("heartbeat", {"role": role, "info": info})

@@ -63,6 +63,12 @@ def _get(fields: dict[str, Any], name: str, kind: type, minimum: float | None = 
     return value
 
 
+def _holder(identity: bytes) -> str:
+    """The name part of a client's routing id ("rollout0" of "rollout0:9f3a..."): the same for
+    every process of one role, unlike the routing id."""
+    return identity.split(b":", 1)[0].decode("utf-8", "replace")
+
+
 def publish_frames(topic: str, fields: dict[str, Any]) -> list[bytes]:
     return [topic.encode(), msgpack.packb(fields, use_bin_type=True)]
 
@@ -121,6 +127,7 @@ class BrokerServer:
             "acquire": self._acquire, "put_group": self._put_group, "release": self._release,
             "get_batch": self._get_batch, "set_version": self._set_version,
             "heartbeat": self._heartbeat, "stats": self._stats, "shutdown": self._shutdown,
+            "rejoin": self._rejoin,
         }
 
     # ---- loop ----------------------------------------------------------------------------
@@ -239,7 +246,7 @@ class BrokerServer:
             self._reply(p.identity, p.rid, {"stats": stats, "wait_s": now - p.start}, groups)
         while self._acquires:
             p = self._acquires[0]
-            granted = self.state.admit(p.args["max_n"])
+            granted = self.state.admit(p.args["max_n"], _holder(p.identity))
             if granted == 0:
                 break
             self._acquires.pop(0)
@@ -263,7 +270,8 @@ class BrokerServer:
     def _acquire(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
         max_n = _get(fields, "max_n", int, 1)
         wait_s = _get(fields, "wait_s", float)
-        granted = self.state.admit(max_n) if not self._acquires else 0  # FIFO among waiters
+        granted = (self.state.admit(max_n, _holder(identity))
+                   if not self._acquires else 0)  # FIFO among waiters
         if granted or wait_s == 0:
             self._reply(identity, rid, {"granted": granted})
         else:
@@ -273,12 +281,12 @@ class BrokerServer:
                    groups: list[Group] | None) -> None:
         if groups is None or len(groups) != 1:
             raise BrokerError("put_group carries exactly one group")
-        self.state.accept(groups[0])
+        self.state.accept(groups[0], _holder(identity))
         self._reply(identity, rid, {})
         self._wake()
 
     def _release(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
-        self.state.release(_get(fields, "n", int))
+        self.state.release(_get(fields, "n", int), _holder(identity))
         self._reply(identity, rid, {})
         self._wake()
 
@@ -310,6 +318,20 @@ class BrokerServer:
                      f"consumed={c['consumed']} dropped={c['dropped']} (+{dropped}) "
                      f"queue={c['queue_depth']} in_flight={c['in_flight']}")
         self._reply(identity, rid, {"version": version})
+        self._wake()
+
+    def _rejoin(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
+        """A worker (re)starting: what an earlier process of its name held comes back, and it
+        learns where that one was in the data (None if nowhere yet)."""
+        rank = fields.get("rank", 0)
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise BrokerError(f"rejoin needs an integer rank, got {rank!r}")
+        reclaimed = self.state.reclaim(_holder(identity))
+        if reclaimed:
+            self.log(f"broker: {_holder(identity)} rejoined; {reclaimed} credits of its "
+                     "predecessor came back")
+        self._reply(identity, rid, {"reclaimed": reclaimed,
+                                    "position": self.state.positions.get(str(rank))})
         self._wake()
 
     def _heartbeat(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:

@@ -141,6 +141,10 @@ class Spill:
 
     def start(self, state: BrokerState) -> None:
         """A fresh file's base record: the state as it starts (restored counters, maybe)."""
+        for g in state.queue:
+            if id(g) not in self._live:
+                self._live[id(g)] = (self._next_seq, g)
+                self._next_seq += 1
         self._write(self._base_fields(state), [g for _, g in self._live.values()])
 
     def _base_fields(self, state: BrokerState) -> dict[str, Any]:

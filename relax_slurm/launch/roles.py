@@ -149,10 +149,12 @@ def teacher_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
 
 
 def worker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, host: str) -> RoleSpec:
+    argv = [sys.executable, "-m", "relax_slurm.rollout", "--run-dir", str(run_dir)]
     return RoleSpec(
         name="rollout", het_group=ROLLOUT_GROUP, host=host, cpus=cfg.cluster.rollout_cpus,
         # the package's __main__, not rollout.worker: see relax_slurm/rollout/__main__.py
-        argv=[sys.executable, "-m", "relax_slurm.rollout", "--run-dir", str(run_dir)],
+        # restarted in place as it is: it rejoins the broker (credits, data position)
+        argv=argv, restart_argv=argv,
     )
 
 

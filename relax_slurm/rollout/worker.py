@@ -160,6 +160,7 @@ class RolloutWorker:
         self.worker_rank = worker_rank
         self.role = "rollout" if worker_rank == 0 else f"rollout{worker_rank}"
         self.group_ids = itertools.count(first_group_id, num_workers)
+        self.first_group_id, self.num_workers = first_group_id, num_workers
         self.stop = asyncio.Event()
         self.failed: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
@@ -291,9 +292,22 @@ class RolloutWorker:
             self.failed = task.exception()
             self.stop.set()
 
+    async def rejoin(self) -> None:
+        """A restarted worker (the launcher restarts a dead one in place) gets back the credits
+        its predecessor held and continues after that one's newest accepted group; a first
+        start finds nothing to take over."""
+        joined = await self.broker.rejoin(self.worker_rank)
+        pos = joined.get("position")
+        if pos and pos["next_group_id"] > self.first_group_id:
+            self.dataset.load_state_dict(pos["data_state"])
+            self.group_ids = itertools.count(pos["next_group_id"], self.num_workers)
+            log.info("rejoined: %d credits reclaimed; continuing at data position %s, group "
+                     "id %d", joined["reclaimed"], pos["data_state"], pos["next_group_id"])
+
     async def run(self) -> None:
         limit = self.cfg.rollout.max_inflight_groups
         await self.reward_pool.start()  # a reward worker that cannot start fails the run now
+        await self.rejoin()
         beat = Pacer(self.cfg.cluster.heartbeat_interval_s)
         while not self.stop.is_set():
             if beat.due():  # from this loop, not a thread: a beat means the loop turns

@@ -1,9 +1,11 @@
 """Chaos on the real topology (relax-train, tiny experiment, one trainer rank):
 
-- the broker is SIGKILLed mid-run: the launcher restarts it in place from its spill file, the
-  clients resend, and the run completes with every accepted sample trained or dropped as stale
-  (`samples_lost: 0`) and the restart in summary.json, restarts.jsonl and roles.json; the run's
-  secret guards the broker's admin HTTP and the engine on the way;
+- the broker, then the rollout worker, are SIGKILLed mid-run (one run): the launcher restarts
+  each in place (the broker from its spill file, its clients resend; the worker rejoins with its
+  predecessor's credits and data position), and the run completes with every accepted sample
+  trained or dropped as stale (`samples_lost: 0`) and the restarts in summary.json,
+  restarts.jsonl and roles.json; the run's secret guards the broker's admin HTTP and the engine
+  on the way;
 - the rollout worker is frozen (SIGSTOP): its heartbeat stops, the launcher names it hung and
   restarts the run from its checkpoint, which then completes.
 """
@@ -55,8 +57,8 @@ def role(run_dir: Path, name: str) -> dict:
     return next(r for r in json.loads((run_dir / "roles.json").read_text()) if r["name"] == name)
 
 
-def test_a_killed_broker_restarts_in_place_and_loses_nothing(tmp_path, tiny_assets):
-    run_dir, steps = tmp_path / "run", 8
+def test_killed_broker_and_worker_restart_in_place_and_lose_nothing(tmp_path, tiny_assets):
+    run_dir, steps = tmp_path / "run", 10
     proc = start(run_dir, tiny_assets, f"trainer.total_steps={steps}", "algo.max_staleness=1")
     try:
         wait_steps(proc, run_dir, 2)
@@ -73,19 +75,26 @@ def test_a_killed_broker_restarts_in_place_and_loses_nothing(tmp_path, tiny_asse
         assert httpx.get(plan["broker_admin"] + "/status").status_code == 401
         broker = role(run_dir, "broker")
         os.kill(broker["pid"], signal.SIGKILL)
+        wait_steps(proc, run_dir, 5)
+        worker = role(run_dir, "rollout")
+        os.kill(worker["pid"], signal.SIGKILL)
         _, err = finish(proc)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert "broker exited with code -9; restarted in place" in err
+    assert "rollout exited with code -9; restarted in place" in err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["samples_lost"] == 0, summary
-    assert summary["restarts"] == {"broker": 1}
+    assert summary["restarts"] == {"broker": 1, "rollout": 1}
     assert role(run_dir, "broker")["pid"] != broker["pid"]
+    assert role(run_dir, "rollout")["pid"] != worker["pid"]
     rows = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()]
-    assert [(r["role"], r["kind"]) for r in rows] == [("broker", "in_place")]
+    assert [(r["role"], r["kind"]) for r in rows] == [("broker", "in_place"),
+                                                      ("rollout", "in_place")]
     assert "replayed" in (run_dir / "logs" / "broker.log").read_text()
+    assert "rejoined" in (run_dir / "logs" / "rollout.log").read_text()
     steps_logged = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text()
                     .splitlines()]
     assert steps_logged == list(range(steps))

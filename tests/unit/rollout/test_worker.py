@@ -95,6 +95,10 @@ class FakeBroker:
         self.state.release(n)
         self.released += n
 
+    async def rejoin(self, rank):
+        return {"reclaimed": self.state.reclaim(f"rollout{rank}"),
+                "position": self.state.positions.get(str(rank))}
+
     async def heartbeat(self, role, **info):
         self.heartbeats.append((role, info))
 
