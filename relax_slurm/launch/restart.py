@@ -36,8 +36,8 @@ def record_restart(run_dir: Path, row: dict) -> None:
 
 
 class InPlace:
-    def __init__(self, procs: ProcessSet, specs: list[RoleSpec], wrap: Callable[[RoleSpec], list[str]],
-                 run_dir: Path, cap: int) -> None:
+    def __init__(self, procs: ProcessSet, specs: list[RoleSpec],
+                 wrap: Callable[[RoleSpec], list[str]], run_dir: Path, cap: int) -> None:
         self.procs = procs
         self.specs = {s.name: s for s in specs if s.restart_argv is not None}
         self.wrap = wrap
