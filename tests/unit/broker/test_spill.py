@@ -4,6 +4,7 @@ answers) while its clients' requests go through by themselves."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 from collections.abc import Callable
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
+from relax_slurm.broker import AsyncBrokerClient
 from relax_slurm.broker.spill import Spill, iter_records, pack_record, replay
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.broker.wire import decode, encode
@@ -131,3 +133,30 @@ def test_a_killed_broker_restarts_in_place(start_broker: Callable[..., Broker],
         assert [g[0].group_id for g in late[0][0]] == [3, 4]
         assert worker.stats()["queue_depth"] == 0
     raw.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_async_requests_ride_out_a_broker_restart(start_broker: Callable[..., Broker],
+                                                  tmp_path: Path) -> None:
+    spill = tmp_path / "broker" / "spill.bin"
+    addrs = {"router": f"tcp://127.0.0.1:{free_port()}", "pub": f"tcp://127.0.0.1:{free_port()}"}
+    args = ("--spill", str(spill))
+    broker = start_broker(max_staleness=0, batch_size=2, extra_args=args, **addrs)
+    with broker.client("trainer") as trainer:
+        trainer.set_version(0)
+
+    async def worker() -> dict:
+        async with AsyncBrokerClient(broker.router, TIMEOUT_S * 4, "rollout0") as ac:
+            assert await ac.acquire(2) == 2
+            broker.proc.kill()  # the broker dies with credits out
+            broker.proc.wait(10)
+            # sent while it is down; answered by the restarted one
+            puts = [asyncio.ensure_future(ac.put_group(group(gid))) for gid in (1, 2)]
+            await asyncio.sleep(0.5)
+            start_broker(max_staleness=0, batch_size=2, extra_args=(*args, "--replay"), **addrs)
+            await asyncio.gather(*puts)
+            return await ac.stats()
+
+    s = asyncio.run(worker())
+    assert (s["accepted"], s["in_flight"], s["queue_depth"]) == (2, 0, 2)
