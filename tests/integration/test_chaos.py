@@ -7,7 +7,8 @@
   restarts.jsonl and roles.json; the run's secret guards the broker's admin HTTP and the engine
   on the way;
 - the rollout worker is frozen (SIGSTOP): its heartbeat stops, the launcher names it hung and
-  restarts the run from its checkpoint, which then completes.
+  restarts the run from its checkpoint, which then completes;
+- an engine is SIGKILLed: a global restart from the checkpoint, and nothing is lost.
 """
 
 from __future__ import annotations
@@ -120,3 +121,23 @@ def test_a_frozen_worker_is_named_hung_and_the_run_restarts(tmp_path, tiny_asset
     assert "role 'rollout' sent no heartbeat" in rows[0]["cause"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["global_restarts"] == 1
+
+
+def test_a_killed_engine_restarts_the_run_and_loses_nothing(tmp_path, tiny_assets):
+    """Engines are not restarted in place yet (they would have to re-join the weight sync): an
+    engine's death is a global restart from the latest checkpoint."""
+    run_dir, steps = tmp_path / "run", 6
+    proc = start(run_dir, tiny_assets, f"trainer.total_steps={steps}", "trainer.save_every=2",
+                 "cluster.max_global_restarts=1")
+    try:
+        wait_steps(proc, run_dir, 3)
+        os.kill(role(run_dir, "engine0")["pid"], signal.SIGKILL)
+        _, err = finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert "global restart 1 of 1" in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["global_restarts"] == 1
+    assert summary["samples_lost"] == 0, summary
