@@ -165,14 +165,14 @@ class RankZero:
                                        background=cfg.algo.max_staleness > 0)
                           if cfg.eval.every else None)
         self.verify = cfg.weight_sync.verify
+        self.num_engines = len(plan.engine_urls)
+        self.release_memory = cfg.rollout.release_memory_during_train
         self.pacer = Pacer(cfg.cluster.heartbeat_interval_s)
 
     def heartbeat(self, step: int) -> None:
         """From the step loop (see broker/heartbeat.py): the trainer's loop turns."""
         if self.pacer.due():
             self.broker.heartbeat("trainer", step=step)
-        self.num_engines = len(plan.engine_urls)
-        self.release_memory = cfg.rollout.release_memory_during_train
 
     def engines_sleep(self) -> None:
         """Shared GPUs: the rollout of this step is in, so engines free their memory for the
