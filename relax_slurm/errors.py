@@ -29,6 +29,11 @@ class EngineError(RelaxError):
     """An inference engine answered with an error or did not answer in time."""
 
 
+class EngineUnreachable(EngineError):
+    """An engine's connection failed or timed out (it died, restarts or hangs), as opposed to an
+    answer with an error: the request may be tried again once the engine is back."""
+
+
 class EngineDown(EngineError):
     """An engine did not answer /health within rollout.startup_timeout_s."""
 

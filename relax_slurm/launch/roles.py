@@ -114,10 +114,24 @@ def _sglang_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, 
 
 
 def _engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed: int,
-                 slot: int = 0) -> RoleSpec:
+                 slot: int = 0, restartable: bool = True) -> RoleSpec:
     if cfg.rollout.engine == "sglang":
-        return _sglang_engine_spec(cfg, name, url, model_path, seed, slot)
-    return _hf_engine_spec(cfg, name, url, model_path, seed)
+        spec = _sglang_engine_spec(cfg, name, url, model_path, seed, slot)
+    else:
+        spec = _hf_engine_spec(cfg, name, url, model_path, seed)
+    if restartable:  # restarted in place as it was started (see weightsync/cohort.py)
+        spec.restart_argv = list(spec.argv)
+    return spec
+
+
+def engines_rejoin(cfg: TrainConfig) -> bool:
+    """Whether a restarted engine can get the current weights without a step: trainer rank 0
+    re-sends them while it waits for a batch, which needs whole tensors on rank 0 alone (DDP, or
+    one rank; under FSDP2 gathering them is a collective of every rank)."""
+    t = cfg.trainer
+    single = t.nproc_per_node == 1 and (cfg.cluster.kind == "local"
+                                        or cfg.cluster.trainer_nodes == 1)
+    return t.strategy == "ddp" or single
 
 
 def _slots(urls: list[str]) -> list[int]:
@@ -133,7 +147,8 @@ def _slots(urls: list[str]) -> list[int]:
 
 def engine_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
     slots = _slots([*plan.engine_urls, *([plan.teacher_url] if plan.teacher_url else [])])
-    return [_engine_spec(cfg, f"engine{i}", url, cfg.model.path, cfg.seed + i, slots[i])
+    return [_engine_spec(cfg, f"engine{i}", url, cfg.model.path, cfg.seed + i, slots[i],
+                         restartable=engines_rejoin(cfg))
             for i, url in enumerate(plan.engine_urls)]
 
 

@@ -8,7 +8,8 @@
   on the way;
 - the rollout worker is frozen (SIGSTOP): its heartbeat stops, the launcher names it hung and
   restarts the run from its checkpoint, which then completes;
-- an engine is SIGKILLed: a global restart from the checkpoint, and nothing is lost.
+- an engine is SIGKILLed: restarted in place, it re-joins the weight sync through a new cohort
+  (its groups in flight are re-queued by the worker), and nothing is lost.
 """
 
 from __future__ import annotations
@@ -123,21 +124,23 @@ def test_a_frozen_worker_is_named_hung_and_the_run_restarts(tmp_path, tiny_asset
     assert summary["steps"] == steps and summary["global_restarts"] == 1
 
 
-def test_a_killed_engine_restarts_the_run_and_loses_nothing(tmp_path, tiny_assets):
-    """Engines are not restarted in place yet (they would have to re-join the weight sync): an
-    engine's death is a global restart from the latest checkpoint."""
-    run_dir, steps = tmp_path / "run", 6
-    proc = start(run_dir, tiny_assets, f"trainer.total_steps={steps}", "trainer.save_every=2",
-                 "cluster.max_global_restarts=1")
+def test_a_killed_engine_restarts_in_place_and_rejoins_the_weight_sync(tmp_path, tiny_assets):
+    run_dir, steps = tmp_path / "run", 8
+    proc = start(run_dir, tiny_assets, f"trainer.total_steps={steps}",
+                 "weight_sync.verify=true")  # every push checked bit for bit, the new cohort's too
     try:
         wait_steps(proc, run_dir, 3)
-        os.kill(role(run_dir, "engine0")["pid"], signal.SIGKILL)
+        engine = role(run_dir, "engine0")
+        os.kill(engine["pid"], signal.SIGKILL)
         _, err = finish(proc)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    assert "global restart 1 of 1" in err
+    assert "engine0 exited with code -9; restarted in place" in err
+    assert "global restart" not in err
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["global_restarts"] == 1
-    assert summary["samples_lost"] == 0, summary
+    assert summary["steps"] == steps and summary["samples_lost"] == 0, summary
+    assert summary["restarts"].get("engine0") == 1, summary
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "weight-sync cohort 1 formed" in trainer_log
