@@ -48,6 +48,12 @@ class HangWatch:
         self._admin.close()
         self._probe.close()
 
+    def restarted(self, name: str) -> None:
+        """`name` was just restarted in place: its silence counts from now (an engine loading
+        its model again is not hung)."""
+        if name in self._last_ok:
+            self._last_ok[name] = self._clock()
+
     def check(self) -> tuple[str, str] | None:
         """(role, why) for the first hung role, probing at most once per interval; else None."""
         if self.timeout_s <= 0:

@@ -37,8 +37,10 @@ def record_restart(run_dir: Path, row: dict) -> None:
 
 class InPlace:
     def __init__(self, procs: ProcessSet, specs: list[RoleSpec],
-                 wrap: Callable[[RoleSpec], list[str]], run_dir: Path, cap: int) -> None:
+                 wrap: Callable[[RoleSpec], list[str]], run_dir: Path, cap: int,
+                 on_restart: Callable[[str], None] = lambda name: None) -> None:
         self.procs = procs
+        self.on_restart = on_restart
         self.specs = {s.name: s for s in specs if s.restart_argv is not None}
         self.wrap = wrap
         self.run_dir = run_dir
@@ -55,6 +57,7 @@ class InPlace:
             cause = f"exited with code {rc}"
             self.procs.restart(role, self.wrap(replace(spec, argv=spec.restart_argv)),
                                cpus=spec.cpus)
+            self.on_restart(role.name)
             record_restart(self.run_dir, {"role": role.name, "kind": "in_place",
                                           "restart": role.restarts, "cause": cause})
             write_roles(self.procs, self.run_dir)

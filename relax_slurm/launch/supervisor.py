@@ -154,7 +154,8 @@ def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap
     hangs = HangWatch(admin, secret,
                       {spec.name: spec.health_url for spec in specs if spec.health_url},
                       cfg.cluster.heartbeat_interval_s, cfg.cluster.heartbeat_timeout_s)
-    in_place = InPlace(procs, specs, wrap, run_dir, cfg.cluster.max_role_restarts)
+    in_place = InPlace(procs, specs, wrap, run_dir, cfg.cluster.max_role_restarts,
+                       on_restart=hangs.restarted)
     final_status = None
     try:
         try:
