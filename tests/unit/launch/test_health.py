@@ -4,6 +4,7 @@ silent for the timeout; a role that keeps beating never is."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
@@ -63,3 +64,22 @@ def test_silent_roles_engines_and_broker_are_named(start_broker: Callable[..., B
     finally:
         watch.close()
         off.close()
+
+
+def test_relax_ctl_status_reads_plan_and_secret(start_broker: Callable[..., Broker], tmp_path,
+                                                 capsys) -> None:
+    from relax_slurm.auth import secret_path
+    from relax_slurm.launch.ctl import main
+    from relax_slurm.launch.plan import RunPlan, save_plan
+
+    broker = start_broker(admin=True)
+    run = tmp_path / "ctl"
+    run.mkdir()
+    save_plan(RunPlan(broker_router=broker.router, broker_pub=broker.pub,
+                      broker_admin=broker.admin), run)
+    secret_path(run).write_text("wrong\n")
+    secret_path(run).chmod(0o600)
+    assert main(["status", str(run)]) == 1 and "HTTP 401" in capsys.readouterr().err
+    secret_path(run).write_text(SECRET + "\n")
+    assert main(["status", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out)["pid"] == broker.proc.pid
