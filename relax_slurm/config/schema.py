@@ -185,10 +185,10 @@ class RolloutConfig:
     """sglang: expert parallel size inside an engine (--ep-size, MoE models; divides tp)."""
     engine_mem_fraction: float = 0.8
     """sglang: --mem-fraction-static, the GPU memory share for weights and KV cache."""
-    engine_api_key: bool = False
-    """sglang: servers require the key in the environment variable RELAX_ENGINE_API_KEY
-    (--api-key; the key itself is never written to the config or a command line); every
-    client sends it whenever that variable is set."""
+    engine_api_key: bool = True
+    """sglang: servers require a key (--api-key): RELAX_ENGINE_API_KEY from the launcher's
+    environment, else the run's secret (never in the config or a command line); every client
+    sends it. hf engines require the same key whenever that variable is set."""
     engine_extra_args: list[str] = field(default_factory=list)
     """sglang: more `python -m sglang.launch_server` flags, passed as they are."""
     release_memory_during_train: bool = False
@@ -449,6 +449,20 @@ class BrokerConfig:
     """Timeout of one request/reply with the broker."""
     host: str = "127.0.0.1"
     """Interface the broker binds (local runs); on Slurm the node's address."""
+    max_message_mb: int = 1024
+    """Largest request the broker accepts, in MB; a peer sending more is disconnected."""
+    spill: bool = True
+    """Record the broker's state in RUN_DIR/broker/spill.bin so that it restarts in place (see
+    operations.md); false: a dead broker is a global restart."""
+    spill_fsync: bool = False
+    """fsync every spill record (survives the machine going down, not just the broker)."""
+    spill_compact_mb: int = 1024
+    """Rewrite the spill file as a snapshot of the live state once it is larger than this."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_message_mb >= 1, f"broker.max_message_mb={self.max_message_mb}: >= 1")
+        _check(self.spill_compact_mb >= 1,
+               f"broker.spill_compact_mb={self.spill_compact_mb}: >= 1")
 
 
 @dataclass(kw_only=True)
@@ -464,6 +478,16 @@ class ClusterConfig:
     max_global_restarts: int = 0
     """Local runs: when a role dies or hangs, stop every role and start the run again from its
     latest checkpoint (trainer.save_every sets how much is redone), at most this many times."""
+    max_role_restarts: int = 3
+    """Restarts in place of one role that dies (the broker, from its spill file; see
+    operations.md) before its next death fails the run (or restarts it globally)."""
+    heartbeat_interval_s: float = 10.0
+    """Trainer and rollout worker heartbeat to the broker this often, from their main loops; the
+    launcher probes the broker's /status and the engines' /health as often."""
+    heartbeat_timeout_s: float = 600.0
+    """A role whose last heartbeat (or an engine whose last good /health, or a broker whose last
+    /status) is older than this is hung: the run fails naming it, or restarts
+    (cluster.max_global_restarts). Cover the longest step; 0 turns hang detection off."""
 
     # ---- slurm: the allocation ------------------------------------------------------------
     layout: str = "hetjob"
@@ -559,6 +583,13 @@ class ClusterConfig:
                "cluster.container_image (pyxis) and cluster.container_prefix (apptainer) are "
                "alternatives: set one of them")
         _check(self.wait_poll_s > 0, f"cluster.wait_poll_s={self.wait_poll_s}: must be > 0")
+        _check(self.max_role_restarts >= 0,
+               f"cluster.max_role_restarts={self.max_role_restarts}: >= 0")
+        _check(self.heartbeat_interval_s > 0 and (
+                   self.heartbeat_timeout_s == 0
+                   or self.heartbeat_timeout_s >= 2 * self.heartbeat_interval_s),
+               f"cluster.heartbeat_timeout_s={self.heartbeat_timeout_s}: must be 0 (off) or at "
+               f"least twice cluster.heartbeat_interval_s={self.heartbeat_interval_s} (> 0)")
 
 
 @dataclass(kw_only=True)

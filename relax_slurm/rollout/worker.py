@@ -31,6 +31,7 @@ import json
 import logging
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -38,11 +39,12 @@ from urllib.parse import urlparse
 import numpy as np
 
 from relax_slurm.broker.client import AsyncBrokerClient
+from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, Processed
 from relax_slurm.envs import env_factory
-from relax_slurm.errors import BrokerShutdown, ConfigError
+from relax_slurm.errors import BrokerShutdown, ConfigError, EngineUnreachable
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.launch.plan import load_plan
@@ -60,6 +62,7 @@ from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.samples import Group, Sample
 
 log = logging.getLogger("relax_slurm.rollout")
+ENGINE_RETRY_S = 2.0  # a group whose engine is unreachable waits this long before its retry
 ACQUIRE_WAIT_S = 2.0  # one parked admission request; short so shutdown is noticed promptly
 
 
@@ -175,10 +178,14 @@ class RolloutWorker:
                                      cfg.rollout.max_new_tokens)
         # group ids unique across workers without coordination
         self.worker_rank = worker_rank
+        self.role = "rollout" if worker_rank == 0 else f"rollout{worker_rank}"
         self.group_ids = itertools.count(first_group_id, num_workers)
+        self.first_group_id, self.num_workers = first_group_id, num_workers
         self.stop = asyncio.Event()
         self.failed: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
+        self.requeued: deque[tuple[Prompt, int, dict]] = deque()
+        self.requeued_total = 0
 
     def _media_processing(self, cfg: TrainConfig
                           ) -> tuple[MediaProcessor | None, concurrent.futures.Executor | None]:
@@ -329,19 +336,55 @@ class RolloutWorker:
         urls = [e.url for e in self.router.engines] + ([self.teacher.url] if self.teacher else [])
         await asyncio.to_thread(wait_until_healthy, urls, self.cfg.rollout.startup_timeout_s)
 
+    def start_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
+        task = asyncio.create_task(self.guarded_group(prompt, gid, data_state))
+        self.tasks.add(task)
+        task.add_done_callback(self._done)
+
+    async def guarded_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
+        """A group whose engine went away (died, restarting in place) is queued again with its
+        credit and the same seeds; any other failure fails the worker."""
+        try:
+            await self.rollout_group(prompt, gid, data_state)
+        except EngineUnreachable as e:
+            log.warning("group %d re-queued: %s", gid, e)
+            await asyncio.sleep(ENGINE_RETRY_S)  # no busy loop while the engine restarts
+            self.requeued.append((prompt, gid, data_state))
+            self.requeued_total += 1
+
     def _done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None and self.failed is None:
             self.failed = task.exception()
             self.stop.set()
 
+    async def rejoin(self) -> None:
+        """A restarted worker (the launcher restarts a dead one in place) gets back the credits
+        its predecessor held and continues after that one's newest accepted group; a first
+        start finds nothing to take over."""
+        joined = await self.broker.rejoin(self.worker_rank)
+        pos = joined.get("position")
+        if pos and pos["next_group_id"] > self.first_group_id:
+            self.dataset.load_state_dict(pos["data_state"])
+            self.group_ids = itertools.count(pos["next_group_id"], self.num_workers)
+            log.info("rejoined: %d credits reclaimed; continuing at data position %s, group "
+                     "id %d", joined["reclaimed"], pos["data_state"], pos["next_group_id"])
+
     async def run(self) -> None:
         limit = self.cfg.rollout.max_inflight_groups
         await self.reward_pool.start()  # a reward worker that cannot start fails the run now
+        await self.rejoin()
+        beat = Pacer(self.cfg.cluster.heartbeat_interval_s)
         while not self.stop.is_set():
+            if beat.due():  # from this loop, not a thread: a beat means the loop turns
+                await self.broker.heartbeat(self.role, groups_in_flight=len(self.tasks),
+                                            groups_requeued=self.requeued_total)
+            while self.requeued and len(self.tasks) < limit:  # they still hold their credits
+                self.start_group(*self.requeued.popleft())
             room = limit - len(self.tasks)
             if room <= 0:
-                await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(self.tasks, timeout=beat.interval_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
                 continue
             granted = await self.broker.acquire(room, wait_s=ACQUIRE_WAIT_S)
             for i in range(granted):
@@ -352,10 +395,7 @@ class RolloutWorker:
                     self.stop.set()
                     break
                 # the position after this prompt: where a resume continues once it is trained
-                task = asyncio.create_task(self.rollout_group(
-                    prompt, next(self.group_ids), self.dataset.state_dict()))
-                self.tasks.add(task)
-                task.add_done_callback(self._done)
+                self.start_group(prompt, next(self.group_ids), self.dataset.state_dict())
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,13 @@ class TorchBackend:
         from relax_slurm.trainer.model import full_named_weights
 
         return full_named_weights(self.model)
+
+    def local_weights(self) -> Callable[[], list[tuple[str, Tensor]]] | None:
+        """Rank 0's whole weights without a collective (DDP or one rank), for re-syncing a
+        restarted engine between steps; None where gathering them needs every rank (FSDP2)."""
+        if self.cfg.trainer.strategy == "ddp" or dist.get_world_size() == 1:
+            return lambda: list(self.named_hf_weights())
+        return None
 
     def save(self, root: Path, step: int, extra: dict[str, Any], *, keep_last: int,
              async_save: bool, hf_assets_src: str | None):

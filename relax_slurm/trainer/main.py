@@ -14,12 +14,14 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from relax_slurm.broker.client import BrokerClient
+from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.checkpoint import checkpoints_dir
 from relax_slurm.checkpoint.dcp import wait_pending
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
@@ -27,7 +29,7 @@ from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import BrokerTimeout, ConfigError
-from relax_slurm.launch.plan import load_plan
+from relax_slurm.launch.plan import free_port, load_plan
 from relax_slurm.metrics.fanout import open_sinks
 from relax_slurm.metrics.jsonl import METRICS_FILE
 from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
@@ -37,6 +39,7 @@ from relax_slurm.samples import Group
 from relax_slurm.trainer.backend import build_backend
 from relax_slurm.trainer.batch import MicroBatch, collate, prepare_items, scatter_batch
 from relax_slurm.weightsync import WeightSender
+from relax_slurm.weightsync.cohort import Cohort
 
 log = logging.getLogger("relax_slurm.trainer")
 WEIGHT_GROUP = "relax_weights"
@@ -55,10 +58,14 @@ def check_batch_divides(cfg: TrainConfig, world: int) -> None:
         )
 
 
-def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int) -> tuple[list[Group], dict]:
+def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int,
+                 beat: Callable[[], None] = lambda: None) -> tuple[list[Group], dict]:
+    """The next batch, polling every POLL_S (each turn also heartbeats: waiting is progress)."""
     deadline = time.monotonic() + cfg.trainer.get_batch_timeout_s
     while time.monotonic() < deadline:
-        wait = min(POLL_S, max(deadline - time.monotonic(), 0.1))
+        beat()
+        wait = min(POLL_S, cfg.cluster.heartbeat_interval_s,
+                   max(deadline - time.monotonic(), 0.1))
         got = broker.get_batch(cfg.rollout.batch_size, version, wait_s=wait)
         if got is not None:
             return got
@@ -98,6 +105,7 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
         "broker/staleness_mean": stats.get("staleness_mean", 0.0),
         "broker/queue_depth": stats.get("queue_depth", 0),
         "broker/dropped_stale": stats.get("dropped_stale", 0),
+        "broker/auth_refused": stats.get("auth_refused", 0),
         "broker/dropped_stale_samples": stats.get("dropped_stale", 0) * len(groups[0]),
         "perf/gen_time_s": (max(ends) - min(starts)) if starts and ends else 0.0,
         "train/samples": n,
@@ -140,15 +148,20 @@ class RankZero:
         # on-policy (max_staleness=0), nothing generates while weights are sent: the broker
         # admits no group of the next version before set_version. Pausing the engines is then
         # two HTTP round trips per step for nothing.
-        self.sender = WeightSender(
-            plan.engine_urls, sync_host, plan.weight_sync_port, WEIGHT_GROUP,
-            cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
-            pause_mode="in_place" if cfg.algo.max_staleness > 0 else None,
-            ranks_per_engine=cfg.rollout.engine_tp_size,
-        )
+        def make_sender(group_name: str, port: int) -> WeightSender:
+            return WeightSender(
+                plan.engine_urls, sync_host, port, group_name,
+                cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
+                pause_mode="in_place" if cfg.algo.max_staleness > 0 else None,
+                ranks_per_engine=cfg.rollout.engine_tp_size,
+            )
+        # a restarted engine re-joins through a new cohort (weightsync/cohort.py)
+        self.cohort = Cohort(plan.engine_urls, WEIGHT_GROUP, plan.weight_sync_port, make_sender,
+                             new_port=lambda: free_port(sync_host),
+                             startup_timeout_s=cfg.rollout.startup_timeout_s)
         # every role starts at once: the engines may still be loading their models
         wait_until_healthy(plan.engine_urls, cfg.rollout.startup_timeout_s)
-        self.sender.connect()
+        self.cohort.connect()
         truncate_metrics(run_dir, start_step)
         self.metrics = open_sinks(cfg, run_dir)
         self.decode = (tokenizer_decode(cfg.model.path, cfg.model.trust_remote_code)
@@ -160,6 +173,20 @@ class RankZero:
         self.verify = cfg.weight_sync.verify
         self.num_engines = len(plan.engine_urls)
         self.release_memory = cfg.rollout.release_memory_during_train
+        self.pacer = Pacer(cfg.cluster.heartbeat_interval_s)
+
+    @property
+    def sender(self) -> WeightSender:
+        return self.cohort.sender
+
+    def heartbeat(self, step: int, weights: Callable[[], list] | None = None) -> None:
+        """From the step loop (see broker/heartbeat.py): the trainer's loop turns. While it
+        waits for a batch it also re-syncs an engine that was restarted (`weights` gives the
+        current ones without a collective; None under FSDP2, where that needs every rank)."""
+        if self.pacer.due():
+            self.broker.heartbeat("trainer", step=step)
+            if weights is not None:
+                self.cohort.resync(weights, version=step)
 
     def engines_sleep(self) -> None:
         """Shared GPUs: the rollout of this step is in, so engines free their memory for the
@@ -176,7 +203,7 @@ class RankZero:
 
     def push_weights(self, weights: list, version: int) -> dict:
         """Engines serve `version` once this returns (checked bit for bit with verify=true)."""
-        stats = self.sender.send(weights, version=version)
+        stats = self.cohort.send(weights, version=version)
         if self.verify:
             self.sender.verify(weights)
             log.info("version %d: weights verified bit for bit on %d engine(s)", version,
@@ -184,7 +211,7 @@ class RankZero:
         return stats
 
     def close(self) -> None:
-        for closeable in (self.sender, self.broker, self.metrics, self.evaluator):
+        for closeable in (self.cohort, self.broker, self.metrics, self.evaluator):
             if closeable is not None:
                 closeable.close()
 
@@ -250,9 +277,13 @@ def run(run_dir: Path) -> int:
             zero.push_weights(weights, version=start_step)
             zero.broker.set_version(start_step)
         last_end = time.monotonic()
+        # rank 0 re-sends to a restarted engine on its own where it holds whole tensors
+        local_weights = backend.local_weights()
         for step in range(start_step, cfg.trainer.total_steps):
             tf = time.monotonic()
-            groups, stats = fetch_groups(zero.broker, cfg, step) if rank == 0 else (None, None)
+            groups, stats = (fetch_groups(zero.broker, cfg, step,
+                                          lambda: zero.heartbeat(step, local_weights))
+                             if rank == 0 else (None, None))
             td = time.monotonic()
             if rank == 0:
                 groups.sort(key=lambda g: g[0].group_id)  # arrival order is timing; this is not

@@ -50,6 +50,11 @@ class MegatronBackend:
             pass
         return iter(())
 
+    def local_weights(self) -> None:
+        """Exporting HF weights gathers over TP/PP/EP (a collective): a restarted engine
+        gets them with the next step's sync."""
+        return None
+
     def save(self, root: Path, step: int, extra: dict[str, Any], *, keep_last: int,
              async_save: bool, hf_assets_src: str | None):
         return checkpoint.save(root, step, self.mm, extra, keep_last=keep_last,
