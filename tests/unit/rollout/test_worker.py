@@ -281,11 +281,11 @@ class FlakyEngine(FakeEngine):
         super().__init__(tokenizer, answers)
         self.failures, self.calls = failures, 0
 
-    async def generate(self, input_ids, params, return_logprob=True):
+    async def generate(self, input_ids, params, return_logprob=True, **kwargs):
         self.calls += 1
         if self.calls <= self.failures:
             raise EngineUnreachable("engine http://127.0.0.1:3/generate: ConnectError: refused")
-        return await super().generate(input_ids, params, return_logprob)
+        return await super().generate(input_ids, params, return_logprob, **kwargs)
 
 
 def test_groups_of_an_unreachable_engine_are_requeued_with_their_credit(make_worker, monkeypatch):
