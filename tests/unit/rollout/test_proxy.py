@@ -135,6 +135,7 @@ def test_a_scripted_agent_produces_trainable_trajectories(run):
     proxy, engine, router, tok = run
     played = {}
     with httpx.Client(timeout=60) as client, BrokerClient(router, timeout_s=30) as broker:
+        broker.set_version(0)  # as the trainer does once the engines hold its weights
         check_errors(client, proxy, broker)
         for g, group in enumerate(QUESTIONS):
             for i, name in enumerate(("a", "b")):
@@ -156,9 +157,10 @@ def test_a_scripted_agent_produces_trainable_trajectories(run):
 
 
 def check_sample(sample, replies, seeds, tok, engine):
-    prompt = list(sample.prompt_ids)
+    prompt = sample.prompt_ids.tolist()
     assert prompt == tok(QUESTIONS[sample.prompt_id], add_special_tokens=False)["input_ids"]
-    ids, mask, lps = list(sample.response_ids), list(sample.loss_mask), list(sample.rollout_logprobs)
+    ids, mask = sample.response_ids.tolist(), sample.loss_mask.tolist()
+    lps = sample.rollout_logprobs.tolist()
     runs = spans(mask)
     model = [(a, b) for a, b, m in runs if m == 1.0]
     between = [(a, b) for a, b, m in runs if m == 0.0]
