@@ -104,6 +104,10 @@ class BrokerServer:
         self._acquires: list[_Parked] = []
         self._batches: list[_Parked] = []
         self._heartbeats: dict[str, tuple[float, dict[str, Any]]] = {}
+        # routing ids seen per holder name, and those of processes a rejoin replaced: a group a
+        # dead worker had sent before its successor rejoined must not use the successor's credit
+        self._ids_of: dict[str, set[bytes]] = {}
+        self._retired: set[bytes] = set()
         self._started = time.monotonic()
         self.spill = spill
         # (identity -> rid -> reply frames) of the latest replies: a client that resends a
@@ -270,6 +274,7 @@ class BrokerServer:
     def _acquire(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
         max_n = _get(fields, "max_n", int, 1)
         wait_s = _get(fields, "wait_s", float)
+        self._ids_of.setdefault(_holder(identity), set()).add(identity)
         granted = (self.state.admit(max_n, _holder(identity))
                    if not self._acquires else 0)  # FIFO among waiters
         if granted or wait_s == 0:
@@ -281,6 +286,9 @@ class BrokerServer:
                    groups: list[Group] | None) -> None:
         if groups is None or len(groups) != 1:
             raise BrokerError("put_group carries exactly one group")
+        if identity in self._retired:
+            raise BrokerError("put_group from a worker process that a restarted one replaced "
+                              "(its credits were given back at the rejoin); dropped")
         self.state.accept(groups[0], _holder(identity))
         self._reply(identity, rid, {})
         self._wake()
@@ -326,7 +334,10 @@ class BrokerServer:
         rank = fields.get("rank", 0)
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise BrokerError(f"rejoin needs an integer rank, got {rank!r}")
-        reclaimed = self.state.reclaim(_holder(identity))
+        holder = _holder(identity)
+        self._retired |= self._ids_of.pop(holder, set()) - {identity}
+        self._ids_of[holder] = {identity}
+        reclaimed = self.state.reclaim(holder)
         if reclaimed:
             self.log(f"broker: {_holder(identity)} rejoined; {reclaimed} credits of its "
                      "predecessor came back")

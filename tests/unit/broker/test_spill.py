@@ -18,6 +18,7 @@ from relax_slurm.broker import AsyncBrokerClient
 from relax_slurm.broker.spill import Spill, iter_records, pack_record, replay
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.broker.wire import decode, encode
+from relax_slurm.errors import BrokerError
 from relax_slurm.launch.plan import free_port
 from tests.unit.broker.test_server import (  # noqa: F401  (start_broker is a fixture)
     SECRET, TIMEOUT_S, Broker, group, start_broker,
@@ -160,3 +161,21 @@ def test_async_requests_ride_out_a_broker_restart(start_broker: Callable[..., Br
 
     s = asyncio.run(worker())
     assert (s["accepted"], s["in_flight"], s["queue_depth"]) == (2, 0, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_rejoin_retires_the_dead_workers_late_puts(start_broker: Callable[..., Broker]) -> None:
+    broker = start_broker(max_staleness=0, batch_size=4)
+    with broker.client("trainer") as trainer, broker.client("rollout0") as dead, \
+            broker.client("rollout0") as successor:
+        trainer.set_version(0)
+        assert dead.acquire(3) == 3
+        dead.put_group(group(1))
+        assert successor.rejoin(0) == {"reclaimed": 2, "position": None}
+        assert successor.acquire(4) == 3  # 4 - 1 accepted
+        with pytest.raises(BrokerError, match="replaced"):
+            dead.put_group(group(2))  # sent before it died, read after the rejoin
+        successor.put_group(group(3))
+        s = trainer.stats()
+        assert (s["accepted"], s["in_flight"]) == (2, 2)
