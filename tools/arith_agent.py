@@ -7,7 +7,7 @@ data it opens a group of --n sessions (rollout.n_samples_per_prompt), each one a
 with the policy through `{proxy}/s/{group}/{session}/v1/chat/completions`; a wrong answer gets
 "+" (higher), "-" (lower) or "*" (not a number) back and another try; the session ends with
 reward discount ** (try - 1) for a right answer (0 otherwise) posted to
-`{proxy}/s/{group}/{session}/reward`. It stops when the run ends (the proxy goes away) or after
+`{proxy}/s/{group}/{session}/reward` (--number-bonus for a wrong number instead). It stops when the run ends (the proxy goes away) or after
 --max-groups groups. --record FILE appends one JSON line per session (what it sent and got).
 
 Any OpenAI client works the same way: `OpenAI(base_url=f"{proxy}/s/{group}/{session}/v1")`.
@@ -52,15 +52,22 @@ def post(client: httpx.Client, url: str, body: dict, timeout_s: float) -> dict:
 
 
 def feedback(answer: str, label: str) -> str:
-    try:
-        value = int(answer)
-    except ValueError:
+    """"+": the answer is higher, "-": lower, "*": not a number (as env=arith_feedback)."""
+    value = as_number(answer)
+    if value is None:
         return "*"
     return "+" if value < int(label) else "-"
 
 
+def as_number(text: str) -> int | None:
+    try:
+        return int(text.strip())
+    except ValueError:
+        return None
+
+
 def play(client: httpx.Client, base: str, prompt: str, label: str, max_tries: int,
-         discount: float, timeout_s: float) -> dict:
+         discount: float, number_bonus: float, timeout_s: float) -> dict:
     """One session: up to max_tries answers with feedback, then the reward."""
     messages = [{"role": "user", "content": prompt}]
     replies, observations, reward = [], [], 0.0
@@ -69,11 +76,13 @@ def play(client: httpx.Client, base: str, prompt: str, label: str, max_tries: in
                     {"model": "policy", "messages": messages, "max_tokens": 3}, timeout_s)
         reply = body["choices"][0]["message"]["content"]
         replies.append(reply)
-        if reply.strip() == label:
+        if as_number(reply) == int(label):
             reward = discount ** attempt
             break
+        if as_number(reply) is not None:  # partial credit for at least answering a number
+            reward = number_bonus
         if attempt + 1 < max_tries:
-            observations.append(feedback(reply.strip(), label))
+            observations.append(feedback(reply, label))
             messages += [{"role": "assistant", "content": reply},
                          {"role": "user", "content": observations[-1]}]
     post(client, f"{base}/reward", {"reward": reward}, timeout_s)
@@ -101,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(the run's rollout.n_samples_per_prompt)")
     p.add_argument("--max-tries", type=int, default=2)
     p.add_argument("--discount", type=float, default=0.5)
+    p.add_argument("--number-bonus", type=float, default=0.0,
+                   help="reward of a session whose last answer is a number, but wrong")
     p.add_argument("--max-groups", type=int, default=0, help="0: until the run ends")
     p.add_argument("--timeout-s", type=float, default=300.0,
                    help="per request, retries of 503 included; also the wait for /health")
@@ -119,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                 group = f"g{k}"  # a group name is used once
                 sessions = list(pool.map(lambda i: play(
                     client, f"{proxy}/s/{group}/{i}", row["prompt"], str(row["label"]),
-                    args.max_tries, args.discount, args.timeout_s), range(args.n)))
+                    args.max_tries, args.discount, args.number_bonus, args.timeout_s),
+                    range(args.n)))
                 if args.record:
                     with args.record.open("a") as f:
                         for i, s in enumerate(sessions):
