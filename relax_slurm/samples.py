@@ -59,6 +59,10 @@ class Sample:
     teacher_logprobs: np.ndarray | None = None
     """Log-probs of `response_ids` under the teacher engine (on-policy distillation), [R]
     float32, or None without a teacher."""
+    mm_inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    """Processed media of the prompt, as the model's forward takes them (pixel_values [N, D],
+    image_grid_thw [n, 3], input_features [n, mel, frames], ...); `prompt_ids` holds the
+    expanded pads. N-D arrays, sent as raw frames (samples of a group share one)."""
 
     def __post_init__(self) -> None:
         for name, dtype in ARRAY_FIELDS.items():

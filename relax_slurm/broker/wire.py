@@ -5,12 +5,15 @@ group.
     frame 1..N   per group, one frame per array field: that field of every sample of the group,
                  concatenated in sample order (raw bytes, C order, the field's dtype)
 
-A group header is a map with exactly three keys:
+A group header is a map with three keys, and a fourth for multimodal samples:
 
     "n"   the number of samples in the group
     "s"   {scalar field: [value of sample 0, ..., value of sample n-1]}, one list per field of
           `SCALAR_FIELDS`
     "a"   {array field: [dtype.str, frame index, [length of sample 0, ..., of sample n-1]]}
+    "m"   (optional) per sample {name: [dtype.str, shape, frame index]}: the N-D processed media
+          of `Sample.mm_inputs` (pixel values, grids, audio features). Samples of a group that
+          hold the same array object (one prompt's media) reference one frame.
 
 So a step's batch (32 groups x 16 samples x 4-5 arrays) travels in ~150 frames, not ~2500, and
 decode does one `np.frombuffer` and one validation per field per group; the per-sample arrays
@@ -54,6 +57,7 @@ _SCALAR_TYPES: dict[str, type | tuple[type, ...]] = {
 _EXACT_TYPES = {k: frozenset(t if isinstance(t, tuple) else (t,)) for k, t in _SCALAR_TYPES.items()}
 _ALL_ARRAYS = {**ARRAY_FIELDS, **OPTIONAL_ARRAY_FIELDS}
 _GROUP_KEYS = {"n", "s", "a"}
+_MM_DTYPES = frozenset(np.dtype(t).str for t in ("<f4", "<f2", "<i8", "<i4", "|u1", "|b1"))
 
 
 def _pack(obj: Any, what: str) -> bytes:
@@ -95,7 +99,27 @@ def _encode_group(gi: int, group: Group, frames: list[Frame]) -> dict[str, Any]:
                               f"format carries 1-D arrays only){detail}")
         arrays[name] = [flat.dtype.str, len(frames), lengths]
         frames.append(flat.data)
-    return {"n": len(group), "s": scalars, "a": arrays}
+    head = {"n": len(group), "s": scalars, "a": arrays}
+    if any(s.mm_inputs for s in group):
+        head["m"] = _encode_mm(gi, group, frames)
+    return head
+
+
+def _encode_mm(gi: int, group: Group, frames: list[Frame]) -> list[dict[str, list]]:
+    shared: dict[int, int] = {}  # id(array) -> frame: one prompt's media sent once per group
+    out = []
+    for s in group:
+        refs = {}
+        for name, arr in s.mm_inputs.items():
+            if not isinstance(arr, np.ndarray) or arr.dtype.str not in _MM_DTYPES:
+                raise BrokerError(f"group {gi}: mm_inputs[{name!r}] must be a numpy array of "
+                                  f"{sorted(_MM_DTYPES)}, got {getattr(arr, 'dtype', type(arr))}")
+            if id(arr) not in shared:
+                shared[id(arr)] = len(frames)
+                frames.append(np.ascontiguousarray(arr).reshape(-1).data)
+            refs[name] = [arr.dtype.str, list(arr.shape), shared[id(arr)]]
+        out.append(refs)
+    return out
 
 
 def encode(op: str, fields: dict[str, Any], groups: list[Group] | None = None) -> list[Frame]:
@@ -147,10 +171,45 @@ def _decode_array(where: str, name: str, spec: Any, n: int, frames: Sequence[Any
     return [flat[end - length:end] for length, end in zip(lengths, ends)]
 
 
+def _decode_mm(where: str, refs: Any, n: int, frames: Sequence[Any], used: set[int]
+               ) -> list[dict[str, np.ndarray]]:
+    """Per sample {name: array view}; a frame may back several samples' arrays (shared)."""
+    if not (isinstance(refs, list) and len(refs) == n and all(isinstance(r, dict) for r in refs)):
+        raise BrokerError(f"{where}: m must be a list of {n} maps")
+    mine: set[int] = set()
+    views: dict[tuple, np.ndarray] = {}
+    out = []
+    for r in refs:
+        sample = {}
+        for name, spec in r.items():
+            what = f"{where}, mm_inputs {name!r}"
+            ok = (isinstance(spec, list) and len(spec) == 3 and spec[0] in _MM_DTYPES
+                  and isinstance(spec[1], list) and all(_is_int(d) and d >= 0 for d in spec[1])
+                  and _is_int(spec[2]) and 1 <= spec[2] < len(frames)
+                  and (spec[2] in mine or spec[2] not in used))
+            if not ok:
+                raise BrokerError(f"{what}: expected [dtype, shape, frame] of an unused frame, "
+                                  f"got {spec!r}")
+            dtype, shape, index = np.dtype(spec[0]), tuple(spec[1]), spec[2]
+            key = (index, dtype.str, shape)
+            if key not in views:
+                buf = _buffer(frames[index])
+                if buf.nbytes != int(np.prod(shape)) * dtype.itemsize:
+                    raise BrokerError(f"{what}: frame {index} has {buf.nbytes} bytes, shape "
+                                      f"{list(shape)} of {dtype} needs "
+                                      f"{int(np.prod(shape)) * dtype.itemsize}")
+                views[key] = np.frombuffer(buf, dtype=dtype).reshape(shape)
+            mine.add(index)
+            sample[name] = views[key]
+        out.append(sample)
+    used |= mine
+    return out
+
+
 def _decode_group(gi: int, head: Any, frames: Sequence[Any], used: set[int]) -> Group:
     where = f"group {gi}"
-    if not isinstance(head, dict) or set(head) != _GROUP_KEYS:
-        raise BrokerError(f"{where}: header must be a map with keys n, s, a")
+    if not isinstance(head, dict) or not _GROUP_KEYS <= set(head) <= _GROUP_KEYS | {"m"}:
+        raise BrokerError(f"{where}: header must be a map with keys n, s, a (and m)")
     n, scalars, specs = head["n"], head["s"], head["a"]
     if not (_is_int(n) and n >= 0):
         raise BrokerError(f"{where}: n must be a non-negative integer, got {n!r}")
@@ -177,6 +236,9 @@ def _decode_group(gi: int, head: Any, frames: Sequence[Any], used: set[int]) -> 
               for name in _ALL_ARRAYS if name in specs}
     names = (*SCALAR_FIELDS, *arrays)
     columns = [*(scalars[k] for k in SCALAR_FIELDS), *arrays.values()]
+    if "m" in head:
+        names = (*names, "mm_inputs")
+        columns.append(_decode_mm(where, head["m"], n, frames, used))
     try:
         return [Sample(**dict(zip(names, row))) for row in zip(*columns)]
     except ValueError as e:

@@ -23,6 +23,8 @@ import numpy as np
 
 from relax_slurm.config.schema import DataConfig
 from relax_slurm.data.chat import encode_batch, to_messages
+from relax_slurm.data.media import (MediaRef, add_placeholders, check_counts, check_image,
+                                    replace_placeholders, row_media)
 from relax_slurm.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,9 @@ class Prompt:
     """The reference answer (`data.label_key`), handed to the reward."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """The row's `data.metadata_key` column, or empty."""
+    media: dict[str, list[MediaRef]] = field(default_factory=dict)
+    """Media items by kind (`data.multimodal_keys`), in placeholder order; `input_ids` holds
+    one pad token per item until `MediaProcessor.process` expands it."""
 
 
 def read_table(path: str | Path) -> Any:
@@ -165,6 +170,10 @@ def _table_prompts(
              if cfg.metadata_key else [None] * len(cells))
     ids = (_column(table, ID_COLUMN, "", path) if ID_COLUMN in table.column_names
            else [None] * len(cells))
+    media_columns = {kind: _column(table, key, f"data.multimodal_keys.{kind}", path)
+                     for kind, key in cfg.multimodal_keys.items()}
+    markers = media_markers(tokenizer, cfg) if media_columns else {}
+    media: list[dict[str, list[MediaRef]]] = []
     conversations = []
     for row, (cell, label, meta) in enumerate(zip(cells, labels, metas)):
         where = f"{path}, row {row}"
@@ -183,6 +192,10 @@ def _table_prompts(
         except TypeError as e:
             raise DataError(f"{where}, key {cfg.prompt_key!r}: {e}. Fix: set data.prompt_key to "
                             "a column of strings or chat messages") from e
+        if media_columns:
+            conversations[-1], row_items = _row_media(conversations[-1], media_columns, row,
+                                                      path, cfg, markers)
+            media.append(row_items)
 
     texts, input_ids = encode_batch(tokenizer, conversations, cfg.apply_chat_template)
     prompts, filtered = [], 0
@@ -192,8 +205,46 @@ def _table_prompts(
             continue
         prompt_id = str(ids[row]) if ids[row] is not None else f"{path.name}:{row}"
         prompts.append(Prompt(prompt_id=prompt_id, input_ids=tokens, text=text, label=labels[row],
-                              metadata=dict(metas[row]) if metas[row] is not None else {}))
+                              metadata=dict(metas[row]) if metas[row] is not None else {},
+                              media=media[row] if media else {}))
     return prompts, filtered
+
+
+def media_markers(tokenizer: Any, cfg: DataConfig) -> dict[str, str]:
+    """kind -> the model's marker text for each kind of data.multimodal_keys; ConfigError if the
+    tokenizer has no tokens for a kind."""
+    from relax_slurm.data.processor import model_markers
+
+    if "video" in cfg.multimodal_keys:
+        raise ConfigError("data.multimodal_keys.video: videos are not supported yet (decoding "
+                          "and frame sampling need torchvision's video processor). Fix: pass "
+                          "sampled frames as images, or drop the key")
+    found = model_markers(tokenizer.get_vocab())
+    missing = [k for k in cfg.multimodal_keys if k not in found]
+    if missing:
+        raise ConfigError(
+            f"data.multimodal_keys has {missing} but the tokenizer has no tokens for them (it "
+            "needs e.g. <|vision_start|><|image_pad|><|vision_end|> or "
+            "<|audio_bos|><|AUDIO|><|audio_eos|>). Fix: use the multimodal model's tokenizer")
+    return {k: "".join(found[k]) for k in cfg.multimodal_keys}
+
+
+def _row_media(messages: list[dict[str, str]], columns: dict[str, list[Any]], row: int,
+               path: Path, cfg: DataConfig, markers: dict[str, str]
+               ) -> tuple[list[dict[str, str]], dict[str, list[MediaRef]]]:
+    """The row's media items (checked: files exist, images open, one placeholder per item) and
+    its messages with the placeholders replaced by the model's markers."""
+    items = {kind: row_media(col[row], kind, path.parent,
+                             f"{path}, row {row}, key {cfg.multimodal_keys[kind]!r}")
+             for kind, col in columns.items()}
+    if cfg.add_missing_placeholders:
+        messages = add_placeholders(messages, items)
+    check_counts("".join(m["content"] for m in messages), items,
+                 f"{path}, row {row}, key {cfg.prompt_key!r}")
+    for ref in items.get("image", ()):
+        check_image(ref)
+    return ([{**m, "content": replace_placeholders(m["content"], markers)} for m in messages],
+            items)
 
 
 class PromptDataset:

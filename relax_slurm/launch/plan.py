@@ -23,6 +23,8 @@ class RunPlan:
     """ZMQ address of the broker's request socket, e.g. tcp://10.0.0.1:5555."""
     broker_pub: str
     """ZMQ address of the broker's broadcast socket."""
+    broker_admin: str | None = None
+    """http://HOST:PORT of the broker's admin HTTP (GET /status), or None."""
     engine_urls: list[str] = field(default_factory=list)
     """Base URLs of the inference engines (hf or SGLang), e.g. http://10.0.0.2:30000."""
     teacher_url: str | None = None

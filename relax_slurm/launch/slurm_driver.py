@@ -94,6 +94,7 @@ def slurm_plan(cfg: TrainConfig, layout: Layout) -> RunPlan:
     return RunPlan(
         broker_router=f"tcp://{head}:{free_port(ANY_HOST)}",
         broker_pub=f"tcp://{head}:{free_port(ANY_HOST)}",
+        broker_admin=f"http://{head}:{free_port(ANY_HOST)}",
         engine_urls=[f"http://{rollout[i % len(rollout)]}:{free_port(ANY_HOST)}"
                      for i in range(n)],
         # on-policy distillation's teacher engine: next in the round robin after the engines

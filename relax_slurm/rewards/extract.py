@@ -72,3 +72,18 @@ def label_list(label: Any) -> list[Any]:
     if isinstance(label, (list, tuple)):
         return list(label)
     return [label]
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+
+
+def answer_tag(text: str) -> str | None:
+    """The stripped content of the last complete `<answer>...</answer>`, or None.
+
+    >>> answer_tag("<think>2+2</think><answer> 4 </answer>")
+    '4'
+    >>> answer_tag("<answer>4") is None
+    True
+    """
+    found = _ANSWER_TAG.findall(text)
+    return found[-1].strip() if found else None

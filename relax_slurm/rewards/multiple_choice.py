@@ -4,7 +4,8 @@ The label is an option letter (`"B"`, `"(b)"`), or an option's text when
 `metadata["choices"]` lists the options in order (`A` is the first). Text after `</think>` is
 read when there is one.
 
-- `multiple_choice` takes, in order: the last `\boxed{X}`; the last "answer is X" /
+- `multiple_choice` takes, in order: the last `<answer>X</answer>` (AVQA-style; its content may
+  also be an option's text); the last `\boxed{X}`; the last "answer is X" /
   "Answer: X" (with `(X)`, `$X$`, `**X**` accepted); a response that is only the letter; the
   last standalone `(X)`. Letters run A-Z (or as many as `metadata["choices"]`).
 - `gpqa` is strict, as GPQA evaluations are: only "Answer: X" with X in A-D (or the number of
@@ -17,7 +18,7 @@ import re
 import string
 from typing import Any
 
-from relax_slurm.rewards.extract import final_text, last_boxed
+from relax_slurm.rewards.extract import answer_tag, final_text, last_boxed
 from relax_slurm.rewards.registry import RewardInput, register
 
 _ANSWER_IS = r"(?:answer\s+is|answer\s*:|answer\s+is\s*:)"
@@ -67,6 +68,11 @@ def choose_letter(response: str, letters: str) -> str | None:
     True
     """
     text = final_text(response)
+    tagged = answer_tag(text)
+    if tagged is not None:
+        m = re.fullmatch(r"[\s(*$]*([A-Za-z])[\s).*$]*", tagged)
+        if m and m.group(1).upper() in letters:
+            return m.group(1).upper()
     found = _boxed_letter(text, letters)
     if found is None:
         found = _last_match(_ANSWER_IS + _WRAPPED + r"(?![A-Za-z])", text, letters)
@@ -87,6 +93,11 @@ def multiple_choice_reward(inp: RewardInput) -> float:
     >>> multiple_choice_reward(RewardInput(prompt="", response="the answer is Paris",
     ...     label="Paris", metadata={"choices": ["Rome", "Paris"]}))
     0.0
+    >>> multiple_choice_reward(RewardInput(prompt="", response="<answer>C</answer>", label="C"))
+    1.0
+    >>> multiple_choice_reward(RewardInput(prompt="", response="<think>hm</think><answer>paris"
+    ...     "</answer>", label="B", metadata={"choices": ["Rome", "Paris"]}))
+    1.0
     >>> multiple_choice_reward(RewardInput(prompt="", response=r"\\boxed{B}",
     ...     label="Paris", metadata={"choices": ["Rome", "Paris"]}))
     1.0
@@ -94,6 +105,9 @@ def multiple_choice_reward(inp: RewardInput) -> float:
     metadata = inp.metadata or {}
     gold = label_letter(inp.label, metadata)
     picked = choose_letter(inp.response, _letters(metadata, 26))
+    if picked is None:  # <answer>option text</answer>, as AVQA-style responses often give
+        tagged = answer_tag(final_text(inp.response))
+        picked = label_letter(tagged, metadata) if tagged else None
     return 1.0 if gold is not None and picked == gold else 0.0
 
 

@@ -26,6 +26,7 @@ class _Call:
     input_ids: list[list[int]]
     params: list[dict[str, Any]]
     future: asyncio.Future
+    media: list[dict[str, list[str]]] | None = None
 
 
 class CoalescingEngine:
@@ -45,15 +46,17 @@ class CoalescingEngine:
         return self.engine.url
 
     async def generate(self, input_ids: list[list[int]],
-                       sampling_params: dict[str, Any] | list[dict[str, Any]]
+                       sampling_params: dict[str, Any] | list[dict[str, Any]],
+                       media: list[dict[str, list[str]]] | None = None
                        ) -> list[GenerateResult]:
-        """The responses to `input_ids` (with log-probs), from a request shared with others."""
+        """The responses to `input_ids` (with log-probs), from a request shared with others;
+        `media`: per input {kind: [items]} (multimodal prompts)."""
         params = (sampling_params if isinstance(sampling_params, list)
                   else [sampling_params] * len(input_ids))
         if self.max_groups == 1:
-            return await self.engine.generate(input_ids, params, return_logprob=True)
+            return await self.engine.generate(input_ids, params, return_logprob=True, media=media)
         loop = asyncio.get_running_loop()
-        call = _Call(list(input_ids), list(params), loop.create_future())
+        call = _Call(list(input_ids), list(params), loop.create_future(), media)
         self._pending.append(call)
         if len(self._pending) >= self.max_groups:
             self._flush()
@@ -74,8 +77,11 @@ class CoalescingEngine:
     async def _send(self, calls: list[_Call]) -> None:
         ids = [seq for c in calls for seq in c.input_ids]
         params = [p for c in calls for p in c.params]
+        media = None
+        if any(c.media for c in calls):
+            media = [m for c in calls for m in (c.media or [{}] * len(c.input_ids))]
         try:
-            results = await self.engine.generate(ids, params, return_logprob=True)
+            results = await self.engine.generate(ids, params, return_logprob=True, media=media)
         except asyncio.CancelledError:
             for c in calls:
                 c.future.cancel()

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from relax_slurm.errors import EngineDown, EngineError
+from relax_slurm.errors import EngineDown, EngineError, EngineUnreachable
 from relax_slurm.rollout import sglang_api
 
 # httpx logs every request at INFO: thousands of lines per step in a role's log
@@ -80,6 +80,17 @@ def _server_message(resp: httpx.Response) -> str:
     return str(body)[:2000]
 
 
+def media_fields(media: Optional[list[dict[str, list[str]]]], n: int) -> dict[str, Any]:
+    """SGLang's batch form of the media fields: `image_data` / `video_data` / `audio_data`, one
+    list of items (file names or base64) per input, [] for an input without that kind."""
+    if not media:
+        return {}
+    if len(media) != n:
+        raise ValueError(f"media for {len(media)} inputs, expected {n}")
+    kinds = sorted({k for m in media for k, v in m.items() if v})
+    return {f"{k}_data": [list(m.get(k) or []) for m in media] for k in kinds}
+
+
 class _Base:
     def __init__(self, url: str, timeout_s: float) -> None:
         self.url = url.rstrip("/")
@@ -104,14 +115,15 @@ class _Base:
 
     def _error(self, route: str, e: Exception) -> EngineError:
         if isinstance(e, httpx.TimeoutException):
-            return EngineError(f"engine {self.url}{route}: no answer within {self.timeout_s}s "
-                               f"({type(e).__name__})")
-        return EngineError(f"engine {self.url}{route}: {type(e).__name__}: {e}")
+            return EngineUnreachable(f"engine {self.url}{route}: no answer within "
+                                     f"{self.timeout_s}s ({type(e).__name__})")
+        cls = EngineUnreachable if isinstance(e, httpx.TransportError) else EngineError
+        return cls(f"engine {self.url}{route}: {type(e).__name__}: {e}")
 
     @staticmethod
     def _generate_body(input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
-                       return_logprob: bool, logprob_start_len: Optional[int] = None
-                       ) -> dict[str, Any]:
+                       return_logprob: bool, logprob_start_len: Optional[int] = None,
+                       media: Optional[list[dict[str, list[str]]]] = None) -> dict[str, Any]:
         body = {"input_ids": [list(map(int, ids)) for ids in input_ids],
                 "sampling_params": ([dict(p) for p in sampling_params]
                                     if isinstance(sampling_params, list)
@@ -119,6 +131,7 @@ class _Base:
                 "return_logprob": return_logprob}
         if logprob_start_len is not None:
             body["logprob_start_len"] = int(logprob_start_len)
+        body.update(media_fields(media, len(input_ids)))
         return body
 
     def _parse_generate(self, body: Any, n: int) -> list[GenerateResult]:
@@ -176,11 +189,13 @@ class EngineClient(_Base):
         return None if version is None else str(version)
 
     def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
-                 return_logprob: bool = True) -> list[GenerateResult]:
-        """One batch request; results in the order of input_ids."""
+                 return_logprob: bool = True,
+                 media: Optional[list[dict[str, list[str]]]] = None) -> list[GenerateResult]:
+        """One batch request; results in the order of input_ids. `media`: per input
+        {kind: [file name or base64, ...]}, sent as SGLang's image_data / audio_data."""
         if not input_ids:
             return []
-        body = self._generate_body(input_ids, sampling_params, return_logprob)
+        body = self._generate_body(input_ids, sampling_params, return_logprob, media=media)
         return self._parse_generate(self._json("/generate", self._call("POST", "/generate", body)),
                                     len(input_ids))
 
@@ -333,11 +348,13 @@ class AsyncEngineClient(_Base):
         return None if body["weight_version"] is None else str(body["weight_version"])
 
     async def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
-                       return_logprob: bool = True, logprob_start_len: Optional[int] = None
+                       return_logprob: bool = True, logprob_start_len: Optional[int] = None,
+                       media: Optional[list[dict[str, list[str]]]] = None
                        ) -> list[GenerateResult]:
         if not input_ids:
             return []
-        body = self._generate_body(input_ids, sampling_params, return_logprob, logprob_start_len)
+        body = self._generate_body(input_ids, sampling_params, return_logprob, logprob_start_len,
+                                   media)
         resp = await self._call("POST", "/generate", body)
         return self._parse_generate(self._json("/generate", resp), len(input_ids))
 

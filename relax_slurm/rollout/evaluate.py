@@ -68,13 +68,17 @@ class Evaluator:
     def _generate(self, prompts: list[Prompt], k: int) -> list[list[Any]]:
         """One batched request per engine, prompts split round-robin."""
         ids = [p.input_ids for p in prompts for _ in range(k)]
+        # media as the engine takes them; it expands the one pad per item of these ids
+        media = [{kind: [r.to_engine() for r in refs] for kind, refs in p.media.items()}
+                 for p in prompts for _ in range(k)]
         seeds = [{**self.params, "sampling_seed": i} for i in range(len(ids))]
         n = len(self.engines)
         results: list[Any] = [None] * len(ids)
         for e, engine in enumerate(self.engines):
             mine = list(range(e, len(ids), n))
             if mine:
-                got = engine.generate([ids[i] for i in mine], [seeds[i] for i in mine])
+                got = engine.generate([ids[i] for i in mine], [seeds[i] for i in mine],
+                                      media=[media[i] for i in mine] if any(media) else None)
                 for i, r in zip(mine, got):
                     results[i] = r
         return [results[i * k:(i + 1) * k] for i in range(len(prompts))]

@@ -5,7 +5,7 @@ Routes and JSON shapes follow sglang/srt/entrypoints/http_server.py and managers
 rollout worker or trainer cannot tell this server from `python -m sglang.launch_server`:
 
   POST /generate                      text | input_ids (one or a batch), sampling_params,
-                                      return_logprob, logprob_start_len
+                                      return_logprob, logprob_start_len, image_data, audio_data
                                       -> {text, output_ids, meta_info} or a list
   GET  /health, /health_generate      200 when the generation thread is alive, else 503
   GET  /get_model_info                {model_path, tokenizer_path, is_generation, ...}
@@ -22,6 +22,13 @@ Prefill log-probs (how a teacher scores a student's response): `return_logprob=t
 `logprob_start_len=k >= 0` adds `meta_info.input_token_logprobs`, one `[logprob, token_id, None]`
 per input position from k on, the first input token's log-prob being None, as SGLang does;
 with `max_new_tokens=0` nothing is generated and only the prefill runs.
+
+Multimodal models (Qwen2.5-VL, Qwen3-VL, Qwen2-Audio, ...: `relax_slurm.modeling`): `image_data`
+/ `audio_data` as SGLang takes them (one list of items per input; an item is a file name, a data
+URL or base64 bytes) are processed with the model's own image processor / feature extractor
+(`relax_slurm.data.processor`, the code the rollout worker runs too); each item's pad token in
+`input_ids` is expanded to its token count (ids already expanded pass unchanged) and the tensors
+ride along with the row into the batched `generate`.
 
 Dynamic batching: requests queue up; one generation thread takes up to --max-batch-size
 sequences (waiting up to --batch-wait-ms for more) and runs one `model.generate` with left
@@ -51,11 +58,14 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
-                          LogitsProcessor, LogitsProcessorList, StoppingCriteria,
-                          StoppingCriteriaList)
+from transformers import (AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList,
+                          StoppingCriteria, StoppingCriteriaList)
 
-from relax_slurm.errors import WeightSyncError
+from relax_slurm.auth import bearer_matches
+from relax_slurm.data.media import MODALITIES, MediaRef, from_engine
+from relax_slurm.data.processor import MediaLimits, MediaProcessor, concat_tensors
+from relax_slurm.errors import DataError, WeightSyncError
+from relax_slurm.modeling import auto_model_class, is_multimodal
 from relax_slurm.rollout import sglang_api
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
@@ -167,7 +177,7 @@ def parse_generate_request(body: dict, tokenizer: Any, vocab_size: int
     if body.get("stream"):
         raise BadRequest("stream=true is not supported by the hf engine")
     for key in ("top_logprobs_num", "token_ids_logprob", "return_hidden_states", "input_embeds",
-                "image_data", "lora_path"):
+                "lora_path"):
         if body.get(key):
             raise BadRequest(f"{key} is not supported by the hf engine")
     text, ids = body.get("text"), body.get("input_ids")
@@ -202,6 +212,27 @@ def parse_generate_request(body: dict, tokenizer: Any, vocab_size: int
             raise BadRequest(f"logprob_start_len={start!r}: must be -1 (output log-probs only) "
                              f"or an index into the input (below its length {len(prompt)})")
     return prompts, specs, flags, starts, is_batch
+
+
+def parse_media(body: dict, n: int, is_batch: bool) -> list[dict[str, list[MediaRef]]]:
+    """SGLang's `image_data` / `video_data` / `audio_data`: for one input an item or a list of
+    items, for a batch one such entry (or null) per input -> per input {kind: [MediaRef]}."""
+    out: list[dict[str, list[MediaRef]]] = [{} for _ in range(n)]
+    for kind in MODALITIES:
+        value = body.get(f"{kind}_data")
+        if value is None:
+            continue
+        entries = value if is_batch else [value]
+        if not isinstance(entries, list) or len(entries) != n:
+            raise BadRequest(f"{kind}_data: expected one entry per input ({n})")
+        for i, entry in enumerate(entries):
+            items = [] if entry is None else entry if isinstance(entry, list) else [entry]
+            try:
+                out[i][kind] = [from_engine(kind, v, f"{kind}_data[{i}][{j}]")
+                                for j, v in enumerate(items)]
+            except DataError as e:
+                raise BadRequest(str(e)) from e
+    return out
 
 
 @dataclass
@@ -240,6 +271,8 @@ class _Row:
     index: int
     logprob_start_len: int = -1
     """>= 0: also return the log-probs of the input tokens from this position on."""
+    mm: Optional[dict] = None
+    """Processed media of this row (forward kwargs as numpy arrays), or None for text."""
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -386,13 +419,15 @@ class HFEngine:
 
     def __init__(self, model_path: str, tokenizer_path: Optional[str], dtype: str, device: str,
                  max_batch_size: int, batch_wait_ms: float, weight_version: str,
-                 sync_timeout_s: float) -> None:
+                 sync_timeout_s: float, media_limits: Optional[MediaLimits] = None) -> None:
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or model_path
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-        self.model = AutoModelForCausalLM.from_pretrained(
+        self.model = auto_model_class(model_path).from_pretrained(
             model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.media = (MediaProcessor(model_path, self.tokenizer.get_vocab(), media_limits)
+                      if is_multimodal(model_path) else None)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.eos_ids = self._eos_ids()
         self.pad_id = next(i for i in (self.tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
@@ -411,6 +446,7 @@ class HFEngine:
         self._pending: deque[_Row] = deque()
         self._cond = threading.Condition()
         self._paused = False
+        self.partial_weights = False
         self.released: set[str] = set()
         """Memory regions let go by /release_memory_occupation (colocated placement); CPU
         frees nothing, but generation is refused until resumed, as SGLang cannot generate
@@ -422,7 +458,10 @@ class HFEngine:
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
-        for src in (self.tokenizer.eos_token_id, self.model.config.eos_token_id,
+        config = self.model.config
+        text_config = getattr(config, "text_config", None)  # multimodal models keep it there
+        for src in (self.tokenizer.eos_token_id, getattr(config, "eos_token_id", None),
+                    getattr(text_config, "eos_token_id", None),
                     getattr(self.model.generation_config, "eos_token_id", None)):
             if isinstance(src, int):
                 ids.add(src)
@@ -443,14 +482,40 @@ class HFEngine:
             self._stop = True
             self._cond.notify_all()
 
+    def process_media(self, prompts: list[list[int]], media: list[dict[str, list[MediaRef]]]
+                      ) -> tuple[list[list[int]], list[Optional[dict]]]:
+        """Each input's ids with its media pads expanded, and its processed tensors (None for
+        text); inputs with the same ids and media (a group's samples) are processed once."""
+        if not any(any(m.values()) for m in media):
+            return prompts, [None] * len(prompts)
+        if self.media is None:
+            raise BadRequest(f"image_data/audio_data sent, but {self.model_path} is a text model")
+        done: dict[tuple, Any] = {}
+        ids_out, mm_out = [], []
+        for i, (ids, items) in enumerate(zip(prompts, media)):
+            if not any(items.values()):
+                ids_out.append(ids)
+                mm_out.append(None)
+                continue
+            key = (tuple(ids), tuple((k, r.path, r.data) for k, rs in items.items() for r in rs))
+            if key not in done:
+                try:
+                    done[key] = self.media.process(ids, items, where=f"input {i}")
+                except DataError as e:
+                    raise BadRequest(str(e)) from e
+            ids_out.append(done[key].input_ids)
+            mm_out.append(done[key].tensors)
+        return ids_out, mm_out
+
     def submit(self, prompts: list[list[int]], specs: list[SamplingSpec],
-               logprob_flags: list[bool], logprob_start_lens: Optional[list[int]] = None
-               ) -> Future:
+               logprob_flags: list[bool], logprob_start_lens: Optional[list[int]] = None,
+               mm: Optional[list[Optional[dict]]] = None) -> Future:
         """Queue one request's sequences; the future resolves to their response items."""
         req = _Request(future=Future(), results=[None] * len(prompts), remaining=len(prompts))
         starts = logprob_start_lens or [-1] * len(prompts)
-        rows = [_Row(ids, spec, lp, req, i, start) for i, (ids, spec, lp, start)
-                in enumerate(zip(prompts, specs, logprob_flags, starts))]
+        mm = mm or [None] * len(prompts)
+        rows = [_Row(ids, spec, lp, req, i, start, m) for i, (ids, spec, lp, start, m)
+                in enumerate(zip(prompts, specs, logprob_flags, starts, mm))]
         queued = []
         for row in rows:
             if row.spec.max_new_tokens == 0 and not row.wants_input_logprobs:  # nothing to run
@@ -527,7 +592,7 @@ class HFEngine:
                 attention_mask[i, :len(row.input_ids)] = 1
             logits = self.model(input_ids=input_ids.to(self.device),
                                 attention_mask=attention_mask.to(self.device),
-                                use_cache=False).logits  # [B, L, V]
+                                use_cache=False, **self._mm_kwargs(chunk)).logits  # [B, L, V]
             for i, row in enumerate(chunk):
                 n = len(row.input_ids)
                 scaled = logits[i, :n - 1].float() / row.logprob_temperature  # [L-1, V]
@@ -535,6 +600,16 @@ class HFEngine:
                 lps = (scaled.gather(1, targets).squeeze(1) - torch.logsumexp(scaled, -1))
                 out[id(row)] = [None, *lps.tolist()][row.logprob_start_len:]
         return out
+
+    def _mm_kwargs(self, rows: list[_Row]) -> dict[str, torch.Tensor]:
+        """The batch's media tensors: each row's, concatenated in row order (the order of their
+        pads in the flattened ids); floating ones in the model's dtype."""
+        per_row = [r.mm for r in rows if r.mm]
+        if not per_row:
+            return {}
+        dtype = next(self.model.parameters()).dtype
+        return {k: (t.to(dtype) if t.is_floating_point() else t).to(self.device)
+                for k, t in ((k, torch.from_numpy(v)) for k, v in concat_tensors(per_row).items())}
 
     @torch.no_grad()
     def _generate(self, rows: list[_Row]) -> list[tuple[list[int], list[float], dict]]:
@@ -547,6 +622,7 @@ class HFEngine:
         state = _BatchState(rows, self.eos_ids, self.tokenizer, self.device)
         self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+            **self._mm_kwargs(rows),
             max_new_tokens=max(r.spec.max_new_tokens for r in rows),
             logits_processor=LogitsProcessorList([_RowSampler(state)]),
             stopping_criteria=StoppingCriteriaList([_RowStopper(state)]))
@@ -627,8 +703,14 @@ class HFEngine:
         if not self._model_lock.acquire(timeout=self.sync_timeout_s):
             raise WeightSyncError(f"generation held the model for more than {self.sync_timeout_s}s")
         try:
-            received = self.receiver.receive(names, dtypes, shapes, group_name, self.device)
+            # received in place into the parameters: a failure midway leaves a mix of two
+            # versions, so the engine refuses /generate until a later update completes
+            self.partial_weights = True
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            received = self.receiver.receive(names, dtypes, shapes, group_name, self.device,
+                                             into=params)
             load_named_tensors(self.model, received)
+            self.partial_weights = False
             if weight_version is not None:
                 self.weight_version = str(weight_version)
         finally:
@@ -689,8 +771,20 @@ def _memory_tags(body: dict, route: str) -> list[str]:
     return list(tags)
 
 
-def build_app(engine: HFEngine, request_timeout_s: float) -> FastAPI:
+def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = None
+              ) -> FastAPI:
+    """The SGLang routes; with `api_key`, every route but /health* wants
+    `Authorization: Bearer KEY` (401 otherwise), as SGLang's --api-key."""
     app = FastAPI(title="relax-slurm hf engine")
+
+    if api_key:
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if (not request.url.path.startswith(sglang_api.OPEN_ROUTES)
+                    and not bearer_matches(api_key, request.headers.get("authorization"))):
+                return JSONResponse({"error": "missing or wrong API key (Authorization: Bearer "
+                                              f"${sglang_api.API_KEY_ENV})"}, status_code=401)
+            return await call_next(request)
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     @_json_errors
@@ -699,9 +793,15 @@ def build_app(engine: HFEngine, request_timeout_s: float) -> FastAPI:
         if engine.released:
             raise BadRequest(f"memory {sorted(engine.released)} is released: call "
                              "/resume_memory_occupation before /generate")
+        if engine.partial_weights:
+            raise WeightSyncError("the last weight update failed midway and left a mix of two "
+                                  "versions: generation resumes after the next complete "
+                                  "/update_weights_from_distributed")
         prompts, specs, flags, starts, is_batch = parse_generate_request(
             body, engine.tokenizer, engine.vocab_size)
-        future = engine.submit(prompts, specs, flags, starts)
+        media = parse_media(body, len(prompts), is_batch)
+        prompts, mm = await asyncio.to_thread(engine.process_media, prompts, media)
+        future = engine.submit(prompts, specs, flags, starts, mm)
         items = await asyncio.wait_for(asyncio.wrap_future(future), timeout=request_timeout_s)
         return JSONResponse(items if is_batch else items[0])
 
@@ -841,6 +941,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="longest a /generate call may wait for its batch")
     p.add_argument("--weight-sync-timeout-s", type=float, default=300.0,
                    help="timeout of group formation, broadcasts and waiting for the model lock")
+    p.add_argument("--image-min-pixels", type=int, default=None,
+                   help="multimodal: smallest image size in pixels (default: the processor's)")
+    p.add_argument("--image-max-pixels", type=int, default=None,
+                   help="multimodal: largest image size in pixels (default: the processor's)")
+    p.add_argument("--audio-sampling-rate-hz", type=int, default=16000)
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     if args.max_batch_size < 1:
@@ -852,13 +957,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     torch.manual_seed(args.seed)
     engine = HFEngine(args.model_path, args.tokenizer_path, args.dtype, args.device,
                       args.max_batch_size, args.batch_wait_ms, args.weight_version,
-                      args.weight_sync_timeout_s)
+                      args.weight_sync_timeout_s,
+                      MediaLimits(image_min_pixels=args.image_min_pixels,
+                                  image_max_pixels=args.image_max_pixels,
+                                  audio_sampling_rate_hz=args.audio_sampling_rate_hz))
     freeze_heap()
     engine.start()
     log.info("serving %s on %s:%d (max batch %d, wait %.1f ms)", args.model_path, args.host,
              args.port, args.max_batch_size, args.batch_wait_ms)
     try:
-        uvicorn.run(build_app(engine, args.request_timeout_s), host=args.host, port=args.port,
+        app = build_app(engine, args.request_timeout_s, api_key=sglang_api.api_key())
+        uvicorn.run(app, host=args.host, port=args.port,
                     log_level="warning", timeout_graceful_shutdown=5,
                     timeout_keep_alive=KEEP_ALIVE_S)
     finally:

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import logging
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -37,10 +39,12 @@ from urllib.parse import urlparse
 import numpy as np
 
 from relax_slurm.broker.client import AsyncBrokerClient
+from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
+from relax_slurm.data.processor import MediaLimits, MediaProcessor, Processed
 from relax_slurm.envs import env_factory
-from relax_slurm.errors import BrokerShutdown, ConfigError
+from relax_slurm.errors import BrokerShutdown, ConfigError, EngineUnreachable
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.launch.plan import load_plan
@@ -58,6 +62,7 @@ from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.samples import Group, Sample
 
 log = logging.getLogger("relax_slurm.rollout")
+ENGINE_RETRY_S = 2.0  # a group whose engine is unreachable waits this long before its retry
 ACQUIRE_WAIT_S = 2.0  # one parked admission request; short so shutdown is noticed promptly
 
 
@@ -102,7 +107,7 @@ def shaped_rewards(cfg: TrainConfig, rewards: list[float], lengths: list[int]) -
 def grades_like_math(reward_name: str) -> bool:
     """Whether the reward uses math-verify, worth pre-loading in the pool (seconds of SymPy
     imports, which would otherwise count against the first call's timeout)."""
-    return any(k in reward_name for k in ("math", "dapo", "deepscaler"))
+    return any(k in reward_name for k in ("math", "dapo", "deepscaler", "openr1mm"))
 
 
 def check_same_tokenizer(tokenizer, teacher_path: str, model_path: str) -> None:
@@ -160,6 +165,7 @@ class RolloutWorker:
             check_same_tokenizer(self.tokenizer, cfg.algo.teacher_model_path, cfg.model.path)
             self.teacher = AsyncEngineClient(plan.teacher_url, cfg.rollout.request_timeout_s)
         self.params = sampling_params(cfg)
+        self.media, self.media_pool = self._media_processing(cfg)
         self.make_env = None  # multi-turn rollouts: one environment per episode
         if cfg.env.name:
             if self.teacher is not None:
@@ -172,10 +178,40 @@ class RolloutWorker:
                                      cfg.rollout.max_new_tokens)
         # group ids unique across workers without coordination
         self.worker_rank = worker_rank
+        self.role = "rollout" if worker_rank == 0 else f"rollout{worker_rank}"
         self.group_ids = itertools.count(first_group_id, num_workers)
+        self.first_group_id, self.num_workers = first_group_id, num_workers
         self.stop = asyncio.Event()
         self.failed: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
+        self.requeued: deque[tuple[Prompt, int, dict]] = deque()
+        self.requeued_total = 0
+
+    def _media_processing(self, cfg: TrainConfig
+                          ) -> tuple[MediaProcessor | None, concurrent.futures.Executor | None]:
+        """Multimodal data: the model's processors and the threads that run them."""
+        d = cfg.data
+        if not d.multimodal_keys:
+            return None, None
+        for option, value in (("algo.teacher_model_path", cfg.algo.teacher_model_path),
+                              ("env.name", cfg.env.name)):
+            if value:
+                raise ConfigError(f"data.multimodal_keys with {option}={value} is not supported "
+                                  f"yet: unset one of them")
+        limits = MediaLimits(image_min_pixels=d.image_min_pixels,
+                             image_max_pixels=d.image_max_pixels,
+                             audio_sampling_rate_hz=d.audio_sampling_rate_hz)
+        return (MediaProcessor(cfg.model.path, self.tokenizer.get_vocab(), limits),
+                concurrent.futures.ThreadPoolExecutor(d.media_num_workers,
+                                                      thread_name_prefix="media"))
+
+    async def processed(self, prompt: Prompt) -> Processed:
+        """The prompt's ids with media pads expanded and its media tensors (text: as is)."""
+        if self.media is None or not any(prompt.media.values()):
+            return Processed(input_ids=list(prompt.input_ids))
+        return await asyncio.get_running_loop().run_in_executor(
+            self.media_pool, self.media.process, prompt.input_ids, prompt.media,
+            f"prompt {prompt.prompt_id}")
 
     async def score(self, prompt: Prompt, results: list[GenerateResult]
                     ) -> tuple[list[float], int]:
@@ -207,8 +243,11 @@ class RolloutWorker:
         if self.make_env is not None:
             await self.rollout_episodes(prompt, gid, data_state, params, t_start)
             return
+        processed = await self.processed(prompt)
+        media = ([{k: [r.to_engine() for r in refs] for k, refs in prompt.media.items()}] * n
+                 if processed.tensors else None)
         async with self.router.pick() as engine:
-            results = await engine.generate([prompt.input_ids] * n, params)
+            results = await engine.generate([processed.input_ids] * n, params, media=media)
         t_end = time.time()
         (rewards, errors), teacher = await asyncio.gather(
             self.score(prompt, results), self.teacher_logprobs(prompt, results))
@@ -221,9 +260,10 @@ class RolloutWorker:
             version = int(res.weight_version) if res.weight_version is not None else 0
             group.append(Sample(
                 prompt_id=prompt.prompt_id, group_id=gid,
-                prompt_ids=prompt.input_ids, response_ids=res.output_ids,
+                prompt_ids=processed.input_ids, response_ids=res.output_ids,
                 loss_mask=[1.0] * len(res.output_ids), rollout_logprobs=res.logprobs,
                 teacher_logprobs=teacher_lp,
+                mm_inputs=processed.tensors,  # one dict: the group's samples share its arrays
                 reward=float(reward), version=version, version_min=version,
                 finish_reason=res.finish_reason,
                 metadata={"t_start": t_start, "t_end": t_end, "worker": self.worker_rank,
@@ -296,19 +336,55 @@ class RolloutWorker:
         urls = [e.url for e in self.router.engines] + ([self.teacher.url] if self.teacher else [])
         await asyncio.to_thread(wait_until_healthy, urls, self.cfg.rollout.startup_timeout_s)
 
+    def start_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
+        task = asyncio.create_task(self.guarded_group(prompt, gid, data_state))
+        self.tasks.add(task)
+        task.add_done_callback(self._done)
+
+    async def guarded_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
+        """A group whose engine went away (died, restarting in place) is queued again with its
+        credit and the same seeds; any other failure fails the worker."""
+        try:
+            await self.rollout_group(prompt, gid, data_state)
+        except EngineUnreachable as e:
+            log.warning("group %d re-queued: %s", gid, e)
+            await asyncio.sleep(ENGINE_RETRY_S)  # no busy loop while the engine restarts
+            self.requeued.append((prompt, gid, data_state))
+            self.requeued_total += 1
+
     def _done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None and self.failed is None:
             self.failed = task.exception()
             self.stop.set()
 
+    async def rejoin(self) -> None:
+        """A restarted worker (the launcher restarts a dead one in place) gets back the credits
+        its predecessor held and continues after that one's newest accepted group; a first
+        start finds nothing to take over."""
+        joined = await self.broker.rejoin(self.worker_rank)
+        pos = joined.get("position")
+        if pos and pos["next_group_id"] > self.first_group_id:
+            self.dataset.load_state_dict(pos["data_state"])
+            self.group_ids = itertools.count(pos["next_group_id"], self.num_workers)
+            log.info("rejoined: %d credits reclaimed; continuing at data position %s, group "
+                     "id %d", joined["reclaimed"], pos["data_state"], pos["next_group_id"])
+
     async def run(self) -> None:
         limit = self.cfg.rollout.max_inflight_groups
         await self.reward_pool.start()  # a reward worker that cannot start fails the run now
+        await self.rejoin()
+        beat = Pacer(self.cfg.cluster.heartbeat_interval_s)
         while not self.stop.is_set():
+            if beat.due():  # from this loop, not a thread: a beat means the loop turns
+                await self.broker.heartbeat(self.role, groups_in_flight=len(self.tasks),
+                                            groups_requeued=self.requeued_total)
+            while self.requeued and len(self.tasks) < limit:  # they still hold their credits
+                self.start_group(*self.requeued.popleft())
             room = limit - len(self.tasks)
             if room <= 0:
-                await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(self.tasks, timeout=beat.interval_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
                 continue
             granted = await self.broker.acquire(room, wait_s=ACQUIRE_WAIT_S)
             for i in range(granted):
@@ -319,10 +395,7 @@ class RolloutWorker:
                     self.stop.set()
                     break
                 # the position after this prompt: where a resume continues once it is trained
-                task = asyncio.create_task(self.rollout_group(
-                    prompt, next(self.group_ids), self.dataset.state_dict()))
-                self.tasks.add(task)
-                task.add_done_callback(self._done)
+                self.start_group(prompt, next(self.group_ids), self.dataset.state_dict())
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -335,6 +408,8 @@ class RolloutWorker:
             await engine.aclose()
         self.reward_pool.close()
         self.broker.close()
+        if self.media_pool is not None:
+            self.media_pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def _amain(run_dir: Path) -> None:

@@ -9,6 +9,7 @@ step cuts its block into micro-batches with `MicroBatch.rows`.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,44 @@ def prepare_items(groups: list[Group], algo: AlgoConfig) -> list[TrainItem]:
 
 
 @dataclass
+class MediaTensors:
+    """The processed media of a block of rows: forward kwargs, rows' items concatenated."""
+
+    tensors: dict[str, Tensor]
+    """name -> [sum of the rows' items, ...] (pixel_values [N, D], image_grid_thw [n, 3], ...)."""
+    counts: dict[str, tuple[int, ...]]
+    """name -> each row's number of items along dim 0, in row order."""
+
+    def rows(self, lo: int, hi: int) -> "MediaTensors":
+        out = {}
+        for name, t in self.tensors.items():
+            c = self.counts[name]
+            start = sum(c[:lo])
+            out[name] = t[start:start + sum(c[lo:hi])]
+        return MediaTensors(tensors=out, counts={k: c[lo:hi] for k, c in self.counts.items()})
+
+    def kwargs(self) -> dict[str, Tensor]:
+        """What the forward takes: names with no item in these rows are left out."""
+        return {k: t for k, t in self.tensors.items() if t.shape[0] > 0}
+
+
+def collate_media(items: list[TrainItem]) -> MediaTensors | None:
+    """Every sample's `mm_inputs` concatenated per name in row order (numpy -> torch once)."""
+    names = sorted({k for it in items for k in it.sample.mm_inputs})
+    if not names:
+        return None
+    tensors, counts = {}, {}
+    for name in names:
+        arrays = [it.sample.mm_inputs.get(name) for it in items]
+        like = next(a for a in arrays if a is not None)
+        arrays = [a if a is not None else np.empty((0, *like.shape[1:]), like.dtype)
+                  for a in arrays]
+        tensors[name] = torch.from_numpy(np.concatenate(arrays))
+        counts[name] = tuple(len(a) for a in arrays)
+    return MediaTensors(tensors=tensors, counts=counts)
+
+
+@dataclass
 class MicroBatch:
     input_ids: Tensor       # [B, T] prompt + response, right-padded
     attention_mask: Tensor  # [B, T]
@@ -73,9 +112,16 @@ class MicroBatch:
     # prompt + response length of each row, on the host: cutting micro-batches to their longest
     # row then needs no device->host copy (a GPU sync) per micro-batch
     seq_lens: tuple[int, ...] = ()
+    media: MediaTensors | None = None
+    """Processed images/audio of the rows (multimodal models), or None."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def forward_kwargs(self) -> dict[str, Tensor]:
+        """The model's inputs: ids, mask and, for multimodal rows, their media tensors."""
+        media = self.media.kwargs() if self.media is not None else {}
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **media}
 
     def rows(self, lo: int, hi: int) -> "MicroBatch":
         """Rows lo..hi-1, cut to their longest sequence (a block is padded to the batch's)."""
@@ -87,6 +133,7 @@ class MicroBatch:
             **{name: None if t is None else t[lo:hi, :width - 1]
                for name, t in ((f, getattr(self, f)) for f in _PER_POSITION)},
             seq_lens=self.seq_lens[lo:hi],
+            media=None if self.media is None else self.media.rows(lo, hi),
         )
 
 
@@ -107,6 +154,7 @@ def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroB
         raise ValueError(f"{sum(with_teacher)} of {len(items)} samples carry teacher log-probs: "
                          "a batch needs them on every sample or none")
     teacher_logp = torch.zeros((B, T - 1)) if all(with_teacher) else None
+    media = collate_media(items)
     for i, it in enumerate(items):
         s = it.sample
         P, R = len(s.prompt_ids), s.response_len
@@ -129,29 +177,39 @@ def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroB
         rollout_logp=rollout_logp.to(device),
         teacher_logp=None if teacher_logp is None else teacher_logp.to(device),
         seq_lens=tuple(lengths),
+        media=None if media is None else MediaTensors(
+            tensors={k: t.to(device) for k, t in media.tensors.items()}, counts=media.counts),
     )
 
 
-def scatter_batch(batch: MicroBatch | None, device: torch.device) -> MicroBatch:
+def scatter_batch(batch: MicroBatch | None, device: torch.device,
+                  data_ranks: list[int] | None = None) -> MicroBatch:
     """Rank 0 holds the whole collated batch (on the CPU); every rank gets its equal block of
-    rows on `device`. Collective: every rank calls it (the others with None)."""
+    rows on `device`: block `data_ranks[r]` for global rank r (default: block r; model-parallel
+    peers share a block). Collective: every rank calls it (the others with None)."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    data_ranks = list(range(world)) if data_ranks is None else data_ranks
+    blocks_n = len(set(data_ranks))
     head = torch.zeros(3, dtype=torch.long, device=device)  # rows, width, teacher present
     if rank == 0:
-        assert len(batch) % world == 0, "batch not divisible by trainer ranks"
-        head = torch.tensor([len(batch) // world, batch.input_ids.shape[1],
+        assert len(batch) % blocks_n == 0, "batch not divisible by data-parallel ranks"
+        head = torch.tensor([len(batch) // blocks_n, batch.input_ids.shape[1],
                              int(batch.teacher_logp is not None)], device=device)
     dist.broadcast(head, src=0)
     rows, width, teacher = head.tolist()
 
     def part(name: str, dtype: torch.dtype, w: int) -> Tensor:
         out = torch.empty((rows, w), dtype=dtype, device=device)
-        blocks = (list(getattr(batch, name).to(device).split(rows)) if rank == 0 else None)
+        blocks = None
+        if rank == 0:
+            split = getattr(batch, name).to(device).split(rows)
+            blocks = [split[d].contiguous() for d in data_ranks]
         dist.scatter(out, blocks, src=0)
         return out
 
     input_ids = part("input_ids", torch.long, width)
     attention_mask = part("attention_mask", torch.long, width)
+    media = _scatter_media(batch.media if rank == 0 else None, rows, device)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -159,4 +217,40 @@ def scatter_batch(batch: MicroBatch | None, device: torch.device) -> MicroBatch:
         **{name: part(name, torch.float32, width - 1) for name in _PER_POSITION
            if name != "teacher_logp" or teacher},
         seq_lens=tuple(attention_mask.sum(1).tolist()),  # one device->host copy per step
+        media=media,
     )
+
+
+def _broadcast_json(value: object, device: torch.device) -> object:
+    """A small JSON header from rank 0 to every rank (as bytes in a tensor: no pickle)."""
+    raw = torch.tensor(list(json.dumps(value).encode()) if dist.get_rank() == 0 else [],
+                       dtype=torch.uint8, device=device)
+    size = torch.tensor([raw.numel()], dtype=torch.long, device=device)
+    dist.broadcast(size, src=0)
+    if dist.get_rank() != 0:
+        raw = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(raw, src=0)
+    return json.loads(bytes(raw.cpu().tolist()).decode())
+
+
+def _scatter_media(media: MediaTensors | None, rows: int, device: torch.device
+                   ) -> MediaTensors | None:
+    """Rank 0's media tensors to every rank (whole: their sizes vary by row); each rank keeps
+    its block of rows. Collective."""
+    rank = dist.get_rank()
+    head = None
+    if rank == 0 and media is not None:
+        head = {k: [str(t.dtype).removeprefix("torch."), list(t.shape), list(media.counts[k])]
+                for k, t in media.tensors.items()}
+    head = _broadcast_json(head, device)
+    if head is None:
+        return None
+    tensors = {}
+    for name, (dtype, shape, _) in head.items():
+        t = (media.tensors[name].to(device).contiguous() if rank == 0 else
+             torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+        dist.broadcast(t, src=0)
+        tensors[name] = t
+    whole = MediaTensors(tensors=tensors,
+                         counts={k: tuple(v[2]) for k, v in head.items()})
+    return whole.rows(rank * rows, (rank + 1) * rows)

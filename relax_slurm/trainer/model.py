@@ -12,20 +12,30 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import AutoModelForCausalLM
-
 from relax_slurm.config.schema import ModelConfig, TrainerConfig
+from relax_slurm.errors import ConfigError
+from relax_slurm.modeling import auto_model_class
 from relax_slurm.trainer.schedule import lr_factor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_hf_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(
+    """The causal LM, or the multimodal model (VL, audio, omni) the directory holds."""
+    model = auto_model_class(cfg.path).from_pretrained(
         cfg.path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
     )
     model.config.use_cache = False  # training never reuses a KV cache
     return model.to(device)
+
+
+def pad_token_id(config) -> int:
+    """The pad id of a causal LM's config, or of a multimodal one's text config; else 0."""
+    for c in (config, getattr(config, "text_config", None)):
+        value = getattr(c, "pad_token_id", None) if c is not None else None
+        if value is not None:
+            return int(value)
+    return 0
 
 
 def load_reference_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
@@ -36,6 +46,29 @@ def load_reference_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
     return model
 
 
+def freeze_modules(model: nn.Module, prefixes: list[str]) -> int:
+    """Stop training the parameters under these name prefixes (`trainer.freeze_modules`, e.g.
+    the vision tower `model.visual`); they still go to the engines with every weight sync.
+    Returns how many parameters were frozen; ConfigError for a prefix that matches nothing."""
+    frozen = 0
+    for prefix in prefixes:
+        hits = [p for n, p in model.named_parameters() if n == prefix or n.startswith(prefix + ".")]
+        if not hits:
+            tops = sorted({".".join(n.split(".")[:2]) for n, _ in model.named_parameters()})
+            raise ConfigError(f"trainer.freeze_modules: {prefix!r} matches no parameter. Fix: "
+                              f"use a module name prefix, e.g. one of {tops}")
+        for p in hits:
+            p.requires_grad_(False)
+            frozen += p.numel()
+    return frozen
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The text decoder's layers (FSDP2 shards each): causal LMs and multimodal models."""
+    inner = model.model
+    return inner.layers if hasattr(inner, "layers") else inner.language_model.layers
+
+
 def wrap_parallel(model: nn.Module, cfg: TrainerConfig, device: torch.device) -> nn.Module:
     """DDP replicates and all-reduces gradients; FSDP2 shards parameters across ranks."""
     if dist.get_world_size() == 1:
@@ -43,7 +76,7 @@ def wrap_parallel(model: nn.Module, cfg: TrainerConfig, device: torch.device) ->
     if cfg.strategy == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             fully_shard(layer)
         fully_shard(model)
         return model
@@ -57,7 +90,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def build_optimizer(model: nn.Module, cfg: TrainerConfig):
     opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(

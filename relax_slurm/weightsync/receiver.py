@@ -12,7 +12,7 @@ import hashlib
 import logging
 import threading
 from datetime import timedelta
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,17 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
                              f"{tuple(targets[name].shape)}")
     with torch.no_grad():
         for name, t in named:
-            targets[name].copy_(t)
+            # received in place (WeightReceiver.receive's `into`): nothing to copy
+            if t.data_ptr() != targets[name].data_ptr():
+                targets[name].copy_(t)
+
+
+def _in_place(target: Optional[torch.Tensor], dtype: torch.dtype, shape: Sequence[int],
+              device: torch.device) -> Optional[torch.Tensor]:
+    if (target is None or target.dtype != dtype or tuple(target.shape) != tuple(shape)
+            or target.device != device or not target.is_contiguous()):
+        return None
+    return target.data
 
 
 class WeightReceiver:
@@ -90,17 +100,28 @@ class WeightReceiver:
         return pg is not None
 
     def receive(self, names: Sequence[str], dtypes: Sequence[str],
-                shapes: Sequence[Sequence[int]], group_name: str,
-                device: torch.device) -> list[tuple[str, torch.Tensor]]:
-        """One broadcast from group rank 0 per name, in order; returns (name, tensor) pairs."""
+                shapes: Sequence[Sequence[int]], group_name: str, device: torch.device,
+                into: Optional[Mapping[str, torch.Tensor]] = None
+                ) -> list[tuple[str, torch.Tensor]]:
+        """One broadcast from group rank 0 per name, in order; returns (name, tensor) pairs.
+
+        A tensor of `into` with the same name, dtype, shape and device (and contiguous) is
+        received in place: no new allocation and no second copy, which is most of the cost of
+        a large sync on CPU (the benchmark measured 45% of raw broadcast bandwidth with a
+        fresh buffer plus a copy per tensor). The caller must keep readers of `into` out
+        until the receive is done (the engine holds its model lock).
+        """
         with self._lock:
             pg = self._groups.get(group_name)
         if pg is None:
             raise WeightSyncError(f"no weight-update group {group_name!r}: call "
                                   "/init_weights_update_group first")
         received, works = [], []
+        into = into or {}
         for name, dtype, shape in zip(names, dtypes, shapes):
-            t = torch.empty(list(shape), dtype=parse_dtype(dtype), device=device)
+            t = _in_place(into.get(name), parse_dtype(dtype), shape, device)
+            if t is None:
+                t = torch.empty(list(shape), dtype=parse_dtype(dtype), device=device)
             works.append(dist.broadcast(t, src=0, group=pg, async_op=True))
             received.append((name, t))
         timeout = timedelta(seconds=self.timeout_s)

@@ -101,3 +101,24 @@ def test_data_pipeline_reads_the_tool_output(tiny):
     ds = PromptDataset(DataConfig(train_files=[str(tiny / "arith_train.jsonl")]), tok)
     p = next(ds)
     assert len(ds) == 300 and len(p.input_ids) == 4 and p.text.endswith("=")
+
+
+def test_multimodal_tools_load_back(tiny_mm_assets):
+    """The tiny VL and audio models load with the Auto classes; the tasks' files exist."""
+    import json as _json
+
+    from transformers import (AutoImageProcessor, AutoModelForMultimodalLM, AutoProcessor,
+                              AutoTokenizer)
+
+    vl, audio = tiny_mm_assets / "vl_model", tiny_mm_assets / "audio_model"
+    assert type(AutoModelForMultimodalLM.from_pretrained(vl)).__name__ == \
+        "Qwen2_5_VLForConditionalGeneration"
+    assert type(AutoModelForMultimodalLM.from_pretrained(audio)).__name__ == \
+        "Qwen2AudioForConditionalGeneration"
+    assert AutoImageProcessor.from_pretrained(vl).size["longest_edge"] == 56 * 56
+    assert AutoProcessor.from_pretrained(audio).feature_extractor.nb_max_frames == 200
+    assert "<|image_pad|>" in AutoTokenizer.from_pretrained(vl).get_vocab()
+    for task, column in (("colors", "images"), ("tones", "audios")):
+        rows = [_json.loads(x) for x in (tiny_mm_assets / f"{task}_train.jsonl").open()]
+        assert len(rows) == 2000 and {r["label"] for r in rows} == {"0", "1", "2", "3"}
+        assert all((tiny_mm_assets / r[column][0]).is_file() for r in rows[:50])

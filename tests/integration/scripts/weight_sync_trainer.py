@@ -65,6 +65,24 @@ def run_rank0(args):
         except WeightSyncError as e:
             out["mismatch_error"] = str(e)
         out["tampered_name"] = name
+
+        # engines receive in place: an update that fails after its broadcasts (a name the
+        # model lacks) leaves a mix of versions, and generation is refused until a full update
+        bogus = second + [("model.no_such_weight", torch.zeros(3))]
+        try:
+            sender.send(bogus, version="bogus")
+            out["bogus_error"] = None
+        except WeightSyncError as e:
+            out["bogus_error"] = str(e)
+        try:
+            clients[0].generate(PROMPTS, GREEDY)
+            out["generate_after_bogus"] = None
+        except Exception as e:  # noqa: BLE001 - the engine's refusal, whatever its type
+            out["generate_after_bogus"] = str(e)
+        sender.send(second, version="3")
+        sender.verify(second)
+        out["gen_versions3"] = [r.weight_version for c in clients
+                                for r in c.generate(PROMPTS, GREEDY)]
     finally:
         sender.close()
         for c in clients:

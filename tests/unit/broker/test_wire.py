@@ -256,3 +256,30 @@ def test_bad_teacher_logprobs_are_rejected() -> None:
     with pytest.raises(BrokerError, match="teacher_logprobs.*must match"):
         decode(_tamper(lambda g, f: (g["a"]["teacher_logprobs"].__setitem__(2, [3]),
                                      f.__setitem__(5, bytes(12))), with_teacher))
+
+
+def test_mm_inputs_round_trip_shared_per_group() -> None:
+    pixels = np.random.default_rng(0).standard_normal((16, 1176)).astype(np.float32)
+    grid = np.array([[1, 4, 4]], dtype=np.int64)
+    group = [make_sample(mm_inputs={"pixel_values": pixels, "image_grid_thw": grid})
+             for _ in range(4)]
+    frames = encode("put", {}, [group, [make_sample()]])
+    # 4 arrays + 2 media frames for the first group (shared by its 4 samples), 4 for the second
+    assert len(frames) == 1 + 4 + 2 + 4
+    _, _, (back, text) = decode(frames)
+    for s in back:
+        np.testing.assert_array_equal(s.mm_inputs["pixel_values"], pixels)
+        assert s.mm_inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert back[0].mm_inputs["pixel_values"] is back[3].mm_inputs["pixel_values"]
+    assert text[0].mm_inputs == {}
+    # re-encoding what was decoded (the broker hands groups on) keeps the sharing
+    assert len(encode("batch", {}, [back])) == 1 + 4 + 2
+
+
+def test_mm_inputs_bad() -> None:
+    with pytest.raises(BrokerError, match="must be a numpy array"):
+        encode("put", {}, [[make_sample(mm_inputs={"x": [1, 2]})]])
+    frames = encode("put", {}, [[make_sample(mm_inputs={"x": np.zeros((2, 3), np.float32)})]])
+    frames[-1] = b"\0" * 8
+    with pytest.raises(BrokerError, match=r"shape \[2, 3\].*needs 24"):
+        decode(frames)

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from helpers_tiny import REPO_ROOT, child_env, free_port, start_engine, stop_process, wait_healthy
+from relax_slurm.auth import SECRET_ENV
 from relax_slurm.broker import BrokerClient
 from relax_slurm.config import save_config
 from relax_slurm.config.schema import (
@@ -55,6 +56,13 @@ def start_broker(run_dir: Path) -> tuple[subprocess.Popen, str]:
 @pytest.fixture(scope="module")
 def run(tiny_assets, tmp_path_factory):
     """(proxy url, engine url, broker router, tokenizer) of one proxy-mode rollout worker."""
+    with pytest.MonkeyPatch.context() as mp:
+        # relax-train hands every role the run's secret; the broker refuses requests without it
+        mp.setenv(SECRET_ENV, "proxy-test-secret")
+        yield from _proxy_run(tiny_assets, tmp_path_factory)
+
+
+def _proxy_run(tiny_assets, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("proxy")
     cfg = TrainConfig(
         run_dir=str(run_dir), model=ModelConfig(path=str(tiny_assets / "model")),

@@ -18,10 +18,11 @@ from relax_slurm.config import save_config
 from relax_slurm.config.schema import (
     AlgoConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig,
 )
-from relax_slurm.errors import ConfigError
+from relax_slurm.errors import ConfigError, EngineUnreachable
 from relax_slurm.launch.plan import RunPlan, save_plan
 from relax_slurm.rollout.engine_client import GenerateResult
 from relax_slurm.rollout.router import LeastLoadedRouter
+from relax_slurm.rollout import worker as worker_module
 from relax_slurm.rollout.worker import PendingCounts, RolloutWorker, shaped_rewards
 
 EOS = 1  # helpers_tiny vocabulary: <pad>=0, <eos>=1, <unk>=2, digits from 3
@@ -41,8 +42,10 @@ class FakeEngine:
 
     def __init__(self, tokenizer, answers: dict[str, list[str]]) -> None:
         self.tokenizer, self.answers = tokenizer, answers
+        self.media: list = []
 
-    async def generate(self, input_ids, params, return_logprob=True):
+    async def generate(self, input_ids, params, return_logprob=True, media=None):
+        self.media.append(media)
         text = self.tokenizer.decode(input_ids[0])
         out = []
         for answer in self.answers[text][:len(input_ids)]:
@@ -77,6 +80,7 @@ class FakeBroker:
         self.worker, self.stop_after = worker, stop_after
         self.groups: list = []
         self.released = 0
+        self.heartbeats: list = []
 
     async def acquire(self, max_n, wait_s=0.0):
         granted = self.state.admit(max_n)
@@ -93,6 +97,13 @@ class FakeBroker:
     async def release(self, n):
         self.state.release(n)
         self.released += n
+
+    async def rejoin(self, rank):
+        return {"reclaimed": self.state.reclaim(f"rollout{rank}"),
+                "position": self.state.positions.get(str(rank))}
+
+    async def heartbeat(self, role, **info):
+        self.heartbeats.append((role, info))
 
     def close(self):
         pass
@@ -168,6 +179,7 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(make_worker):
 
     broker = asyncio.run(main())
     assert broker.released == 2
+    assert broker.heartbeats[0] == ("rollout", {"groups_in_flight": 0, "groups_requeued": 0})
     assert sorted(g[0].prompt_id for g in broker.groups) == ["2", "3"]
     for g in broker.groups:
         assert len({s.reward for s in g}) > 1  # only informative groups reach the broker
@@ -215,3 +227,83 @@ def test_a_teacher_path_without_a_teacher_engine_fails_at_start(make_worker, tmp
         save_plan(RunPlan(broker_router="tcp://127.0.0.1:1", broker_pub="tcp://127.0.0.1:2",
                           engine_urls=["http://127.0.0.1:3"]), tmp_path)
         RolloutWorker(worker.cfg, tmp_path)
+
+
+def test_multimodal_prompts_carry_processed_media(tmp_path, tiny_mm_assets):
+    """Image rows: the engine gets the expanded ids and the image file; every sample of the
+    group carries the same processed tensors (one set of arrays) and the expanded prompt."""
+    data = tmp_path / "mm.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "<image>=", "label": str(i),
+                                        "images": [str(tiny_mm_assets / "colors" / f)],
+                                        "id": i}) + "\n"
+                            for i, f in enumerate(["red_0.png", "blue_1.png"])))
+    model = tiny_mm_assets / "vl_model"
+    cfg = TrainConfig(
+        run_dir=str(tmp_path), model=ModelConfig(path=str(model)),
+        rollout=RolloutConfig(batch_size=2, n_samples_per_prompt=2, max_new_tokens=2),
+        data=DataConfig(train_files=[str(data)], shuffle=False,
+                        multimodal_keys={"image": "images"}),
+        reward=RewardConfig(name="exact_match", num_workers=1, timeout_s=30.0))
+    save_config(cfg, tmp_path / "config.yaml")
+    save_plan(RunPlan(broker_router="tcp://127.0.0.1:1", broker_pub="tcp://127.0.0.1:2",
+                      engine_urls=["http://127.0.0.1:3"]), tmp_path)
+
+    async def main():
+        worker = RolloutWorker(cfg, tmp_path)
+        try:
+            pad = worker.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+            expanded = worker.tokenizer.decode(worker.dataset[0].input_ids).replace(
+                "<|image_pad|>", "<|image_pad|>" * 4)
+            engine = FakeEngine(worker.tokenizer, {expanded: ["0", "1"]})
+            worker.router = LeastLoadedRouter([engine])
+            worker.broker.close()
+            worker.broker = FakeBroker(worker, stop_after=2)
+            await worker.run()
+            return worker.broker.groups, engine.media, pad
+        finally:
+            await worker.aclose()
+
+    groups, media, pad = asyncio.run(main())
+    files = [str((tiny_mm_assets / "colors" / f).resolve()) for f in ("blue_1.png", "red_0.png")]
+    assert sorted(m[0]["image"][0] for m in media) == files and all(len(m) == 2 for m in media)
+    for g in groups:
+        assert list(g[0].prompt_ids).count(pad) == 4
+        assert g[0].mm_inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
+        assert g[0].mm_inputs["pixel_values"] is g[1].mm_inputs["pixel_values"]
+    rewards = {g[0].prompt_id: [s.reward for s in g] for g in groups}
+    assert rewards == {"0": [1.0, 0.0], "1": [0.0, 1.0]}  # answers "0", "1"; labels 0 and 1
+
+
+class FlakyEngine(FakeEngine):
+    """Unreachable for its first `failures` calls (an engine restarting in place)."""
+
+    def __init__(self, tokenizer, answers, failures: int) -> None:
+        super().__init__(tokenizer, answers)
+        self.failures, self.calls = failures, 0
+
+    async def generate(self, input_ids, params, return_logprob=True, **kwargs):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise EngineUnreachable("engine http://127.0.0.1:3/generate: ConnectError: refused")
+        return await super().generate(input_ids, params, return_logprob, **kwargs)
+
+
+def test_groups_of_an_unreachable_engine_are_requeued_with_their_credit(make_worker, monkeypatch):
+    monkeypatch.setattr(worker_module, "ENGINE_RETRY_S", 0.01)
+
+    async def main():
+        worker = make_worker()
+        engine = FlakyEngine(worker.tokenizer, {p: ["2", "12", "2", "2"] for p in PROMPTS},
+                             failures=2)
+        worker.router = LeastLoadedRouter([engine])
+        worker.broker.close()
+        worker.broker = FakeBroker(worker, stop_after=2)
+        await worker.run()
+        return worker
+
+    worker = asyncio.run(main())
+    broker = worker.broker
+    assert worker.requeued_total == 2
+    # the same two prompts (with their group ids), not the next ones; no credit released
+    assert sorted(g[0].prompt_id for g in broker.groups) == ["0", "1"]
+    assert broker.released == 0 and broker.state.counters()["accepted"] == 2

@@ -1,0 +1,220 @@
+"""Multimodal processing with the model's own processors: media -> tensors + expanded token ids.
+
+The model directory's image processor (`AutoImageProcessor`: pixel limits, patch and merge
+sizes) and audio feature extractor (`AutoProcessor(...).feature_extractor` or
+`AutoFeatureExtractor`: mel bins, chunk length, sampling rate) turn a prompt's media into the
+tensors the model's forward takes (`pixel_values`, `image_grid_thw`, `input_features`,
+`feature_attention_mask`), and each item's pad token in the ids is expanded to the item's
+token count, exactly as the model's full processor (`Qwen2_5_VLProcessor`, ...) does in text.
+The expansion is ours because the full processor of the VL families loads torchvision's video
+processor, which CPU-only machines lack; the image processor falls back to its PIL flavour.
+
+The same `MediaProcessor` runs in the rollout worker (tensors for the trainer, carried in the
+sample) and in the hf engine (tensors for generation), so both see the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from relax_slurm.data.media import MediaRef, load_audio, load_image
+from relax_slurm.errors import DataError
+
+# The model's own markers per kind, (start, pad, end): the first set whose tokens are all in the
+# vocabulary is used (Qwen2/2.5/3-VL and Omni vision; Qwen2-Audio/2.5-Omni, then Qwen3-Omni audio)
+MODEL_TOKENS: dict[str, list[tuple[str, str, str]]] = {
+    "image": [("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
+              ("<|vision_bos|>", "<|IMAGE|>", "<|vision_eos|>")],
+    "video": [("<|vision_start|>", "<|video_pad|>", "<|vision_end|>"),
+              ("<|vision_bos|>", "<|VIDEO|>", "<|vision_eos|>")],
+    "audio": [("<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"),
+              ("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>")],
+}
+
+
+def model_markers(vocab: Mapping[str, int]) -> dict[str, tuple[str, str, str]]:
+    """kind -> (start, pad, end) tokens this vocabulary has (kinds it lacks are left out)."""
+    out = {}
+    for kind, options in MODEL_TOKENS.items():
+        for tokens in options:
+            if all(t in vocab for t in tokens):
+                out[kind] = tokens
+                break
+    return out
+
+
+def audio_token_count(model_type: str, frames: int) -> int:
+    """Tokens the audio encoder makes of `frames` mel frames (valid ones, before padding)."""
+    if model_type.startswith("qwen3_omni"):
+        leave = frames % 100  # Qwen3-Omni encodes 100-frame chunks of 13 tokens
+        feat = (leave - 1) // 2 + 1
+        return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + (frames // 100) * 13
+    # Qwen2-Audio and Qwen2.5-Omni: conv stride 2, then pooling by 2
+    return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def expand_pads(ids: Sequence[int], pad_id: int, counts: Sequence[int], where: str) -> list[int]:
+    """Each run of `pad_id` (one per item, in order) becomes `counts[i]` pads. A run already of
+    that length is kept, so expanded ids pass through unchanged.
+
+    >>> expand_pads([5, 9, 6, 9, 9, 7], pad_id=9, counts=[3, 2], where="x")
+    [5, 9, 9, 9, 6, 9, 9, 7]
+    """
+    out: list[int] = []
+    runs = 0
+    i = 0
+    while i < len(ids):
+        if ids[i] != pad_id:
+            out.append(ids[i])
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and ids[j] == pad_id:
+            j += 1
+        if runs >= len(counts):
+            raise DataError(f"{where}: more pad runs ({runs + 1}+) than media items "
+                            f"({len(counts)}). Fix: one placeholder per item")
+        if j - i not in (1, counts[runs]):
+            raise DataError(f"{where}: item {runs} has {j - i} pad tokens, expected 1 or "
+                            f"{counts[runs]} (its processed size)")
+        out += [pad_id] * counts[runs]
+        runs += 1
+        i = j
+    if runs != len(counts):
+        raise DataError(f"{where}: {runs} pad runs in the ids but {len(counts)} media items. "
+                        "Fix: one placeholder per item, in order")
+    return out
+
+
+@dataclass(kw_only=True)
+class Processed:
+    """A prompt ready for a multimodal forward."""
+
+    input_ids: list[int]
+    """Token ids with every media pad expanded, [P]."""
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    """Forward kwargs: pixel_values [N, D], image_grid_thw [n, 3], input_features
+    [n, mel, frames], feature_attention_mask [n, frames]."""
+
+
+@dataclass(kw_only=True)
+class MediaLimits:
+    """Processing knobs (data.* keys)."""
+
+    image_min_pixels: int | None = None
+    image_max_pixels: int | None = None
+    audio_sampling_rate_hz: int = 16000
+
+
+class MediaProcessor:
+    """The model's processors, loaded on first use; thread-safe (`process` may run in a pool)."""
+
+    def __init__(self, model_path: str | Path, vocab: Mapping[str, int],
+                 limits: MediaLimits | None = None) -> None:
+        self.model_path = str(model_path)
+        self.limits = limits or MediaLimits()
+        self.markers = model_markers(vocab)
+        self.pad_ids = {k: vocab[t[1]] for k, t in self.markers.items()}
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        self.model_type = str(config.get("model_type", ""))
+        self._lock = threading.Lock()
+        self._image: Any = None
+        self._audio: Any = None
+
+    def marker_text(self) -> dict[str, str]:
+        """kind -> the text a placeholder becomes (start + one pad + end)."""
+        return {k: "".join(t) for k, t in self.markers.items()}
+
+    def image_processor(self) -> Any:
+        with self._lock:
+            if self._image is None:
+                from transformers import AutoImageProcessor
+
+                self._image = AutoImageProcessor.from_pretrained(self.model_path)
+            return self._image
+
+    def feature_extractor(self) -> Any:
+        with self._lock:
+            if self._audio is None:
+                self._audio = _load_feature_extractor(self.model_path)
+            return self._audio
+
+    def process(self, input_ids: Sequence[int], media: Mapping[str, Sequence[MediaRef]],
+                where: str = "prompt") -> Processed:
+        """Decode and process every item; expand each kind's pads to its token counts."""
+        ids = list(input_ids)
+        tensors: dict[str, np.ndarray] = {}
+        for kind, refs in media.items():
+            if not refs:
+                continue
+            if kind not in self.markers:
+                raise DataError(f"{where}: {len(refs)} {kind} item(s) but the model at "
+                                f"{self.model_path} has no {kind} tokens. Fix: use a model "
+                                f"that reads {kind}s, or drop data.multimodal_keys.{kind}")
+            if kind == "image":
+                out, counts = self._images(refs)
+            elif kind == "audio":
+                out, counts = self._audios(refs)
+            else:
+                raise DataError(f"{where}: video items are not supported yet (decoding and "
+                                "frame sampling need torchvision's video processor). Fix: "
+                                "pass sampled frames as images")
+            tensors.update(out)
+            ids = expand_pads(ids, self.pad_ids[kind], counts, f"{where}, {kind}s")
+        return Processed(input_ids=ids, tensors=tensors)
+
+    def _images(self, refs: Sequence[MediaRef]) -> tuple[dict[str, np.ndarray], list[int]]:
+        proc = self.image_processor()
+        kwargs = {}
+        lo, hi = self.limits.image_min_pixels, self.limits.image_max_pixels
+        if lo is not None or hi is not None:
+            size = dict(getattr(proc, "size", None) or {})
+            if lo is not None:
+                size["shortest_edge"] = lo  # Qwen-VL processors: a pixel count, not an edge
+            if hi is not None:
+                size["longest_edge"] = hi
+            kwargs["size"] = size
+        out = proc(images=[load_image(r) for r in refs], return_tensors="np", **kwargs)
+        grid = np.asarray(out["image_grid_thw"], dtype=np.int64)  # [n, 3]
+        merge = int(getattr(proc, "merge_size", 2))
+        counts = [int(n) for n in grid.prod(axis=1) // (merge * merge)]
+        return {"pixel_values": np.ascontiguousarray(out["pixel_values"], np.float32),
+                "image_grid_thw": grid}, counts
+
+    def _audios(self, refs: Sequence[MediaRef]) -> tuple[dict[str, np.ndarray], list[int]]:
+        fe = self.feature_extractor()
+        rate = self.limits.audio_sampling_rate_hz
+        waves = [load_audio(r, rate) for r in refs]
+        out = fe(waves, sampling_rate=rate, return_attention_mask=True, padding="max_length",
+                 return_tensors="np")
+        mask = np.asarray(out["attention_mask"], dtype=np.int64)  # [n, frames]
+        counts = [audio_token_count(self.model_type, int(n)) for n in mask.sum(axis=1)]
+        return {"input_features": np.ascontiguousarray(out["input_features"], np.float32),
+                "feature_attention_mask": mask}, counts
+
+
+def _load_feature_extractor(path: str) -> Any:
+    from transformers import AutoFeatureExtractor, AutoProcessor
+
+    try:
+        proc = AutoProcessor.from_pretrained(path)
+        fe = getattr(proc, "feature_extractor", None)
+        if fe is not None:
+            return fe
+    except (OSError, ValueError, ImportError, AttributeError):
+        pass
+    return AutoFeatureExtractor.from_pretrained(path)
+
+
+def concat_tensors(per_sample: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Batch the samples' tensors: each name concatenated along dim 0 in sample order (what a
+    Qwen-VL/Audio forward expects: items in the order of their pads in the flattened ids)."""
+    names = sorted({k for t in per_sample for k in t})
+    return {k: np.concatenate([t[k] for t in per_sample if k in t]) for k in names}

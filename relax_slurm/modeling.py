@@ -1,0 +1,30 @@
+"""Which transformers class reads a model directory: causal LM, or multimodal (VL, audio, omni).
+
+The engine and the trainer load the same class, so the parameter names the weight sync sends
+are the names the engine loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+MULTIMODAL_CONFIG_KEYS = ("vision_config", "audio_config", "thinker_config")
+"""A config.json with one of these sub-configs is a multimodal model (Qwen2.5-VL, Qwen3-VL,
+Qwen2-Audio, Qwen2.5-Omni / Qwen3-Omni)."""
+
+
+def is_multimodal(path: str | Path) -> bool:
+    """Whether the local model directory holds a multimodal model (no torch import)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    return any(k in json.loads(config.read_text()) for k in MULTIMODAL_CONFIG_KEYS)
+
+
+def auto_model_class(path: str | Path) -> Any:
+    """`AutoModelForMultimodalLM` for multimodal directories, else `AutoModelForCausalLM`."""
+    from transformers import AutoModelForCausalLM, AutoModelForMultimodalLM
+
+    return AutoModelForMultimodalLM if is_multimodal(path) else AutoModelForCausalLM

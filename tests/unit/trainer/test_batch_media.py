@@ -1,0 +1,65 @@
+"""Media tensors in the trainer's batch: collated per row, cut with micro-batches, scattered
+with their rows to the ranks (two real gloo ranks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from relax_slurm.config.schema import AlgoConfig
+from relax_slurm.samples import Sample
+from relax_slurm.trainer.batch import collate, prepare_items, scatter_batch
+
+
+def samples() -> list[list[Sample]]:
+    """Two groups of two; rows carry 1, 1, 2 and 0 images of 4 patches each."""
+    def image(seed: int, n: int) -> dict:
+        rng = np.random.default_rng(seed)
+        return {"pixel_values": rng.standard_normal((4 * n, 6)).astype(np.float32),
+                "image_grid_thw": np.tile(np.array([[1, 2, 2]], np.int64), (n, 1))} if n else {}
+    out = []
+    for i, n in enumerate([1, 1, 2, 0]):
+        out.append(Sample(prompt_id=str(i // 2), group_id=i // 2, prompt_ids=[1, 2, 3],
+                          response_ids=[4, 5][: 1 + i % 2], loss_mask=[1.0] * (1 + i % 2),
+                          rollout_logprobs=[-1.0] * (1 + i % 2), reward=float(i % 2),
+                          mm_inputs=image(i, n)))
+    return [out[:2], out[2:]]
+
+
+def test_collate_and_micro_batches() -> None:
+    groups = samples()
+    mb = collate(prepare_items(groups, AlgoConfig()), 0, torch.device("cpu"))
+    assert mb.media.counts == {"image_grid_thw": (1, 1, 2, 0), "pixel_values": (4, 4, 8, 0)}
+    part = mb.rows(1, 3)
+    np.testing.assert_array_equal(
+        part.media.tensors["pixel_values"].numpy(),
+        np.concatenate([groups[0][1].mm_inputs["pixel_values"],
+                        groups[1][0].mm_inputs["pixel_values"]]))
+    assert set(mb.rows(3, 4).forward_kwargs()) == {"input_ids", "attention_mask"}  # no images
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        whole = (collate(prepare_items(samples(), AlgoConfig()), 0, torch.device("cpu"))
+                 if rank == 0 else None)
+        mine = scatter_batch(whole, torch.device("cpu"))
+        torch.save({"counts": mine.media.counts,
+                    "pixels": mine.media.tensors["pixel_values"],
+                    "ids": mine.input_ids}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_scatter_sends_each_rank_its_rows_media(tmp_path: Path) -> None:
+    mp.spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, join=True)
+    groups = samples()
+    r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
+    assert r0["counts"]["pixel_values"] == (4, 4) and r1["counts"]["pixel_values"] == (8, 0)
+    np.testing.assert_array_equal(r1["pixels"].numpy(), groups[1][0].mm_inputs["pixel_values"])
+    np.testing.assert_array_equal(
+        r0["pixels"].numpy(), np.concatenate([s.mm_inputs["pixel_values"] for s in groups[0]]))

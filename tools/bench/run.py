@@ -1,0 +1,160 @@
+"""Run every benchmark, write bench_results.json, docs/benchmarks.md and the reward plots.
+
+    python tools/bench/run.py [--quick] [--out bench_out] [--parts async,trl,sync,broker]
+
+Needs the bench extra (`pip install -e ".[bench]"`: TRL for the peer comparison, matplotlib
+for the plots) and an otherwise idle machine: every figure is a ratio of two measurements
+taken in this invocation, but other load still changes which side of a ratio it hits.
+`--quick` runs one repeat of shorter runs (a smoke test of the whole pipeline, ~5 min);
+the full run repeats each measurement three times (~25 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import async_sync  # noqa: E402
+import broker_bench  # noqa: E402
+import report  # noqa: E402
+import scaling  # noqa: E402
+import weight_sync_bench  # noqa: E402
+from common import REPO, Run, machine, make_assets, spread  # noqa: E402
+
+PARTS = ("async", "trl", "sync", "broker")
+
+
+def run_trl(out: Path, model: Path, data: Path, steps: int, repeats: int) -> list[Run]:
+    runs = []
+    for rep in range(repeats):
+        jsonl = out / f"trl_rep{rep}.jsonl"
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, str(Path(__file__).parent / "trl_peer.py"),
+                        "--model", str(model), "--data", str(data), "--steps", str(steps),
+                        "--out", str(jsonl)], cwd=REPO, check=True, capture_output=True,
+                       timeout=3600)
+        rows = [json.loads(x) for x in jsonl.read_text().splitlines()]
+        # the same keys as our metrics, so Run's reductions apply unchanged
+        run = Run(rows=[{"perf/step_time_s": r["step_time_s"], "rollout/reward_mean": r["reward"],
+                         "train/samples": r["samples"]} for r in rows],
+                  wall_s=time.monotonic() - t0)
+        print(f"  TRL rep {rep}: {run.samples_per_s():.0f} samples/s, final reward "
+              f"{run.final_reward():.3f}", flush=True)
+        runs.append(run)
+    return runs
+
+
+def headline(res: dict) -> dict[str, float]:
+    """The figures the issue names, each a ratio measured in this invocation (medians)."""
+    out: dict[str, float] = {}
+    a = res.get("async")
+    if a:
+        out["async_speedup"] = a["staleness1"]["speedup"]["median"]
+        out["async_reward_delta"] = a["staleness1"]["reward_delta"]["median"]
+        out["async_bound_ratio"] = a["staleness1"]["bound_ratio"]["median"]
+        out["sync_bound_ratio"] = a["sync_bound_ratio"]["median"]
+    if res.get("trl"):
+        out["trl_speedup"] = res["trl"]["ours_async_over_trl"]["median"]
+        out["trl_speedup_sync"] = res["trl"]["ours_sync_over_trl"]["median"]
+    if res.get("weight_sync"):
+        out["weight_sync_efficiency"] = res["weight_sync"]["large"]["efficiency"]["median"]
+        out["weight_sync_efficiency_tiny"] = res["weight_sync"]["tiny"]["efficiency"]["median"]
+    if res.get("broker"):
+        out["broker_step_share"] = res["broker"]["step_share"]["median"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one repeat of short runs")
+    ap.add_argument("--out", type=Path, default=REPO / "bench_out")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
+    ap.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if unknown := parts - set(PARTS):
+        ap.error(f"--parts: unknown {sorted(unknown)}; choose from {','.join(PARTS)}")
+    repeats, steps = (1, 40) if args.quick else (3, 100)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = make_assets(args.out / "assets")
+    data = args.out / "assets" / "arith_train.jsonl"
+    res: dict = {"machine": machine(), "quick": args.quick, "repeats": repeats, "steps": steps,
+                 "command": " ".join(["python", "tools/bench/run.py", *sys.argv[1:]])}
+    t_start = time.monotonic()
+    runs: dict[str, list[Run]] = {}
+
+    if "async" in parts:
+        print("[1-2] async vs sync", flush=True)
+        modes = async_sync.run_modes(args.out / "async", model, data, steps=steps,
+                                     repeats=repeats)
+        res["async"] = async_sync.summarize(modes)
+        runs |= {f"ours max_staleness={s}": rs for s, rs in modes.items()}
+    if "trl" in parts:
+        print("[3] TRL GRPOTrainer", flush=True)
+        trl = run_trl(args.out / "trl", model, data, steps, repeats)
+        trl_sps = [r.samples_per_s() for r in trl]
+        res["trl"] = {"samples_per_s": spread(trl_sps),
+                      "final_reward": spread([r.final_reward() for r in trl]),
+                      "time_to_reward_s": spread([r.time_to(async_sync.REWARD_THRESHOLD)
+                                                  for r in trl])}
+        if "async" in parts:
+            for name, s in (("ours_sync_over_trl", 0), ("ours_async_over_trl", 1)):
+                res["trl"][name] = spread([o.samples_per_s() / t
+                                           for o, t in zip(modes[s], trl_sps)])
+        runs["TRL GRPOTrainer"] = trl
+    if "sync" in parts:
+        print("[4] weight sync", flush=True)
+        big = weight_sync_bench.make_state_model(args.out / "assets" / "state500",
+                                                 120 if args.quick else 480)
+        res["weight_sync"] = {}
+        for name, m in (("tiny", model), ("large", big)):
+            r = weight_sync_bench.measure(m, 3 if args.quick else 5, args.out)
+            res["weight_sync"][name] = {
+                "mb": r["mb"], "tensors": r["tensors"], "buckets": r["buckets"],
+                "full_gbps": spread(r["full_gbps"]), "raw_gbps": spread(r["raw_gbps"]),
+                "full_s": spread(r["full_s"]), "raw_s": spread(r["raw_s"]),
+                "efficiency": spread(r["efficiency"])}
+    if "broker" in parts:
+        print("[5] broker", flush=True)
+        b = broker_bench.measure(args.out, 10 if args.quick else 50)
+        step = (res["async"]["sync_components"]["step_s"]["median"] if "async" in res
+                else None)
+        res["broker"] = {
+            "samples_per_s": spread(b["broker"]["samples_per_s"]),
+            "mb_per_s": spread(b["broker"]["mb_per_s"]),
+            "raw_samples_per_s": spread(b["raw"]["samples_per_s"]),
+            "raw_mb_per_s": spread(b["raw"]["mb_per_s"]),
+            "throughput_ratio": spread(b["throughput_ratio"]),
+            "get_batch_s": spread(b["broker"]["get_batch_s"]),
+            "payload_mb": b["broker"]["payload_mb"],
+            "step_share": spread([g / step for g in b["broker"]["get_batch_s"]] if step else []),
+        }
+    if "async" in res:
+        c = res["async"]["sync_components"]
+        costs = scaling.Costs(G=c["G_s"]["median"], T=c["T_s"]["median"] - c["weight_sync_s"]
+                              ["median"], S=c["weight_sync_s"]["median"])
+        res["scaling"] = {str(tail): scaling.sketch(scaling.Costs(**{**vars(costs),
+                                                                      "tail": tail}))
+                          for tail in (1.0, 2.0, 3.0)}
+        res["scaling_costs"] = vars(costs)
+
+    res["elapsed_s"] = time.monotonic() - t_start
+    res["headline"] = headline(res)
+    (args.out / "bench_results.json").write_text(json.dumps(res, indent=2, default=str))
+    (REPO / "bench_results.json").write_text(json.dumps(res, indent=2, default=str))
+    plots = report.plot_rewards(runs, REPO / "docs" / "img") if runs else []
+    args.doc.write_text(report.markdown(res, plots, args.doc))
+    print(json.dumps(res["headline"], indent=2))
+    print(f"wrote bench_results.json, {args.doc}, {len(plots)} plot(s) in "
+          f"{statistics.median([res['elapsed_s']]):.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Part 4: a full weight sync (bucketed, through an engine's HTTP routes) vs a raw broadcast.
+
+The full sync is what the trainer does each step: `WeightSender.send` to a real hf engine
+process (HTTP /update_weights_from_distributed per bucket, one gloo broadcast per tensor, the
+engine copies every tensor into its model). The baseline is one `torch.distributed` broadcast
+of the same number of bytes as one flat tensor in a gloo group of the same two kinds of
+process, followed by a barrier so that it, too, ends when the receiver has everything.
+Efficiency = raw time / full-sync time. The engine (and the raw receiver) run on core 0, the
+sender on core 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import REPO
+
+GROUP = "bench_raw"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+
+def make_state_model(out: Path, target_mb: float) -> Path:
+    """A random Qwen3 of at most `target_mb` MiB of fp32 weights (hidden 1024, 64 MiB per
+    layer: 7 layers, 470 MB, for 480), saved like a real checkpoint so the engine loads it the
+    ordinary way."""
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    hidden = 1024
+    per_layer_mb = (4 * hidden * hidden + 3 * hidden * 4 * hidden) * 4 / 2**20
+    layers = max(1, int(target_mb / per_layer_mb))
+    cfg = Qwen3Config(vocab_size=32, hidden_size=hidden, intermediate_size=4 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16,
+                      head_dim=64, tie_word_embeddings=True, dtype="float32",
+                      eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def start_engine(model: Path, port: int, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "relax_slurm.rollout.hf_engine", "--model-path", str(model),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--torch-threads", "1", "--seed", "0", "--weight-version", "0"]
+    with open(log, "wb") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
+                                cwd=REPO, start_new_session=True,
+                                preexec_fn=lambda: os.sched_setaffinity(0, [0]))
+
+
+def time_full_sync(model: Path, repeats: int, workdir: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from relax_slurm.rollout.engine_client import wait_until_healthy
+    from relax_slurm.weightsync.sender import WeightSender
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine = start_engine(model, port, workdir / f"engine_{model.name}.log")
+    sender = None
+    try:
+        wait_until_healthy([url], timeout_s=600)
+        weights = [(n, p.detach()) for n, p in
+                   AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+                   .named_parameters()]
+        # the run's default bucket size (weight_sync.bucket_mb)
+        sender = WeightSender([url], "127.0.0.1", free_port(), timeout_s=600, bucket_mb=512)
+        sender.connect()
+        times, nbytes, buckets = [], 0, 0
+        for i in range(repeats + 1):  # the first send is warm-up
+            stats = sender.send(weights, version=i + 1)
+            if i:
+                times.append(stats["seconds"])
+            nbytes, buckets = stats["bytes"], stats["num_buckets"]
+        return {"bytes": nbytes, "buckets": buckets, "tensors": len(weights), "seconds": times}
+    finally:
+        if sender is not None:
+            sender.close()
+        engine.terminate()
+        engine.wait(timeout=30)
+
+
+def raw_receiver(port: int, nbytes: int, repeats: int) -> None:
+    """Rank 1 of the raw baseline (runs in its own process)."""
+    import torch
+    import torch.distributed as dist
+
+    from relax_slurm.weightsync.group import init_weight_update_group
+    pg = init_weight_update_group("127.0.0.1", port, 1, 2, f"{GROUP}_{port}", timeout_s=600)
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(repeats + 1):
+        dist.broadcast(buf, src=0, group=pg)
+        dist.barrier(group=pg)
+
+
+def time_raw(nbytes: int, repeats: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    from relax_slurm.weightsync.group import init_weight_update_group
+    port = free_port()
+    cmd = [sys.executable, __file__, "--raw-receiver", "--port", str(port),
+           "--nbytes", str(nbytes), "--repeats", str(repeats)]
+    recv = subprocess.Popen(cmd, env=child_env(), cwd=REPO, start_new_session=True,
+                            preexec_fn=lambda: os.sched_setaffinity(0, [0]))
+    try:
+        # one group name per measurement: torch refuses a name twice in one process
+        pg = init_weight_update_group("127.0.0.1", port, 0, 2, f"{GROUP}_{port}", timeout_s=600)
+        buf = torch.ones(nbytes, dtype=torch.uint8)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            dist.broadcast(buf, src=0, group=pg)
+            dist.barrier(group=pg)
+            if i:
+                times.append(time.perf_counter() - t0)
+        recv.wait(timeout=120)
+        return times
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+
+
+def measure(model: Path, repeats: int, workdir: Path) -> dict:
+    """Full sync and raw broadcast of the same bytes; GB/s and their ratio per repeat."""
+    full = time_full_sync(model, repeats, workdir)
+    raw = time_raw(full["bytes"], repeats)
+    gb = full["bytes"] / 1e9
+    return {"mb": full["bytes"] / 2**20, "tensors": full["tensors"], "buckets": full["buckets"],
+            "full_s": full["seconds"], "raw_s": raw,
+            "full_gbps": [gb / t for t in full["seconds"]], "raw_gbps": [gb / t for t in raw],
+            # per repeat, as measured back to back
+            "efficiency": [r / f for r, f in zip(raw, full["seconds"])]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--raw-receiver", action="store_true")
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--nbytes", type=int)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", type=Path)
+    args = ap.parse_args()
+    if args.raw_receiver:
+        raw_receiver(args.port, args.nbytes, args.repeats)
+        return
+    os.sched_setaffinity(0, [1 % os.cpu_count()])
+    r = measure(args.model, args.repeats, Path("."))
+    print({k: (statistics.median(v) if isinstance(v, list) else v) for k, v in r.items()})
+
+
+if __name__ == "__main__":
+    main()

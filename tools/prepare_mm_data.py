@@ -1,0 +1,105 @@
+"""Write the multimodal tasks of the tiny CPU demos: coloured squares and pure tones.
+
+    python tools/prepare_mm_data.py --out tiny --task colors   # tiny/colors_{train,test}.jsonl
+    python tools/prepare_mm_data.py --out tiny --task tones    # tiny/tones_{train,test}.jsonl
+
+colors: PNG images (56x56, rendered with PIL) of one of 4 colours (red, green, blue, yellow) in
+5 shades each, under OUT/colors/; a row is {"prompt": "<image>=", "images": ["colors/red_2.png"],
+"label": "0", "id": ...}: the label is the colour's index. The answer depends on the image alone,
+which is what makes the task visual; with a vocabulary of 20-odd characters a random tiny
+Qwen2.5-VL first learns to answer with one of the 4 digits, then which one.
+tones: 1 s WAV files at 16 kHz (numpy sine, 16-bit PCM) of one of 4 frequencies (220, 440, 880,
+1760 Hz) at 5 loudness levels, under OUT/tones/; rows {"prompt": "<audio>=", "audios":
+["tones/440_3.wav"], "label": "1"}.
+Paths in rows are relative to the jsonl file's folder (see docs/multimodal.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+
+COLORS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220),
+          "yellow": (230, 220, 30)}
+TONES_HZ = (220, 440, 880, 1760)
+SHADES = 5
+SAMPLE_RATE_HZ = 16000
+
+
+def write_colors(folder: Path) -> list[tuple[str, str]]:
+    """One PNG per colour and shade; [(relative path, label)]."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    items = []
+    for label, (name, rgb) in enumerate(COLORS.items()):
+        for shade in range(SHADES):
+            scale = 0.6 + 0.1 * shade
+            color = tuple(min(255, int(c * scale)) for c in rgb)
+            path = folder / f"{name}_{shade}.png"
+            Image.new("RGB", (56, 56), color).save(path)
+            items.append((f"{folder.name}/{path.name}", str(label)))
+    return items
+
+
+def write_wav(path: Path, samples: np.ndarray, rate_hz: int = SAMPLE_RATE_HZ) -> None:
+    """Mono 16-bit PCM WAV from floats in [-1, 1] (standard library `wave`)."""
+    pcm = (np.clip(samples, -1.0, 1.0) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate_hz)
+        w.writeframes(pcm.tobytes())
+
+
+def write_tones(folder: Path, seconds: float = 1.0) -> list[tuple[str, str]]:
+    folder.mkdir(parents=True, exist_ok=True)
+    t = np.arange(int(seconds * SAMPLE_RATE_HZ)) / SAMPLE_RATE_HZ
+    items = []
+    for label, hz in enumerate(TONES_HZ):
+        for level in range(SHADES):
+            path = folder / f"{hz}_{level}.wav"
+            write_wav(path, (0.2 + 0.15 * level) * np.sin(2 * np.pi * hz * t))
+            items.append((f"{folder.name}/{path.name}", str(label)))
+    return items
+
+
+def prepare(out: Path, task: str, n_train: int = 2000, n_test: int = 200, seed: int = 0
+            ) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    items = write_colors(out / "colors") if task == "colors" else write_tones(out / "tones")
+    placeholder, column = ("<image>", "images") if task == "colors" else ("<audio>", "audios")
+    rng = random.Random(seed)
+    paths = []
+    for split, n in (("train", n_train), ("test", n_test)):
+        path = out / f"{task}_{split}.jsonl"
+        with open(path, "w", encoding="utf-8") as f:
+            for i in range(n):
+                media, label = rng.choice(items)
+                f.write(json.dumps({"prompt": f"{placeholder}=", column: [media], "label": label,
+                                    "id": f"{split}-{i}"}) + "\n")
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory to write files into")
+    parser.add_argument("--task", choices=["colors", "tones"], default="colors")
+    parser.add_argument("--n-train", type=int, default=2000)
+    parser.add_argument("--n-test", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    train, test = prepare(Path(args.out), args.task, args.n_train, args.n_test, args.seed)
+    print(f"wrote {train} and {test}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
