@@ -1,6 +1,7 @@
 """An external agent trained through the proxy (rollout.agent_mode=proxy), over plain OpenAI HTTP.
 
-    python tools/arith_agent.py --proxy http://127.0.0.1:PORT --data tiny/arith_train.jsonl
+    python tools/arith_agent.py --run-dir RUN_DIR --data tiny/arith_train.jsonl
+    python tools/arith_agent.py --proxy http://HOST:PORT --api-key "$(cat RUN_DIR/secret)" ...
 
 It plays the tiny "a+b=" game of `env=arith_feedback` from outside the run: for every row of the
 data it opens a group of --n sessions (rollout.n_samples_per_prompt), each one a conversation
@@ -10,7 +11,10 @@ reward discount ** (try - 1) for a right answer (0 otherwise) posted to
 `{proxy}/s/{group}/{session}/reward` (--number-bonus for a wrong number instead). It stops when the run ends (the proxy goes away) or after
 --max-groups groups. --record FILE appends one JSON line per session (what it sent and got).
 
-Any OpenAI client works the same way: `OpenAI(base_url=f"{proxy}/s/{group}/{session}/v1")`.
+--run-dir reads the proxy's address (`proxy_url` in RUN_DIR/plan.json) and the API key (the
+run's secret, RUN_DIR/secret) from the run directory; the key goes in every request as
+`Authorization: Bearer KEY`. Any OpenAI client works the same way:
+`OpenAI(base_url=f"{proxy}/s/{group}/{session}/v1", api_key=KEY)`.
 """
 
 from __future__ import annotations
@@ -102,9 +106,30 @@ def wait_ready(proxy: str, timeout_s: float) -> None:
     raise RunEnded(f"{proxy}/health did not answer within {timeout_s}s")
 
 
+def address(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(proxy URL, API key) from --proxy/--api-key or from --run-dir, whose plan.json the
+    launcher writes when the run starts (waited for up to --timeout-s)."""
+    if args.proxy:
+        return args.proxy.rstrip("/"), args.api_key
+    plan, deadline = args.run_dir / "plan.json", time.monotonic() + args.timeout_s
+    while not plan.is_file():
+        if time.monotonic() > deadline:
+            raise RunEnded(f"{plan} did not appear within {args.timeout_s}s")
+        time.sleep(RETRY_S)
+    url = json.loads(plan.read_text()).get("proxy_url")
+    if not url:
+        raise SystemExit(f"{plan} has no proxy_url: start the run with rollout.agent_mode=proxy")
+    wait_ready(url, args.timeout_s)  # the launcher writes the secret before starting roles
+    secret = args.run_dir / "secret"
+    return url.rstrip("/"), secret.read_text().strip() if secret.is_file() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--proxy", required=True, help="the run's proxy_url (RUN_DIR/plan.json)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-dir", type=Path, help="the run: proxy_url and secret from there")
+    where.add_argument("--proxy", help="the run's proxy_url (RUN_DIR/plan.json)")
+    p.add_argument("--api-key", help="with --proxy: the run's secret (RUN_DIR/secret)")
     p.add_argument("--data", required=True, type=Path, help="jsonl rows {prompt, label}")
     p.add_argument("--n", type=int, default=4, help="sessions per group "
                    "(the run's rollout.n_samples_per_prompt)")
@@ -117,11 +142,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="per request, retries of 503 included; also the wait for /health")
     p.add_argument("--record", type=Path, help="append one JSON line per session here")
     args = p.parse_args(argv)
-    proxy = args.proxy.rstrip("/")
     rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
     try:
+        proxy, key = address(args)
         wait_ready(proxy, args.timeout_s)
-        with httpx.Client(timeout=args.timeout_s) as client, \
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        with httpx.Client(timeout=args.timeout_s, headers=headers) as client, \
                 ThreadPoolExecutor(args.n) as pool:
             for k in itertools.count():
                 if args.max_groups and k >= args.max_groups:

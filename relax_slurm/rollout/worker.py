@@ -365,7 +365,8 @@ class RolloutWorker:
         joined = await self.broker.rejoin(self.worker_rank)
         pos = joined.get("position")
         if pos and pos["next_group_id"] > self.first_group_id:
-            self.dataset.load_state_dict(pos["data_state"])
+            if self.dataset is not None:  # proxy mode has no data position
+                self.dataset.load_state_dict(pos["data_state"])
             self.group_ids = itertools.count(pos["next_group_id"], self.num_workers)
             log.info("rejoined: %d credits reclaimed; continuing at data position %s, group "
                      "id %d", joined["reclaimed"], pos["data_state"], pos["next_group_id"])
