@@ -4,9 +4,10 @@ recorded token in, token out, and handed to the broker as groups.
 An agent program is trained by pointing its OpenAI client at a session of the run (the HTTP
 side is rollout/proxy_server.py):
 
-    client = OpenAI(base_url=f"{proxy_url}/s/{group}/{name}/v1", api_key="none")
+    client = OpenAI(base_url=f"{proxy_url}/s/{group}/{name}/v1", api_key=RUN_SECRET)
     client.chat.completions.create(model="policy", messages=[...])   # as many turns as it takes
-    httpx.post(f"{proxy_url}/s/{group}/{name}/reward", json={"reward": 1.0})   # ends it
+    httpx.post(f"{proxy_url}/s/{group}/{name}/reward", json={"reward": 1.0},
+               headers={"Authorization": f"Bearer {RUN_SECRET}"})            # ends it
 
 A *session* is one conversation: one episode, one trainable sample. A *group* is the
 `rollout.n_samples_per_prompt` sessions the GRPO family compares (typically n attempts at one
