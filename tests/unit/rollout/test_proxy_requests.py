@@ -131,3 +131,19 @@ def test_proxy_mode_config_and_plan():
     assert plan.proxy_url == "http://127.0.0.1:8123"
     assert worker_spec(cfg, plan, Path("x"), "127.0.0.1").ports == {"proxy": 8123}
     assert local_plan(TrainConfig(run_dir="x")).proxy_url is None
+
+
+def test_a_sessions_tools_go_to_the_templates_tools_section(tok):
+    from relax_slurm.data.chat import render
+
+    messages = [{"role": "user", "content": "1+1"}]
+    assert render(tok, messages, True, tools=None) == "=1+1*"
+    marked = tok.chat_template
+    try:  # a template that lists tool names first, as Qwen's lists their schemas
+        tok.chat_template = ("{%- for t in tools or [] -%}{{- t['function']['name'] + ' ' -}}"
+                             "{%- endfor -%}" + marked)
+        req = parse_chat_request({"messages": messages, "tools": [
+            {"type": "function", "function": {"name": "11", "parameters": {}}}]})
+        assert render(tok, req.messages, True, tools=req.tools) == "11 =1+1*"
+    finally:
+        tok.chat_template = marked
