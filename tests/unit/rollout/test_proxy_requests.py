@@ -147,3 +147,19 @@ def test_a_sessions_tools_go_to_the_templates_tools_section(tok):
         assert render(tok, req.messages, True, tools=req.tools) == "11 =1+1*"
     finally:
         tok.chat_template = marked
+
+
+def test_on_slurm_the_proxy_is_on_the_first_rollout_node():
+    from relax_slurm.launch import slurm_driver as drv
+    from relax_slurm.launch.slurm_env import SlurmAllocation
+    from relax_slurm.launch.submit import compose_config
+
+    cfg = compose_config(["experiment=tiny_proxy_cpu", "cluster=slurm",
+                          "run_dir=/tmp/relax-unit-run"])
+    alloc = SlurmAllocation(job_id="41", het_groups=(("t1",), ("r1", "r2")), is_het=True)
+    layout = drv.make_layout(cfg, alloc)
+    plan = drv.slurm_plan(cfg, layout)
+    assert plan.proxy_url.startswith("http://r1:")
+    specs = {s.name: s for s in drv.role_specs(cfg, plan, layout, Path("/runs/x"))}
+    assert specs["rollout"].host == "r1"
+    assert specs["rollout"].ports == {"proxy": int(plan.proxy_url.rsplit(":", 1)[1])}
