@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("relax_slurm.rollout.proxy")
 REAP_EVERY_S = 5.0
+SHUTDOWN_GRACE_S = 5.0
 
 
 async def _json_body(request: Request) -> Any:
@@ -135,8 +136,10 @@ async def serve_proxy(worker: RolloutWorker, host: str, port: int) -> None:
     await worker.rejoin()  # a restarted worker frees its predecessor's credits (its sessions
     # are gone with it) and continues its group ids
     proxy = AgentProxy(worker)
+    # requests still open at the end (parked for a credit, generating) get 5 s, then close
     server = _Server(uvicorn.Config(build_app(proxy, run_secret()), host=host, port=port,
-                                   log_level="warning", lifespan="off"))
+                                   log_level="warning", lifespan="off",
+                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     serving = asyncio.create_task(server.serve())
     reaper = asyncio.create_task(_housekeeping(proxy))
     stopping = asyncio.create_task(worker.stop.wait())
