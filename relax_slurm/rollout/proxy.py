@@ -188,12 +188,15 @@ class AgentProxy:
         """Names of groups sent or dropped: reusing one is refused."""
         self.load = [0] * len(worker.router.engines)  # open groups per engine
         self.counts = {"groups_sent": 0, "groups_filtered": 0, "groups_dropped": 0}
+        self.closing = asyncio.Event()
+        """Set when the run is ending: new requests and requests parked for a credit get 503."""
 
     # ---- requests ----------------------------------------------------------------------
 
     async def chat(self, group: str, name: str, body: Any) -> dict[str, Any]:
         """One chat completion of session `group/name` (created by its first request)."""
         req = parse_chat_request(body)
+        self._check_open()
         g = await self._group(group)
         s = g.sessions.get(name)
         if s is None:
@@ -289,8 +292,8 @@ class AgentProxy:
         timeout_s = self.cfg.rollout.proxy_admission_timeout_s
         deadline = time.monotonic() + timeout_s
         try:
-            while not await self.w.broker.acquire(
-                    1, wait_s=min(ACQUIRE_WAIT_S, max(0.0, deadline - time.monotonic()))):
+            while not await self._unless_closing(self.w.broker.acquire(
+                    1, wait_s=min(ACQUIRE_WAIT_S, max(0.0, deadline - time.monotonic())))):
                 if time.monotonic() >= deadline:
                     raise ProxyError(503, f"no admission credit for a new group within "
                                           f"rollout.proxy_admission_timeout_s={timeout_s}s: the "
@@ -298,6 +301,24 @@ class AgentProxy:
                                           "rollout runs ahead); retry later", "server_busy")
         except BrokerShutdown as e:
             raise ProxyError(503, f"the run is ending: {e}", "server_busy") from e
+
+    def _check_open(self) -> None:
+        if self.closing.is_set():
+            raise ProxyError(503, "the run is ending: no new turns", "server_busy")
+
+    async def _unless_closing(self, call: Any) -> Any:
+        """`call`'s result, or ProxyError(503) as soon as the run is ending (the broker may be
+        gone already, and a parked call would outlast the server's shutdown grace)."""
+        task = asyncio.ensure_future(call)
+        closing = asyncio.ensure_future(self.closing.wait())
+        try:
+            await asyncio.wait({task, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+        if not task.done():
+            task.cancel()
+            self._check_open()
+        return task.result()
 
     def _close(self, g: GroupState) -> None:
         self.groups.pop(g.name, None)

@@ -154,6 +154,7 @@ async def serve_proxy(worker: RolloutWorker, host: str, port: int) -> None:
             if task is serving and not server.should_exit:
                 raise RuntimeError(f"the agent proxy on {host}:{port} stopped serving")
     finally:
+        proxy.closing.set()  # requests parked for a credit answer 503 now
         server.should_exit = True
         reaper.cancel()
         stopping.cancel()

@@ -159,3 +159,22 @@ def test_dynamic_sampling_and_engine_failures(proxy):
         assert e.value.status == 409
 
     run(main())
+
+
+def test_requests_parked_for_a_credit_end_with_the_run(proxy):
+    p = proxy(batch_size=1)
+    p.cfg.rollout.proxy_admission_timeout_s = 60.0
+
+    async def main():
+        await p.chat("g0", "a", ASK)
+        parked = asyncio.create_task(p.chat("g1", "a", ASK))
+        await asyncio.sleep(0.1)
+        assert not parked.done()
+        p.closing.set()  # what serve_proxy does when the worker stops
+        with pytest.raises(ProxyError, match="run is ending") as e:
+            await asyncio.wait_for(parked, 1.0)
+        assert e.value.status == 503
+        with pytest.raises(ProxyError, match="run is ending"):
+            await p.chat("g0", "a", ASK)
+
+    run(main())
