@@ -31,7 +31,8 @@ from fastapi.responses import JSONResponse
 
 from relax_slurm.auth import bearer_matches, run_secret
 from relax_slurm.broker.heartbeat import Pacer
-from relax_slurm.rollout.proxy import AgentProxy, ProxyError
+from relax_slurm.rollout.openai_chat import ProxyError
+from relax_slurm.rollout.proxy import AgentProxy
 
 if TYPE_CHECKING:
     from relax_slurm.rollout.worker import RolloutWorker

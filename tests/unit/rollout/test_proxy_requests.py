@@ -13,7 +13,7 @@ import pytest
 from relax_slurm.envs import BaseEnv, StepResult
 from relax_slurm.rollout.engine_client import GenerateResult
 from relax_slurm.rollout.multiturn import ObservationRenderer, TurnLimits, run_episode
-from relax_slurm.rollout.proxy import ProxyError, new_messages, parse_chat_request
+from relax_slurm.rollout.openai_chat import ProxyError, new_messages, parse_chat_request
 
 REPO = Path(__file__).resolve().parents[3]
 # user turns start with "=", assistant turns with "*" and end with EOS; the generation prompt

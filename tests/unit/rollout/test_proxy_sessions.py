@@ -17,7 +17,8 @@ from relax_slurm.config.schema import (
 from relax_slurm.errors import EngineError
 from relax_slurm.launch.plan import RunPlan, save_plan
 from relax_slurm.rollout.engine_client import GenerateResult
-from relax_slurm.rollout.proxy import AgentProxy, ProxyError
+from relax_slurm.rollout.openai_chat import ProxyError
+from relax_slurm.rollout.proxy import AgentProxy
 from relax_slurm.rollout.worker import RolloutWorker
 
 ASK = {"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2}
