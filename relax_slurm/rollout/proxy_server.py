@@ -13,8 +13,9 @@ Inside a run every route but /health needs the run's secret as the API key
 proxy's sessions become training data, so only who can read the run directory may add them.
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "code"}}`, with the HTTP code:
-400 bad request or over a session's budget, 404 unknown session, 409 a request that does not
-fit the session's state, 502 engine failure, 503 no admission credit in time / run ending.
+400 bad request or over a session's budget, 401 no or a wrong key, 404 unknown session, 409 a
+request that does not fit the session's state, 502 engine failure, 503 no admission credit in
+time / run ending.
 """
 
 from __future__ import annotations
