@@ -365,7 +365,8 @@ class RolloutWorker:
         joined = await self.broker.rejoin(self.worker_rank)
         pos = joined.get("position")
         if pos and pos["next_group_id"] > self.first_group_id:
-            self.dataset.load_state_dict(pos["data_state"])
+            if self.dataset is not None:  # proxy mode has no data position
+                self.dataset.load_state_dict(pos["data_state"])
             self.group_ids = itertools.count(pos["next_group_id"], self.num_workers)
             log.info("rejoined: %d credits reclaimed; continuing at data position %s, group "
                      "id %d", joined["reclaimed"], pos["data_state"], pos["next_group_id"])
@@ -422,9 +423,8 @@ async def _amain(run_dir: Path) -> None:
     try:
         await worker.wait_for_engines()
         if worker.proxy_url:  # rollout.agent_mode=proxy: external agents drive the sessions
-            url = urlparse(worker.proxy_url)
-            host = "0.0.0.0" if cfg.cluster.kind == "slurm" else (url.hostname or "127.0.0.1")
-            await serve_proxy(worker, host, int(url.port or 0))
+            url = urlparse(worker.proxy_url)  # bound at the address agents use, as the broker
+            await serve_proxy(worker, url.hostname or "127.0.0.1", int(url.port or 0))
         else:
             await worker.run()
     except BrokerShutdown as e:  # the run is ending: not an error worth a traceback
