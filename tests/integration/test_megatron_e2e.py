@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import REPO, relax_train, run_env
 
-STEPS = 25  # as the other learning tests: a rise of >= 0.1 with a margin
+STEPS = 30  # reward ~0.002 -> ~0.15-0.2 by step 25 (TP=1, TP=2): 30 keeps a ~2x margin over RISE
 RISE = 0.1
 
 pytestmark = [
