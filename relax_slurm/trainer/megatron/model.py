@@ -57,12 +57,6 @@ def destroy_model_parallel() -> None:
     ps.destroy_model_parallel()
 
 
-def data_parallel_rank_world() -> tuple[int, int]:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-
-
 def data_ranks() -> list[int]:
     """The data-parallel index of every global rank (TP/PP/CP peers share their rows)."""
     from megatron.core import parallel_state as ps
