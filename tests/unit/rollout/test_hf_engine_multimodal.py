@@ -22,6 +22,8 @@ from relax_slurm.trainer.batch import collate, prepare_items
 from relax_slurm.trainer.model import freeze_modules, load_hf_model, pad_token_id
 from relax_slurm.trainer.step import token_logprobs
 
+pytestmark = pytest.mark.slow  # two real engines (~25 s of start-up), as test_hf_engine_http.py
+
 
 @pytest.fixture(scope="module", params=["vl", "audio"])
 def served(request, tiny_mm_assets: Path, tmp_path_factory):
