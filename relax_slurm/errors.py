@@ -29,6 +29,11 @@ class EngineError(RelaxError):
     """An inference engine answered with an error or did not answer in time."""
 
 
+class EngineUnreachable(EngineError):
+    """An engine's connection failed or timed out (it died, restarts or hangs), as opposed to an
+    answer with an error: the request may be tried again once the engine is back."""
+
+
 class EngineDown(EngineError):
     """An engine did not answer /health within rollout.startup_timeout_s."""
 
@@ -43,6 +48,11 @@ class WeightSyncError(RelaxError):
 
 class RoleFailed(RelaxError):
     """A child process of the run died or hung; the message names the role and its log."""
+
+
+class RoleHung(RoleFailed):
+    """A role stopped heartbeating (or an engine stopped answering /health, or the broker its
+    /status) for cluster.heartbeat_timeout_s: alive, maybe, but making no progress."""
 
 
 class Preempted(RelaxError):

@@ -4,6 +4,13 @@ Every request carries a request id `rid` that the broker echoes. The sync client
 discard a late reply to an earlier request that timed out; the async client uses it to route
 replies to the awaiting task, so many tasks can share one socket.
 Every receive is bounded: a parked op (`acquire`, `get_batch`) gets `wait_s + timeout_s`.
+Within that budget a request without a reply is sent again (same rid) after `wait_s +
+RESEND_S`, then at doubling intervals: a broker restarted in place (a kill -9, see spill.py)
+lost the requests it had received, and ZMQ reconnects by itself. Resends are safe: the broker
+answers a request id it has answered before with the same reply (from memory, or replayed from
+its spill file) and ignores one that is still parked.
+Every request carries the run's secret (`auth` field): by default the one relax-train gave this
+process (`relax_slurm.auth.run_secret`); tools outside the run pass `read_secret(RUN_DIR)`.
 """
 
 from __future__ import annotations
@@ -18,24 +25,28 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from relax_slurm.auth import run_secret
 from relax_slurm.broker.wire import decode, encode
 from relax_slurm.errors import BrokerError, BrokerShutdown, BrokerTimeout
 from relax_slurm.samples import Group
 
 Batch = tuple[list[Group], dict[str, Any]]
+RESEND_S = 2.0
+_RESEND_MAX_S = 8.0
 
 
 def _dealer(ctx: zmq.Context, addr: str, identity: str | None, timeout_s: float
             ) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # a fixed routing id, kept across reconnects: the broker recognises a resent request by
+    # (routing id, rid)
     # with the broker gone, requests queue up to the high-water mark and then a send would
     # block forever; a send timeout turns that into BrokerTimeout too
     sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
-    if identity:
-        # readable in a debugger or packet dump; the suffix keeps two clients that were given
-        # the same name from receiving each other's replies
-        sock.setsockopt(zmq.ROUTING_ID, f"{identity}:{uuid.uuid4().hex[:8]}".encode())
+    # readable in a debugger or packet dump; the suffix keeps two clients that were given the
+    # same name from receiving each other's replies
+    sock.setsockopt(zmq.ROUTING_ID, f"{identity or 'client'}:{uuid.uuid4().hex[:12]}".encode())
     sock.connect(addr)
     return sock
 
@@ -66,25 +77,43 @@ def _batch(fields: dict[str, Any], groups: list[Group] | None) -> Batch | None:
 class BrokerClient:
     """Blocking client; one request at a time."""
 
-    def __init__(self, addr: str, timeout_s: float, identity: str | None = None) -> None:
+    def __init__(self, addr: str, timeout_s: float, identity: str | None = None,
+                 secret: str | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
+        self._auth = secret or run_secret()
         self._sock = _dealer(zmq.Context.instance(), addr, identity, timeout_s)
         self._rids = itertools.count()
+
+    def _frames(self, op: str, fields: dict[str, Any], rid: int, groups: list[Group] | None
+                ) -> list[Any]:
+        return encode(op, {**fields, "rid": rid, "auth": self._auth}, groups)
 
     def _call(self, op: str, fields: dict[str, Any], groups: list[Group] | None = None,
               wait_s: float = 0.0) -> tuple[dict[str, Any], list[Group] | None]:
         rid = next(self._rids)
         budget = wait_s + self.timeout_s
+        frames = self._frames(op, fields, rid, groups)
         try:
-            self._sock.send_multipart(encode(op, {**fields, "rid": rid}, groups), copy=False)
+            self._sock.send_multipart(frames, copy=False)
         except zmq.Again as e:
             raise _timeout(op, self.addr, self.timeout_s) from e
-        end = time.monotonic() + budget
+        now = time.monotonic()
+        end, resend_at, every = now + budget, now + wait_s + RESEND_S, RESEND_S
         while True:
-            left_ms = int((end - time.monotonic()) * 1000)
-            if left_ms <= 0 or not self._sock.poll(left_ms, zmq.POLLIN):
+            now = time.monotonic()
+            if now >= end:
                 raise _timeout(op, self.addr, budget)
+            if now >= resend_at:
+                try:
+                    self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    pass  # queue full while the broker is away: the next resend retries
+                every = min(2 * every, _RESEND_MAX_S)
+                resend_at = now + every
+            wait_ms = int((min(end, resend_at) - now) * 1000) + 1
+            if not self._sock.poll(wait_ms, zmq.POLLIN):
+                continue
             reply = decode(self._sock.recv_multipart(copy=False))
             got = reply[1].get("rid")
             if got == rid or (got is None and reply[0] == "error"):
@@ -110,8 +139,14 @@ class BrokerClient:
     def set_version(self, version: int) -> None:
         self._call("set_version", {"version": version})
 
-    def heartbeat(self, role: str) -> None:
-        self._call("heartbeat", {"role": role})
+    def rejoin(self, rank: int) -> dict[str, Any]:
+        fields, _ = self._call("rejoin", {"rank": rank})
+        fields.pop("rid", None)
+        return fields
+
+    def heartbeat(self, role: str, **info: Any) -> None:
+        """`role` is alive and making progress; `info` (msgpack-able) shows in /status."""
+        self._call("heartbeat", {"role": role, "info": info})
 
     def stats(self) -> dict[str, Any]:
         fields, _ = self._call("stats", {})
@@ -138,9 +173,11 @@ class AsyncBrokerClient:
     Create and use it inside one running event loop.
     """
 
-    def __init__(self, addr: str, timeout_s: float, identity: str | None = None) -> None:
+    def __init__(self, addr: str, timeout_s: float, identity: str | None = None,
+                 secret: str | None = None) -> None:
         self.addr = addr
         self.timeout_s = timeout_s
+        self._auth = secret or run_secret()
         self._sock = _dealer(zmq.asyncio.Context.instance(), addr, identity, timeout_s)
         self._rids = itertools.count()
         self._pending: dict[int, asyncio.Future[tuple[str, dict[str, Any], Any]]] = {}
@@ -162,6 +199,8 @@ class AsyncBrokerClient:
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
+    _frames = BrokerClient._frames
+
     async def _send(self, frames: list[Any]) -> None:
         async with self._send_lock:
             await self._sock.send_multipart(frames, copy=False)
@@ -176,10 +215,22 @@ class AsyncBrokerClient:
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         budget = wait_s + self.timeout_s
+        frames = self._frames(op, fields, rid, groups)
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(self._send(encode(op, {**fields, "rid": rid}, groups)),
-                                   self.timeout_s)
-            reply = await asyncio.wait_for(fut, budget)
+            await asyncio.wait_for(self._send(frames), self.timeout_s)
+            end = loop.time() + budget
+            resend_at, every = loop.time() + wait_s + RESEND_S, RESEND_S
+            while not fut.done():
+                now = loop.time()
+                if now >= end:
+                    raise asyncio.TimeoutError
+                if now >= resend_at:  # see the module's docstring
+                    await asyncio.wait_for(self._send(frames), max(end - now, 0.001))
+                    every = min(2 * every, _RESEND_MAX_S)
+                    resend_at = loop.time() + every
+                await asyncio.wait({fut}, timeout=max(min(end, resend_at) - loop.time(), 0))
+            reply = fut.result()
         except (asyncio.TimeoutError, zmq.Again) as e:
             raise _timeout(op, self.addr, budget) from e
         finally:
@@ -206,8 +257,15 @@ class AsyncBrokerClient:
     async def set_version(self, version: int) -> None:
         await self._call("set_version", {"version": version})
 
-    async def heartbeat(self, role: str) -> None:
-        await self._call("heartbeat", {"role": role})
+    async def rejoin(self, rank: int) -> dict[str, Any]:
+        """At start: reclaim the credits a dead predecessor of this client's name held; returns
+        {reclaimed, position} (position: where that worker was in the data, or None)."""
+        fields, _ = await self._call("rejoin", {"rank": rank})
+        fields.pop("rid", None)
+        return fields
+
+    async def heartbeat(self, role: str, **info: Any) -> None:
+        await self._call("heartbeat", {"role": role, "info": info})
 
     async def stats(self) -> dict[str, Any]:
         fields, _ = await self._call("stats", {})

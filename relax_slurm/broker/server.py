@@ -4,13 +4,22 @@ One thread, one poll loop. Requests that cannot be answered yet (`acquire` with 
 `get_batch` with too few groups) are parked with a deadline and answered as soon as a later
 request changes the state, or at the deadline. The poll timeout is the time to the nearest
 deadline, capped so a stop request (signal) is seen quickly.
+
+Every request must carry the run's secret in its `auth` field (see relax_slurm/auth.py); one
+without it or with a wrong one gets an `error` reply and is counted (`auth_refused`), and
+nothing else happens. Inbound messages larger than `max_message_bytes` are dropped by ZMQ
+(it disconnects that peer) before they reach the loop; anything else malformed gets an
+`error` reply. No request can stop the loop except an authenticated `shutdown`.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +27,9 @@ from typing import Any
 import msgpack
 import zmq
 
+from relax_slurm.auth import secret_matches
+from relax_slurm.broker.admin import AdminServer
+from relax_slurm.broker.spill import Spill
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.broker.wire import decode, encode
 from relax_slurm.errors import BrokerError
@@ -26,6 +38,10 @@ from relax_slurm.samples import Group
 _MAX_POLL_S = 0.2
 # long enough for the shutdown reply and broadcast to leave, short enough not to hang an exit
 _CLOSE_LINGER_MS = 500
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+_ANSWERS_PER_CLIENT = 64  # a client resends only its latest requests
+_ANSWERED_CLIENTS = 1024
+_MAX_ROLES = 4096  # distinct heartbeat names kept (a bound on what a buggy client can add)
 
 
 @dataclass
@@ -47,17 +63,34 @@ def _get(fields: dict[str, Any], name: str, kind: type, minimum: float | None = 
     return value
 
 
+def _holder(identity: bytes) -> str:
+    """The name part of a client's routing id ("rollout0" of "rollout0:9f3a..."): the same for
+    every process of one role, unlike the routing id."""
+    return identity.split(b":", 1)[0].decode("utf-8", "replace")
+
+
 def publish_frames(topic: str, fields: dict[str, Any]) -> list[bytes]:
     return [topic.encode(), msgpack.packb(fields, use_bin_type=True)]
 
 
 class BrokerServer:
-    def __init__(self, state: BrokerState, router_addr: str, pub_addr: str,
+    def __init__(self, state: BrokerState, router_addr: str, pub_addr: str, *, secret: str,
+                 admin: tuple[str, int] | None = None, spill: Spill | None = None,
+                 answers: list[tuple[bytes, Any, dict[str, Any], list[Group] | None]] = (),
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  log: Callable[[str], None] = lambda line: None) -> None:
+        if not secret:
+            raise BrokerError("the broker needs the run's secret (RELAX_RUN_SECRET); relax-train "
+                              "sets it for every role")
         self.state = state
         self.log = log
+        self._secret = secret
+        self.auth_refused = 0
         self._ctx = zmq.Context()
         self.router = self._ctx.socket(zmq.ROUTER)
+        # a peer sending more than this in one message is disconnected by ZMQ: a bogus length
+        # can never make the broker allocate without bound
+        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.pub = self._ctx.socket(zmq.PUB)
         try:
             self.router.bind(router_addr)
@@ -70,13 +103,35 @@ class BrokerServer:
         self.pub_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._acquires: list[_Parked] = []
         self._batches: list[_Parked] = []
-        self._heartbeats: dict[str, float] = {}
+        self._heartbeats: dict[str, tuple[float, dict[str, Any]]] = {}
+        # routing ids seen per holder name, and those of processes a rejoin replaced: a group a
+        # dead worker had sent before its successor rejoined must not use the successor's credit
+        self._ids_of: dict[str, set[bytes]] = {}
+        self._retired: set[bytes] = set()
+        self._started = time.monotonic()
+        self.spill = spill
+        # (identity -> rid -> reply frames) of the latest replies: a client that resends a
+        # request (its reply was lost, or the broker restarted) gets the same answer again
+        self._answers: OrderedDict[bytes, OrderedDict[Any, list[Any]]] = OrderedDict()
+        for identity, rid, fields, groups in answers:  # replayed from the spill
+            self._remember(identity, rid, encode("ok", {**fields, "rid": rid}, groups))
+        # held by the loop while it handles a request, and by the admin thread's status()
+        self._lock = threading.Lock()
+        self.admin: AdminServer | None = None
+        if admin is not None:
+            try:
+                self.admin = AdminServer(*admin, secret=secret, status=self.status,
+                                         on_refused=self._count_refused)
+            except BrokerError:
+                self.close()
+                raise
         self._stopping = False
         self._handlers: dict[str, Callable[[bytes, Any, dict[str, Any], list[Group] | None],
                                            None]] = {
             "acquire": self._acquire, "put_group": self._put_group, "release": self._release,
             "get_batch": self._get_batch, "set_version": self._set_version,
             "heartbeat": self._heartbeat, "stats": self._stats, "shutdown": self._shutdown,
+            "rejoin": self._rejoin,
         }
 
     # ---- loop ----------------------------------------------------------------------------
@@ -87,19 +142,29 @@ class BrokerServer:
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        if self.admin is not None:
+            self.admin.start()
         try:
             while not self._stopping:
                 if poller.poll(self._poll_timeout_ms()):
                     # drain everything queued before expiring deadlines: a put that arrived in
                     # time should still satisfy a get_batch whose deadline is now
                     while not self._stopping and self.router.poll(0):
-                        self._handle(self.router.recv_multipart(copy=False))
-                self._expire(time.monotonic())
+                        frames = self.router.recv_multipart(copy=False)
+                        with self._lock:
+                            self._handle(frames)
+                with self._lock:
+                    self._expire(time.monotonic())
         finally:
             self._refuse_parked("broker is shutting down")
             self.close()
 
     def close(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
+        if self.admin is not None:
+            self.admin.close()
+            self.admin = None
         for sock in (self.router, self.pub):
             if not sock.closed:
                 sock.close(linger=_CLOSE_LINGER_MS)
@@ -116,6 +181,15 @@ class BrokerServer:
         try:
             op, fields, groups = decode(frames[1:])
             rid = fields.get("rid")
+            if not secret_matches(self._secret, fields.pop("auth", None)):
+                self.auth_refused += 1
+                raise BrokerError("unauthenticated request: missing or wrong run secret (clients "
+                                  "of a run read it from RELAX_RUN_SECRET, set by relax-train; "
+                                  "tools read RUN_DIR/secret)")
+            if rid is not None and (not isinstance(rid, int) or isinstance(rid, bool)):
+                raise BrokerError(f"request id rid={rid!r}: must be an integer")
+            if rid is not None and self._is_resend(identity, rid):
+                return
             handler = self._handlers.get(op)
             if handler is None:
                 raise BrokerError(f"unknown op {op!r}; expected one of {sorted(self._handlers)}")
@@ -128,8 +202,33 @@ class BrokerServer:
 
     def _reply(self, identity: bytes, rid: Any, fields: dict[str, Any],
                groups: list[Group] | None = None, op: str = "ok") -> None:
+        if self.spill is not None and op == "ok":
+            # on file before the client hears of it (a no-op unless the state changed)
+            self.spill.record(self.state, (identity, rid), fields, groups)
         frames = encode(op, {**fields, "rid": rid}, groups)
+        if rid is not None and op == "ok":
+            self._remember(identity, rid, frames)
         self.router.send_multipart([identity, *frames], copy=False)
+
+    # ---- resends -------------------------------------------------------------------------
+    def _remember(self, identity: bytes, rid: Any, frames: list[Any]) -> None:
+        per = self._answers.pop(identity, None) or OrderedDict()
+        self._answers[identity] = per  # most recent identity last
+        per[rid] = frames
+        while len(per) > _ANSWERS_PER_CLIENT:
+            per.popitem(last=False)
+        while len(self._answers) > _ANSWERED_CLIENTS:
+            self._answers.popitem(last=False)
+
+    def _is_resend(self, identity: bytes, rid: Any) -> bool:
+        """A request seen before: answer it again from memory, or wait if it is parked."""
+        if any(p.identity == identity and p.rid == rid for p in self._acquires + self._batches):
+            return True
+        frames = self._answers.get(identity, {}).get(rid)
+        if frames is None:
+            return False
+        self.router.send_multipart([identity, *frames], copy=False)
+        return True
 
     # ---- parked requests -----------------------------------------------------------------
     def _park(self, queue: list[_Parked], identity: bytes, rid: Any, args: dict[str, Any],
@@ -147,10 +246,11 @@ class BrokerServer:
                 break
             self._batches.pop(0)
             groups, stats = result
+            stats["auth_refused"] = self.auth_refused
             self._reply(p.identity, p.rid, {"stats": stats, "wait_s": now - p.start}, groups)
         while self._acquires:
             p = self._acquires[0]
-            granted = self.state.admit(p.args["max_n"])
+            granted = self.state.admit(p.args["max_n"], _holder(p.identity))
             if granted == 0:
                 break
             self._acquires.pop(0)
@@ -174,7 +274,9 @@ class BrokerServer:
     def _acquire(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
         max_n = _get(fields, "max_n", int, 1)
         wait_s = _get(fields, "wait_s", float)
-        granted = self.state.admit(max_n) if not self._acquires else 0  # FIFO among waiters
+        self._ids_of.setdefault(_holder(identity), set()).add(identity)
+        granted = (self.state.admit(max_n, _holder(identity))
+                   if not self._acquires else 0)  # FIFO among waiters
         if granted or wait_s == 0:
             self._reply(identity, rid, {"granted": granted})
         else:
@@ -184,12 +286,15 @@ class BrokerServer:
                    groups: list[Group] | None) -> None:
         if groups is None or len(groups) != 1:
             raise BrokerError("put_group carries exactly one group")
-        self.state.accept(groups[0])
+        if identity in self._retired:
+            raise BrokerError("put_group from a worker process that a restarted one replaced "
+                              "(its credits were given back at the rejoin); dropped")
+        self.state.accept(groups[0], _holder(identity))
         self._reply(identity, rid, {})
         self._wake()
 
     def _release(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
-        self.state.release(_get(fields, "n", int))
+        self.state.release(_get(fields, "n", int), _holder(identity))
         self._reply(identity, rid, {})
         self._wake()
 
@@ -202,6 +307,7 @@ class BrokerServer:
             result = self.state.take_batch(args["num_groups"], args["version"])
         if result is not None:
             groups, stats = result
+            stats["auth_refused"] = self.auth_refused
             self._reply(identity, rid, {"stats": stats, "wait_s": 0.0}, groups)
         elif wait_s == 0:
             self._reply(identity, rid, {"timeout": True, "wait_s": 0.0})
@@ -222,12 +328,55 @@ class BrokerServer:
         self._reply(identity, rid, {"version": version})
         self._wake()
 
+    def _rejoin(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
+        """A worker (re)starting: what an earlier process of its name held comes back, and it
+        learns where that one was in the data (None if nowhere yet)."""
+        rank = fields.get("rank", 0)
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise BrokerError(f"rejoin needs an integer rank, got {rank!r}")
+        holder = _holder(identity)
+        self._retired |= self._ids_of.pop(holder, set()) - {identity}
+        self._ids_of[holder] = {identity}
+        reclaimed = self.state.reclaim(holder)
+        if reclaimed:
+            self.log(f"broker: {_holder(identity)} rejoined; {reclaimed} credits of its "
+                     "predecessor came back")
+        self._reply(identity, rid, {"reclaimed": reclaimed,
+                                    "position": self.state.positions.get(str(rank))})
+        self._wake()
+
     def _heartbeat(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
         role = fields.get("role")
-        if not isinstance(role, str) or not role:
+        if not isinstance(role, str) or not role or len(role) > 128:
             raise BrokerError(f"heartbeat needs a non-empty role string, got {role!r}")
-        self._heartbeats[role] = time.monotonic()
+        info = fields.get("info") or {}
+        if not isinstance(info, dict) or len(info) > 32:
+            raise BrokerError("heartbeat info must be a map of at most 32 entries")
+        if role not in self._heartbeats and len(self._heartbeats) >= _MAX_ROLES:
+            raise BrokerError(f"more than {_MAX_ROLES} roles heartbeat; refusing {role!r}")
+        self._heartbeats[role] = (time.monotonic(), info)
         self._reply(identity, rid, {})
+
+    def _count_refused(self) -> None:
+        with self._lock:
+            self.auth_refused += 1
+
+    def status(self) -> dict[str, Any]:
+        """The run as the broker sees it (admin GET /status): one consistent snapshot."""
+        with self._lock:
+            now = time.monotonic()
+            c = self.state.counters()
+            return {
+                "version": c["version"], "queue_depth": c["queue_depth"],
+                "in_flight": c["in_flight"], "counters": c,
+                "max_staleness": self.state.max_staleness, "batch_size": self.state.batch_size,
+                "admission_open": self.state.open,
+                "parked_acquires": len(self._acquires), "parked_get_batch": len(self._batches),
+                "auth_refused": self.auth_refused, "uptime_s": now - self._started,
+                "pid": os.getpid(),
+                "roles": {role: {"heartbeat_age_s": now - t, **info}
+                          for role, (t, info) in sorted(self._heartbeats.items())},
+            }
 
     def _stats(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
         now = time.monotonic()
@@ -237,7 +386,8 @@ class BrokerServer:
             "batch_size": self.state.batch_size,
             "parked_acquires": len(self._acquires),
             "parked_get_batch": len(self._batches),
-            "heartbeat_age_s": {role: now - t for role, t in self._heartbeats.items()},
+            "auth_refused": self.auth_refused,
+            "heartbeat_age_s": {role: now - t for role, (t, _) in self._heartbeats.items()},
         })
 
     def _shutdown(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:

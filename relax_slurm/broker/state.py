@@ -43,6 +43,11 @@ class BrokerState:
         self.in_flight = 0
         self.released = 0
         self.queue: deque[Group] = deque()
+        # credits in flight per holder (a worker's name), so that a restarted worker can give
+        # back what its dead predecessor held (`reclaim`); and per worker rank the data position
+        # after its newest accepted group, where a restarted worker continues
+        self.holders: dict[str, int] = {}
+        self.positions: dict[str, dict[str, Any]] = {}
         # A run's broker starts closed: nothing is generated until the trainer has pushed its
         # weights to the engines and announced that version (fresh start or resume alike).
         self.open = open_admission
@@ -55,32 +60,59 @@ class BrokerState:
         budget = (self.max_staleness + self.version + 1) * self.batch_size
         return max(0, budget - (self.accepted - self.dropped) - self.in_flight)
 
-    def admit(self, max_n: int) -> int:
+    def admit(self, max_n: int, holder: str | None = None) -> int:
         """Grant up to `max_n` credits (one per prompt group to start)."""
         n = min(max(0, max_n), self.capacity())
         self.in_flight += n
+        if holder is not None and n:
+            self.holders[holder] = self.holders.get(holder, 0) + n
         return n
 
-    def accept(self, group: Group) -> None:
+    def _give_back(self, holder: str | None, n: int) -> None:
+        if holder is not None and self.holders.get(holder, 0) > 0:
+            self.holders[holder] = max(0, self.holders[holder] - n)
+
+    def accept(self, group: Group, holder: str | None = None) -> None:
         """A worker returns a finished group for a credit it holds."""
         if not group:
             raise BrokerError("put_group with an empty group; send at least one sample")
         if self.in_flight < 1:
             raise BrokerError("put_group without a credit: call acquire before generating")
         self.in_flight -= 1
+        self._give_back(holder, 1)
         self.accepted += 1
+        self._note_position(group)
         if self._is_stale(group, self.version):
             # too old for any trainer at >= self.version: drop now so its credit frees at once
             self.dropped += 1
         else:
             self.queue.append(group)
 
-    def release(self, n: int) -> None:
+    def release(self, n: int, holder: str | None = None) -> None:
         """A worker gives back `n` credits it will not turn into groups."""
         if n < 0 or n > self.in_flight:
             raise BrokerError(f"release({n}) but only {self.in_flight} credits are in flight")
         self.in_flight -= n
         self.released += n
+        self._give_back(holder, n)
+
+    def reclaim(self, holder: str) -> int:
+        """A restarted worker: the credits its dead predecessor held come back (their groups
+        will never arrive); returns how many."""
+        n = min(self.holders.pop(holder, 0), self.in_flight)
+        self.in_flight -= n
+        self.released += n
+        return n
+
+    def _note_position(self, group: Group) -> None:
+        meta = group[0].metadata
+        if "data_state" not in meta:
+            return
+        rank = str(meta.get("worker", 0))
+        known = self.positions.get(rank)
+        if known is None or group[0].group_id + 1 > known["next_group_id"]:
+            self.positions[rank] = {"data_state": meta["data_state"],
+                                    "next_group_id": group[0].group_id + 1}
 
     # ---- trainer -------------------------------------------------------------------------
     def _is_stale(self, group: Group, trainer_version: int) -> bool:
@@ -143,4 +175,26 @@ class BrokerState:
         # their credits taken forever (and deadlock a run that saved a full queue)
         self.accepted = self.consumed + self.dropped
         self.in_flight = 0
+        self.holders.clear()
+        self.positions.clear()
         self.queue.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter and the admission flag: with the queued groups, the whole state (what
+        the spill file records; see spill.py)."""
+        return {**{k: getattr(self, k) for k in COUNTER_NAMES}, "open": self.open,
+                "holders": dict(self.holders), "positions": dict(self.positions)}
+
+    def load_snapshot(self, snap: dict[str, Any], queue: list[Group]) -> None:
+        """Continue exactly where a broker that recorded `snap` and `queue` stopped (a restart in
+        place): unlike `restore`, credits in flight stay taken, because their workers are still
+        generating and will put their groups."""
+        missing = [k for k in (*COUNTER_NAMES, "open") if k not in snap]
+        if missing:
+            raise BrokerError(f"load_snapshot: snapshot lacks {missing}")
+        for k in COUNTER_NAMES:
+            setattr(self, k, int(snap[k]))
+        self.open = bool(snap["open"])
+        self.holders = {str(k): int(v) for k, v in snap.get("holders", {}).items()}
+        self.positions = dict(snap.get("positions", {}))
+        self.queue = deque(queue)

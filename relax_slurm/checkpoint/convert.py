@@ -11,6 +11,7 @@ renamed to `OUT/` at the end.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import logging
 import re
@@ -62,8 +63,8 @@ def detect_format(path: str | Path) -> tuple[str, Path]:
     if (p / "config.json").is_file() and _hf_weight_files(p):
         return "hf", p
     latest = find_latest(p)
-    if latest is not None:
-        return "dcp", latest
+    if latest is not None:  # a run directory: its newest checkpoint, of either backend
+        return ("megatron", latest) if _megatron_dir(latest) is not None else ("dcp", latest)
     raise CheckpointError(
         f"--input {p}: no checkpoint format recognised. Expected a DCP checkpoint (.metadata, "
         "e.g. RUN_DIR/checkpoints/step_<N>), a Hugging Face directory (config.json + "
@@ -355,25 +356,49 @@ def _read_hf(src: Path, progress: bool) -> dict[str, torch.Tensor]:
 # ---- Megatron -> HF -----------------------------------------------------------------------------
 def megatron_to_hf(input_dir: str | Path, output_dir: str | Path,
                    hf_config: str | Path | None, progress: bool = False,
-                   overwrite: bool = False) -> Path:
-    """Through megatron-bridge's AutoBridge (GPU extra). Not exercised by the CPU test suite."""
+                   overwrite: bool = False, dtype: torch.dtype | None = None) -> Path:
+    """Through megatron-bridge. A trainer=megatron checkpoint (meta.json says so; it keeps its
+    HF config in hf/) is read in this process by relax_slurm.trainer.megatron.convert, on CPU
+    or GPU; other Megatron checkpoints (Megatron-LM / megatron-bridge layouts) go through the
+    bridge's export_ckpt and need --hf-config."""
     try:
-        from megatron.bridge import AutoBridge
+        import megatron.core  # noqa: F401
+        if importlib.util.find_spec("megatron.bridge") is None:
+            raise ImportError("megatron.bridge")
     except ImportError as e:
         raise CheckpointError(
             f"{input_dir} is a Megatron distributed checkpoint; converting it needs "
             "megatron-bridge, which is not installed. Fix: pip install '.[gpu]' (on a GPU "
-            "machine), then run relax-convert again"
+            "machine; on CPU: pip install -e '.[megatron_cpu]' && pip install --no-deps "
+            "megatron-bridge==0.3.1), then run relax-convert again"
         ) from e
+    src = Path(input_dir)
+    if _written_by_megatron_backend(src):
+        from relax_slurm.trainer.megatron.convert import dist_checkpoint_to_hf
+
+        return dist_checkpoint_to_hf(src, Path(output_dir).resolve(), hf_config, dtype,
+                                     progress, overwrite)
+    if dtype is not None:
+        raise CheckpointError("--dtype is not supported for this Megatron input: megatron-bridge "
+                              "exports in the dtype of --hf-config; drop --dtype")
     if hf_config is None:
         raise CheckpointError("a Megatron checkpoint has no Hugging Face config: pass "
                               "--hf-config with the HF model (directory or hub id) it came from")
+    from megatron.bridge import AutoBridge
+
     out = Path(output_dir).resolve()
     tmp = _start_output(out, overwrite)
     bridge = AutoBridge.from_hf_pretrained(str(hf_config))
     bridge.export_ckpt(str(input_dir), str(tmp), show_progress=progress)
     copy_hf_assets(hf_config, tmp, include_config=False)
     return _finish_output(tmp, out)
+
+
+def _written_by_megatron_backend(p: Path) -> bool:
+    try:
+        return json.loads((p / META).read_text()).get("backend") == "megatron"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 # ---- dispatch -----------------------------------------------------------------------------------
@@ -395,10 +420,7 @@ def convert_checkpoint(
     if fmt == "megatron":
         if target != "hf":
             raise CheckpointError("a Megatron checkpoint converts to hf only: --to hf")
-        if torch_dtype is not None:
-            raise CheckpointError("--dtype is not supported for Megatron input: megatron-bridge "
-                                  "exports in the dtype of --hf-config; drop --dtype")
-        return megatron_to_hf(src, output_dir, hf_config, progress, overwrite)
+        return megatron_to_hf(src, output_dir, hf_config, progress, overwrite, torch_dtype)
     if fmt == "dcp":
         return dcp_to_hf(src, output_dir, hf_config, torch_dtype, progress, shard_size_mb,
                          overwrite, trust_remote_code)

@@ -185,17 +185,35 @@ class RolloutConfig:
     """sglang: expert parallel size inside an engine (--ep-size, MoE models; divides tp)."""
     engine_mem_fraction: float = 0.8
     """sglang: --mem-fraction-static, the GPU memory share for weights and KV cache."""
-    engine_api_key: bool = False
-    """sglang: servers require the key in the environment variable RELAX_ENGINE_API_KEY
-    (--api-key; the key itself is never written to the config or a command line); every
-    client sends it whenever that variable is set."""
+    engine_api_key: bool = True
+    """sglang: servers require a key (--api-key): RELAX_ENGINE_API_KEY from the launcher's
+    environment, else the run's secret (never in the config or a command line); every client
+    sends it. hf engines require the same key whenever that variable is set."""
     engine_extra_args: list[str] = field(default_factory=list)
     """sglang: more `python -m sglang.launch_server` flags, passed as they are."""
     release_memory_during_train: bool = False
     """Colocated placement: engines release GPU memory (/release_memory_occupation) while the
     trainer steps and resume it for rollout; sglang engines then start --enable-memory-saver."""
+    agent_mode: str = "env"
+    """env: the worker draws prompts from data.* and runs them (single-turn, or episodes of
+    env.name); proxy: it serves an OpenAI-compatible /v1/chat/completions for external agent
+    programs and trains on their sessions (docs/agentic.md)."""
+    proxy_port: int = 0
+    """agent_mode=proxy: the proxy's TCP port on the rollout node (0: a free one, written to
+    RUN_DIR/plan.json and roles.json)."""
+    proxy_session_timeout_s: float = 600.0
+    """agent_mode=proxy: a group whose sessions see no request for this long is dropped (its
+    admission credit goes back), so a crashed agent cannot stall the run."""
+    proxy_admission_timeout_s: float = 300.0
+    """agent_mode=proxy: how long the first request of a new group waits for an admission
+    credit (the staleness bound) before it is answered 503."""
 
     def __post_init__(self) -> None:
+        _check(self.agent_mode in ("env", "proxy"),
+               f"rollout.agent_mode={self.agent_mode!r}: use env or proxy")
+        _check(0 <= self.proxy_port < 65536, f"rollout.proxy_port={self.proxy_port}: 0..65535")
+        _check(self.proxy_session_timeout_s > 0 and self.proxy_admission_timeout_s > 0,
+               "rollout.proxy_session_timeout_s and rollout.proxy_admission_timeout_s must be > 0")
         _check(self.engine_tp_size >= 1, f"rollout.engine_tp_size={self.engine_tp_size}: >= 1")
         _check(self.engine_ep_size >= 1 and self.engine_tp_size % self.engine_ep_size == 0,
                f"rollout.engine_ep_size={self.engine_ep_size}: must divide "
@@ -222,7 +240,8 @@ class RolloutConfig:
 @dataclass(kw_only=True)
 class TrainerConfig:
     backend: str = "torch"
-    """torch (transformers model, DDP/FSDP2, CPU or GPU) or megatron (GPU)."""
+    """torch (transformers model, DDP/FSDP2) or megatron (megatron-core through megatron-bridge,
+    TP/PP/EP; on CPU through trainer/megatron/cpu_compat.py). See docs/backends.md."""
     strategy: str = "ddp"
     """torch backend data parallelism: ddp or fsdp2."""
     nproc_per_node: int = 2
@@ -258,11 +277,33 @@ class TrainerConfig:
     """Write checkpoints in the background while training continues."""
     save_hf_every: int = 0
     """Export a Hugging Face directory every this many steps (0: never), for evaluation."""
+    tensor_parallel_size: int = 1
+    """megatron backend: ranks a layer's matrices are split over (divides the attention heads)."""
+    pipeline_parallel_size: int = 1
+    """megatron backend: pipeline stages the layers are split into (divides the layers)."""
+    context_parallel_size: int = 1
+    """megatron backend: ranks a sequence is split over (reserved: only 1 is implemented)."""
+    expert_parallel_size: int = 1
+    """megatron backend: ranks the MoE experts are spread over (divides the experts)."""
     freeze_modules: list[str] = field(default_factory=list)
     """Parameter name prefixes not trained (still synced to engines), e.g. [model.visual] for
     a Qwen-VL vision tower or [model.audio_tower] for Qwen2-Audio's encoder."""
 
     def __post_init__(self) -> None:
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+                    "expert_parallel_size"):
+            _check(getattr(self, key) >= 1, f"trainer.{key}={getattr(self, key)}: must be >= 1")
+        parallel = (self.tensor_parallel_size, self.pipeline_parallel_size,
+                    self.context_parallel_size, self.expert_parallel_size)
+        _check(self.backend == "megatron" or parallel == (1, 1, 1, 1),
+               f"trainer.backend={self.backend}: tensor/pipeline/context/expert parallel sizes "
+               "need trainer=megatron (the torch backend is data parallel only); set them to 1")
+        _check(self.backend != "megatron" or not self.async_save,
+               "trainer.async_save=true: the megatron backend saves synchronously (Megatron "
+               "dist-checkpoint); set trainer.async_save=false")
+        _check(self.context_parallel_size == 1,
+               f"trainer.context_parallel_size={self.context_parallel_size}: context parallelism "
+               "is not implemented by the megatron backend yet; use 1")
         _check(self.save_every >= 0, f"trainer.save_every={self.save_every}: must be >= 0")
         _check(self.keep_last >= 1, f"trainer.keep_last={self.keep_last}: keep at least 1")
         _check(self.backend in ("torch", "megatron"),
@@ -408,6 +449,20 @@ class BrokerConfig:
     """Timeout of one request/reply with the broker."""
     host: str = "127.0.0.1"
     """Interface the broker binds (local runs); on Slurm the node's address."""
+    max_message_mb: int = 1024
+    """Largest request the broker accepts, in MB; a peer sending more is disconnected."""
+    spill: bool = True
+    """Record the broker's state in RUN_DIR/broker/spill.bin so that it restarts in place (see
+    operations.md); false: a dead broker is a global restart."""
+    spill_fsync: bool = False
+    """fsync every spill record (survives the machine going down, not just the broker)."""
+    spill_compact_mb: int = 1024
+    """Rewrite the spill file as a snapshot of the live state once it is larger than this."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_message_mb >= 1, f"broker.max_message_mb={self.max_message_mb}: >= 1")
+        _check(self.spill_compact_mb >= 1,
+               f"broker.spill_compact_mb={self.spill_compact_mb}: >= 1")
 
 
 @dataclass(kw_only=True)
@@ -423,6 +478,16 @@ class ClusterConfig:
     max_global_restarts: int = 0
     """Local runs: when a role dies or hangs, stop every role and start the run again from its
     latest checkpoint (trainer.save_every sets how much is redone), at most this many times."""
+    max_role_restarts: int = 3
+    """Restarts in place of one role that dies (the broker, from its spill file; see
+    operations.md) before its next death fails the run (or restarts it globally)."""
+    heartbeat_interval_s: float = 10.0
+    """Trainer and rollout worker heartbeat to the broker this often, from their main loops; the
+    launcher probes the broker's /status and the engines' /health as often."""
+    heartbeat_timeout_s: float = 600.0
+    """A role whose last heartbeat (or an engine whose last good /health, or a broker whose last
+    /status) is older than this is hung: the run fails naming it, or restarts
+    (cluster.max_global_restarts). Cover the longest step; 0 turns hang detection off."""
 
     # ---- slurm: the allocation ------------------------------------------------------------
     layout: str = "hetjob"
@@ -518,6 +583,13 @@ class ClusterConfig:
                "cluster.container_image (pyxis) and cluster.container_prefix (apptainer) are "
                "alternatives: set one of them")
         _check(self.wait_poll_s > 0, f"cluster.wait_poll_s={self.wait_poll_s}: must be > 0")
+        _check(self.max_role_restarts >= 0,
+               f"cluster.max_role_restarts={self.max_role_restarts}: >= 0")
+        _check(self.heartbeat_interval_s > 0 and (
+                   self.heartbeat_timeout_s == 0
+                   or self.heartbeat_timeout_s >= 2 * self.heartbeat_interval_s),
+               f"cluster.heartbeat_timeout_s={self.heartbeat_timeout_s}: must be 0 (off) or at "
+               f"least twice cluster.heartbeat_interval_s={self.heartbeat_interval_s} (> 0)")
 
 
 @dataclass(kw_only=True)
@@ -654,6 +726,29 @@ class TrainConfig:
                "lower algo.overlong_buffer_tokens (about a fifth of max_new_tokens) or set it to 0")
         # shared GPUs: engines hold no memory while the trainer steps, so nothing may generate
         # then; only the on-policy schedule (rollout, then train) guarantees that
+        _check(self.rollout.agent_mode == "env" or not (self.env.name
+                                                         or self.algo.teacher_model_path),
+               "rollout.agent_mode=proxy: external agents play the environment's part and "
+               "on-policy distillation is not supported there; unset env.name (env=none) and "
+               "algo.teacher_model_path, or use rollout.agent_mode=env")
         _check(not self.rollout.release_memory_during_train or self.algo.max_staleness == 0,
                f"rollout.release_memory_during_train=true needs algo.max_staleness=0 (engines "
                f"are asleep while the trainer steps; got {self.algo.max_staleness})")
+        t = self.trainer
+        world = t.nproc_per_node * self.cluster.trainer_nodes
+        model_parallel = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
+        _check(world % model_parallel == 0,
+               f"{world} trainer ranks (trainer.nproc_per_node x cluster.trainer_nodes) do not "
+               f"split into trainer.tensor_parallel_size={t.tensor_parallel_size} x "
+               f"pipeline_parallel_size={t.pipeline_parallel_size} x context_parallel_size="
+               f"{t.context_parallel_size}: change trainer.nproc_per_node or the parallel sizes")
+        data_parallel = world // model_parallel
+        _check(data_parallel % t.expert_parallel_size == 0,
+               f"trainer.expert_parallel_size={t.expert_parallel_size} must divide the data-"
+               f"parallel size {data_parallel} (ranks / (TP x PP x CP)): change it or "
+               "trainer.nproc_per_node")
+        # the megatron backend builds GPT-style decoders through the bridge: no media towers
+        _check(t.backend != "megatron" or not (self.data.multimodal_keys or t.freeze_modules),
+               "trainer=megatron trains text decoders only: data.multimodal_keys and "
+               "trainer.freeze_modules need trainer=torch (FSDP2/DDP over the transformers "
+               "multimodal model)")

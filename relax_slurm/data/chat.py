@@ -69,10 +69,14 @@ def _as_ids(out: Any) -> list[int]:
     return [int(t) for t in out]
 
 
-def render(tokenizer: Any, messages: list[Message], apply_chat_template: bool) -> str:
-    """The prompt text the model sees (the chat template's output, or the joined contents)."""
+def render(tokenizer: Any, messages: list[Message], apply_chat_template: bool,
+           tools: list[dict] | None = None) -> str:
+    """The prompt text the model sees (the chat template's output, or the joined contents).
+    `tools` (OpenAI function schemas) go to the template's tools section."""
     if apply_chat_template:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        extra = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **extra)
     return RAW_TEXT_SEPARATOR.join(m["content"] for m in messages)
 
 

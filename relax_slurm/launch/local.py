@@ -13,7 +13,6 @@ summary.json (`global_restarts`).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,13 +21,13 @@ from relax_slurm.checkpoint import find_latest, resume_for_attempt
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.errors import ConfigError, RoleFailed
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
+from relax_slurm.launch.restart import record_restart
 from relax_slurm.launch.roles import (
     broker_spec, engine_specs, teacher_specs, trainer_spec, worker_spec,
 )
 from relax_slurm.launch.supervisor import supervise
 
 LOCALHOST = "127.0.0.1"
-RESTARTS_FILE = "restarts.jsonl"
 
 
 def check_inputs(cfg: TrainConfig) -> None:
@@ -66,9 +65,12 @@ def local_plan(cfg: TrainConfig) -> RunPlan:
     return RunPlan(
         broker_router=f"tcp://{host}:{free_port(host)}",
         broker_pub=f"tcp://{host}:{free_port(host)}",
+        broker_admin=f"http://{host}:{free_port(host)}",
         engine_urls=[f"http://{LOCALHOST}:{free_port()}" for _ in range(cfg.rollout.num_engines)],
         teacher_url=(f"http://{LOCALHOST}:{free_port()}" if cfg.algo.teacher_model_path
                      else None),
+        proxy_url=(f"http://{LOCALHOST}:{cfg.rollout.proxy_port or free_port()}"
+                   if cfg.rollout.agent_mode == "proxy" else None),
         weight_sync_host=LOCALHOST,
         weight_sync_port=free_port(),
         trainer_master_port=free_port(),
@@ -98,12 +100,11 @@ def run_attempt(cfg: TrainConfig, attempt: int, started: float) -> dict:
                      extra={"global_restarts": attempt})
 
 
-def record_restart(run_dir: Path, attempt: int, cap: int, cause: RoleFailed) -> None:
+def record_global_restart(run_dir: Path, attempt: int, cap: int, cause: RoleFailed) -> None:
     resumes = find_latest(run_dir)
-    row = {"attempt": attempt, "time": time.time(), "cause": str(cause).splitlines()[0],
+    row = {"attempt": attempt, "kind": "global", "cause": str(cause).splitlines()[0],
            "resumes_from": str(resumes) if resumes else None}
-    with (run_dir / RESTARTS_FILE).open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    record_restart(run_dir, row)
     # the launcher's own voice, like its errors (Hydra owns the logging config here)
     print(f"relax-train: global restart {attempt} of {cap} ({row['cause']}), from "
           f"{row['resumes_from'] or 'the start'}", file=sys.stderr, flush=True)
@@ -127,5 +128,5 @@ def run_local(cfg: TrainConfig) -> dict:
                                      "global restarts; see restarts.jsonl)") from e
                 raise
             attempt += 1
-            record_restart(Path(cfg.run_dir).resolve(), attempt, cap, e)
+            record_global_restart(Path(cfg.run_dir).resolve(), attempt, cap, e)
     return summary

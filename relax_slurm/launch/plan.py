@@ -23,11 +23,16 @@ class RunPlan:
     """ZMQ address of the broker's request socket, e.g. tcp://10.0.0.1:5555."""
     broker_pub: str
     """ZMQ address of the broker's broadcast socket."""
+    broker_admin: str | None = None
+    """http://HOST:PORT of the broker's admin HTTP (GET /status), or None."""
     engine_urls: list[str] = field(default_factory=list)
     """Base URLs of the inference engines (hf or SGLang), e.g. http://10.0.0.2:30000."""
     teacher_url: str | None = None
     """Base URL of the teacher engine (algo.teacher_model_path; on-policy distillation), or
     None. It scores responses only and never joins the weight sync."""
+    proxy_url: str | None = None
+    """Base URL of the rollout worker's OpenAI-compatible proxy (rollout.agent_mode=proxy),
+    e.g. http://10.0.0.2:8000; agents use {proxy_url}/s/{group}/{name}/v1."""
     weight_sync_host: str = "127.0.0.1"
     """Address of trainer rank 0, which hosts the weight-sync group's TCP store."""
     weight_sync_port: int = 0

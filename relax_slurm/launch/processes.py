@@ -53,10 +53,12 @@ class Role:
     log: Path
     ports: dict[str, int] = field(default_factory=dict)
     host: str = "127.0.0.1"
+    restarts: int = 0
+    """Restarts in place so far."""
 
     def info(self) -> dict:
         return {"name": self.name, "host": self.host, "pid": self.proc.pid,
-                "ports": self.ports, "log": str(self.log)}
+                "ports": self.ports, "log": str(self.log), "restarts": self.restarts}
 
     def failure(self, what: str) -> RoleFailed:
         return RoleFailed(
@@ -83,6 +85,17 @@ class ProcessSet:
         role = Role(name=name, proc=proc, log=log, ports=ports or {}, host=host)
         self.roles.append(role)
         return role
+
+    def restart(self, role: Role, cmd: list[str], cpus: list[int] | None = None) -> None:
+        """Start `role` again (same name, log and ports) after its process died."""
+        _signal_session(role.proc, signal.SIGKILL)  # whatever it left in its session
+        _reap(role.proc, timeout_s=5.0)
+        with role.log.open("ab") as f:
+            f.write(f"\n--- relax-train: restarting {role.name} in place ---\n".encode())
+            role.proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
+                start_new_session=True, preexec_fn=_child_setup(os.getpid(), cpus))
+        role.restarts += 1
 
     def check_alive(self, exclude: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> None:
         """Raise RoleFailed for the first role that exited (roles in `exclude` may exit 0;

@@ -15,7 +15,8 @@ from relax_slurm.config import TrainConfig
 from relax_slurm.launch.plan import RunPlan
 from relax_slurm.rollout import sglang_api
 
-TRAINER_GROUP, ROLLOUT_GROUP = 0, 1  # Slurm het groups: trainer + broker, engines + workers
+TRAINER_GROUP, ROLLOUT_GROUP = 0, 1
+SPILL_FILE = "broker/spill.bin"  # Slurm het groups: trainer + broker, engines + workers
 
 
 @dataclass(kw_only=True)
@@ -30,6 +31,8 @@ class RoleSpec:
     """CPU ids to pin to (local runs only)."""
     health_url: str | None = None
     """Poll this engine URL's /health before starting later roles."""
+    restart_argv: list[str] | None = None
+    """How to start it again in place after it died (None: its death ends the attempt)."""
 
 
 def _hostport(url: str) -> tuple[str, int]:
@@ -40,14 +43,23 @@ def _hostport(url: str) -> tuple[str, int]:
 def broker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path) -> RoleSpec:
     host, router = _hostport(plan.broker_router)
     _, pub = _hostport(plan.broker_pub)
-    bind = "0.0.0.0" if cfg.cluster.kind == "slurm" else host
-    return RoleSpec(
-        name="broker", het_group=TRAINER_GROUP, host=host, ports={"router": router, "pub": pub},
-        argv=[sys.executable, "-m", "relax_slurm.broker", "--config", str(run_dir / "config.yaml"),
-              "--router", f"tcp://{bind}:{router}", "--pub", f"tcp://{bind}:{pub}",
-              *(["--restore", str(Path(plan.resume_from) / "meta.json")] if plan.resume_from
-                else [])],
-    )
+    # the address the plan gives every client (127.0.0.1 locally, the node's name on Slurm),
+    # never all interfaces: the broker is reachable where the run needs it and nowhere else
+    ports = {"router": router, "pub": pub}
+    admin: list[str] = []
+    if plan.broker_admin:
+        ports["admin"] = _hostport(plan.broker_admin)[1]
+        admin = ["--admin", f"{host}:{ports['admin']}"]
+    argv = [sys.executable, "-m", "relax_slurm.broker", "--config", str(run_dir / "config.yaml"),
+            "--router", f"tcp://{host}:{router}", "--pub", f"tcp://{host}:{pub}", *admin,
+            *(["--restore", str(Path(plan.resume_from) / "meta.json")] if plan.resume_from
+              else [])]
+    restart = None
+    if cfg.broker.spill:
+        argv += ["--spill", str(run_dir / SPILL_FILE)]
+        restart = [*argv, "--replay"]  # same ports: clients reconnect and resend
+    return RoleSpec(name="broker", het_group=TRAINER_GROUP, host=host, ports=ports, argv=argv,
+                    restart_argv=restart)
 
 
 def _hf_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed: int
@@ -115,10 +127,24 @@ def _sglang_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, 
 
 
 def _engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed: int,
-                 slot: int = 0) -> RoleSpec:
+                 slot: int = 0, restartable: bool = True) -> RoleSpec:
     if cfg.rollout.engine == "sglang":
-        return _sglang_engine_spec(cfg, name, url, model_path, seed, slot)
-    return _hf_engine_spec(cfg, name, url, model_path, seed)
+        spec = _sglang_engine_spec(cfg, name, url, model_path, seed, slot)
+    else:
+        spec = _hf_engine_spec(cfg, name, url, model_path, seed)
+    if restartable:  # restarted in place as it was started (see weightsync/cohort.py)
+        spec.restart_argv = list(spec.argv)
+    return spec
+
+
+def engines_rejoin(cfg: TrainConfig) -> bool:
+    """Whether a restarted engine can get the current weights without a step: trainer rank 0
+    re-sends them while it waits for a batch, which needs whole tensors on rank 0 alone (DDP, or
+    one rank; under FSDP2 gathering them is a collective of every rank)."""
+    t = cfg.trainer
+    single = t.nproc_per_node == 1 and (cfg.cluster.kind == "local"
+                                        or cfg.cluster.trainer_nodes == 1)
+    return t.strategy == "ddp" or single
 
 
 def _slots(urls: list[str]) -> list[int]:
@@ -134,7 +160,8 @@ def _slots(urls: list[str]) -> list[int]:
 
 def engine_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
     slots = _slots([*plan.engine_urls, *([plan.teacher_url] if plan.teacher_url else [])])
-    return [_engine_spec(cfg, f"engine{i}", url, cfg.model.path, cfg.seed + i, slots[i])
+    return [_engine_spec(cfg, f"engine{i}", url, cfg.model.path, cfg.seed + i, slots[i],
+                         restartable=engines_rejoin(cfg))
             for i, url in enumerate(plan.engine_urls)]
 
 
@@ -150,10 +177,13 @@ def teacher_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
 
 
 def worker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, host: str) -> RoleSpec:
+    argv = [sys.executable, "-m", "relax_slurm.rollout", "--run-dir", str(run_dir)]
     return RoleSpec(
         name="rollout", het_group=ROLLOUT_GROUP, host=host, cpus=cfg.cluster.rollout_cpus,
+        ports={"proxy": _hostport(plan.proxy_url)[1]} if plan.proxy_url else {},
         # the package's __main__, not rollout.worker: see relax_slurm/rollout/__main__.py
-        argv=[sys.executable, "-m", "relax_slurm.rollout", "--run-dir", str(run_dir)],
+        # restarted in place as it is: it rejoins the broker (credits, data position)
+        argv=argv, restart_argv=argv,
     )
 
 

@@ -94,11 +94,15 @@ def slurm_plan(cfg: TrainConfig, layout: Layout) -> RunPlan:
     return RunPlan(
         broker_router=f"tcp://{head}:{free_port(ANY_HOST)}",
         broker_pub=f"tcp://{head}:{free_port(ANY_HOST)}",
+        broker_admin=f"http://{head}:{free_port(ANY_HOST)}",
         engine_urls=[f"http://{rollout[i % len(rollout)]}:{free_port(ANY_HOST)}"
                      for i in range(n)],
         # on-policy distillation's teacher engine: next in the round robin after the engines
         teacher_url=(f"http://{rollout[n % len(rollout)]}:{free_port(ANY_HOST)}"
                      if cfg.algo.teacher_model_path else None),
+        # the rollout worker runs on the first rollout node
+        proxy_url=(f"http://{rollout[0]}:{cfg.rollout.proxy_port or free_port(ANY_HOST)}"
+                   if cfg.rollout.agent_mode == "proxy" else None),
         weight_sync_host="",  # wherever trainer rank 0 lands (the trainer resolves it)
         weight_sync_port=free_port(ANY_HOST),
         trainer_master_port=free_port(ANY_HOST),

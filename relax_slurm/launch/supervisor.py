@@ -12,24 +12,33 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from relax_slurm.auth import SECRET_ENV, ensure_secret
 from relax_slurm.config import TrainConfig
-from relax_slurm.errors import EngineDown, Preempted, RoleFailed
+from relax_slurm.errors import EngineDown, Preempted, RoleFailed, RoleHung
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
+from relax_slurm.launch.health import HangWatch
+from relax_slurm.launch.plan import PLAN_FILE, load_plan
 from relax_slurm.launch.processes import ProcessSet, Role
+from relax_slurm.launch.restart import InPlace, write_roles
 from relax_slurm.launch.roles import RoleSpec
 from relax_slurm.metrics.fanout import check_installed
 from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsTail, iter_metrics
 from relax_slurm.metrics.notify import Notifier
 from relax_slurm.metrics.progress import Progress
-from relax_slurm.metrics.summary import summarize, write_summary
+from relax_slurm.metrics.summary import samples_lost, summarize, write_summary
 from relax_slurm.rollout.engine_client import wait_until_healthy
+from relax_slurm.rollout.sglang_api import API_KEY_ENV
 
 POLL_S = 0.5
 Wrap = Callable[[RoleSpec], list[str]]
 
 
-def child_env(cfg: TrainConfig) -> dict[str, str]:
+def child_env(cfg: TrainConfig, secret: str) -> dict[str, str]:
+    """The roles' environment: the launcher's, plus the run's secret (the broker's auth token
+    and, unless the user set RELAX_ENGINE_API_KEY, the engines' API key too)."""
     env = dict(os.environ)
+    env[SECRET_ENV] = secret
+    env.setdefault(API_KEY_ENV, secret)
     env.update({
         "PYTHONUNBUFFERED": "1",
         "TOKENIZERS_PARALLELISM": "false",
@@ -81,10 +90,21 @@ def _preempted(trainer: Role, run_dir: Path, steps: int) -> Preempted | None:
                      f"{run_dir / 'checkpoints'} when the run is started again")
 
 
+def hung(procs: ProcessSet, name: str, why: str) -> RoleHung:
+    """RoleHung naming `name` (a heartbeat name like rollout0 maps to its process, rollout)."""
+    role = next((r for r in procs.roles if r.name == name), None) or next(
+        (r for r in procs.roles if name.startswith(r.name)), None)
+    if role is None:
+        return RoleHung(f"role '{name}' {why}")
+    return RoleHung(str(role.failure(why)))
+
+
 def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
-          notifier: Notifier | None = None) -> None:
+          notifier: Notifier | None = None, hangs: HangWatch | None = None,
+          in_place: InPlace | None = None) -> None:
     """Return when the trainer exits 0; raise Preempted when it stopped on a preemption request
-    (see launch/control.py), RoleFailed for any other death or a stalled run."""
+    (see launch/control.py), RoleHung for a role that stopped heartbeating (see
+    launch/health.py), RoleFailed for any other death or a stalled run."""
     progress = Progress(cfg.trainer.total_steps, enabled=cfg.metrics.progress)
     tail = MetricsTail(run_dir / METRICS_FILE)
     last_step_t = time.monotonic()
@@ -103,7 +123,12 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
             if rc is not None:
                 preempted = _preempted(trainer, run_dir, tail.count)
                 raise preempted or trainer.failure(f"exited with code {rc}")
+            if in_place is not None:
+                in_place.revive()
             procs.check_alive(skip=("trainer",))
+            stuck = hangs.check() if hangs is not None else None
+            if stuck is not None:
+                raise hung(procs, *stuck)
             if time.monotonic() - last_step_t > cfg.cluster.step_timeout_s:
                 raise trainer.failure(
                     f"made no step for cluster.step_timeout_s={cfg.cluster.step_timeout_s}s "
@@ -123,18 +148,31 @@ def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap
     t0 = time.monotonic() if started is None else started
     check_installed(cfg)  # a missing tensorboard/wandb fails now, not after engines load
     notifier = Notifier(cfg.notify, run_dir.name)
-    procs = ProcessSet(run_dir / "logs", child_env(cfg))
+    secret = ensure_secret(run_dir)
+    procs = ProcessSet(run_dir / "logs", child_env(cfg, secret))
+    admin = load_plan(run_dir).broker_admin if (run_dir / PLAN_FILE).exists() else None
+    hangs = HangWatch(admin, secret,
+                      {spec.name: spec.health_url for spec in specs if spec.health_url},
+                      cfg.cluster.heartbeat_interval_s, cfg.cluster.heartbeat_timeout_s)
+    in_place = InPlace(procs, specs, wrap, run_dir, cfg.cluster.max_role_restarts,
+                       on_restart=hangs.restarted)
+    final_status = None
     try:
         try:
             trainer = start(procs, specs, cfg, wrap)
-            (run_dir / "roles.json").write_text(
-                json.dumps([r.info() for r in procs.roles], indent=2))
+            write_roles(procs, run_dir)
             notifier.send("started", f"{cfg.trainer.total_steps} steps, run dir {run_dir}")
-            watch(procs, trainer, cfg, run_dir, notifier)
+            watch(procs, trainer, cfg, run_dir, notifier, hangs, in_place)
+            final_status = hangs.broker_status()  # the trainer is done; the broker still up
         finally:
+            hangs.close()
             procs.close()
         rows = list(iter_metrics(run_dir / METRICS_FILE))
         summary = summarize(rows, time.monotonic() - t0, cfg.algo.max_staleness) | (extra or {})
+        summary["restarts"] = in_place.counts()
+        if final_status is not None:
+            summary["samples_lost"] = samples_lost(final_status, rows, cfg.rollout.batch_size,
+                                                   cfg.rollout.n_samples_per_prompt)
         write_summary(run_dir, summary)
         # by the last step logged, not the row count: a run resumed from another run's
         # checkpoint (resume=PATH) logs only the steps after it in this run dir

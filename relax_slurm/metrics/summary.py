@@ -34,3 +34,18 @@ def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> Path:
     path = Path(run_dir) / SUMMARY_FILE
     path.write_text(json.dumps(summary, indent=2) + "\n")
     return path
+
+
+def samples_lost(broker: dict[str, Any], rows: list[dict[str, Any]], batch_size: int,
+                 samples_per_group: int) -> int:
+    """Samples the broker accepted that were neither trained, nor dropped as stale, nor still
+    queued at the end: accepted - trained - dropped_stale - queued, from the broker's final
+    counters (groups; `broker` is its /status) and the trainer's rows. Steps before the first
+    logged one (a run resumed from another run's checkpoint) count as trained: the broker's
+    restored counters include them."""
+    c = broker["counters"]
+    trained = sum(r.get("train/samples", 0) for r in rows) / samples_per_group
+    if rows:
+        trained += rows[0]["step"] * batch_size
+    lost_groups = c["accepted"] - c["dropped"] - c["queue_depth"] - trained
+    return int(round(lost_groups * samples_per_group))

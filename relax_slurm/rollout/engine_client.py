@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from relax_slurm.errors import EngineDown, EngineError
+from relax_slurm.errors import EngineDown, EngineError, EngineUnreachable
 from relax_slurm.rollout import sglang_api
 
 # httpx logs every request at INFO: thousands of lines per step in a role's log
@@ -115,9 +115,10 @@ class _Base:
 
     def _error(self, route: str, e: Exception) -> EngineError:
         if isinstance(e, httpx.TimeoutException):
-            return EngineError(f"engine {self.url}{route}: no answer within {self.timeout_s}s "
-                               f"({type(e).__name__})")
-        return EngineError(f"engine {self.url}{route}: {type(e).__name__}: {e}")
+            return EngineUnreachable(f"engine {self.url}{route}: no answer within "
+                                     f"{self.timeout_s}s ({type(e).__name__})")
+        cls = EngineUnreachable if isinstance(e, httpx.TransportError) else EngineError
+        return cls(f"engine {self.url}{route}: {type(e).__name__}: {e}")
 
     @staticmethod
     def _generate_body(input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],

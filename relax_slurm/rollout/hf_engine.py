@@ -61,6 +61,7 @@ from fastapi.responses import JSONResponse, Response
 from transformers import (AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList,
                           StoppingCriteria, StoppingCriteriaList)
 
+from relax_slurm.auth import bearer_matches
 from relax_slurm.data.media import MODALITIES, MediaRef, from_engine
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, concat_tensors
 from relax_slurm.errors import DataError, WeightSyncError
@@ -774,8 +775,20 @@ def _memory_tags(body: dict, route: str) -> list[str]:
     return list(tags)
 
 
-def build_app(engine: HFEngine, request_timeout_s: float) -> FastAPI:
+def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = None
+              ) -> FastAPI:
+    """The SGLang routes; with `api_key`, every route but /health* wants
+    `Authorization: Bearer KEY` (401 otherwise), as SGLang's --api-key."""
     app = FastAPI(title="relax-slurm hf engine")
+
+    if api_key:
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if (not request.url.path.startswith(sglang_api.OPEN_ROUTES)
+                    and not bearer_matches(api_key, request.headers.get("authorization"))):
+                return JSONResponse({"error": "missing or wrong API key (Authorization: Bearer "
+                                              f"${sglang_api.API_KEY_ENV})"}, status_code=401)
+            return await call_next(request)
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     @_json_errors
@@ -957,7 +970,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     log.info("serving %s on %s:%d (max batch %d, wait %.1f ms)", args.model_path, args.host,
              args.port, args.max_batch_size, args.batch_wait_ms)
     try:
-        uvicorn.run(build_app(engine, args.request_timeout_s), host=args.host, port=args.port,
+        app = build_app(engine, args.request_timeout_s, api_key=sglang_api.api_key())
+        uvicorn.run(app, host=args.host, port=args.port,
                     log_level="warning", timeout_graceful_shutdown=5,
                     timeout_keep_alive=KEEP_ALIVE_S)
     finally:

@@ -13,6 +13,13 @@ An episode ends when the environment says `done`, after `limits.max_turns` model
 the next turn or observation would pass `limits.max_total_tokens` (prompt included); the last
 two mark it truncated. A model turn also ends at any of the environment's `stop` strings (the
 engine stops there; the text handed to `env.step` is cut at the match, the ids are kept).
+
+A first observation from `env.reset` extends the prompt (`Episode.prompt_ids`): it is rendered
+where the chat template puts a message after the prompt's, before the generation prompt.
+
+The pieces (`Episode.add_turn`, `ObservationRenderer.between_turns`, `episode_sample`) are
+shared with the OpenAI-compatible proxy (rollout/proxy.py), whose turns come from an external
+agent instead of an environment.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any, Awaitable, Callable
 
 from relax_slurm.envs.base import BaseEnv, EnvError, Message, StepResult
 from relax_slurm.rollout.engine_client import GenerateResult
+from relax_slurm.samples import Sample
 
 Generate = Callable[[list[int], dict[str, Any]], Awaitable[GenerateResult]]
 END_REASONS = ("done", "max_turns", "max_total_tokens")
@@ -40,6 +48,8 @@ class TurnLimits:
 
 @dataclass
 class Episode:
+    prompt_ids: list[int] = field(default_factory=list)
+    """What the first model turn continues: the prompt, and a first observation if any."""
     response_ids: list[int] = field(default_factory=list)
     """Everything after the prompt: model turns and observations, in order."""
     loss_mask: list[float] = field(default_factory=list)
@@ -57,6 +67,13 @@ class Episode:
     last_turn_text: str = ""
     """The last model turn as handed to the environment (the final answer)."""
 
+    def add_images(self, messages: list[Message]) -> None:
+        """Record the images the messages about to be appended carry (the multimodal hook)."""
+        images = [img for m in messages for img in m.get("images", ())]
+        if images:
+            self.images.append({"turn": self.turns, "offset": len(self.response_ids),
+                                "images": images})
+
     @property
     def truncated(self) -> bool:
         return self.end != "done"
@@ -71,6 +88,21 @@ class Episode:
         self.response_ids += ids
         self.loss_mask += [1.0 if model else 0.0] * len(ids)
         self.logprobs += list(logprobs) if model else [0.0] * len(ids)
+
+    def add_turn(self, res: GenerateResult) -> None:
+        """A model turn as the engine sampled it: its ids (mask 1), log-probs and version."""
+        self.add(res.output_ids, model=True, logprobs=res.logprobs)
+        self.turns += 1
+        self.finish_reason = res.finish_reason
+        self.versions.append(int(res.weight_version) if res.weight_version is not None else 0)
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    def room(self, max_total_tokens: int) -> int:
+        """Tokens left in the episode's budget."""
+        return max_total_tokens - self.total_tokens
 
 
 class ObservationRenderer:
@@ -127,6 +159,33 @@ class ObservationRenderer:
                            "that only appends (or data.apply_chat_template=false)")
         return self._encode(after[len(before):])
 
+    def between_turns(self, model_ids: list[int], messages: list[Message]) -> list[int]:
+        """Everything after a model turn that ended with `model_ids` up to the next one's
+        generation prompt: the turn's closing and the messages (all loss mask 0)."""
+        return self.close_ids(model_ids) + self.observation_ids(messages)
+
+    def first_observation_ids(self, prompt_ids: list[int], messages: list[Message]
+                              ) -> list[int]:
+        """The prompt extended by messages that come before the model's first turn (a first
+        observation from `env.reset`): the prompt's generation prompt moves after them."""
+        if not messages:
+            return list(prompt_ids)
+        if not self.chat:
+            return list(prompt_ids) + self.observation_ids(messages)
+        user = [{"role": "user", "content": _PROBE_USER}]
+        bare, prompted = self._render(user, False), self._render(user, True)
+        after = self._render([*user, *messages], True)
+        if not (prompted.startswith(bare) and after.startswith(bare)):
+            raise EnvError("the tokenizer's chat template renders the prompt differently once "
+                           "a first observation follows; return None from reset and put the "
+                           "observation in the dataset's prompt")
+        gen = self._encode(prompted[len(bare):])  # the generation prompt the prompt ends with
+        if gen and list(prompt_ids[-len(gen):]) != gen:
+            raise EnvError("the prompt does not end with the chat template's generation prompt, "
+                           "so a first observation cannot be placed before it; return None from "
+                           "reset and put the observation in the dataset's prompt")
+        return list(prompt_ids[:len(prompt_ids) - len(gen)]) + self._encode(after[len(bare):])
+
 
 def turn_seed(seed: int, turn: int) -> int:
     """The sampling seed of turn `turn` (0-based) of the sample seeded `seed`; turn 0 keeps it."""
@@ -149,15 +208,15 @@ async def run_episode(generate: Generate, env: BaseEnv, prompt: Any, prompt_ids:
                       renderer: ObservationRenderer, limits: TurnLimits,
                       params: dict[str, Any], decode: Callable[[list[int]], str]) -> Episode:
     """One episode of `env` from `prompt`; the environment is closed whatever happens."""
-    ep = Episode()
+    ep = Episode(prompt_ids=list(prompt_ids))
     try:
         first, _ = await _call(env.reset(prompt))
         if first is not None:
-            raise EnvError(f"{type(env).__name__}.reset returned a first observation; put it "
-                           "in the dataset's prompt (multi-turn rollouts start with the model)")
+            ep.prompt_ids = renderer.first_observation_ids(
+                ep.prompt_ids, env.format_observation(first))
         stop = list(params.get("stop") or []) + list(getattr(env, "stop", ()) or ())
         while True:
-            room = limits.max_total_tokens - len(prompt_ids) - len(ep.response_ids)
+            room = ep.room(limits.max_total_tokens)
             if room <= 0:
                 ep.end = "max_total_tokens"
                 break
@@ -167,11 +226,8 @@ async def run_episode(generate: Generate, env: BaseEnv, prompt: Any, prompt_ids:
                 turn_params["sampling_seed"] = turn_seed(params["sampling_seed"], ep.turns)
             if stop:
                 turn_params["stop"] = stop
-            res = await generate(prompt_ids + ep.response_ids, turn_params)
-            ep.add(res.output_ids, model=True, logprobs=res.logprobs)
-            ep.turns += 1
-            ep.finish_reason = res.finish_reason
-            ep.versions.append(int(res.weight_version) if res.weight_version is not None else 0)
+            res = await generate(ep.prompt_ids + ep.response_ids, turn_params)
+            ep.add_turn(res)
             text = ep.last_turn_text = res.text if stop else decode(res.output_ids)
             step = _as_step(await _call(env.step(text)))
             ep.turn_rewards.append(float(step.reward))
@@ -183,15 +239,27 @@ async def run_episode(generate: Generate, env: BaseEnv, prompt: Any, prompt_ids:
                 ep.end = "max_turns"
                 break
             messages = env.format_observation(step.observation)
-            obs_ids = renderer.close_ids(res.output_ids) + renderer.observation_ids(messages)
-            if len(prompt_ids) + len(ep.response_ids) + len(obs_ids) >= limits.max_total_tokens:
+            obs_ids = renderer.between_turns(res.output_ids, messages)
+            if ep.total_tokens + len(obs_ids) >= limits.max_total_tokens:
                 ep.end = "max_total_tokens"  # no room left for the model's answer to it
                 break
-            images = [img for m in messages for img in m.get("images", ())]
-            if images:
-                ep.images.append({"turn": ep.turns, "offset": len(ep.response_ids),
-                                  "images": images})
+            ep.add_images(messages)
             ep.add(obs_ids, model=False)
     finally:
         await _call(env.close())
     return ep
+
+
+def episode_sample(ep: Episode, *, prompt_id: str, group_id: int, reward: float,
+                   metadata: dict[str, Any]) -> Sample:
+    """The trainable sample of an episode: model tokens mask 1 with their rollout log-probs,
+    the rest mask 0; stamped with the oldest and newest weight version of its turns."""
+    return Sample(
+        prompt_id=prompt_id, group_id=group_id, prompt_ids=ep.prompt_ids,
+        response_ids=ep.response_ids, loss_mask=ep.loss_mask, rollout_logprobs=ep.logprobs,
+        reward=float(reward), version=max(ep.versions), version_min=min(ep.versions),
+        # a truncated episode counts as cut by length in rollout/truncated_frac
+        finish_reason="length" if ep.truncated else ep.finish_reason,
+        multimodal={"observation_images": ep.images} if ep.images else {},
+        metadata={"turns": ep.turns, "episode_end": ep.end, **metadata},
+    )

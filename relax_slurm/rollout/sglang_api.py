@@ -18,9 +18,19 @@ API_KEY_ENV = "RELAX_ENGINE_API_KEY"
 clients send it as `Authorization: Bearer KEY`; it never lands in a config or a log."""
 
 
+def api_key() -> str | None:
+    """The engines' API key from the environment (relax-train sets it to the run's secret
+    unless the user set one), or None."""
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def auth_headers() -> dict[str, str]:
-    key = os.environ.get(API_KEY_ENV)
+    key = api_key()
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+OPEN_ROUTES = ("/health", "/metrics")
+"""Routes SGLang serves without the API key (liveness probes); the hf engine does the same."""
 
 # Fields of SGLang 0.5.x request dataclasses: {class: (required, optional)}. `rid` and
 # `http_worker_ipc` come from BaseReq and are never sent by us.

@@ -1,5 +1,9 @@
 """Rollout worker: prompts -> engines -> rewards (+ teacher) -> groups -> broker.
 
+With rollout.agent_mode=proxy it serves the OpenAI-compatible proxy instead (rollout/proxy.py):
+external agent programs drive the conversations and give the rewards; the groups go to the
+broker the same way.
+
 `python -m relax_slurm.rollout --run-dir DIR` (see rollout/__main__.py). One asyncio loop drives
 many prompt groups at once: it asks the broker for admission credits (which is what bounds
 staleness), starts one task per admitted prompt, and each task samples `n_samples_per_prompt`
@@ -28,18 +32,21 @@ import json
 import logging
 import signal
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import numpy as np
 
 from relax_slurm.broker.client import AsyncBrokerClient
+from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, Processed
 from relax_slurm.envs import env_factory
-from relax_slurm.errors import BrokerShutdown, ConfigError
+from relax_slurm.errors import BrokerShutdown, ConfigError, EngineUnreachable
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.launch.plan import load_plan
@@ -49,11 +56,15 @@ from relax_slurm.rollout.coalesce import CoalescingEngine
 from relax_slurm.rollout.engine_client import (
     AsyncEngineClient, GenerateResult, wait_until_healthy,
 )
-from relax_slurm.rollout.multiturn import Episode, ObservationRenderer, TurnLimits, run_episode
+from relax_slurm.rollout.multiturn import (
+    Episode, ObservationRenderer, TurnLimits, episode_sample, run_episode,
+)
+from relax_slurm.rollout.proxy_server import serve_proxy
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.samples import Group, Sample
 
 log = logging.getLogger("relax_slurm.rollout")
+ENGINE_RETRY_S = 2.0  # a group whose engine is unreachable waits this long before its retry
 ACQUIRE_WAIT_S = 2.0  # one parked admission request; short so shutdown is noticed promptly
 
 
@@ -142,9 +153,15 @@ class RolloutWorker:
         plan = load_plan(run_dir)
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.dataset = PromptDataset(cfg.data, self.tokenizer)
+        self.proxy_url = plan.proxy_url  # rollout.agent_mode=proxy: external agents drive
+        if (cfg.rollout.agent_mode == "proxy") != bool(self.proxy_url):
+            raise ConfigError(f"rollout.agent_mode={cfg.rollout.agent_mode} but the run plan "
+                              f"has proxy_url={self.proxy_url}: start the run with relax-train")
+        # the proxy's sessions come from external agents, not from the dataset
+        self.dataset = (PromptDataset(cfg.data, self.tokenizer) if cfg.rollout.agent_mode == "env"
+                        else None)
         data_state, first_group_id = resume_state(plan.resume_from, worker_rank)
-        if data_state is not None:
+        if data_state is not None and self.dataset is not None:
             self.dataset.load_state_dict(data_state)
             log.info("resumed data position %s, next group id %d", data_state, first_group_id)
         self.reward = build_reward(cfg.reward)  # a bad reward config fails here, at start
@@ -174,15 +191,20 @@ class RolloutWorker:
                 raise ConfigError("env.name (multi-turn rollouts) with algo.teacher_model_path "
                                   "(on-policy distillation) is not supported yet: unset one")
             self.make_env = env_factory(cfg.env.name, cfg.env.kwargs)  # a bad env fails now
+        if cfg.env.name or cfg.rollout.agent_mode == "proxy":
             self.renderer = ObservationRenderer(self.tokenizer, cfg.data.apply_chat_template)
             self.limits = TurnLimits(cfg.env.max_turns, cfg.env.max_total_tokens,
                                      cfg.rollout.max_new_tokens)
         # group ids unique across workers without coordination
         self.worker_rank = worker_rank
+        self.role = "rollout" if worker_rank == 0 else f"rollout{worker_rank}"
         self.group_ids = itertools.count(first_group_id, num_workers)
+        self.first_group_id, self.num_workers = first_group_id, num_workers
         self.stop = asyncio.Event()
         self.failed: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
+        self.requeued: deque[tuple[Prompt, int, dict]] = deque()
+        self.requeued_total = 0
 
     def _media_processing(self, cfg: TrainConfig
                           ) -> tuple[MediaProcessor | None, concurrent.futures.Executor | None]:
@@ -294,25 +316,23 @@ class RolloutWorker:
                             self.limits, p, self._decode) for p in params))
         t_end = time.time()
         rewards, errors = await self.episode_rewards(prompt, episodes)
+        await self.put_episodes(prompt.prompt_id, gid, episodes, rewards, errors,
+                                {"t_start": t_start, "t_end": t_end, "data_state": data_state})
+
+    async def put_episodes(self, prompt_id: str, gid: int, episodes: list[Episode],
+                           rewards: list[float], errors: int, metadata: dict) -> bool:
+        """Episodes scored `rewards` -> one group on the broker (after the overlong penalty and
+        dynamic sampling, which may drop it: False). Shared by the env-driven episodes and the
+        proxy's sessions."""
         rewards = shaped_rewards(self.cfg, rewards, [len(e.response_ids) for e in episodes])
         counts = await self.counts_or_filter(rewards, errors)
         if counts is None:
-            return
-        group: Group = []
-        for ep, reward in zip(episodes, rewards):
-            group.append(Sample(
-                prompt_id=prompt.prompt_id, group_id=gid, prompt_ids=prompt.input_ids,
-                response_ids=ep.response_ids, loss_mask=ep.loss_mask,
-                rollout_logprobs=ep.logprobs, reward=float(reward),
-                version=max(ep.versions), version_min=min(ep.versions),
-                # a truncated episode counts as cut by length in rollout/truncated_frac
-                finish_reason="length" if ep.truncated else ep.finish_reason,
-                multimodal={"observation_images": ep.images} if ep.images else {},
-                metadata={"t_start": t_start, "t_end": t_end, "worker": self.worker_rank,
-                          "data_state": data_state, "turns": ep.turns, "episode_end": ep.end,
-                          **counts},
-            ))
-        await self.broker.put_group(group)
+            return False
+        meta = {**metadata, "worker": self.worker_rank, **counts}
+        await self.broker.put_group([episode_sample(ep, prompt_id=prompt_id, group_id=gid,
+                                                    reward=r, metadata=meta)
+                                     for ep, r in zip(episodes, rewards)])
+        return True
 
     async def episode_rewards(self, prompt: Prompt, episodes: list[Episode]
                               ) -> tuple[list[float], int]:
@@ -337,19 +357,56 @@ class RolloutWorker:
         urls = [e.url for e in self.router.engines] + ([self.teacher.url] if self.teacher else [])
         await asyncio.to_thread(wait_until_healthy, urls, self.cfg.rollout.startup_timeout_s)
 
+    def start_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
+        task = asyncio.create_task(self.guarded_group(prompt, gid, data_state))
+        self.tasks.add(task)
+        task.add_done_callback(self._done)
+
+    async def guarded_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
+        """A group whose engine went away (died, restarting in place) is queued again with its
+        credit and the same seeds; any other failure fails the worker."""
+        try:
+            await self.rollout_group(prompt, gid, data_state)
+        except EngineUnreachable as e:
+            log.warning("group %d re-queued: %s", gid, e)
+            await asyncio.sleep(ENGINE_RETRY_S)  # no busy loop while the engine restarts
+            self.requeued.append((prompt, gid, data_state))
+            self.requeued_total += 1
+
     def _done(self, task: asyncio.Task) -> None:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None and self.failed is None:
             self.failed = task.exception()
             self.stop.set()
 
+    async def rejoin(self) -> None:
+        """A restarted worker (the launcher restarts a dead one in place) gets back the credits
+        its predecessor held and continues after that one's newest accepted group; a first
+        start finds nothing to take over."""
+        joined = await self.broker.rejoin(self.worker_rank)
+        pos = joined.get("position")
+        if pos and pos["next_group_id"] > self.first_group_id:
+            if self.dataset is not None:  # proxy mode has no data position
+                self.dataset.load_state_dict(pos["data_state"])
+            self.group_ids = itertools.count(pos["next_group_id"], self.num_workers)
+            log.info("rejoined: %d credits reclaimed; continuing at data position %s, group "
+                     "id %d", joined["reclaimed"], pos["data_state"], pos["next_group_id"])
+
     async def run(self) -> None:
         limit = self.cfg.rollout.max_inflight_groups
         await self.reward_pool.start()  # a reward worker that cannot start fails the run now
+        await self.rejoin()
+        beat = Pacer(self.cfg.cluster.heartbeat_interval_s)
         while not self.stop.is_set():
+            if beat.due():  # from this loop, not a thread: a beat means the loop turns
+                await self.broker.heartbeat(self.role, groups_in_flight=len(self.tasks),
+                                            groups_requeued=self.requeued_total)
+            while self.requeued and len(self.tasks) < limit:  # they still hold their credits
+                self.start_group(*self.requeued.popleft())
             room = limit - len(self.tasks)
             if room <= 0:
-                await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(self.tasks, timeout=beat.interval_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
                 continue
             granted = await self.broker.acquire(room, wait_s=ACQUIRE_WAIT_S)
             for i in range(granted):
@@ -360,10 +417,7 @@ class RolloutWorker:
                     self.stop.set()
                     break
                 # the position after this prompt: where a resume continues once it is trained
-                task = asyncio.create_task(self.rollout_group(
-                    prompt, next(self.group_ids), self.dataset.state_dict()))
-                self.tasks.add(task)
-                task.add_done_callback(self._done)
+                self.start_group(prompt, next(self.group_ids), self.dataset.state_dict())
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -389,7 +443,11 @@ async def _amain(run_dir: Path) -> None:
         loop.add_signal_handler(sig, worker.stop.set)
     try:
         await worker.wait_for_engines()
-        await worker.run()
+        if worker.proxy_url:  # rollout.agent_mode=proxy: external agents drive the sessions
+            url = urlparse(worker.proxy_url)  # bound at the address agents use, as the broker
+            await serve_proxy(worker, url.hostname or "127.0.0.1", int(url.port or 0))
+        else:
+            await worker.run()
     except BrokerShutdown as e:  # the run is ending: not an error worth a traceback
         log.info("stopping: %s", e)
     finally:

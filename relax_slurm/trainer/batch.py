@@ -182,21 +182,28 @@ def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroB
     )
 
 
-def scatter_batch(batch: MicroBatch | None, device: torch.device) -> MicroBatch:
+def scatter_batch(batch: MicroBatch | None, device: torch.device,
+                  data_ranks: list[int] | None = None) -> MicroBatch:
     """Rank 0 holds the whole collated batch (on the CPU); every rank gets its equal block of
-    rows on `device`. Collective: every rank calls it (the others with None)."""
+    rows on `device`: block `data_ranks[r]` for global rank r (default: block r; model-parallel
+    peers share a block). Collective: every rank calls it (the others with None)."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    data_ranks = list(range(world)) if data_ranks is None else data_ranks
+    blocks_n = len(set(data_ranks))
     head = torch.zeros(3, dtype=torch.long, device=device)  # rows, width, teacher present
     if rank == 0:
-        assert len(batch) % world == 0, "batch not divisible by trainer ranks"
-        head = torch.tensor([len(batch) // world, batch.input_ids.shape[1],
+        assert len(batch) % blocks_n == 0, "batch not divisible by data-parallel ranks"
+        head = torch.tensor([len(batch) // blocks_n, batch.input_ids.shape[1],
                              int(batch.teacher_logp is not None)], device=device)
     dist.broadcast(head, src=0)
     rows, width, teacher = head.tolist()
 
     def part(name: str, dtype: torch.dtype, w: int) -> Tensor:
         out = torch.empty((rows, w), dtype=dtype, device=device)
-        blocks = (list(getattr(batch, name).to(device).split(rows)) if rank == 0 else None)
+        blocks = None
+        if rank == 0:
+            split = getattr(batch, name).to(device).split(rows)
+            blocks = [split[d].contiguous() for d in data_ranks]
         dist.scatter(out, blocks, src=0)
         return out
 

@@ -14,33 +14,32 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from relax_slurm.broker.client import BrokerClient
-from relax_slurm.checkpoint import checkpoints_dir, load_checkpoint, save_checkpoint, save_hf
+from relax_slurm.broker.heartbeat import Pacer
+from relax_slurm.checkpoint import checkpoints_dir
 from relax_slurm.checkpoint.dcp import wait_pending
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import BrokerTimeout, ConfigError
-from relax_slurm.launch.plan import load_plan
+from relax_slurm.launch.plan import free_port, load_plan
 from relax_slurm.metrics.fanout import open_sinks
 from relax_slurm.metrics.jsonl import METRICS_FILE
 from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.rollout.engine_client import wait_until_healthy
 from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
 from relax_slurm.samples import Group
+from relax_slurm.trainer.backend import build_backend
 from relax_slurm.trainer.batch import MicroBatch, collate, prepare_items, scatter_batch
-from relax_slurm.trainer.model import (
-    build_optimizer, freeze_modules, full_named_weights, load_hf_model, load_reference_model,
-    pad_token_id, wrap_parallel,
-)
-from relax_slurm.trainer.step import train_step
 from relax_slurm.weightsync import WeightSender
+from relax_slurm.weightsync.cohort import Cohort
 
 log = logging.getLogger("relax_slurm.trainer")
 WEIGHT_GROUP = "relax_weights"
@@ -48,19 +47,25 @@ POLL_S = 5.0  # one get_batch call parks at most this long, so a stuck run is no
 
 
 def check_batch_divides(cfg: TrainConfig, world: int) -> None:
+    """`world`: data-parallel ranks (all ranks for the torch backend; ranks / (TP x PP) for
+    megatron)."""
     n = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
     if n % world:
         raise ConfigError(
             f"rollout.batch_size x rollout.n_samples_per_prompt = {n} samples per step does not "
-            f"split evenly over {world} trainer ranks; change rollout.batch_size or "
-            "trainer.nproc_per_node"
+            f"split evenly over {world} data-parallel trainer ranks; change rollout.batch_size "
+            "or trainer.nproc_per_node"
         )
 
 
-def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int) -> tuple[list[Group], dict]:
+def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int,
+                 beat: Callable[[], None] = lambda: None) -> tuple[list[Group], dict]:
+    """The next batch, polling every POLL_S (each turn also heartbeats: waiting is progress)."""
     deadline = time.monotonic() + cfg.trainer.get_batch_timeout_s
     while time.monotonic() < deadline:
-        wait = min(POLL_S, max(deadline - time.monotonic(), 0.1))
+        beat()
+        wait = min(POLL_S, cfg.cluster.heartbeat_interval_s,
+                   max(deadline - time.monotonic(), 0.1))
         got = broker.get_batch(cfg.rollout.batch_size, version, wait_s=wait)
         if got is not None:
             return got
@@ -100,6 +105,7 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
         "broker/staleness_mean": stats.get("staleness_mean", 0.0),
         "broker/queue_depth": stats.get("queue_depth", 0),
         "broker/dropped_stale": stats.get("dropped_stale", 0),
+        "broker/auth_refused": stats.get("auth_refused", 0),
         "broker/dropped_stale_samples": stats.get("dropped_stale", 0) * len(groups[0]),
         "perf/gen_time_s": (max(ends) - min(starts)) if starts and ends else 0.0,
         "train/samples": n,
@@ -108,12 +114,13 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
 
 
 def distribute(groups: list[Group] | None, cfg: TrainConfig, pad_id: int,
-               device: torch.device) -> MicroBatch:
-    """Rank 0 prepares and collates the whole batch; every rank gets its block of rows."""
+               device: torch.device, data_ranks: list[int]) -> MicroBatch:
+    """Rank 0 prepares and collates the whole batch; every rank gets its data-parallel rank's
+    block of rows (`data_ranks[r]` for global rank r)."""
     whole = None
     if dist.get_rank() == 0:
         whole = collate(prepare_items(groups, cfg.algo), pad_id, torch.device("cpu"))
-    return scatter_batch(whole, device)
+    return scatter_batch(whole, device, data_ranks)
 
 
 def init_distributed(cfg: TrainConfig) -> torch.device:
@@ -141,15 +148,20 @@ class RankZero:
         # on-policy (max_staleness=0), nothing generates while weights are sent: the broker
         # admits no group of the next version before set_version. Pausing the engines is then
         # two HTTP round trips per step for nothing.
-        self.sender = WeightSender(
-            plan.engine_urls, sync_host, plan.weight_sync_port, WEIGHT_GROUP,
-            cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
-            pause_mode="in_place" if cfg.algo.max_staleness > 0 else None,
-            ranks_per_engine=cfg.rollout.engine_tp_size,
-        )
+        def make_sender(group_name: str, port: int) -> WeightSender:
+            return WeightSender(
+                plan.engine_urls, sync_host, port, group_name,
+                cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
+                pause_mode="in_place" if cfg.algo.max_staleness > 0 else None,
+                ranks_per_engine=cfg.rollout.engine_tp_size,
+            )
+        # a restarted engine re-joins through a new cohort (weightsync/cohort.py)
+        self.cohort = Cohort(plan.engine_urls, WEIGHT_GROUP, plan.weight_sync_port, make_sender,
+                             new_port=lambda: free_port(sync_host),
+                             startup_timeout_s=cfg.rollout.startup_timeout_s)
         # every role starts at once: the engines may still be loading their models
         wait_until_healthy(plan.engine_urls, cfg.rollout.startup_timeout_s)
-        self.sender.connect()
+        self.cohort.connect()
         truncate_metrics(run_dir, start_step)
         self.metrics = open_sinks(cfg, run_dir)
         self.decode = (tokenizer_decode(cfg.model.path, cfg.model.trust_remote_code)
@@ -161,6 +173,20 @@ class RankZero:
         self.verify = cfg.weight_sync.verify
         self.num_engines = len(plan.engine_urls)
         self.release_memory = cfg.rollout.release_memory_during_train
+        self.pacer = Pacer(cfg.cluster.heartbeat_interval_s)
+
+    @property
+    def sender(self) -> WeightSender:
+        return self.cohort.sender
+
+    def heartbeat(self, step: int, weights: Callable[[], list] | None = None) -> None:
+        """From the step loop (see broker/heartbeat.py): the trainer's loop turns. While it
+        waits for a batch it also re-syncs an engine that was restarted (`weights` gives the
+        current ones without a collective; None under FSDP2, where that needs every rank)."""
+        if self.pacer.due():
+            self.broker.heartbeat("trainer", step=step)
+            if weights is not None:
+                self.cohort.resync(weights, version=step)
 
     def engines_sleep(self) -> None:
         """Shared GPUs: the rollout of this step is in, so engines free their memory for the
@@ -177,7 +203,7 @@ class RankZero:
 
     def push_weights(self, weights: list, version: int) -> dict:
         """Engines serve `version` once this returns (checked bit for bit with verify=true)."""
-        stats = self.sender.send(weights, version=version)
+        stats = self.cohort.send(weights, version=version)
         if self.verify:
             self.sender.verify(weights)
             log.info("version %d: weights verified bit for bit on %d engine(s)", version,
@@ -185,7 +211,7 @@ class RankZero:
         return stats
 
     def close(self) -> None:
-        for closeable in (self.sender, self.broker, self.metrics, self.evaluator):
+        for closeable in (self.cohort, self.broker, self.metrics, self.evaluator):
             if closeable is not None:
                 closeable.close()
 
@@ -229,20 +255,13 @@ def run(run_dir: Path) -> int:
     plan = load_plan(run_dir)
     device = init_distributed(cfg)
     rank = dist.get_rank()
-    check_batch_divides(cfg, dist.get_world_size())
     torch.manual_seed(cfg.trainer.seed)
-    raw = load_hf_model(cfg.model, device)
-    if cfg.trainer.freeze_modules:
-        log.info("froze %d parameters under %s", freeze_modules(raw, cfg.trainer.freeze_modules),
-                 cfg.trainer.freeze_modules)
-    pad_id = pad_token_id(raw.config)
-    model = wrap_parallel(raw, cfg.trainer, device)
-    optimizer, scheduler = build_optimizer(model, cfg.trainer)
-    # the KL loss's anchor: model.path as loaded, frozen (also on resume)
-    ref_model = load_reference_model(cfg.model, device) if cfg.algo.kl_loss_coef > 0 else None
+    backend = build_backend(cfg, device)  # trainer.backend: model, optimizer, checkpoints
+    data_world = len(set(backend.data_ranks))
+    check_batch_divides(cfg, data_world)
     start_step, extra = 0, {}
     if plan.resume_from:
-        extra = load_checkpoint(plan.resume_from, model, optimizer, scheduler)
+        extra = backend.load(plan.resume_from)
         start_step = extra["step"]
         log.info("resumed from %s at step %d", plan.resume_from, start_step)
     rollout_states: dict = extra.get("rollout", {})
@@ -253,30 +272,31 @@ def run(run_dir: Path) -> int:
     try:
         # engines started from model.path; give them the trainer's weights (a checkpoint's on
         # resume), then open admission: nothing is generated with other weights
-        weights = list(full_named_weights(model))
+        weights = list(backend.named_hf_weights())
         if rank == 0:
             zero.push_weights(weights, version=start_step)
             zero.broker.set_version(start_step)
         last_end = time.monotonic()
+        # rank 0 re-sends to a restarted engine on its own where it holds whole tensors
+        local_weights = backend.local_weights()
         for step in range(start_step, cfg.trainer.total_steps):
             tf = time.monotonic()
-            groups, stats = fetch_groups(zero.broker, cfg, step) if rank == 0 else (None, None)
+            groups, stats = (fetch_groups(zero.broker, cfg, step,
+                                          lambda: zero.heartbeat(step, local_weights))
+                             if rank == 0 else (None, None))
             td = time.monotonic()
             if rank == 0:
                 groups.sort(key=lambda g: g[0].group_id)  # arrival order is timing; this is not
                 rollout_states.update(rollout_state(groups))
             if rank == 0:
                 zero.engines_sleep()
-            batch = distribute(groups, cfg, pad_id, device)
+            batch = distribute(groups, cfg, backend.pad_id, device, backend.data_ranks)
             t0 = time.monotonic()
-            train = train_step(
-                model, optimizer, scheduler, batch, cfg.algo,
-                micro_batch_size=cfg.trainer.micro_batch_size, grad_clip=cfg.trainer.grad_clip,
-                temperature=cfg.rollout.temperature, ref_model=ref_model,
-            )
+            train = backend.train_step(batch)
             t1 = time.monotonic()
             done = step + 1
-            weights = list(full_named_weights(model))  # collective under FSDP2: every rank
+            # a collective under FSDP2 and megatron (gathered over TP/PP): every rank
+            weights = list(backend.named_hf_weights())
             if rank == 0:
                 zero.engines_wake()
             sync = zero.push_weights(weights, version=done) if rank == 0 else {}
@@ -288,14 +308,13 @@ def run(run_dir: Path) -> int:
                 # saved is exactly where the next batch starts
                 extra = {"rollout": rollout_states,
                          "broker": broker_counters(zero.broker, done) if rank == 0 else {}}
-                handle = save_checkpoint(
-                    ckpt_root, done, model, optimizer, scheduler, extra,
-                    keep_last=cfg.trainer.keep_last, async_save=cfg.trainer.async_save,
-                    hf_assets_src=cfg.model.path)
+                handle = backend.save(
+                    ckpt_root, done, extra, keep_last=cfg.trainer.keep_last,
+                    async_save=cfg.trainer.async_save, hf_assets_src=cfg.model.path)
                 if final:
                     handle.wait()
             if cfg.trainer.save_hf_every and done % cfg.trainer.save_hf_every == 0:
-                save_hf(model, cfg.model.path, run_dir / "hf" / f"step_{done}")
+                backend.save_hf(run_dir / "hf" / f"step_{done}")
             t3 = time.monotonic()
             # engines serve `done` and (sync runs) the worker waits for set_version: evaluate now
             evals = (zero.evaluator.after_step(done)
@@ -310,7 +329,7 @@ def run(run_dir: Path) -> int:
                     "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20,
                     "perf/checkpoint_s": t3 - t2,
                     "perf/step_time_s": t3 - last_end,
-                    "perf/samples_per_s": len(batch) * dist.get_world_size() / (t3 - last_end),
+                    "perf/samples_per_s": len(batch) * data_world / (t3 - last_end),
                     "policy/version": done,
                 })
                 zero.metrics.log(step, row)
@@ -326,6 +345,7 @@ def run(run_dir: Path) -> int:
     finally:
         if zero is not None:
             zero.close()
+        backend.close()
         dist.destroy_process_group()
 
 

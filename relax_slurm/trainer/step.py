@@ -62,6 +62,25 @@ def reference_logprobs(ref_model: nn.Module | None, mb: MicroBatch, temperature:
     return None if ref_model is None else token_logprobs(ref_model, mb, temperature)
 
 
+def micro_batch_loss(logits: Tensor, mb: MicroBatch, algo: AlgoConfig, params: dict,
+                     ref_logp: Tensor | None) -> tuple[Tensor, dict]:
+    """The algorithm's loss (a weighted sum: summed over micro-batches and ranks it is the
+    batch's loss) and its metric sums, from the temperature-scaled logits [B, T-1, V]. Shared
+    by every trainer backend."""
+    logp = gather_logprobs(logits, mb.targets)
+    # the bonus needs the entropy's gradient; otherwise it is only logged
+    entropy = token_entropy(logits if algo.entropy_coef else logits.detach())
+    # one optimizer step per batch: the "old" policy is the current one, so ratio = 1 in
+    # value and the PPO clip only shapes the gradient; detaching avoids a second forward.
+    # old_logprobs=rollout measures the ratio against the sampling engine instead
+    old = mb.rollout_logp if algo.old_logprobs == "rollout" else logp.detach()
+    return policy_loss(
+        algo.name, logp, old, mb.advantages, mb.weights, mb.rollout_logp,
+        reduction="weighted_sum", entropy=entropy, ref_logprobs=ref_logp,
+        teacher_logprobs=mb.teacher_logp, **params,
+    )
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -87,19 +106,8 @@ def train_step(
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             logits = scaled_logits(model, mb, temperature)  # [B, T-1, V]
-            logp = gather_logprobs(logits, mb.targets)
-            # the bonus needs the entropy's gradient; otherwise it is only logged
-            entropy = token_entropy(logits if algo.entropy_coef else logits.detach())
-            # one optimizer step per batch: the "old" policy is the current one, so ratio = 1 in
-            # value and the PPO clip only shapes the gradient; detaching avoids a second forward.
-            # old_logprobs=rollout measures the ratio against the sampling engine instead
-            old = mb.rollout_logp if algo.old_logprobs == "rollout" else logp.detach()
-            loss, metrics = policy_loss(
-                algo.name, logp, old, mb.advantages, mb.weights, mb.rollout_logp,
-                reduction="weighted_sum", entropy=entropy,
-                ref_logprobs=reference_logprobs(ref_model, mb, temperature),
-                teacher_logprobs=mb.teacher_logp, **params,
-            )
+            loss, metrics = micro_batch_loss(logits, mb, algo, params,
+                                             reference_logprobs(ref_model, mb, temperature))
             # weights sum to 1 over the whole batch across ranks; DDP averages over ranks
             (loss * world).backward()
         sums["loss"] += loss.item()

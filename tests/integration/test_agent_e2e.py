@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import REPO, run_env, tiny_command
 
-STEPS = 20  # one rank: reward ~0.02 -> ~0.22 and 3.0 -> 2.6 tries by step 20 (measured)
+STEPS = 40  # one rank, lr 2e-3: reward 0.03 -> 0.40 and 2.96 -> 2.43 tries by step 40 (measured)
 
 
 @pytest.mark.slow
@@ -25,7 +25,7 @@ def test_tiny_agent_learns_to_answer_in_fewer_tries(tmp_path, tiny_assets):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS
-    assert summary["reward_last"] >= summary["reward_first"] + 0.1, summary
+    assert summary["reward_last"] >= summary["reward_first"] + 0.15, summary
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     turns = [r["rollout/turns_mean"] for r in rows]
     assert all(1 <= t <= 3 for t in turns)  # env.max_turns=3

@@ -23,7 +23,8 @@ def _default_sigint() -> None:
 
 
 def start_run(run_dir: Path, tiny: Path) -> subprocess.Popen:
-    cmd = tiny_command(run_dir, tiny, "trainer.total_steps=100000")
+    # no restarts in place: a dead role ends the run (what these tests are about)
+    cmd = tiny_command(run_dir, tiny, "trainer.total_steps=100000", "cluster.max_role_restarts=0")
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=run_env(), preexec_fn=_default_sigint)
 

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from relax_slurm.checkpoint import find_latest, load_checkpoint, save_checkpoint, wait_pending
 from relax_slurm.config.schema import ModelConfig, TrainerConfig
+from relax_slurm.launch.exit import exit_now
 from relax_slurm.trainer.model import build_optimizer, load_hf_model, wrap_parallel
 
 EXTRA = {"version": 2, "data": {"epoch": 0, "index": 8, "seed": 3, "num_rows": 300},
@@ -132,6 +133,10 @@ def main() -> None:
             args.out.write_text(json.dumps(res, indent=2, default=str))
     finally:
         dist.destroy_process_group()
+    # leave without freeing main()'s locals: a DDP Reducer freed last destroys its gloo group,
+    # whose thread can be waiting for the GIL the freeing thread holds (a hang seen here);
+    # the trainer role leaves the same way
+    exit_now(0)
 
 
 def _gather_bool(flag: bool) -> list[bool]:

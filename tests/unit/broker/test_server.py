@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import zmq
 
+from relax_slurm.auth import SECRET_ENV
 from relax_slurm.broker import AsyncBrokerClient, BrokerClient, Subscriber
 from relax_slurm.broker.wire import decode, encode
 from relax_slurm.config import save_config
 from relax_slurm.config.schema import (
-    AlgoConfig, DataConfig, ModelConfig, RolloutConfig, TrainConfig,
+    AlgoConfig, BrokerConfig, DataConfig, ModelConfig, RolloutConfig, TrainConfig,
 )
 from relax_slurm.errors import BrokerError, BrokerShutdown, BrokerTimeout
 from relax_slurm.samples import Group, Sample
@@ -39,6 +40,8 @@ class Broker:
     router: str
     pub: str
     log: Path
+    admin: str | None = None
+    """http://HOST:PORT of the admin HTTP, when started with it."""
 
     def client(self, identity: str | None = None, timeout_s: float = TIMEOUT_S) -> BrokerClient:
         return BrokerClient(self.router, timeout_s, identity)
@@ -51,15 +54,25 @@ def group(gid: int, version: int = 0, n: int = 2) -> Group:
                    version_min=version, metadata={"i": i}) for i in range(n)]
 
 
-@pytest.fixture
-def start_broker(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
-    started: list[subprocess.Popen[bytes]] = []
+SECRET = "test-run-secret"
 
-    def start(max_staleness: int = 0, batch_size: int = 1) -> Broker:
+
+@pytest.fixture
+def start_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                 ) -> Iterator[Callable[..., Broker]]:
+    """Start brokers as relax-train does, with the run's secret in the environment (which the
+    clients in this process read too)."""
+    started: list[subprocess.Popen[bytes]] = []
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+
+    def start(max_staleness: int = 0, batch_size: int = 1, max_message_mb: int = 1024,
+              admin: bool = False, router: str = "tcp://127.0.0.1:*",
+              pub: str = "tcp://127.0.0.1:*", extra_args: tuple[str, ...] = ()) -> Broker:
         cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path="x"),
                           data=DataConfig(train_files=["x"]),
                           algo=AlgoConfig(max_staleness=max_staleness),
-                          rollout=RolloutConfig(batch_size=batch_size))
+                          rollout=RolloutConfig(batch_size=batch_size),
+                          broker=BrokerConfig(max_message_mb=max_message_mb))
         save_config(cfg, tmp_path / "config.yaml")
         log = tmp_path / f"broker{len(started)}.log"
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
@@ -67,15 +80,16 @@ def start_broker(tmp_path: Path) -> Iterator[Callable[..., Broker]]:
             # port `*`: the OS picks free ports and the broker prints what it bound
             proc = subprocess.Popen(
                 [sys.executable, "-m", "relax_slurm.broker", "--config",
-                 str(tmp_path / "config.yaml"), "--router", "tcp://127.0.0.1:*",
-                 "--pub", "tcp://127.0.0.1:*"], cwd=REPO, env=env, stdout=out,
+                 str(tmp_path / "config.yaml"), "--router", router, "--pub", pub,
+                 *(["--admin", "127.0.0.1:0"] if admin else []), *extra_args],
+                cwd=REPO, env=env, stdout=out,
                 stderr=subprocess.STDOUT)
         started.append(proc)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            m = re.search(r"router=(\S+) pub=(\S+)", log.read_text())
+            m = re.search(r"router=(\S+) pub=(\S+)(?: admin=(\S+))?", log.read_text())
             if m:
-                return Broker(proc, m[1], m[2], log)
+                return Broker(proc, m[1], m[2], log, m[3])
             if proc.poll() is not None:
                 break
             time.sleep(0.05)
@@ -103,9 +117,9 @@ def send_malformed(router: str) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(router)
     try:
-        for frames in ([b"\xc1not msgpack"], encode("nope", {"rid": 1}),
-                       encode("acquire", {"rid": 2, "max_n": "x", "wait_s": 0}),
-                       encode("put_group", {"rid": 3}),
+        for frames in ([b"\xc1not msgpack"], encode("nope", {"rid": 1, "auth": SECRET}),
+                       encode("acquire", {"rid": 2, "max_n": "x", "wait_s": 0, "auth": SECRET}),
+                       encode("put_group", {"rid": 3, "auth": SECRET}),
                        [msgpack.packb({"op": "put_group", "f": {}, "g": [[{}]]})]):
             sock.send_multipart(frames)
             assert sock.poll(int(TIMEOUT_S * 1000)), "no reply"

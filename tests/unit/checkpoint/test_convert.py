@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -154,32 +153,6 @@ def test_megatron_detected_and_needs_the_bridge(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron", None)  # as on a machine without it
     with pytest.raises(CheckpointError, match=r"megatron-bridge.*pip install '\.\[gpu\]'"):
         convert_checkpoint(it, tmp_path / "hf", hf_config="Qwen/Qwen3-4B")
-
-
-def test_megatron_call_shape_with_a_stand_in_bridge(tiny_dir, tmp_path, monkeypatch):
-    """Only the call into megatron-bridge; the real library is not installed here."""
-    calls = {}
-
-    class AutoBridge:
-        @classmethod
-        def from_hf_pretrained(cls, ref):
-            calls["ref"] = ref
-            return cls()
-
-        def export_ckpt(self, megatron_path, hf_path, show_progress=True):
-            calls["export"] = (megatron_path, Path(hf_path).name, show_progress)
-            (Path(hf_path) / "model.safetensors").write_bytes(b"")
-
-    bridge = types.ModuleType("megatron.bridge")
-    bridge.AutoBridge = AutoBridge
-    monkeypatch.setitem(sys.modules, "megatron", types.ModuleType("megatron"))
-    monkeypatch.setitem(sys.modules, "megatron.bridge", bridge)
-    it = fake_megatron(tmp_path / "mcore")
-    out = convert_checkpoint(tmp_path / "mcore", tmp_path / "hf", hf_config=str(tiny_dir))
-    assert calls == {"ref": str(tiny_dir), "export": (str(it), "hf.tmp", False)}
-    assert (out / "tokenizer.json").is_file()
-    with pytest.raises(CheckpointError, match="--hf-config"):
-        convert_checkpoint(it, tmp_path / "hf2")
 
 
 def test_save_hf_of_a_live_model(tiny_dir, tmp_path):

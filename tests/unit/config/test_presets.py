@@ -83,3 +83,23 @@ def test_env_group_picks_multi_turn_and_checks_its_keys():
                      ("env.max_turns=0", "env.max_turns")):
         with pytest.raises(ConfigError, match=key):
             to_train_config(_compose(["env=arith_feedback", bad]))
+
+
+def test_megatron_parallel_sizes_are_validated():
+    cfg = to_train_config(_compose(["experiment=tiny_cpu", "trainer=megatron",
+                                    "trainer.tensor_parallel_size=2"]))
+    assert (cfg.trainer.backend, cfg.trainer.tensor_parallel_size) == ("megatron", 2)
+    with pytest.raises(ConfigError, match="need trainer=megatron"):
+        to_train_config(_compose(["trainer.tensor_parallel_size=2"]))
+    with pytest.raises(ConfigError, match="do not split into trainer.tensor_parallel_size=2 x "
+                                          "pipeline_parallel_size=2"):
+        to_train_config(_compose(["trainer=megatron", "trainer.nproc_per_node=2",
+                                  "trainer.tensor_parallel_size=2",
+                                  "trainer.pipeline_parallel_size=2"]))
+    with pytest.raises(ConfigError, match="expert_parallel_size=4 must divide"):
+        to_train_config(_compose(["trainer=megatron", "trainer.nproc_per_node=2",
+                                  "trainer.expert_parallel_size=4"]))
+    with pytest.raises(ConfigError, match="context_parallel_size=2"):
+        to_train_config(_compose(["trainer=megatron", "trainer.context_parallel_size=2"]))
+    with pytest.raises(ConfigError, match="async_save=false"):
+        to_train_config(_compose(["trainer=megatron", "trainer.async_save=true"]))

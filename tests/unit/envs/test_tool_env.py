@@ -48,19 +48,22 @@ def test_calculator():
 
 
 def test_sandbox_runs_and_limits():
-    ok = run(run_python("import sys; print(sum(range(10))); print('e', file=sys.stderr)"))
+    # snippets that should finish get room for a loaded 2-core machine (a python start-up
+    # alone has taken seconds there); the endless loop keeps its 1 s limit
+    room = {"timeout_s": 30.0}
+    ok = run(run_python("import sys; print(sum(range(10))); print('e', file=sys.stderr)", **room))
     assert ok.ok and ok.stdout == "45\n" and ok.stderr == "e\n"
     t0 = time.monotonic()
     slow = run(run_python("while True: pass", timeout_s=1.0))
     assert slow.timed_out and not slow.ok and time.monotonic() - t0 < 10
-    hog = run(run_python("x = bytearray(400 * 2**20)\nprint('allocated')", memory_mb=128))
+    hog = run(run_python("x = bytearray(400 * 2**20)\nprint('allocated')", memory_mb=128, **room))
     assert hog.exit_code != 0 and "MemoryError" in hog.stderr and "allocated" not in hog.stdout
-    chatty = run(run_python("print('x' * 10**6)", max_output_bytes=100))
+    chatty = run(run_python("print('x' * 10**6)", max_output_bytes=100, **room))
     assert chatty.ok and chatty.truncated and len(chatty.stdout) == 100
-    raised = run(run_python("raise ValueError('boom')"))
+    raised = run(run_python("raise ValueError('boom')", **room))
     assert raised.exit_code == 1 and "ValueError: boom" in raised.stderr
     # isolated: no environment of ours, a temporary working directory
-    env = run(run_python("import os; print(sorted(os.environ)); print(os.getcwd())"))
+    env = run(run_python("import os; print(sorted(os.environ)); print(os.getcwd())", **room))
     assert "PYTHONPATH" not in env.stdout and "relax_sandbox_" in env.stdout
 
 

@@ -35,11 +35,15 @@ def dry_run(preset: str, *overrides: str) -> str:
     return re.sub(r"--port \d+", "--port PORT", text)
 
 
-def sruns(text: str) -> dict[str, list[str]]:
+def sruns(text: str, expand: bool = True) -> dict[str, list[str]]:
+    """srun argv per role; `expand` unwraps `bash -c 'exec CMD --api-key "$KEY"'` into CMD's
+    argv (sglang engines always have an API key)."""
     out = {}
     for line in text.splitlines():
         if line.startswith("srun "):
             argv = shlex.split(line)
+            if expand and argv[-3:-1] == ["bash", "-c"]:
+                argv = argv[:-3] + shlex.split(argv[-1].removeprefix("exec "))
             out[next(a for a in argv if a.startswith("--job-name=")).split("=")[1]] = argv
     return out
 
@@ -87,8 +91,8 @@ def test_qwen3_30b_a3b_engines_use_expert_parallelism():
 
 
 def test_api_key_never_printed():
-    text = dry_run("qwen3_vl_4b_openr1", "rollout.engine_api_key=true")
-    e = sruns(text)["engine0"]
+    text = dry_run("qwen3_vl_4b_openr1")  # rollout.engine_api_key is on by default
+    e = sruns(text, expand=False)["engine0"]
     assert e[-3:-1] == ["bash", "-c"] and e[-1].endswith('--api-key "$RELAX_ENGINE_API_KEY"')
 
 
@@ -98,6 +102,18 @@ def test_shared_gpus_need_the_on_policy_schedule():
     with pytest.raises(ConfigError, match="release_memory_during_train.*max_staleness=0"):
         compose_config(["experiment=qwen3_4b_dapo", f"run_dir={RUN_DIR}",
                         "rollout.release_memory_during_train=true", "algo.max_staleness=1"])
+
+
+def test_presets_parallel_sizes():
+    """The text-only Qwen3 presets train with megatron-core; the VL one stays on FSDP2."""
+    def sizes(preset):
+        t = compose_config([f"experiment={preset}", f"run_dir={RUN_DIR}"]).trainer
+        return (t.backend, t.tensor_parallel_size, t.pipeline_parallel_size,
+                t.expert_parallel_size, t.nproc_per_node)
+
+    assert sizes("qwen3_4b_dapo") == ("megatron", 2, 1, 1, 4)  # DP=2 on GPUs 0-3
+    assert sizes("qwen3_30b_a3b_dapo") == ("megatron", 2, 1, 8, 8)  # 16 GPUs: DP=8, EP=8
+    assert sizes("qwen3_vl_4b_openr1") == ("torch", 1, 1, 1, 8)
 
 
 def test_multimodal_presets_compose_with_their_media():

@@ -63,7 +63,9 @@ def _srun_lines(cfg, alloc, run_dir=Path("/runs/x")):
 def test_srun_lines_of_a_het_job():
     lines, plan = _srun_lines(cfg_for(), HET)
     assert lines["broker"][:2] == ["srun", "--het-group=0"]
-    assert "--nodelist=t1" in lines["broker"] and "0.0.0.0" in " ".join(lines["broker"])
+    # the broker binds the address its clients use (the node's name), never every interface
+    assert "--nodelist=t1" in lines["broker"] and "0.0.0.0" not in " ".join(lines["broker"])
+    assert plan.broker_router.startswith("tcp://t1:") and plan.broker_router in lines["broker"]
     assert lines["engine0"][1] == "--het-group=1" and "--nodelist=r1" in lines["engine0"]
     assert lines["rollout"][1] == "--het-group=1"
     trainer = lines["trainer"]

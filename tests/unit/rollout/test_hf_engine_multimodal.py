@@ -118,8 +118,8 @@ def test_evaluator_sends_the_media(served, tiny_mm_assets: Path) -> None:
     path = str(tiny_mm_assets / f"{task}_test.jsonl")
     cfg = TrainConfig(model=ModelConfig(path=str(model)),
                       data=DataConfig(train_files=[path], multimodal_keys={key: col}),
-                      eval=EvalConfig(every=1, datasets=[path], n_samples=2, max_prompts=3,
-                                      temperature=1.0))
+                      eval=EvalConfig(every=1, datasets=[path], n_samples=2, temperature=0.6,
+                                     max_prompts=3))
     ev = Evaluator(cfg, [client.url])
     try:
         out = ev.run()

@@ -95,21 +95,3 @@ def test_max_turns_and_token_budget_truncate(engine, tiny_assets):
     assert ep.end == "max_total_tokens" and ep.truncated
     assert 3 + len(ep.response_ids) <= 12  # never past the budget
     assert all(p["max_new_tokens"] <= 12 - len(ids) for ids, p, _ in seen)
-
-
-def test_an_env_without_a_template_friendly_observation_fails_clearly(tiny_assets):
-    class Bad(BaseEnv):
-        def reset(self, sample):
-            return "first", {}
-
-    tok = load_tokenizer(tiny_assets / "model")
-    renderer = ObservationRenderer(tok, apply_chat_template=True)
-
-    async def never(ids, params):
-        raise AssertionError("no generation expected")
-
-    from relax_slurm.envs import EnvError
-    env = Bad()
-    with pytest.raises(EnvError, match="first observation"):
-        asyncio.run(run_episode(never, env, None, [3], renderer, TurnLimits(2, 50, 4), {},
-                                str))

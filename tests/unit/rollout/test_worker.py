@@ -18,10 +18,11 @@ from relax_slurm.config import save_config
 from relax_slurm.config.schema import (
     AlgoConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig,
 )
-from relax_slurm.errors import ConfigError
+from relax_slurm.errors import ConfigError, EngineUnreachable
 from relax_slurm.launch.plan import RunPlan, save_plan
 from relax_slurm.rollout.engine_client import GenerateResult
 from relax_slurm.rollout.router import LeastLoadedRouter
+from relax_slurm.rollout import worker as worker_module
 from relax_slurm.rollout.worker import PendingCounts, RolloutWorker, shaped_rewards
 
 EOS = 1  # helpers_tiny vocabulary: <pad>=0, <eos>=1, <unk>=2, digits from 3
@@ -79,6 +80,7 @@ class FakeBroker:
         self.worker, self.stop_after = worker, stop_after
         self.groups: list = []
         self.released = 0
+        self.heartbeats: list = []
 
     async def acquire(self, max_n, wait_s=0.0):
         granted = self.state.admit(max_n)
@@ -95,6 +97,13 @@ class FakeBroker:
     async def release(self, n):
         self.state.release(n)
         self.released += n
+
+    async def rejoin(self, rank):
+        return {"reclaimed": self.state.reclaim(f"rollout{rank}"),
+                "position": self.state.positions.get(str(rank))}
+
+    async def heartbeat(self, role, **info):
+        self.heartbeats.append((role, info))
 
     def close(self):
         pass
@@ -170,6 +179,7 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(make_worker):
 
     broker = asyncio.run(main())
     assert broker.released == 2
+    assert broker.heartbeats[0] == ("rollout", {"groups_in_flight": 0, "groups_requeued": 0})
     assert sorted(g[0].prompt_id for g in broker.groups) == ["2", "3"]
     for g in broker.groups:
         assert len({s.reward for s in g}) > 1  # only informative groups reach the broker
@@ -270,3 +280,38 @@ def test_multimodal_prompts_carry_processed_media(tmp_path, tiny_mm_assets):
         assert g[0].mm_inputs["pixel_values"] is g[1].mm_inputs["pixel_values"]
     rewards = {g[0].prompt_id: [s.reward for s in g] for g in groups}
     assert rewards == {"0": [1.0, 0.0], "1": [0.0, 1.0]}  # answers "0", "1"; labels 0 and 1
+
+
+class FlakyEngine(FakeEngine):
+    """Unreachable for its first `failures` calls (an engine restarting in place)."""
+
+    def __init__(self, tokenizer, answers, failures: int) -> None:
+        super().__init__(tokenizer, answers)
+        self.failures, self.calls = failures, 0
+
+    async def generate(self, input_ids, params, return_logprob=True, **kwargs):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise EngineUnreachable("engine http://127.0.0.1:3/generate: ConnectError: refused")
+        return await super().generate(input_ids, params, return_logprob, **kwargs)
+
+
+def test_groups_of_an_unreachable_engine_are_requeued_with_their_credit(make_worker, monkeypatch):
+    monkeypatch.setattr(worker_module, "ENGINE_RETRY_S", 0.01)
+
+    async def main():
+        worker = make_worker()
+        engine = FlakyEngine(worker.tokenizer, {p: ["2", "12", "2", "2"] for p in PROMPTS},
+                             failures=2)
+        worker.router = LeastLoadedRouter([engine])
+        worker.broker.close()
+        worker.broker = FakeBroker(worker, stop_after=2)
+        await worker.run()
+        return worker
+
+    worker = asyncio.run(main())
+    broker = worker.broker
+    assert worker.requeued_total == 2
+    # the same two prompts (with their group ids), not the next ones; no credit released
+    assert sorted(g[0].prompt_id for g in broker.groups) == ["0", "1"]
+    assert broker.released == 0 and broker.state.counters()["accepted"] == 2

@@ -1,0 +1,106 @@
+"""Hang detection for the launcher: a role that is alive but makes no progress.
+
+The trainer and the rollout worker heartbeat to the broker from their main loops (every
+`cluster.heartbeat_interval_s`), so a heartbeat means "my loop turned", not just "my process
+exists". Every interval the launcher reads the broker's admin `GET /status` and probes each
+engine's `/health`; `check()` names the first of them silent for longer than
+`cluster.heartbeat_timeout_s`:
+
+- a role whose last heartbeat is older than that (a role that never heartbeat yet is still
+  starting: `cluster.step_timeout_s` covers a run that never gets going);
+- the broker, when /status has not answered for that long;
+- an engine, when /health has not answered 200 for that long (SGLang serves /health too, so
+  engines need no heartbeat code of their own).
+
+The supervisor turns the answer into `RoleHung`, which ends the attempt like a dead role (and
+is followed by a global restart when `cluster.max_global_restarts` allows).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+
+PROBE_TIMEOUT_S = 5.0
+
+
+class HangWatch:
+    def __init__(self, admin_url: str | None, secret: str, engines: dict[str, str],
+                 interval_s: float, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`engines`: role name -> base URL."""
+        self.admin_url = admin_url
+        self.engines = dict(engines)
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._clock = clock
+        now = clock()
+        self._next = now + interval_s
+        # a probe that fails counts from the watch's start (the roles are starting then)
+        self._last_ok = {"broker": now, **{name: now for name in engines}}
+        timeout = min(PROBE_TIMEOUT_S, interval_s)
+        self._admin = httpx.Client(timeout=timeout, headers={"Authorization": f"Bearer {secret}"})
+        self._probe = httpx.Client(timeout=timeout)  # /health is open: no secret to engines
+
+    def close(self) -> None:
+        self._admin.close()
+        self._probe.close()
+
+    def restarted(self, name: str) -> None:
+        """`name` was just restarted in place: its silence counts from now (an engine loading
+        its model again is not hung)."""
+        if name in self._last_ok:
+            self._last_ok[name] = self._clock()
+
+    def check(self) -> tuple[str, str] | None:
+        """(role, why) for the first hung role, probing at most once per interval; else None."""
+        if self.timeout_s <= 0:
+            return None
+        now = self._clock()
+        if now < self._next:
+            return None
+        self._next = now + self.interval_s
+        hung = self._check_broker(now)
+        for name, url in self.engines.items():
+            if self._ok(url + "/health"):
+                self._last_ok[name] = self._clock()
+            elif hung is None and self._clock() - self._last_ok[name] > self.timeout_s:
+                hung = (name, f"has not answered /health for {self.timeout_s:.0f}s "
+                              "(cluster.heartbeat_timeout_s)")
+        return hung
+
+    def _check_broker(self, now: float) -> tuple[str, str] | None:
+        if self.admin_url is None:
+            return None
+        status = self.broker_status()
+        if status is None:
+            if now - self._last_ok["broker"] > self.timeout_s:
+                return ("broker", f"has not answered GET /status for {self.timeout_s:.0f}s "
+                                  "(cluster.heartbeat_timeout_s)")
+            return None
+        self._last_ok["broker"] = now
+        for role, info in status.get("roles", {}).items():
+            age = float(info.get("heartbeat_age_s", 0.0))
+            if age > self.timeout_s:
+                return (role, f"sent no heartbeat for {age:.0f}s > cluster.heartbeat_timeout_s="
+                              f"{self.timeout_s:.0f}s (hung: alive, but its main loop makes no "
+                              "progress)")
+        return None
+
+    def broker_status(self) -> dict | None:
+        """The broker's /status now, or None."""
+        if self.admin_url is None:
+            return None
+        try:
+            r = self._admin.get(self.admin_url + "/status")
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def _ok(self, url: str) -> bool:
+        try:
+            return self._probe.get(url).status_code == 200
+        except httpx.HTTPError:
+            return False

@@ -1,0 +1,68 @@
+"""Restarts in place: a role whose spec says how to start it again (`RoleSpec.restart_argv`) is
+started again on its own ports when it dies, while the other roles go on.
+
+Today that is the broker, which replays its spill file (broker/spill.py) and whose clients
+resend what it had not answered. Each restart is a line in RUN_DIR/restarts.jsonl (`role`,
+`kind: in_place`, `restart`, `cause`) and `roles.json` is rewritten with the new pid; past
+`cluster.max_role_restarts` restarts of one role its next death fails the attempt as before
+(then `cluster.max_global_restarts` decides).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from relax_slurm.launch.processes import ProcessSet
+from relax_slurm.launch.roles import RoleSpec
+
+RESTARTS_FILE = "restarts.jsonl"
+
+
+def write_roles(procs: ProcessSet, run_dir: Path) -> None:
+    path = run_dir / "roles.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([r.info() for r in procs.roles], indent=2))
+    tmp.replace(path)  # readers see the old file or the new one
+
+
+def record_restart(run_dir: Path, row: dict) -> None:
+    with (run_dir / RESTARTS_FILE).open("a") as f:
+        f.write(json.dumps({"time": time.time(), **row}) + "\n")
+
+
+class InPlace:
+    def __init__(self, procs: ProcessSet, specs: list[RoleSpec],
+                 wrap: Callable[[RoleSpec], list[str]], run_dir: Path, cap: int,
+                 on_restart: Callable[[str], None] = lambda name: None) -> None:
+        self.procs = procs
+        self.on_restart = on_restart
+        self.specs = {s.name: s for s in specs if s.restart_argv is not None}
+        self.wrap = wrap
+        self.run_dir = run_dir
+        self.cap = cap
+
+    def revive(self) -> None:
+        """Restart every dead role that may be restarted and has restarts left (the others are
+        left for `ProcessSet.check_alive` to report)."""
+        for role in self.procs.roles:
+            spec = self.specs.get(role.name)
+            rc = role.proc.poll()
+            if spec is None or rc is None or role.restarts >= self.cap:
+                continue
+            cause = f"exited with code {rc}"
+            self.procs.restart(role, self.wrap(replace(spec, argv=spec.restart_argv)),
+                               cpus=spec.cpus)
+            self.on_restart(role.name)
+            record_restart(self.run_dir, {"role": role.name, "kind": "in_place",
+                                          "restart": role.restarts, "cause": cause})
+            write_roles(self.procs, self.run_dir)
+            print(f"relax-train: {role.name} {cause}; restarted in place ({role.restarts} of "
+                  f"cluster.max_role_restarts={self.cap})", file=sys.stderr, flush=True)
+
+    def counts(self) -> dict[str, int]:
+        return {r.name: r.restarts for r in self.procs.roles if r.restarts}

@@ -1,0 +1,101 @@
+"""The trainer's backend seam: what `trainer/main.py` asks of a model, whichever library trains it.
+
+    backend = build_backend(cfg, device)       # trainer.backend: torch | megatron
+    backend.data_ranks                         # rows of the batch each global rank gets
+    metrics = backend.train_step(batch)        # one optimizer step on this rank's rows
+    weights = list(backend.named_hf_weights()) # HF names, full tensors (collective: all ranks)
+    handle = backend.save(root, step, extra, ...)  /  extra = backend.load(path)
+    backend.save_hf(out_dir)
+
+The loop never branches on the backend (nor on the algorithm): the torch backend is a
+transformers model under DDP/FSDP2 with torch DCP checkpoints; the megatron backend is
+megatron-core (TP/PP/EP) built through megatron-bridge, with Megatron dist-checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from relax_slurm.config import TrainConfig
+from relax_slurm.trainer.batch import MicroBatch
+
+log = logging.getLogger("relax_slurm.trainer")
+
+
+class TorchBackend:
+    """transformers model, DDP or FSDP2 over all ranks (every rank is a data-parallel rank)."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
+        from relax_slurm.trainer.model import (
+            build_optimizer, freeze_modules, load_hf_model, load_reference_model, pad_token_id,
+            wrap_parallel,
+        )
+
+        self.cfg = cfg
+        raw = load_hf_model(cfg.model, device)
+        if cfg.trainer.freeze_modules:
+            log.info("froze %d parameters under %s",
+                     freeze_modules(raw, cfg.trainer.freeze_modules), cfg.trainer.freeze_modules)
+        self.pad_id = pad_token_id(raw.config)
+        self.model = wrap_parallel(raw, cfg.trainer, device)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.trainer)
+        # the KL loss's anchor: model.path as loaded, frozen (also on resume)
+        self.ref_model = (load_reference_model(cfg.model, device)
+                          if cfg.algo.kl_loss_coef > 0 else None)
+        self.data_ranks = list(range(dist.get_world_size()))
+
+    def train_step(self, batch: MicroBatch) -> dict[str, float]:
+        from relax_slurm.trainer.step import train_step
+
+        t = self.cfg.trainer
+        return train_step(self.model, self.optimizer, self.scheduler, batch, self.cfg.algo,
+                          micro_batch_size=t.micro_batch_size, grad_clip=t.grad_clip,
+                          temperature=self.cfg.rollout.temperature, ref_model=self.ref_model)
+
+    def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        from relax_slurm.trainer.model import full_named_weights
+
+        return full_named_weights(self.model)
+
+    def local_weights(self) -> Callable[[], list[tuple[str, Tensor]]] | None:
+        """Rank 0's whole weights without a collective (DDP or one rank), for re-syncing a
+        restarted engine between steps; None where gathering them needs every rank (FSDP2)."""
+        if self.cfg.trainer.strategy == "ddp" or dist.get_world_size() == 1:
+            return lambda: list(self.named_hf_weights())
+        return None
+
+    def save(self, root: Path, step: int, extra: dict[str, Any], *, keep_last: int,
+             async_save: bool, hf_assets_src: str | None):
+        from relax_slurm.checkpoint import save_checkpoint
+
+        return save_checkpoint(root, step, self.model, self.optimizer, self.scheduler, extra,
+                               keep_last=keep_last, async_save=async_save,
+                               hf_assets_src=hf_assets_src)
+
+    def load(self, path: Path) -> dict[str, Any]:
+        from relax_slurm.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+
+    def save_hf(self, out_dir: Path) -> None:
+        from relax_slurm.checkpoint import save_hf
+
+        save_hf(self.model, self.cfg.model.path, out_dir)
+
+    def close(self) -> None:
+        pass
+
+
+def build_backend(cfg: TrainConfig, device: torch.device):
+    """The backend `trainer.backend` names (process groups already initialised)."""
+    if cfg.trainer.backend == "megatron":
+        from relax_slurm.trainer.megatron.backend import MegatronBackend
+
+        return MegatronBackend(cfg, device)
+    return TorchBackend(cfg, device)

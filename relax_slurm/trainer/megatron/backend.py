@@ -1,0 +1,70 @@
+"""`trainer.backend=megatron` behind the trainer's backend seam (see trainer/backend.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from relax_slurm.config import TrainConfig
+from relax_slurm.trainer.batch import MicroBatch
+from relax_slurm.trainer.megatron import checkpoint
+from relax_slurm.trainer.megatron.model import (
+    MegatronModel, data_ranks, destroy_model_parallel, init_model_parallel,
+)
+from relax_slurm.trainer.megatron.step import train_step
+
+
+class MegatronBackend:
+    """megatron-core model + optimizer; TP/PP peers share their data-parallel rank's rows."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        init_model_parallel(cfg.trainer)
+        self.mm = MegatronModel(cfg.model, cfg.trainer)
+        pad = self.mm.bridge.hf_pretrained.config.pad_token_id
+        self.pad_id = pad if pad is not None else 0
+        # the KL loss's anchor: a frozen transformers replica of model.path on every rank
+        self.ref_model = None
+        if cfg.algo.kl_loss_coef > 0:
+            from relax_slurm.trainer.model import load_reference_model
+
+            self.ref_model = load_reference_model(cfg.model, device)
+        self.data_ranks = data_ranks()
+
+    def train_step(self, batch: MicroBatch) -> dict[str, float]:
+        return train_step(self.mm, batch, self.cfg.algo,
+                          micro_batch_size=self.cfg.trainer.micro_batch_size,
+                          temperature=self.cfg.rollout.temperature, ref_model=self.ref_model)
+
+    def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Every rank drives the bridge's export (gathers across TP/PP/EP); only rank 0, the
+        sender, keeps the tensors: the others would each hold a host copy of the whole model."""
+        export = self.mm.named_hf_weights()
+        if dist.get_rank() == 0:
+            return export
+        for _ in export:
+            pass
+        return iter(())
+
+    def local_weights(self) -> None:
+        """Exporting HF weights gathers over TP/PP/EP (a collective): a restarted engine
+        gets them with the next step's sync."""
+        return None
+
+    def save(self, root: Path, step: int, extra: dict[str, Any], *, keep_last: int,
+             async_save: bool, hf_assets_src: str | None):
+        return checkpoint.save(root, step, self.mm, extra, keep_last=keep_last,
+                               hf_assets_src=hf_assets_src)
+
+    def load(self, path: Path) -> dict[str, Any]:
+        return checkpoint.load(path, self.mm)
+
+    def save_hf(self, out_dir: Path) -> None:
+        checkpoint.save_hf(self.mm, self.cfg.model.path, out_dir)
+
+    def close(self) -> None:
+        destroy_model_parallel()

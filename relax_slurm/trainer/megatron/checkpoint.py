@@ -1,0 +1,129 @@
+"""Checkpoints of the megatron backend in Megatron's dist-checkpoint format (torch_dist).
+
+    RUN_DIR/checkpoints/step_<N>/
+        .metadata, __*.distcp, metadata.json, common.pt   Megatron dist-checkpoint: model and
+                                                          optimizer, sharded by TP/PP/EP, which
+                                                          reshards on load (other sizes)
+        rng/rank_<r>.pt                                   RNG states of rank r
+        hf/                                               config.json, tokenizer (for relax-convert)
+        meta.json                                         as the torch backend's, + "backend"
+
+The same atomic commit as the torch backend's DCP checkpoints (written as step_<N>.tmp/, meta.json
+last, renamed): resume rules, `latest`, keep_last and pruning are shared (checkpoint/dcp.py).
+`relax-convert` recognises the format (metadata.json) and writes HF through the bridge.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from relax_slurm.checkpoint.convert import copy_hf_assets, write_hf_dir
+from relax_slurm.checkpoint.dcp import (
+    HF_ASSETS, RNG_DIR, SaveHandle, _barrier, _commit, _group, _load_rng, _meta_json,
+    _remove_leftovers, _save_rng,
+)
+from relax_slurm.checkpoint.resume import META, CheckpointError, is_complete, step_dir_name
+from relax_slurm.trainer.megatron.model import MegatronModel
+
+log = logging.getLogger("relax_slurm.checkpoint")
+BACKEND = "megatron"
+
+
+def sharded_state_dict(mm: MegatronModel, loading: bool = False) -> dict:
+    model_sd = model_sharded_state_dict(mm.chunks)
+    return {**model_sd, "optimizer": mm.optimizer.sharded_state_dict(model_sd,
+                                                                     is_loading=loading)}
+
+
+def model_sharded_state_dict(chunks) -> dict:
+    """Megatron-LM's layout: "model", or "model0", "model1", ... with virtual pipeline stages;
+    keys of the bare GPTModel (no DDP "module." prefix), as the converter reads them."""
+    bare = [getattr(c, "module", c) for c in chunks]
+    if len(bare) == 1:
+        return {"model": bare[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(bare)}
+
+
+def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], *,
+         keep_last: int, hf_assets_src: str | None) -> SaveHandle:
+    """Every rank calls this; returns once the checkpoint is committed (synchronous)."""
+    from concurrent.futures import Future
+
+    from megatron.core import dist_checkpointing
+
+    if keep_last < 1:
+        raise CheckpointError(f"keep_last={keep_last}: keep at least 1 (trainer.keep_last)")
+    root = Path(root)
+    final = root / step_dir_name(step)
+    tmp = root / f"{final.name}.tmp"
+    extra = {**extra_state, "step": step, "lr_steps_done": mm.steps_done}
+    meta = json.loads(_meta_json(step, extra))
+    meta_text = json.dumps({**meta, "backend": BACKEND}, indent=2)
+    rank = dist.get_rank()
+    group = _group()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(root)
+        tmp.mkdir()
+        if hf_assets_src is not None:
+            copy_hf_assets(hf_assets_src, tmp / HF_ASSETS, include_config=True)
+    _barrier(group)
+    _save_rng(tmp / RNG_DIR / f"rank_{rank}.pt")
+    try:
+        dist_checkpointing.save(sharded_state_dict(mm), str(tmp))
+    except Exception as e:
+        raise CheckpointError(f"writing Megatron checkpoint step {step} to {tmp} failed: {e}"
+                              ) from e
+    _barrier(group)
+    if rank == 0:
+        _commit(root, tmp, final, meta_text, keep_last)
+    _barrier(group)
+    done: Future = Future()
+    done.set_result(final)
+    return SaveHandle(step, final, done)
+
+
+def load(path: Path, mm: MegatronModel) -> dict[str, Any]:
+    """Load model, optimizer, lr position and this rank's RNG; returns extra_state (+ "step")."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not is_complete(path):
+        raise CheckpointError(f"{path} is not a complete checkpoint (needs .metadata and {META})")
+    meta = json.loads((path / META).read_text())
+    if meta.get("backend") != BACKEND:
+        raise CheckpointError(
+            f"{path} was written by the torch backend (DCP), not trainer=megatron: resume it "
+            "with trainer=torch, or convert it (relax-convert --to hf) and start a megatron run "
+            "from the HF directory (model.path=..., resume=none)")
+    state = dist_checkpointing.load(sharded_state_dict(mm, loading=True), str(path))
+    for i, chunk in enumerate(mm.chunks):
+        chunk.module.load_state_dict(state["model" if len(mm.chunks) == 1 else f"model{i}"])
+    mm.optimizer.load_state_dict(state["optimizer"])
+    extra = meta.get("extra_state", {})
+    mm.steps_done = int(extra.get("lr_steps_done", meta["step"]))
+    rng = path / RNG_DIR / f"rank_{dist.get_rank()}.pt"
+    if rng.is_file():
+        _load_rng(rng)
+    return dict(extra, step=meta["step"])
+
+
+def is_megatron_checkpoint(path: Path) -> bool:
+    try:
+        return json.loads((Path(path) / META).read_text()).get("backend") == BACKEND
+    except (OSError, ValueError):
+        return False
+
+
+def save_hf(mm: MegatronModel, hf_assets_src: str, out_dir: Path) -> Path | None:
+    """HF directory of the current weights (bridge export); every rank calls, rank 0 writes."""
+    tensors = {k: v.clone() for k, v in mm.named_hf_weights()}
+    if dist.get_rank() != 0:
+        return None
+    return write_hf_dir(tensors, mm.bridge.hf_pretrained.config, out_dir, hf_assets_src,
+                        overwrite=True)

@@ -1,0 +1,229 @@
+"""CPU compatibility layer for megatron-core 0.16 and megatron-bridge 0.3 (no GPU present).
+
+Everything that makes Megatron run on a CPU-only torch lives here, and nothing here runs when
+CUDA is available. What it does and why:
+
+- megatron-core forks a CUDA RNG tracker for dropout and initialisation: a tracker backed by
+  CPU generators replaces it (`get_cuda_rng_tracker` keeps its contract: add/fork/get_states).
+- RoPE, the optimizer and the schedules call `torch.cuda.current_device()`, `.cuda()` and pass
+  `device="cuda"` literals: those are answered with the CPU (a process-wide TorchFunctionMode
+  rewrites a `device=` keyword naming CUDA; `.cuda()`, `synchronize`, `empty_cache` are no-ops).
+- gradient clipping asserts `torch.cuda.FloatTensor` grads: a CPU clip (same coefficient,
+  max_norm / (total_norm + 1e-6)) replaces it in megatron's optimizer.
+- megatron-bridge imports `transformer_engine` and `triton` at module level, and neither
+  installs on CPU: stub modules are registered, *after* every megatron.core module was
+  imported, so megatron.core still sees `HAVE_TE=False` and builds its local (non-TE) layers.
+  Anything that actually uses a stubbed class raises a clear error.
+- megatron-bridge's row-parallel mapping scatters `torch.chunk(dim=1)` views; on GPU the
+  `.to("cuda")` copies them, on CPU gloo sends the views' raw storage (wrong bytes at TP>1).
+  The splits are made contiguous before the scatter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.machinery
+import logging
+import pkgutil
+import sys
+import types
+
+import torch
+
+log = logging.getLogger("relax_slurm.trainer.megatron")
+
+_ACTIVE = False
+
+
+def needed() -> bool:
+    """True when no GPU is present: the layer is applied only then."""
+    return not torch.cuda.is_available()
+
+
+# ---- megatron-core on CPU -------------------------------------------------------------------
+
+def _cpu_device(d):
+    if isinstance(d, str) and d.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(d, torch.device) and d.type == "cuda":
+        return torch.device("cpu")
+    return d
+
+
+class _CudaToCpu(torch.overrides.TorchFunctionMode):
+    """Rewrites `device="cuda"` keywords of torch calls to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs = dict(kwargs, device=_cpu_device(kwargs["device"]))
+        return func(*args, **kwargs)
+
+
+def _install_rng_tracker(seed: int) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mr
+
+    class CPURNGStatesTracker(mr.CudaRNGStatesTracker):
+        """megatron's RNG tracker with CPU generator states in place of CUDA ones."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mr._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    tracker = CPURNGStatesTracker()
+    tp = ps.get_tensor_model_parallel_rank()
+    ep = ps.get_expert_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    # the offsets megatron's model_parallel_cuda_manual_seed uses
+    tracker.add(mr._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mr._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp)
+    tracker.add(mr._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + 100 * ep + tp)
+    mr._CUDA_RNG_STATE_TRACKER = tracker
+    mr._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron's clip_grad_by_total_norm_fp32 without its CUDA assertion and kernels."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for p in parameters:
+            g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+            if g is not None:
+                g.detach().mul_(coeff)
+
+
+def activate(seed: int) -> bool:
+    """Apply the megatron-core shims (after `initialize_model_parallel`); False with a GPU.
+
+    Replaces megatron's `model_parallel_cuda_manual_seed(seed)` on CPU.
+    """
+    global _ACTIVE
+    if not needed():
+        return False
+    torch.manual_seed(seed)
+    _install_rng_tracker(seed)
+    if _ACTIVE:
+        return True
+    from megatron.core.optimizer import optimizer as mopt
+
+    mopt.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+    _CudaToCpu().__enter__()  # for the life of the process
+    _ACTIVE = True
+    log.info("megatron CPU compatibility layer active (no GPU)")
+    return True
+
+
+# ---- megatron-bridge on CPU -----------------------------------------------------------------
+
+class _StubMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _stub_class(name)
+
+
+def _stub_class(name: str) -> type:
+    def refuse(self, *a, **k):
+        raise RuntimeError(f"{name} needs transformer_engine, which is stubbed on CPU; "
+                           "use the local layer spec (the megatron backend does)")
+    return _StubMeta(name, (object,), {"__init__": refuse})
+
+
+def _stub_module(name: str) -> types.ModuleType:
+    mod = types.ModuleType(name)
+
+    def missing(attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _stub_class(attr)
+
+    mod.__getattr__ = missing  # PEP 562: any class name resolves to a refusing stub
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    mod.__path__ = []
+    mod.__version__ = "0.0.0"
+    mod.__file__ = f"<cpu stub {name}>"
+    return mod
+
+
+_TE_MODULES = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.common",
+               "transformer_engine.common.recipe", "transformer_engine.pytorch.module",
+               "transformer_engine.pytorch.float8_tensor", "transformer_engine.pytorch.tensor",
+               "transformer_engine.pytorch.distributed", "transformer_engine.pytorch.cpp_extensions")
+
+
+def _preimport_megatron_core() -> None:
+    """Import megatron.core's modules while transformer_engine is absent: they bind HAVE_TE=False."""
+    import megatron.core as mc
+
+    for info in pkgutil.walk_packages(mc.__path__, "megatron.core."):
+        if ".extensions.transformer_engine" in info.name or "kitchen" in info.name:
+            continue
+        try:
+            importlib.import_module(info.name)
+        except Exception:  # optional modules (e.g. ones needing apex): not used here
+            pass
+    # `from megatron.core.extensions.transformer_engine import ...` -> ImportError, as without TE
+    sys.modules.setdefault("megatron.core.extensions.transformer_engine", None)
+
+
+def _install_triton_stub() -> None:
+    try:
+        import triton  # noqa: F401
+        return
+    except ImportError:
+        pass
+    t, tl = _stub_module("triton"), _stub_module("triton.language")
+    t.jit = lambda fn=None, **kw: fn if fn is not None else (lambda f: f)
+    t.autotune = lambda *a, **kw: (lambda f: f)
+    t.heuristics = lambda *a, **kw: (lambda f: f)
+    t.Config = lambda *a, **kw: None
+    t.cdiv = lambda a, b: -(-a // b)
+    t.next_power_of_2 = lambda n: 1 << (n - 1).bit_length()
+    tl.constexpr = object
+    t.language = tl
+    sys.modules["triton"], sys.modules["triton.language"] = t, tl
+
+
+def _contiguous_row_splits() -> None:
+    from megatron.bridge.models.conversion import param_mapping as pm
+
+    original = pm.MegatronParamMapping.scatter_to_tp_ranks
+    if getattr(original, "_relax_contiguous", False):
+        return
+
+    def scatter_to_tp_ranks(self, splits, *a, **k):
+        return original(self, [s.contiguous() for s in splits] if splits else splits, *a, **k)
+
+    scatter_to_tp_ranks._relax_contiguous = True
+    pm.MegatronParamMapping.scatter_to_tp_ranks = scatter_to_tp_ranks
+
+
+def import_bridge():
+    """`megatron.bridge` (the module), importable on CPU; plain import with a GPU."""
+    if needed() and "megatron.bridge" not in sys.modules:
+        _preimport_megatron_core()
+        _install_triton_stub()
+        for name in _TE_MODULES:
+            sys.modules.setdefault(name, _stub_module(name))
+    import megatron.bridge as bridge
+
+    if needed():
+        _contiguous_row_splits()
+    return bridge

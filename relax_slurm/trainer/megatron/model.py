@@ -1,0 +1,215 @@
+"""The megatron backend's model: a megatron-core GPTModel built from the HF checkpoint through
+megatron-bridge, wrapped in Megatron DDP, with Megatron's optimizer.
+
+Parallel sizes come from `trainer.tensor_parallel_size`, `pipeline_parallel_size`,
+`context_parallel_size` and `expert_parallel_size`; data parallelism is what remains of the
+world. Weights leave the model only through the bridge (`named_hf_weights`): HF names, full
+tensors gathered across TP/PP/EP, on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from relax_slurm.config.schema import ModelConfig, TrainerConfig
+from relax_slurm.errors import ConfigError
+from relax_slurm.trainer.megatron import cpu_compat
+from relax_slurm.trainer.schedule import lr_factor
+
+log = logging.getLogger("relax_slurm.trainer.megatron")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def init_model_parallel(cfg: TrainerConfig) -> None:
+    """Megatron's process groups (TP, PP, CP, EP; DP is the rest) and its RNG streams."""
+    from megatron.core import parallel_state as ps
+
+    world = dist.get_world_size()
+    model_parallel = (cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+                      * cfg.context_parallel_size)
+    if world % model_parallel:
+        raise ConfigError(
+            f"{world} trainer ranks do not split into tensor_parallel_size="
+            f"{cfg.tensor_parallel_size} x pipeline_parallel_size={cfg.pipeline_parallel_size} x "
+            f"context_parallel_size={cfg.context_parallel_size}; change trainer.nproc_per_node "
+            "or the parallel sizes")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
+        expert_model_parallel_size=cfg.expert_parallel_size,
+    )
+    if not cpu_compat.activate(cfg.seed):
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(cfg.seed)
+
+
+def destroy_model_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+
+
+def data_parallel_rank_world() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
+def data_ranks() -> list[int]:
+    """The data-parallel index of every global rank (TP/PP/CP peers share their rows)."""
+    from megatron.core import parallel_state as ps
+
+    out = [0] * dist.get_world_size()
+    dist.all_gather_object(out, ps.get_data_parallel_rank())
+    return out
+
+
+def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weights: bool = True):
+    """The bridge's model provider for the HF model, with our parallel sizes and dtype."""
+    dtype = DTYPES[model_cfg.dtype]
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
+    provider.tensor_model_parallel_size = cfg.tensor_parallel_size
+    provider.pipeline_model_parallel_size = cfg.pipeline_parallel_size
+    provider.context_parallel_size = cfg.context_parallel_size
+    provider.expert_model_parallel_size = cfg.expert_parallel_size
+    provider.sequence_parallel = False
+    provider.params_dtype = dtype
+    provider.pipeline_dtype = dtype
+    provider.autocast_dtype = dtype
+    provider.bf16 = dtype == torch.bfloat16
+    provider.fp16 = dtype == torch.float16
+    # RL: the policy the engines sample from has no dropout; train the same function
+    provider.hidden_dropout = 0.0
+    provider.attention_dropout = 0.0
+    if cpu_compat.needed():
+        # no transformer-engine, no fused CUDA kernels: megatron-core's local layers
+        from megatron.bridge.models.gpt_provider import local_layer_spec
+
+        provider.transformer_layer_spec = local_layer_spec
+        for flag in ("gradient_accumulation_fusion", "bias_activation_fusion",
+                     "masked_softmax_fusion", "apply_rope_fusion", "bias_dropout_fusion",
+                     "persist_layer_norm"):
+            setattr(provider, flag, False)
+    provider.finalize()
+    return provider
+
+
+class MegatronModel:
+    """Model chunks (one per virtual pipeline stage), optimizer and the bridge they came from."""
+
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig) -> None:
+        bridge_mod = cpu_compat.import_bridge()
+        from megatron.core.distributed import (
+            DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.cfg = cfg
+        dtype = DTYPES[model_cfg.dtype]
+        self.bridge = bridge_mod.AutoBridge.from_hf_pretrained(
+            model_cfg.path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
+        self.vocab_size = self.bridge.hf_pretrained.config.vocab_size
+        provider = build_provider(self.bridge, model_cfg, cfg)
+        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=False)
+        # wrapped in Megatron DDP here rather than by the bridge, whose wrapper opens a CUDA
+        # side-stream (for CUDA graphs) that a CPU build cannot create
+        bare = provider.provide_distributed_model(
+            wrap_with_ddp=False, use_cpu_initialization=cpu_compat.needed(),
+            data_parallel_random_init=False,
+            mixed_precision_wrapper=None if dtype == torch.float32 else _float16_module())
+        for chunk in bare:
+            mark_tensor_parallel(chunk)
+        self.chunks = [DistributedDataParallel(config=c.config, ddp_config=ddp, module=c,
+                                               disable_bucketing=i > 0)
+                       for i, c in enumerate(bare)]
+        config = self.chunks[0].config
+        # without it Megatron DDP never all-reduces the gradients over data-parallel ranks
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = [c.no_sync for c in self.chunks]
+        if len(self.chunks) == 1:
+            config.no_sync_func = config.no_sync_func[0]
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.grad_clip,
+            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+            use_distributed_optimizer=False), self.chunks)
+        self.steps_done = 0  # optimizer steps: the lr schedule's position
+
+    # ---- lr schedule -------------------------------------------------------------------------
+    def lr_now(self) -> float:
+        cfg = self.cfg
+        return cfg.lr * lr_factor(self.steps_done, total_steps=cfg.lr_decay_steps or cfg.total_steps,
+                                  warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule,
+                                  min_lr_ratio=cfg.min_lr_ratio)
+
+    def set_lr(self) -> float:
+        lr = self.lr_now()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(self, chunk, input_ids: Tensor) -> Tensor:
+        """One chunk's output: vocab-parallel logits [B, T, V/TP] on the last pipeline stage,
+        hidden states elsewhere. Rows are right-padded, so the causal mask is the whole mask."""
+        B, T = input_ids.shape
+        pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).triu(1).view(1, 1, T, T)
+        return chunk(input_ids, pos, mask)
+
+    def full_logits(self, output: Tensor) -> Tensor:
+        """Vocab-parallel logits -> the HF vocabulary's logits [B, T, V] (padding dropped)."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        if self.cfg.tensor_parallel_size > 1:
+            output = gather_from_tensor_model_parallel_region(output)
+        return output[..., :self.vocab_size]
+
+    # ---- weights -----------------------------------------------------------------------------
+    def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """HF-named full tensors through the bridge. Collective: every rank iterates."""
+        for name, t in self.bridge.export_hf_weights(self.chunks, cpu=True, show_progress=False):
+            yield name, t.detach()
+
+    def train(self) -> None:
+        for c in self.chunks:
+            c.train()
+
+
+def mark_tensor_parallel(module) -> None:
+    """Tag the TP-sharded parameters as megatron-core's initialisers do.
+
+    megatron-core 0.16 sets `tensor_model_parallel` only inside its weight initialisers, which
+    the bridge skips (`perform_initialization=False`: the HF weights are loaded instead).
+    Untagged shards count as TP replicas: the grad norm (and so clipping) would then see only
+    TP rank 0's shard of every split matrix.
+    """
+    from megatron.core.tensor_parallel import layers
+
+    dims = {layers.ColumnParallelLinear: {"weight": 0, "bias": 0},
+            layers.RowParallelLinear: {"weight": 1},
+            layers.VocabParallelEmbedding: {"weight": 0}}
+    for sub in module.modules():
+        for cls, names in dims.items():
+            if not isinstance(sub, cls):
+                continue
+            for name, dim in names.items():
+                p = getattr(sub, name, None)
+                if isinstance(p, torch.nn.Parameter) and not getattr(p, "tensor_model_parallel",
+                                                                     False):
+                    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+
+
+def _float16_module():
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module

@@ -1,0 +1,79 @@
+"""One optimizer step of the megatron backend: Megatron's forward/backward schedule (pipelined
+when pipeline_parallel_size > 1) over this data-parallel rank's micro-batches, the same loss as
+the torch backend (`trainer.step.micro_batch_loss`), Megatron's optimizer step."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from relax_slurm.config.schema import AlgoConfig
+from relax_slurm.errors import ConfigError
+from relax_slurm.trainer.batch import MicroBatch, loss_params
+from relax_slurm.trainer.megatron.model import MegatronModel
+from relax_slurm.trainer.step import micro_batch_loss, reduce_metrics, reference_logprobs
+
+
+def micro_batches(batch: MicroBatch, size: int, pipelined: bool) -> list[MicroBatch]:
+    """Equal blocks of rows: the pipeline sends fixed-shape activations between stages."""
+    if pipelined and len(batch) % min(size, len(batch)):
+        raise ConfigError(
+            f"{len(batch)} rows per data-parallel rank do not split into micro-batches of "
+            f"trainer.micro_batch_size={size}, which pipeline parallelism needs; choose a "
+            "micro_batch_size that divides the rows per rank")
+    return [batch.rows(lo, lo + size) for lo in range(0, len(batch), size)]
+
+
+def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_batch_size: int,
+               temperature: float, ref_model=None) -> dict[str, float]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    mm.train()
+    for chunk in mm.chunks:
+        chunk.zero_grad_buffer()
+    mm.optimizer.zero_grad()
+    lr = mm.set_lr()
+    pipelined = ps.get_pipeline_model_parallel_world_size() > 1
+    mbs = micro_batches(batch, micro_batch_size, pipelined)
+    n, dp = len(mbs), ps.get_data_parallel_world_size()
+    params = loss_params(algo)
+    # metric sums come from one rank per data-parallel block: last stage, TP rank 0
+    counted = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    sums: dict[str, float] = {"loss": 0.0}
+
+    def forward_step(data_iterator, chunk):
+        mb = next(data_iterator)
+        output = mm.forward(chunk, mb.input_ids)
+
+        def loss_func(out):
+            logits = mm.full_logits(out)[:, :-1].float() / temperature
+            loss, metrics = micro_batch_loss(logits, mb, algo, params,
+                                             reference_logprobs(ref_model, mb, temperature))
+            if counted:
+                sums["loss"] += loss.item()
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+            # the schedule divides by the micro-batch count and DDP averages over data-parallel
+            # ranks; the loss is already a share of the whole batch's loss
+            return loss * (n * dp), {}
+
+        return output, loss_func
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(mbs), model=mm.chunks,
+        num_microbatches=n, seq_length=batch.input_ids.shape[1],
+        micro_batch_size=len(mbs[0]), forward_only=False)
+    ok, grad_norm, _ = mm.optimizer.step()
+    mm.steps_done += 1
+    sums = _same_keys(sums)
+    return {**reduce_metrics(sums), "train/grad_norm": float(grad_norm or 0.0),
+            "train/lr": lr, "train/update_skipped": float(not ok)}
+
+
+def _same_keys(sums: dict[str, float]) -> dict[str, float]:
+    """Ranks that computed no loss (earlier pipeline stages, TP ranks > 0) add zeros under the
+    keys the counted ranks have, so the all-reduce lines up."""
+    keys: list = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, sorted(sums))
+    return {k: sums.get(k, 0.0) for k in sorted(set().union(*keys))}

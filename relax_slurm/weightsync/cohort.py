@@ -1,0 +1,92 @@
+"""The engines' weight-sync cohort as trainer rank 0 keeps it: one group, formed again when an
+engine died and came back.
+
+An engine that dies is restarted in place by the launcher (same URL, a new process that loads
+model.path and reports weight version 0). Its old group is useless: a broadcast on it fails.
+So the cohort is re-formed, all engines together under a new group name (`NAME_c1`, `NAME_c2`,
+...) on a new port, and the current weights are sent on it:
+
+- when a send fails (`send`): wait until every engine answers /health again
+  (`rollout.startup_timeout_s`), re-form, send again;
+- when an engine serves another version than the trainer's while nothing is being sent
+  (`resync`, called from the trainer's batch wait): it was restarted meanwhile; re-form and
+  send the current weights, so it does not generate with its initial ones. Samples it made in
+  between carry its version and are dropped as stale by the broker, never trained on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from relax_slurm.errors import EngineError, WeightSyncError
+from relax_slurm.rollout.engine_client import EngineClient, wait_until_healthy
+from relax_slurm.weightsync.sender import WeightSender
+
+log = logging.getLogger(__name__)
+PROBE_TIMEOUT_S = 5.0
+
+MakeSender = Callable[[str, int], WeightSender]
+"""(group name, port) -> an unconnected sender to every engine."""
+
+
+class Cohort:
+    def __init__(self, urls: Sequence[str], group_name: str, port: int, make_sender: MakeSender,
+                 new_port: Callable[[], int], startup_timeout_s: float) -> None:
+        self.urls = list(urls)
+        self.group_name = group_name
+        self.make_sender = make_sender
+        self.new_port = new_port
+        self.startup_timeout_s = startup_timeout_s
+        self.generation = 0
+        self.sender = make_sender(group_name, port)
+
+    def connect(self) -> None:
+        self.sender.connect()
+
+    def send(self, weights: list, version: int) -> dict:
+        try:
+            return self.sender.send(weights, version=version)
+        except WeightSyncError as e:
+            log.warning("weight sync failed (%s); waiting for every engine, then a new cohort",
+                        str(e).splitlines()[0])
+        self.reform()
+        return self.sender.send(weights, version=version)
+
+    def stale(self, version: int) -> list[str] | None:
+        """Engines serving another version than `version`; None while one does not answer
+        (it is being restarted: try again later)."""
+        out = []
+        for url in self.urls:
+            try:
+                with EngineClient(url, PROBE_TIMEOUT_S) as client:
+                    served = client.weight_version()
+            except EngineError:
+                return None
+            if served != str(version):
+                out.append(url)
+        return out
+
+    def resync(self, weights: Callable[[], list], version: int) -> bool:
+        """Re-form and send `weights()` if an engine lost them (see above); True if it did."""
+        stale = self.stale(version)
+        if not stale:
+            return False
+        log.warning("engine(s) %s serve another version than %d (restarted?): re-forming the "
+                    "weight-sync cohort", stale, version)
+        self.reform()
+        self.sender.send(weights(), version=version)
+        return True
+
+    def reform(self) -> None:
+        wait_until_healthy(self.urls, self.startup_timeout_s)
+        self.sender.close()
+        self.generation += 1
+        name = f"{self.group_name}_c{self.generation}"
+        self.sender = self.make_sender(name, self.new_port())
+        self.sender.connect()
+        log.info("weight-sync cohort %d formed (%s, %d engines)", self.generation, name,
+                 len(self.urls))
+
+    def close(self) -> None:
+        self.sender.close()

@@ -1,0 +1,69 @@
+"""python cohort_rejoin.py --model-dir D --out F
+
+Trainer rank 0's side of an engine restart, alone: start an hf engine, form the weight-sync
+cohort, send weights at version 3; SIGKILL the engine and start a new one on its port (what the
+launcher does); `Cohort.resync` must see it unreachable, then stale (version 0), then re-form
+the cohort and send the weights, which the new engine then holds bit for bit. JSON to --out.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # helpers_tiny
+from helpers_tiny import free_port, start_engine, stop_process, wait_healthy  # noqa: E402
+
+from relax_slurm.weightsync import WeightSender  # noqa: E402
+from relax_slurm.weightsync.cohort import Cohort  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    named = list(load_file(os.path.join(args.model_dir, "model.safetensors")).items())
+    g = torch.Generator().manual_seed(3)
+    weights = [(n, t + 0.5 * torch.randn(t.shape, generator=g, dtype=t.dtype)) for n, t in named]
+    port, log = free_port(), Path(args.out).with_suffix(".engine.log")
+    url = f"http://127.0.0.1:{port}"
+    engine = start_engine(args.model_dir, port, log)
+    out = {}
+    try:
+        wait_healthy(url, engine, 180, log)
+
+        def make_sender(name: str, sync_port: int) -> WeightSender:
+            return WeightSender([url], "127.0.0.1", sync_port, name, "gloo", 60, 0.02,
+                                pause_mode=None)
+        cohort = Cohort([url], "relax_test_cohort", free_port(), make_sender, free_port, 180)
+        cohort.connect()
+        cohort.send(weights, version=3)
+        out["stale_before"] = cohort.stale(3)
+        out["resync_before"] = cohort.resync(lambda: weights, 3)
+
+        os.kill(engine.pid, signal.SIGKILL)
+        engine.wait(30)
+        out["stale_dead"] = cohort.stale(3)
+        engine = start_engine(args.model_dir, port, log)  # restarted in place
+        wait_healthy(url, engine, 180, log)
+        out["stale_restarted"] = cohort.stale(3)
+        out["resync_restarted"] = cohort.resync(lambda: weights, 3)
+        out["generation"] = cohort.generation
+        out["stale_after"] = cohort.stale(3)
+        cohort.sender.verify(weights)  # raises unless bit for bit
+        out["verified"] = True
+        cohort.close()
+    finally:
+        stop_process(engine)
+        Path(args.out).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

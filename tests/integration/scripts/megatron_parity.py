@@ -1,0 +1,135 @@
+"""torchrun --nproc-per-node N megatron_parity.py --model-dir D --tp T --pp P [--ep E] --out DIR
+
+The megatron backend on gloo: builds the tiny HF model through megatron-bridge at the given
+TP/PP sizes, then (rank 0 writes DIR/result.json)
+- exports it back through the bridge and compares with the HF safetensors bit for bit,
+- compares its logits with the transformers model's on fixed tokens,
+- runs one forward/backward on a fixed synthetic batch (the trainer's GRPO loss) and writes the
+  gradients, under HF names, to DIR/grads.safetensors,
+- trains two steps on that batch and writes the exported weights to DIR/trained.safetensors,
+for the test to compare across TP/PP sizes,
+- saves a Megatron dist-checkpoint (DIR/checkpoints/step_2), trains one more step, loads the
+  checkpoint back and trains that step again (weights restored and the step repeated bitwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from relax_slurm.config.schema import AlgoConfig, ModelConfig, TrainerConfig
+from relax_slurm.trainer.batch import MicroBatch
+from relax_slurm.trainer.megatron import checkpoint
+from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel
+from relax_slurm.trainer.megatron.step import train_step
+
+
+def synthetic_batch(vocab: int, rows: int, width: int) -> MicroBatch:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, vocab, (rows, width), generator=g)
+    weights = torch.zeros(rows, width - 1)
+    weights[:, width // 2:] = 1.0 / (rows * (width - 1 - width // 2))
+    return MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids), targets=ids[:, 1:],
+                      weights=weights, advantages=torch.randn(rows, width - 1, generator=g),
+                      rollout_logp=torch.full((rows, width - 1), -1.0),
+                      seq_lens=(width,) * rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--out", required=True, type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp,
+                        pipeline_parallel_size=args.pp, expert_parallel_size=args.ep, lr=1e-2,
+                        grad_clip=1.0, micro_batch_size=4, nproc_per_node=dist.get_world_size())
+    init_model_parallel(cfg)
+    mm = MegatronModel(ModelConfig(path=args.model_dir), cfg)
+    rank = dist.get_rank()
+    result: dict = {}
+
+    hf_sd = load_file(str(Path(args.model_dir) / "model.safetensors"))
+    exported = dict(mm.named_hf_weights())
+    result["exported_names"] = sorted(exported)
+    result["hf_names"] = sorted(hf_sd)
+    result["export_bitwise"] = all(torch.equal(exported[k], hf_sd[k]) for k in hf_sd
+                                   if k in exported)
+
+    from megatron.core import parallel_state as ps
+    ids = torch.randint(0, mm.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    if args.pp == 1:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            ours = mm.full_logits(mm.forward(mm.chunks[0], ids))
+            result["logits_max_diff"] = (ours - hf(ids).logits).abs().max().item()
+
+    batch = synthetic_batch(mm.vocab_size, rows=8, width=10)
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    block = len(batch) // dp
+    mine = batch.rows(dp_rank * block, (dp_rank + 1) * block)
+    # gradients of one forward/backward, read through the bridge under HF names: the
+    # optimizer step is replaced for this one call by a copy of each main_grad into its weight
+    saved = {id(p): p.detach().clone() for c in mm.chunks for p in c.module.parameters()}
+    step_fn = mm.optimizer.step
+
+    def grads_into_weights():
+        with torch.no_grad():
+            for c in mm.chunks:
+                for p in c.module.parameters():
+                    p.copy_(p.main_grad)
+        return True, 0.0, 0
+    mm.optimizer.step = grads_into_weights
+    train_step(mm, mine, AlgoConfig(), micro_batch_size=cfg.micro_batch_size, temperature=1.0)
+    grads = {k: v.clone() for k, v in mm.named_hf_weights()}  # exports may alias the weights
+    mm.optimizer.step, mm.steps_done = step_fn, 0
+    with torch.no_grad():
+        for c in mm.chunks:
+            for p in c.module.parameters():
+                p.copy_(saved[id(p)])
+    steps = [train_step(mm, mine, AlgoConfig(), micro_batch_size=cfg.micro_batch_size,
+                        temperature=1.0) for _ in range(2)]
+    result["steps"] = steps
+    trained = {k: v.clone() for k, v in mm.named_hf_weights()}
+
+    # Megatron dist-checkpoint: save, move on one step, load, and the same next step again
+    root = args.out / "checkpoints"
+    checkpoint.save(root, 2, mm, {"marker": 7}, keep_last=1, hf_assets_src=args.model_dir)
+    after = train_step(mm, mine, AlgoConfig(), micro_batch_size=cfg.micro_batch_size,
+                       temperature=1.0)
+    after_w = {k: v.clone() for k, v in mm.named_hf_weights()}
+    extra = checkpoint.load(root / "step_2", mm)
+    restored = {k: v.clone() for k, v in mm.named_hf_weights()}
+    again = train_step(mm, mine, AlgoConfig(), micro_batch_size=cfg.micro_batch_size,
+                       temperature=1.0)
+    again_w = dict(mm.named_hf_weights())
+    result["resume"] = {
+        "extra": extra,
+        "weights_restored": all(torch.equal(restored[k], trained[k]) for k in trained),
+        "next_step_equal": all(torch.equal(again_w[k], after_w[k]) for k in after_w),
+        "next_loss": [after["train/loss"], again["train/loss"]],
+    }
+    if rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        save_file(trained, str(args.out / "trained.safetensors"))
+        save_file(grads, str(args.out / "grads.safetensors"))
+        (args.out / "result.json").write_text(json.dumps(result))
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

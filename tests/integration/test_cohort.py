@@ -1,0 +1,32 @@
+"""An engine restarted in place re-joins the weight sync through a new cohort (trainer rank 0's
+side alone, against real hf engine processes; the whole run is in test_chaos.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
+from helpers_tiny import REPO_ROOT, child_env, make_tiny_model  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "cohort_rejoin.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_restarted_engine_is_resynced_through_a_new_cohort(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "model")
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model-dir", str(model_dir),
+                           "--out", str(out)], cwd=REPO_ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    url = r["stale_restarted"][0]
+    assert r["stale_before"] == [] and r["resync_before"] is False
+    assert r["stale_dead"] is None  # unreachable: wait, do not re-form yet
+    assert r["stale_restarted"] == [url]  # back at version 0
+    assert r["resync_restarted"] is True and r["generation"] == 1
+    assert r["stale_after"] == [] and r["verified"] is True

@@ -1,0 +1,169 @@
+"""The megatron backend on CPU/gloo (megatron-core 0.16 + megatron-bridge, through
+relax_slurm/trainer/megatron/cpu_compat.py): the tiny HF Qwen3 built through the bridge at
+TP=1, TP=2 and PP=2 (tests/integration/scripts/megatron_parity.py, one torchrun each)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
+from helpers_tiny import REPO_ROOT, child_env, stop_process  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "megatron_parity.py"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is None,
+                       reason="megatron-bridge not installed: pip install --no-deps "
+                              "megatron-bridge==0.3.1 (see docs/backends.md)"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("megatron") / "model"
+    spec = importlib.util.spec_from_file_location("make_tiny_model",
+                                                  REPO_ROOT / "tools" / "make_tiny_model.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--out", str(out)]) == 0
+    return out
+
+
+def parity_runs(model_dir: Path, root: Path, layouts) -> dict[str, Path]:
+    """One torchrun per layout (name, ranks, TP, PP, EP); each writes result.json, grads and
+    trained weights into root/name."""
+    out = {}
+    for name, ranks, tp, pp, ep in layouts:
+        d = root / name
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(ranks), str(SCRIPT), "--model-dir", str(model_dir),
+               "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--out", str(d)]
+        log = root / f"{name}.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
+                                    cwd=str(REPO_ROOT), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=600)
+        finally:
+            stop_process(proc)
+        assert rc == 0, log.read_text()[-6000:]
+        out[name] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dir, tmp_path_factory) -> dict[str, Path]:
+    return parity_runs(tiny_dir, tmp_path_factory.mktemp("megatron_runs"),
+                       (("tp1", 1, 1, 1, 1), ("tp2", 2, 2, 1, 1), ("pp2", 2, 1, 2, 1)))
+
+
+def result(d: Path) -> dict:
+    return json.loads((d / "result.json").read_text())
+
+
+@pytest.mark.timeout(1200)
+def test_bridge_export_equals_hf_bitwise(runs, tiny_dir):
+    hf = load_file(str(tiny_dir / "model.safetensors"))
+    for name, d in runs.items():
+        r = result(d)
+        assert r["exported_names"] == sorted(hf), name  # tied lm_head exported once, as HF saves
+        assert r["export_bitwise"], name
+
+
+@pytest.mark.timeout(1200)
+def test_tp2_forward_backward_equals_tp1(runs):
+    one, two = result(runs["tp1"]), result(runs["tp2"])
+    # logits against the transformers model (different kernels: float32 rounding only)
+    assert one["logits_max_diff"] < 1e-5 and two["logits_max_diff"] < 1e-5
+    g1, g2 = load_file(str(runs["tp1"] / "grads.safetensors")), load_file(
+        str(runs["tp2"] / "grads.safetensors"))
+    assert sorted(g1) == sorted(g2)
+    for k in g1:
+        # same weights, same batch: gradients equal up to the order of float32 sums
+        torch.testing.assert_close(g2[k], g1[k], rtol=1e-5, atol=1e-7, msg=k)
+    for a, b in zip(one["steps"], two["steps"]):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
+        # every TP shard counted once in the norm (clipping sees the whole gradient)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+
+
+@pytest.mark.timeout(1200)
+def test_pp2_trains_like_pp1(runs):
+    one, pp = result(runs["tp1"]), result(runs["pp2"])
+    for a, b in zip(one["steps"], pp["steps"]):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+    w1, w2 = load_file(str(runs["tp1"] / "trained.safetensors")), load_file(
+        str(runs["pp2"] / "trained.safetensors"))
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_dist_checkpoint_resumes_and_converts_to_hf(runs, layout, tmp_path):
+    r = result(runs[layout])["resume"]
+    assert r["extra"] == {"marker": 7, "step": 2, "lr_steps_done": 2}
+    assert r["weights_restored"] and r["next_step_equal"], r
+    # relax-convert detects the Megatron dist-checkpoint (from the checkpoints directory) and
+    # writes HF through the bridge, resharded to one rank: the trained weights, bit for bit
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
+                           str(runs[layout] / "checkpoints"), "--output", str(out)],
+                          env=child_env(), cwd=str(REPO_ROOT), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trained = load_file(str(runs[layout] / "trained.safetensors"))
+    converted = load_file(str(out / "model.safetensors"))
+    assert sorted(converted) == sorted(trained)
+    for k in trained:
+        assert torch.equal(converted[k], trained[k]), k
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tiny_dir, tmp_path_factory) -> dict[str, Path]:
+    """A tiny Qwen3-MoE (4 experts, top-2; transformers writes one tensor per expert, the
+    layout megatron-bridge reads), trained at EP=1 on one rank and EP=2 on two (DP=2)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    root = tmp_path_factory.mktemp("megatron_moe")
+    model_dir = root / "model"
+    config = Qwen3MoeConfig(
+        vocab_size=18, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        router_aux_loss_coef=0.0,  # no load-balancing term: EP=2 (DP=2) then equals EP=1
+        tie_word_embeddings=True, max_position_embeddings=512, pad_token_id=0, eos_token_id=1,
+        bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(model_dir)
+    for f in tiny_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            (model_dir / f.name).write_bytes(f.read_bytes())
+    return parity_runs(model_dir, root, (("ep1", 1, 1, 1, 1), ("ep2", 2, 1, 1, 2)))
+
+
+@pytest.mark.timeout(1200)
+def test_moe_expert_parallel_equals_one_rank(moe_runs):
+    one, two = result(moe_runs["ep1"]), result(moe_runs["ep2"])
+    for r in (one, two):  # experts gathered across EP ranks: the HF checkpoint, bit for bit
+        assert r["exported_names"] == r["hf_names"] and r["export_bitwise"]
+        assert r["logits_max_diff"] < 1e-5
+    g1, g2 = (load_file(str(moe_runs[k] / "grads.safetensors")) for k in ("ep1", "ep2"))
+    for k in g1:
+        torch.testing.assert_close(g2[k], g1[k], rtol=1e-5, atol=1e-7, msg=k)
+    for a, b in zip(one["steps"], two["steps"]):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+    r = two["resume"]
+    assert r["weights_restored"] and r["next_step_equal"], r

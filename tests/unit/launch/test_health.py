@@ -1,0 +1,85 @@
+"""Hang detection against a real broker process: a role that stops heartbeating, an engine that
+stops answering /health and a broker that stops answering /status are each named once they are
+silent for the timeout; a role that keeps beating never is."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import pytest
+
+from relax_slurm.launch.health import HangWatch
+from relax_slurm.launch.plan import free_port
+from tests.unit.broker.test_server import (  # noqa: F401  (start_broker is a fixture)
+    SECRET, Broker, start_broker,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+INTERVAL_S, TIMEOUT_S = 0.2, 1.5
+
+
+def poll(watch: HangWatch, for_s: float, each: Callable[[], None] = lambda: None
+         ) -> tuple[str, str] | None:
+    deadline = time.monotonic() + for_s
+    while time.monotonic() < deadline:
+        each()
+        found = watch.check()
+        if found is not None:
+            return found
+        time.sleep(0.05)
+    return None
+
+
+def test_silent_roles_engines_and_broker_are_named(start_broker: Callable[..., Broker]) -> None:
+    broker = start_broker(admin=True)
+    with broker.client("trainer") as trainer, broker.client("worker") as worker:
+        worker.heartbeat("rollout")
+        watch = HangWatch(broker.admin, SECRET, {}, INTERVAL_S, TIMEOUT_S)
+        try:
+            # the trainer keeps beating; the worker fell silent after one beat
+            found = poll(watch, 3 * TIMEOUT_S, lambda: trainer.heartbeat("trainer", step=1))
+        finally:
+            watch.close()
+        assert found is not None and found[0] == "rollout" and "no heartbeat" in found[1]
+
+    dead_engine = f"http://127.0.0.1:{free_port()}"
+    watch = HangWatch(None, SECRET, {"engine1": dead_engine}, INTERVAL_S, TIMEOUT_S)
+    try:
+        assert poll(watch, TIMEOUT_S - 0.5) is None  # silent, but not for long enough yet
+        assert poll(watch, 2 * TIMEOUT_S) == (
+            "engine1", "has not answered /health for 2s (cluster.heartbeat_timeout_s)")
+    finally:
+        watch.close()
+
+    watch = HangWatch(broker.admin, SECRET, {}, INTERVAL_S, TIMEOUT_S)
+    off = HangWatch(broker.admin, SECRET, {}, INTERVAL_S, 0)  # 0: hang detection off
+    try:
+        broker.proc.kill()
+        broker.proc.wait(10)
+        found = poll(watch, 3 * TIMEOUT_S)
+        assert found is not None and found[0] == "broker" and "GET /status" in found[1]
+        assert poll(off, 0.5) is None
+    finally:
+        watch.close()
+        off.close()
+
+
+def test_relax_ctl_status_reads_plan_and_secret(start_broker: Callable[..., Broker], tmp_path,
+                                                 capsys) -> None:
+    from relax_slurm.auth import secret_path
+    from relax_slurm.launch.ctl import main
+    from relax_slurm.launch.plan import RunPlan, save_plan
+
+    broker = start_broker(admin=True)
+    run = tmp_path / "ctl"
+    run.mkdir()
+    save_plan(RunPlan(broker_router=broker.router, broker_pub=broker.pub,
+                      broker_admin=broker.admin), run)
+    secret_path(run).write_text("wrong\n")
+    secret_path(run).chmod(0o600)
+    assert main(["status", str(run)]) == 1 and "HTTP 401" in capsys.readouterr().err
+    secret_path(run).write_text(SECRET + "\n")
+    assert main(["status", str(run)]) == 0
+    assert json.loads(capsys.readouterr().out)["pid"] == broker.proc.pid

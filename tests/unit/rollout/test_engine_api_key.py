@@ -1,0 +1,31 @@
+"""The hf engine's API key (as SGLang's --api-key): every route but /health* wants
+`Authorization: Bearer KEY`; the engine clients send it from RELAX_ENGINE_API_KEY."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from relax_slurm.rollout import sglang_api
+from relax_slurm.rollout.hf_engine import HFEngine, build_app
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_routes_need_the_key_except_health(tiny_model_dir, monkeypatch) -> None:
+    engine = HFEngine(str(tiny_model_dir), None, "float32", "cpu", 8, 1.0, "0", 30.0)
+    engine.start()
+    try:
+        with TestClient(build_app(engine, 30.0, api_key="k3y")) as http:
+            assert http.get("/health").status_code == 200
+            for route in ("/get_model_info", "/get_weight_version"):
+                assert http.get(route).status_code == 401
+                assert http.get(route, headers={"Authorization": "Bearer nope"}).status_code == 401
+            r = http.post("/generate", json={"input_ids": [4, 5], "sampling_params": {}})
+            assert r.status_code == 401 and "API key" in r.json()["error"]
+            monkeypatch.setenv(sglang_api.API_KEY_ENV, "k3y")
+            assert http.get("/get_model_info", headers=sglang_api.auth_headers()).status_code == 200
+        with TestClient(build_app(engine, 30.0)) as http:  # no key: open, as before
+            assert http.get("/get_model_info").status_code == 200
+    finally:
+        engine.shutdown()
