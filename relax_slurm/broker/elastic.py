@@ -113,7 +113,7 @@ def _one_of(body: dict[str, Any]) -> tuple[int | None, list[str] | None]:
 
 class Elastic:
     def __init__(self, initial_urls: list[str], *, default_timeout_s: float = 600.0,
-                 drain_timeout_s: float = 60.0) -> None:
+                 drain_timeout_s: float = 60.0, max_engines: int = 64) -> None:
         self.engines: dict[str, Engine] = {
             u.rstrip("/"): Engine(url=u.rstrip("/"), name=f"engine{i}", origin="initial")
             for i, u in enumerate(initial_urls)}
@@ -122,6 +122,7 @@ class Elastic:
         self.membership = 0
         self.default_timeout_s = default_timeout_s
         self.drain_timeout_s = drain_timeout_s
+        self.max_engines = max_engines
         self._next_name = len(initial_urls)
 
     # ---- reads ---------------------------------------------------------------------------
@@ -175,6 +176,10 @@ class Elastic:
         self._busy()
         if n is not None:
             have = len(self.serving())
+            if n > self.max_engines:
+                raise OpRefused(400, f"num_replicas={n} is above cluster.elastic_max_engines="
+                                     f"{self.max_engines}; raise it at launch if the nodes "
+                                     "hold more")
             if n <= have:
                 return {"request_id": None, "status": ACTIVE, "noop": True,
                         "message": f"{have} engines serve already (target {n})"}
