@@ -97,3 +97,36 @@ def test_contract(broker: Broker) -> None:
     # /status carries the engine list too; the broker is still up
     st = call(broker, "GET", "/status").json()
     assert st["engines"]["membership"] > 0 and broker.proc.poll() is None
+
+
+def test_relax_ctl(broker: Broker, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from relax_slurm.auth import secret_path
+    from relax_slurm.launch.ctl import main
+
+    run = tmp_path / "ctl"
+    run.mkdir()
+    save_plan(RunPlan(broker_router=broker.router, broker_pub=broker.pub,
+                      broker_admin=broker.admin), run)
+    secret_path(run).write_text(SECRET + "\n")
+    secret_path(run).chmod(0o600)
+
+    def ctl(*argv: str) -> tuple[int, dict | str]:
+        rc = main([argv[0], str(run), *argv[1:]])
+        out = capsys.readouterr()
+        return rc, (json.loads(out.out) if rc == 0 else out.err)
+
+    rc, view = ctl("engines")
+    assert rc == 0 and view["routable"] == [A]
+    assert ctl("scale-out", "--num-replicas", "1")[1]["noop"] is True
+    rc, err = ctl("scale-out")
+    assert rc == 1 and "exactly one of" in err
+    rc, got = ctl("scale-out", "--engine-url", B, "--timeout-secs", "30")
+    assert rc == 0 and got["status"] == "PENDING"
+    rc, err = ctl("scale-in", "--num-replicas", "1")
+    assert rc == 1 and "HTTP 409" in err
+    assert ctl("op-status", got["request_id"])[1]["mode"] == "external"
+    assert ctl("cancel", got["request_id"])[1]["status"] == "CANCELLED"
+    rc, got = ctl("scale-in", "--engine-url", A, "--dry-run")
+    assert rc == 1 and "protected" in got
