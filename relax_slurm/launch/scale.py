@@ -82,7 +82,11 @@ class Scaler:
                     return
             else:
                 urls = op["urls"]
-            self._post(step, {"status": "CREATING", "urls": urls})
+            got = self._post(step, {"status": "CREATING", "urls": urls})
+            if got["status"] in ("CANCELLED", "FAILED"):  # cancelled while they started
+                for url in urls if op["mode"] == "local" else []:
+                    self._stop_process(url)
+                return
             self._post(step, {"status": "HEALTH_CHECKING"})
             self._say(f"{rid}: {len(urls)} engine(s) starting at {urls}")
         elif op["status"] == "HEALTH_CHECKING":
@@ -115,12 +119,15 @@ class Scaler:
         return urls
 
     def _stop(self, url: str) -> None:
+        self._stop_process(url)
+        self._post("/rollout/engines/stopped", {"url": url})
+
+    def _stop_process(self, url: str) -> None:
         role = self.started.pop(url, None)
         if role is not None and role in self.procs.roles:
             self.procs.stop(role)
             write_roles(self.procs, self.run_dir)
             self._say(f"stopped {role.name} ({url})")
-        self._post("/rollout/engines/stopped", {"url": url})
 
     def _say(self, line: str) -> None:
         print(f"relax-train: elastic rollout: {line}", file=sys.stderr, flush=True)
