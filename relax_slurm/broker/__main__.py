@@ -25,6 +25,9 @@ from relax_slurm.errors import ConfigError, RelaxError
 from relax_slurm.launch.plan import PLAN_FILE, load_plan
 
 
+ELASTIC_FILE = "elastic.json"
+
+
 def _log(line: str) -> None:
     print(line, flush=True)
 
@@ -86,7 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         elastic = Elastic(initial, default_timeout_s=cfg.cluster.elastic_timeout_s,
                           drain_timeout_s=cfg.cluster.elastic_drain_timeout_s,
                           max_engines=cfg.cluster.elastic_max_engines)
+        # beside the spill file; a restart in place (--replay) continues from it
+        elastic_file = args.spill.parent / ELASTIC_FILE if args.spill is not None else None
+        if args.replay and elastic_file is not None and elastic_file.exists():
+            elastic.load(json.loads(elastic_file.read_text()))
+            _log(f"broker: elastic rollout state from {elastic_file}: "
+                 f"routable={elastic.routable_urls()} op={elastic.current}")
         server = BrokerServer(state, args.router, args.pub, secret=secret, elastic=elastic,
+                              elastic_file=elastic_file,
                               admin=_hostport(args.admin) if args.admin else None,
                               spill=spill, answers=answers,
                               max_message_bytes=cfg.broker.max_message_mb << 20, log=_log)

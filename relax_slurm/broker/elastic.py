@@ -125,6 +125,23 @@ class Elastic:
         self.max_engines = max_engines
         self._next_name = len(initial_urls)
 
+    # ---- persistence (a broker restarted in place continues; see broker/__main__.py) -------
+    def to_dict(self) -> dict[str, Any]:
+        return {"engines": [asdict(e) for e in self.engines.values()],
+                "ops": [asdict(o) for o in self.ops.values()], "current": self.current,
+                "membership": self.membership, "next_name": self._next_name}
+
+    def load(self, saved: dict[str, Any]) -> None:
+        try:
+            self.engines = {e["url"]: Engine(**e) for e in saved["engines"]}
+            self.ops = {o["request_id"]: Op(**o) for o in saved["ops"]}
+            self.current = saved["current"]
+            self.membership = int(saved["membership"])
+            self._next_name = int(saved["next_name"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BrokerError(f"elastic state file is not one this version wrote ({e!r}); "
+                              "delete it to start from the launch's engines") from e
+
     # ---- reads ---------------------------------------------------------------------------
     def serving(self) -> list[Engine]:
         return [e for e in self.engines.values() if e.state in SERVING]

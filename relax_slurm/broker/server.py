@@ -14,6 +14,7 @@ nothing else happens. Inbound messages larger than `max_message_bytes` are dropp
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -22,6 +23,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -79,7 +81,7 @@ class BrokerServer:
                  admin: tuple[str, int] | None = None, spill: Spill | None = None,
                  answers: list[tuple[bytes, Any, dict[str, Any], list[Group] | None]] = (),
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 elastic: Elastic | None = None,
+                 elastic: Elastic | None = None, elastic_file: Path | None = None,
                  log: Callable[[str], None] = lambda line: None) -> None:
         if not secret:
             raise BrokerError("the broker needs the run's secret (RELAX_RUN_SECRET); relax-train "
@@ -88,6 +90,8 @@ class BrokerServer:
         self.log = log
         # the engine list and scale operations (broker/elastic.py); admin HTTP /rollout/...
         self.elastic = elastic if elastic is not None else Elastic([])
+        self._elastic_file = elastic_file  # its state, rewritten on every change
+        self._elastic_saved = ""
         self._secret = secret
         self.auth_refused = 0
         self._ctx = zmq.Context()
@@ -381,13 +385,28 @@ class BrokerServer:
         if el.membership != before:
             self.log(f"broker: engines membership {el.membership}: "
                      f"routable={el.routable_urls()} cohort={el.cohort_urls()}")
+        self._save_elastic()
         self._reply(identity, rid, el.view())
+
+    def _save_elastic(self) -> None:
+        """Write the engine list and operations when they changed (atomic replace): a broker
+        restarted in place continues with them."""
+        if self._elastic_file is None:
+            return
+        text = json.dumps(self.elastic.to_dict())
+        if text == self._elastic_saved:
+            return
+        tmp = self._elastic_file.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self._elastic_file)
+        self._elastic_saved = text
 
     def _expire_elastic(self, now: float) -> None:
         before = self.elastic.membership
         self.elastic.expire(now)
         if self.elastic.membership != before:
             self.log(f"broker: elastic deadline passed: {self.elastic.view()['op']}")
+            self._save_elastic()
 
     def rollout_route(self, method: str, path: str, body: dict[str, Any]
                       ) -> tuple[int, dict[str, Any]]:
@@ -421,6 +440,7 @@ class BrokerServer:
                                           "(Elastic rollout)"}
             except OpRefused as e:
                 return e.code, {"error": str(e)}
+            self._save_elastic()
             self.log(f"broker: {method} {path} -> {out.get('status', '')} "
                      f"membership={el.membership}")
             created = parts[-1] in ("scale_out", "scale_in") and out.get("request_id")

@@ -28,8 +28,8 @@ from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineError
 from relax_slurm.launch.plan import free_port
 from relax_slurm.launch.processes import ProcessSet, Role
-from relax_slurm.launch.restart import write_roles
-from relax_slurm.launch.roles import RoleSpec, _engine_spec
+from relax_slurm.launch.restart import InPlace, write_roles
+from relax_slurm.launch.roles import _engine_spec, engines_rejoin
 from relax_slurm.rollout.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
@@ -39,13 +39,14 @@ HEALTH_PROBE_S = 2.0
 
 class Scaler:
     def __init__(self, procs: ProcessSet, cfg: TrainConfig, run_dir: Path, admin: str,
-                 secret: str, wrap: Any, host: str = "127.0.0.1") -> None:
+                 secret: str, wrap: Any, host: str = "127.0.0.1",
+                 in_place: InPlace | None = None) -> None:
         self.procs, self.cfg, self.run_dir, self.wrap, self.host = procs, cfg, run_dir, wrap, host
+        self.in_place = in_place
         self.admin = admin
         self.http = httpx.Client(timeout=HTTP_TIMEOUT_S,
                                  headers={"Authorization": f"Bearer {secret}"})
         self.started: dict[str, Role] = {}  # url -> the engine process this launcher started
-        self.specs: list[RoleSpec] = []  # restartable in place (see launch/restart.py)
 
     def close(self) -> None:
         self.http.close()
@@ -109,10 +110,15 @@ class Scaler:
             name = f"engine{k}"
             taken.add(name)
             url = f"http://{self.host}:{free_port(self.host)}"
+            # restarted in place like the launch's engines when it dies (the trainer re-sends
+            # the weights to it, see weightsync/cohort.py): a dead added engine must not fail
+            # the run
             spec = _engine_spec(self.cfg, name, url, self.cfg.model.path, self.cfg.seed + k,
-                                slot=k, restartable=False)
+                                slot=k, restartable=engines_rejoin(self.cfg))
             role = self.procs.start(name, self.wrap(spec), ports=spec.ports, host=spec.host,
                                     cpus=spec.cpus)
+            if self.in_place is not None and spec.restart_argv is not None:
+                self.in_place.specs[name] = spec
             self.started[url] = role
             urls.append(url)
         write_roles(self.procs, self.run_dir)
@@ -125,6 +131,8 @@ class Scaler:
     def _stop_process(self, url: str) -> None:
         role = self.started.pop(url, None)
         if role is not None and role in self.procs.roles:
+            if self.in_place is not None:
+                self.in_place.specs.pop(role.name, None)
             self.procs.stop(role)
             write_roles(self.procs, self.run_dir)
             self._say(f"stopped {role.name} ({url})")

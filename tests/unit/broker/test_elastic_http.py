@@ -130,3 +130,25 @@ def test_relax_ctl(broker: Broker, tmp_path: Path, capsys: pytest.CaptureFixture
     assert ctl("cancel", got["request_id"])[1]["status"] == "CANCELLED"
     rc, got = ctl("scale-in", "--engine-url", A, "--dry-run")
     assert rc == 1 and "protected" in got
+
+
+def test_a_broker_restarted_in_place_keeps_the_engine_list(
+        start_broker: Callable[..., Broker], tmp_path: Path) -> None:
+    save_plan(RunPlan(broker_router="tcp://x:1", broker_pub="tcp://x:2", engine_urls=[A]),
+              tmp_path)
+    spill = ("--spill", str(tmp_path / "broker" / "spill.bin"))
+    first = start_broker(admin=True, extra_args=spill)
+    rid = call(first, "POST", "/rollout/scale_out", {"num_replicas": 2}).json()["request_id"]
+    call(first, "POST", f"/rollout/ops/{rid}/step", {"status": "CREATING", "urls": [B]})
+    first.proc.kill()
+    first.proc.wait(10)
+    again = start_broker(admin=True, extra_args=(*spill, "--replay"))
+    view = call(again, "GET", "/rollout/engines").json()
+    assert [e["url"] for e in view["engines"]] == [A, B] and view["current_op"] == rid
+    assert call(again, "POST", f"/rollout/ops/{rid}/step",
+                {"status": "HEALTH_CHECKING"}).status_code == 200
+    # a fresh start (no --replay) begins from the launch's engines again
+    again.proc.kill()
+    again.proc.wait(10)
+    fresh = start_broker(admin=True, extra_args=spill)
+    assert [e["url"] for e in call(fresh, "GET", "/rollout/engines").json()["engines"]] == [A]
