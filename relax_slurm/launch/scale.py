@@ -11,8 +11,9 @@ Called from the supervisor's watch loop (`Scaler.tick`, every POLL_S): one GET
   takes it from there); a process that died reports the op FAILED (rollback);
 - detached engines: stop the processes it started, forget external ones; report `stopped`.
 
-Local mode only (cluster.kind=local); on Slurm new engines would be submitted as a job that
-joins from its own allocation, which is not built yet (docs/operations.md).
+Starting processes is local mode only (cluster.kind=local): on Slurm a `num_replicas`
+scale-out fails at once with a message; submitting engines as a job that joins from its own
+allocation is not built yet (docs/operations.md). `engine_urls` works in both.
 """
 
 from __future__ import annotations
@@ -68,13 +69,21 @@ class Scaler:
             op = view.get("op")
             if op and op["kind"] == "scale_out":
                 self._advance(op)
-        except (httpx.HTTPError, ValueError, KeyError, EngineError) as e:
+        except httpx.HTTPError as e:  # the broker restarting: HangWatch watches that
+            log.debug("elastic rollout: broker admin HTTP: %s (trying again)", e)
+        except (ValueError, KeyError, EngineError) as e:
             log.warning("elastic rollout: %s (trying again)", e)
 
     def _advance(self, op: dict[str, Any]) -> None:
         rid = op["request_id"]
         step = f"/rollout/ops/{rid}/step"
         if op["status"] == "PENDING":
+            if op["mode"] == "local" and self.cfg.cluster.kind != "local":
+                self._post(step, {"error": "num_replicas scale-outs start engine processes in "
+                                           "local runs only (cluster.kind=local); on Slurm, "
+                                           "start the servers yourself and register them with "
+                                           "engine_urls"})
+                return
             if op["mode"] == "local":
                 try:
                     urls = self._start_engines(op["add"])

@@ -159,9 +159,8 @@ def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap
                       cfg.cluster.heartbeat_interval_s, cfg.cluster.heartbeat_timeout_s)
     in_place = InPlace(procs, specs, wrap, run_dir, cfg.cluster.max_role_restarts,
                        on_restart=hangs.restarted)
-    # elastic rollout's process side (launch/scale.py); local runs only so far
-    scaler = (Scaler(procs, cfg, run_dir, admin, secret, wrap, in_place=in_place)
-              if admin and cfg.cluster.kind == "local" else None)
+    # elastic rollout's process side (launch/scale.py)
+    scaler = Scaler(procs, cfg, run_dir, admin, secret, wrap, in_place=in_place) if admin else None
     final_status = None
     try:
         try:

@@ -1,7 +1,7 @@
 """Elastic rollout on the real topology (relax-train, tiny experiment, one trainer rank), one
 run: scale out from 1 to 2 engines mid-run through the broker's admin HTTP (the launcher starts
 the engine, the trainer's cohort re-forms and sends it the current weights, the worker routes
-to it once ACTIVE), then scale in to 1 with drain (no request lost), then a scale-out cancelled
+to it once ACTIVE), SIGKILL the added engine (restarted in place), then scale in to 1 with drain (no request lost), then a scale-out cancelled
 at once (rolled back: its engine is stopped). The run completes with samples_lost 0.
 """
 
@@ -80,6 +80,14 @@ def test_scale_out_then_drain_in_then_cancel(tmp_path, tiny_assets):
                 "requests_per_engine", {}).get(new, 0) < 2:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.5)
+        # an added engine that dies is restarted in place and gets the weights again
+        os.kill(role(run_dir, "engine1")["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + OP_WAIT_S
+        while role(run_dir, "engine1")["restarts"] < 1:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        done = admin.get("/status")["version"]
+        wait_steps(proc, run_dir, done + 3)
         # scale in to 1: the initial engine is protected, the new one drains and stops
         r = admin.post("/rollout/scale_in", {"engine_urls": [first]})
         assert r.status_code == 409 and "protected" in r.text
@@ -106,5 +114,7 @@ def test_scale_out_then_drain_in_then_cancel(tmp_path, tiny_assets):
     assert "elastic rollout" in err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["samples_lost"] == 0, summary
+    assert summary["restarts"] == {"engine1": 1}, summary
+    assert "engine1 exited with code -9; restarted in place" in err
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "weight-sync cohort: engines" in trainer_log
