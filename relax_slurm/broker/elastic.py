@@ -83,8 +83,9 @@ class Op:
 
 
 def _urls(value: Any) -> list[str]:
-    if (not isinstance(value, list) or not value
-            or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in value)):
+    ok = isinstance(value, list) and value and all(
+        isinstance(u, str) and u.startswith(("http://", "https://")) for u in value)
+    if not ok:
         raise OpRefused(400, f"engine_urls must be a non-empty list of http(s) URLs, got {value!r}")
     return [u.rstrip("/") for u in value]
 

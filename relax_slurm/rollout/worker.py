@@ -378,6 +378,8 @@ class RolloutWorker:
         one is active once it holds the current weights; a draining one gets no new request,
         and once none of ours is in flight there the broker hears it is drained."""
         view = await self.broker.engines()
+        if not view["engines"]:  # a broker without the launch's plan knows none: keep ours
+            return
         for _ in range(2):  # a second turn reports the engines the first one found drained
             routable = set(view["routable"])
             known = {e.url for e in self.router.engines}
