@@ -1,7 +1,7 @@
 """Elastic rollout on the real topology (relax-train, tiny experiment, one trainer rank), one
-run: scale out from 1 to 2 engines mid-run through the broker's admin HTTP (the launcher starts
-the engine, the trainer's cohort re-forms and sends it the current weights, the worker routes
-to it once ACTIVE), SIGKILL the added engine (restarted in place), then scale in to 1 with drain (no request lost), then a scale-out cancelled
+run: scale out from 1 to 3 engines mid-run through the broker's admin HTTP (the launcher starts
+the engines, the trainer's cohort re-forms and sends them the current weights, the worker
+routes to them once ACTIVE)), then scale in to 1 with drain (no request lost), then a scale-out cancelled
 at once (rolled back: its engine is stopped). The run completes with samples_lost 0.
 """
 
@@ -49,7 +49,7 @@ def engine_version(url: str, secret: str) -> int:
                          headers={"Authorization": f"Bearer {secret}"}).json()["weight_version"])
 
 
-def test_scale_out_then_drain_in_then_cancel(tmp_path, tiny_assets):
+def test_scale_out_1_to_3_then_drain_in_then_cancel(tmp_path, tiny_assets):
     run_dir, steps = tmp_path / "run", 100
     proc = start(run_dir, tiny_assets, f"trainer.total_steps={steps}",
                  "cluster.heartbeat_interval_s=1", "cluster.elastic_drain_timeout_s=120")
@@ -57,48 +57,42 @@ def test_scale_out_then_drain_in_then_cancel(tmp_path, tiny_assets):
         wait_steps(proc, run_dir, 1)
         admin = Admin(run_dir)
         [first] = json.loads((run_dir / "plan.json").read_text())["engine_urls"]
-        # scale out 1 -> 2: accepted, one at a time, the trainer syncs it, the worker routes
-        r = admin.post("/rollout/scale_out", {"num_replicas": 2, "timeout_secs": OP_WAIT_S})
+        # scale out 1 -> 3: accepted, one at a time, the trainer syncs them, the worker routes
+        r = admin.post("/rollout/scale_out", {"num_replicas": 3, "timeout_secs": OP_WAIT_S})
         assert r.status_code == 202, r.text
         rid = r.json()["request_id"]
         version_at_request = admin.get("/status")["version"]
-        assert admin.post("/rollout/scale_out", {"num_replicas": 3}).status_code == 409
+        assert admin.post("/rollout/scale_out", {"num_replicas": 4}).status_code == 409
         op = admin.wait(rid, proc)
         assert op["status"] == "ACTIVE", op
         assert op["history"] == ["PENDING", "CREATING", "HEALTH_CHECKING", "WEIGHT_SYNCING",
                                  "ACTIVE"]
-        [new] = op["urls"]
+        new = op["urls"]
+        assert len(new) == 2
         # it serves the trainer's weights (not model.path's version 0) from its first request
         secret = (run_dir / "secret").read_text().strip()
-        assert engine_version(new, secret) >= max(version_at_request, 1)
-        assert admin.get("/rollout/engines")["routable"] == [first, new]
-        assert admin.post("/rollout/scale_out", {"num_replicas": 2}).json()["noop"] is True
-        assert role(run_dir, "engine1")["ports"]["http"] == int(new.rsplit(":", 1)[1])
-        # the new engine generates for the run (the worker's per-engine request counts)
+        for url in new:
+            assert engine_version(url, secret) >= max(version_at_request, 1)
+        assert admin.get("/rollout/engines")["routable"] == [first, *new]
+        assert admin.post("/rollout/scale_out", {"num_replicas": 3}).json()["noop"] is True
+        assert role(run_dir, "engine1")["ports"]["http"] == int(new[0].rsplit(":", 1)[1])
+        # the new engines generate for the run (the worker's per-engine request counts)
         deadline = time.monotonic() + OP_WAIT_S
-        while admin.get("/status")["roles"]["rollout"].get(
-                "requests_per_engine", {}).get(new, 0) < 2:
+        while min(admin.get("/status")["roles"]["rollout"].get(
+                "requests_per_engine", {}).get(url, 0) for url in new) < 2:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.5)
-        # an added engine that dies is restarted in place and gets the weights again
-        os.kill(role(run_dir, "engine1")["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + OP_WAIT_S
-        while role(run_dir, "engine1")["restarts"] < 1:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
-        done = admin.get("/status")["version"]
-        wait_steps(proc, run_dir, done + 3)
         # scale in to 1: the initial engine is protected, the new one drains and stops
         r = admin.post("/rollout/scale_in", {"engine_urls": [first]})
         assert r.status_code == 409 and "protected" in r.text
         r = admin.post("/rollout/scale_in", {"num_replicas": 1})
-        assert r.status_code == 202 and r.json()["remove"] == [new], r.text
+        assert r.status_code == 202 and r.json()["remove"] == new, r.text
         op = admin.wait(r.json()["request_id"], proc)
         assert op["status"] == "COMPLETED" and "DETACHING" in op["history"], op
         assert "drain timeout" not in " ".join(op["history"])  # drained, not cut off
         assert admin.get("/rollout/engines")["routable"] == [first]
-        assert all(x["name"] != "engine1" for x in json.loads((run_dir / "roles.json")
-                                                              .read_text()))
+        names = [x["name"] for x in json.loads((run_dir / "roles.json").read_text())]
+        assert "engine1" not in names and "engine2" not in names
         # a scale-out cancelled at once rolls back: its engine process is stopped
         rid = admin.post("/rollout/scale_out", {"num_replicas": 2}).json()["request_id"]
         assert admin.post(f"/rollout/scale_out/{rid}/cancel").json()["status"] == "CANCELLED"
@@ -114,7 +108,5 @@ def test_scale_out_then_drain_in_then_cancel(tmp_path, tiny_assets):
     assert "elastic rollout" in err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["samples_lost"] == 0, summary
-    assert summary["restarts"] == {"engine1": 1}, summary
-    assert "engine1 exited with code -9; restarted in place" in err
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "weight-sync cohort: engines" in trainer_log
