@@ -28,3 +28,22 @@ def auto_model_class(path: str | Path) -> Any:
     from transformers import AutoModelForCausalLM, AutoModelForMultimodalLM
 
     return AutoModelForMultimodalLM if is_multimodal(path) else AutoModelForCausalLM
+
+
+MEDIA_TOKEN_KEYS = ("image_token_id", "video_token_id", "audio_token_id", "image_token_index",
+                    "video_token_index", "audio_token_index")
+
+
+def media_token_ids(config: Any) -> tuple[int, ...]:
+    """The pad tokens a multimodal config scatters media features into (empty for text models).
+
+    They are input-only: the engine never samples them and the trainer's policy excludes them
+    from its softmax, because a response holding one would be read as a media slot by the
+    trainer's forward (the engine embeds it as text)."""
+    ids = set()
+    for c in (config, getattr(config, "thinker_config", None)):
+        for key in MEDIA_TOKEN_KEYS:
+            value = getattr(c, key, None) if c is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+    return tuple(sorted(ids))

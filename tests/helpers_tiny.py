@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+from relax_slurm.launch.plan import free_port as plan_free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,10 +57,8 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def free_port() -> int:
-    """A TCP port the OS says is free now (it may be taken again later; use it at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free now, outside the range outgoing connections take (launch.plan's)."""
+    return plan_free_port()
 
 
 def child_env() -> dict[str, str]:

@@ -1,16 +1,20 @@
 """An external agent trained through the proxy (rollout.agent_mode=proxy), over plain OpenAI HTTP.
 
-    python tools/arith_agent.py --proxy http://127.0.0.1:PORT --data tiny/arith_train.jsonl
+    python tools/arith_agent.py --run-dir RUN_DIR --data tiny/arith_train.jsonl
+    python tools/arith_agent.py --proxy http://HOST:PORT --api-key "$(cat RUN_DIR/secret)" ...
 
 It plays the tiny "a+b=" game of `env=arith_feedback` from outside the run: for every row of the
 data it opens a group of --n sessions (rollout.n_samples_per_prompt), each one a conversation
 with the policy through `{proxy}/s/{group}/{session}/v1/chat/completions`; a wrong answer gets
 "+" (higher), "-" (lower) or "*" (not a number) back and another try; the session ends with
 reward discount ** (try - 1) for a right answer (0 otherwise) posted to
-`{proxy}/s/{group}/{session}/reward`. It stops when the run ends (the proxy goes away) or after
+`{proxy}/s/{group}/{session}/reward` (--number-bonus for a wrong number instead). It stops when the run ends (the proxy goes away) or after
 --max-groups groups. --record FILE appends one JSON line per session (what it sent and got).
 
-Any OpenAI client works the same way: `OpenAI(base_url=f"{proxy}/s/{group}/{session}/v1")`.
+--run-dir reads the proxy's address (`proxy_url` in RUN_DIR/plan.json) and the API key (the
+run's secret, RUN_DIR/secret) from the run directory; the key goes in every request as
+`Authorization: Bearer KEY`. Any OpenAI client works the same way:
+`OpenAI(base_url=f"{proxy}/s/{group}/{session}/v1", api_key=KEY)`.
 """
 
 from __future__ import annotations
@@ -52,15 +56,22 @@ def post(client: httpx.Client, url: str, body: dict, timeout_s: float) -> dict:
 
 
 def feedback(answer: str, label: str) -> str:
-    try:
-        value = int(answer)
-    except ValueError:
+    """"+": the answer is higher, "-": lower, "*": not a number (as env=arith_feedback)."""
+    value = as_number(answer)
+    if value is None:
         return "*"
     return "+" if value < int(label) else "-"
 
 
+def as_number(text: str) -> int | None:
+    try:
+        return int(text.strip())
+    except ValueError:
+        return None
+
+
 def play(client: httpx.Client, base: str, prompt: str, label: str, max_tries: int,
-         discount: float, timeout_s: float) -> dict:
+         discount: float, number_bonus: float, timeout_s: float) -> dict:
     """One session: up to max_tries answers with feedback, then the reward."""
     messages = [{"role": "user", "content": prompt}]
     replies, observations, reward = [], [], 0.0
@@ -69,11 +80,13 @@ def play(client: httpx.Client, base: str, prompt: str, label: str, max_tries: in
                     {"model": "policy", "messages": messages, "max_tokens": 3}, timeout_s)
         reply = body["choices"][0]["message"]["content"]
         replies.append(reply)
-        if reply.strip() == label:
+        if as_number(reply) == int(label):
             reward = discount ** attempt
             break
+        if as_number(reply) is not None:  # partial credit for at least answering a number
+            reward = number_bonus
         if attempt + 1 < max_tries:
-            observations.append(feedback(reply.strip(), label))
+            observations.append(feedback(reply, label))
             messages += [{"role": "assistant", "content": reply},
                          {"role": "user", "content": observations[-1]}]
     post(client, f"{base}/reward", {"reward": reward}, timeout_s)
@@ -93,24 +106,48 @@ def wait_ready(proxy: str, timeout_s: float) -> None:
     raise RunEnded(f"{proxy}/health did not answer within {timeout_s}s")
 
 
+def address(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(proxy URL, API key) from --proxy/--api-key or from --run-dir, whose plan.json the
+    launcher writes when the run starts (waited for up to --timeout-s)."""
+    if args.proxy:
+        return args.proxy.rstrip("/"), args.api_key
+    plan, deadline = args.run_dir / "plan.json", time.monotonic() + args.timeout_s
+    while not plan.is_file():
+        if time.monotonic() > deadline:
+            raise RunEnded(f"{plan} did not appear within {args.timeout_s}s")
+        time.sleep(RETRY_S)
+    url = json.loads(plan.read_text()).get("proxy_url")
+    if not url:
+        raise SystemExit(f"{plan} has no proxy_url: start the run with rollout.agent_mode=proxy")
+    wait_ready(url, args.timeout_s)  # the launcher writes the secret before starting roles
+    secret = args.run_dir / "secret"
+    return url.rstrip("/"), secret.read_text().strip() if secret.is_file() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--proxy", required=True, help="the run's proxy_url (RUN_DIR/plan.json)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-dir", type=Path, help="the run: proxy_url and secret from there")
+    where.add_argument("--proxy", help="the run's proxy_url (RUN_DIR/plan.json)")
+    p.add_argument("--api-key", help="with --proxy: the run's secret (RUN_DIR/secret)")
     p.add_argument("--data", required=True, type=Path, help="jsonl rows {prompt, label}")
     p.add_argument("--n", type=int, default=4, help="sessions per group "
                    "(the run's rollout.n_samples_per_prompt)")
     p.add_argument("--max-tries", type=int, default=2)
     p.add_argument("--discount", type=float, default=0.5)
+    p.add_argument("--number-bonus", type=float, default=0.0,
+                   help="reward of a session whose last answer is a number, but wrong")
     p.add_argument("--max-groups", type=int, default=0, help="0: until the run ends")
     p.add_argument("--timeout-s", type=float, default=300.0,
                    help="per request, retries of 503 included; also the wait for /health")
     p.add_argument("--record", type=Path, help="append one JSON line per session here")
     args = p.parse_args(argv)
-    proxy = args.proxy.rstrip("/")
     rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
     try:
+        proxy, key = address(args)
         wait_ready(proxy, args.timeout_s)
-        with httpx.Client(timeout=args.timeout_s) as client, \
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        with httpx.Client(timeout=args.timeout_s, headers=headers) as client, \
                 ThreadPoolExecutor(args.n) as pool:
             for k in itertools.count():
                 if args.max_groups and k >= args.max_groups:
@@ -119,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                 group = f"g{k}"  # a group name is used once
                 sessions = list(pool.map(lambda i: play(
                     client, f"{proxy}/s/{group}/{i}", row["prompt"], str(row["label"]),
-                    args.max_tries, args.discount, args.timeout_s), range(args.n)))
+                    args.max_tries, args.discount, args.number_bonus, args.timeout_s),
+                    range(args.n)))
                 if args.record:
                     with args.record.open("a") as f:
                         for i, s in enumerate(sessions):

@@ -8,6 +8,7 @@ launcher decides addresses; roles never read `SLURM_*` or pick ports themselves.
 from __future__ import annotations
 
 import json
+import random
 import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,8 +43,33 @@ class RunPlan:
     """Checkpoint directory every role resumes from (resolved once by the launcher), or None."""
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free now (a small race remains until the role binds it)."""
+    """A port that is free now, below the OS's ephemeral range when there is room.
+
+    A port is chosen here and bound later by a role, seconds after. The OS hands out ephemeral
+    ports to every outgoing connection (HTTP clients, gloo, ZMQ), so a port taken from that range
+    (bind to 0) can be taken by a connection in between: a broker failed to bind its admin port
+    that way on a busy machine. Ports below the range are only ever taken by an explicit bind.
+    """
+    lo, _ = _ephemeral_range()
+    if lo > 12000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(10000, lo)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

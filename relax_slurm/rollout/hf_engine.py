@@ -65,7 +65,7 @@ from relax_slurm.auth import bearer_matches
 from relax_slurm.data.media import MODALITIES, MediaRef, from_engine
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, concat_tensors
 from relax_slurm.errors import DataError, WeightSyncError
-from relax_slurm.modeling import auto_model_class, is_multimodal
+from relax_slurm.modeling import auto_model_class, is_multimodal, media_token_ids
 from relax_slurm.rollout import sglang_api
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
@@ -341,8 +341,9 @@ def inverse_cdf_sample(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class _RowSampler(LogitsProcessor):
     """Per-row temperature, top-k, top-p, min-p; records the log-probs SGLang would return."""
 
-    def __init__(self, state: _BatchState) -> None:
+    def __init__(self, state: _BatchState, banned_ids: tuple[int, ...] = ()) -> None:
         self.state = state
+        self.banned = list(banned_ids)  # media pad tokens: input-only, never sampled
         specs = [r.spec for r in state.rows]
         self.top_k = [1 if g else (s.top_k if s.top_k > 0 else 0)
                       for g, s in zip(state.greedy.tolist(), specs)]  # 0 = no top-k
@@ -353,6 +354,8 @@ class _RowSampler(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         scaled = scores.float() / self.state.temperature  # [B, V]
+        if self.banned:
+            scaled[:, self.banned] = float("-inf")
         # SGLang (default, SGLANG_RETURN_ORIGINAL_LOGPROB unset) returns log-probs of the
         # temperature-scaled logits, before top-k/top-p/min-p truncation; we do the same:
         # logprob(token) = scaled[token] - logsumexp(scaled), gathered once the token is sampled
@@ -428,6 +431,7 @@ class HFEngine:
             model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
         self.media = (MediaProcessor(model_path, self.tokenizer.get_vocab(), media_limits)
                       if is_multimodal(model_path) else None)
+        self.banned_ids = media_token_ids(self.model.config)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.eos_ids = self._eos_ids()
         self.pad_id = next(i for i in (self.tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
@@ -624,7 +628,7 @@ class HFEngine:
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
             **self._mm_kwargs(rows),
             max_new_tokens=max(r.spec.max_new_tokens for r in rows),
-            logits_processor=LogitsProcessorList([_RowSampler(state)]),
+            logits_processor=LogitsProcessorList([_RowSampler(state, self.banned_ids)]),
             stopping_criteria=StoppingCriteriaList([_RowStopper(state)]))
         self.stats["num_batches"] += 1
         self.stats["num_sequences"] += batch

@@ -5,12 +5,17 @@
     GET    /s/{group}/{name}/v1/models             the one model this run trains
     POST   /s/{group}/{name}/reward                {"reward": r}: ends the session
     DELETE /s/{group}/{name}                       abandons the session and drops its group
-    GET    /health                                 200 once the engines answer
+    GET    /health                                 200 once the engines answer (open)
     GET    /stats                                  open groups and sessions, groups sent
 
+Inside a run every route but /health needs the run's secret as the API key
+(`Authorization: Bearer <RUN_DIR/secret>`, what an OpenAI client sends as `api_key`): the
+proxy's sessions become training data, so only who can read the run directory may add them.
+
 Errors are OpenAI's shape, `{"error": {"message", "type", "code"}}`, with the HTTP code:
-400 bad request or over a session's budget, 404 unknown session, 409 a request that does not
-fit the session's state, 502 engine failure, 503 no admission credit in time / run ending.
+400 bad request or over a session's budget, 401 no or a wrong key, 404 unknown session, 409 a
+request that does not fit the session's state, 502 engine failure, 503 no admission credit in
+time / run ending.
 """
 
 from __future__ import annotations
@@ -25,13 +30,17 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from relax_slurm.rollout.proxy import AgentProxy, ProxyError
+from relax_slurm.auth import bearer_matches, run_secret
+from relax_slurm.broker.heartbeat import Pacer
+from relax_slurm.rollout.openai_chat import ProxyError
+from relax_slurm.rollout.proxy import AgentProxy
 
 if TYPE_CHECKING:
     from relax_slurm.rollout.worker import RolloutWorker
 
 log = logging.getLogger("relax_slurm.rollout.proxy")
 REAP_EVERY_S = 5.0
+SHUTDOWN_GRACE_S = 5.0
 
 
 async def _json_body(request: Request) -> Any:
@@ -53,9 +62,20 @@ async def _answer(call: Callable[[], Awaitable[dict]]) -> JSONResponse:
                             status_code=500)
 
 
-def build_app(proxy: AgentProxy) -> FastAPI:
+def build_app(proxy: AgentProxy, secret: str | None = None) -> FastAPI:
+    """The routes; with `secret`, every one but /health needs it as the bearer token."""
     app = FastAPI(title="relax-slurm agent proxy")
     model = proxy.cfg.model.path
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if secret is None or request.url.path == "/health" \
+                or bearer_matches(secret, request.headers.get("authorization")):
+            return await call_next(request)
+        error = ProxyError(401, "missing or wrong API key: send the run's secret "
+                                "(RUN_DIR/secret) as `Authorization: Bearer ...`, i.e. "
+                                "OpenAI(api_key=...)", "invalid_api_key")
+        return JSONResponse(error.body(), status_code=401)
 
     @app.post("/s/{group}/{name}/v1/chat/completions")
     async def chat(group: str, name: str, request: Request) -> JSONResponse:
@@ -100,20 +120,30 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _reap_forever(proxy: AgentProxy) -> None:
+async def _housekeeping(proxy: AgentProxy) -> None:
+    """Drop idle groups, and heartbeat to the broker from this loop (the launcher's hang
+    check: a beat means the proxy's event loop turns)."""
+    worker = proxy.w
+    beat = Pacer(worker.cfg.cluster.heartbeat_interval_s)
     while True:
-        await asyncio.sleep(REAP_EVERY_S)
+        if beat.due():
+            await worker.broker.heartbeat(worker.role, **proxy.stats())
         await proxy.reap_idle()
+        await asyncio.sleep(min(REAP_EVERY_S, beat.interval_s))
 
 
 async def serve_proxy(worker: RolloutWorker, host: str, port: int) -> None:
     """Serve the proxy until `worker.stop` is set; a server that fails (e.g. the port is taken)
     fails the worker."""
+    await worker.rejoin()  # a restarted worker frees its predecessor's credits (its sessions
+    # are gone with it) and continues its group ids
     proxy = AgentProxy(worker)
-    server = _Server(uvicorn.Config(build_app(proxy), host=host, port=port, log_level="warning",
-                                   lifespan="off"))
+    # requests still open at the end (parked for a credit, generating) get 5 s, then close
+    server = _Server(uvicorn.Config(build_app(proxy, run_secret()), host=host, port=port,
+                                   log_level="warning", lifespan="off",
+                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     serving = asyncio.create_task(server.serve())
-    reaper = asyncio.create_task(_reap_forever(proxy))
+    reaper = asyncio.create_task(_housekeeping(proxy))
     stopping = asyncio.create_task(worker.stop.wait())
     log.info("agent proxy serving at http://%s:%d/s/{group}/{name}/v1 (groups of %d sessions)",
              host, port, proxy.n)
@@ -126,6 +156,7 @@ async def serve_proxy(worker: RolloutWorker, host: str, port: int) -> None:
             if task is serving and not server.should_exit:
                 raise RuntimeError(f"the agent proxy on {host}:{port} stopped serving")
     finally:
+        proxy.closing.set()  # requests parked for a credit answer 503 now
         server.should_exit = True
         reaper.cancel()
         stopping.cancel()

@@ -26,12 +26,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import json
 import logging
 import signal
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -102,6 +104,23 @@ def shaped_rewards(cfg: TrainConfig, rewards: list[float], lengths: list[int]) -
     return [r + overlong_penalty(n, cfg.rollout.max_new_tokens, a.overlong_buffer_tokens,
                                  a.overlong_penalty_factor)
             for r, n in zip(rewards, lengths)]
+
+
+def cut_at_media_pads(res: GenerateResult, pad_ids: Iterable[int]) -> GenerateResult:
+    """A response cut before its first media pad token, finish reason "length" (the trainer's
+    forward would read a pad as a media slot). The hf engine never samples them; an SGLang
+    engine serving a barely trained model may.
+
+    >>> r = cut_at_media_pads(GenerateResult([5, 9, 6], [-1.0, -2.0, -3.0], "stop", "0"), [9])
+    >>> r.output_ids, r.logprobs, r.finish_reason
+    ([5], [-1.0], 'length')
+    """
+    pads = set(pad_ids)
+    cut = next((i for i, t in enumerate(res.output_ids) if t in pads), None)
+    if cut is None:
+        return res
+    return dataclasses.replace(res, output_ids=res.output_ids[:cut],
+                               logprobs=res.logprobs[:cut], finish_reason="length")
 
 
 def grades_like_math(reward_name: str) -> bool:
@@ -248,6 +267,8 @@ class RolloutWorker:
                  if processed.tensors else None)
         async with self.router.pick() as engine:
             results = await engine.generate([processed.input_ids] * n, params, media=media)
+        if processed.tensors:
+            results = [cut_at_media_pads(r, self.media.pad_ids.values()) for r in results]
         t_end = time.time()
         (rewards, errors), teacher = await asyncio.gather(
             self.score(prompt, results), self.teacher_logprobs(prompt, results))
@@ -365,7 +386,8 @@ class RolloutWorker:
         joined = await self.broker.rejoin(self.worker_rank)
         pos = joined.get("position")
         if pos and pos["next_group_id"] > self.first_group_id:
-            self.dataset.load_state_dict(pos["data_state"])
+            if self.dataset is not None:  # proxy mode has no data position
+                self.dataset.load_state_dict(pos["data_state"])
             self.group_ids = itertools.count(pos["next_group_id"], self.num_workers)
             log.info("rejoined: %d credits reclaimed; continuing at data position %s, group "
                      "id %d", joined["reclaimed"], pos["data_state"], pos["next_group_id"])
@@ -451,9 +473,8 @@ async def _amain(run_dir: Path) -> None:
     try:
         await worker.wait_for_engines()
         if worker.proxy_url:  # rollout.agent_mode=proxy: external agents drive the sessions
-            url = urlparse(worker.proxy_url)
-            host = "0.0.0.0" if cfg.cluster.kind == "slurm" else (url.hostname or "127.0.0.1")
-            await serve_proxy(worker, host, int(url.port or 0))
+            url = urlparse(worker.proxy_url)  # bound at the address agents use, as the broker
+            await serve_proxy(worker, url.hostname or "127.0.0.1", int(url.port or 0))
         else:
             await worker.run()
     except BrokerShutdown as e:  # the run is ending: not an error worth a traceback

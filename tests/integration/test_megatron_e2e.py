@@ -4,7 +4,8 @@ rollout worker, torchrun trainer running megatron-core through megatron-bridge o
 Each run checks, with weight_sync.verify=true, that after every sync the engine's weights equal
 the HF weights the bridge exported (gathered across TP), and that the reward rises. The TP=2
 run also converts its final Megatron dist-checkpoint with relax-convert and compares it with
-the HF export the trainer wrote at the same step.
+the HF export the trainer wrote at the same step, and resumes from its step-27 checkpoint
+(exact: same rewards, same final weights).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import REPO, relax_train, run_env
 
-STEPS = 25  # as the other learning tests: a rise of >= 0.1 with a margin
+STEPS = 30  # reward ~0.002 -> ~0.15-0.2 by step 25 (TP=1, TP=2): 30 keeps a ~2x margin over RISE
 RISE = 0.1
 
 pytestmark = [
@@ -35,11 +36,12 @@ pytestmark = [
 @pytest.mark.parametrize("tp", [1, 2])
 def test_megatron_trainer_learns_with_verified_sync(tmp_path, tiny_assets, tp):
     run_dir = tmp_path / f"tp{tp}"
-    extra = [f"trainer.save_hf_every={STEPS}"] if tp == 2 else []
-    proc = relax_train(run_dir, tiny_assets, "trainer=megatron", f"trainer.nproc_per_node={tp}",
-                       f"trainer.tensor_parallel_size={tp}", "weight_sync.verify=true",
-                       f"trainer.total_steps={STEPS}", "metrics.progress=false", *extra,
-                       timeout_s=1200)
+    common = ("trainer=megatron", f"trainer.nproc_per_node={tp}",
+              f"trainer.tensor_parallel_size={tp}", "weight_sync.verify=true",
+              f"trainer.total_steps={STEPS}", "metrics.progress=false")
+    if tp == 2:  # a checkpoint 3 steps before the end (resumed below) and the final HF export
+        common += (f"trainer.save_every={STEPS - 3}", f"trainer.save_hf_every={STEPS}")
+    proc = relax_train(run_dir, tiny_assets, *common, timeout_s=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS
@@ -62,3 +64,17 @@ def test_megatron_trainer_learns_with_verified_sync(tmp_path, tiny_assets, tp):
     assert sorted(converted) == sorted(exported)
     for k in exported:
         assert torch.equal(converted[k], exported[k]), k
+
+    # exact resume through the trainer loop: the last 3 steps again from the step-27 Megatron
+    # checkpoint give the same rewards and the same final weights, bit for bit
+    resumed = tmp_path / "resumed"
+    proc = relax_train(resumed, tiny_assets, *common,
+                       f"resume={run_dir / 'checkpoints' / f'step_{STEPS - 3}'}", timeout_s=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == list(range(STEPS - 3, STEPS))
+    assert ([r["rollout/reward_mean"] for r in again]
+            == [r["rollout/reward_mean"] for r in rows[STEPS - 3:]])
+    final = load_file(str(resumed / "hf" / f"step_{STEPS}" / "model.safetensors"))
+    for k in exported:
+        assert torch.equal(final[k], exported[k]), k

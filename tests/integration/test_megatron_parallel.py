@@ -108,26 +108,29 @@ def test_pp2_trains_like_pp1(runs):
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_dist_checkpoint_resumes_and_converts_to_hf(runs, layout, tmp_path):
-    r = result(runs[layout])["resume"]
+def check_resumed_and_converted(run: Path, out: Path) -> None:
+    r = result(run)["resume"]
     assert r["extra"] == {"marker": 7, "step": 2, "lr_steps_done": 2}
     assert r["weights_restored"] and r["next_step_equal"], r
     # relax-convert detects the Megatron dist-checkpoint (from the checkpoints directory) and
     # writes HF through the bridge, resharded to one rank: the trained weights, bit for bit
-    out = tmp_path / "hf"
     proc = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
-                           str(runs[layout] / "checkpoints"), "--output", str(out)],
+                           str(run / "checkpoints"), "--output", str(out)],
                           env=child_env(), cwd=str(REPO_ROOT), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    trained = load_file(str(runs[layout] / "trained.safetensors"))
+    trained = load_file(str(run / "trained.safetensors"))
     converted = load_file(str(out / "model.safetensors"))
     assert sorted(converted) == sorted(trained)
     for k in trained:
         assert torch.equal(converted[k], trained[k]), k
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_dist_checkpoint_resumes_and_converts_to_hf(runs, layout, tmp_path):
+    check_resumed_and_converted(runs[layout], tmp_path / "hf")
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +157,7 @@ def moe_runs(tiny_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.timeout(1200)
-def test_moe_expert_parallel_equals_one_rank(moe_runs):
+def test_moe_expert_parallel_equals_one_rank(moe_runs, tmp_path):
     one, two = result(moe_runs["ep1"]), result(moe_runs["ep2"])
     for r in (one, two):  # experts gathered across EP ranks: the HF checkpoint, bit for bit
         assert r["exported_names"] == r["hf_names"] and r["export_bitwise"]
@@ -165,5 +168,4 @@ def test_moe_expert_parallel_equals_one_rank(moe_runs):
     for a, b in zip(one["steps"], two["steps"]):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
-    r = two["resume"]
-    assert r["weights_restored"] and r["next_step_equal"], r
+    check_resumed_and_converted(moe_runs["ep2"], tmp_path / "hf")

@@ -20,6 +20,10 @@ from pathlib import Path
 
 from common import REPO
 
+from relax_slurm.auth import SECRET_ENV
+
+BENCH_SECRET = "bench-secret"  # the broker serves authenticated clients only, as in a run
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wire_bench import make_groups  # noqa: E402
 
@@ -43,7 +47,7 @@ def start_broker(config: Path) -> tuple[subprocess.Popen, str]:
         [sys.executable, "-m", "relax_slurm.broker", "--config", str(config),
          "--router", "tcp://127.0.0.1:*", "--pub", "tcp://127.0.0.1:*"],
         stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        env=dict(os.environ, PYTHONPATH=str(REPO), **{SECRET_ENV: BENCH_SECRET}),
         preexec_fn=lambda: os.sched_setaffinity(0, [0]))
     line = proc.stdout.readline()  # "broker: listening router=tcp://... pub=..."
     router = line.split("router=")[1].split()[0]
@@ -55,7 +59,8 @@ def through_broker(router: str, groups: list, batches: int) -> dict:
     from relax_slurm.broker.wire import encode
 
     payload = sum(len(f) for g in groups for f in encode("put_group", {}, [g]))
-    worker, trainer = BrokerClient(router, 30.0), BrokerClient(router, 30.0)
+    worker = BrokerClient(router, 30.0, secret=BENCH_SECRET)
+    trainer = BrokerClient(router, 30.0, secret=BENCH_SECRET)
     try:
         trainer.set_version(0)  # opens admission, as the trainer's first announce does
         round_s, get_s = [], []

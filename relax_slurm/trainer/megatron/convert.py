@@ -20,7 +20,8 @@ from relax_slurm.checkpoint.resume import CheckpointError
 from relax_slurm.config.schema import ModelConfig, TrainerConfig
 from relax_slurm.trainer.megatron import cpu_compat
 from relax_slurm.trainer.megatron.model import (
-    build_provider, destroy_model_parallel, init_model_parallel, mark_tensor_parallel,
+    build_provider, destroy_model_parallel, fix_sequential_experts, init_model_parallel,
+    mark_tensor_parallel,
 )
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -60,6 +61,7 @@ def dist_checkpoint_to_hf(src: Path, out: Path, hf_config: str | Path | None = N
         init_model_parallel(TrainerConfig(backend="megatron", nproc_per_node=1))
         try:
             bridge = cpu_compat.import_bridge().AutoBridge.from_hf_config(config)
+            fix_sequential_experts()
             provider = build_provider(bridge, model_cfg, TrainerConfig(backend="megatron"),
                                       load_weights=False)
             chunks = provider.provide_distributed_model(
@@ -95,9 +97,15 @@ class _HFNames:
     def __init__(self, config) -> None:
         from megatron.bridge.models.hf_pretrained.state import StateDict
 
-        from relax_slurm.checkpoint.convert import expected_tensors, meta_model
+        from relax_slurm.checkpoint.convert import (
+            _revert_weight_conversion, expected_tensors, meta_model,
+        )
 
-        shapes, aliases = expected_tensors(meta_model(config))
+        model = meta_model(config)
+        shapes, aliases = expected_tensors(model)
+        names = {name: torch.empty(shape, device="meta")
+                 for name, shape in shapes.items() if name not in aliases}
         self.config = config
-        self.state = StateDict({name: torch.empty(shape, device="meta")
-                                for name, shape in shapes.items() if name not in aliases})
+        # the checkpoint-file names (transformers 5 fuses MoE experts in memory; the files and
+        # the bridge keep one tensor per expert)
+        self.state = StateDict(_revert_weight_conversion(model, names))

@@ -8,6 +8,8 @@ CUDA is available. What it does and why:
 - RoPE, the optimizer and the schedules call `torch.cuda.current_device()`, `.cuda()` and pass
   `device="cuda"` literals: those are answered with the CPU (a process-wide TorchFunctionMode
   rewrites a `device=` keyword naming CUDA; `.cuda()`, `synchronize`, `empty_cache` are no-ops).
+- MoE: megatron-core's moe_utils names transformer-engine kernels it never imported (they are
+  set to None, which its code tests for).
 - gradient clipping asserts `torch.cuda.FloatTensor` grads: a CPU clip (same coefficient,
   max_norm / (total_norm + 1e-6)) replaces it in megatron's optimizer.
 - megatron-bridge imports `transformer_engine` and `triton` at module level, and neither
@@ -118,6 +120,16 @@ def activate(seed: int) -> bool:
     if _ACTIVE:
         return True
     from megatron.core.optimizer import optimizer as mopt
+    from megatron.core.transformer.moe import moe_utils
+
+    # megatron-core 0.16 binds these only when transformer-engine imports, then tests them
+    # against None (the MoE router's `te_general_gemm` raises NameError instead)
+    for name in ("te_general_gemm", "fused_permute", "fused_permute_with_probs",
+                 "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_unpermute", "fused_topk_with_score_function",
+                 "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
 
     mopt.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
     torch.cuda.current_device = lambda: torch.device("cpu")

@@ -57,12 +57,6 @@ def destroy_model_parallel() -> None:
     ps.destroy_model_parallel()
 
 
-def data_parallel_rank_world() -> tuple[int, int]:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-
-
 def data_ranks() -> list[int]:
     """The data-parallel index of every global rank (TP/PP/CP peers share their rows)."""
     from megatron.core import parallel_state as ps
@@ -96,8 +90,13 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
         provider.transformer_layer_spec = local_layer_spec
         for flag in ("gradient_accumulation_fusion", "bias_activation_fusion",
                      "masked_softmax_fusion", "apply_rope_fusion", "bias_dropout_fusion",
-                     "persist_layer_norm"):
-            setattr(provider, flag, False)
+                     "persist_layer_norm", "moe_permute_fusion", "moe_grouped_gemm",
+                     "moe_router_fusion"):
+            if hasattr(provider, flag):
+                setattr(provider, flag, False)
+        if getattr(provider, "num_moe_experts", None):
+            # the alltoall dispatcher copies token counts on a CUDA side-stream
+            provider.moe_token_dispatcher_type = "allgather"
     provider.finalize()
     return provider
 
@@ -107,6 +106,7 @@ class MegatronModel:
 
     def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig) -> None:
         bridge_mod = cpu_compat.import_bridge()
+        fix_sequential_experts()
         from megatron.core.distributed import (
             DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
         )
@@ -183,6 +183,54 @@ class MegatronModel:
     def train(self) -> None:
         for c in self.chunks:
             c.train()
+
+
+def fix_sequential_experts() -> None:
+    """megatron-bridge 0.3.1 knows expert numbers only in the grouped-GEMM parameter names
+    (`experts.linear_fc1.weight<N>`). megatron-core's SequentialMLP (what runs without
+    transformer-engine's grouped GEMM, e.g. on CPU) names them `experts.local_experts.<n>.
+    linear_fc1.weight` with a *local* n, so under expert parallelism the bridge loaded every
+    EP rank's experts from HF experts 0..E/EP-1 and its export could not parse the number.
+    Here local numbers become global ones (as the bridge does for grouped names), and the EP
+    gather is given the number in the form it parses."""
+    import re
+
+    from megatron.bridge.models.conversion import model_bridge as mb
+    from megatron.bridge.models.conversion import param_mapping as pm
+    from megatron.core import parallel_state as ps
+
+    to_global = mb._megatron_local_name_to_global
+    if not getattr(to_global, "_relax_sequential", False):
+        def local_name_to_global(models, config, param_name, vp_stage=None):
+            name = to_global(models, config, param_name, vp_stage)
+            m = re.search(r"\.mlp\.experts\.local_experts\.(\d+)\.", name)
+            ep = ps.get_expert_model_parallel_world_size()
+            if m is None or ep == 1 or ".adapter." in name:
+                return name
+            per_rank = config.num_moe_experts // ep
+            first = per_rank * ps.get_expert_model_parallel_rank()
+            return (name[:m.start(1)] + str(first + int(m.group(1))) + name[m.end(1):])
+
+        local_name_to_global._relax_sequential = True
+        mb._megatron_local_name_to_global = local_name_to_global
+
+    original = pm.MegatronParamMapping.gather_from_ep_ranks
+    if getattr(original, "_relax_sequential", False):
+        return
+
+    def gather_from_ep_ranks(self, megatron_weights, megatron_module, hf_param_name):
+        name = self.megatron_param
+        m = re.search(r"local_experts\.(\d+)\.", name)
+        if m is None or re.search(r"\.(weight|bias)\d+$", name):
+            return original(self, megatron_weights, megatron_module, hf_param_name)
+        self.megatron_param = name + m.group(1)
+        try:
+            return original(self, megatron_weights, megatron_module, hf_param_name)
+        finally:
+            self.megatron_param = name
+
+    gather_from_ep_ranks._relax_sequential = True
+    pm.MegatronParamMapping.gather_from_ep_ranks = gather_from_ep_ranks
 
 
 def mark_tensor_parallel(module) -> None:

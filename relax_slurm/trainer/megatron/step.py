@@ -4,7 +4,6 @@ the torch backend (`trainer.step.micro_batch_loss`), Megatron's optimizer step."
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from relax_slurm.config.schema import AlgoConfig

@@ -22,6 +22,8 @@ from relax_slurm.trainer.batch import collate, prepare_items
 from relax_slurm.trainer.model import freeze_modules, load_hf_model, pad_token_id
 from relax_slurm.trainer.step import token_logprobs
 
+pytestmark = pytest.mark.slow  # two real engines (~25 s of start-up), as test_hf_engine_http.py
+
 
 @pytest.fixture(scope="module", params=["vl", "audio"])
 def served(request, tiny_mm_assets: Path, tmp_path_factory):
@@ -124,3 +126,20 @@ def test_evaluator_sends_the_media(served, tiny_mm_assets: Path) -> None:
     finally:
         ev.close()
     assert 0.0 <= out[f"eval/{task}_test/mean@2"] <= 1.0
+
+
+def test_media_pad_tokens_are_never_sampled(served, tiny_mm_assets: Path) -> None:
+    """A sampled pad would be read as a media slot by the trainer's forward: the engine bans
+    them (and the trainer leaves them out of its softmax, so log-probs still agree)."""
+    from transformers import AutoConfig
+
+    from relax_slurm.modeling import media_token_ids
+
+    kind, model, client = served
+    banned = set(media_token_ids(AutoConfig.from_pretrained(model)))
+    assert banned
+    ids = AutoTokenizer.from_pretrained(model)("1=")["input_ids"]
+    params = [{"max_new_tokens": 8, "temperature": 20.0, "ignore_eos": True, "sampling_seed": i}
+              for i in range(32)]  # near-uniform draws: 256 tokens over a 22-token vocabulary
+    results = client.generate([ids] * 32, params)
+    assert not banned & {t for r in results for t in r.output_ids}

@@ -32,6 +32,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 N = 2  # sessions per group
 MAX_TOKENS = 4
 QUESTIONS = {"q0": "1+2=", "q1": "3+4="}
+SECRET = "proxy-test-secret"
+KEY = {"Authorization": f"Bearer {SECRET}"}  # the run's secret is the proxy's API key
 
 
 def start_broker(run_dir: Path) -> tuple[subprocess.Popen, str]:
@@ -58,7 +60,7 @@ def run(tiny_assets, tmp_path_factory):
     """(proxy url, engine url, broker router, tokenizer) of one proxy-mode rollout worker."""
     with pytest.MonkeyPatch.context() as mp:
         # relax-train hands every role the run's secret; the broker refuses requests without it
-        mp.setenv(SECRET_ENV, "proxy-test-secret")
+        mp.setenv(SECRET_ENV, SECRET)
         yield from _proxy_run(tiny_assets, tmp_path_factory)
 
 
@@ -134,7 +136,8 @@ def spans(mask):
 def test_a_scripted_agent_produces_trainable_trajectories(run):
     proxy, engine, router, tok = run
     played = {}
-    with httpx.Client(timeout=60) as client, BrokerClient(router, timeout_s=30) as broker:
+    with httpx.Client(timeout=60, headers=KEY) as client, \
+            BrokerClient(router, timeout_s=30) as broker:
         broker.set_version(0)  # as the trainer does once the engines hold its weights
         check_errors(client, proxy, broker)
         for g, group in enumerate(QUESTIONS):
@@ -187,11 +190,15 @@ def check_sample(sample, replies, seeds, tok, engine):
 def check_errors(client, proxy, broker):
     """Every refusal is a clear HTTP error; a dropped group gives its credit back."""
     url = f"{proxy}/s/errs/x"
+    first = [{"role": "user", "content": "2+2="}]
+    for key in ({}, {"Authorization": "Bearer wrong"}):  # training data only from the run's owner
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": first}, headers=key)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_api_key"
+    assert httpx.get(f"{proxy}/health").status_code == 200  # open, for readiness checks
     r = client.post(url + "/v1/chat/completions", content=b"{not json",
                     headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     assert client.post(f"{proxy}/s/nope/x/reward", json={"reward": 1}).status_code == 404
-    first = [{"role": "user", "content": "2+2="}]
     r = chat(client, url, first, 1)
     assert r.status_code == 200, r.text
     reply = r.json()["choices"][0]["message"]["content"]

@@ -13,7 +13,7 @@ import pytest
 from relax_slurm.envs import BaseEnv, StepResult
 from relax_slurm.rollout.engine_client import GenerateResult
 from relax_slurm.rollout.multiturn import ObservationRenderer, TurnLimits, run_episode
-from relax_slurm.rollout.proxy import ProxyError, new_messages, parse_chat_request
+from relax_slurm.rollout.openai_chat import ProxyError, new_messages, parse_chat_request
 
 REPO = Path(__file__).resolve().parents[3]
 # user turns start with "=", assistant turns with "*" and end with EOS; the generation prompt
@@ -131,3 +131,35 @@ def test_proxy_mode_config_and_plan():
     assert plan.proxy_url == "http://127.0.0.1:8123"
     assert worker_spec(cfg, plan, Path("x"), "127.0.0.1").ports == {"proxy": 8123}
     assert local_plan(TrainConfig(run_dir="x")).proxy_url is None
+
+
+def test_a_sessions_tools_go_to_the_templates_tools_section(tok):
+    from relax_slurm.data.chat import render
+
+    messages = [{"role": "user", "content": "1+1"}]
+    assert render(tok, messages, True, tools=None) == "=1+1*"
+    marked = tok.chat_template
+    try:  # a template that lists tool names first, as Qwen's lists their schemas
+        tok.chat_template = ("{%- for t in tools or [] -%}{{- t['function']['name'] + ' ' -}}"
+                             "{%- endfor -%}" + marked)
+        req = parse_chat_request({"messages": messages, "tools": [
+            {"type": "function", "function": {"name": "11", "parameters": {}}}]})
+        assert render(tok, req.messages, True, tools=req.tools) == "11 =1+1*"
+    finally:
+        tok.chat_template = marked
+
+
+def test_on_slurm_the_proxy_is_on_the_first_rollout_node():
+    from relax_slurm.launch import slurm_driver as drv
+    from relax_slurm.launch.slurm_env import SlurmAllocation
+    from relax_slurm.launch.submit import compose_config
+
+    cfg = compose_config(["experiment=tiny_proxy_cpu", "cluster=slurm",
+                          "run_dir=/tmp/relax-unit-run"])
+    alloc = SlurmAllocation(job_id="41", het_groups=(("t1",), ("r1", "r2")), is_het=True)
+    layout = drv.make_layout(cfg, alloc)
+    plan = drv.slurm_plan(cfg, layout)
+    assert plan.proxy_url.startswith("http://r1:")
+    specs = {s.name: s for s in drv.role_specs(cfg, plan, layout, Path("/runs/x"))}
+    assert specs["rollout"].host == "r1"
+    assert specs["rollout"].ports == {"proxy": int(plan.proxy_url.rsplit(":", 1)[1])}

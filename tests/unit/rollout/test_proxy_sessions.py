@@ -17,7 +17,8 @@ from relax_slurm.config.schema import (
 from relax_slurm.errors import EngineError
 from relax_slurm.launch.plan import RunPlan, save_plan
 from relax_slurm.rollout.engine_client import GenerateResult
-from relax_slurm.rollout.proxy import AgentProxy, ProxyError
+from relax_slurm.rollout.openai_chat import ProxyError
+from relax_slurm.rollout.proxy import AgentProxy
 from relax_slurm.rollout.worker import RolloutWorker
 
 ASK = {"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2}
@@ -157,5 +158,24 @@ def test_dynamic_sampling_and_engine_failures(proxy):
         with pytest.raises(ProxyError, match="no model turn") as e:
             await p.end("broken", "a", 1.0)
         assert e.value.status == 409
+
+    run(main())
+
+
+def test_requests_parked_for_a_credit_end_with_the_run(proxy):
+    p = proxy(batch_size=1)
+    p.cfg.rollout.proxy_admission_timeout_s = 60.0
+
+    async def main():
+        await p.chat("g0", "a", ASK)
+        parked = asyncio.create_task(p.chat("g1", "a", ASK))
+        await asyncio.sleep(0.1)
+        assert not parked.done()
+        p.closing.set()  # what serve_proxy does when the worker stops
+        with pytest.raises(ProxyError, match="run is ending") as e:
+            await asyncio.wait_for(parked, 1.0)
+        assert e.value.status == 503
+        with pytest.raises(ProxyError, match="run is ending"):
+            await p.chat("g0", "a", ASK)
 
     run(main())

@@ -236,6 +236,14 @@ def test_a_teacher_path_without_a_teacher_engine_fails_at_start(make_worker, tmp
         RolloutWorker(worker.cfg, tmp_path)
 
 
+def test_worker_doctests():
+    import doctest
+
+    from relax_slurm.rollout import worker
+
+    assert doctest.testmod(worker).failed == 0
+
+
 def test_multimodal_prompts_carry_processed_media(tmp_path, tiny_mm_assets):
     """Image rows: the engine gets the expanded ids and the image file; every sample of the
     group carries the same processed tensors (one set of arrays) and the expanded prompt."""

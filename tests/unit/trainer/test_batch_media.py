@@ -63,3 +63,23 @@ def test_scatter_sends_each_rank_its_rows_media(tmp_path: Path) -> None:
     np.testing.assert_array_equal(r1["pixels"].numpy(), groups[1][0].mm_inputs["pixel_values"])
     np.testing.assert_array_equal(
         r0["pixels"].numpy(), np.concatenate([s.mm_inputs["pixel_values"] for s in groups[0]]))
+
+
+def test_freeze_modules_by_prefix_and_the_fix_for_a_typo() -> None:
+    import pytest
+
+    from relax_slurm.errors import ConfigError
+    from relax_slurm.trainer.model import build_optimizer, freeze_modules
+    from relax_slurm.config.schema import TrainerConfig
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.visual = torch.nn.Linear(2, 2)
+    model.model.visual_extra = torch.nn.Linear(2, 2)  # a prefix match of names, not modules
+    model.lm_head = torch.nn.Linear(2, 3)
+    assert freeze_modules(model, ["model.visual"]) == 6
+    assert model.model.visual_extra.weight.requires_grad and model.lm_head.weight.requires_grad
+    opt, _ = build_optimizer(model, TrainerConfig())
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == 6 + 9
+    with pytest.raises(ConfigError, match=r"'model.vision' matches no parameter.*model.visual"):
+        freeze_modules(model, ["model.vision"])
