@@ -16,11 +16,16 @@ from pathlib import Path
 from types import FrameType
 
 from relax_slurm.auth import SECRET_ENV, run_secret
+from relax_slurm.broker.elastic import Elastic
 from relax_slurm.broker.server import BrokerServer
 from relax_slurm.broker.spill import Spill, replay
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.config import load_config
 from relax_slurm.errors import ConfigError, RelaxError
+from relax_slurm.launch.plan import PLAN_FILE, load_plan
+
+
+ELASTIC_FILE = "elastic.json"
 
 
 def _log(line: str) -> None:
@@ -77,7 +82,21 @@ def main(argv: list[str] | None = None) -> int:
         if spill is None and args.spill is not None:
             spill = Spill(args.spill, cfg.broker.spill_fsync, cfg.broker.spill_compact_mb << 20)
             spill.start(state)
-        server = BrokerServer(state, args.router, args.pub, secret=secret,
+        # the engines of the launch (protected from scale-in); a broker started by hand without
+        # a plan beside its config starts with none (scale_out registers external ones)
+        run_dir = Path(args.config).resolve().parent
+        initial = load_plan(run_dir).engine_urls if (run_dir / PLAN_FILE).exists() else []
+        elastic = Elastic(initial, default_timeout_s=cfg.cluster.elastic_timeout_s,
+                          drain_timeout_s=cfg.cluster.elastic_drain_timeout_s,
+                          max_engines=cfg.cluster.elastic_max_engines)
+        # beside the spill file; a restart in place (--replay) continues from it
+        elastic_file = args.spill.parent / ELASTIC_FILE if args.spill is not None else None
+        if args.replay and elastic_file is not None and elastic_file.exists():
+            elastic.load(json.loads(elastic_file.read_text()))
+            _log(f"broker: elastic rollout state from {elastic_file}: "
+                 f"routable={elastic.routable_urls()} op={elastic.current}")
+        server = BrokerServer(state, args.router, args.pub, secret=secret, elastic=elastic,
+                              elastic_file=elastic_file,
                               admin=_hostport(args.admin) if args.admin else None,
                               spill=spill, answers=answers,
                               max_message_bytes=cfg.broker.max_message_mb << 20, log=_log)

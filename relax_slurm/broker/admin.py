@@ -9,6 +9,9 @@ lock the loop holds while it handles a request (so a reply is one consistent sna
 request needs the run's secret as a Bearer token (401 and `auth_refused` + 1 otherwise); unknown
 paths are 404, other methods 405. Each request has a socket timeout, so a client that stops
 sending cannot hold a handler thread for good.
+
+`/rollout/...` (elastic rollout: scale_out, scale_in, engines, ...) goes to `route(method, path,
+body)`, the broker's `rollout_route` (JSON bodies of at most MAX_BODY_BYTES; 400 otherwise).
 """
 
 from __future__ import annotations
@@ -23,12 +26,19 @@ from relax_slurm.auth import bearer_matches
 from relax_slurm.errors import BrokerError
 
 REQUEST_TIMEOUT_S = 10.0
+MAX_BODY_BYTES = 1 << 16
+Route = Callable[[str, str, dict[str, Any]], tuple[int, dict[str, Any]]]
+
+
+def _no_rollout(method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    return 404, {"error": f"no route {path}; try GET /status"}
 
 
 class AdminServer:
     def __init__(self, host: str, port: int, secret: str,
-                 status: Callable[[], dict[str, Any]], on_refused: Callable[[], None]) -> None:
-        handler = _handler(secret, status, on_refused)
+                 status: Callable[[], dict[str, Any]], on_refused: Callable[[], None],
+                 route: Route = _no_rollout) -> None:
+        handler = _handler(secret, status, on_refused, route)
         try:
             self._httpd = ThreadingHTTPServer((host, port), handler)
         except OSError as e:
@@ -53,7 +63,7 @@ class AdminServer:
 
 
 def _handler(secret: str, status: Callable[[], dict[str, Any]],
-             on_refused: Callable[[], None]) -> type[BaseHTTPRequestHandler]:
+             on_refused: Callable[[], None], route: Route) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = REQUEST_TIMEOUT_S  # socket timeout of each connection
 
@@ -76,16 +86,43 @@ def _handler(secret: str, status: Callable[[], dict[str, Any]],
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if not self._authorized():
                 return
-            if self.path.split("?")[0].rstrip("/") != "/status":
+            path = self.path.split("?")[0].rstrip("/")
+            if path.startswith("/rollout/"):
+                self._send(*route("GET", path, {}))
+            elif path != "/status":
                 self._send(404, {"error": f"no route {self.path}; try GET /status"})
+            else:
+                self._send(200, status())
+
+        def do_POST(self) -> None:  # noqa: N802
+            if not self._authorized():
                 return
-            self._send(200, status())
+            path = self.path.split("?")[0].rstrip("/")
+            if not path.startswith("/rollout/"):
+                self._send(405, {"error": f"POST not allowed on {path}; try GET /status"})
+                return
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                n = -1
+            if not 0 <= n <= MAX_BODY_BYTES:
+                self._send(400, {"error": f"Content-Length must be 0..{MAX_BODY_BYTES}"})
+                return
+            try:
+                body = json.loads(self.rfile.read(n) or b"{}")
+            except (ValueError, UnicodeDecodeError) as e:
+                self._send(400, {"error": f"the body is not JSON: {e}"})
+                return
+            if not isinstance(body, dict):
+                self._send(400, {"error": "the body must be a JSON object"})
+                return
+            self._send(*route("POST", path, body))
 
         def _not_allowed(self) -> None:
             if self._authorized():
                 self._send(405, {"error": f"{self.command} not allowed; try GET /status"})
 
-        do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
+        do_PUT = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
             pass  # the broker's log is for the run, not for each probe

@@ -148,6 +148,15 @@ class BrokerClient:
         """`role` is alive and making progress; `info` (msgpack-able) shows in /status."""
         self._call("heartbeat", {"role": role, "info": info})
 
+    def engines(self, synced: list[str] | None = None, drained: list[str] = ()
+                ) -> dict[str, Any]:
+        """The engine list (broker/elastic.py); `synced`: the trainer's cohort holds exactly
+        these engines with the current weights; `drained`: see AsyncBrokerClient.engines."""
+        fields, _ = self._call("engines", {"drained": list(drained),
+                                           **({} if synced is None else {"synced": synced})})
+        fields.pop("rid", None)
+        return fields
+
     def stats(self) -> dict[str, Any]:
         fields, _ = self._call("stats", {})
         fields.pop("rid", None)
@@ -236,6 +245,13 @@ class AsyncBrokerClient:
         finally:
             self._pending.pop(rid, None)
         return _result(self.addr, op, reply)
+
+    async def engines(self, drained: list[str] = ()) -> dict[str, Any]:
+        """The engine list (broker/elastic.py); `drained`: this worker routes nothing to these
+        engines any more and has no request in flight there."""
+        fields, _ = await self._call("engines", {"drained": list(drained)})
+        fields.pop("rid", None)
+        return fields
 
     async def acquire(self, max_n: int, wait_s: float = 0.0) -> int:
         fields, _ = await self._call("acquire", {"max_n": max_n, "wait_s": wait_s}, wait_s=wait_s)

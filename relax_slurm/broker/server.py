@@ -14,6 +14,7 @@ nothing else happens. Inbound messages larger than `max_message_bytes` are dropp
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -22,6 +23,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -29,6 +31,7 @@ import zmq
 
 from relax_slurm.auth import secret_matches
 from relax_slurm.broker.admin import AdminServer
+from relax_slurm.broker.elastic import Elastic, OpRefused
 from relax_slurm.broker.spill import Spill
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.broker.wire import decode, encode
@@ -78,12 +81,17 @@ class BrokerServer:
                  admin: tuple[str, int] | None = None, spill: Spill | None = None,
                  answers: list[tuple[bytes, Any, dict[str, Any], list[Group] | None]] = (),
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 elastic: Elastic | None = None, elastic_file: Path | None = None,
                  log: Callable[[str], None] = lambda line: None) -> None:
         if not secret:
             raise BrokerError("the broker needs the run's secret (RELAX_RUN_SECRET); relax-train "
                               "sets it for every role")
         self.state = state
         self.log = log
+        # the engine list and scale operations (broker/elastic.py); admin HTTP /rollout/...
+        self.elastic = elastic if elastic is not None else Elastic([])
+        self._elastic_file = elastic_file  # its state, rewritten on every change
+        self._elastic_saved = ""
         self._secret = secret
         self.auth_refused = 0
         self._ctx = zmq.Context()
@@ -121,7 +129,7 @@ class BrokerServer:
         if admin is not None:
             try:
                 self.admin = AdminServer(*admin, secret=secret, status=self.status,
-                                         on_refused=self._count_refused)
+                                         on_refused=self._count_refused, route=self.rollout_route)
             except BrokerError:
                 self.close()
                 raise
@@ -131,7 +139,7 @@ class BrokerServer:
             "acquire": self._acquire, "put_group": self._put_group, "release": self._release,
             "get_batch": self._get_batch, "set_version": self._set_version,
             "heartbeat": self._heartbeat, "stats": self._stats, "shutdown": self._shutdown,
-            "rejoin": self._rejoin,
+            "rejoin": self._rejoin, "engines": self._engines,
         }
 
     # ---- loop ----------------------------------------------------------------------------
@@ -155,6 +163,7 @@ class BrokerServer:
                             self._handle(frames)
                 with self._lock:
                     self._expire(time.monotonic())
+                    self._expire_elastic(time.monotonic())
         finally:
             self._refuse_parked("broker is shutting down")
             self.close()
@@ -357,6 +366,86 @@ class BrokerServer:
         self._heartbeats[role] = (time.monotonic(), info)
         self._reply(identity, rid, {})
 
+    # ---- elastic rollout (broker/elastic.py) ---------------------------------------------
+    def _engines(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
+        """Trainer rank 0 and rollout workers poll the engine list with their heartbeats and
+        report what they did: `synced` (the trainer's cohort is exactly these URLs, holding the
+        current weights), `drained` (a worker routes nothing to these URLs any more)."""
+        el = self.elastic
+        before = el.membership
+        synced, drained = fields.get("synced"), fields.get("drained") or []
+        for name, value in (("synced", synced if synced is not None else []),
+                            ("drained", drained)):
+            if not isinstance(value, list) or not all(isinstance(u, str) for u in value):
+                raise BrokerError(f"engines: {name} must be a list of URLs, got {value!r}")
+        if synced is not None:
+            el.synced(synced)
+        for url in drained:
+            el.drained(url)
+        if el.membership != before:
+            self.log(f"broker: engines membership {el.membership}: "
+                     f"routable={el.routable_urls()} cohort={el.cohort_urls()}")
+        self._save_elastic()
+        self._reply(identity, rid, el.view())
+
+    def _save_elastic(self) -> None:
+        """Write the engine list and operations when they changed (atomic replace): a broker
+        restarted in place continues with them."""
+        if self._elastic_file is None:
+            return
+        text = json.dumps(self.elastic.to_dict())
+        if text == self._elastic_saved:
+            return
+        tmp = self._elastic_file.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self._elastic_file)
+        self._elastic_saved = text
+
+    def _expire_elastic(self, now: float) -> None:
+        before = self.elastic.membership
+        self.elastic.expire(now)
+        if self.elastic.membership != before:
+            self.log(f"broker: elastic deadline passed: {self.elastic.view()['op']}")
+            self._save_elastic()
+
+    def rollout_route(self, method: str, path: str, body: dict[str, Any]
+                      ) -> tuple[int, dict[str, Any]]:
+        """The admin HTTP's /rollout/... routes (see broker/admin.py): (status code, body)."""
+        parts = [p for p in path.split("?")[0].split("/") if p]
+        el, now = self.elastic, time.monotonic()
+        with self._lock:
+            try:
+                if method == "GET" and parts == ["rollout", "engines"]:
+                    return 200, el.view()
+                if method == "GET" and len(parts) == 3 and parts[1] in ("scale_out", "scale_in",
+                                                                         "ops"):
+                    return 200, el.op(parts[2]).view()
+                if method == "POST" and parts == ["rollout", "scale_out"]:
+                    out = el.scale_out(body, now)
+                elif method == "POST" and parts == ["rollout", "scale_in"]:
+                    out = el.scale_in(body, now)
+                elif (method == "POST" and len(parts) == 4 and parts[1] == "scale_out"
+                      and parts[3] == "cancel"):
+                    out = el.cancel(parts[2])
+                elif method == "POST" and len(parts) == 4 and parts[1:4:2] == ["ops", "step"]:
+                    # the launcher moves a scale-out on (internal)
+                    op = el.launcher_step(parts[2], body.get("status"), body.get("urls"),
+                                          body.get("error"))
+                    out = op.view()
+                elif method == "POST" and parts == ["rollout", "engines", "stopped"]:
+                    el.stopped(str(body.get("url", "")))  # the launcher stopped it (internal)
+                    out = el.view()
+                else:
+                    return 404, {"error": f"no route {method} {path}; see docs/operations.md "
+                                          "(Elastic rollout)"}
+            except OpRefused as e:
+                return e.code, {"error": str(e)}
+            self._save_elastic()
+            self.log(f"broker: {method} {path} -> {out.get('status', '')} "
+                     f"membership={el.membership}")
+            created = parts[-1] in ("scale_out", "scale_in") and out.get("request_id")
+            return (202 if created else 200), out
+
     def _count_refused(self) -> None:
         with self._lock:
             self.auth_refused += 1
@@ -374,6 +463,7 @@ class BrokerServer:
                 "parked_acquires": len(self._acquires), "parked_get_batch": len(self._batches),
                 "auth_refused": self.auth_refused, "uptime_s": now - self._started,
                 "pid": os.getpid(),
+                "engines": self.elastic.view(),
                 "roles": {role: {"heartbeat_age_s": now - t, **info}
                           for role, (t, info) in sorted(self._heartbeats.items())},
             }

@@ -489,6 +489,16 @@ class ClusterConfig:
     /status) is older than this is hung: the run fails naming it, or restarts
     (cluster.max_global_restarts). Cover the longest step; 0 turns hang detection off."""
 
+    elastic_timeout_s: float = 600.0
+    """Elastic rollout: a scale_out without timeout_secs fails (and rolls back) after this long
+    (see docs/operations.md)."""
+    elastic_drain_timeout_s: float = 60.0
+    """Elastic rollout: a scale_in waits this long for the worker's requests in flight on the
+    leaving engines, then detaches them anyway (force=true does not wait)."""
+    elastic_max_engines: int = 8
+    """Elastic rollout, local mode: a scale_out to more engines is refused (each is a process
+    with its own copy of the model)."""
+
     # ---- slurm: the allocation ------------------------------------------------------------
     layout: str = "hetjob"
     """hetjob (component 0: trainer + broker, component 1: engines + rollout worker) or
@@ -590,6 +600,11 @@ class ClusterConfig:
                    or self.heartbeat_timeout_s >= 2 * self.heartbeat_interval_s),
                f"cluster.heartbeat_timeout_s={self.heartbeat_timeout_s}: must be 0 (off) or at "
                f"least twice cluster.heartbeat_interval_s={self.heartbeat_interval_s} (> 0)")
+        _check(self.elastic_timeout_s > 0 and self.elastic_drain_timeout_s > 0
+               and self.elastic_max_engines >= 1,
+               f"cluster.elastic_timeout_s={self.elastic_timeout_s} and cluster."
+               f"elastic_drain_timeout_s={self.elastic_drain_timeout_s} must be > 0, cluster."
+               f"elastic_max_engines={self.elastic_max_engines} >= 1")
 
 
 @dataclass(kw_only=True)

@@ -1,9 +1,18 @@
 """`relax-ctl`: talk to a running run's broker admin HTTP with the run's secret.
 
-    relax-ctl status RUN_DIR          GET /status, printed as JSON (exit 1 if it does not answer)
+    relax-ctl status RUN_DIR                       GET /status
+    relax-ctl engines RUN_DIR                      GET /rollout/engines
+    relax-ctl scale-out RUN_DIR --num-replicas N   POST /rollout/scale_out (absolute target)
+    relax-ctl scale-out RUN_DIR --engine-url URL   ... register an engine started elsewhere
+    relax-ctl scale-in RUN_DIR --num-replicas N    POST /rollout/scale_in [--force] [--dry-run]
+    relax-ctl op-status RUN_DIR ID                 GET /rollout/scale_out/ID
+    relax-ctl cancel RUN_DIR ID                    POST /rollout/scale_out/ID/cancel
 
-The address comes from RUN_DIR/plan.json (`broker_admin`), the token from RUN_DIR/secret; the
-same as `curl -H "Authorization: Bearer $(cat RUN_DIR/secret)" ADMIN/status`.
+Replies are printed as JSON; exit 1 on an HTTP error (409: another operation runs) or when the
+broker does not answer. `--wait` (scale-out, scale-in) polls the operation until it ends and
+exits 1 unless it ended ACTIVE/COMPLETED. The address comes from RUN_DIR/plan.json
+(`broker_admin`), the token from RUN_DIR/secret; the same as `curl -H "Authorization: Bearer
+$(cat RUN_DIR/secret)" ADMIN/ROUTE`.
 """
 
 from __future__ import annotations
@@ -11,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -19,33 +30,109 @@ from relax_slurm.auth import read_secret
 from relax_slurm.errors import ConfigError, RelaxError
 from relax_slurm.launch.plan import load_plan
 
+WAIT_POLL_S = 1.0
 
-def admin_get(run_dir: Path, route: str, timeout_s: float) -> dict:
+
+def admin_call(run_dir: Path, method: str, route: str, timeout_s: float,
+               body: dict[str, Any] | None = None) -> dict:
     plan = load_plan(run_dir)
     if not plan.broker_admin:
         raise ConfigError(f"{run_dir}/plan.json has no broker_admin: the run predates the admin "
                           "HTTP")
     url = plan.broker_admin + route
     try:
-        r = httpx.get(url, timeout=timeout_s,
-                      headers={"Authorization": f"Bearer {read_secret(run_dir)}"})
+        r = httpx.request(method, url, json=body, timeout=timeout_s,
+                          headers={"Authorization": f"Bearer {read_secret(run_dir)}"})
     except httpx.HTTPError as e:
         raise RelaxError(f"{url}: {type(e).__name__}: {e}; is the run still going?") from e
-    if r.status_code != 200:
-        raise RelaxError(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
+    if r.status_code >= 300:
+        raise RelaxError(f"{method} {url}: HTTP {r.status_code}: {r.text[:500]}")
     return r.json()
 
 
+def admin_get(run_dir: Path, route: str, timeout_s: float) -> dict:
+    return admin_call(run_dir, "GET", route, timeout_s)
+
+
+def _target(args: argparse.Namespace) -> dict[str, Any]:
+    if (args.num_replicas is None) == (not args.engine_url):
+        raise ConfigError("give exactly one of --num-replicas N or --engine-url URL (repeatable)")
+    if args.num_replicas is not None:
+        return {"num_replicas": args.num_replicas}
+    return {"engine_urls": args.engine_url}
+
+
+def wait_op(run_dir: Path, reply: dict, timeout_s: float, wait_s: float) -> dict:
+    """Poll the operation `reply` started until it ends (or `wait_s` passes)."""
+    rid = reply.get("request_id")
+    deadline = time.monotonic() + wait_s
+    while rid and reply.get("status") not in ("ACTIVE", "COMPLETED", "FAILED", "CANCELLED"):
+        if time.monotonic() > deadline:
+            raise RelaxError(f"operation {rid} still {reply.get('status')} after {wait_s}s")
+        time.sleep(WAIT_POLL_S)
+        reply = admin_get(run_dir, f"/rollout/scale_out/{rid}", timeout_s)
+    if reply.get("status") in ("FAILED", "CANCELLED"):
+        raise RelaxError(f"operation {rid} {reply['status']}: {reply.get('error')}")
+    return reply
+
+
+def run(args: argparse.Namespace) -> dict:
+    t = args.timeout_s
+    if args.command == "status":
+        return admin_get(args.run_dir, "/status", t)
+    if args.command == "engines":
+        return admin_get(args.run_dir, "/rollout/engines", t)
+    if args.command == "op-status":
+        return admin_get(args.run_dir, f"/rollout/scale_out/{args.request_id}", t)
+    if args.command == "cancel":
+        return admin_call(args.run_dir, "POST", f"/rollout/scale_out/{args.request_id}/cancel", t)
+    if args.command == "scale-out":
+        body = {**_target(args), **({"timeout_secs": args.timeout_secs}
+                                    if args.timeout_secs else {})}
+        reply = admin_call(args.run_dir, "POST", "/rollout/scale_out", t, body)
+    else:
+        body = {**_target(args), "force": args.force, "dry_run": args.dry_run}
+        reply = admin_call(args.run_dir, "POST", "/rollout/scale_in", t, body)
+    return wait_op(args.run_dir, reply, t, args.wait_s) if args.wait else reply
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="relax-ctl", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:  # noqa: A002
+        s = sub.add_parser(name, help=help)
+        s.add_argument("run_dir", type=Path)
+        s.add_argument("--timeout-s", type=float, default=10.0, help="per HTTP request")
+        return s
+
+    add("status", "the broker's view of the run (GET /status)")
+    add("engines", "the rollout engines and the current operation (GET /rollout/engines)")
+    for name, help in (("op-status", "one scale operation (GET /rollout/scale_out/ID)"),
+                       ("cancel", "cancel a scale-out and roll it back")):
+        add(name, help).add_argument("request_id")
+    for name in ("scale-out", "scale-in"):
+        s = add(name, f"POST /rollout/{name.replace('-', '_')}")
+        s.add_argument("--num-replicas", type=int, default=None, help="absolute target")
+        s.add_argument("--engine-url", action="append", default=[],
+                       help="an engine URL (repeatable)")
+        s.add_argument("--wait", action="store_true", help="until the operation ends")
+        s.add_argument("--wait-s", type=float, default=900.0)
+        if name == "scale-out":
+            s.add_argument("--timeout-secs", type=float, default=None,
+                           help="fail and roll back after this long (default "
+                                "cluster.elastic_timeout_s)")
+        else:
+            s.add_argument("--force", action="store_true", help="do not wait for the drain")
+            s.add_argument("--dry-run", action="store_true", help="only say what would go")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="relax-ctl", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    status = sub.add_parser("status", help="the broker's view of the run (GET /status)")
-    status.add_argument("run_dir", type=Path)
-    status.add_argument("--timeout-s", type=float, default=10.0)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
-        print(json.dumps(admin_get(args.run_dir, "/status", args.timeout_s), indent=2))
+        print(json.dumps(run(args), indent=2))
     except RelaxError as e:
         print(f"relax-ctl: {e}", file=sys.stderr)
         return 1

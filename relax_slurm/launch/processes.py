@@ -97,6 +97,18 @@ class ProcessSet:
                 start_new_session=True, preexec_fn=_child_setup(os.getpid(), cpus))
         role.restarts += 1
 
+    def stop(self, role: Role, grace_s: float = 10.0) -> None:
+        """Stop one role for good (an engine a scale-in removed): SIGTERM, then SIGKILL after
+        `grace_s`; it leaves the set, so `check_alive` no longer reports it."""
+        _signal_session(role.proc, signal.SIGTERM)
+        try:
+            role.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_session(role.proc, signal.SIGKILL)
+        _reap(role.proc, timeout_s=5.0)
+        self.roles.remove(role)
+
     def check_alive(self, exclude: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> None:
         """Raise RoleFailed for the first role that exited (roles in `exclude` may exit 0;
         roles in `skip` are the caller's to check)."""

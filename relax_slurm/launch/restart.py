@@ -45,6 +45,7 @@ class InPlace:
         self.wrap = wrap
         self.run_dir = run_dir
         self.cap = cap
+        self.restarted: dict[str, int] = {}  # also of roles stopped since (a scaled-in engine)
 
     def revive(self) -> None:
         """Restart every dead role that may be restarted and has restarts left (the others are
@@ -58,6 +59,7 @@ class InPlace:
             self.procs.restart(role, self.wrap(replace(spec, argv=spec.restart_argv)),
                                cpus=spec.cpus)
             self.on_restart(role.name)
+            self.restarted[role.name] = role.restarts
             record_restart(self.run_dir, {"role": role.name, "kind": "in_place",
                                           "restart": role.restarts, "cause": cause})
             write_roles(self.procs, self.run_dir)
@@ -65,4 +67,4 @@ class InPlace:
                   f"cluster.max_role_restarts={self.cap})", file=sys.stderr, flush=True)
 
     def counts(self) -> dict[str, int]:
-        return {r.name: r.restarts for r in self.procs.roles if r.restarts}
+        return dict(self.restarted)

@@ -20,6 +20,7 @@ from relax_slurm.launch.health import HangWatch
 from relax_slurm.launch.plan import PLAN_FILE, load_plan
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.restart import InPlace, write_roles
+from relax_slurm.launch.scale import Scaler
 from relax_slurm.launch.roles import RoleSpec
 from relax_slurm.metrics.fanout import check_installed
 from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsTail, iter_metrics
@@ -101,7 +102,7 @@ def hung(procs: ProcessSet, name: str, why: str) -> RoleHung:
 
 def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
           notifier: Notifier | None = None, hangs: HangWatch | None = None,
-          in_place: InPlace | None = None) -> None:
+          in_place: InPlace | None = None, scaler: Scaler | None = None) -> None:
     """Return when the trainer exits 0; raise Preempted when it stopped on a preemption request
     (see launch/control.py), RoleHung for a role that stopped heartbeating (see
     launch/health.py), RoleFailed for any other death or a stalled run."""
@@ -125,6 +126,8 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
                 raise preempted or trainer.failure(f"exited with code {rc}")
             if in_place is not None:
                 in_place.revive()
+            if scaler is not None:
+                scaler.tick()  # elastic rollout: start/stop engines the broker asks for
             procs.check_alive(skip=("trainer",))
             stuck = hangs.check() if hangs is not None else None
             if stuck is not None:
@@ -156,15 +159,19 @@ def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap
                       cfg.cluster.heartbeat_interval_s, cfg.cluster.heartbeat_timeout_s)
     in_place = InPlace(procs, specs, wrap, run_dir, cfg.cluster.max_role_restarts,
                        on_restart=hangs.restarted)
+    # elastic rollout's process side (launch/scale.py)
+    scaler = Scaler(procs, cfg, run_dir, admin, secret, wrap, in_place=in_place) if admin else None
     final_status = None
     try:
         try:
             trainer = start(procs, specs, cfg, wrap)
             write_roles(procs, run_dir)
             notifier.send("started", f"{cfg.trainer.total_steps} steps, run dir {run_dir}")
-            watch(procs, trainer, cfg, run_dir, notifier, hangs, in_place)
+            watch(procs, trainer, cfg, run_dir, notifier, hangs, in_place, scaler)
             final_status = hangs.broker_status()  # the trainer is done; the broker still up
         finally:
+            if scaler is not None:
+                scaler.close()
             hangs.close()
             procs.close()
         rows = list(iter_metrics(run_dir / METRICS_FILE))

@@ -392,6 +392,33 @@ class RolloutWorker:
             log.info("rejoined: %d credits reclaimed; continuing at data position %s, group "
                      "id %d", joined["reclaimed"], pos["data_state"], pos["next_group_id"])
 
+    def requests_per_engine(self) -> dict[str, int]:
+        return {e.url: n for e, n in zip(self.router.engines, self.router.picked)}
+
+    async def follow_engines(self) -> None:
+        """Elastic rollout (broker/elastic.py): route to the broker's active engines only. A new
+        one is active once it holds the current weights; a draining one gets no new request,
+        and once none of ours is in flight there the broker hears it is drained."""
+        view = await self.broker.engines()
+        if not view["engines"]:  # a broker without the launch's plan knows none: keep ours
+            return
+        for _ in range(2):  # a second turn reports the engines the first one found drained
+            routable = set(view["routable"])
+            known = {e.url for e in self.router.engines}
+            for url in view["routable"]:
+                if url not in known:
+                    log.info("engine %s joined: routing to it", url)
+                    self.router.add(CoalescingEngine(
+                        AsyncEngineClient(url, self.cfg.rollout.request_timeout_s),
+                        self.cfg.rollout.groups_per_request))
+            self.router.route_only(lambda e: e.url in routable)
+            draining = {e["url"] for e in view["engines"] if e["state"] == "draining"}
+            drained = [e.url for e in self.router.idle_unroutable() if e.url in draining]
+            if not drained:
+                return
+            log.info("engine(s) %s drained", drained)
+            view = await self.broker.engines(drained=drained)
+
     async def run(self) -> None:
         limit = self.cfg.rollout.max_inflight_groups
         await self.reward_pool.start()  # a reward worker that cannot start fails the run now
@@ -400,7 +427,9 @@ class RolloutWorker:
         while not self.stop.is_set():
             if beat.due():  # from this loop, not a thread: a beat means the loop turns
                 await self.broker.heartbeat(self.role, groups_in_flight=len(self.tasks),
-                                            groups_requeued=self.requeued_total)
+                                            groups_requeued=self.requeued_total,
+                                            requests_per_engine=self.requests_per_engine())
+                await self.follow_engines()
             while self.requeued and len(self.tasks) < limit:  # they still hold their credits
                 self.start_group(*self.requeued.popleft())
             room = limit - len(self.tasks)

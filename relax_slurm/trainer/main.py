@@ -148,9 +148,9 @@ class RankZero:
         # on-policy (max_staleness=0), nothing generates while weights are sent: the broker
         # admits no group of the next version before set_version. Pausing the engines is then
         # two HTTP round trips per step for nothing.
-        def make_sender(group_name: str, port: int) -> WeightSender:
+        def make_sender(group_name: str, port: int, urls: list[str]) -> WeightSender:
             return WeightSender(
-                plan.engine_urls, sync_host, port, group_name,
+                urls, sync_host, port, group_name,
                 cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
                 pause_mode="in_place" if cfg.algo.max_staleness > 0 else None,
                 ranks_per_engine=cfg.rollout.engine_tp_size,
@@ -201,9 +201,26 @@ class RankZero:
             self.sender.resume_memory()
             log.info("engines resumed their memory")
 
+    def follow_engines(self) -> bool:
+        """Elastic rollout (broker/elastic.py): make the cohort the broker's engine set (engines
+        joining with their operation at WEIGHT_SYNCING, minus those detaching); True when the
+        broker must hear of it once the weights are sent."""
+        view = self.broker.engines()
+        report = any(e["state"] in ("joining", "detaching") for e in view["engines"])
+        if view["cohort"] and view["cohort"] != self.cohort.urls:
+            self.cohort.move(view["cohort"])
+            self.num_engines = len(view["cohort"])
+            report = True
+        return report
+
     def push_weights(self, weights: list, version: int) -> dict:
-        """Engines serve `version` once this returns (checked bit for bit with verify=true)."""
+        """Engines serve `version` once this returns (checked bit for bit with verify=true).
+        The engine set follows the broker's first: new engines get this version before the
+        worker routes to them, leaving ones leave the cohort before the launcher stops them."""
+        report = self.follow_engines()
         stats = self.cohort.send(weights, version=version)
+        if report:
+            self.broker.engines(synced=self.cohort.urls)
         if self.verify:
             self.sender.verify(weights)
             log.info("version %d: weights verified bit for bit on %d engine(s)", version,

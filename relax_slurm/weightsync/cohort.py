@@ -8,6 +8,8 @@ So the cohort is re-formed, all engines together under a new group name (`NAME_c
 
 - when a send fails (`send`): wait until every engine answers /health again
   (`rollout.startup_timeout_s`), re-form, send again;
+- when the broker's engine list changes (elastic rollout, `move`): the cohort becomes the new
+  engine set; the trainer sends the weights on it before it reports the engines synced;
 - when an engine serves another version than the trainer's while nothing is being sent
   (`resync`, called from the trainer's batch wait): it was restarted meanwhile; re-form and
   send the current weights, so it does not generate with its initial ones. Samples it made in
@@ -26,8 +28,8 @@ from relax_slurm.weightsync.sender import WeightSender
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 5.0
 
-MakeSender = Callable[[str, int], WeightSender]
-"""(group name, port) -> an unconnected sender to every engine."""
+MakeSender = Callable[[str, int, list[str]], WeightSender]
+"""(group name, port, engine URLs) -> an unconnected sender to those engines."""
 
 
 class Cohort:
@@ -39,7 +41,7 @@ class Cohort:
         self.new_port = new_port
         self.startup_timeout_s = startup_timeout_s
         self.generation = 0
-        self.sender = make_sender(group_name, port)
+        self.sender = make_sender(group_name, port, self.urls)
 
     def connect(self) -> None:
         self.sender.connect()
@@ -83,10 +85,17 @@ class Cohort:
         self.sender.close()
         self.generation += 1
         name = f"{self.group_name}_c{self.generation}"
-        self.sender = self.make_sender(name, self.new_port())
+        self.sender = self.make_sender(name, self.new_port(), self.urls)
         self.sender.connect()
         log.info("weight-sync cohort %d formed (%s, %d engines)", self.generation, name,
                  len(self.urls))
+
+    def move(self, urls: Sequence[str]) -> None:
+        """Elastic rollout: the cohort is these engines from now on (engines joined or left,
+        see broker/elastic.py); re-formed at once, the caller sends the weights next."""
+        log.info("weight-sync cohort: engines %s -> %s", self.urls, list(urls))
+        self.urls = list(urls)
+        self.reform()
 
     def close(self) -> None:
         self.sender.close()

@@ -39,8 +39,8 @@ def main() -> None:
     try:
         wait_healthy(url, engine, 180, log)
 
-        def make_sender(name: str, sync_port: int) -> WeightSender:
-            return WeightSender([url], "127.0.0.1", sync_port, name, "gloo", 60, 0.02,
+        def make_sender(name: str, sync_port: int, urls: list[str]) -> WeightSender:
+            return WeightSender(urls, "127.0.0.1", sync_port, name, "gloo", 60, 0.02,
                                 pause_mode=None)
         cohort = Cohort([url], "relax_test_cohort", free_port(), make_sender, free_port, 180)
         cohort.connect()

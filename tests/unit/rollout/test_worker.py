@@ -40,6 +40,8 @@ REWARD_MODULE = textwrap.dedent("""
 class FakeEngine:
     """Answers every sample of a prompt from `answers[prompt text]` (one string per sample)."""
 
+    url = "http://fake-engine:1"
+
     def __init__(self, tokenizer, answers: dict[str, list[str]]) -> None:
         self.tokenizer, self.answers = tokenizer, answers
         self.media: list = []
@@ -104,6 +106,10 @@ class FakeBroker:
 
     async def heartbeat(self, role, **info):
         self.heartbeats.append((role, info))
+
+    async def engines(self, drained=()):  # a fixed engine set (elastic rollout: no change)
+        urls = [e.url for e in self.worker.router.engines]
+        return {"routable": urls, "engines": [{"url": u, "state": "active"} for u in urls]}
 
     def close(self):
         pass
@@ -179,7 +185,8 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(make_worker):
 
     broker = asyncio.run(main())
     assert broker.released == 2
-    assert broker.heartbeats[0] == ("rollout", {"groups_in_flight": 0, "groups_requeued": 0})
+    assert broker.heartbeats[0] == ("rollout", {"groups_in_flight": 0, "groups_requeued": 0,
+                                                "requests_per_engine": {FakeEngine.url: 0}})
     assert sorted(g[0].prompt_id for g in broker.groups) == ["2", "3"]
     for g in broker.groups:
         assert len({s.reward for s in g}) > 1  # only informative groups reach the broker

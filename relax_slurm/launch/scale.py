@@ -1,0 +1,159 @@
+"""The launcher's part of elastic rollout (broker/elastic.py): it owns the processes, so it
+starts the engines a scale-out asks for and stops those a scale-in or a rollback detached.
+
+Called from the supervisor's watch loop (`Scaler.tick`, every POLL_S): one GET
+/rollout/engines, then at most one short step, never a blocking wait:
+
+- a PENDING scale-out: local mode starts `add` engine processes (the next free names and
+  ports, `rollout.engine` like the launch's; restarted in place like them), external mode takes
+  the URLs as given; both report CREATING (with the URLs) then HEALTH_CHECKING;
+- HEALTH_CHECKING: once every new engine answers /health, report WEIGHT_SYNCING (trainer rank 0
+  takes it from there); a process that died reports the op FAILED (rollback);
+- detached engines: stop the processes it started, forget external ones; report `stopped`.
+
+Starting processes is local mode only (cluster.kind=local): on Slurm a `num_replicas`
+scale-out fails at once with a message; submitting engines as a job that joins from its own
+allocation is not built yet (docs/operations.md). `engine_urls` works in both.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from relax_slurm.config import TrainConfig
+from relax_slurm.errors import EngineError
+from relax_slurm.launch.plan import free_port
+from relax_slurm.launch.processes import ProcessSet, Role
+from relax_slurm.launch.restart import InPlace, write_roles
+from relax_slurm.launch.roles import _engine_spec, engines_rejoin
+from relax_slurm.rollout.engine_client import EngineClient
+
+log = logging.getLogger(__name__)
+HTTP_TIMEOUT_S = 5.0
+HEALTH_PROBE_S = 2.0
+
+
+class Scaler:
+    def __init__(self, procs: ProcessSet, cfg: TrainConfig, run_dir: Path, admin: str,
+                 secret: str, wrap: Any, host: str = "127.0.0.1",
+                 in_place: InPlace | None = None) -> None:
+        self.procs, self.cfg, self.run_dir, self.wrap, self.host = procs, cfg, run_dir, wrap, host
+        self.in_place = in_place
+        self.admin = admin
+        self.http = httpx.Client(timeout=HTTP_TIMEOUT_S,
+                                 headers={"Authorization": f"Bearer {secret}"})
+        self.started: dict[str, Role] = {}  # url -> the engine process this launcher started
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        r = self.http.post(self.admin + route, json=body)
+        if r.status_code >= 400:
+            raise EngineError(f"POST {route}: HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def tick(self) -> None:
+        """One look at the broker's engine list and one step (see above). A broker that does
+        not answer now is asked again next tick (its restart is the supervisor's business)."""
+        try:
+            view = self.http.get(self.admin + "/rollout/engines").json()
+            for e in view["engines"]:
+                if e["state"] == "detached":
+                    self._stop(e["url"])
+            op = view.get("op")
+            if op and op["kind"] == "scale_out":
+                self._advance(op)
+        except httpx.HTTPError as e:  # the broker restarting: HangWatch watches that
+            log.debug("elastic rollout: broker admin HTTP: %s (trying again)", e)
+        except (ValueError, KeyError, EngineError) as e:
+            log.warning("elastic rollout: %s (trying again)", e)
+
+    def _advance(self, op: dict[str, Any]) -> None:
+        rid = op["request_id"]
+        step = f"/rollout/ops/{rid}/step"
+        if op["status"] == "PENDING":
+            if op["mode"] == "local" and self.cfg.cluster.kind != "local":
+                self._post(step, {"error": "num_replicas scale-outs start engine processes in "
+                                           "local runs only (cluster.kind=local); on Slurm, "
+                                           "start the servers yourself and register them with "
+                                           "engine_urls"})
+                return
+            if op["mode"] == "local":
+                try:
+                    urls = self._start_engines(op["add"])
+                except Exception as e:  # noqa: BLE001 (report it, do not kill the run)
+                    self._post(step, {"error": f"starting engines failed: {e}"})
+                    return
+            else:
+                urls = op["urls"]
+            got = self._post(step, {"status": "CREATING", "urls": urls})
+            if got["status"] in ("CANCELLED", "FAILED"):  # cancelled while they started
+                for url in urls if op["mode"] == "local" else []:
+                    self._stop_process(url)
+                return
+            self._post(step, {"status": "HEALTH_CHECKING"})
+            self._say(f"{rid}: {len(urls)} engine(s) starting at {urls}")
+        elif op["status"] == "HEALTH_CHECKING":
+            for url in op["urls"]:
+                role = self.started.get(url)
+                if role is not None and role.proc.poll() is not None:
+                    self._post(step, {"error": f"{role.name} exited with code "
+                                               f"{role.proc.returncode}; see {role.log}"})
+                    return
+                if not _healthy(url):
+                    return
+            self._post(step, {"status": "WEIGHT_SYNCING"})
+            self._say(f"{rid}: engines healthy; the trainer sends them the weights")
+
+    def _start_engines(self, n: int) -> list[str]:
+        taken = {r.name for r in self.procs.roles}
+        urls = []
+        for _ in range(n):
+            k = next(i for i in range(len(taken) + n + 1) if f"engine{i}" not in taken)
+            name = f"engine{k}"
+            taken.add(name)
+            url = f"http://{self.host}:{free_port(self.host)}"
+            # restarted in place like the launch's engines when it dies (the trainer re-sends
+            # the weights to it, see weightsync/cohort.py): a dead added engine must not fail
+            # the run
+            spec = _engine_spec(self.cfg, name, url, self.cfg.model.path, self.cfg.seed + k,
+                                slot=k, restartable=engines_rejoin(self.cfg))
+            role = self.procs.start(name, self.wrap(spec), ports=spec.ports, host=spec.host,
+                                    cpus=spec.cpus)
+            if self.in_place is not None and spec.restart_argv is not None:
+                self.in_place.specs[name] = spec
+            self.started[url] = role
+            urls.append(url)
+        write_roles(self.procs, self.run_dir)
+        return urls
+
+    def _stop(self, url: str) -> None:
+        self._stop_process(url)
+        self._post("/rollout/engines/stopped", {"url": url})
+
+    def _stop_process(self, url: str) -> None:
+        role = self.started.pop(url, None)
+        if role is not None and role in self.procs.roles:
+            if self.in_place is not None:
+                self.in_place.specs.pop(role.name, None)
+            self.procs.stop(role)
+            write_roles(self.procs, self.run_dir)
+            self._say(f"stopped {role.name} ({url})")
+
+    def _say(self, line: str) -> None:
+        print(f"relax-train: elastic rollout: {line}", file=sys.stderr, flush=True)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with EngineClient(url, HEALTH_PROBE_S) as client:
+            client.health(timeout_s=HEALTH_PROBE_S)
+        return True
+    except EngineError:
+        return False
