@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import ONE_RANK, relax_train
 
-RUN_TIMEOUT_S = 1200  # 100 steps at ~3 s plus ~90 s of start-up on 2 busy cores (x3 margin)
+RUN_TIMEOUT_S = 1200  # 150 steps: ~35 s idle today; ~10x that on slow hosts (x3 margin)
 VERIFIED = ("weight_sync.verify=true",)  # engine weights == trainer weights after every sync
 
 
@@ -45,14 +45,14 @@ def check_run_dir(run_dir: Path, proc: subprocess.CompletedProcess, steps: int) 
 def test_tiny_sync_learns(tmp_path, tiny_assets):
     # also the shared-GPU schedule (rollout.release_memory_during_train, on CPU): the hf engine
     # refuses /generate while its memory is released, so the run only completes if the trainer
-    # resumes the engines before every rollout (no run of its own: ~200 s of suite time)
+    # resumes the engines before every rollout (no run of its own)
     run_dir = tmp_path / "sync"
     proc = relax_train(run_dir, tiny_assets, *VERIFIED, "algo.max_staleness=0",
                        "rollout.release_memory_during_train=true", timeout_s=RUN_TIMEOUT_S)
-    summary = check_run_dir(run_dir, proc, steps=100)  # the preset's own length
+    summary = check_run_dir(run_dir, proc, steps=150)  # the preset's own length
     log = (run_dir / "logs" / "trainer.log").read_text()
-    assert log.count("engines released their memory") == 100
-    assert log.count("engines resumed their memory") == 100
+    assert log.count("engines released their memory") == 150
+    assert log.count("engines resumed their memory") == 150
     assert summary["reward_first"] <= 0.35
     assert summary["reward_last"] >= 0.8, summary
     rows = read_rows(run_dir)
@@ -63,15 +63,15 @@ def test_tiny_sync_learns(tmp_path, tiny_assets):
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT_S + 100)
 def test_tiny_async_learns_within_staleness_bound(tmp_path, tiny_assets):
-    # the preset's 100 steps: rollout runs ahead within the bound and the reward rises
+    # the preset's 150 steps: rollout runs ahead within the bound and the reward rises
     # (algo.old_logprobs resolves to rollout; the cosine lr keeps it from a noisy plateau);
     # one rank: the sync run above covers the preset's two
     run_dir = tmp_path / "async"
     proc = relax_train(run_dir, tiny_assets, *VERIFIED, ONE_RANK, "algo.max_staleness=2",
                        timeout_s=RUN_TIMEOUT_S)
-    summary = check_run_dir(run_dir, proc, steps=100)
+    summary = check_run_dir(run_dir, proc, steps=150)
     assert summary["reward_first"] <= 0.35
-    assert summary["reward_last"] >= 0.6, summary  # measured 0.85 (two ranks), 0.82 (one)
+    assert summary["reward_last"] >= 0.8, summary  # measured 0.94 (one rank, 150 steps)
     stale = [r["broker/staleness_max"] for r in read_rows(run_dir)]
     assert max(stale) >= 1  # rollout really ran ahead of the trainer
     assert max(stale) <= 2

@@ -6,7 +6,7 @@ Needs the bench extra (`pip install -e ".[bench]"`: TRL for the peer comparison,
 for the plots) and an otherwise idle machine: every figure is a ratio of two measurements
 taken in this invocation, but other load still changes which side of a ratio it hits.
 `--quick` runs one repeat of shorter runs (a smoke test of the whole pipeline, ~5 min);
-the full run repeats each measurement three times (~25 min on 2 cores).
+the full run repeats each measurement three times (~10-25 min on 2 cores).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main() -> int:
     parts = set(args.parts.split(","))
     if unknown := parts - set(PARTS):
         ap.error(f"--parts: unknown {sorted(unknown)}; choose from {','.join(PARTS)}")
-    repeats, steps = (1, 40) if args.quick else (3, 100)
+    repeats, steps = (1, 40) if args.quick else (3, 150)  # the preset's length
     args.out.mkdir(parents=True, exist_ok=True)
     model = make_assets(args.out / "assets")
     data = args.out / "assets" / "arith_train.jsonl"
