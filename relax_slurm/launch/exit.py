@@ -10,12 +10,17 @@ frees anyway. Only on the normal path: an exception still unwinds and prints as 
 from __future__ import annotations
 
 import logging
+import multiprocessing.util
 import os
 import sys
 from typing import NoReturn
 
 
 def exit_now(code: int = 0) -> NoReturn:
+    # multiprocessing's own exit hook is skipped too; run its finalizers, or helper processes
+    # outlive the role as orphans (megatron-core's checkpoint writer starts a Manager process
+    # in every trainer rank: each run left two processes behind)
+    multiprocessing.util._run_finalizers(0)
     logging.shutdown()  # flushes every handler
     for stream in (sys.stdout, sys.stderr):
         try:
