@@ -32,12 +32,14 @@ PARTS = ("async", "trl", "sync", "broker")
 
 def run_trl(out: Path, model: Path, data: Path, steps: int, repeats: int) -> list[Run]:
     runs = []
+    from omegaconf import OmegaConf  # the preset's lr, so the peer learns under the same one
+    lr = float(OmegaConf.load(REPO / "conf" / "experiment" / "tiny_cpu.yaml").trainer.lr)
     for rep in range(repeats):
         jsonl = out / f"trl_rep{rep}.jsonl"
         t0 = time.monotonic()
         subprocess.run([sys.executable, str(Path(__file__).parent / "trl_peer.py"),
                         "--model", str(model), "--data", str(data), "--steps", str(steps),
-                        "--out", str(jsonl)], cwd=REPO, check=True, capture_output=True,
+                        "--out", str(jsonl), "--lr", str(lr)], cwd=REPO, check=True, capture_output=True,
                        timeout=3600)
         rows = [json.loads(x) for x in jsonl.read_text().splitlines()]
         # the same keys as our metrics, so Run's reductions apply unchanged

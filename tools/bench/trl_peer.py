@@ -7,7 +7,8 @@ process keeps the other parts' numbers clean):
 
 Identical to our tiny_cpu preset: model, tokenizer, prompts (plain strings: our chat template
 renders a user message as its content, so the token ids are the same), 32 prompts x 16
-samples per step, 3 new tokens, temperature 1, lr 3e-3 on a cosine to 0.1x, grad clip 1, no
+samples per step, 3 new tokens, temperature 1, the preset's lr (--lr) on a cosine to 0.1x over
+the run, grad clip 1, no
 KL, PPO clip 0.2, group-normalised advantages, one optimizer step per batch, and the same
 reward (exact match, only when the model stopped itself). TRL is one process on both cores
 (2 torch threads); ours runs rollout and trainer on one core each.
@@ -29,6 +30,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lr", type=float, required=True, help="experiment=tiny_cpu's trainer.lr")
     args = ap.parse_args()
 
     import torch
@@ -63,7 +65,7 @@ def main() -> None:
     cfg = GRPOConfig(
         output_dir=str(Path(args.out).parent / "trl_out"), use_cpu=True, bf16=False,
         per_device_train_batch_size=512, num_generations=16, max_completion_length=3,
-        temperature=1.0, learning_rate=3e-3, lr_scheduler_type="cosine_with_min_lr",
+        temperature=1.0, learning_rate=args.lr, lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": 0.1}, warmup_steps=0, max_grad_norm=1.0,
         beta=0.0, epsilon=0.2, loss_type="grpo", scale_rewards="group", num_iterations=1,
         max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", seed=0,
