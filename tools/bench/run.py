@@ -39,8 +39,8 @@ def run_trl(out: Path, model: Path, data: Path, steps: int, repeats: int) -> lis
         t0 = time.monotonic()
         subprocess.run([sys.executable, str(Path(__file__).parent / "trl_peer.py"),
                         "--model", str(model), "--data", str(data), "--steps", str(steps),
-                        "--out", str(jsonl), "--lr", str(lr)], cwd=REPO, check=True, capture_output=True,
-                       timeout=3600)
+                        "--out", str(jsonl), "--lr", str(lr)],
+                       cwd=REPO, check=True, capture_output=True, timeout=3600)
         rows = [json.loads(x) for x in jsonl.read_text().splitlines()]
         # the same keys as our metrics, so Run's reductions apply unchanged
         run = Run(rows=[{"perf/step_time_s": r["step_time_s"], "rollout/reward_mean": r["reward"],
