@@ -190,13 +190,15 @@ def scatter_batch(batch: MicroBatch | None, device: torch.device,
     world, rank = dist.get_world_size(), dist.get_rank()
     data_ranks = list(range(world)) if data_ranks is None else data_ranks
     blocks_n = len(set(data_ranks))
-    head = torch.zeros(3, dtype=torch.long, device=device)  # rows, width, teacher present
+    # rows, width, teacher log-probs present, media present
+    head = torch.zeros(4, dtype=torch.long, device=device)
     if rank == 0:
         assert len(batch) % blocks_n == 0, "batch not divisible by data-parallel ranks"
         head = torch.tensor([len(batch) // blocks_n, batch.input_ids.shape[1],
-                             int(batch.teacher_logp is not None)], device=device)
+                             int(batch.teacher_logp is not None), int(batch.media is not None)],
+                            device=device)
     dist.broadcast(head, src=0)
-    rows, width, teacher = head.tolist()
+    rows, width, teacher, with_media = head.tolist()
 
     def part(name: str, dtype: torch.dtype, w: int) -> Tensor:
         out = torch.empty((rows, w), dtype=dtype, device=device)
@@ -209,7 +211,9 @@ def scatter_batch(batch: MicroBatch | None, device: torch.device,
 
     input_ids = part("input_ids", torch.long, width)
     attention_mask = part("attention_mask", torch.long, width)
-    media = _scatter_media(batch.media if rank == 0 else None, rows, device)
+    # text batches skip the media header's two collectives
+    media = (_scatter_media(batch.media if rank == 0 else None, rows, device) if with_media
+             else None)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
