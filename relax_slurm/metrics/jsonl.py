@@ -36,17 +36,21 @@ class MetricsWriter:
 class MetricsTail:
     """New rows of a growing metrics.jsonl, read incrementally (the file is never re-parsed).
 
-    A resumed trainer truncates the file to its checkpoint's step: then reading starts over and
-    `count` (rows in the file as last read) drops accordingly."""
+    A resumed trainer replaces the file with one cut at its checkpoint's step: then reading
+    starts over and `count` (rows in the file as last read) drops accordingly."""
 
     def __init__(self, path: Path) -> None:
         self.path, self._offset, self._partial, self.count = path, 0, b"", 0
+        self._file_id: tuple[int, int] | None = None
 
     def new_rows(self) -> list[dict[str, Any]]:
         try:
             with self.path.open("rb") as f:
-                if os.fstat(f.fileno()).st_size < self._offset:  # truncated
+                st = os.fstat(f.fileno())
+                # replaced (a resume writes a new file) or cut short in place: start over
+                if (st.st_dev, st.st_ino) != self._file_id or st.st_size < self._offset:
                     self._offset, self._partial, self.count = 0, b"", 0
+                    self._file_id = (st.st_dev, st.st_ino)
                 f.seek(self._offset)
                 data = f.read()
         except FileNotFoundError:

@@ -240,7 +240,11 @@ def truncate_metrics(run_dir: Path, start_step: int) -> None:
         return
     rows = [line for line in path.read_text().splitlines()
             if line.strip() and json.loads(line).get("step", 0) < start_step]
-    path.write_text("".join(line + "\n" for line in rows))
+    # a new file put in place, not the old one rewritten: the launcher tails this file, and a
+    # rewrite that grew past its read offset before its next read looked like more rows
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in rows))
+    tmp.replace(path)
 
 
 def rollout_state(groups: list[Group]) -> dict:
