@@ -114,5 +114,9 @@ async def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512,
             timed_out, out, err, out_cut, err_cut, status = True, b"", b"", False, False, None
         finally:
             _kill_group(proc.pid)  # children it forked, if any, go with it
+    # a busy loop spends its CPU limit (ceil(timeout_s) s) as fast as the wall clock: the
+    # kernel's SIGXCPU (soft limit) or SIGKILL (hard, a second later) can come first
+    if status in (-signal.SIGXCPU, -signal.SIGKILL):
+        timed_out = True
     return SandboxResult(stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
                          exit_code=status, timed_out=timed_out, truncated=out_cut or err_cut)
