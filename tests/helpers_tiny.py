@@ -127,3 +127,15 @@ def _tail(path: str | Path, n: int = 4000) -> str:
         return Path(path).read_text(errors="replace")[-n:]
     except OSError:
         return ""
+
+
+def run_tiny_model_tool(out: Path) -> Path:
+    """tools/make_tiny_model.py run in this process (which imports torch anyway)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny_model",
+                                                  REPO_ROOT / "tools" / "make_tiny_model.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--out", str(out)]) == 0
+    return out

@@ -7,6 +7,8 @@ Qwen3-4B; nothing here knows the model is tiny.
 from __future__ import annotations
 
 import functools
+import contextlib
+import socket
 from typing import Iterator
 
 import torch
@@ -67,6 +69,22 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The text decoder's layers (FSDP2 shards each): causal LMs and multimodal models."""
     inner = model.model
     return inner.layers if hasattr(inner, "layers") else inner.language_model.layers
+
+
+@contextlib.contextmanager
+def single_process_group():
+    """A one-rank gloo group (megatron-core needs torch.distributed), unless one exists."""
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def wrap_parallel(model: nn.Module, cfg: TrainerConfig, device: torch.device) -> nn.Module:

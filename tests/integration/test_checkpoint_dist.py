@@ -3,7 +3,6 @@ SIGKILLed in the middle of a save."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -15,21 +14,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
-from helpers_tiny import REPO_ROOT, child_env, stop_process  # noqa: E402
+from helpers_tiny import REPO_ROOT, child_env, run_tiny_model_tool, stop_process  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    """tools/make_tiny_model.py, run in this process (which imports torch anyway)."""
-    out = tmp_path_factory.mktemp("ckpt_dist") / "model"
-    spec = importlib.util.spec_from_file_location("make_tiny_model",
-                                                  REPO_ROOT / "tools" / "make_tiny_model.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    assert tool.main(["--out", str(out)]) == 0
-    return out
+    return run_tiny_model_tool(tmp_path_factory.mktemp("ckpt_dist") / "model")
 
 
 def run_logged(cmd: list[str], log: Path, timeout_s: float) -> int:

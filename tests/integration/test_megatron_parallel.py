@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
-from helpers_tiny import REPO_ROOT, child_env, stop_process  # noqa: E402
+from helpers_tiny import REPO_ROOT, child_env, run_tiny_model_tool, stop_process  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "megatron_parity.py"
 
@@ -29,13 +29,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("megatron") / "model"
-    spec = importlib.util.spec_from_file_location("make_tiny_model",
-                                                  REPO_ROOT / "tools" / "make_tiny_model.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    assert tool.main(["--out", str(out)]) == 0
-    return out
+    return run_tiny_model_tool(tmp_path_factory.mktemp("megatron") / "model")
 
 
 def parity_runs(model_dir: Path, root: Path, layouts) -> dict[str, Path]:

@@ -8,39 +8,21 @@ are written by the same writer as the DCP -> HF conversion (safetensors, config,
 
 from __future__ import annotations
 
-import contextlib
-import socket
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from relax_slurm.checkpoint.convert import write_hf_dir
 from relax_slurm.checkpoint.resume import CheckpointError
 from relax_slurm.config.schema import ModelConfig, TrainerConfig
 from relax_slurm.trainer.megatron import cpu_compat
+from relax_slurm.trainer.model import single_process_group
 from relax_slurm.trainer.megatron.model import (
     build_provider, destroy_model_parallel, fix_sequential_experts, init_model_parallel,
     mark_tensor_parallel,
 )
 
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-@contextlib.contextmanager
-def single_process_group():
-    """A one-rank gloo group (megatron-core needs torch.distributed), unless one exists."""
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def dist_checkpoint_to_hf(src: Path, out: Path, hf_config: str | Path | None = None,

@@ -4,19 +4,17 @@ metric policy_loss returns, reduced per trained token."""
 from __future__ import annotations
 
 import copy
-import socket
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from relax_slurm.config.schema import AlgoConfig, TrainerConfig
 from relax_slurm.samples import Sample
 from relax_slurm.trainer.batch import collate, prepare_items
 from relax_slurm.trainer.main import batch_metrics, staleness_histogram
-from relax_slurm.trainer.model import build_optimizer
+from relax_slurm.trainer.model import build_optimizer, single_process_group
 from relax_slurm.trainer.step import (
     gather_logprobs, reduce_metrics, scaled_logits, token_entropy, train_step,
 )
@@ -26,17 +24,8 @@ VOCAB = 16
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank():
-    if dist.is_initialized():  # another test module set one up
+    with single_process_group():  # a no-op if another test module set one up
         yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def tiny_model(seed: int) -> Qwen3ForCausalLM:
