@@ -1,15 +1,17 @@
-"""Chaos on the real topology (relax-train, tiny experiment, one trainer rank):
+"""Chaos on the real topology (relax-train, the tiny preset's 150 steps at staleness 1):
 
-- the broker, then the rollout worker, are SIGKILLed mid-run (one run): the launcher restarts
-  each in place (the broker from its spill file, its clients resend; the worker rejoins with its
-  predecessor's credits and data position), and the run completes with every accepted sample
-  trained or dropped as stale (`samples_lost: 0`) and the restarts in summary.json,
-  restarts.jsonl and roles.json; the run's secret guards the broker's admin HTTP and the engine
-  on the way;
-- the rollout worker is frozen (SIGSTOP): its heartbeat stops, the launcher names it hung and
-  restarts the run from its checkpoint, which then completes;
-- an engine is SIGKILLed: restarted in place, it re-joins the weight sync through a new cohort
-  (its groups in flight are re-queued by the worker), and nothing is lost.
+each of the broker, the rollout worker, an engine (one trainer rank) and a trainer rank (two
+ranks) is SIGKILLed, separately, a quarter into a run. Every run completes with every accepted
+sample trained or dropped as stale (`samples_lost: 0`), reports its restarts (summary.json,
+restarts.jsonl, roles.json), and ends with a reward within 0.1 of an undisturbed run of the same
+configuration (the mean of the last LAST_STEPS steps: the preset's seed spread is ~0.1, but a
+run and its disturbed twin share model, data and seeds). Restarts are in place for the broker
+(from its spill file; its clients resend), the rollout worker (with its predecessor's credits
+and data position) and the engine (re-joining the weight sync through a new cohort; its groups
+in flight re-queued); a trainer rank's death restarts the run from its last checkpoint.
+
+A rollout worker frozen with SIGSTOP stops heartbeating: the launcher names it hung and restarts
+the run from its checkpoint (a short run: this is about detection, not learning).
 """
 
 from __future__ import annotations
@@ -21,18 +23,26 @@ import stat
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import pytest
 
 from tests.conftest import ONE_RANK, REPO, run_env, tiny_command
+from tests.integration.test_launcher_failures import alive
 
 TIMEOUT_S = 900
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
+# the preset's run (150 steps) at staleness 1, so that chaos meets samples in flight and the
+# stale-drop path; a checkpoint every 20 steps bounds what a global restart redoes
+CHAOS = ("algo.max_staleness=1", "trainer.save_every=20")
+KILL_AT = 40  # metrics lines: step_40 is saved before line 41 (step index 40) is written
+LAST_STEPS = 10
+REWARD_TOLERANCE = 0.1
 
 
 def start(run_dir: Path, tiny: Path, *overrides: str) -> subprocess.Popen:
-    cmd = tiny_command(run_dir, tiny, ONE_RANK, "metrics.progress=false", *overrides)
+    cmd = tiny_command(run_dir, tiny, "metrics.progress=false", *overrides)
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=run_env(), start_new_session=True)
 
@@ -44,103 +54,155 @@ def wait_steps(proc: subprocess.Popen, run_dir: Path, n: int) -> None:
         time.sleep(0.2)
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """Kill what is left of a run (its whole session: launcher and roles)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
 def finish(proc: subprocess.Popen) -> tuple[str, str]:
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        stop(proc)
     assert proc.returncode == 0, err[-4000:]
     return out, err
+
+
+def kill_mid_run(run_dir: Path, tiny: Path, victim: Callable[[Path], int], *overrides: str,
+                 at: int = KILL_AT, sig: int = signal.SIGKILL) -> tuple[str, int]:
+    """Start a run, send `sig` to the process `victim(run_dir)` names once `at` steps are
+    logged, and see the run to its end; (launcher stderr, the pid signalled)."""
+    proc = start(run_dir, tiny, *overrides)
+    try:
+        wait_steps(proc, run_dir, at)
+        pid = victim(run_dir)
+        os.kill(pid, sig)
+        _, err = finish(proc)
+    finally:
+        stop(proc)
+    return err, pid
 
 
 def role(run_dir: Path, name: str) -> dict:
     return next(r for r in json.loads((run_dir / "roles.json").read_text()) if r["name"] == name)
 
 
-def test_killed_broker_and_worker_restart_in_place_and_lose_nothing(tmp_path, tiny_assets):
-    run_dir, steps = tmp_path / "run", 10
-    proc = start(run_dir, tiny_assets, f"trainer.total_steps={steps}", "algo.max_staleness=1")
-    try:
-        wait_steps(proc, run_dir, 2)
-        secret = (run_dir / "secret").read_text().strip()
-        assert stat.S_IMODE((run_dir / "secret").stat().st_mode) == 0o600
-        assert secret not in (run_dir / "config.yaml").read_text()
-        plan = json.loads((run_dir / "plan.json").read_text())
-        engine = plan["engine_urls"][0]
-        assert httpx.post(engine + "/generate", json={"input_ids": [4]}).status_code == 401
-        status = httpx.get(plan["broker_admin"] + "/status",
-                           headers={"Authorization": f"Bearer {secret}"}, timeout=10).json()
-        assert status["version"] >= 2 and "trainer" in status["roles"]
-        assert "rollout" in status["roles"]
-        assert httpx.get(plan["broker_admin"] + "/status").status_code == 401
-        broker = role(run_dir, "broker")
-        os.kill(broker["pid"], signal.SIGKILL)
-        wait_steps(proc, run_dir, 5)
-        worker = role(run_dir, "rollout")
-        os.kill(worker["pid"], signal.SIGKILL)
-        _, err = finish(proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert "broker exited with code -9; restarted in place" in err
-    assert "rollout exited with code -9; restarted in place" in err
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_reward(run_dir: Path) -> float:
+    rows = metrics(run_dir)[-LAST_STEPS:]
+    return sum(r["rollout/reward_mean"] for r in rows) / len(rows)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory, tiny_assets) -> float:
+    """The final reward of the chaos runs' configuration with nothing killed."""
+    run_dir = tmp_path_factory.mktemp("undisturbed") / "run"
+    finish(start(run_dir, tiny_assets, ONE_RANK, *CHAOS))
+    reward = final_reward(run_dir)
+    assert reward >= 0.7, reward  # the reference must have learned for the comparison to mean much
+    return reward
+
+
+def assert_completed_like(run_dir: Path, undisturbed: float, restarts: dict) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["samples_lost"] == 0, summary
-    assert summary["restarts"] == {"broker": 1, "rollout": 1}
-    assert role(run_dir, "broker")["pid"] != broker["pid"]
-    assert role(run_dir, "rollout")["pid"] != worker["pid"]
+    assert summary["steps"] == 150 and summary["samples_lost"] == 0, summary
+    assert summary["restarts"] == restarts, summary
+    assert [r["step"] for r in metrics(run_dir)] == list(range(150))  # none missing or twice
+    reward = final_reward(run_dir)
+    assert abs(reward - undisturbed) <= REWARD_TOLERANCE, (reward, undisturbed)
+    return summary
+
+
+def guarded_broker(run_dir: Path) -> int:
+    """The broker's pid, once the run's secret is seen guarding its admin HTTP and the engine."""
+    secret = (run_dir / "secret").read_text().strip()
+    assert stat.S_IMODE((run_dir / "secret").stat().st_mode) == 0o600
+    assert secret not in (run_dir / "config.yaml").read_text()
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert httpx.post(plan["engine_urls"][0] + "/generate",
+                      json={"input_ids": [4]}).status_code == 401
+    status = httpx.get(plan["broker_admin"] + "/status",
+                       headers={"Authorization": f"Bearer {secret}"}, timeout=10).json()
+    assert status["version"] >= 2 and {"trainer", "rollout"} <= set(status["roles"])
+    assert httpx.get(plan["broker_admin"] + "/status").status_code == 401
+    return role(run_dir, "broker")["pid"]
+
+
+def test_a_killed_broker_restarts_in_place_from_its_spill(tmp_path, tiny_assets, undisturbed):
+    run_dir = tmp_path / "run"
+    err, pid = kill_mid_run(run_dir, tiny_assets, guarded_broker, ONE_RANK, *CHAOS)
+    assert "broker exited with code -9; restarted in place" in err
+    assert "global restart" not in err
+    assert_completed_like(run_dir, undisturbed, {"broker": 1})
+    assert role(run_dir, "broker")["pid"] != pid
     rows = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()]
-    assert [(r["role"], r["kind"]) for r in rows] == [("broker", "in_place"),
-                                                      ("rollout", "in_place")]
+    assert [(r["role"], r["kind"]) for r in rows] == [("broker", "in_place")]
     assert "replayed" in (run_dir / "logs" / "broker.log").read_text()
+
+
+def test_a_killed_rollout_worker_restarts_in_place_and_rejoins(tmp_path, tiny_assets,
+                                                                undisturbed):
+    run_dir = tmp_path / "run"
+    err, pid = kill_mid_run(run_dir, tiny_assets, lambda d: role(d, "rollout")["pid"],
+                            ONE_RANK, *CHAOS)
+    assert "rollout exited with code -9; restarted in place" in err
+    assert "global restart" not in err
+    assert_completed_like(run_dir, undisturbed, {"rollout": 1})
+    assert role(run_dir, "rollout")["pid"] != pid
     assert "rejoined" in (run_dir / "logs" / "rollout.log").read_text()
-    steps_logged = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text()
-                    .splitlines()]
-    assert steps_logged == list(range(steps))
+
+
+def test_a_killed_engine_restarts_in_place_and_rejoins_the_weight_sync(tmp_path, tiny_assets,
+                                                                       undisturbed):
+    run_dir = tmp_path / "run"
+    # every push checked bit for bit, the new cohort's too
+    err, _ = kill_mid_run(run_dir, tiny_assets, lambda d: role(d, "engine0")["pid"],
+                          ONE_RANK, *CHAOS, "weight_sync.verify=true")
+    assert "engine0 exited with code -9; restarted in place" in err
+    assert "global restart" not in err
+    assert_completed_like(run_dir, undisturbed, {"engine0": 1})
+    assert "weight-sync cohort 1 formed" in (run_dir / "logs" / "trainer.log").read_text()
+
+
+def test_a_killed_trainer_rank_restarts_the_run_from_its_checkpoint(tmp_path, tiny_assets,
+                                                                    undisturbed):
+    run_dir, first_roles = tmp_path / "run", []
+
+    def last_rank(run_dir: Path) -> int:
+        first_roles.extend(json.loads((run_dir / "roles.json").read_text()))
+        torchrun = role(run_dir, "trainer")["pid"]
+        ranks = subprocess.run(["pgrep", "-P", str(torchrun)], capture_output=True,
+                               text=True).stdout.split()
+        assert len(ranks) == 2, ranks
+        return int(ranks[-1])
+
+    err, _ = kill_mid_run(run_dir, tiny_assets, last_rank, "trainer.nproc_per_node=2", *CHAOS,
+                          "cluster.max_global_restarts=1", at=KILL_AT + 1)
+    assert "global restart 1 of 1" in err
+    summary = assert_completed_like(run_dir, undisturbed, {})
+    assert summary["global_restarts"] == 1
+    rows = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["kind"] == "global" and "trainer" in rows[0]["cause"]
+    assert rows[0]["resumes_from"].endswith(("step_40", "step_60", "step_80"))
+    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+    assert not [r["name"] for r in first_roles if alive(r["pid"])]  # the first attempt is gone
 
 
 def test_a_frozen_worker_is_named_hung_and_the_run_restarts(tmp_path, tiny_assets):
     run_dir, steps = tmp_path / "run", 6
-    proc = start(run_dir, tiny_assets, f"trainer.total_steps={steps}", "trainer.save_every=2",
-                 "cluster.max_global_restarts=1", "cluster.heartbeat_interval_s=2",
-                 "cluster.heartbeat_timeout_s=20")
-    try:
-        wait_steps(proc, run_dir, 3)  # step_2 is saved before step index 2 is logged
-        worker = role(run_dir, "rollout")
-        os.kill(worker["pid"], signal.SIGSTOP)
-        _, err = finish(proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    # step_2 is saved before step index 2 is logged
+    err, _ = kill_mid_run(run_dir, tiny_assets, lambda d: role(d, "rollout")["pid"], ONE_RANK,
+                          f"trainer.total_steps={steps}", "trainer.save_every=2",
+                          "cluster.max_global_restarts=1", "cluster.heartbeat_interval_s=2",
+                          "cluster.heartbeat_timeout_s=20", at=3, sig=signal.SIGSTOP)
     assert "global restart 1 of 1" in err
     rows = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["kind"] == "global"
     assert "role 'rollout' sent no heartbeat" in rows[0]["cause"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["global_restarts"] == 1
-
-
-def test_a_killed_engine_restarts_in_place_and_rejoins_the_weight_sync(tmp_path, tiny_assets):
-    run_dir, steps = tmp_path / "run", 8
-    proc = start(run_dir, tiny_assets, f"trainer.total_steps={steps}",
-                 "weight_sync.verify=true")  # every push checked bit for bit, the new cohort's too
-    try:
-        wait_steps(proc, run_dir, 3)
-        engine = role(run_dir, "engine0")
-        os.kill(engine["pid"], signal.SIGKILL)
-        _, err = finish(proc)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert "engine0 exited with code -9; restarted in place" in err
-    assert "global restart" not in err
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["samples_lost"] == 0, summary
-    assert summary["restarts"].get("engine0") == 1, summary
-    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
-    assert "weight-sync cohort 1 formed" in trainer_log
