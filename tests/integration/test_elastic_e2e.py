@@ -1,25 +1,28 @@
 """Elastic rollout on the real topology (relax-train, tiny experiment, one trainer rank), one
 run: scale out from 1 to 3 engines mid-run through the broker's admin HTTP (the launcher starts
 the engines, the trainer's cohort re-forms and sends them the current weights, the worker
-routes to them once ACTIVE)), then scale in to 1 with drain (no request lost), then a scale-out cancelled
-at once (rolled back: its engine is stopped). The run completes with samples_lost 0.
+routes to them once ACTIVE) and a step's batch is generated faster, then scale in to 1 with
+drain (no request lost), then a scale-out cancelled at once (rolled back: its engine is
+stopped). The run completes with samples_lost 0.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
+import statistics
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.integration.test_chaos import TIMEOUT_S, finish, role, start, wait_steps
+from tests.conftest import ONE_RANK
+from tests.integration.test_chaos import TIMEOUT_S, finish, role, start, stop, wait_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
 OP_WAIT_S = 400
+BEFORE = 10  # steps measured with one engine, then with three
+THROUGHPUT_RISE = 1.2
 
 
 class Admin:
@@ -49,12 +52,24 @@ def engine_version(url: str, secret: str) -> int:
                          headers={"Authorization": f"Bearer {secret}"}).json()["weight_version"])
 
 
+def gen_time(run_dir: Path, first: int, last: int) -> float:
+    """Median seconds the rollout took to generate one step's batch, steps [first, last) (the
+    median: a step that met a weight push or a cohort re-forming is not what is measured)."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["perf/gen_time_s"] for r in rows[first:last])
+
+
 def test_scale_out_1_to_3_then_drain_in_then_cancel(tmp_path, tiny_assets):
-    run_dir, steps = tmp_path / "run", 100
-    proc = start(run_dir, tiny_assets, f"trainer.total_steps={steps}",
+    run_dir, steps = tmp_path / "run", 150
+    # rollout-bound, like SGLang servers at their max_running_requests: an engine runs at most
+    # 64 sequences at once and a step's 512 come in 8 requests, so one engine works through
+    # them in turn and more engines share them (the trainer waits on-policy meanwhile)
+    proc = start(run_dir, tiny_assets, ONE_RANK, f"trainer.total_steps={steps}",
+                 "rollout.groups_per_request=4", "rollout.engine_max_batch_size=64",
                  "cluster.heartbeat_interval_s=1", "cluster.elastic_drain_timeout_s=120")
     try:
-        wait_steps(proc, run_dir, 1)
+        wait_steps(proc, run_dir, BEFORE + 2)
+        one_engine = gen_time(run_dir, 2, BEFORE + 2)  # the first steps warm up
         admin = Admin(run_dir)
         [first] = json.loads((run_dir / "plan.json").read_text())["engine_urls"]
         # scale out 1 -> 3: accepted, one at a time, the trainer syncs them, the worker routes
@@ -82,6 +97,11 @@ def test_scale_out_1_to_3_then_drain_in_then_cancel(tmp_path, tiny_assets):
                 "requests_per_engine", {}).get(url, 0) for url in new) < 2:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.5)
+        # throughput rises: a step's batch takes less time with three engines than with one
+        n = len((run_dir / "metrics.jsonl").read_text().splitlines())
+        wait_steps(proc, run_dir, n + BEFORE)
+        three_engines = gen_time(run_dir, n, n + BEFORE)
+        assert one_engine / three_engines >= THROUGHPUT_RISE, (one_engine, three_engines)
         # scale in to 1: the initial engine is protected, the new one drains and stops
         r = admin.post("/rollout/scale_in", {"engine_urls": [first]})
         assert r.status_code == 409 and "protected" in r.text
@@ -102,9 +122,7 @@ def test_scale_out_1_to_3_then_drain_in_then_cancel(tmp_path, tiny_assets):
             time.sleep(0.5)
         _, err = finish(proc)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        stop(proc)
     assert "elastic rollout" in err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["samples_lost"] == 0, summary
