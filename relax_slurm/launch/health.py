@@ -12,8 +12,10 @@ engine's `/health`; `check()` names the first of them silent for longer than
 - an engine, when /health has not answered 200 for that long (SGLang serves /health too, so
   engines need no heartbeat code of their own).
 
-The supervisor turns the answer into `RoleHung`, which ends the attempt like a dead role (and
-is followed by a global restart when `cluster.max_global_restarts` allows).
+The supervisor restarts the role it names in place when it may (broker, rollout worker,
+engines: launch/restart.py), like a dead one; otherwise (the trainer, or restarts used up) it
+raises `RoleHung`, which ends the attempt like a dead role (and is followed by a global restart
+when `cluster.max_global_restarts` allows).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class HangWatch:
         self._next = now + interval_s
         # a probe that fails counts from the watch's start (the roles are starting then)
         self._last_ok = {"broker": now, **{name: now for name in engines}}
+        self._restarted: dict[str, float] = {}  # role -> when it was restarted in place
         timeout = min(PROBE_TIMEOUT_S, interval_s)
         self._admin = httpx.Client(timeout=timeout, headers={"Authorization": f"Bearer {secret}"})
         self._probe = httpx.Client(timeout=timeout)  # /health is open: no secret to engines
@@ -50,9 +53,15 @@ class HangWatch:
 
     def restarted(self, name: str) -> None:
         """`name` was just restarted in place: its silence counts from now (an engine loading
-        its model again is not hung)."""
+        its model again is not hung; the broker keeps its predecessor's heartbeat age until the
+        new process heartbeats)."""
+        self._restarted[name] = self._clock()
         if name in self._last_ok:
             self._last_ok[name] = self._clock()
+
+    def _in_grace(self, heartbeat_name: str, now: float) -> bool:
+        return any(heartbeat_name.startswith(name) and now - t <= self.timeout_s
+                   for name, t in self._restarted.items())
 
     def check(self) -> tuple[str, str] | None:
         """(role, why) for the first hung role, probing at most once per interval; else None."""
@@ -83,7 +92,7 @@ class HangWatch:
         self._last_ok["broker"] = now
         for role, info in status.get("roles", {}).items():
             age = float(info.get("heartbeat_age_s", 0.0))
-            if age > self.timeout_s:
+            if age > self.timeout_s and not self._in_grace(role, now):
                 return (role, f"sent no heartbeat for {age:.0f}s > cluster.heartbeat_timeout_s="
                               f"{self.timeout_s:.0f}s (hung: alive, but its main loop makes no "
                               "progress)")

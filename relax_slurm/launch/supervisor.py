@@ -105,7 +105,8 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
           in_place: InPlace | None = None, scaler: Scaler | None = None) -> None:
     """Return when the trainer exits 0; raise Preempted when it stopped on a preemption request
     (see launch/control.py), RoleHung for a role that stopped heartbeating (see
-    launch/health.py), RoleFailed for any other death or a stalled run."""
+    launch/health.py) and may not be restarted in place, RoleFailed for any other death or a
+    stalled run."""
     progress = Progress(cfg.trainer.total_steps, enabled=cfg.metrics.progress)
     tail = MetricsTail(run_dir / METRICS_FILE)
     last_step_t = time.monotonic()
@@ -130,7 +131,8 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
                 scaler.tick()  # elastic rollout: start/stop engines the broker asks for
             procs.check_alive(skip=("trainer",))
             stuck = hangs.check() if hangs is not None else None
-            if stuck is not None:
+            # a silent role that may restart in place does (a hung trainer cannot: global)
+            if stuck is not None and (in_place is None or not in_place.restart_hung(*stuck)):
                 raise hung(procs, *stuck)
             if time.monotonic() - last_step_t > cfg.cluster.step_timeout_s:
                 raise trainer.failure(

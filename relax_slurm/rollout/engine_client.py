@@ -97,6 +97,9 @@ class _Base:
         self.timeout_s = timeout_s
 
     def _check(self, route: str, resp: httpx.Response) -> httpx.Response:
+        if resp.status_code == 503:  # not serving now (restoring its weights): try again later
+            raise EngineUnreachable(f"engine {self.url}{route}: HTTP 503: "
+                                    f"{_server_message(resp)}")
         if resp.status_code >= 400:
             raise EngineError(f"engine {self.url}{route}: HTTP {resp.status_code}: "
                               f"{_server_message(resp)}")

@@ -82,6 +82,14 @@ GREEDY_EPS = 1e-6
 KEEP_ALIVE_S = 120
 
 
+PARTIAL_WEIGHTS = ("the last weight update failed midway and left a mix of two versions: "
+                   "generation resumes after the next complete /update_weights_from_distributed")
+
+
+class NotServing(RuntimeError):
+    """The engine cannot generate now but will again (HTTP 503: the client tries later)."""
+
+
 class BadRequest(ValueError):
     """The request cannot be served as sent: answered with HTTP 400 and the reason."""
 
@@ -564,6 +572,10 @@ class HFEngine:
     def _run_batch(self, rows: list[_Row]) -> None:
         with self._model_lock:  # a weight update waits for this batch to finish
             version = self.weight_version
+            if self.partial_weights:  # queued while an update that then failed held the lock
+                for row in rows:
+                    row.request.fail(NotServing(PARTIAL_WEIGHTS))
+                return
             try:
                 to_generate = [r for r in rows if r.spec.max_new_tokens > 0]
                 outputs = dict(zip(map(id, to_generate), self._generate(to_generate)
@@ -708,12 +720,16 @@ class HFEngine:
             raise WeightSyncError(f"generation held the model for more than {self.sync_timeout_s}s")
         try:
             # received in place into the parameters: a failure midway leaves a mix of two
-            # versions, so the engine refuses /generate until a later update completes
-            self.partial_weights = True
+            # versions, so the engine serves nothing until a later update completes (requests
+            # queued meanwhile are refused by _run_batch; the lock keeps them out until then)
             params = dict(self.model.named_parameters(remove_duplicate=False))
-            received = self.receiver.receive(names, dtypes, shapes, group_name, self.device,
-                                             into=params)
-            load_named_tensors(self.model, received)
+            try:
+                received = self.receiver.receive(names, dtypes, shapes, group_name, self.device,
+                                                 into=params)
+                load_named_tensors(self.model, received)
+            except BaseException:
+                self.partial_weights = True
+                raise
             self.partial_weights = False
             if weight_version is not None:
                 self.weight_version = str(weight_version)
@@ -743,6 +759,8 @@ def _json_errors(fn):
             return await fn(request)
         except (BadRequest, WeightSyncError, ValueError, KeyError, TypeError) as e:
             return _error(400, f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e))
+        except NotServing as e:
+            return _error(503, str(e))
         except (asyncio.TimeoutError, TimeoutError) as e:
             return _error(504, f"timed out: {e}")
         except Exception as e:
@@ -798,9 +816,7 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
             raise BadRequest(f"memory {sorted(engine.released)} is released: call "
                              "/resume_memory_occupation before /generate")
         if engine.partial_weights:
-            raise WeightSyncError("the last weight update failed midway and left a mix of two "
-                                  "versions: generation resumes after the next complete "
-                                  "/update_weights_from_distributed")
+            raise NotServing(PARTIAL_WEIGHTS)
         prompts, specs, flags, starts, is_batch = parse_generate_request(
             body, engine.tokenizer, engine.vocab_size)
         media = parse_media(body, len(prompts), is_batch)

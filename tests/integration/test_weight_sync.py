@@ -54,5 +54,8 @@ def test_weight_sync_two_engines_bit_exact(tmp_path):
     assert r["mismatch_error"] is not None
     assert r["tampered_name"] in r["mismatch_error"] and urls[0] in r["mismatch_error"]
     assert r["bogus_error"] is not None and "no_such_weight" in r["bogus_error"]
+    # 503: not now, but again after the next complete update (the worker re-queues the group)
     assert r["generate_after_bogus"] is not None and "midway" in r["generate_after_bogus"]
+    assert r["generate_after_bogus"].startswith("EngineUnreachable: ")
+    assert "HTTP 503" in r["generate_after_bogus"]
     assert set(r["gen_versions3"]) == {"3"}

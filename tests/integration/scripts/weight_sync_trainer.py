@@ -78,7 +78,7 @@ def run_rank0(args):
             clients[0].generate(PROMPTS, GREEDY)
             out["generate_after_bogus"] = None
         except Exception as e:  # noqa: BLE001 - the engine's refusal, whatever its type
-            out["generate_after_bogus"] = str(e)
+            out["generate_after_bogus"] = f"{type(e).__name__}: {e}"
         sender.send(second, version="3")
         sender.verify(second)
         out["gen_versions3"] = [r.weight_version for c in clients

@@ -43,6 +43,16 @@ def test_silent_roles_engines_and_broker_are_named(start_broker: Callable[..., B
         finally:
             watch.close()
         assert found is not None and found[0] == "rollout" and "no heartbeat" in found[1]
+        # restarted in place: its predecessor's silence is not held against the new process,
+        # which is named again only once it too has been silent for the timeout
+        watch = HangWatch(broker.admin, SECRET, {}, INTERVAL_S, TIMEOUT_S)
+        try:
+            watch.restarted("rollout")
+            assert poll(watch, TIMEOUT_S - 0.5) is None
+            found = poll(watch, 2 * TIMEOUT_S)
+        finally:
+            watch.close()
+        assert found is not None and found[0] == "rollout"
 
     dead_engine = f"http://127.0.0.1:{free_port()}"
     watch = HangWatch(None, SECRET, {"engine1": dead_engine}, INTERVAL_S, TIMEOUT_S)

@@ -58,3 +58,32 @@ def test_dead_roles_come_back_until_the_cap(tmp_path: Path) -> None:
         assert roles["rollout"].proc is rollout and in_place.counts() == {"broker": 1}
     finally:
         procs.close()
+
+
+def test_a_hung_role_is_killed_and_started_again(tmp_path: Path) -> None:
+    """A role alive but silent (health.py names it, by a heartbeat name such as rollout0) is
+    SIGKILLed and started again like a dead one; one without a restart command is not."""
+    (tmp_path / "logs").mkdir()
+    specs = [RoleSpec(name="rollout", argv=SLEEP, het_group=1, host="127.0.0.1",
+                      restart_argv=[*SLEEP, "--rejoin"]),
+             RoleSpec(name="trainer", argv=SLEEP, het_group=0, host="127.0.0.1")]
+    procs = ProcessSet(tmp_path / "logs", dict(os.environ))
+    try:
+        roles = {s.name: procs.start(s.name, s.argv) for s in specs}
+        restarted = []
+        in_place = InPlace(procs, specs, wrap=lambda spec: spec.argv, run_dir=tmp_path, cap=1,
+                           on_restart=restarted.append)
+        frozen = roles["rollout"].proc
+        os.kill(frozen.pid, signal.SIGSTOP)
+        assert in_place.restart_hung("rollout0", "sent no heartbeat for 30s")
+        assert frozen.poll() == -signal.SIGKILL  # killed, stopped or not
+        assert roles["rollout"].proc.pid != frozen.pid and roles["rollout"].proc.poll() is None
+        assert roles["rollout"].proc.args[-1] == "--rejoin" and restarted == ["rollout"]
+        rows = [json.loads(x) for x in (tmp_path / "restarts.jsonl").read_text().splitlines()]
+        assert rows == [{**rows[0], "role": "rollout", "kind": "in_place", "restart": 1,
+                         "cause": "hung: sent no heartbeat for 30s"}]
+        assert not in_place.restart_hung("rollout", "again")  # past the cap
+        assert not in_place.restart_hung("trainer", "sent no heartbeat")  # no restart command
+        assert roles["trainer"].proc.poll() is None  # left alone: the caller fails the attempt
+    finally:
+        procs.close()
