@@ -21,69 +21,70 @@ pytestmark = pytest.mark.timeout(60)
 SLEEP = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
 
 
-def test_dead_roles_come_back_until_the_cap(tmp_path: Path) -> None:
+def two_roles(restartable: str, flag: str, plain: str) -> list[RoleSpec]:
+    """A role restarted with SLEEP + [flag], and one without a restart command."""
+    return [RoleSpec(name=restartable, argv=SLEEP, het_group=0, host="127.0.0.1",
+                     restart_argv=[*SLEEP, flag]),
+            RoleSpec(name=plain, argv=SLEEP, het_group=1, host="127.0.0.1")]
+
+
+@pytest.fixture
+def procs(tmp_path: Path):
     (tmp_path / "logs").mkdir()
-    specs = [RoleSpec(name="broker", argv=SLEEP, het_group=0, host="127.0.0.1",
-                      restart_argv=[*SLEEP, "--replay"]),
-             RoleSpec(name="rollout", argv=SLEEP, het_group=1, host="127.0.0.1")]
     procs = ProcessSet(tmp_path / "logs", dict(os.environ))
-    try:
-        roles = {s.name: procs.start(s.name, s.argv) for s in specs}
-        write_roles(procs, tmp_path)
-        in_place = InPlace(procs, specs, wrap=lambda spec: spec.argv, run_dir=tmp_path, cap=1)
-        first = roles["broker"].proc.pid
-        os.kill(first, signal.SIGKILL)
-        roles["broker"].proc.wait(10)
-        in_place.revive()
-        procs.check_alive()  # back: nothing to report
-        assert roles["broker"].proc.pid != first and roles["broker"].proc.args[-1] == "--replay"
-        info = {r["name"]: r for r in json.loads((tmp_path / "roles.json").read_text())}
-        assert info["broker"]["pid"] == roles["broker"].proc.pid
-        assert info["broker"]["restarts"] == 1
-        rows = [json.loads(x) for x in (tmp_path / "restarts.jsonl").read_text().splitlines()]
-        assert rows[0]["role"] == "broker" and rows[0]["kind"] == "in_place"
-        assert rows[0]["cause"] == "exited with code -9"
-        assert "restarting broker in place" in (tmp_path / "logs" / "broker.log").read_text()
-        assert in_place.counts() == {"broker": 1}
-
-        roles["broker"].proc.kill()  # past the cap: reported like any death
-        roles["broker"].proc.wait(10)
-        in_place.revive()
-        with pytest.raises(RoleFailed, match="role 'broker' exited"):
-            procs.check_alive()
-        rollout = roles["rollout"].proc
-        rollout.kill()
-        rollout.wait(10)
-        in_place.revive()  # no restart command: left dead
-        assert roles["rollout"].proc is rollout and in_place.counts() == {"broker": 1}
-    finally:
-        procs.close()
+    yield procs
+    procs.close()
 
 
-def test_a_hung_role_is_killed_and_started_again(tmp_path: Path) -> None:
+def test_dead_roles_come_back_until_the_cap(tmp_path: Path, procs: ProcessSet) -> None:
+    specs = two_roles("broker", "--replay", "rollout")
+    roles = {s.name: procs.start(s.name, s.argv) for s in specs}
+    write_roles(procs, tmp_path)
+    in_place = InPlace(procs, specs, wrap=lambda spec: spec.argv, run_dir=tmp_path, cap=1)
+    first = roles["broker"].proc.pid
+    os.kill(first, signal.SIGKILL)
+    roles["broker"].proc.wait(10)
+    in_place.revive()
+    procs.check_alive()  # back: nothing to report
+    assert roles["broker"].proc.pid != first and roles["broker"].proc.args[-1] == "--replay"
+    info = {r["name"]: r for r in json.loads((tmp_path / "roles.json").read_text())}
+    assert info["broker"]["pid"] == roles["broker"].proc.pid
+    assert info["broker"]["restarts"] == 1
+    rows = [json.loads(x) for x in (tmp_path / "restarts.jsonl").read_text().splitlines()]
+    assert rows[0]["role"] == "broker" and rows[0]["kind"] == "in_place"
+    assert rows[0]["cause"] == "exited with code -9"
+    assert "restarting broker in place" in (tmp_path / "logs" / "broker.log").read_text()
+    assert in_place.counts() == {"broker": 1}
+
+    roles["broker"].proc.kill()  # past the cap: reported like any death
+    roles["broker"].proc.wait(10)
+    in_place.revive()
+    with pytest.raises(RoleFailed, match="role 'broker' exited"):
+        procs.check_alive()
+    rollout = roles["rollout"].proc
+    rollout.kill()
+    rollout.wait(10)
+    in_place.revive()  # no restart command: left dead
+    assert roles["rollout"].proc is rollout and in_place.counts() == {"broker": 1}
+
+
+def test_a_hung_role_is_killed_and_started_again(tmp_path: Path, procs: ProcessSet) -> None:
     """A role alive but silent (health.py names it, by a heartbeat name such as rollout0) is
     SIGKILLed and started again like a dead one; one without a restart command is not."""
-    (tmp_path / "logs").mkdir()
-    specs = [RoleSpec(name="rollout", argv=SLEEP, het_group=1, host="127.0.0.1",
-                      restart_argv=[*SLEEP, "--rejoin"]),
-             RoleSpec(name="trainer", argv=SLEEP, het_group=0, host="127.0.0.1")]
-    procs = ProcessSet(tmp_path / "logs", dict(os.environ))
-    try:
-        roles = {s.name: procs.start(s.name, s.argv) for s in specs}
-        restarted = []
-        in_place = InPlace(procs, specs, wrap=lambda spec: spec.argv, run_dir=tmp_path, cap=1,
-                           on_restart=restarted.append)
-        frozen = roles["rollout"].proc
-        os.kill(frozen.pid, signal.SIGSTOP)
-        assert in_place.restart_hung("rollout0", "sent no heartbeat for 30s")
-        assert frozen.poll() == -signal.SIGKILL  # killed, stopped or not
-        assert roles["rollout"].proc.pid != frozen.pid and roles["rollout"].proc.poll() is None
-        assert roles["rollout"].proc.args[-1] == "--rejoin" and restarted == ["rollout"]
-        rows = [json.loads(x) for x in (tmp_path / "restarts.jsonl").read_text().splitlines()]
-        assert rows == [{**rows[0], "role": "rollout", "kind": "in_place", "restart": 1,
-                         "cause": "hung: sent no heartbeat for 30s"}]
-        assert not in_place.restart_hung("rollout", "again")  # past the cap
-        assert not in_place.restart_hung("trainer", "sent no heartbeat")  # no restart command
-        assert roles["trainer"].proc.poll() is None  # left alone: the caller fails the attempt
-    finally:
-        procs.close()
+    specs = two_roles("rollout", "--rejoin", "trainer")
+    roles = {s.name: procs.start(s.name, s.argv) for s in specs}
+    restarted = []
+    in_place = InPlace(procs, specs, wrap=lambda spec: spec.argv, run_dir=tmp_path, cap=1,
+                       on_restart=restarted.append)
+    frozen = roles["rollout"].proc
+    os.kill(frozen.pid, signal.SIGSTOP)
+    assert in_place.restart_hung("rollout0", "sent no heartbeat for 30s")
+    assert frozen.poll() == -signal.SIGKILL  # killed, stopped or not
+    assert roles["rollout"].proc.pid != frozen.pid and roles["rollout"].proc.poll() is None
+    assert roles["rollout"].proc.args[-1] == "--rejoin" and restarted == ["rollout"]
+    rows = [json.loads(x) for x in (tmp_path / "restarts.jsonl").read_text().splitlines()]
+    assert rows == [{**rows[0], "role": "rollout", "kind": "in_place", "restart": 1,
+                     "cause": "hung: sent no heartbeat for 30s"}]
+    assert not in_place.restart_hung("rollout", "again")  # past the cap
+    assert not in_place.restart_hung("trainer", "sent no heartbeat")  # no restart command
+    assert roles["trainer"].proc.poll() is None  # left alone: the caller fails the attempt
