@@ -34,10 +34,16 @@ log = logging.getLogger("relax_slurm.checkpoint")
 BACKEND = "megatron"
 
 
+# the distributed optimizer's state in the canonical per-parameter layout (gathered on DP rank 0
+# when saving), so its checkpoints reshard over any TP/PP/DP sizes and load with or without it;
+# ignored by the plain optimizer
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def sharded_state_dict(mm: MegatronModel, loading: bool = False) -> dict:
     model_sd = model_sharded_state_dict(mm.chunks)
-    return {**model_sd, "optimizer": mm.optimizer.sharded_state_dict(model_sd,
-                                                                     is_loading=loading)}
+    return {**model_sd, "optimizer": mm.optimizer.sharded_state_dict(
+        model_sd, is_loading=loading, metadata=OPTIMIZER_METADATA)}
 
 
 def model_sharded_state_dict(chunks) -> dict:

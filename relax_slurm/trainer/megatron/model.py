@@ -118,8 +118,9 @@ class MegatronModel:
             model_cfg.path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
         self.vocab_size = self.bridge.hf_pretrained.config.vocab_size
         provider = build_provider(self.bridge, model_cfg, cfg)
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False)
+        ddp = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.use_distributed_optimizer)
         # wrapped in Megatron DDP here rather than by the bridge, whose wrapper opens a CUDA
         # side-stream (for CUDA graphs) that a CPU build cannot create
         bare = provider.provide_distributed_model(
@@ -141,7 +142,7 @@ class MegatronModel:
             optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.grad_clip,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
-            use_distributed_optimizer=False), self.chunks)
+            use_distributed_optimizer=cfg.use_distributed_optimizer), self.chunks)
         self.steps_done = 0  # optimizer steps: the lr schedule's position
 
     # ---- lr schedule -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""torchrun --nproc-per-node N megatron_parity.py --model-dir D --tp T --pp P [--ep E] --out DIR
+"""torchrun --nproc-per-node N megatron_parity.py --model-dir D --tp T --pp P [--ep E] [--dist-opt]
+    --out DIR
 
 The megatron backend on gloo: builds the tiny HF model through megatron-bridge at the given
 TP/PP sizes, then (rank 0 writes DIR/result.json)
@@ -47,12 +48,14 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--dist-opt", action="store_true", help="trainer.use_distributed_optimizer")
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp,
                         pipeline_parallel_size=args.pp, expert_parallel_size=args.ep, lr=1e-2,
+                        use_distributed_optimizer=args.dist_opt,
                         grad_clip=1.0, micro_batch_size=4, nproc_per_node=dist.get_world_size())
     init_model_parallel(cfg)
     mm = MegatronModel(ModelConfig(path=args.model_dir), cfg)
