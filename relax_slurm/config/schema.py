@@ -305,9 +305,6 @@ class TrainerConfig:
                f"trainer.backend={self.backend}: trainer.use_distributed_optimizer is the megatron "
                "backend's; with trainer=torch shard the optimizer with trainer.strategy=fsdp2, and "
                "set trainer.use_distributed_optimizer=false")
-        _check(self.backend != "megatron" or not self.async_save,
-               "trainer.async_save=true: the megatron backend saves synchronously (Megatron "
-               "dist-checkpoint); set trainer.async_save=false")
         _check(self.context_parallel_size == 1,
                f"trainer.context_parallel_size={self.context_parallel_size}: context parallelism "
                "is not implemented by the megatron backend yet; use 1")
