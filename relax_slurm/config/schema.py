@@ -282,7 +282,8 @@ class TrainerConfig:
     pipeline_parallel_size: int = 1
     """megatron backend: pipeline stages the layers are split into (divides the layers)."""
     context_parallel_size: int = 1
-    """megatron backend: ranks a sequence is split over (reserved: only 1 is implemented)."""
+    """megatron backend: ranks a sequence is split over; > 1 needs CUDA and transformer-engine
+    (checked when the trainer starts, see trainer/megatron/context_parallel.py)."""
     expert_parallel_size: int = 1
     """megatron backend: ranks the MoE experts are spread over (divides the experts)."""
     use_distributed_optimizer: bool = False
@@ -305,9 +306,6 @@ class TrainerConfig:
                f"trainer.backend={self.backend}: trainer.use_distributed_optimizer is the megatron "
                "backend's; with trainer=torch shard the optimizer with trainer.strategy=fsdp2, and "
                "set trainer.use_distributed_optimizer=false")
-        _check(self.context_parallel_size == 1,
-               f"trainer.context_parallel_size={self.context_parallel_size}: context parallelism "
-               "is not implemented by the megatron backend yet; use 1")
         _check(self.save_every >= 0, f"trainer.save_every={self.save_every}: must be >= 0")
         _check(self.keep_last >= 1, f"trainer.keep_last={self.keep_last}: keep at least 1")
         _check(self.backend in ("torch", "megatron"),
