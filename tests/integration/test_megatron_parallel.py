@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
 from helpers_tiny import REPO_ROOT, child_env, run_tiny_model_tool, stop_process  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "megatron_parity.py"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+SCRIPT = SCRIPTS / "megatron_parity.py"
 
 pytestmark = [
     pytest.mark.slow,
@@ -155,6 +156,28 @@ def test_async_save_equals_sync_save(runs, tmp_path):
     meta = [json.loads((run / d / "step_2" / "meta.json").read_text())
             for d in ("checkpoints", "checkpoints_sync")]
     assert meta[0]["extra_state"] == meta[1]["extra_state"]
+
+
+@pytest.mark.timeout(600)
+def test_async_save_killed_before_commit_is_not_a_checkpoint(tiny_dir, tmp_path):
+    from relax_slurm.checkpoint import find_latest
+    from relax_slurm.trainer.megatron.checkpoint import is_megatron_checkpoint
+
+    root, log = tmp_path / "checkpoints", tmp_path / "torchrun.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "1", str(SCRIPTS / "megatron_kill_async_save.py"), "--model-dir", str(tiny_dir),
+           "--root", str(root)]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
+                                cwd=str(REPO_ROOT), start_new_session=True)
+    try:
+        rc = proc.wait(timeout=500)
+    finally:
+        stop_process(proc)  # the whole session: torchrun, the rank, its forked writer
+    assert rc != 0 and (tmp_path / "scheduled").exists(), log.read_text()[-4000:]
+    latest = find_latest(tmp_path)
+    assert latest is not None and latest.name == "step_1" and is_megatron_checkpoint(latest)
+    assert not (root / "step_2").exists() and not (root / "step_2.tmp" / "meta.json").exists()
 
 
 @pytest.fixture(scope="module")
