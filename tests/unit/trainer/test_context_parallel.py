@@ -1,8 +1,8 @@
 """Context parallelism's decision and sequence bookkeeping (trainer/megatron/context_parallel.py).
 
-The CP attention itself runs only in transformer-engine on GPUs (not here); what is pure is
+The CP attention itself runs only in transformer-engine on GPUs (not here); what is ours is
 tested: when CP is refused and why, which positions each CP rank holds, and that the gathered
-chunks put the sequence back in order.
+chunks put the sequence back in order (and send each rank its gradient, on 2 gloo ranks).
 """
 
 from __future__ import annotations
@@ -72,3 +72,35 @@ def test_local_tokens_and_reassemble_are_inverse(cp):
     logits = torch.randn(2, padded_length(13, cp), 5)
     local = [logits.index_select(1, p) for p in positions]
     assert torch.equal(reassemble(local, cp), logits)
+
+
+def _gather_rank(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from relax_slurm.trainer.megatron.context_parallel import _GatherSequence
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        full = torch.randn(2, 8, 3, generator=g)    # [B, T_pad, V]: the whole sequence's logits
+        weights = torch.randn(2, 8, 3, generator=g)  # d loss / d logits
+        local = full.index_select(1, chunk_positions(8, 2, rank)).requires_grad_()
+        whole = _GatherSequence.apply(local, dist.group.WORLD, 2, rank)
+        (whole * weights).sum().backward()
+        torch.save({"whole": whole.detach(), "grad": local.grad, "full": full,
+                    "weights": weights}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gathered_logits_are_the_sequence_and_each_rank_gets_its_gradient(tmp_path):
+    """The CP logits gather on 2 gloo ranks (the collective, not the attention): every rank sees
+    the whole sequence in order, and the backward hands each rank its own positions' gradient."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gather_rank, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2,
+             join=True)
+    for rank in (0, 1):
+        r = torch.load(tmp_path / f"out.{rank}")
+        assert torch.equal(r["whole"], r["full"])
+        assert torch.equal(r["grad"], r["weights"].index_select(1, chunk_positions(8, 2, rank)))
