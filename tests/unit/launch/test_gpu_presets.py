@@ -114,6 +114,8 @@ def test_presets_parallel_sizes():
     assert sizes("qwen3_4b_dapo") == ("megatron", 2, 1, 1, 4)  # DP=2 on GPUs 0-3
     assert sizes("qwen3_30b_a3b_dapo") == ("megatron", 2, 1, 8, 8)  # 16 GPUs: DP=8, EP=8
     assert sizes("qwen3_vl_4b_openr1") == ("torch", 1, 1, 1, 8)
+    assert compose_config(["experiment=qwen3_30b_a3b_dapo", f"run_dir={RUN_DIR}"]
+                          ).trainer.use_distributed_optimizer
 
 
 def test_multimodal_presets_compose_with_their_media():
