@@ -368,9 +368,9 @@ def megatron_to_hf(input_dir: str | Path, output_dir: str | Path,
     except ImportError as e:
         raise CheckpointError(
             f"{input_dir} is a Megatron distributed checkpoint; converting it needs "
-            "megatron-bridge, which is not installed. Fix: pip install '.[gpu]' (on a GPU "
-            "machine; on CPU: pip install -e '.[megatron_cpu]' && pip install --no-deps "
-            "megatron-bridge==0.3.1), then run relax-convert again"
+            "megatron-bridge, which is not installed. Fix: pip install -e '.[gpu]' on a GPU "
+            "machine, or pip install -e '.[megatron_cpu]' on CPU, then pip install --no-deps "
+            "megatron-bridge==0.3.1 (see docs/backends.md), and run relax-convert again"
         ) from e
     src = Path(input_dir)
     if _written_by_megatron_backend(src):

@@ -31,7 +31,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -67,12 +67,18 @@ class SaveHandle:
     step: int
     path: Path
     _future: Future = field(repr=False)
+    _finalize: Callable[[], None] | None = field(default=None, repr=False)
+    """Run by the first wait() on every rank before the result is read: a save whose ending is
+    collective (the megatron backend's async save: every rank finalizes, then rank 0 commits)."""
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self, timeout_s: float | None = None) -> Path:
         try:
+            if self._finalize is not None:
+                finalize, self._finalize = self._finalize, None
+                finalize()
             self._future.result(timeout=timeout_s)
         except (Exception, CheckpointException) as e:  # the write or the commit failed
             raise CheckpointError(f"saving checkpoint step {self.step} to {self.path} failed: "
@@ -158,6 +164,13 @@ def save_checkpoint(
         future = upload
     _pending = SaveHandle(step, final, future)
     return _pending
+
+
+def set_pending(handle: SaveHandle) -> None:
+    """Make `handle` the async save in flight (after wait_pending(): at most one)."""
+    global _pending
+    assert _pending is None, "wait_pending() before starting another async save"
+    _pending = handle
 
 
 def wait_pending() -> None:

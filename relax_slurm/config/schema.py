@@ -282,9 +282,13 @@ class TrainerConfig:
     pipeline_parallel_size: int = 1
     """megatron backend: pipeline stages the layers are split into (divides the layers)."""
     context_parallel_size: int = 1
-    """megatron backend: ranks a sequence is split over (reserved: only 1 is implemented)."""
+    """megatron backend: ranks a sequence is split over; > 1 needs CUDA and transformer-engine
+    (checked when the trainer starts, see trainer/megatron/context_parallel.py)."""
     expert_parallel_size: int = 1
     """megatron backend: ranks the MoE experts are spread over (divides the experts)."""
+    use_distributed_optimizer: bool = False
+    """megatron backend: shard the optimizer state and fp32 main weights over data-parallel
+    ranks (ZeRO-1; gradients reduce-scattered, weights all-gathered after each step)."""
     freeze_modules: list[str] = field(default_factory=list)
     """Parameter name prefixes not trained (still synced to engines), e.g. [model.visual] for
     a Qwen-VL vision tower or [model.audio_tower] for Qwen2-Audio's encoder."""
@@ -298,12 +302,10 @@ class TrainerConfig:
         _check(self.backend == "megatron" or parallel == (1, 1, 1, 1),
                f"trainer.backend={self.backend}: tensor/pipeline/context/expert parallel sizes "
                "need trainer=megatron (the torch backend is data parallel only); set them to 1")
-        _check(self.backend != "megatron" or not self.async_save,
-               "trainer.async_save=true: the megatron backend saves synchronously (Megatron "
-               "dist-checkpoint); set trainer.async_save=false")
-        _check(self.context_parallel_size == 1,
-               f"trainer.context_parallel_size={self.context_parallel_size}: context parallelism "
-               "is not implemented by the megatron backend yet; use 1")
+        _check(self.backend == "megatron" or not self.use_distributed_optimizer,
+               f"trainer.backend={self.backend}: trainer.use_distributed_optimizer is the megatron "
+               "backend's; with trainer=torch shard the optimizer with trainer.strategy=fsdp2, and "
+               "set trainer.use_distributed_optimizer=false")
         _check(self.save_every >= 0, f"trainer.save_every={self.save_every}: must be >= 0")
         _check(self.keep_last >= 1, f"trainer.keep_last={self.keep_last}: keep at least 1")
         _check(self.backend in ("torch", "megatron"),

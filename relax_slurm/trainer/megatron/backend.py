@@ -58,7 +58,7 @@ class MegatronBackend:
     def save(self, root: Path, step: int, extra: dict[str, Any], *, keep_last: int,
              async_save: bool, hf_assets_src: str | None):
         return checkpoint.save(root, step, self.mm, extra, keep_last=keep_last,
-                               hf_assets_src=hf_assets_src)
+                               hf_assets_src=hf_assets_src, async_save=async_save)
 
     def load(self, path: Path) -> dict[str, Any]:
         return checkpoint.load(path, self.mm)

@@ -10,6 +10,8 @@
 
 The same atomic commit as the torch backend's DCP checkpoints (written as step_<N>.tmp/, meta.json
 last, renamed): resume rules, `latest`, keep_last and pruning are shared (checkpoint/dcp.py).
+An async save (`trainer.async_save`) commits the same way, only later: a crash while its
+writer runs leaves step_<N>.tmp/ without meta.json, which is never taken for a checkpoint.
 `relax-convert` recognises the format (metadata.json) and writes HF through the bridge.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +27,8 @@ import torch.distributed as dist
 
 from relax_slurm.checkpoint.convert import copy_hf_assets, write_hf_dir
 from relax_slurm.checkpoint.dcp import (
-    HF_ASSETS, RNG_DIR, SaveHandle, _barrier, _commit, _group, _load_rng, _meta_json,
-    _remove_leftovers, _save_rng,
+    HF_ASSETS, RNG_DIR, SAVE_TIMEOUT, SaveHandle, _barrier, _commit, _group, _load_rng, _meta_json,
+    _remove_leftovers, _save_rng, set_pending, wait_pending,
 )
 from relax_slurm.checkpoint.resume import META, CheckpointError, is_complete, step_dir_name
 from relax_slurm.trainer.megatron.model import MegatronModel
@@ -34,10 +37,16 @@ log = logging.getLogger("relax_slurm.checkpoint")
 BACKEND = "megatron"
 
 
+# the distributed optimizer's state in the canonical per-parameter layout (gathered on DP rank 0
+# when saving), so its checkpoints reshard over any TP/PP/DP sizes and load with or without it;
+# ignored by the plain optimizer
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def sharded_state_dict(mm: MegatronModel, loading: bool = False) -> dict:
     model_sd = model_sharded_state_dict(mm.chunks)
-    return {**model_sd, "optimizer": mm.optimizer.sharded_state_dict(model_sd,
-                                                                     is_loading=loading)}
+    return {**model_sd, "optimizer": mm.optimizer.sharded_state_dict(
+        model_sd, is_loading=loading, metadata=OPTIMIZER_METADATA)}
 
 
 def model_sharded_state_dict(chunks) -> dict:
@@ -50,14 +59,18 @@ def model_sharded_state_dict(chunks) -> dict:
 
 
 def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], *,
-         keep_last: int, hf_assets_src: str | None) -> SaveHandle:
-    """Every rank calls this; returns once the checkpoint is committed (synchronous)."""
+         keep_last: int, hf_assets_src: str | None, async_save: bool = False) -> SaveHandle:
+    """Every rank calls this. Synchronous: returns once the checkpoint is committed. With
+    `async_save`, returns once a forked process holds a snapshot of the state and writes it
+    (megatron-core's async dist-checkpointing); the commit happens when the handle is waited
+    for, on every rank (the next save, the end of the run: `dcp.wait_pending()`)."""
     from concurrent.futures import Future
 
     from megatron.core import dist_checkpointing
 
     if keep_last < 1:
         raise CheckpointError(f"keep_last={keep_last}: keep at least 1 (trainer.keep_last)")
+    wait_pending()  # at most one save in flight: the previous one commits first
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp"
@@ -74,18 +87,60 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
             copy_hf_assets(hf_assets_src, tmp / HF_ASSETS, include_config=True)
     _barrier(group)
     _save_rng(tmp / RNG_DIR / f"rank_{rank}.pt")
+    done: Future = Future()
+
+    def commit() -> None:
+        # every shard and megatron's metadata.json are on disk: meta.json last, then the rename
+        _barrier(group)
+        if rank == 0:
+            _commit(root, tmp, final, meta_text, keep_last)
+        _barrier(group)
+        done.set_result(final)
+
     try:
-        dist_checkpointing.save(sharded_state_dict(mm), str(tmp))
+        request = dist_checkpointing.save(sharded_state_dict(mm), str(tmp),
+                                          async_sharded_save=async_save)
     except Exception as e:
         raise CheckpointError(f"writing Megatron checkpoint step {step} to {tmp} failed: {e}"
                               ) from e
-    _barrier(group)
-    if rank == 0:
-        _commit(root, tmp, final, meta_text, keep_last)
-    _barrier(group)
-    done: Future = Future()
-    done.set_result(final)
-    return SaveHandle(step, final, done)
+    if not async_save:
+        commit()
+        return SaveHandle(step, final, done)
+    request.finalize_fns.append(commit)  # after megatron's own (write results, metadata.json)
+    queue = _async_queue()
+    queue.schedule_async_request(request)
+    handle = SaveHandle(step, final, done, _finalize=lambda: _finalize_all(queue))
+    set_pending(handle)
+    return handle
+
+
+_QUEUE = None  # megatron-core's AsyncCallsQueue, one per process
+
+
+def _async_queue():
+    """megatron-core's queue of async saves: each save forks a process that writes the state
+    as it was at the fork (the parent trains on, copy-on-write keeps the snapshot)."""
+    global _QUEUE
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    if _QUEUE is None:
+        _QUEUE = AsyncCallsQueue(persistent=False)
+    return _QUEUE
+
+
+def _finalize_all(queue, timeout_s: float = SAVE_TIMEOUT.total_seconds()) -> None:
+    """Every rank: wait for the writer processes, then run the finalize functions (write
+    results checked, metadata.json, our commit). Polls (each poll is one all-reduce, so the
+    ranks stay in step) rather than joining, to give up after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while queue.get_num_unfinalized_calls():
+        if queue.maybe_finalize_async_calls(blocking=False):
+            continue
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"the async checkpoint writer did not finish in {timeout_s:.0f}"
+                                  " s; look for a full or slow disk, or set "
+                                  "trainer.async_save=false")
+        time.sleep(0.05)
 
 
 def load(path: Path, mm: MegatronModel) -> dict[str, Any]:

@@ -12,6 +12,14 @@ CUDA is available. What it does and why:
   set to None, which its code tests for).
 - gradient clipping asserts `torch.cuda.FloatTensor` grads: a CPU clip (same coefficient,
   max_norm / (total_norm + 1e-6)) replaces it in megatron's optimizer.
+- the distributed optimizer (`trainer.use_distributed_optimizer`) sorts parameters by
+  `param.type()` and accepts only `torch.cuda.{Float,Half,BFloat16}Tensor`: while it is built,
+  CPU tensors answer with those names (its buffers and collectives are device-agnostic: gloo
+  does the reduce-scatter and all-gather). Loading its checkpoint state copies every key of
+  torch Adam's per-parameter state, "step" included, which the loader does not pass (torch's
+  Adam is megatron-core's fallback without TE/Apex): "step" is left as it is; and the loader
+  hands every parameter one shared "step" tensor, which Adam would increment once per
+  parameter: each gets its own copy.
 - megatron-bridge imports `transformer_engine` and `triton` at module level, and neither
   installs on CPU: stub modules are registered, *after* every megatron.core module was
   imported, so megatron.core still sees `HAVE_TE=False` and builds its local (non-TE) layers.
@@ -107,6 +115,69 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled
                 g.detach().mul_(coeff)
 
 
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+                    "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """`tensor.type()` (no argument) names CPU float tensors as their CUDA counterparts."""
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    own = "type" in torch.Tensor.__dict__
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        if own:
+            torch.Tensor.type = original
+        else:
+            del torch.Tensor.type  # back to TensorBase's
+
+
+def _distributed_optimizer_on_cpu() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    init = DistributedOptimizer.__init__
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def __init__(self, *args, **kwargs):
+        with _cuda_type_names():
+            init(self, *args, **kwargs)
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        # torch's Adam (what megatron-core falls back to without TE/Apex) keeps a per-parameter
+        # "step" the checkpoint loaders leave out of `tensors` (they restore it from the param
+        # groups) but the setter copies every state key: it is kept as it is
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group, order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        set_states(self, model_param, tensors)
+
+    load = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        load(self, state_dict)
+        # the loader gives every parameter's state the *same* "step" tensor, which torch's Adam
+        # then increments in place once per parameter: each gets its own copy
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+    DistributedOptimizer.__init__ = __init__
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    DistributedOptimizer.load_state_dict = load_state_dict
+
+
 def activate(seed: int) -> bool:
     """Apply the megatron-core shims (after `initialize_model_parallel`); False with a GPU.
 
@@ -132,6 +203,7 @@ def activate(seed: int) -> bool:
             setattr(moe_utils, name, None)
 
     mopt.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    _distributed_optimizer_on_cpu()
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.cuda.synchronize = lambda *a, **k: None

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from relax_slurm.config.schema import ModelConfig, TrainerConfig
 from relax_slurm.errors import ConfigError
-from relax_slurm.trainer.megatron import cpu_compat
+from relax_slurm.trainer.megatron import context_parallel, cpu_compat
 from relax_slurm.trainer.schedule import lr_factor
 
 log = logging.getLogger("relax_slurm.trainer.megatron")
@@ -30,6 +30,10 @@ def init_model_parallel(cfg: TrainerConfig) -> None:
     """Megatron's process groups (TP, PP, CP, EP; DP is the rest) and its RNG streams."""
     from megatron.core import parallel_state as ps
 
+    cuda, te = context_parallel.machine_support()
+    reason = context_parallel.refusal(cfg.context_parallel_size, cuda=cuda, te=te)
+    if reason is not None:
+        raise ConfigError(reason)
     world = dist.get_world_size()
     model_parallel = (cfg.tensor_parallel_size * cfg.pipeline_parallel_size
                       * cfg.context_parallel_size)
@@ -118,8 +122,9 @@ class MegatronModel:
             model_cfg.path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
         self.vocab_size = self.bridge.hf_pretrained.config.vocab_size
         provider = build_provider(self.bridge, model_cfg, cfg)
-        ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False)
+        ddp = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.use_distributed_optimizer)
         # wrapped in Megatron DDP here rather than by the bridge, whose wrapper opens a CUDA
         # side-stream (for CUDA graphs) that a CPU build cannot create
         bare = provider.provide_distributed_model(
@@ -141,7 +146,7 @@ class MegatronModel:
             optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.grad_clip,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
-            use_distributed_optimizer=False), self.chunks)
+            use_distributed_optimizer=cfg.use_distributed_optimizer), self.chunks)
         self.steps_done = 0  # optimizer steps: the lr schedule's position
 
     # ---- lr schedule -------------------------------------------------------------------------
@@ -158,10 +163,14 @@ class MegatronModel:
         return lr
 
     # ---- forward -----------------------------------------------------------------------------
-    def forward(self, chunk, input_ids: Tensor) -> Tensor:
+    def forward(self, chunk, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
         """One chunk's output: vocab-parallel logits [B, T, V/TP] on the last pipeline stage,
-        hidden states elsewhere. Rows are right-padded, so the causal mask is the whole mask."""
+        hidden states elsewhere. Rows are right-padded, so the causal mask is the whole mask.
+        With context parallelism, `input_ids` are this rank's chunks at `positions` [T] and
+        transformer-engine's attention applies the causal mask across the CP ring."""
         B, T = input_ids.shape
+        if positions is not None:
+            return chunk(input_ids, positions.unsqueeze(0).expand(B, T), None)
         pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
         mask = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).triu(1).view(1, 1, T, T)
         return chunk(input_ids, pos, mask)

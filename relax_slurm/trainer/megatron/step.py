@@ -9,6 +9,7 @@ import torch.distributed as dist
 from relax_slurm.config.schema import AlgoConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.batch import MicroBatch, loss_params
+from relax_slurm.trainer.megatron import context_parallel
 from relax_slurm.trainer.megatron.model import MegatronModel
 from relax_slurm.trainer.step import micro_batch_loss, reduce_metrics, reference_logprobs
 
@@ -38,30 +39,41 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
     n, dp = len(mbs), ps.get_data_parallel_world_size()
     params = loss_params(algo)
     # metric sums come from one rank per data-parallel block: last stage, TP rank 0
-    counted = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    # (CP ranks each compute the whole loss from the gathered logits: one counts)
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    counted = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+               and cp_rank == 0)
     sums: dict[str, float] = {"loss": 0.0}
+    width = batch.input_ids.shape[1]
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
-        output = mm.forward(chunk, mb.input_ids)
+        if cp > 1:  # this rank's 2 chunks of the sequence (GPU only: context_parallel.py)
+            output = mm.forward(chunk, *context_parallel.local_tokens(mb.input_ids, cp, cp_rank))
+        else:
+            output = mm.forward(chunk, mb.input_ids)
 
         def loss_func(out):
-            logits = mm.full_logits(out)[:, :-1].float() / temperature
+            logits = mm.full_logits(out)
+            if cp > 1:
+                logits = context_parallel.gather_sequence(logits, width)
+            logits = logits[:, :-1].float() / temperature
             loss, metrics = micro_batch_loss(logits, mb, algo, params,
                                              reference_logprobs(ref_model, mb, temperature))
             if counted:
                 sums["loss"] += loss.item()
                 for key, value in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
-            # the schedule divides by the micro-batch count and DDP averages over data-parallel
-            # ranks; the loss is already a share of the whole batch's loss
+            # the schedule divides by the micro-batch count (and multiplies by CP), DDP averages
+            # over data-parallel (x CP) ranks; the loss is already a share of the batch's loss
             return loss * (n * dp), {}
 
         return output, loss_func
 
     get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(mbs), model=mm.chunks,
-        num_microbatches=n, seq_length=batch.input_ids.shape[1],
+        num_microbatches=n,
+        seq_length=context_parallel.padded_length(width, cp) if cp > 1 else width,
         micro_batch_size=len(mbs[0]), forward_only=False)
     ok, grad_norm, _ = mm.optimizer.step()
     mm.steps_done += 1

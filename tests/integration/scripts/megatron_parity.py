@@ -1,4 +1,5 @@
-"""torchrun --nproc-per-node N megatron_parity.py --model-dir D --tp T --pp P [--ep E] --out DIR
+"""torchrun --nproc-per-node N megatron_parity.py --model-dir D --tp T --pp P [--ep E] [--dist-opt]
+    --out DIR
 
 The megatron backend on gloo: builds the tiny HF model through megatron-bridge at the given
 TP/PP sizes, then (rank 0 writes DIR/result.json)
@@ -9,7 +10,9 @@ TP/PP sizes, then (rank 0 writes DIR/result.json)
 - trains two steps on that batch and writes the exported weights to DIR/trained.safetensors,
 for the test to compare across TP/PP sizes,
 - saves a Megatron dist-checkpoint (DIR/checkpoints/step_2), trains one more step, loads the
-  checkpoint back and trains that step again (weights restored and the step repeated bitwise).
+  checkpoint back and trains that step again (weights restored and the step repeated bitwise);
+  with --async-save that checkpoint is written asynchronously during the next step, and a
+  synchronous save of the same state goes to DIR/checkpoints_sync/step_2 for comparison.
 """
 
 from __future__ import annotations
@@ -47,12 +50,17 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--dist-opt", action="store_true", help="trainer.use_distributed_optimizer")
+    ap.add_argument("--async-save", action="store_true",
+                    help="save step 2 synchronously (DIR/checkpoints_sync) and asynchronously "
+                         "(DIR/checkpoints); the next step trains while the writer runs")
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp,
                         pipeline_parallel_size=args.pp, expert_parallel_size=args.ep, lr=1e-2,
+                        use_distributed_optimizer=args.dist_opt,
                         grad_clip=1.0, micro_batch_size=4, nproc_per_node=dist.get_world_size())
     init_model_parallel(cfg)
     mm = MegatronModel(ModelConfig(path=args.model_dir), cfg)
@@ -106,9 +114,15 @@ def main() -> None:
 
     # Megatron dist-checkpoint: save, move on one step, load, and the same next step again
     root = args.out / "checkpoints"
-    checkpoint.save(root, 2, mm, {"marker": 7}, keep_last=1, hf_assets_src=args.model_dir)
+    if args.async_save:
+        checkpoint.save(args.out / "checkpoints_sync", 2, mm, {"marker": 7}, keep_last=1,
+                        hf_assets_src=args.model_dir)
+    handle = checkpoint.save(root, 2, mm, {"marker": 7}, keep_last=1,
+                             hf_assets_src=args.model_dir, async_save=args.async_save)
     after = train_step(mm, mine, AlgoConfig(), micro_batch_size=cfg.micro_batch_size,
                        temperature=1.0)
+    result["committed_while_training"] = (root / "step_2" / "meta.json").exists()
+    handle.wait(timeout_s=300)
     after_w = {k: v.clone() for k, v in mm.named_hf_weights()}
     extra = checkpoint.load(root / "step_2", mm)
     restored = {k: v.clone() for k, v in mm.named_hf_weights()}

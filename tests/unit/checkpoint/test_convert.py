@@ -151,7 +151,8 @@ def test_megatron_detected_and_needs_the_bridge(tmp_path, monkeypatch):
     assert detect_format(tmp_path / "mcore") == ("megatron", it)
     assert detect_format(it) == ("megatron", it)
     monkeypatch.setitem(sys.modules, "megatron", None)  # as on a machine without it
-    with pytest.raises(CheckpointError, match=r"megatron-bridge.*pip install '\.\[gpu\]'"):
+    with pytest.raises(CheckpointError, match=r"megatron-bridge.*pip install -e '\.\[gpu\]'.*"
+                                              r"pip install --no-deps megatron-bridge=="):
         convert_checkpoint(it, tmp_path / "hf", hf_config="Qwen/Qwen3-4B")
 
 

@@ -99,7 +99,15 @@ def test_megatron_parallel_sizes_are_validated():
     with pytest.raises(ConfigError, match="expert_parallel_size=4 must divide"):
         to_train_config(_compose(["trainer=megatron", "trainer.nproc_per_node=2",
                                   "trainer.expert_parallel_size=4"]))
+    # CP is validated for shape here, and for hardware when the trainer starts (needs CUDA + TE)
+    assert to_train_config(_compose(["trainer=megatron", "trainer.context_parallel_size=2"])
+                           ).trainer.context_parallel_size == 2
     with pytest.raises(ConfigError, match="context_parallel_size=2"):
-        to_train_config(_compose(["trainer=megatron", "trainer.context_parallel_size=2"]))
-    with pytest.raises(ConfigError, match="async_save=false"):
-        to_train_config(_compose(["trainer=megatron", "trainer.async_save=true"]))
+        to_train_config(_compose(["trainer=megatron", "trainer.context_parallel_size=2",
+                                  "trainer.tensor_parallel_size=2"]))
+    assert to_train_config(_compose(["trainer=megatron", "trainer.async_save=true"])
+                           ).trainer.async_save
+    cfg = to_train_config(_compose(["trainer=megatron", "trainer.use_distributed_optimizer=true"]))
+    assert cfg.trainer.use_distributed_optimizer
+    with pytest.raises(ConfigError, match="trainer.strategy=fsdp2"):
+        to_train_config(_compose(["trainer.use_distributed_optimizer=true"]))

@@ -114,6 +114,8 @@ def test_presets_parallel_sizes():
     assert sizes("qwen3_4b_dapo") == ("megatron", 2, 1, 1, 4)  # DP=2 on GPUs 0-3
     assert sizes("qwen3_30b_a3b_dapo") == ("megatron", 2, 1, 8, 8)  # 16 GPUs: DP=8, EP=8
     assert sizes("qwen3_vl_4b_openr1") == ("torch", 1, 1, 1, 8)
+    assert compose_config(["experiment=qwen3_30b_a3b_dapo", f"run_dir={RUN_DIR}"]
+                          ).trainer.use_distributed_optimizer
 
 
 def test_multimodal_presets_compose_with_their_media():
@@ -124,3 +126,21 @@ def test_multimodal_presets_compose_with_their_media():
     assert omni.reward.name == "multiple_choice"
     lines = sruns(dry_run("qwen3_omni_30b_a3b_avqa"))
     assert flag(lines["engine0"], "--ep-size") == "8" and flag(lines["engine0"], "--tp-size") == "8"
+
+
+def test_context_parallel_override_renders():
+    """trainer.context_parallel_size=2 on the 4B preset: TP=2 x CP=2 on the trainer's 4 GPUs
+    (DP=1). Validated at composition (CP needs CUDA and transformer-engine, which the trainer
+    checks when it starts on its node, not the login node), and rendered: CP changes no command
+    line (the trainer reads it from config.yaml), so the text is the preset's golden."""
+    cfg = compose_config(["experiment=qwen3_4b_dapo", f"run_dir={RUN_DIR}",
+                          "trainer.context_parallel_size=2"])
+    t = cfg.trainer
+    assert (t.tensor_parallel_size, t.context_parallel_size, t.nproc_per_node) == (2, 2, 4)
+    text = dry_run("qwen3_4b_dapo", "trainer.context_parallel_size=2")
+    check_golden("qwen3_4b_dapo.dryrun", text)
+    from relax_slurm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="context_parallel_size=4"):  # 2 x 4 does not fit 4
+        compose_config(["experiment=qwen3_4b_dapo", f"run_dir={RUN_DIR}",
+                        "trainer.context_parallel_size=4"])
