@@ -105,3 +105,73 @@ def test_scale_out_submits_an_engine_job_then_drains_and_cancels_it(tmp_path, ti
     driver_log = next(run_dir.glob("slurm-*.out")).read_text()
     assert f"cancelled the Slurm job {job_id} of engine1" in driver_log, driver_log[-3000:]
     assert "weight-sync cohort: engines" in (run_dir / "logs" / "trainer.log").read_text()
+
+
+RESTART_STEPS = 8
+KILL_AFTER = 2  # steps logged before the kill
+
+
+def engine_pid(port: int) -> int | None:
+    """The engine server process itself (under slurmstepd, not the driver's srun client)."""
+    r = subprocess.run(["pgrep", "-f", f"relax_slurm.rollout.hf_engine .*--port {port} "],
+                       capture_output=True, text=True, timeout=30)
+    pids = []
+    for pid in r.stdout.split():
+        try:
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        if not argv0.endswith(b"srun"):  # the driver's srun client has the same command line
+            pids.append(int(pid))
+    return pids[0] if len(pids) == 1 else None
+
+
+def engine_steps(env: dict, job_id: str) -> list[str]:
+    """sacct's step ids named engine0 (`<job>+1.<step>`)."""
+    r = slurm(env, "sacct", "-j", job_id, "-n", "-P", "-o", "JobID,JobName")
+    return [line.split("|")[0] for line in r.stdout.splitlines() if line.endswith("|engine0")]
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 180 + SETUP_ALLOWANCE_S)
+def test_killed_engine_restarts_as_a_new_srun_step(tmp_path, tiny_assets, slurm_env):
+    run_dir, name = tmp_path / "run", f"relax-test-{uuid.uuid4().hex[:8]}"
+    env = job_env(slurm_env)
+    cmd = [sys.executable, "-m", "relax_slurm.launch.cli",
+           *tiny_overrides(tiny_assets, run_dir, RESTART_STEPS), "metrics.progress=false",
+           "cluster=slurm", "cluster.wait=true", "cluster.wait_poll_s=2",
+           f"cluster.job_name={name}", "cluster.time_limit_min=30"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    why = lambda: diagnose(run_dir)  # noqa: E731
+    try:
+        wait_until(lambda: len(read_rows(run_dir)) >= KILL_AFTER or proc.poll() is not None,
+                   600, f"{KILL_AFTER} training steps", why=why)
+        assert proc.poll() is None, why()
+        [url] = json.loads((run_dir / "plan.json").read_text())["engine_urls"]
+        pid = engine_pid(int(url.rsplit(":", 1)[1]))
+        assert pid is not None, why()
+        srun_pid = next(r["pid"] for r in json.loads((run_dir / "roles.json").read_text())
+                        if r["name"] == "engine0")
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        slurm(env, "scancel", f"--name={name}")
+    assert proc.returncode == 0, out[-3000:] + "\n" + why()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == RESTART_STEPS, summary
+    assert summary["restarts"] == {"engine0": 1} and summary["samples_lost"] == 0, summary
+    roles = {r["name"]: r for r in json.loads((run_dir / "roles.json").read_text())}
+    assert roles["engine0"]["restarts"] == 1 and roles["engine0"]["pid"] != srun_pid  # new srun
+    job_id = summary["slurm"]["job_id"]
+    # the restart is a new step of the same name in the rollout component
+    steps = wait_until(lambda: s if len(s := engine_steps(env, job_id)) >= 2 else None, 60,
+                       "sacct to list both engine0 steps",
+                       why=lambda: str(engine_steps(env, job_id)))
+    assert len(steps) == 2 and all(s.startswith(f"{job_id}+1.") for s in steps), steps
+    driver_log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert "engine0 exited with code" in driver_log and "restarted in place" in driver_log
+    [row] = [json.loads(l) for l in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert row["role"] == "engine0" and row["kind"] == "in_place", row
