@@ -1,8 +1,10 @@
 """Elastic rollout on a real slurmctld, one run of the tiny experiment (one trainer rank) as a
 het job from relax-train: `relax-ctl scale-out --num-replicas 2` mid-run submits the new engine
 as its own Slurm job (launch/engine_job.py), which serves the trainer's current weights and
-generates for the run; `relax-ctl scale-in --num-replicas 1` drains it and cancels its job.
-The run ends with samples_lost 0 and no engine job left in the queue.
+generates for the run; `relax-ctl scale-in --num-replicas 1` drains it and cancels its job; a
+scale-out cancelled after its job was submitted cancels that job. The run ends with
+samples_lost 0 and no engine job left in the queue. Then, in a second short run, an engine
+SIGKILLed mid-run is restarted in place as a new srun step of its het component.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ def ctl(env: dict, run_dir: Path, *args: str) -> dict:
                        timeout=OP_TIMEOUT_S + 60)
     assert r.returncode == 0, r.stdout + r.stderr + "\n" + diagnose(run_dir)
     return json.loads(r.stdout)
+
+
+def engine_jobs(env: dict, run_job_name: str) -> list[str]:
+    """Ids of the engine jobs of the run named `run_job_name` still in the queue."""
+    r = slurm(env, "squeue", "-h", "-o", "%i %j")
+    return [i for i, _, n in (l.partition(" ") for l in r.stdout.splitlines())
+            if n.startswith(f"{run_job_name}-engine")]
 
 
 def job_state(env: dict, job_id: str) -> str:
@@ -90,20 +99,30 @@ def test_scale_out_submits_an_engine_job_then_drains_and_cancels_it(tmp_path, ti
         assert op["status"] == "COMPLETED" and "drain timeout" not in " ".join(op["history"]), op
         assert ctl(env, run_dir, "engines")["routable"] == [first]
         wait_until(lambda: not in_queue(env, job_id), 60, f"engine job {job_id} to end", why=why)
+        # a scale-out cancelled once its job is submitted: rolled back, the job cancelled
+        rid = ctl(env, run_dir, "scale-out", "--num-replicas", "2")["request_id"]
+        driver_log = next(run_dir.glob("slurm-*.out"))
+        wait_until(lambda: f"{rid}: submitted Slurm job" in driver_log.read_text(), 60,
+                   f"{rid}'s engine job", why=why)
+        assert ctl(env, run_dir, "cancel", rid)["status"] == "CANCELLED"
+        wait_until(lambda: not engine_jobs(env, name), 60, "the engine job to be cancelled",
+                   why=why)
         out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
         slurm(env, "scancel", f"--name={name}")
-        slurm(env, "scancel", f"--name={name}-engine1")
+        for job in engine_jobs(env, name):
+            slurm(env, "scancel", job)
     assert proc.returncode == 0, out[-3000:] + "\n" + why()
     state = wait_until(lambda: job_state(env, job_id) or None, 60, "sacct's row of the job")
     assert state.startswith(("CANCELLED", "COMPLETED")), state
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["samples_lost"] == 0, summary
-    driver_log = next(run_dir.glob("slurm-*.out")).read_text()
-    assert f"cancelled the Slurm job {job_id} of engine1" in driver_log, driver_log[-3000:]
+    log = driver_log.read_text()
+    assert f"cancelled the Slurm job {job_id} of engine1" in log, log[-3000:]
+    assert f"{rid}: ended before its engines reported; their jobs are cancelled" in log
     assert "weight-sync cohort: engines" in (run_dir / "logs" / "trainer.log").read_text()
 
 
