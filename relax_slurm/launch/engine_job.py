@@ -14,7 +14,9 @@ SGLang server), bound to its node's Slurm name, with the run's secret as its API
 RUN_DIR/secret in the job, never on a command line). Its log is RUN_DIR/logs/<name>.log, as for
 the launch's engines; submitit's own files are under RUN_DIR/submitit/engines.
 
-An engine job also ends by itself when the run's job has left the queue (polled every
+An engine that dies in its job is restarted there in place (same URL), up to
+cluster.max_role_restarts times. An engine job also ends by itself when the run's job has left
+the queue (polled every
 PARENT_POLL_S with squeue): a driver killed outright (no `finally`) leaves no engine job
 running until its time limit.
 """
@@ -202,12 +204,13 @@ def scancel(job_id: str) -> None:
 # ---- what runs in the engine job -------------------------------------------------------------
 
 def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
-    """The engine job's function: run engine `name` on this node until it exits, the job is
-    cancelled, or the run's job `parent_job` has left the queue; return its exit code."""
+    """The engine job's function: run engine `name` on this node until the job is cancelled,
+    the run's job `parent_job` has left the queue, or the engine exits (0 or SIGTERM); an
+    engine that dies otherwise is restarted in place (same URL), up to
+    cluster.max_role_restarts times. Returns the engine's last exit code."""
     from relax_slurm.auth import read_secret
     from relax_slurm.config import load_config
     from relax_slurm.launch.plan import free_port
-    from relax_slurm.launch.processes import _child_setup
     from relax_slurm.launch.roles import _engine_spec
     from relax_slurm.launch.slurm_env import node_name, read_allocation
     from relax_slurm.launch.supervisor import child_env
@@ -218,37 +221,67 @@ def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
     url = f"http://{host}:{free_port(host)}"
     # its own allocation: its GPUs start at 0 whatever the run's layout
     spec = _engine_spec(cfg, name, url, cfg.model.path, seed, base_gpu=0, restartable=False)
+    env = child_env(cfg, read_secret(run))
     log_path = run / "logs" / f"{name}.log"
-    with log_path.open("ab") as f:
-        proc = subprocess.Popen(spec.argv, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=child_env(cfg, read_secret(run)),
-                                start_new_session=True, preexec_fn=_child_setup(os.getpid(), None))
     job_id = read_allocation().job_id
+    restarts = 0
+    proc = _start(spec.argv, env, log_path)
+    cancelled: list[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        # scancel signals every process of the job; submitit's own handler would ignore it
+        cancelled.append(signum)
+        _signal(proc, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     write_url_file(run, name, {"url": url, "job_id": job_id, "host": host, "pid": proc.pid})
     print(f"engine job {job_id}: {name} at {url} (pid {proc.pid}, log {log_path})", flush=True)
     try:
         while True:
             try:
-                return proc.wait(timeout=PARENT_POLL_S)
+                rc = proc.wait(timeout=PARENT_POLL_S)
             except subprocess.TimeoutExpired:
-                pass
-            queued = queued_jobs([parent_job])
-            if queued is not None and parent_job not in queued:
-                print(f"the run's job {parent_job} has ended; stopping {name}", flush=True)
-                return 0
+                queued = queued_jobs([parent_job])
+                if queued is not None and parent_job not in queued:
+                    print(f"the run's job {parent_job} has ended; stopping {name}", flush=True)
+                    return 0
+                continue
+            cap = cfg.cluster.max_role_restarts
+            if cancelled or rc in (0, -signal.SIGTERM) or restarts >= cap:
+                return rc
+            restarts += 1
+            print(f"{name} exited with code {rc}; restarted in place ({restarts} of "
+                  f"cluster.max_role_restarts={cfg.cluster.max_role_restarts})", flush=True)
+            with log_path.open("ab") as f:
+                f.write(f"\n--- engine job {job_id}: restarting {name} in place ---\n".encode())
+            proc = _start(spec.argv, env, log_path)
+            write_url_file(run, name, {"url": url, "job_id": job_id, "host": host,
+                                       "pid": proc.pid, "restarts": restarts})
     finally:
         _stop(proc)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
+def _start(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    from relax_slurm.launch.processes import _child_setup
+
+    with log_path.open("ab") as f:
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                preexec_fn=_child_setup(os.getpid(), None))
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the engine's session, SIGKILL it after TERM_GRACE_S."""
+    _signal(proc, signal.SIGTERM)
+    try:
         proc.wait(timeout=TERM_GRACE_S)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    except subprocess.TimeoutExpired:
+        _signal(proc, signal.SIGKILL)
         proc.wait(timeout=TERM_GRACE_S)

@@ -29,7 +29,7 @@ from tests.slurm.test_slurm_runs import (
 
 pytestmark = pytest.mark.slurm
 
-STEPS = 110  # scale-in ends near step 60 here (~0.7 s a step on a loaded 2-core machine)
+STEPS = 150  # the last operation (the cancel) ends near step 80 here (0.3-0.7 s a step)
 RUN_TIMEOUT_S = 900
 OP_TIMEOUT_S = 300
 
