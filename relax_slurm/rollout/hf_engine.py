@@ -72,6 +72,8 @@ from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.weightsync.receiver import WeightReceiver, load_named_tensors, model_checksums
 
 log = logging.getLogger("relax_slurm.hf_engine")
+PARTIAL_WEIGHTS = ("the last weight update failed midway and left a mix of two versions: "
+                   "generation resumes after the next complete /update_weights_from_distributed")
 
 GREEDY_EPS = 1e-6
 """SGLang samples greedily (top_k=1) when temperature < 1e-6; so do we."""
@@ -451,6 +453,7 @@ class HFEngine:
         self._cond = threading.Condition()
         self._paused = False
         self.partial_weights = False
+        self.updating = False  # a weight update holds the model: generation waits for it
         self.released: set[str] = set()
         """Memory regions let go by /release_memory_occupation (colocated placement); CPU
         frees nothing, but generation is refused until resumed, as SGLang cannot generate
@@ -564,6 +567,10 @@ class HFEngine:
     def _run_batch(self, rows: list[_Row]) -> None:
         with self._model_lock:  # a weight update waits for this batch to finish
             version = self.weight_version
+            if self.partial_weights:  # the update this batch waited for failed midway
+                for row in rows:
+                    row.request.fail(WeightSyncError(PARTIAL_WEIGHTS))
+                return
             try:
                 to_generate = [r for r in rows if r.spec.max_new_tokens > 0]
                 outputs = dict(zip(map(id, to_generate), self._generate(to_generate)
@@ -709,7 +716,7 @@ class HFEngine:
         try:
             # received in place into the parameters: a failure midway leaves a mix of two
             # versions, so the engine refuses /generate until a later update completes
-            self.partial_weights = True
+            self.partial_weights = self.updating = True
             params = dict(self.model.named_parameters(remove_duplicate=False))
             received = self.receiver.receive(names, dtypes, shapes, group_name, self.device,
                                              into=params)
@@ -718,6 +725,7 @@ class HFEngine:
             if weight_version is not None:
                 self.weight_version = str(weight_version)
         finally:
+            self.updating = False
             self._model_lock.release()
         log.info("loaded %d tensors from group %r (weight_version %s)", len(names), group_name,
                  self.weight_version)
@@ -797,10 +805,9 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
         if engine.released:
             raise BadRequest(f"memory {sorted(engine.released)} is released: call "
                              "/resume_memory_occupation before /generate")
-        if engine.partial_weights:
-            raise WeightSyncError("the last weight update failed midway and left a mix of two "
-                                  "versions: generation resumes after the next complete "
-                                  "/update_weights_from_distributed")
+        if engine.partial_weights and not engine.updating:
+            # (during an update the request waits for it, and is refused if it fails)
+            raise WeightSyncError(PARTIAL_WEIGHTS)
         prompts, specs, flags, starts, is_batch = parse_generate_request(
             body, engine.tokenizer, engine.vocab_size)
         media = parse_media(body, len(prompts), is_batch)
