@@ -4,7 +4,8 @@ as its own Slurm job (launch/engine_job.py), which serves the trainer's current 
 generates for the run; `relax-ctl scale-in --num-replicas 1` drains it and cancels its job; a
 scale-out cancelled after its job was submitted cancels that job. The run ends with
 samples_lost 0 and no engine job left in the queue. Then, in a second short run, an engine
-SIGKILLed mid-run is restarted in place as a new srun step of its het component.
+and then the rollout worker SIGKILLed mid-run are restarted in place as new srun steps of their
+het component.
 """
 
 from __future__ import annotations
@@ -130,10 +131,10 @@ RESTART_STEPS = 8
 KILL_AFTER = 2  # steps logged before the kill
 
 
-def engine_pid(port: int) -> int | None:
-    """The engine server process itself (under slurmstepd, not the driver's srun client)."""
-    r = subprocess.run(["pgrep", "-f", f"relax_slurm.rollout.hf_engine .*--port {port} "],
-                       capture_output=True, text=True, timeout=30)
+def role_pid(pattern: str) -> int | None:
+    """The role's process itself (under slurmstepd, not the driver's srun client), by a
+    regular expression on its command line."""
+    r = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True, timeout=30)
     pids = []
     for pid in r.stdout.split():
         try:
@@ -145,14 +146,14 @@ def engine_pid(port: int) -> int | None:
     return pids[0] if len(pids) == 1 else None
 
 
-def engine_steps(env: dict, job_id: str) -> list[str]:
-    """sacct's step ids named engine0 (`<job>+1.<step>`)."""
+def steps_named(env: dict, job_id: str, name: str) -> list[str]:
+    """sacct's ids of the steps called `name` (`<job>+<component>.<step>`)."""
     r = slurm(env, "sacct", "-j", job_id, "-n", "-P", "-o", "JobID,JobName")
-    return [line.split("|")[0] for line in r.stdout.splitlines() if line.endswith("|engine0")]
+    return [line.split("|")[0] for line in r.stdout.splitlines() if line.endswith(f"|{name}")]
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 180 + SETUP_ALLOWANCE_S)
-def test_killed_engine_restarts_as_a_new_srun_step(tmp_path, tiny_assets, slurm_env):
+def test_killed_engine_and_worker_restart_as_new_srun_steps(tmp_path, tiny_assets, slurm_env):
     run_dir, name = tmp_path / "run", f"relax-test-{uuid.uuid4().hex[:8]}"
     env = job_env(slurm_env)
     cmd = [sys.executable, "-m", "relax_slurm.launch.cli",
@@ -167,10 +168,17 @@ def test_killed_engine_restarts_as_a_new_srun_step(tmp_path, tiny_assets, slurm_
                    600, f"{KILL_AFTER} training steps", why=why)
         assert proc.poll() is None, why()
         [url] = json.loads((run_dir / "plan.json").read_text())["engine_urls"]
-        pid = engine_pid(int(url.rsplit(":", 1)[1]))
+        pid = role_pid(f"relax_slurm.rollout.hf_engine .*--port {url.rsplit(':', 1)[1]} ")
         assert pid is not None, why()
         srun_pid = next(r["pid"] for r in json.loads((run_dir / "roles.json").read_text())
                         if r["name"] == "engine0")
+        os.kill(pid, signal.SIGKILL)
+        # then the rollout worker, while the engine comes back (the run cannot step meanwhile)
+        restarts = run_dir / "restarts.jsonl"
+        wait_until(lambda: restarts.exists() and "engine0" in restarts.read_text(), 120,
+                   "the engine's restart", poll_s=0.2, why=why)
+        pid = role_pid(f"relax_slurm.rollout --run-dir {run_dir}$")
+        assert pid is not None, why()
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     finally:
@@ -181,16 +189,19 @@ def test_killed_engine_restarts_as_a_new_srun_step(tmp_path, tiny_assets, slurm_
     assert proc.returncode == 0, out[-3000:] + "\n" + why()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == RESTART_STEPS, summary
-    assert summary["restarts"] == {"engine0": 1} and summary["samples_lost"] == 0, summary
+    assert summary["restarts"] == {"engine0": 1, "rollout": 1}, summary
+    assert summary["samples_lost"] == 0, summary
     roles = {r["name"]: r for r in json.loads((run_dir / "roles.json").read_text())}
     assert roles["engine0"]["restarts"] == 1 and roles["engine0"]["pid"] != srun_pid  # new srun
     job_id = summary["slurm"]["job_id"]
-    # the restart is a new step of the same name in the rollout component
-    steps = wait_until(lambda: s if len(s := engine_steps(env, job_id)) >= 2 else None, 60,
-                       "sacct to list both engine0 steps",
-                       why=lambda: str(engine_steps(env, job_id)))
-    assert len(steps) == 2 and all(s.startswith(f"{job_id}+1.") for s in steps), steps
+    # each restart is a new step of the same name in the rollout component
+    for role in ("engine0", "rollout"):
+        steps = wait_until(lambda: s if len(s := steps_named(env, job_id, role)) >= 2 else None,
+                           60, f"sacct to list both {role} steps",
+                           why=lambda: str(steps_named(env, job_id, role)))
+        assert len(steps) == 2 and all(s.startswith(f"{job_id}+1.") for s in steps), steps
     driver_log = (run_dir / f"slurm-{job_id}.out").read_text()
     assert "engine0 exited with code" in driver_log and "restarted in place" in driver_log
-    [row] = [json.loads(l) for l in (run_dir / "restarts.jsonl").read_text().splitlines()]
-    assert row["role"] == "engine0" and row["kind"] == "in_place", row
+    rows = [json.loads(l) for l in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert [(r["role"], r["kind"]) for r in rows] == [("engine0", "in_place"),
+                                                      ("rollout", "in_place")], rows
