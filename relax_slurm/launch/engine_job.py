@@ -16,9 +16,8 @@ the launch's engines; submitit's own files are under RUN_DIR/submitit/engines.
 
 An engine that dies in its job is restarted there in place (same URL), up to
 cluster.max_role_restarts times. An engine job also ends by itself when the run's job has left
-the queue (polled every
-PARENT_POLL_S with squeue): a driver killed outright (no `finally`) leaves no engine job
-running until its time limit.
+the queue (polled every PARENT_POLL_S with squeue): a driver killed outright (no `finally`)
+leaves no engine job running until its time limit.
 """
 
 from __future__ import annotations
