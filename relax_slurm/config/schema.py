@@ -498,8 +498,20 @@ class ClusterConfig:
     """Elastic rollout: a scale_in waits this long for the worker's requests in flight on the
     leaving engines, then detaches them anyway (force=true does not wait)."""
     elastic_max_engines: int = 8
-    """Elastic rollout, local mode: a scale_out to more engines is refused (each is a process
-    with its own copy of the model)."""
+    """Elastic rollout: a num_replicas scale_out to more engines is refused (each is a process,
+    on Slurm a job, with its own copy of the model)."""
+    engine_job_partition: Optional[str] = None
+    """Slurm elastic rollout: --partition of the job each added engine runs in; null: the
+    rollout component's (rollout_partition, else partition)."""
+    engine_job_cpus: Optional[int] = None
+    """Slurm elastic rollout: --cpus-per-task of an engine job; null: cpus_per_task."""
+    engine_job_gpus: Optional[int] = None
+    """Slurm elastic rollout: --gpus-per-node of an engine job; null: rollout.engine_tp_size
+    when the rollout component has GPUs (rollout_gpus_per_node, else gpus_per_node), else 0."""
+    engine_job_time_min: Optional[int] = None
+    """Slurm elastic rollout: --time of an engine job, in minutes; null: time_limit_min."""
+    engine_job_mem_gb: Optional[int] = None
+    """Slurm elastic rollout: --mem of an engine job in GB; null: the partition's default."""
 
     # ---- slurm: the allocation ------------------------------------------------------------
     layout: str = "hetjob"
@@ -607,6 +619,12 @@ class ClusterConfig:
                f"cluster.elastic_timeout_s={self.elastic_timeout_s} and cluster."
                f"elastic_drain_timeout_s={self.elastic_drain_timeout_s} must be > 0, cluster."
                f"elastic_max_engines={self.elastic_max_engines} >= 1")
+        for key in ("engine_job_cpus", "engine_job_time_min"):
+            value = getattr(self, key)
+            _check(value is None or value >= 1, f"cluster.{key}={value}: >= 1 or null")
+        for key in ("engine_job_gpus", "engine_job_mem_gb"):
+            value = getattr(self, key)
+            _check(value is None or value >= 0, f"cluster.{key}={value}: >= 0 or null")
 
 
 @dataclass(kw_only=True)

@@ -65,12 +65,13 @@ def broker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path) -> RoleSpec:
 def _hf_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed: int
                     ) -> RoleSpec:
     host, port = _hostport(url)
-    bind = "0.0.0.0" if cfg.cluster.kind == "slurm" else host
+    # bound to the address the plan gives its clients (127.0.0.1 locally, the node's name on
+    # Slurm), like the broker: never all interfaces
     return RoleSpec(
         name=name, het_group=ROLLOUT_GROUP, host=host, ports={"http": port},
         cpus=cfg.cluster.rollout_cpus, health_url=url,
         argv=[sys.executable, "-m", "relax_slurm.rollout.hf_engine",
-              "--model-path", model_path, "--host", bind, "--port", str(port),
+              "--model-path", model_path, "--host", host, "--port", str(port),
               "--dtype", cfg.model.dtype,
               "--max-batch-size", str(cfg.rollout.engine_max_batch_size),
               "--batch-wait-ms", str(cfg.rollout.engine_batch_wait_ms),
@@ -107,16 +108,17 @@ def base_gpu_id(cfg: TrainConfig, slot: int) -> int:
 
 
 def _sglang_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed: int,
-                        slot: int = 0) -> RoleSpec:
-    """`python -m sglang.launch_server` on rollout.engine_tp_size GPUs of its node."""
+                        slot: int = 0, base_gpu: int | None = None) -> RoleSpec:
+    """`python -m sglang.launch_server` on rollout.engine_tp_size GPUs of its node, from
+    `base_gpu` (default: `base_gpu_id(cfg, slot)`), bound to the plan's address for it."""
     host, port = _hostport(url)
     r = cfg.rollout
     return RoleSpec(
         name=name, het_group=ROLLOUT_GROUP, host=host, ports={"http": port}, health_url=url,
         argv=sglang_api.server_argv(
             sys.executable, model_path=model_path,
-            host="0.0.0.0" if cfg.cluster.kind == "slurm" else host, port=port,
-            base_gpu_id=base_gpu_id(cfg, slot),
+            host=host, port=port,
+            base_gpu_id=base_gpu_id(cfg, slot) if base_gpu is None else base_gpu,
             tp_size=r.engine_tp_size, ep_size=r.engine_ep_size,
             mem_fraction_static=r.engine_mem_fraction,
             dtype=cfg.model.dtype, seed=seed, trust_remote_code=cfg.model.trust_remote_code,
@@ -127,9 +129,10 @@ def _sglang_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, 
 
 
 def _engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed: int,
-                 slot: int = 0, restartable: bool = True) -> RoleSpec:
+                 slot: int = 0, restartable: bool = True, base_gpu: int | None = None
+                 ) -> RoleSpec:
     if cfg.rollout.engine == "sglang":
-        spec = _sglang_engine_spec(cfg, name, url, model_path, seed, slot)
+        spec = _sglang_engine_spec(cfg, name, url, model_path, seed, slot, base_gpu)
     else:
         spec = _hf_engine_spec(cfg, name, url, model_path, seed)
     if restartable:  # restarted in place as it was started (see weightsync/cohort.py)

@@ -11,9 +11,11 @@ Called from the supervisor's watch loop (`Scaler.tick`, every POLL_S): one GET
   takes it from there); a process that died reports the op FAILED (rollback);
 - detached engines: stop the processes it started, forget external ones; report `stopped`.
 
-Starting processes is local mode only (cluster.kind=local): on Slurm a `num_replicas`
-scale-out fails at once with a message; submitting engines as a job that joins from its own
-allocation is not built yet (docs/operations.md). `engine_urls` works in both.
+On Slurm (`jobs`, an `EngineJobs`) a `num_replicas` scale-out submits one Slurm job per new
+engine instead (launch/engine_job.py): the op stays PENDING while the jobs wait in the queue
+and start, and goes to CREATING once every engine has reported its URL; a job that ends before
+its engine is healthy fails the op. Detached engines' jobs are cancelled (scale-in after its
+drain, rollback), and `close` (the run's end) cancels every job still running.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import httpx
 
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineError
+from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.plan import free_port
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.restart import InPlace, write_roles
@@ -41,16 +44,22 @@ HEALTH_PROBE_S = 2.0
 class Scaler:
     def __init__(self, procs: ProcessSet, cfg: TrainConfig, run_dir: Path, admin: str,
                  secret: str, wrap: Any, host: str = "127.0.0.1",
-                 in_place: InPlace | None = None) -> None:
+                 in_place: InPlace | None = None, jobs: EngineJobs | None = None) -> None:
         self.procs, self.cfg, self.run_dir, self.wrap, self.host = procs, cfg, run_dir, wrap, host
         self.in_place = in_place
+        self.jobs = jobs
+        self.submitted: dict[str, list[str]] = {}  # scale-out id -> engine jobs not yet CREATING
+        self.job_urls: dict[str, str] = {}  # url -> name of the engine job serving it
         self.admin = admin
         self.http = httpx.Client(timeout=HTTP_TIMEOUT_S,
                                  headers={"Authorization": f"Bearer {secret}"})
         self.started: dict[str, Role] = {}  # url -> the engine process this launcher started
 
     def close(self) -> None:
+        """The run's end: cancel every engine job submitted (none stays in the queue)."""
         self.http.close()
+        if self.jobs is not None:
+            self.jobs.cancel_all()
 
     def _post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         r = self.http.post(self.admin + route, json=body)
@@ -67,6 +76,7 @@ class Scaler:
                 if e["state"] == "detached":
                     self._stop(e["url"])
             op = view.get("op")
+            self._forget_submitted(op)
             if op and op["kind"] == "scale_out":
                 self._advance(op)
         except httpx.HTTPError as e:  # the broker restarting: HangWatch watches that
@@ -79,12 +89,16 @@ class Scaler:
         step = f"/rollout/ops/{rid}/step"
         if op["status"] == "PENDING":
             if op["mode"] == "local" and self.cfg.cluster.kind != "local":
-                self._post(step, {"error": "num_replicas scale-outs start engine processes in "
-                                           "local runs only (cluster.kind=local); on Slurm, "
-                                           "start the servers yourself and register them with "
-                                           "engine_urls"})
-                return
-            if op["mode"] == "local":
+                if self.jobs is None:
+                    self._post(step, {"error": "num_replicas scale-outs need the launcher to "
+                                               "start engines, which it cannot here; start the "
+                                               "servers yourself and register them with "
+                                               "engine_urls"})
+                    return
+                urls = self._job_urls(op)
+                if urls is None:
+                    return  # the jobs are queued or starting
+            elif op["mode"] == "local":
                 try:
                     urls = self._start_engines(op["add"])
                 except Exception as e:  # noqa: BLE001 (report it, do not kill the run)
@@ -93,9 +107,11 @@ class Scaler:
             else:
                 urls = op["urls"]
             got = self._post(step, {"status": "CREATING", "urls": urls})
+            self.submitted.pop(rid, None)
             if got["status"] in ("CANCELLED", "FAILED"):  # cancelled while they started
                 for url in urls if op["mode"] == "local" else []:
                     self._stop_process(url)
+                    self._cancel_job(url)
                 return
             self._post(step, {"status": "HEALTH_CHECKING"})
             self._say(f"{rid}: {len(urls)} engine(s) starting at {urls}")
@@ -106,10 +122,63 @@ class Scaler:
                     self._post(step, {"error": f"{role.name} exited with code "
                                                f"{role.proc.returncode}; see {role.log}"})
                     return
+                name = self.job_urls.get(url)
+                if name is not None and self.jobs is not None and self.jobs.ended(name):
+                    self._post(step, {"error": f"the Slurm job of {name} ended before it was "
+                                               f"healthy; see {self.run_dir / 'logs'}/{name}.log"})
+                    return
                 if not _healthy(url):
                     return
             self._post(step, {"status": "WEIGHT_SYNCING"})
             self._say(f"{rid}: engines healthy; the trainer sends them the weights")
+
+    def _job_urls(self, op: dict[str, Any]) -> list[str] | None:
+        """Slurm: submit the op's engine jobs (first call), then their URLs once every job has
+        reported one (None until then). A job that ended without one fails the op."""
+        assert self.jobs is not None
+        rid = op["request_id"]
+        names = self.submitted.get(rid)
+        if names is None:
+            names = self.submitted[rid] = self._new_names(op["add"])
+            try:
+                for name in names:
+                    self.jobs.submit(name, self.cfg.seed + int(name.removeprefix("engine")))
+            except Exception as e:  # noqa: BLE001 (report it, do not kill the run)
+                self._post(f"/rollout/ops/{rid}/step",
+                           {"error": f"submitting the engine jobs failed: {e}"})
+                return None  # _forget_submitted cancels what was submitted
+            ids = [self.jobs.jobs[n].job.job_id for n in names]
+            self._say(f"{rid}: submitted Slurm job(s) {ids} for {names}")
+            return None
+        urls = [self.jobs.url(n) for n in names]
+        for name, url in zip(names, urls):
+            if url is None and self.jobs.ended(name):
+                self._post(f"/rollout/ops/{rid}/step",
+                           {"error": f"the Slurm job of {name} ended before it reported its "
+                                     f"URL; see {self.run_dir / 'logs'}/{name}.log"})
+                return None
+        if any(u is None for u in urls):
+            return None
+        self.job_urls.update(zip(urls, names))  # (submitted until CREATING is on record)
+        return urls
+
+    def _forget_submitted(self, op: dict[str, Any] | None) -> None:
+        """Cancel the jobs of scale-outs that ended (timeout, cancel) while still PENDING."""
+        live = op["request_id"] if op and op["status"] == "PENDING" else None
+        for rid in [r for r in self.submitted if r != live]:
+            for name in self.submitted.pop(rid):
+                assert self.jobs is not None
+                self.jobs.cancel(name)
+            self._say(f"{rid}: ended before its engines reported; their jobs are cancelled")
+
+    def _new_names(self, n: int) -> list[str]:
+        taken = {r.name for r in self.procs.roles} | set(self.jobs.jobs if self.jobs else ())
+        names = []
+        for _ in range(n):
+            k = next(i for i in range(len(taken) + n + 1) if f"engine{i}" not in taken)
+            taken.add(f"engine{k}")
+            names.append(f"engine{k}")
+        return names
 
     def _start_engines(self, n: int) -> list[str]:
         taken = {r.name for r in self.procs.roles}
@@ -135,7 +204,15 @@ class Scaler:
 
     def _stop(self, url: str) -> None:
         self._stop_process(url)
+        self._cancel_job(url)
         self._post("/rollout/engines/stopped", {"url": url})
+
+    def _cancel_job(self, url: str) -> None:
+        name = self.job_urls.pop(url, None)
+        if name is not None and self.jobs is not None:
+            job_id = self.jobs.jobs[name].job.job_id
+            self.jobs.cancel(name)
+            self._say(f"cancelled the Slurm job {job_id} of {name} ({url})")
 
     def _stop_process(self, url: str) -> None:
         role = self.started.pop(url, None)

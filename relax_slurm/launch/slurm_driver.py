@@ -44,6 +44,7 @@ from relax_slurm.errors import ConfigError, Preempted, RelaxError, RoleFailed
 from relax_slurm.launch.control import (
     PREEMPT_EXIT_CODE, clear_preempt, read_status, request_preempt, write_status,
 )
+from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.local import check_inputs
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.roles import (
@@ -253,7 +254,8 @@ def drive(run_dir: str | Path, alloc: SlurmAllocation | None = None) -> dict:
             signal.signal(signal.SIGUSR1, on_usr1)
             signal.signal(signal.SIGTERM, _terminate)
         status("running")
-        summary = supervise(specs, cfg, run_dir, wrap, extra={"slurm": info})
+        summary = supervise(specs, cfg, run_dir, wrap, extra={"slurm": info},
+                            engine_jobs=EngineJobs(cfg, run_dir, parent_job=alloc.job_id))
     except Preempted as e:
         on_usr1.cancel()
         if not cfg.cluster.requeue:

@@ -145,3 +145,21 @@ def read_allocation(env: Mapping[str, str] | None = None) -> SlurmAllocation:
 def in_allocation(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     return "SLURM_JOB_ID" in env
+
+
+def node_name(env: Mapping[str, str] | None = None) -> str:
+    """The Slurm name of the node this job step runs on (SLURMD_NODENAME), the name the run's
+    plan uses for addresses."""
+    env = os.environ if env is None else env
+    return _get(env, "SLURMD_NODENAME")
+
+
+# SLURM_* variables that configure the client commands rather than describe a job
+CLIENT_ENV = ("SLURM_CONF", "SLURM_CLUSTERS")
+
+
+def without_job_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` without the SLURM_* variables of the job it was read in (the client's own, such
+    as SLURM_CONF, stay): sbatch run inside a job would otherwise pass them on to the new job,
+    where some (SLURM_CPUS_PER_TASK, SLURM_MEM_PER_NODE, ...) are taken as its options."""
+    return {k: v for k, v in env.items() if not k.startswith("SLURM_") or k in CLIENT_ENV}

@@ -16,6 +16,7 @@ from relax_slurm.auth import SECRET_ENV, ensure_secret
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineDown, Preempted, RoleFailed, RoleHung
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
+from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.health import HangWatch
 from relax_slurm.launch.plan import PLAN_FILE, load_plan
 from relax_slurm.launch.processes import ProcessSet, Role
@@ -144,8 +145,11 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
 
 
 def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap,
-              started: float | None = None, extra: dict | None = None) -> dict:
+              started: float | None = None, extra: dict | None = None,
+              engine_jobs: EngineJobs | None = None) -> dict:
     """Run the roles to the end; write roles.json and summary.json; return the summary.
+
+    `engine_jobs` (the Slurm driver's): elastic scale-outs submit engines as Slurm jobs there.
 
     summary.json is written once, also for a failed run: `wall_s` counts from `started` (a
     monotonic time; default now, a restarted run passes its first attempt's) and `extra` is
@@ -162,7 +166,8 @@ def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap
     in_place = InPlace(procs, specs, wrap, run_dir, cfg.cluster.max_role_restarts,
                        on_restart=hangs.restarted)
     # elastic rollout's process side (launch/scale.py)
-    scaler = Scaler(procs, cfg, run_dir, admin, secret, wrap, in_place=in_place) if admin else None
+    scaler = (Scaler(procs, cfg, run_dir, admin, secret, wrap, in_place=in_place,
+                     jobs=engine_jobs) if admin else None)
     final_status = None
     try:
         try:

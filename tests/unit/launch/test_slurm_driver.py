@@ -67,6 +67,8 @@ def test_srun_lines_of_a_het_job():
     assert "--nodelist=t1" in lines["broker"] and "0.0.0.0" not in " ".join(lines["broker"])
     assert plan.broker_router.startswith("tcp://t1:") and plan.broker_router in lines["broker"]
     assert lines["engine0"][1] == "--het-group=1" and "--nodelist=r1" in lines["engine0"]
+    engine = lines["engine0"]  # the engine too: its node's name, as in the plan's URL
+    assert engine[engine.index("--host") + 1] == "r1" and "0.0.0.0" not in " ".join(engine)
     assert lines["rollout"][1] == "--het-group=1"
     trainer = lines["trainer"]
     assert "--nodes=2" in trainer and "--ntasks=2" in trainer and "--ntasks-per-node=1" in trainer
