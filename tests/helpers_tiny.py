@@ -73,14 +73,21 @@ def child_env() -> dict[str, str]:
 
 
 def start_engine(model_dir: str | Path, port: int, log_path: str | Path,
-                 extra_args: Optional[list[str]] = None) -> subprocess.Popen:
-    """Start `python -m relax_slurm.rollout.hf_engine` in its own process group."""
+                 extra_args: Optional[list[str]] = None, api_key: Optional[str] = None
+                 ) -> subprocess.Popen:
+    """Start `python -m relax_slurm.rollout.hf_engine` in its own process group (with
+    `api_key`, it wants that Bearer token on every route but /health, like a run's engines)."""
     cmd = [sys.executable, "-m", "relax_slurm.rollout.hf_engine", "--model-path", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--torch-threads", "1", "--seed", "0", "--weight-version", "0", *(extra_args or [])]
     log = open(log_path, "wb")
     try:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+        env = child_env()
+        if api_key is not None:
+            from relax_slurm.rollout.sglang_api import API_KEY_ENV
+
+            env[API_KEY_ENV] = api_key
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=str(REPO_ROOT), start_new_session=True)
     finally:
         log.close()

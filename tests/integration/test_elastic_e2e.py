@@ -3,7 +3,8 @@ run: scale out from 1 to 3 engines mid-run through the broker's admin HTTP (the 
 the engines, the trainer's cohort re-forms and sends them the current weights, the worker
 routes to them once ACTIVE) and a step's batch is generated faster, then scale in to 1 with
 drain (no request lost), then a scale-out cancelled at once (rolled back: its engine is
-stopped). The run completes with samples_lost 0.
+stopped), then an engine started outside the run registered by URL (it gets the weights and
+generates; scaled in, it is forgotten, not stopped). The run completes with samples_lost 0.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from relax_slurm.launch.plan import free_port
 from tests.conftest import ONE_RANK
+from tests.helpers_tiny import start_engine, stop_process, wait_healthy
 from tests.integration.test_chaos import TIMEOUT_S, finish, role, start, stop, wait_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
@@ -52,6 +55,40 @@ def engine_version(url: str, secret: str) -> int:
                          headers={"Authorization": f"Bearer {secret}"}).json()["weight_version"])
 
 
+def wait_requests(admin: Admin, proc, urls: list[str], n: int = 2) -> None:
+    """Until the worker has sent `n` requests to each of `urls` (its per-engine counts)."""
+    deadline = time.monotonic() + OP_WAIT_S
+    while min(admin.get("/status")["roles"]["rollout"].get(
+            "requests_per_engine", {}).get(url, 0) for url in urls) < n:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.5)
+
+
+def external_engine_joins_and_leaves(admin: Admin, proc, model: Path, secret: str,
+                                     tmp_path: Path) -> None:
+    """An engine started outside the run (with the run's secret as its API key), registered by
+    URL: it gets the trainer's weights and generates for the run; scaled in, the run forgets it
+    and leaves it running (not its process)."""
+    port = free_port()
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "external.log"
+    engine = start_engine(model, port, log, api_key=secret)
+    try:
+        wait_healthy(url, engine, OP_WAIT_S, log)
+        r = admin.post("/rollout/scale_out", {"engine_urls": [url]})
+        assert r.status_code == 202, r.text
+        op = admin.wait(r.json()["request_id"], proc)
+        assert op["status"] == "ACTIVE" and op["mode"] == "external", op
+        assert engine_version(url, secret) >= 1  # the trainer's weights, not model.path's
+        wait_requests(admin, proc, [url])
+        r = admin.post("/rollout/scale_in", {"engine_urls": [url]})
+        assert r.status_code == 202, r.text
+        assert admin.wait(r.json()["request_id"], proc)["status"] == "COMPLETED"
+        assert url not in [e["url"] for e in admin.get("/rollout/engines")["engines"]]
+        assert engine.poll() is None
+    finally:
+        stop_process(engine)
+
+
 def gen_time(run_dir: Path, first: int, last: int) -> float:
     """Median seconds the rollout took to generate one step's batch, steps [first, last) (the
     median: a step that met a weight push or a cohort re-forming is not what is measured)."""
@@ -60,7 +97,7 @@ def gen_time(run_dir: Path, first: int, last: int) -> float:
 
 
 def test_scale_out_1_to_3_then_drain_in_then_cancel(tmp_path, tiny_assets):
-    run_dir, steps = tmp_path / "run", 150
+    run_dir, steps = tmp_path / "run", 250
     # rollout-bound, like SGLang servers at their max_running_requests: an engine runs at most
     # 64 sequences at once and a step's 512 come in 8 requests, so one engine works through
     # them in turn and more engines share them (the trainer waits on-policy meanwhile)
@@ -91,12 +128,7 @@ def test_scale_out_1_to_3_then_drain_in_then_cancel(tmp_path, tiny_assets):
         assert admin.get("/rollout/engines")["routable"] == [first, *new]
         assert admin.post("/rollout/scale_out", {"num_replicas": 3}).json()["noop"] is True
         assert role(run_dir, "engine1")["ports"]["http"] == int(new[0].rsplit(":", 1)[1])
-        # the new engines generate for the run (the worker's per-engine request counts)
-        deadline = time.monotonic() + OP_WAIT_S
-        while min(admin.get("/status")["roles"]["rollout"].get(
-                "requests_per_engine", {}).get(url, 0) for url in new) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
+        wait_requests(admin, proc, new)  # the new engines generate for the run
         # throughput rises: a step's batch takes less time with three engines than with one
         n = len((run_dir / "metrics.jsonl").read_text().splitlines())
         wait_steps(proc, run_dir, n + BEFORE)
@@ -120,6 +152,7 @@ def test_scale_out_1_to_3_then_drain_in_then_cancel(tmp_path, tiny_assets):
         while len(admin.get("/rollout/engines")["engines"]) > 1:
             assert time.monotonic() < deadline
             time.sleep(0.5)
+        external_engine_joins_and_leaves(admin, proc, tiny_assets / "model", secret, tmp_path)
         _, err = finish(proc)
     finally:
         stop(proc)
