@@ -5,7 +5,8 @@ Routes and JSON shapes follow sglang/srt/entrypoints/http_server.py and managers
 rollout worker or trainer cannot tell this server from `python -m sglang.launch_server`:
 
   POST /generate                      text | input_ids (one or a batch), sampling_params,
-                                      return_logprob, logprob_start_len, image_data, audio_data
+                                      return_logprob, logprob_start_len, image_data,
+                                      video_data, audio_data
                                       -> {text, output_ids, meta_info} or a list
   GET  /health, /health_generate      200 when the generation thread is alive, else 503
   GET  /get_model_info                {model_path, tokenizer_path, is_generation, ...}
@@ -24,8 +25,8 @@ per input position from k on, the first input token's log-prob being None, as SG
 with `max_new_tokens=0` nothing is generated and only the prefill runs.
 
 Multimodal models (Qwen2.5-VL, Qwen3-VL, Qwen2-Audio, ...: `relax_slurm.modeling`): `image_data`
-/ `audio_data` as SGLang takes them (one list of items per input; an item is a file name, a data
-URL or base64 bytes) are processed with the model's own image processor / feature extractor
+/ `video_data` / `audio_data` as SGLang takes them (one list of items per input; an item is a
+file name, a data URL or base64 bytes; a video also a folder of frames) are processed with the model's own image processor / feature extractor
 (`relax_slurm.data.processor`, the code the rollout worker runs too); each item's pad token in
 `input_ids` is expanded to its token count (ids already expanded pass unchanged) and the tensors
 ride along with the row into the batched `generate`.
@@ -64,6 +65,7 @@ from transformers import (AutoTokenizer, GenerationConfig, LogitsProcessor, Logi
 from relax_slurm.auth import bearer_matches
 from relax_slurm.data.media import MODALITIES, MediaRef, from_engine
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, concat_tensors
+from relax_slurm.data.video import VideoLimits
 from relax_slurm.errors import DataError, WeightSyncError
 from relax_slurm.modeling import auto_model_class, is_multimodal, media_token_ids
 from relax_slurm.rollout import sglang_api
@@ -501,7 +503,8 @@ class HFEngine:
         if not any(any(m.values()) for m in media):
             return prompts, [None] * len(prompts)
         if self.media is None:
-            raise BadRequest(f"image_data/audio_data sent, but {self.model_path} is a text model")
+            raise BadRequest(f"image_data/video_data/audio_data sent, but {self.model_path} is "
+                             "a text model")
         done: dict[tuple, Any] = {}
         ids_out, mm_out = [], []
         for i, (ids, items) in enumerate(zip(prompts, media)):
@@ -966,6 +969,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--image-max-pixels", type=int, default=None,
                    help="multimodal: largest image size in pixels (default: the processor's)")
     p.add_argument("--audio-sampling-rate-hz", type=int, default=16000)
+    p.add_argument("--video-fps", type=float, default=2.0,
+                   help="multimodal: frames kept per second of a video")
+    p.add_argument("--video-min-frames", type=int, default=4)
+    p.add_argument("--video-max-frames", type=int, default=768)
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     if args.max_batch_size < 1:
@@ -980,7 +987,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                       args.weight_sync_timeout_s,
                       MediaLimits(image_min_pixels=args.image_min_pixels,
                                   image_max_pixels=args.image_max_pixels,
-                                  audio_sampling_rate_hz=args.audio_sampling_rate_hz))
+                                  audio_sampling_rate_hz=args.audio_sampling_rate_hz,
+                                  video=VideoLimits(fps=args.video_fps,
+                                                    min_frames=args.video_min_frames,
+                                                    max_frames=args.video_max_frames)))
     freeze_heap()
     engine.start()
     log.info("serving %s on %s:%d (max batch %d, wait %.1f ms)", args.model_path, args.host,
