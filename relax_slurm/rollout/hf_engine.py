@@ -67,7 +67,8 @@ from relax_slurm.data.media import MODALITIES, MediaRef, from_engine
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, concat_tensors
 from relax_slurm.data.video import VideoLimits
 from relax_slurm.errors import DataError, WeightSyncError
-from relax_slurm.modeling import auto_model_class, is_multimodal, media_token_ids
+from relax_slurm.modeling import (auto_model_class, is_multimodal, media_token_ids,
+                                  mm_token_types)
 from relax_slurm.rollout import sglang_api
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
@@ -609,26 +610,30 @@ class HFEngine:
             for i, row in enumerate(chunk):
                 input_ids[i, :len(row.input_ids)] = torch.tensor(row.input_ids)
                 attention_mask[i, :len(row.input_ids)] = 1
-            logits = self.model(input_ids=input_ids.to(self.device),
+            input_ids = input_ids.to(self.device)
+            logits = self.model(input_ids=input_ids,
                                 attention_mask=attention_mask.to(self.device),
-                                use_cache=False, **self._mm_kwargs(chunk)).logits  # [B, L, V]
+                                use_cache=False,
+                                **self._mm_kwargs(chunk, input_ids)).logits  # [B, L, V]
             for i, row in enumerate(chunk):
                 n = len(row.input_ids)
                 scaled = logits[i, :n - 1].float() / row.logprob_temperature  # [L-1, V]
-                targets = input_ids[i, 1:n].to(self.device)[:, None]
+                targets = input_ids[i, 1:n][:, None]
                 lps = (scaled.gather(1, targets).squeeze(1) - torch.logsumexp(scaled, -1))
                 out[id(row)] = [None, *lps.tolist()][row.logprob_start_len:]
         return out
 
-    def _mm_kwargs(self, rows: list[_Row]) -> dict[str, torch.Tensor]:
+    def _mm_kwargs(self, rows: list[_Row], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The batch's media tensors: each row's, concatenated in row order (the order of their
-        pads in the flattened ids); floating ones in the model's dtype."""
+        pads in the flattened ids); floating ones in the model's dtype; and the token types
+        M-RoPE models place media by (`relax_slurm.modeling.mm_token_types`)."""
         per_row = [r.mm for r in rows if r.mm]
         if not per_row:
             return {}
         dtype = next(self.model.parameters()).dtype
-        return {k: (t.to(dtype) if t.is_floating_point() else t).to(self.device)
-                for k, t in ((k, torch.from_numpy(v)) for k, v in concat_tensors(per_row).items())}
+        media = {k: (t.to(dtype) if t.is_floating_point() else t).to(self.device)
+                 for k, t in ((k, torch.from_numpy(v)) for k, v in concat_tensors(per_row).items())}
+        return {**media, **mm_token_types(self.model, input_ids, media)}
 
     @torch.no_grad()
     def _generate(self, rows: list[_Row]) -> list[tuple[list[int], list[float], dict]]:
@@ -639,9 +644,10 @@ class HFEngine:
             input_ids[i, width - len(row.input_ids):] = torch.tensor(row.input_ids)
             attention_mask[i, width - len(row.input_ids):] = 1
         state = _BatchState(rows, self.eos_ids, self.tokenizer, self.device)
+        input_ids = input_ids.to(self.device)
         self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            **self._mm_kwargs(rows),
+            input_ids=input_ids, attention_mask=attention_mask.to(self.device),
+            **self._mm_kwargs(rows, input_ids),
             max_new_tokens=max(r.spec.max_new_tokens for r in rows),
             logits_processor=LogitsProcessorList([_RowSampler(state, self.banned_ids)]),
             stopping_criteria=StoppingCriteriaList([_RowStopper(state)]))

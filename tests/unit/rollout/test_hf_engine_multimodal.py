@@ -56,7 +56,11 @@ def test_engine_and_trainer_see_the_same_tokens(served, tiny_mm_assets: Path) ->
     ds = prompts(tiny_mm_assets, kind, model)
     mp = MediaProcessor(model, AutoTokenizer.from_pretrained(model).get_vocab())
     rows = [ds[0], ds[1]]
-    processed = [mp.process(p.input_ids, p.media) for p in rows]
+    # prompts of two lengths: left padding in the engine's batch, right padding in the trainer's
+    # (M-RoPE positions of media tokens must come out the same from both)
+    prefix = AutoTokenizer.from_pretrained(model)("12+")["input_ids"]
+    unexpanded = [list(rows[0].input_ids), prefix + list(rows[1].input_ids)]
+    processed = [mp.process(ids, p.media) for ids, p in zip(unexpanded, rows)]
     media = [{k: [r.to_engine() for r in refs] for k, refs in p.media.items()} for p in rows]
     n = 2  # samples per prompt
     params = [{"max_new_tokens": 3, "temperature": 1.0, "sampling_seed": 7 + i} for i in range(4)]
@@ -67,7 +71,7 @@ def test_engine_and_trainer_see_the_same_tokens(served, tiny_mm_assets: Path) ->
     # unexpanded ids (one pad per item) and base64 items give the same tokens
     inline = [{k: [base64.b64encode(Path(v).read_bytes()).decode() for v in vs]
                for k, vs in m.items()} for m in media]
-    again = client.generate([p.input_ids for p in rows for _ in range(n)], params,
+    again = client.generate([ids for ids in unexpanded for _ in range(n)], params,
                             media=[m for m in inline for _ in range(n)])
     assert [r.output_ids for r in again] == [r.output_ids for r in results]
     assert [r.logprobs for r in again] == [r.logprobs for r in results]
@@ -95,6 +99,12 @@ def test_engine_and_trainer_see_the_same_tokens(served, tiny_mm_assets: Path) ->
         other = token_logprobs(trainer_model, mb, 1.0)
     mb.media.tensors = media
     assert not torch.allclose(other[mask], logp[mask], atol=1e-4)
+    if kind == "video":  # M-RoPE is on: a clip's time spacing moves its tokens' positions
+        mb.media.tensors = {**media, "second_per_grid_ts": media["second_per_grid_ts"] * 4}
+        with torch.no_grad():
+            other = token_logprobs(trainer_model, mb, 1.0)
+        mb.media.tensors = media
+        assert not torch.allclose(other[mask], logp[mask], atol=1e-4)
     # micro-batches cut the media with their rows
     with torch.no_grad():
         half = token_logprobs(trainer_model, mb.rows(2, 4), 1.0)
