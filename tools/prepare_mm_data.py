@@ -1,7 +1,7 @@
-"""Write the multimodal tasks of the tiny CPU demos: coloured squares, moving squares, tones.
+"""Write the multimodal tasks of the tiny CPU demos: coloured squares, colour changes, tones.
 
     python tools/prepare_mm_data.py --out tiny --task colors   # tiny/colors_{train,test}.jsonl
-    python tools/prepare_mm_data.py --out tiny --task motion   # tiny/motion_{train,test}.jsonl
+    python tools/prepare_mm_data.py --out tiny --task change   # tiny/change_{train,test}.jsonl
     python tools/prepare_mm_data.py --out tiny --task tones    # tiny/tones_{train,test}.jsonl
 
 colors: PNG images (56x56, rendered with PIL) of one of 4 colours (red, green, blue, yellow) in
@@ -9,12 +9,13 @@ colors: PNG images (56x56, rendered with PIL) of one of 4 colours (red, green, b
 "label": "0", "id": ...}: the label is the colour's index. The answer depends on the image alone,
 which is what makes the task visual; with a vocabulary of 20-odd characters a random tiny
 Qwen2.5-VL first learns to answer with one of the 4 digits, then which one.
-motion: 1 s H.264 mp4 clips (4 frames of 56x56 at 4 fps, encoded with PyAV) of a 16x16 square
-of one of the 4 colours moving right, left, down or up by 10 pixels a frame, from 2 starting
-offsets, under OUT/motion/; rows {"prompt": "<video>=", "videos": ["motion/left_red_1.mp4"],
-"label": "1"}: the label is the direction's index (0 right, 1 left, 2 down, 3 up). Every frame
-holds one square: only the order of the frames tells the answer. Digits rather than words:
-a random character-level model never writes a whole word, so GRPO would see no reward at all.
+change: 1 s H.264 mp4 clips (4 frames of 56x56 at 4 fps, encoded with PyAV) of a whole frame
+that turns from one of the 4 colours into another halfway (frames 0-1, then 2-3), in 3 shades,
+under OUT/change/; rows {"prompt": "<video>=", "videos": ["change/red_to_blue_2.mp4"],
+"label": "2"}: the label is the final colour's index. Both colours are in the clip: only which
+one comes last tells the answer (a model blind to frame order gets 0.5 at best). Digits rather
+than words: a random character-level model never writes a whole word, so GRPO would see no
+reward at all.
 tones: 1 s WAV files at 16 kHz (numpy sine, 16-bit PCM) of one of 4 frequencies (220, 440, 880,
 1760 Hz) at 5 loudness levels, under OUT/tones/; rows {"prompt": "<audio>=", "audios":
 ["tones/440_3.wav"], "label": "1"}.
@@ -55,41 +56,28 @@ def write_colors(folder: Path) -> list[tuple[str, str]]:
     return items
 
 
-DIRECTIONS = {"right": (1, 0), "left": (-1, 0), "down": (0, 1), "up": (0, -1)}
-MOTION_FRAMES, MOTION_FPS, MOTION_STEP_PX, SQUARE_PX = 4, 4, 10, 16
+CLIP_FRAMES, CLIP_FPS = 4, 4
 
 
-def motion_frames(direction: str, rgb: tuple[int, int, int], offset: int) -> list[np.ndarray]:
-    """[H, W, 3] uint8 frames of a square crossing a 56x56 dark frame in `direction`."""
-    dx, dy = DIRECTIONS[direction]
-    span = MOTION_STEP_PX * (MOTION_FRAMES - 1)
-    x0 = 4 + offset if dx >= 0 else 4 + offset + span  # start so the whole path fits
-    y0 = 4 + offset if dy >= 0 else 4 + offset + span
-    frames = []
-    for t in range(MOTION_FRAMES):
-        arr = np.full((56, 56, 3), 20, np.uint8)
-        x, y = x0 + dx * t * MOTION_STEP_PX, y0 + dy * t * MOTION_STEP_PX
-        if dx == 0:
-            x = 20 + offset
-        if dy == 0:
-            y = 20 + offset
-        arr[y:y + SQUARE_PX, x:x + SQUARE_PX] = rgb
-        frames.append(arr)
-    return frames
-
-
-def write_motion(folder: Path) -> list[tuple[str, str]]:
-    """One mp4 per direction, colour and starting offset; [(relative path, label)]."""
+def write_change(folder: Path) -> list[tuple[str, str]]:
+    """One mp4 per (first colour, last colour) pair and shade; [(relative path, label)]."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
     from relax_slurm.data.video import write_mp4
 
     folder.mkdir(parents=True, exist_ok=True)
     items = []
-    for label, direction in enumerate(DIRECTIONS):
-        for name, rgb in COLORS.items():
-            for offset in (0, 6):
-                path = folder / f"{direction}_{name}_{offset}.mp4"
-                write_mp4(path, motion_frames(direction, rgb, offset), MOTION_FPS)
+    for first, rgb_first in COLORS.items():
+        for label, (last, rgb_last) in enumerate(COLORS.items()):
+            if first == last:
+                continue
+            for shade in (0, 2, 4):
+                scale = 0.6 + 0.1 * shade
+                colors = [tuple(min(255, int(c * scale)) for c in rgb)
+                          for rgb in (rgb_first, rgb_last)]
+                frames = [np.full((56, 56, 3), colors[t >= CLIP_FRAMES // 2], np.uint8)
+                          for t in range(CLIP_FRAMES)]
+                path = folder / f"{first}_to_{last}_{shade}.mp4"
+                write_mp4(path, frames, CLIP_FPS)
                 items.append((f"{folder.name}/{path.name}", str(label)))
     return items
 
@@ -120,7 +108,7 @@ def prepare(out: Path, task: str, n_train: int = 2000, n_test: int = 200, seed: 
             ) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     write, placeholder, column = {"colors": (write_colors, "<image>", "images"),
-                                  "motion": (write_motion, "<video>", "videos"),
+                                  "change": (write_change, "<video>", "videos"),
                                   "tones": (write_tones, "<audio>", "audios")}[task]
     items = write(out / task)
     rng = random.Random(seed)
@@ -139,7 +127,7 @@ def prepare(out: Path, task: str, n_train: int = 2000, n_test: int = 200, seed: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory to write files into")
-    parser.add_argument("--task", choices=["colors", "motion", "tones"], default="colors")
+    parser.add_argument("--task", choices=["colors", "change", "tones"], default="colors")
     parser.add_argument("--n-train", type=int, default=2000)
     parser.add_argument("--n-test", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)

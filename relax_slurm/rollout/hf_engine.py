@@ -26,10 +26,11 @@ with `max_new_tokens=0` nothing is generated and only the prefill runs.
 
 Multimodal models (Qwen2.5-VL, Qwen3-VL, Qwen2-Audio, ...: `relax_slurm.modeling`): `image_data`
 / `video_data` / `audio_data` as SGLang takes them (one list of items per input; an item is a
-file name, a data URL or base64 bytes; a video also a folder of frames) are processed with the model's own image processor / feature extractor
-(`relax_slurm.data.processor`, the code the rollout worker runs too); each item's pad token in
-`input_ids` is expanded to its token count (ids already expanded pass unchanged) and the tensors
-ride along with the row into the batched `generate`.
+file name, a data URL or base64 bytes; a video also a folder of frames) are processed with the
+model's own image processor / feature extractor (`relax_slurm.data.processor`, the code the
+rollout worker runs too); each item's pad token in `input_ids` is expanded to its token count
+(ids already expanded pass unchanged) and the tensors ride along with the row into the batched
+`generate`.
 
 Dynamic batching: requests queue up; one generation thread takes up to --max-batch-size
 sequences (waiting up to --batch-wait-ms for more) and runs one `model.generate` with left
@@ -428,6 +429,9 @@ class _RowStopper(StoppingCriteria):
                             device=input_ids.device)
 
 
+_KEEP_DTYPE = frozenset({"second_per_grid_ts"})  # media tensors not cast to the model's dtype
+
+
 class HFEngine:
     """The model, the request queue and the generation thread."""
 
@@ -625,13 +629,15 @@ class HFEngine:
 
     def _mm_kwargs(self, rows: list[_Row], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The batch's media tensors: each row's, concatenated in row order (the order of their
-        pads in the flattened ids); floating ones in the model's dtype; and the token types
-        M-RoPE models place media by (`relax_slurm.modeling.mm_token_types`)."""
+        pads in the flattened ids); pixels and features in the model's dtype (a video's seconds
+        per frame pair stay float32, as in the trainer: they scale positions); and the token
+        types M-RoPE models place media by (`relax_slurm.modeling.mm_token_types`)."""
         per_row = [r.mm for r in rows if r.mm]
         if not per_row:
             return {}
         dtype = next(self.model.parameters()).dtype
-        media = {k: (t.to(dtype) if t.is_floating_point() else t).to(self.device)
+        media = {k: (t.to(dtype) if t.is_floating_point() and k not in _KEEP_DTYPE else t
+                     ).to(self.device)
                  for k, t in ((k, torch.from_numpy(v)) for k, v in concat_tensors(per_row).items())}
         return {**media, **mm_token_types(self.model, input_ids, media)}
 

@@ -119,10 +119,10 @@ def video_dataset(root: Path, rows: list[dict], **kw) -> PromptDataset:
 
 
 def test_dataset_rows_and_errors(tiny_mm_assets: Path) -> None:
-    ds = video_dataset(tiny_mm_assets, [{"prompt": "<video>=", "label": "1",
-                                         "videos": ["motion/left_red_0.mp4"]}])
+    ds = video_dataset(tiny_mm_assets, [{"prompt": "<video>=", "label": "2",
+                                         "videos": ["change/red_to_blue_0.mp4"]}])
     assert ds[0].text == f"{VIDEO_MARKERS}="
-    assert ds[0].media["video"][0].path.endswith("left_red_0.mp4")
+    assert ds[0].media["video"][0].path.endswith("red_to_blue_0.mp4")
 
     with pytest.raises(DataError, match=r"row 0, key 'videos', item 0: no such file .*nope.mp4"):
         video_dataset(tiny_mm_assets, [{"prompt": "<video>=", "label": "0",
@@ -138,7 +138,7 @@ def test_dataset_rows_and_errors(tiny_mm_assets: Path) -> None:
                                         "videos": ["empty_clip"]}])
     with pytest.raises(DataError, match=r"1 <video> placeholder\(s\) but the row has 2"):
         video_dataset(tiny_mm_assets, [{"prompt": "<video>=", "label": "0",
-                                        "videos": ["motion/up_red_0.mp4"] * 2}])
+                                        "videos": ["change/red_to_blue_2.mp4"] * 2}])
     with pytest.raises(ConfigError, match="data.video_min_frames=5 must be >= 1 and <= "):
         DataConfig(train_files=["x"], video_min_frames=5, video_max_frames=4)
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow  # three real engines (~35 s of start-up), as test
 
 # kind -> (model, task, media kind, column, the tower that gets gradients)
 KINDS = {"vl": ("vl_model", "colors", "image", "images", "model.visual"),
-         "video": ("vl_model", "motion", "video", "videos", "model.visual"),
+         "video": ("vl_model", "change", "video", "videos", "model.visual"),
          "audio": ("audio_model", "tones", "audio", "audios", "model.audio_tower")}
 
 
