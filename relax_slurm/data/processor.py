@@ -40,6 +40,11 @@ MODEL_TOKENS: dict[str, list[tuple[str, str, str]]] = {
 }
 
 
+# Qwen3-VL writes a "<t seconds>" text and its own markers before each frame pair of a video
+# (Qwen3VLProcessor); our single run of pads per video would not match what it was trained on
+NO_VIDEO_MODEL_TYPES = ("qwen3_vl",)
+
+
 def model_markers(vocab: Mapping[str, int]) -> dict[str, tuple[str, str, str]]:
     """kind -> (start, pad, end) tokens this vocabulary has (kinds it lacks are left out)."""
     out = {}
@@ -131,6 +136,10 @@ class MediaProcessor:
         self._image: Any = None
         self._audio: Any = None
 
+    def reads_videos(self) -> bool:
+        """Whether our video expansion (one run of pads per video) is the model's own."""
+        return not self.model_type.startswith(NO_VIDEO_MODEL_TYPES)
+
     def marker_text(self) -> dict[str, str]:
         """kind -> the text a placeholder becomes (start + one pad + end)."""
         return {k: "".join(t) for k, t in self.markers.items()}
@@ -164,6 +173,10 @@ class MediaProcessor:
             if kind == "image":
                 out, counts = self._images(refs)
             elif kind == "video":
+                if not self.reads_videos():
+                    raise DataError(f"{where}: videos for {self.model_type} models are not "
+                                    "supported (they need per-frame timestamps in the text). "
+                                    "Fix: pass sampled frames as images")
                 out, counts = self._videos(refs)
             else:
                 out, counts = self._audios(refs)

@@ -223,9 +223,13 @@ class RolloutWorker:
                              audio_sampling_rate_hz=d.audio_sampling_rate_hz,
                              video=VideoLimits(fps=d.video_fps, min_frames=d.video_min_frames,
                                                max_frames=d.video_max_frames))
-        return (MediaProcessor(cfg.model.path, self.tokenizer.get_vocab(), limits),
-                concurrent.futures.ThreadPoolExecutor(d.media_num_workers,
-                                                      thread_name_prefix="media"))
+        processor = MediaProcessor(cfg.model.path, self.tokenizer.get_vocab(), limits)
+        if "video" in d.multimodal_keys and not processor.reads_videos():
+            raise ConfigError(f"data.multimodal_keys.video: videos for {processor.model_type} "
+                              "models are not supported yet (they need per-frame timestamps "
+                              "in the text). Fix: pass sampled frames as images, or drop the key")
+        return (processor, concurrent.futures.ThreadPoolExecutor(d.media_num_workers,
+                                                                 thread_name_prefix="media"))
 
     async def processed(self, prompt: Prompt) -> Processed:
         """The prompt's ids with media pads expanded and its media tensors (text: as is)."""

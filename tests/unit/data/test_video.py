@@ -153,3 +153,15 @@ def test_too_few_frames_and_mixed_sizes(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="differ in size"):
         load_video(MediaRef(kind="video", path=str(folder), where="r"),
                    VideoLimits(fps=2.0, min_frames=2, max_frames=8))
+
+
+def test_qwen3_vl_videos_refused(tiny_mm_assets: Path, tmp_path: Path) -> None:
+    """Qwen3-VL puts a timestamp text before each frame pair: our one run of pads per video is
+    not its format, so its videos are refused (images are not)."""
+    tok = AutoTokenizer.from_pretrained(tiny_mm_assets / "vl_model")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    mp = MediaProcessor(tmp_path, tok.get_vocab())
+    assert not mp.reads_videos()
+    clip = MediaRef(kind="video", path=str(tiny_mm_assets / "change" / "red_to_blue_0.mp4"))
+    with pytest.raises(DataError, match="videos for qwen3_vl models are not supported"):
+        mp.process(tok(VIDEO_MARKERS)["input_ids"], {"video": [clip]})
