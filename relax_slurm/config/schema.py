@@ -361,7 +361,10 @@ class DataConfig:
     video_min_frames: int = 4
     """Fewest frames a video keeps; a video with fewer frames is a data error."""
     video_max_frames: int = 768
-    """Most frames a video keeps (bounds video tokens with data.image_max_pixels per frame)."""
+    """Most frames a video keeps (bounds video tokens with the pixels per frame)."""
+    video_max_pixels: Optional[int] = None
+    """Largest video frame in pixels (Qwen-VL's own video default: 602112 = 768 x 28 x 28);
+    null: data.image_max_pixels. Video tokens <= frames / 2 x this / (patch x merge)^2."""
     audio_sampling_rate_hz: int = 16000
     """Audio is resampled to this rate before the feature extractor (Whisper-style: 16 kHz)."""
     media_num_workers: int = 4
@@ -382,6 +385,10 @@ class DataConfig:
         _check(1 <= self.video_min_frames <= self.video_max_frames,
                f"data.video_min_frames={self.video_min_frames} must be >= 1 and <= "
                f"data.video_max_frames={self.video_max_frames}")
+        _check(self.video_max_pixels is None or self.image_min_pixels is None
+               or 0 < self.image_min_pixels <= self.video_max_pixels,
+               f"data.video_max_pixels={self.video_max_pixels} must be > 0 and >= "
+               f"data.image_min_pixels={self.image_min_pixels}")
         _check(self.audio_sampling_rate_hz > 0,
                f"data.audio_sampling_rate_hz={self.audio_sampling_rate_hz}: must be > 0")
         _check(self.media_num_workers >= 1,

@@ -203,7 +203,8 @@ class MediaProcessor:
         patches, grids, seconds = [], [], []
         for ref in refs:
             frames = load_video(ref, self.limits.video)
-            out = proc(images=frames.images, return_tensors="np", **self._size_kwargs(proc))
+            out = proc(images=frames.images, return_tensors="np",
+                       **self._size_kwargs(proc, self.limits.video.max_pixels))
             _, grid_h, grid_w = (int(v) for v in np.asarray(out["image_grid_thw"])[0])
             pv, grid_t = video_patches(np.asarray(out["pixel_values"], np.float32),
                                        len(frames.images), temporal, int(proc.patch_size))
@@ -216,10 +217,11 @@ class MediaProcessor:
                 "video_grid_thw": grid,
                 "second_per_grid_ts": np.asarray(seconds, dtype=np.float32)}, counts
 
-    def _size_kwargs(self, proc: Any) -> dict[str, Any]:
-        """The image pixel limits as the Qwen-VL image processors take them."""
+    def _size_kwargs(self, proc: Any, max_pixels: int | None = None) -> dict[str, Any]:
+        """The image pixel limits (or `max_pixels` for the largest size) as the Qwen-VL image
+        processors take them."""
         kwargs = {}
-        lo, hi = self.limits.image_min_pixels, self.limits.image_max_pixels
+        lo, hi = self.limits.image_min_pixels, max_pixels or self.limits.image_max_pixels
         if lo is not None or hi is not None:
             size = dict(getattr(proc, "size", None) or {})
             if lo is not None:

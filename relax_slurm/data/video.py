@@ -33,6 +33,8 @@ class VideoLimits:
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 768
+    max_pixels: int | None = None
+    """Largest frame in pixels; None: the image limit."""
 
 
 @dataclass(kw_only=True)

@@ -985,6 +985,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="multimodal: frames kept per second of a video")
     p.add_argument("--video-min-frames", type=int, default=4)
     p.add_argument("--video-max-frames", type=int, default=768)
+    p.add_argument("--video-max-pixels", type=int, default=None,
+                   help="multimodal: largest video frame in pixels (default: the image limit)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     if args.max_batch_size < 1:
@@ -1002,7 +1004,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                                   audio_sampling_rate_hz=args.audio_sampling_rate_hz,
                                   video=VideoLimits(fps=args.video_fps,
                                                     min_frames=args.video_min_frames,
-                                                    max_frames=args.video_max_frames)))
+                                                    max_frames=args.video_max_frames,
+                                                    max_pixels=args.video_max_pixels)))
     freeze_heap()
     engine.start()
     log.info("serving %s on %s:%d (max batch %d, wait %.1f ms)", args.model_path, args.host,

@@ -222,7 +222,8 @@ class RolloutWorker:
                              image_max_pixels=d.image_max_pixels,
                              audio_sampling_rate_hz=d.audio_sampling_rate_hz,
                              video=VideoLimits(fps=d.video_fps, min_frames=d.video_min_frames,
-                                               max_frames=d.video_max_frames))
+                                               max_frames=d.video_max_frames,
+                                               max_pixels=d.video_max_pixels))
         processor = MediaProcessor(cfg.model.path, self.tokenizer.get_vocab(), limits)
         if "video" in d.multimodal_keys and not processor.reads_videos():
             raise ConfigError(f"data.multimodal_keys.video: videos for {processor.model_type} "

@@ -122,3 +122,7 @@ def test_tiny_video_preset_reads_videos_only_and_tells_the_engine():
     flags = _media_flags(cfg)
     assert flags[flags.index("--video-max-frames") + 1] == "4"
     assert flags[flags.index("--video-fps") + 1] == "4.0"
+    assert "--video-max-pixels" not in flags  # null: the engine uses the image limit
+    cfg = to_train_config(_compose(["experiment=tiny_video_cpu", "data.video_max_pixels=784"]))
+    flags = _media_flags(cfg)
+    assert flags[flags.index("--video-max-pixels") + 1] == "784"

@@ -98,13 +98,16 @@ def test_pixel_limits_apply_to_frames(tiny_mm_assets: Path, tmp_path: Path) -> N
     ref = MediaRef(kind="video", path=str(tmp_path / "wide.mp4"))
     ids = tok(VIDEO_MARKERS)["input_ids"]
 
-    def grid(**pixels) -> list[int]:
-        limits = MediaLimits(video=VideoLimits(fps=4.0, min_frames=2, max_frames=4), **pixels)
+    def grid(video_max_pixels: int | None = None, **pixels) -> list[int]:
+        video = VideoLimits(fps=4.0, min_frames=2, max_frames=4, max_pixels=video_max_pixels)
+        limits = MediaLimits(video=video, **pixels)
         mp = MediaProcessor(tiny_mm_assets / "vl_model", tok.get_vocab(), limits)
         return mp.process(ids, {"video": [ref]}).tensors["video_grid_thw"][0].tolist()
 
     assert grid() == [2, 2, 4]  # the model's own max_pixels (56*56) bounds every frame
     assert grid(image_max_pixels=28 * 28) == [2, 2, 2]
+    assert grid(video_max_pixels=28 * 28) == [2, 2, 2]  # videos' own cap wins ...
+    assert grid(video_max_pixels=56 * 56, image_max_pixels=28 * 28) == [2, 2, 4]  # ... both ways
 
 
 def write_rows(path: Path, rows: list[dict]) -> Path:
