@@ -100,8 +100,10 @@ def _ref(item: Any, kind: str, base_dir: Path, where: str) -> MediaRef:
             raise DataError(f"{where}: no such file {path}. Fix: paths are relative to the "
                             "data file's folder (or absolute); check the file exists")
         return MediaRef(kind=kind, path=str(path.resolve()), where=where)
+    hint = (". Fix: put a clip's frames in a folder and name the folder"
+            if kind == "video" and isinstance(item, (list, tuple)) else "")
     raise DataError(f"{where}: a {kind} must be a path, bytes or a {{'bytes', 'path'}} dict, got "
-                    f"{type(item).__name__}")
+                    f"{type(item).__name__}{hint}")
 
 
 def count_placeholders(text: str) -> dict[str, int]:

@@ -139,6 +139,9 @@ def test_dataset_rows_and_errors(tiny_mm_assets: Path) -> None:
     with pytest.raises(DataError, match="holds no frame images"):
         video_dataset(tiny_mm_assets, [{"prompt": "<video>=", "label": "0",
                                         "videos": ["empty_clip"]}])
+    with pytest.raises(DataError, match="got list. Fix: put a clip's frames in a folder"):
+        video_dataset(tiny_mm_assets, [{"prompt": "<video>=", "label": "0",
+                                        "videos": [["a.png", "b.png"]]}])
     with pytest.raises(DataError, match=r"1 <video> placeholder\(s\) but the row has 2"):
         video_dataset(tiny_mm_assets, [{"prompt": "<video>=", "label": "0",
                                         "videos": ["change/red_to_blue_2.mp4"] * 2}])
