@@ -68,7 +68,7 @@ def test_video_patches_match_the_image_path(tiny_mm_assets: Path, tmp_path: Path
     two = frame_folder(tmp_path / "two", [still, still])
     out = mp.process(ids, {"video": [MediaRef(kind="video", path=str(two))]})
     Image.fromarray(still).save(tmp_path / "still.png")
-    image = mp.process(tok(f"<|vision_start|><|image_pad|><|vision_end|>")["input_ids"],
+    image = mp.process(tok("<|vision_start|><|image_pad|><|vision_end|>")["input_ids"],
                        {"image": [MediaRef(kind="image", path=str(tmp_path / "still.png"))]})
     np.testing.assert_array_equal(out.tensors["pixel_values_videos"],
                                   image.tensors["pixel_values"])
