@@ -113,7 +113,6 @@ def test_megatron_parallel_sizes_are_validated():
         to_train_config(_compose(["trainer.use_distributed_optimizer=true"]))
 
 
-
 def test_tiny_video_preset_reads_videos_only_and_tells_the_engine():
     from relax_slurm.launch.roles import _media_flags
 
