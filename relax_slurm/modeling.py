@@ -6,7 +6,10 @@ are the names the engine loads.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +50,38 @@ def media_token_ids(config: Any) -> tuple[int, ...]:
             if isinstance(value, int):
                 ids.add(value)
     return tuple(sorted(ids))
+
+
+# modality of each media pad, as transformers' processors number them (create_mm_token_type_ids)
+_TOKEN_TYPES = {1: ("image_token_id", "image_token_index"),
+                2: ("video_token_id", "video_token_index"),
+                3: ("audio_token_id", "audio_token_index")}
+
+
+def mm_token_types(model: Any, input_ids: Any, media: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"mm_token_type_ids": [B, L]}` (0 text, 1 image, 2 video, 3 audio pad) when the batch
+    has media and the model's forward takes it, else `{}`.
+
+    Qwen2/2.5/3-VL place media tokens by M-RoPE (3-D positions; videos spaced in time by
+    `second_per_grid_ts`) only when given these types (their processors return them): without
+    them Qwen2.5-VL falls back to text positions and Qwen3-VL refuses the batch. Padding is
+    typed 0; the attention mask keeps it out of the positions."""
+    if not media:
+        return {}
+    inner = getattr(model, "module", model)  # DDP
+    if "mm_token_type_ids" not in _forward_params(type(inner)):
+        return {}
+    import torch
+
+    types = torch.zeros_like(input_ids)
+    for kind, keys in _TOKEN_TYPES.items():
+        for key in keys:
+            value = getattr(inner.config, key, None)
+            if isinstance(value, int):
+                types[input_ids == value] = kind
+    return {"mm_token_type_ids": types}
+
+
+@functools.cache
+def _forward_params(cls: type) -> frozenset[str]:
+    return frozenset(inspect.signature(cls.forward).parameters)

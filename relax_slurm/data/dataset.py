@@ -25,6 +25,7 @@ from relax_slurm.config.schema import DataConfig
 from relax_slurm.data.chat import encode_batch, to_messages
 from relax_slurm.data.media import (MediaRef, add_placeholders, check_counts, check_image,
                                     replace_placeholders, row_media)
+from relax_slurm.data.video import check_video
 from relax_slurm.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -215,17 +216,13 @@ def media_markers(tokenizer: Any, cfg: DataConfig) -> dict[str, str]:
     tokenizer has no tokens for a kind."""
     from relax_slurm.data.processor import model_markers
 
-    if "video" in cfg.multimodal_keys:
-        raise ConfigError("data.multimodal_keys.video: videos are not supported yet (decoding "
-                          "and frame sampling need torchvision's video processor). Fix: pass "
-                          "sampled frames as images, or drop the key")
     found = model_markers(tokenizer.get_vocab())
     missing = [k for k in cfg.multimodal_keys if k not in found]
     if missing:
         raise ConfigError(
             f"data.multimodal_keys has {missing} but the tokenizer has no tokens for them (it "
             "needs e.g. <|vision_start|><|image_pad|><|vision_end|> or "
-            "<|audio_bos|><|AUDIO|><|audio_eos|>). Fix: use the multimodal model's tokenizer")
+            "<|audio_bos|><|AUDIO|><|audio_eos|>, <|video_pad|> for videos). Fix: use the multimodal model's tokenizer")
     return {k: "".join(found[k]) for k in cfg.multimodal_keys}
 
 
@@ -243,6 +240,8 @@ def _row_media(messages: list[dict[str, str]], columns: dict[str, list[Any]], ro
                  f"{path}, row {row}, key {cfg.prompt_key!r}")
     for ref in items.get("image", ()):
         check_image(ref)
+    for ref in items.get("video", ()):
+        check_video(ref)
     return ([{**m, "content": replace_placeholders(m["content"], markers)} for m in messages],
             items)
 

@@ -46,7 +46,8 @@ class MediaRef:
     """File, row, key and item, for error messages."""
 
     def to_engine(self) -> str:
-        """The item as SGLang's `image_data` / `audio_data` take it: a file name, or base64."""
+        """The item as SGLang's `image_data` / `video_data` / `audio_data` take it: a file name
+        (a folder of frames for a video), or base64."""
         if self.path is not None:
             return self.path
         if self.array is not None:
@@ -55,13 +56,14 @@ class MediaRef:
 
 
 def from_engine(kind: str, value: Any, where: str) -> MediaRef:
-    """A `*_data` entry of a /generate request: an existing file name, a data URL or base64."""
+    """A `*_data` entry of a /generate request: an existing file name (or folder of video
+    frames), a data URL or base64."""
     if not isinstance(value, str) or not value:
         raise DataError(f"{where}: expected a file name or base64 string, got "
                         f"{type(value).__name__}")
     if value.startswith("data:"):
         value = value.partition(",")[2]
-    elif os.path.isfile(value):
+    elif os.path.isfile(value) or (kind == "video" and os.path.isdir(value)):
         return MediaRef(kind=kind, path=value, where=where)
     try:
         return MediaRef(kind=kind, data=base64.b64decode(value, validate=True), where=where)
@@ -94,12 +96,14 @@ def _ref(item: Any, kind: str, base_dir: Path, where: str) -> MediaRef:
         return MediaRef(kind=kind, data=bytes(item), where=where)
     if isinstance(item, str) and item:
         path = Path(item) if os.path.isabs(item) else base_dir / item
-        if not path.is_file():
+        if not (path.is_file() or (kind == "video" and path.is_dir())):
             raise DataError(f"{where}: no such file {path}. Fix: paths are relative to the "
                             "data file's folder (or absolute); check the file exists")
         return MediaRef(kind=kind, path=str(path.resolve()), where=where)
+    hint = (". Fix: put a clip's frames in a folder and name the folder"
+            if kind == "video" and isinstance(item, (list, tuple)) else "")
     raise DataError(f"{where}: a {kind} must be a path, bytes or a {{'bytes', 'path'}} dict, got "
-                    f"{type(item).__name__}")
+                    f"{type(item).__name__}{hint}")
 
 
 def count_placeholders(text: str) -> dict[str, int]:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from relax_slurm.data.media import MediaRef, load_audio, load_image
+from relax_slurm.data.video import VideoLimits, load_video
 from relax_slurm.errors import DataError
 
 # The model's own markers per kind, (start, pad, end): the first set whose tokens are all in the
@@ -37,6 +38,11 @@ MODEL_TOKENS: dict[str, list[tuple[str, str, str]]] = {
     "audio": [("<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"),
               ("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>")],
 }
+
+
+# Qwen3-VL writes a "<t seconds>" text and its own markers before each frame pair of a video
+# (Qwen3VLProcessor); our single run of pads per video would not match what it was trained on
+NO_VIDEO_MODEL_TYPES = ("qwen3_vl",)
 
 
 def model_markers(vocab: Mapping[str, int]) -> dict[str, tuple[str, str, str]]:
@@ -111,6 +117,8 @@ class MediaLimits:
     image_min_pixels: int | None = None
     image_max_pixels: int | None = None
     audio_sampling_rate_hz: int = 16000
+    video: VideoLimits = field(default_factory=VideoLimits)
+    """Frame sampling of videos (their frames are resized under the image pixel limits)."""
 
 
 class MediaProcessor:
@@ -127,6 +135,10 @@ class MediaProcessor:
         self._lock = threading.Lock()
         self._image: Any = None
         self._audio: Any = None
+
+    def reads_videos(self) -> bool:
+        """Whether our video expansion (one run of pads per video) is the model's own."""
+        return not self.model_type.startswith(NO_VIDEO_MODEL_TYPES)
 
     def marker_text(self) -> dict[str, str]:
         """kind -> the text a placeholder becomes (start + one pad + end)."""
@@ -160,20 +172,56 @@ class MediaProcessor:
                                 f"that reads {kind}s, or drop data.multimodal_keys.{kind}")
             if kind == "image":
                 out, counts = self._images(refs)
-            elif kind == "audio":
-                out, counts = self._audios(refs)
+            elif kind == "video":
+                if not self.reads_videos():
+                    raise DataError(f"{where}: videos for {self.model_type} models are not "
+                                    "supported (they need per-frame timestamps in the text). "
+                                    "Fix: pass sampled frames as images")
+                out, counts = self._videos(refs)
             else:
-                raise DataError(f"{where}: video items are not supported yet (decoding and "
-                                "frame sampling need torchvision's video processor). Fix: "
-                                "pass sampled frames as images")
+                out, counts = self._audios(refs)
             tensors.update(out)
             ids = expand_pads(ids, self.pad_ids[kind], counts, f"{where}, {kind}s")
         return Processed(input_ids=ids, tensors=tensors)
 
     def _images(self, refs: Sequence[MediaRef]) -> tuple[dict[str, np.ndarray], list[int]]:
         proc = self.image_processor()
+        out = proc(images=[load_image(r) for r in refs], return_tensors="np",
+                   **self._size_kwargs(proc))
+        grid = np.asarray(out["image_grid_thw"], dtype=np.int64)  # [n, 3]
+        merge = int(getattr(proc, "merge_size", 2))
+        counts = [int(n) for n in grid.prod(axis=1) // (merge * merge)]
+        return {"pixel_values": np.ascontiguousarray(out["pixel_values"], np.float32),
+                "image_grid_thw": grid}, counts
+
+    def _videos(self, refs: Sequence[MediaRef]) -> tuple[dict[str, np.ndarray], list[int]]:
+        """Each video's sampled frames through the image processor (resize, normalise,
+        patches), then regrouped into the video layout (`video_patches`)."""
+        proc = self.image_processor()
+        merge = int(getattr(proc, "merge_size", 2))
+        temporal = int(getattr(proc, "temporal_patch_size", 2))
+        patches, grids, seconds = [], [], []
+        for ref in refs:
+            frames = load_video(ref, self.limits.video)
+            out = proc(images=frames.images, return_tensors="np",
+                       **self._size_kwargs(proc, self.limits.video.max_pixels))
+            _, grid_h, grid_w = (int(v) for v in np.asarray(out["image_grid_thw"])[0])
+            pv, grid_t = video_patches(np.asarray(out["pixel_values"], np.float32),
+                                       len(frames.images), temporal, int(proc.patch_size))
+            patches.append(pv)
+            grids.append([grid_t, grid_h, grid_w])
+            seconds.append(temporal / frames.sampled_fps)
+        grid = np.asarray(grids, dtype=np.int64)  # [n, 3]
+        counts = [int(n) for n in grid.prod(axis=1) // (merge * merge)]
+        return {"pixel_values_videos": np.ascontiguousarray(np.concatenate(patches)),
+                "video_grid_thw": grid,
+                "second_per_grid_ts": np.asarray(seconds, dtype=np.float32)}, counts
+
+    def _size_kwargs(self, proc: Any, max_pixels: int | None = None) -> dict[str, Any]:
+        """The image pixel limits (or `max_pixels` for the largest size) as the Qwen-VL image
+        processors take them."""
         kwargs = {}
-        lo, hi = self.limits.image_min_pixels, self.limits.image_max_pixels
+        lo, hi = self.limits.image_min_pixels, max_pixels or self.limits.image_max_pixels
         if lo is not None or hi is not None:
             size = dict(getattr(proc, "size", None) or {})
             if lo is not None:
@@ -181,12 +229,7 @@ class MediaProcessor:
             if hi is not None:
                 size["longest_edge"] = hi
             kwargs["size"] = size
-        out = proc(images=[load_image(r) for r in refs], return_tensors="np", **kwargs)
-        grid = np.asarray(out["image_grid_thw"], dtype=np.int64)  # [n, 3]
-        merge = int(getattr(proc, "merge_size", 2))
-        counts = [int(n) for n in grid.prod(axis=1) // (merge * merge)]
-        return {"pixel_values": np.ascontiguousarray(out["pixel_values"], np.float32),
-                "image_grid_thw": grid}, counts
+        return kwargs
 
     def _audios(self, refs: Sequence[MediaRef]) -> tuple[dict[str, np.ndarray], list[int]]:
         fe = self.feature_extractor()
@@ -198,6 +241,33 @@ class MediaProcessor:
         counts = [audio_token_count(self.model_type, int(n)) for n in mask.sum(axis=1)]
         return {"input_features": np.ascontiguousarray(out["input_features"], np.float32),
                 "feature_attention_mask": mask}, counts
+
+
+def video_patches(frame_patches: np.ndarray, num_frames: int, temporal: int, patch_size: int
+                  ) -> tuple[np.ndarray, int]:
+    """Per-frame image patches -> video patches, as Qwen-VL's video processor lays them out.
+
+    The image processor gives each frame's patches with the frame repeated `temporal` times
+    ([F * S, C * temporal * P * P], S = grid_h * grid_w in merge-window order); a video patch
+    holds `temporal` consecutive frames instead ([grid_t * S, C * temporal * P * P], frame
+    pairs outer, the same spatial order inner). A frame count that is not a multiple of
+    `temporal` is padded with the last frame. Returns (patches, grid_t).
+
+    >>> f = np.arange(3 * 2, dtype=np.float32).reshape(3, 1, 2, 1)  # 3 frames, S=1, C=2
+    >>> pv, t = video_patches(np.repeat(f, 2, axis=2).reshape(3, 4), 3, 2, 1)  # C=2, P=1
+    >>> t, pv.tolist()
+    (2, [[0.0, 2.0, 1.0, 3.0], [4.0, 4.0, 5.0, 5.0]])
+    """
+    per_frame = frame_patches.reshape(num_frames, -1, frame_patches.shape[1])  # [F, S, D]
+    F, S, D = per_frame.shape
+    # [F, S, C, T, P*P] -> [F, S, C, P*P]: the image processor's T copies of a frame are equal
+    single = per_frame.reshape(F, S, -1, temporal, patch_size * patch_size)[:, :, :, 0]
+    if pad := -F % temporal:
+        single = np.concatenate([single, np.repeat(single[-1:], pad, axis=0)])
+    grid_t = single.shape[0] // temporal
+    # [grid_t, T, S, C, P*P] -> [grid_t, S, C, T, P*P]
+    video = single.reshape(grid_t, temporal, S, single.shape[2], -1).transpose(0, 2, 3, 1, 4)
+    return np.ascontiguousarray(video.reshape(grid_t * S, D)), grid_t
 
 
 def _load_feature_extractor(path: str) -> Any:

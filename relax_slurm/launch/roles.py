@@ -85,9 +85,12 @@ def _media_flags(cfg: TrainConfig) -> list[str]:
     d = cfg.data
     if not d.multimodal_keys:
         return []
-    flags = ["--audio-sampling-rate-hz", str(d.audio_sampling_rate_hz)]
+    flags = ["--audio-sampling-rate-hz", str(d.audio_sampling_rate_hz),
+             "--video-fps", str(d.video_fps), "--video-min-frames", str(d.video_min_frames),
+             "--video-max-frames", str(d.video_max_frames)]
     for flag, value in (("--image-min-pixels", d.image_min_pixels),
-                        ("--image-max-pixels", d.image_max_pixels)):
+                        ("--image-max-pixels", d.image_max_pixels),
+                        ("--video-max-pixels", d.video_max_pixels)):
         if value is not None:
             flags += [flag, str(value)]
     return flags

@@ -5,7 +5,8 @@ Routes and JSON shapes follow sglang/srt/entrypoints/http_server.py and managers
 rollout worker or trainer cannot tell this server from `python -m sglang.launch_server`:
 
   POST /generate                      text | input_ids (one or a batch), sampling_params,
-                                      return_logprob, logprob_start_len, image_data, audio_data
+                                      return_logprob, logprob_start_len, image_data,
+                                      video_data, audio_data
                                       -> {text, output_ids, meta_info} or a list
   GET  /health, /health_generate      200 when the generation thread is alive, else 503
   GET  /get_model_info                {model_path, tokenizer_path, is_generation, ...}
@@ -24,11 +25,12 @@ per input position from k on, the first input token's log-prob being None, as SG
 with `max_new_tokens=0` nothing is generated and only the prefill runs.
 
 Multimodal models (Qwen2.5-VL, Qwen3-VL, Qwen2-Audio, ...: `relax_slurm.modeling`): `image_data`
-/ `audio_data` as SGLang takes them (one list of items per input; an item is a file name, a data
-URL or base64 bytes) are processed with the model's own image processor / feature extractor
-(`relax_slurm.data.processor`, the code the rollout worker runs too); each item's pad token in
-`input_ids` is expanded to its token count (ids already expanded pass unchanged) and the tensors
-ride along with the row into the batched `generate`.
+/ `video_data` / `audio_data` as SGLang takes them (one list of items per input; an item is a
+file name, a data URL or base64 bytes; a video also a folder of frames) are processed with the
+model's own image processor / feature extractor (`relax_slurm.data.processor`, the code the
+rollout worker runs too); each item's pad token in `input_ids` is expanded to its token count
+(ids already expanded pass unchanged) and the tensors ride along with the row into the batched
+`generate`.
 
 Dynamic batching: requests queue up; one generation thread takes up to --max-batch-size
 sequences (waiting up to --batch-wait-ms for more) and runs one `model.generate` with left
@@ -64,8 +66,10 @@ from transformers import (AutoTokenizer, GenerationConfig, LogitsProcessor, Logi
 from relax_slurm.auth import bearer_matches
 from relax_slurm.data.media import MODALITIES, MediaRef, from_engine
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, concat_tensors
+from relax_slurm.data.video import VideoLimits
 from relax_slurm.errors import DataError, WeightSyncError
-from relax_slurm.modeling import auto_model_class, is_multimodal, media_token_ids
+from relax_slurm.modeling import (auto_model_class, is_multimodal, media_token_ids,
+                                  mm_token_types)
 from relax_slurm.rollout import sglang_api
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
@@ -425,6 +429,9 @@ class _RowStopper(StoppingCriteria):
                             device=input_ids.device)
 
 
+_KEEP_DTYPE = frozenset({"second_per_grid_ts"})  # media tensors not cast to the model's dtype
+
+
 class HFEngine:
     """The model, the request queue and the generation thread."""
 
@@ -501,7 +508,8 @@ class HFEngine:
         if not any(any(m.values()) for m in media):
             return prompts, [None] * len(prompts)
         if self.media is None:
-            raise BadRequest(f"image_data/audio_data sent, but {self.model_path} is a text model")
+            raise BadRequest(f"image_data/video_data/audio_data sent, but {self.model_path} is "
+                             "a text model")
         done: dict[tuple, Any] = {}
         ids_out, mm_out = [], []
         for i, (ids, items) in enumerate(zip(prompts, media)):
@@ -606,26 +614,32 @@ class HFEngine:
             for i, row in enumerate(chunk):
                 input_ids[i, :len(row.input_ids)] = torch.tensor(row.input_ids)
                 attention_mask[i, :len(row.input_ids)] = 1
-            logits = self.model(input_ids=input_ids.to(self.device),
+            input_ids = input_ids.to(self.device)
+            logits = self.model(input_ids=input_ids,
                                 attention_mask=attention_mask.to(self.device),
-                                use_cache=False, **self._mm_kwargs(chunk)).logits  # [B, L, V]
+                                use_cache=False,
+                                **self._mm_kwargs(chunk, input_ids)).logits  # [B, L, V]
             for i, row in enumerate(chunk):
                 n = len(row.input_ids)
                 scaled = logits[i, :n - 1].float() / row.logprob_temperature  # [L-1, V]
-                targets = input_ids[i, 1:n].to(self.device)[:, None]
+                targets = input_ids[i, 1:n][:, None]
                 lps = (scaled.gather(1, targets).squeeze(1) - torch.logsumexp(scaled, -1))
                 out[id(row)] = [None, *lps.tolist()][row.logprob_start_len:]
         return out
 
-    def _mm_kwargs(self, rows: list[_Row]) -> dict[str, torch.Tensor]:
+    def _mm_kwargs(self, rows: list[_Row], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The batch's media tensors: each row's, concatenated in row order (the order of their
-        pads in the flattened ids); floating ones in the model's dtype."""
+        pads in the flattened ids); pixels and features in the model's dtype (a video's seconds
+        per frame pair stay float32, as in the trainer: they scale positions); and the token
+        types M-RoPE models place media by (`relax_slurm.modeling.mm_token_types`)."""
         per_row = [r.mm for r in rows if r.mm]
         if not per_row:
             return {}
         dtype = next(self.model.parameters()).dtype
-        return {k: (t.to(dtype) if t.is_floating_point() else t).to(self.device)
-                for k, t in ((k, torch.from_numpy(v)) for k, v in concat_tensors(per_row).items())}
+        media = {k: (t.to(dtype) if t.is_floating_point() and k not in _KEEP_DTYPE else t
+                     ).to(self.device)
+                 for k, t in ((k, torch.from_numpy(v)) for k, v in concat_tensors(per_row).items())}
+        return {**media, **mm_token_types(self.model, input_ids, media)}
 
     @torch.no_grad()
     def _generate(self, rows: list[_Row]) -> list[tuple[list[int], list[float], dict]]:
@@ -636,9 +650,10 @@ class HFEngine:
             input_ids[i, width - len(row.input_ids):] = torch.tensor(row.input_ids)
             attention_mask[i, width - len(row.input_ids):] = 1
         state = _BatchState(rows, self.eos_ids, self.tokenizer, self.device)
+        input_ids = input_ids.to(self.device)
         self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-            **self._mm_kwargs(rows),
+            input_ids=input_ids, attention_mask=attention_mask.to(self.device),
+            **self._mm_kwargs(rows, input_ids),
             max_new_tokens=max(r.spec.max_new_tokens for r in rows),
             logits_processor=LogitsProcessorList([_RowSampler(state, self.banned_ids)]),
             stopping_criteria=StoppingCriteriaList([_RowStopper(state)]))
@@ -966,6 +981,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--image-max-pixels", type=int, default=None,
                    help="multimodal: largest image size in pixels (default: the processor's)")
     p.add_argument("--audio-sampling-rate-hz", type=int, default=16000)
+    p.add_argument("--video-fps", type=float, default=2.0,
+                   help="multimodal: frames kept per second of a video")
+    p.add_argument("--video-min-frames", type=int, default=4)
+    p.add_argument("--video-max-frames", type=int, default=768)
+    p.add_argument("--video-max-pixels", type=int, default=None,
+                   help="multimodal: largest video frame in pixels (default: the image limit)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     if args.max_batch_size < 1:
@@ -980,7 +1001,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                       args.weight_sync_timeout_s,
                       MediaLimits(image_min_pixels=args.image_min_pixels,
                                   image_max_pixels=args.image_max_pixels,
-                                  audio_sampling_rate_hz=args.audio_sampling_rate_hz))
+                                  audio_sampling_rate_hz=args.audio_sampling_rate_hz,
+                                  video=VideoLimits(fps=args.video_fps,
+                                                    min_frames=args.video_min_frames,
+                                                    max_frames=args.video_max_frames,
+                                                    max_pixels=args.video_max_pixels)))
     freeze_heap()
     engine.start()
     log.info("serving %s on %s:%d (max batch %d, wait %.1f ms)", args.model_path, args.host,

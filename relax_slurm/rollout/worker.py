@@ -45,6 +45,7 @@ from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, Processed
+from relax_slurm.data.video import VideoLimits
 from relax_slurm.envs import env_factory
 from relax_slurm.errors import BrokerShutdown, ConfigError, EngineUnreachable
 from relax_slurm.launch.exit import exit_now
@@ -219,10 +220,17 @@ class RolloutWorker:
                                   f"yet: unset one of them")
         limits = MediaLimits(image_min_pixels=d.image_min_pixels,
                              image_max_pixels=d.image_max_pixels,
-                             audio_sampling_rate_hz=d.audio_sampling_rate_hz)
-        return (MediaProcessor(cfg.model.path, self.tokenizer.get_vocab(), limits),
-                concurrent.futures.ThreadPoolExecutor(d.media_num_workers,
-                                                      thread_name_prefix="media"))
+                             audio_sampling_rate_hz=d.audio_sampling_rate_hz,
+                             video=VideoLimits(fps=d.video_fps, min_frames=d.video_min_frames,
+                                               max_frames=d.video_max_frames,
+                                               max_pixels=d.video_max_pixels))
+        processor = MediaProcessor(cfg.model.path, self.tokenizer.get_vocab(), limits)
+        if "video" in d.multimodal_keys and not processor.reads_videos():
+            raise ConfigError(f"data.multimodal_keys.video: videos for {processor.model_type} "
+                              "models are not supported yet (they need per-frame timestamps "
+                              "in the text). Fix: pass sampled frames as images, or drop the key")
+        return (processor, concurrent.futures.ThreadPoolExecutor(d.media_num_workers,
+                                                                 thread_name_prefix="media"))
 
     async def processed(self, prompt: Prompt) -> Processed:
         """The prompt's ids with media pads expanded and its media tensors (text: as is)."""

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from relax_slurm.algos import policy_loss
 from relax_slurm.config.schema import AlgoConfig
-from relax_slurm.modeling import media_token_ids
+from relax_slurm.modeling import media_token_ids, mm_token_types
 from relax_slurm.trainer.batch import MicroBatch, loss_params
 
 # policy_loss metric sums logged under another name (all are divided by the trained tokens)
@@ -30,7 +30,8 @@ def scaled_logits(model: nn.Module, mb: MicroBatch, temperature: float) -> Tenso
     """Logits predicting each next token, divided by the engine's temperature, [B, T-1, V].
     A multimodal model's media pad tokens get the lowest logit, as the engine never samples
     them (the finite minimum keeps the entropy's softmax x logits free of NaN)."""
-    logits = model(**mb.forward_kwargs()).logits
+    media = mb.media.kwargs() if mb.media is not None else {}
+    logits = model(**mb.forward_kwargs(), **mm_token_types(model, mb.input_ids, media)).logits
     scaled = logits[:, :-1].float() / temperature
     banned = list(media_token_ids(getattr(model, "module", model).config))
     if banned:

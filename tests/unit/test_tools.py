@@ -118,7 +118,25 @@ def test_multimodal_tools_load_back(tiny_mm_assets):
     assert AutoImageProcessor.from_pretrained(vl).size["longest_edge"] == 56 * 56
     assert AutoProcessor.from_pretrained(audio).feature_extractor.nb_max_frames == 200
     assert "<|image_pad|>" in AutoTokenizer.from_pretrained(vl).get_vocab()
-    for task, column in (("colors", "images"), ("tones", "audios")):
+    for task, column in (("colors", "images"), ("change", "videos"), ("tones", "audios")):
         rows = [_json.loads(x) for x in (tiny_mm_assets / f"{task}_train.jsonl").open()]
         assert len(rows) == 2000 and {r["label"] for r in rows} == {"0", "1", "2", "3"}
         assert all((tiny_mm_assets / r[column][0]).is_file() for r in rows[:50])
+
+
+def test_change_clips_turn_colour_halfway(tiny_mm_assets):
+    """The video task's clips: 4 frames, the first pair one colour, the last pair another."""
+    import json as _json
+
+    import numpy as np
+
+    from relax_slurm.data.media import MediaRef
+    from relax_slurm.data.video import VideoLimits, load_video
+
+    row = _json.loads((tiny_mm_assets / "change_train.jsonl").open().readline())
+    clip = load_video(MediaRef(kind="video", path=str(tiny_mm_assets / row["videos"][0])),
+                      VideoLimits(fps=4.0, min_frames=4, max_frames=4))
+    px = [np.asarray(im, np.int64)[28, 28] for im in clip.images]
+    assert len(px) == 4 and clip.sampled_fps == 4.0
+    assert np.abs(px[0] - px[1]).max() < 12 and np.abs(px[2] - px[3]).max() < 12  # lossy
+    assert np.abs(px[1] - px[2]).max() > 60

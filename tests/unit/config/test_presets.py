@@ -111,3 +111,17 @@ def test_megatron_parallel_sizes_are_validated():
     assert cfg.trainer.use_distributed_optimizer
     with pytest.raises(ConfigError, match="trainer.strategy=fsdp2"):
         to_train_config(_compose(["trainer.use_distributed_optimizer=true"]))
+
+
+def test_tiny_video_preset_reads_videos_only_and_tells_the_engine():
+    from relax_slurm.launch.roles import _media_flags
+
+    cfg = to_train_config(_compose(["experiment=tiny_video_cpu"]))
+    assert cfg.data.multimodal_keys == {"video": "videos"}  # no image key merged in
+    flags = _media_flags(cfg)
+    assert flags[flags.index("--video-max-frames") + 1] == "4"
+    assert flags[flags.index("--video-fps") + 1] == "4.0"
+    assert "--video-max-pixels" not in flags  # null: the engine uses the image limit
+    cfg = to_train_config(_compose(["experiment=tiny_video_cpu", "data.video_max_pixels=784"]))
+    flags = _media_flags(cfg)
+    assert flags[flags.index("--video-max-pixels") + 1] == "784"

@@ -135,9 +135,6 @@ def test_model_without_the_tokens_and_unknown_kind(tiny_mm_assets: Path) -> None
     cfg = DataConfig(train_files=[str(path)], multimodal_keys={"audio": "audios"})
     with pytest.raises(ConfigError, match="no tokens for them"):
         PromptDataset(cfg, AutoTokenizer.from_pretrained(tiny_mm_assets / "vl_model"))
-    cfg = DataConfig(train_files=[str(path)], multimodal_keys={"video": "audios"})
-    with pytest.raises(ConfigError, match="videos are not supported yet"):
-        PromptDataset(cfg, AutoTokenizer.from_pretrained(tiny_mm_assets / "vl_model"))
     with pytest.raises(ConfigError, match="unknown kinds"):
         DataConfig(train_files=["x"], multimodal_keys={"picture": "images"})
 

@@ -1,5 +1,6 @@
-"""The hf engine's multimodal /generate (SGLang's image_data / audio_data) against the trainer:
-the same expanded tokens, and the trainer's log-probs at the rollout weights equal the engine's."""
+"""The hf engine's multimodal /generate (SGLang's image_data / video_data / audio_data) against
+the trainer: the same expanded tokens, and the trainer's log-probs at the rollout weights equal
+the engine's."""
 
 from __future__ import annotations
 
@@ -22,13 +23,18 @@ from relax_slurm.trainer.batch import collate, prepare_items
 from relax_slurm.trainer.model import freeze_modules, load_hf_model, pad_token_id
 from relax_slurm.trainer.step import token_logprobs
 
-pytestmark = pytest.mark.slow  # two real engines (~25 s of start-up), as test_hf_engine_http.py
+pytestmark = pytest.mark.slow  # three real engines (~35 s of start-up), as test_hf_engine_http
+
+# kind -> (model, task, media kind, column, the tower that gets gradients)
+KINDS = {"vl": ("vl_model", "colors", "image", "images", "model.visual"),
+         "video": ("vl_model", "change", "video", "videos", "model.visual"),
+         "audio": ("audio_model", "tones", "audio", "audios", "model.audio_tower")}
 
 
-@pytest.fixture(scope="module", params=["vl", "audio"])
+@pytest.fixture(scope="module", params=list(KINDS))
 def served(request, tiny_mm_assets: Path, tmp_path_factory):
     kind = request.param
-    model = tiny_mm_assets / ("vl_model" if kind == "vl" else "audio_model")
+    model = tiny_mm_assets / KINDS[kind][0]
     port, log = free_port(), tmp_path_factory.mktemp("eng") / "engine.log"
     proc = start_engine(model, port, log)
     try:
@@ -39,7 +45,7 @@ def served(request, tiny_mm_assets: Path, tmp_path_factory):
 
 
 def prompts(tiny_mm_assets: Path, kind: str, model: Path) -> PromptDataset:
-    task, key, col = ("colors", "image", "images") if kind == "vl" else ("tones", "audio", "audios")
+    _, task, key, col, _ = KINDS[kind]
     cfg = DataConfig(train_files=[str(tiny_mm_assets / f"{task}_test.jsonl")],
                      multimodal_keys={key: col}, shuffle=False)
     return PromptDataset(cfg, AutoTokenizer.from_pretrained(model))
@@ -50,7 +56,11 @@ def test_engine_and_trainer_see_the_same_tokens(served, tiny_mm_assets: Path) ->
     ds = prompts(tiny_mm_assets, kind, model)
     mp = MediaProcessor(model, AutoTokenizer.from_pretrained(model).get_vocab())
     rows = [ds[0], ds[1]]
-    processed = [mp.process(p.input_ids, p.media) for p in rows]
+    # prompts of two lengths: left padding in the engine's batch, right padding in the trainer's
+    # (M-RoPE positions of media tokens must come out the same from both)
+    prefix = AutoTokenizer.from_pretrained(model)("12+")["input_ids"]
+    unexpanded = [list(rows[0].input_ids), prefix + list(rows[1].input_ids)]
+    processed = [mp.process(ids, p.media) for ids, p in zip(unexpanded, rows)]
     media = [{k: [r.to_engine() for r in refs] for k, refs in p.media.items()} for p in rows]
     n = 2  # samples per prompt
     params = [{"max_new_tokens": 3, "temperature": 1.0, "sampling_seed": 7 + i} for i in range(4)]
@@ -61,7 +71,7 @@ def test_engine_and_trainer_see_the_same_tokens(served, tiny_mm_assets: Path) ->
     # unexpanded ids (one pad per item) and base64 items give the same tokens
     inline = [{k: [base64.b64encode(Path(v).read_bytes()).decode() for v in vs]
                for k, vs in m.items()} for m in media]
-    again = client.generate([p.input_ids for p in rows for _ in range(n)], params,
+    again = client.generate([ids for ids in unexpanded for _ in range(n)], params,
                             media=[m for m in inline for _ in range(n)])
     assert [r.output_ids for r in again] == [r.output_ids for r in results]
     assert [r.logprobs for r in again] == [r.logprobs for r in results]
@@ -80,13 +90,28 @@ def test_engine_and_trainer_see_the_same_tokens(served, tiny_mm_assets: Path) ->
         logp = token_logprobs(trainer_model, mb, 1.0)  # [B, T-1]
     mask = mb.weights > 0
     np.testing.assert_allclose(logp[mask].numpy(), mb.rollout_logp[mask].numpy(), atol=2e-4)
+    # the media do reach the forward: other pixels / features give other log-probs
+    media = mb.media.tensors
+    shifted = {k: v + 1.0 if v.is_floating_point() and k != "second_per_grid_ts" else v
+               for k, v in media.items()}
+    mb.media.tensors = shifted
+    with torch.no_grad():
+        other = token_logprobs(trainer_model, mb, 1.0)
+    mb.media.tensors = media
+    assert not torch.allclose(other[mask], logp[mask], atol=1e-4)
+    if kind == "video":  # M-RoPE is on: a clip's time spacing moves its tokens' positions
+        mb.media.tensors = {**media, "second_per_grid_ts": media["second_per_grid_ts"] * 4}
+        with torch.no_grad():
+            other = token_logprobs(trainer_model, mb, 1.0)
+        mb.media.tensors = media
+        assert not torch.allclose(other[mask], logp[mask], atol=1e-4)
     # micro-batches cut the media with their rows
     with torch.no_grad():
         half = token_logprobs(trainer_model, mb.rows(2, 4), 1.0)
     np.testing.assert_allclose(half[mb.rows(2, 4).weights > 0].numpy(),
                                logp[2:4][mb.weights[2:4, :half.shape[1]] > 0].numpy(), atol=1e-5)
     # gradients reach the tower unless it is frozen
-    tower = "model.visual" if kind == "vl" else "model.audio_tower"
+    tower = KINDS[kind][4]
     trainer_model.train()
     (token_logprobs(trainer_model, mb, 1.0)[mask].sum()).backward()
     grads = [p.grad for n_, p in trainer_model.named_parameters() if n_.startswith(tower)]
@@ -99,7 +124,7 @@ def test_engine_and_trainer_see_the_same_tokens(served, tiny_mm_assets: Path) ->
 def test_bad_media_requests(served, tiny_mm_assets: Path) -> None:
     kind, model, client = served
     ds = prompts(tiny_mm_assets, kind, model)
-    key = "image" if kind == "vl" else "audio"
+    key = KINDS[kind][2]
     item = ds[0].media[key][0].to_engine()
     text_ids = AutoTokenizer.from_pretrained(model)("1=")["input_ids"]
     with pytest.raises(EngineError, match="0 pad runs in the ids but 1 media items"):
@@ -114,7 +139,7 @@ def test_evaluator_sends_the_media(served, tiny_mm_assets: Path) -> None:
     from relax_slurm.rollout.evaluate import Evaluator
 
     kind, model, client = served
-    task, key, col = ("colors", "image", "images") if kind == "vl" else ("tones", "audio", "audios")
+    _, task, key, col, _ = KINDS[kind]
     path = str(tiny_mm_assets / f"{task}_test.jsonl")
     cfg = TrainConfig(model=ModelConfig(path=str(model)),
                       data=DataConfig(train_files=[path], multimodal_keys={key: col}),

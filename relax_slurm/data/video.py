@@ -1,0 +1,163 @@
+"""Video items: decode a clip (PyAV) or read a folder of frames, and keep the sampled frames.
+
+A video item is a video file (mp4, webm, mkv, avi, ...: whatever the ffmpeg bundled with PyAV
+decodes), its encoded bytes, or a folder of frame images (png, jpg, ... sorted by file name,
+taken as shot at `data.video_fps`). Frames are sampled with `sample_frame_indices` (`fps` frames
+per second of the clip, clamped to [min_frames, max_frames], an even count); the image
+processor then resizes them under the image pixel limits and the processor groups them in
+pairs (`relax_slurm.data.processor`).
+
+numpy, PIL and PyAV only (no torch): the rollout worker decodes here.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from relax_slurm.data.media import MediaRef, sample_frame_indices
+from relax_slurm.errors import DataError
+
+FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+@dataclass(kw_only=True)
+class VideoLimits:
+    """Frame sampling knobs (data.video_* keys)."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    max_pixels: int | None = None
+    """Largest frame in pixels; None: the image limit."""
+
+
+@dataclass(kw_only=True)
+class Frames:
+    """The sampled frames of one video."""
+
+    images: list[Any]
+    """RGB `PIL.Image`s, all of one size, in time order."""
+    sampled_fps: float
+    """Frames kept per second of the clip (what temporal positions are spaced by)."""
+
+
+def load_video(ref: MediaRef, limits: VideoLimits) -> Frames:
+    """The item's sampled frames; DataError naming the item if it cannot be decoded, has fewer
+    frames than `limits.min_frames`, or its frames differ in size."""
+    if ref.path is not None and Path(ref.path).is_dir():
+        files = frame_files(ref)
+        native_fps = limits.fps
+        total = len(files)
+        keep = _sample(ref, total, native_fps, limits)
+        images = [_open_frame(ref, files[i]) for i in keep]
+    else:
+        images, total, native_fps = _decode(ref, limits)
+    sizes = {im.size for im in images}
+    if len(sizes) > 1:
+        raise DataError(f"{ref.where}: the frames of {ref.path} differ in size {sorted(sizes)}. "
+                        "Fix: resize every frame of a video to one size")
+    return Frames(images=images, sampled_fps=len(images) / (total / native_fps))
+
+
+def check_video(ref: MediaRef) -> None:
+    """Cheap check when the dataset loads: a folder holds frames, a file has a video stream."""
+    if ref.path is not None and Path(ref.path).is_dir():
+        frame_files(ref)
+        return
+    with _open(ref) as container:
+        if not container.streams.video:
+            raise DataError(f"{ref.where}: {_what(ref)} has no video stream. Fix: replace the "
+                            "file or drop the row")
+
+
+def frame_files(ref: MediaRef) -> list[Path]:
+    files = sorted(p for p in Path(ref.path).iterdir() if p.suffix.lower() in FRAME_SUFFIXES)
+    if not files:
+        raise DataError(f"{ref.where}: the folder {ref.path} holds no frame images "
+                        f"({', '.join(FRAME_SUFFIXES)}). Fix: put the frames there, or name a "
+                        "video file")
+    return files
+
+
+def _sample(ref: MediaRef, total: int, native_fps: float, limits: VideoLimits) -> list[int]:
+    if total < limits.min_frames or total == 0:
+        raise DataError(f"{ref.where}: {_what(ref)} has {total} frame(s), fewer than "
+                        f"data.video_min_frames={limits.min_frames}. Fix: lower "
+                        "data.video_min_frames, or drop the row")
+    return sample_frame_indices(total, native_fps, limits.fps, limits.min_frames,
+                                limits.max_frames)
+
+
+def _open_frame(ref: MediaRef, path: Path) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise DataError(f"{ref.where}: frame {path} is not a readable image ({e}). Fix: replace "
+                        "the file") from e
+
+
+def _what(ref: MediaRef) -> str:
+    return ref.path or f"{len(ref.data or b'')} bytes of video"
+
+
+def _open(ref: MediaRef) -> Any:
+    import av
+
+    try:
+        return av.open(ref.path if ref.data is None else io.BytesIO(ref.data), mode="r")
+    except (av.FFmpegError, OSError, ValueError) as e:
+        raise DataError(f"{ref.where}: {_what(ref)} is not a readable video ({e}). Fix: "
+                        "replace the file or drop the row") from e
+
+
+def _decode(ref: MediaRef, limits: VideoLimits) -> tuple[list[Any], int, float]:
+    """(sampled frames, frames in the clip, native fps): frames are counted by decoding when
+    the container does not say (webm), then the kept ones converted on a second pass."""
+    import av
+
+    try:
+        with _open(ref) as container:
+            if not container.streams.video:
+                raise DataError(f"{ref.where}: {_what(ref)} has no video stream. Fix: replace "
+                                "the file or drop the row")
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate or Fraction(limits.fps)
+            total = stream.frames or sum(1 for _ in container.decode(stream))
+        keep = set(_sample(ref, total, float(rate), limits))
+        images = []
+        with _open(ref) as container:
+            for i, frame in enumerate(container.decode(container.streams.video[0])):
+                if i in keep:
+                    images.append(frame.to_image().convert("RGB"))
+    except av.FFmpegError as e:
+        raise DataError(f"{ref.where}: {_what(ref)} is not a readable video ({e}). Fix: "
+                        "replace the file or drop the row") from e
+    if len(images) < len(keep):  # the header promised more frames than the stream holds
+        raise DataError(f"{ref.where}: {_what(ref)} decoded {len(images)} frame(s) of the "
+                        f"{total} its header declares (truncated?). Fix: re-encode the file")
+    return images, total, float(rate)
+
+
+def write_mp4(path: str | Path, frames: list[np.ndarray], fps: int) -> None:
+    """Encode RGB frames ([H, W, 3] uint8, even sizes) as an H.264 mp4 (tools and tests)."""
+    import av
+
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264" if "libx264" in av.codecs_available
+                                      else "mpeg4", rate=fps)
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = "yuv420p"
+        for arr in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
