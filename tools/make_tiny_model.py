@@ -2,6 +2,7 @@
 
     python tools/make_tiny_model.py --out tiny/model
     python tools/make_tiny_model.py --out tiny/vl_model --kind vl        # tiny Qwen2.5-VL
+    python tools/make_tiny_model.py --out tiny/vl3_model --kind vl3      # tiny Qwen3-VL
     python tools/make_tiny_model.py --out tiny/audio_model --kind audio  # tiny Qwen2-Audio
 
 The model is a randomly initialised `Qwen3ForCausalLM` (hidden 64, 2 layers, 4 query / 2 kv
@@ -10,10 +11,10 @@ character of "a+b=" arithmetic plus <pad>, <eos>, <unk>. Its chat template rende
 their contents concatenated, so the prompt "3+4=" is exactly the ids of "3+4=" and the model
 answers with "7<eos>". Everything is built locally: no hub access.
 
-`--kind vl` and `--kind audio` build the multimodal siblings on the same character tokenizer
-(see tools/tiny_multimodal.py): a Qwen2.5-VL with a one-block vision tower and its image
-processor, and a Qwen2-Audio with a one-layer audio encoder over 2 s of 16 mel bins and its
-Whisper feature extractor.
+`--kind vl`, `--kind vl3` and `--kind audio` build the multimodal siblings on the same
+character tokenizer (see tools/tiny_multimodal.py): a Qwen2.5-VL with a one-block vision tower
+and its image processor, a Qwen3-VL likewise (patch 16, DeepStack), and a Qwen2-Audio with a
+one-layer audio encoder over 2 s of 16 mel bins and its Whisper feature extractor.
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--intermediate-size", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kind", choices=["text", "vl", "audio"], default="text",
-                        help="text: Qwen3; vl: Qwen2.5-VL; audio: Qwen2-Audio")
+    parser.add_argument("--kind", choices=["text", "vl", "vl3", "audio"], default="text",
+                        help="text: Qwen3; vl: Qwen2.5-VL; vl3: Qwen3-VL; audio: Qwen2-Audio")
     args = parser.parse_args(argv)
     if args.kind != "text":
         sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,6 +1,7 @@
 """Tiny random multimodal models with their processors, built locally from configs (no hub).
 
     python tools/make_tiny_model.py --out tiny/vl_model --kind vl
+    python tools/make_tiny_model.py --out tiny/vl3_model --kind vl3
     python tools/make_tiny_model.py --out tiny/audio_model --kind audio
 
 - `vl`: `Qwen2_5_VLForConditionalGeneration` (text: hidden 64, 2 layers, M-RoPE sections
@@ -8,6 +9,12 @@
   limited to 28x28..56x56 pixels, so one image is at most 16 patches = 4 image tokens. The
   image processor is the PIL one: torchvision has no CPU build here, and the full
   `Qwen2_5_VLProcessor` needs torchvision's video processor, so it is not saved.
+- `vl3`: `Qwen3VLForConditionalGeneration` (text as above with interleaved M-RoPE sections
+  [4, 2, 2] over head_dim 16; vision: one block of width 32, patch 16, 2x2 merge, a 4x4 learned
+  position grid, DeepStack from block 0) and the same PIL image processor with Qwen3-VL's
+  patch 16 and mean/std 0.5, limited to 32x32..64x64 pixels (at most 16 patches = 4 image
+  tokens). Qwen3-VL's full processor (`Qwen3VLProcessor`) needs torchvision's video
+  processor too, so it is not saved either.
 - `audio`: `Qwen2AudioForConditionalGeneration` (text as above; audio encoder: one layer of
   width 32 over 16 mel bins and 200 frames = 2 s) and a `Qwen2AudioProcessor` (Whisper
   feature extractor with chunk_length=2 s at 16 kHz), loadable with `AutoProcessor`.
@@ -26,6 +33,7 @@ from make_tiny_model import build_tokenizer, save_tokenizer
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 AUDIO_TOKENS = ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 56 * 56
+VL3_MIN_PIXELS, VL3_MAX_PIXELS = 32 * 32, 64 * 64  # Qwen3-VL: patch 16 x merge 2 = 32 pixels
 AUDIO_SECONDS, MEL_BINS = 2, 16
 
 
@@ -68,6 +76,38 @@ def build_vl(out: Path, seed: int = 0) -> str:
     return f"wrote {out}: Qwen2_5_VLForConditionalGeneration with {n:,} parameters"
 
 
+def build_vl3(out: Path, seed: int = 0) -> str:
+    import torch
+    from transformers import (GenerationConfig, Qwen2VLImageProcessorPil, Qwen3VLConfig,
+                              Qwen3VLForConditionalGeneration)
+
+    tok = _tokenizer(VISION_TOKENS)
+    start, end, image, video = tok.convert_tokens_to_ids(VISION_TOKENS)
+    # mrope_section: how many of the head_dim/2 = 8 rotary frequencies carry time, height and
+    # width (interleaved, as Qwen3-VL-4B's [24, 20, 20] of 64)
+    config = Qwen3VLConfig(
+        text_config=_text_config(tok, head_dim=16, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=64, patch_size=16, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0]),
+        vision_start_token_id=start, vision_end_token_id=end, image_token_id=image,
+        video_token_id=video, tie_word_embeddings=True, dtype="float32")
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    save_tokenizer(tok, out)
+    Qwen2VLImageProcessorPil(patch_size=16, min_pixels=VL3_MIN_PIXELS, max_pixels=VL3_MAX_PIXELS,
+                             image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
+                             ).save_pretrained(out)
+    n = sum(p.numel() for p in model.parameters())
+    return f"wrote {out}: Qwen3VLForConditionalGeneration with {n:,} parameters"
+
+
 def build_audio(out: Path, seed: int = 0) -> str:
     import torch
     from transformers import (GenerationConfig, Qwen2AudioConfig,
@@ -97,4 +137,4 @@ def build_audio(out: Path, seed: int = 0) -> str:
 
 
 def build_multimodal(kind: str, out: Path, seed: int = 0) -> str:
-    return {"vl": build_vl, "audio": build_audio}[kind](out, seed)
+    return {"vl": build_vl, "vl3": build_vl3, "audio": build_audio}[kind](out, seed)
