@@ -50,11 +50,13 @@ def tiny_assets(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_mm_assets(tmp_path_factory) -> Path:
-    """The multimodal tiny models and tasks: DIR/vl_model (Qwen2.5-VL), DIR/audio_model
+    """The multimodal tiny models and tasks: DIR/vl_model (Qwen2.5-VL), DIR/vl3_model (Qwen3-VL),
+    DIR/audio_model
     (Qwen2-Audio), DIR/colors_*.jsonl + DIR/colors/*.png, DIR/change_*.jsonl + DIR/change/*.mp4,
     DIR/tones_*.jsonl + DIR/tones/*.wav."""
     out = tmp_path_factory.mktemp("tiny_mm")
     for cmd in (["tools/make_tiny_model.py", "--out", str(out / "vl_model"), "--kind", "vl"],
+                ["tools/make_tiny_model.py", "--out", str(out / "vl3_model"), "--kind", "vl3"],
                 ["tools/make_tiny_model.py", "--out", str(out / "audio_model"), "--kind", "audio"],
                 ["tools/prepare_mm_data.py", "--out", str(out), "--task", "colors"],
                 ["tools/prepare_mm_data.py", "--out", str(out), "--task", "change"],

@@ -23,11 +23,12 @@ from relax_slurm.trainer.batch import collate, prepare_items
 from relax_slurm.trainer.model import freeze_modules, load_hf_model, pad_token_id
 from relax_slurm.trainer.step import token_logprobs
 
-pytestmark = pytest.mark.slow  # three real engines (~35 s of start-up), as test_hf_engine_http
+pytestmark = pytest.mark.slow  # four real engines (~45 s of start-up), as test_hf_engine_http
 
 # kind -> (model, task, media kind, column, the tower that gets gradients)
 KINDS = {"vl": ("vl_model", "colors", "image", "images", "model.visual"),
          "video": ("vl_model", "change", "video", "videos", "model.visual"),
+         "vl3": ("vl3_model", "colors", "image", "images", "model.visual"),  # Qwen3-VL
          "audio": ("audio_model", "tones", "audio", "audios", "model.audio_tower")}
 
 
@@ -90,6 +91,8 @@ def test_engine_and_trainer_see_the_same_tokens(served, tiny_mm_assets: Path) ->
         logp = token_logprobs(trainer_model, mb, 1.0)  # [B, T-1]
     mask = mb.weights > 0
     np.testing.assert_allclose(logp[mask].numpy(), mb.rollout_logp[mask].numpy(), atol=2e-4)
+    if kind == "vl3":  # M-RoPE is on: a 2x2-token image spans 2 positions, not 4
+        assert (trainer_model.model.rope_deltas == -2).all(), trainer_model.model.rope_deltas
     # the media do reach the forward: other pixels / features give other log-probs
     media = mb.media.tensors
     shifted = {k: v + 1.0 if v.is_floating_point() and k != "second_per_grid_ts" else v
