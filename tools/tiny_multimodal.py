@@ -13,8 +13,9 @@
   [4, 2, 2] over head_dim 16; vision: one block of width 32, patch 16, 2x2 merge, a 4x4 learned
   position grid, DeepStack from block 0) and the same PIL image processor with Qwen3-VL's
   patch 16 and mean/std 0.5, limited to 32x32..64x64 pixels (at most 16 patches = 4 image
-  tokens). Qwen3-VL's full processor (`Qwen3VLProcessor`) needs torchvision's video
-  processor too, so it is not saved either.
+  tokens). Its tokenizer also has the characters of the "<t seconds>" text Qwen3-VL puts
+  before each frame pair of a video. Qwen3-VL's full processor (`Qwen3VLProcessor`) needs
+  torchvision's video processor too, so it is not saved either.
 - `audio`: `Qwen2AudioForConditionalGeneration` (text as above; audio encoder: one layer of
   width 32 over 16 mel bins and 200 frames = 2 s) and a `Qwen2AudioProcessor` (Whisper
   feature extractor with chunk_length=2 s at 16 kHz), loadable with `AutoProcessor`.
@@ -33,6 +34,7 @@ from make_tiny_model import build_tokenizer, save_tokenizer
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 AUDIO_TOKENS = ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 56 * 56
+TIMESTAMP_CHARS = "<>.secodn"  # Qwen3-VL writes "<1.5 seconds>" before each frame pair of a video
 VL3_MIN_PIXELS, VL3_MAX_PIXELS = 32 * 32, 64 * 64  # Qwen3-VL: patch 16 x merge 2 = 32 pixels
 AUDIO_SECONDS, MEL_BINS = 2, 16
 
@@ -82,6 +84,7 @@ def build_vl3(out: Path, seed: int = 0) -> str:
                               Qwen3VLForConditionalGeneration)
 
     tok = _tokenizer(VISION_TOKENS)
+    tok.add_tokens(list(TIMESTAMP_CHARS))  # after the markers: their ids stay those of `vl`
     start, end, image, video = tok.convert_tokens_to_ids(VISION_TOKENS)
     # mrope_section: how many of the head_dim/2 = 8 rotary frequencies carry time, height and
     # width (interleaved, as Qwen3-VL-4B's [24, 20, 20] of 64)

@@ -40,9 +40,9 @@ MODEL_TOKENS: dict[str, list[tuple[str, str, str]]] = {
 }
 
 
-# Qwen3-VL writes a "<t seconds>" text and its own markers before each frame pair of a video
-# (Qwen3VLProcessor); our single run of pads per video would not match what it was trained on
-NO_VIDEO_MODEL_TYPES = ("qwen3_vl",)
+# Qwen3-VL (and its MoE) writes a "<t seconds>" text and its own markers before each frame
+# pair of a video (Qwen3VLProcessor.replace_video_token) instead of one run of pads
+TIMESTAMPED_VIDEO_MODEL_TYPES = ("qwen3_vl",)
 
 
 def model_markers(vocab: Mapping[str, int]) -> dict[str, tuple[str, str, str]]:
@@ -99,6 +99,75 @@ def expand_pads(ids: Sequence[int], pad_id: int, counts: Sequence[int], where: s
     return out
 
 
+def expand_items(ids: Sequence[int], pad_id: int, expansions: Sequence[Sequence[int]],
+                 where: str) -> list[int]:
+    """Each single `pad_id` (one per item, in order) becomes `expansions[i]`, a token list that
+    holds the item's pads among other tokens (Qwen3-VL's video: timestamps and markers around
+    each frame pair's pads). Ids where item i's expansion already stands (its tokens before the
+    first pad included) pass unchanged.
+
+    >>> expand_items([5, 9, 6], pad_id=9, expansions=[[3, 5, 9, 9, 6, 3, 5, 9, 9]], where="x")
+    [5, 3, 5, 9, 9, 6, 3, 5, 9, 9, 6]
+    >>> expand_items([5, 3, 5, 9, 9, 6, 3, 5, 9, 9, 6], pad_id=9, expansions=[[3, 5, 9, 9, 6, 3, 5, 9, 9]], where="x")
+    [5, 3, 5, 9, 9, 6, 3, 5, 9, 9, 6]
+    """
+    out: list[int] = []
+    i = item = 0
+    while i < len(ids):
+        if ids[i] != pad_id:
+            out.append(ids[i])
+            i += 1
+            continue
+        if item >= len(expansions):
+            raise DataError(f"{where}: more pad runs ({item + 1}+) than media items "
+                            f"({len(expansions)}). Fix: one placeholder per item")
+        exp = list(expansions[item])
+        lead = exp.index(pad_id)  # the expansion's tokens before its first pad
+        rest = len(exp) - lead
+        if lead <= len(out) and out[len(out) - lead:] == exp[:lead] \
+                and list(ids[i:i + rest]) == exp[lead:]:
+            out += exp[lead:]  # already expanded
+            i += rest
+        elif i + 1 == len(ids) or ids[i + 1] != pad_id:
+            out += exp
+            i += 1
+        else:
+            raise DataError(f"{where}: item {item}'s pads are neither one pad nor its expansion "
+                            f"({len(exp)} tokens). Fix: send the ids unexpanded")
+        item += 1
+    if item != len(expansions):
+        raise DataError(f"{where}: {item} pad runs in the ids but {len(expansions)} media "
+                        "items. Fix: one placeholder per item, in order")
+    return out
+
+
+def frame_pair_seconds(indices: Sequence[int], native_fps: float, temporal: int) -> list[float]:
+    """Each temporal patch's time in seconds: the mean of its first and last frame's (index /
+    native fps), the last frame repeated to fill the final patch, as
+    `Qwen3VLProcessor._calculate_timestamps` (transformers 5.x, processing_qwen3_vl.py) does.
+
+    >>> frame_pair_seconds([0, 1, 2, 3, 4], native_fps=4.0, temporal=2)
+    [0.125, 0.625, 1.0]
+    """
+    idx = list(indices) + [indices[-1]] * (-len(indices) % temporal)
+    return [(idx[i] + idx[i + temporal - 1]) / 2 / native_fps for i in range(0, len(idx), temporal)]
+
+
+def timestamped_video_tokens(seconds: Sequence[float], frame_tokens: int,
+                             text_ids: Any, start: int, pad: int, end: int) -> list[int]:
+    """Qwen3-VL's expansion of one video's pad: per temporal patch the text `<{t:.1f} seconds>`
+    (its ids from `text_ids(str)`), then start, `frame_tokens` pads, end
+    (`Qwen3VLProcessor.replace_video_token`). The chat template's own start/end stay around it.
+
+    >>> timestamped_video_tokens([0.25, 1.0], 2, lambda t: [len(t)], start=7, pad=9, end=8)
+    [13, 7, 9, 9, 8, 13, 7, 9, 9, 8]
+    """
+    out: list[int] = []
+    for t in seconds:
+        out += list(text_ids(f"<{t:.1f} seconds>")) + [start] + [pad] * frame_tokens + [end]
+    return out
+
+
 @dataclass(kw_only=True)
 class Processed:
     """A prompt ready for a multimodal forward."""
@@ -135,10 +204,12 @@ class MediaProcessor:
         self._lock = threading.Lock()
         self._image: Any = None
         self._audio: Any = None
+        self._tokenizer: Any = None
+        self._marker_ids = {k: tuple(vocab[x] for x in t) for k, t in self.markers.items()}
 
-    def reads_videos(self) -> bool:
-        """Whether our video expansion (one run of pads per video) is the model's own."""
-        return not self.model_type.startswith(NO_VIDEO_MODEL_TYPES)
+    def timestamps_videos(self) -> bool:
+        """Whether a video's pad becomes timestamped frame pairs (Qwen3-VL), not one run."""
+        return self.model_type.startswith(TIMESTAMPED_VIDEO_MODEL_TYPES)
 
     def marker_text(self) -> dict[str, str]:
         """kind -> the text a placeholder becomes (start + one pad + end)."""
@@ -151,6 +222,16 @@ class MediaProcessor:
 
                 self._image = AutoImageProcessor.from_pretrained(self.model_path)
             return self._image
+
+    def text_ids(self, text: str) -> list[int]:
+        """Token ids of plain text (the model directory's tokenizer, no special tokens)."""
+        with self._lock:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            tok = self._tokenizer
+        return list(tok(text, add_special_tokens=False)["input_ids"])
 
     def feature_extractor(self) -> Any:
         with self._lock:
@@ -173,16 +254,26 @@ class MediaProcessor:
             if kind == "image":
                 out, counts = self._images(refs)
             elif kind == "video":
-                if not self.reads_videos():
-                    raise DataError(f"{where}: videos for {self.model_type} models are not "
-                                    "supported (they need per-frame timestamps in the text). "
-                                    "Fix: pass sampled frames as images")
-                out, counts = self._videos(refs)
+                out, counts, seconds = self._videos(refs)
+                if self.timestamps_videos():
+                    tensors.update(out)
+                    ids = expand_items(ids, self.pad_ids[kind],
+                                       self._timestamped(out["video_grid_thw"], seconds),
+                                       f"{where}, videos")
+                    continue
             else:
                 out, counts = self._audios(refs)
             tensors.update(out)
             ids = expand_pads(ids, self.pad_ids[kind], counts, f"{where}, {kind}s")
         return Processed(input_ids=ids, tensors=tensors)
+
+    def _timestamped(self, grid: np.ndarray, seconds: Sequence[list[float]]) -> list[list[int]]:
+        """Each video's Qwen3-VL expansion (`timestamped_video_tokens`)."""
+        merge = int(getattr(self.image_processor(), "merge_size", 2))
+        start, pad, end = self._marker_ids["video"]
+        return [timestamped_video_tokens(secs, int(h * w) // (merge * merge), self.text_ids,
+                                         start, pad, end)
+                for (_, h, w), secs in zip(grid.tolist(), seconds)]
 
     def _images(self, refs: Sequence[MediaRef]) -> tuple[dict[str, np.ndarray], list[int]]:
         proc = self.image_processor()
@@ -194,13 +285,15 @@ class MediaProcessor:
         return {"pixel_values": np.ascontiguousarray(out["pixel_values"], np.float32),
                 "image_grid_thw": grid}, counts
 
-    def _videos(self, refs: Sequence[MediaRef]) -> tuple[dict[str, np.ndarray], list[int]]:
+    def _videos(self, refs: Sequence[MediaRef]
+                ) -> tuple[dict[str, np.ndarray], list[int], list[list[float]]]:
         """Each video's sampled frames through the image processor (resize, normalise,
-        patches), then regrouped into the video layout (`video_patches`)."""
+        patches), then regrouped into the video layout (`video_patches`). Also returns each
+        video's temporal patches' times in seconds (`frame_pair_seconds`)."""
         proc = self.image_processor()
         merge = int(getattr(proc, "merge_size", 2))
         temporal = int(getattr(proc, "temporal_patch_size", 2))
-        patches, grids, seconds = [], [], []
+        patches, grids, seconds, times = [], [], [], []
         for ref in refs:
             frames = load_video(ref, self.limits.video)
             out = proc(images=frames.images, return_tensors="np",
@@ -211,11 +304,14 @@ class MediaProcessor:
             patches.append(pv)
             grids.append([grid_t, grid_h, grid_w])
             seconds.append(temporal / frames.sampled_fps)
+            times.append(frame_pair_seconds(frames.indices, frames.native_fps, temporal))
         grid = np.asarray(grids, dtype=np.int64)  # [n, 3]
         counts = [int(n) for n in grid.prod(axis=1) // (merge * merge)]
-        return {"pixel_values_videos": np.ascontiguousarray(np.concatenate(patches)),
-                "video_grid_thw": grid,
-                "second_per_grid_ts": np.asarray(seconds, dtype=np.float32)}, counts
+        out = {"pixel_values_videos": np.ascontiguousarray(np.concatenate(patches)),
+               "video_grid_thw": grid}
+        if not self.timestamps_videos():  # Qwen3-VL spaces frames by its timestamp text instead
+            out["second_per_grid_ts"] = np.asarray(seconds, dtype=np.float32)
+        return out, counts, times
 
     def _size_kwargs(self, proc: Any, max_pixels: int | None = None) -> dict[str, Any]:
         """The image pixel limits (or `max_pixels` for the largest size) as the Qwen-VL image

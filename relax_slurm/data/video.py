@@ -45,6 +45,10 @@ class Frames:
     """RGB `PIL.Image`s, all of one size, in time order."""
     sampled_fps: float
     """Frames kept per second of the clip (what temporal positions are spaced by)."""
+    indices: list[int]
+    """Each kept frame's index in the clip (Qwen3-VL's timestamps are index / native_fps)."""
+    native_fps: float
+    """The clip's own frame rate (a frame folder's: data.video_fps)."""
 
 
 def load_video(ref: MediaRef, limits: VideoLimits) -> Frames:
@@ -57,12 +61,13 @@ def load_video(ref: MediaRef, limits: VideoLimits) -> Frames:
         keep = _sample(ref, total, native_fps, limits)
         images = [_open_frame(ref, files[i]) for i in keep]
     else:
-        images, total, native_fps = _decode(ref, limits)
+        images, total, native_fps, keep = _decode(ref, limits)
     sizes = {im.size for im in images}
     if len(sizes) > 1:
         raise DataError(f"{ref.where}: the frames of {ref.path} differ in size {sorted(sizes)}. "
                         "Fix: resize every frame of a video to one size")
-    return Frames(images=images, sampled_fps=len(images) / (total / native_fps))
+    return Frames(images=images, sampled_fps=len(images) / (total / native_fps),
+                  indices=list(keep), native_fps=native_fps)
 
 
 def check_video(ref: MediaRef) -> None:
@@ -119,8 +124,9 @@ def _open(ref: MediaRef) -> Any:
                         "replace the file or drop the row") from e
 
 
-def _decode(ref: MediaRef, limits: VideoLimits) -> tuple[list[Any], int, float]:
-    """(sampled frames, frames in the clip, native fps): frames are counted by decoding when
+def _decode(ref: MediaRef, limits: VideoLimits) -> tuple[list[Any], int, float, list[int]]:
+    """(sampled frames, frames in the clip, native fps, the kept frames' indices): frames are
+    counted by decoding when
     the container does not say (webm), then the kept ones converted on a second pass."""
     import av
 
@@ -132,7 +138,8 @@ def _decode(ref: MediaRef, limits: VideoLimits) -> tuple[list[Any], int, float]:
             stream = container.streams.video[0]
             rate = stream.average_rate or stream.guessed_rate or Fraction(limits.fps)
             total = stream.frames or sum(1 for _ in container.decode(stream))
-        keep = set(_sample(ref, total, float(rate), limits))
+        indices = _sample(ref, total, float(rate), limits)
+        keep = set(indices)
         images = []
         with _open(ref) as container:
             for i, frame in enumerate(container.decode(container.streams.video[0])):
@@ -144,7 +151,7 @@ def _decode(ref: MediaRef, limits: VideoLimits) -> tuple[list[Any], int, float]:
     if len(images) < len(keep):  # the header promised more frames than the stream holds
         raise DataError(f"{ref.where}: {_what(ref)} decoded {len(images)} frame(s) of the "
                         f"{total} its header declares (truncated?). Fix: re-encode the file")
-    return images, total, float(rate)
+    return images, total, float(rate), sorted(keep)
 
 
 def write_mp4(path: str | Path, frames: list[np.ndarray], fps: int) -> None:

@@ -225,10 +225,6 @@ class RolloutWorker:
                                                max_frames=d.video_max_frames,
                                                max_pixels=d.video_max_pixels))
         processor = MediaProcessor(cfg.model.path, self.tokenizer.get_vocab(), limits)
-        if "video" in d.multimodal_keys and not processor.reads_videos():
-            raise ConfigError(f"data.multimodal_keys.video: videos for {processor.model_type} "
-                              "models are not supported yet (they need per-frame timestamps "
-                              "in the text). Fix: pass sampled frames as images, or drop the key")
         return (processor, concurrent.futures.ThreadPoolExecutor(d.media_num_workers,
                                                                  thread_name_prefix="media"))
 

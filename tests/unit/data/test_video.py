@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -161,13 +162,62 @@ def test_too_few_frames_and_mixed_sizes(tmp_path: Path) -> None:
                    VideoLimits(fps=2.0, min_frames=2, max_frames=8))
 
 
-def test_qwen3_vl_videos_refused(tiny_mm_assets: Path, tmp_path: Path) -> None:
-    """Qwen3-VL puts a timestamp text before each frame pair: our one run of pads per video is
-    not its format, so its videos are refused (images are not)."""
-    tok = AutoTokenizer.from_pretrained(tiny_mm_assets / "vl_model")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
-    mp = MediaProcessor(tmp_path, tok.get_vocab())
-    assert not mp.reads_videos()
-    clip = MediaRef(kind="video", path=str(tiny_mm_assets / "change" / "red_to_blue_0.mp4"))
-    with pytest.raises(DataError, match="videos for qwen3_vl models are not supported"):
-        mp.process(tok(VIDEO_MARKERS)["input_ids"], {"video": [clip]})
+def qwen3_vl_processor(tok: Any) -> Any:
+    """transformers' own `Qwen3VLProcessor`, for its text side: `replace_video_token` (the
+    timestamped layout) and `create_mm_token_type_ids`. Its constructor insists on the video
+    processor, which needs torchvision (no CPU build here), so it is built without `__init__`;
+    the video processor likewise, keeping its class defaults (merge 2, temporal patch 2)."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    proc = Qwen3VLProcessor.__new__(Qwen3VLProcessor)
+    proc.video_processor = Qwen3VLVideoProcessor.__new__(Qwen3VLVideoProcessor)
+    proc.image_token, proc.video_token = "<|image_pad|>", "<|video_pad|>"
+    proc.vision_start_token, proc.vision_end_token = "<|vision_start|>", "<|vision_end|>"
+    proc.image_token_id = tok.convert_tokens_to_ids(proc.image_token)
+    proc.video_token_id = tok.convert_tokens_to_ids(proc.video_token)
+    return proc
+
+
+def test_qwen3_vl_video_tokens_are_its_processors(tiny_mm_assets: Path, tmp_path: Path) -> None:
+    """Qwen3-VL: a video's pad becomes, per frame pair, "<t seconds>" + start + pads + end; the
+    ids and token types equal what `Qwen3VLProcessor` makes of the same grid and frames, the
+    hf engine's already-expanded ids pass unchanged, and the model's forward takes them."""
+    import torch
+    from transformers import AutoModelForMultimodalLM
+    from transformers.video_utils import VideoMetadata
+
+    from relax_slurm.modeling import mm_token_types
+
+    model = tiny_mm_assets / "vl3_model"
+    tok = AutoTokenizer.from_pretrained(model)
+    write_mp4(tmp_path / "v.mp4", gray_frames(10), fps=4)  # 2.5 s
+    limits = MediaLimits(video=VideoLimits(fps=2.0, min_frames=2, max_frames=100))
+    ref = MediaRef(kind="video", path=str(tmp_path / "v.mp4"), where="r")
+    frames = load_video(ref, limits.video)
+    assert frames.indices == [0, 3, 6, 9] and frames.native_fps == 4.0
+    mp = MediaProcessor(model, tok.get_vocab(), limits)
+    prompt = "1" + VIDEO_MARKERS + "="
+    out = mp.process(tok(prompt)["input_ids"], {"video": [ref]})
+    assert "second_per_grid_ts" not in out.tensors  # Qwen3-VL's forward spaces frames by text
+
+    real = qwen3_vl_processor(tok)
+    meta = VideoMetadata(total_num_frames=10, fps=4.0, frames_indices=frames.indices)
+    grid = torch.from_numpy(out.tensors["video_grid_thw"])
+    expansion = real.replace_video_token({"video_grid_thw": grid, "video_metadata": [meta]}, 0)
+    assert expansion.startswith("<0.4 seconds><|vision_start|><|video_pad|>")  # (0+3)/2/4 s
+    assert "<1.9 seconds>" in expansion  # (6+9)/2/4 s
+    expected = tok(prompt.replace("<|video_pad|>", expansion))["input_ids"]
+    assert out.input_ids == expected
+    assert mp.process(out.input_ids, {"video": [ref]}).input_ids == expected  # engine side
+
+    vlm = AutoModelForMultimodalLM.from_pretrained(model)
+    ids = torch.tensor([out.input_ids])
+    tensors = {k: torch.from_numpy(v) for k, v in out.tensors.items()}
+    types = mm_token_types(vlm, ids, tensors)["mm_token_type_ids"]
+    assert types.tolist() == real.create_mm_token_type_ids([expected])
+    with torch.no_grad():  # one M-RoPE grid per frame pair, each between its own markers
+        assert vlm(input_ids=ids, mm_token_type_ids=types, **tensors).logits.shape[1] == len(ids[0])
+    first_pad = out.input_ids.index(real.video_token_id)
+    with pytest.raises(DataError, match="neither one pad nor its expansion"):  # a pad short
+        mp.process(out.input_ids[:first_pad] + out.input_ids[first_pad + 1:], {"video": [ref]})

@@ -23,12 +23,13 @@ from relax_slurm.trainer.batch import collate, prepare_items
 from relax_slurm.trainer.model import freeze_modules, load_hf_model, pad_token_id
 from relax_slurm.trainer.step import token_logprobs
 
-pytestmark = pytest.mark.slow  # four real engines (~45 s of start-up), as test_hf_engine_http
+pytestmark = pytest.mark.slow  # five real engines (~55 s of start-up), as test_hf_engine_http
 
 # kind -> (model, task, media kind, column, the tower that gets gradients)
 KINDS = {"vl": ("vl_model", "colors", "image", "images", "model.visual"),
          "video": ("vl_model", "change", "video", "videos", "model.visual"),
          "vl3": ("vl3_model", "colors", "image", "images", "model.visual"),  # Qwen3-VL
+         "vl3_video": ("vl3_model", "change", "video", "videos", "model.visual"),  # timestamped
          "audio": ("audio_model", "tones", "audio", "audios", "model.audio_tower")}
 
 
