@@ -1,7 +1,8 @@
 """Multimodal end to end through the real topology (broker, hf engine, rollout worker, torchrun
 trainer): experiment=tiny_vl_cpu learns the colour task, experiment=tiny_video_cpu the colour
 a clip ends with (mp4, every weight sync verified); experiment=tiny_audio_cpu runs the tone task
-with every weight sync verified bit for bit (audio tower included)."""
+with every weight sync verified bit for bit (audio tower included); the tiny Qwen3-VL runs the
+colour task with every weight sync verified."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tests.conftest import REPO, run_env
 
 VL_STEPS = 20  # one rank: reward ~0.001 -> ~0.31 by step 20 (measured; ~0.93 by step 60)
 AUDIO_STEPS = 3  # the entropy bonus moves the weights even while every reward is still 0
+QWEN3_VL_STEPS = 3  # a run, not a learning claim: the Qwen3-VL forward, syncs and log-probs
 # one rank: reward ~0.02 -> ~0.48 by step 30 (measured; ~0.9 by step 60, above the 0.5 a model
 # blind to the frame order can reach)
 VIDEO_STEPS = 30
@@ -76,3 +78,20 @@ def test_tiny_video_learns_colour_changes(tmp_path, tiny_mm_assets):
     assert summary["reward_last"] >= summary["reward_first"] + 0.2, summary
     assert rows[-1]["train/grad_norm"] > 0
     assert all(r["train/rollout_train_logprob_diff"] < 1e-3 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tiny_qwen3_vl_runs_with_verified_syncs(tmp_path, tiny_mm_assets):
+    """experiment=tiny_vl_cpu with the tiny Qwen3-VL (patch 16, DeepStack, interleaved M-RoPE):
+    every weight sync verified bit for bit (vision tower included), and the trainer's log-probs
+    of the engine's tokens equal the engine's (its forward sees the same images and positions)."""
+    run_dir = tmp_path / "vl3"
+    summary, rows = run(mm_command(run_dir, tiny_mm_assets, "tiny_vl_cpu", "vl3_model",
+                                   "colors_train.jsonl", f"trainer.total_steps={QWEN3_VL_STEPS}",
+                                   "weight_sync.verify=true", "algo.entropy_coef=0.01"),
+                        run_dir)
+    assert summary["steps"] == QWEN3_VL_STEPS
+    assert all(r["train/grad_norm"] > 0 for r in rows)
+    assert all(r["train/rollout_train_logprob_diff"] < 1e-3 for r in rows)
+    assert all(0.0 <= r["rollout/reward_mean"] <= 1.0 for r in rows)
