@@ -104,7 +104,8 @@ def test_data_pipeline_reads_the_tool_output(tiny):
 
 
 def test_multimodal_tools_load_back(tiny_mm_assets):
-    """The tiny VL and audio models load with the Auto classes; the tasks' files exist."""
+    """The tiny VL (Qwen2.5-VL, Qwen3-VL) and audio models load with the Auto classes; the
+    tasks' files exist."""
     import json as _json
 
     from transformers import (AutoImageProcessor, AutoModelForMultimodalLM, AutoProcessor,
@@ -118,6 +119,12 @@ def test_multimodal_tools_load_back(tiny_mm_assets):
     assert AutoImageProcessor.from_pretrained(vl).size["longest_edge"] == 56 * 56
     assert AutoProcessor.from_pretrained(audio).feature_extractor.nb_max_frames == 200
     assert "<|image_pad|>" in AutoTokenizer.from_pretrained(vl).get_vocab()
+    vl3 = tiny_mm_assets / "vl3_model"
+    assert type(AutoModelForMultimodalLM.from_pretrained(vl3)).__name__ == \
+        "Qwen3VLForConditionalGeneration"
+    assert AutoImageProcessor.from_pretrained(vl3).patch_size == 16
+    tok3 = AutoTokenizer.from_pretrained(vl3)  # Qwen3-VL's video timestamps are text
+    assert tok3.decode(tok3("<0.5 seconds>")["input_ids"]) == "<0.5 seconds>"
     for task, column in (("colors", "images"), ("change", "videos"), ("tones", "audios")):
         rows = [_json.loads(x) for x in (tiny_mm_assets / f"{task}_train.jsonl").open()]
         assert len(rows) == 2000 and {r["label"] for r in rows} == {"0", "1", "2", "3"}
