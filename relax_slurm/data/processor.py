@@ -106,9 +106,10 @@ def expand_items(ids: Sequence[int], pad_id: int, expansions: Sequence[Sequence[
     each frame pair's pads). Ids where item i's expansion already stands (its tokens before the
     first pad included) pass unchanged.
 
-    >>> expand_items([5, 9, 6], pad_id=9, expansions=[[3, 5, 9, 9, 6, 3, 5, 9, 9]], where="x")
+    >>> exp = [3, 5, 9, 9, 6, 3, 5, 9, 9]  # (3, 5) before each run of two pads 9, 6 after one
+    >>> expand_items([5, 9, 6], pad_id=9, expansions=[exp], where="x")
     [5, 3, 5, 9, 9, 6, 3, 5, 9, 9, 6]
-    >>> expand_items([5, 3, 5, 9, 9, 6, 3, 5, 9, 9, 6], pad_id=9, expansions=[[3, 5, 9, 9, 6, 3, 5, 9, 9]], where="x")
+    >>> expand_items([5, 3, 5, 9, 9, 6, 3, 5, 9, 9, 6], pad_id=9, expansions=[exp], where="x")
     [5, 3, 5, 9, 9, 6, 3, 5, 9, 9, 6]
     """
     out: list[int] = []

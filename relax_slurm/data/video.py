@@ -126,8 +126,8 @@ def _open(ref: MediaRef) -> Any:
 
 def _decode(ref: MediaRef, limits: VideoLimits) -> tuple[list[Any], int, float, list[int]]:
     """(sampled frames, frames in the clip, native fps, the kept frames' indices): frames are
-    counted by decoding when
-    the container does not say (webm), then the kept ones converted on a second pass."""
+    counted by decoding when the container does not say (webm), then the kept ones converted
+    on a second pass."""
     import av
 
     try:
@@ -138,8 +138,7 @@ def _decode(ref: MediaRef, limits: VideoLimits) -> tuple[list[Any], int, float, 
             stream = container.streams.video[0]
             rate = stream.average_rate or stream.guessed_rate or Fraction(limits.fps)
             total = stream.frames or sum(1 for _ in container.decode(stream))
-        indices = _sample(ref, total, float(rate), limits)
-        keep = set(indices)
+        keep = set(_sample(ref, total, float(rate), limits))
         images = []
         with _open(ref) as container:
             for i, frame in enumerate(container.decode(container.streams.video[0])):
