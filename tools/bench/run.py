@@ -1,12 +1,14 @@
 """Run every benchmark, write bench_results.json, docs/benchmarks.md and the reward plots.
 
-    python tools/bench/run.py [--quick] [--out bench_out] [--parts async,trl,sync,broker]
+    python tools/bench/run.py [--quick] [--out bench_out] [--parts async,trl,sync,broker,engines]
 
 Needs the bench extra (`pip install -e ".[bench]"`: TRL for the peer comparison, matplotlib
 for the plots) and an otherwise idle machine: every figure is a ratio of two measurements
 taken in this invocation, but other load still changes which side of a ratio it hits.
 `--quick` runs one repeat of shorter runs (a smoke test of the whole pipeline, ~5 min);
-the full run repeats each measurement three times (~10-25 min on 2 cores).
+the full run repeats each measurement three times (~10-25 min on 2 cores). A run of some
+parts updates those parts of an existing bench_results.json and keeps the others (each figure
+stays a ratio of two measurements of one invocation; the doc names each part's command).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import async_sync  # noqa: E402
 import broker_bench  # noqa: E402
+import engine_scaling  # noqa: E402
 import report  # noqa: E402
 import scaling  # noqa: E402
 import weight_sync_bench  # noqa: E402
 from common import REPO, Run, machine, make_assets, spread  # noqa: E402
 
-PARTS = ("async", "trl", "sync", "broker")
+PARTS = ("async", "trl", "sync", "broker", "engines")
 
 
 def run_trl(out: Path, model: Path, data: Path, steps: int, repeats: int) -> list[Run]:
@@ -69,6 +72,8 @@ def headline(res: dict) -> dict[str, float]:
         out["weight_sync_efficiency_tiny"] = res["weight_sync"]["tiny"]["efficiency"]["median"]
     if res.get("broker"):
         out["broker_step_share"] = res["broker"]["step_share"]["median"]
+    if res.get("engines"):
+        out["engine_scaling"] = res["engines"]["gen_speedup"]["median"]
     return out
 
 
@@ -86,8 +91,14 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     model = make_assets(args.out / "assets")
     data = args.out / "assets" / "arith_train.jsonl"
+    command = " ".join(["python", "tools/bench/run.py", *sys.argv[1:]])
     res: dict = {"machine": machine(), "quick": args.quick, "repeats": repeats, "steps": steps,
-                 "command": " ".join(["python", "tools/bench/run.py", *sys.argv[1:]])}
+                 "command": command}
+    previous = REPO / "bench_results.json"
+    if parts != set(PARTS) and previous.exists():  # some parts: update them, keep the rest
+        res = json.loads(previous.read_text())
+        res.setdefault("commands", {p: res["command"] for p in PARTS if p not in parts})
+    res.setdefault("commands", {}).update({p: command for p in parts})
     t_start = time.monotonic()
     runs: dict[str, list[Run]] = {}
 
@@ -137,6 +148,10 @@ def main() -> int:
             "payload_mb": b["broker"]["payload_mb"],
             "step_share": spread([g / step for g in b["broker"]["get_batch_s"]] if step else []),
         }
+    if "engines" in parts:
+        print("[7] engines: rollout throughput with 1 and 3 engines", flush=True)
+        res["engines"] = engine_scaling.measure(args.out / "engines", model, data,
+                                                steps=40 if args.quick else 60, repeats=repeats)
     if "async" in res:
         c = res["async"]["sync_components"]
         costs = scaling.Costs(G=c["G_s"]["median"], T=c["T_s"]["median"] - c["weight_sync_s"]
@@ -146,11 +161,15 @@ def main() -> int:
                           for tail in (1.0, 2.0, 3.0)}
         res["scaling_costs"] = vars(costs)
 
-    res["elapsed_s"] = time.monotonic() - t_start
+    if parts == set(PARTS) or "elapsed_s" not in res:  # a partial run keeps the full one's
+        res["elapsed_s"] = time.monotonic() - t_start
     res["headline"] = headline(res)
     (args.out / "bench_results.json").write_text(json.dumps(res, indent=2, default=str))
     (REPO / "bench_results.json").write_text(json.dumps(res, indent=2, default=str))
-    plots = report.plot_rewards(runs, REPO / "docs" / "img") if runs else []
+    # a run without the learning runs keeps the plot of the last one that had them
+    kept = REPO / "docs" / "img" / report.REWARD_PLOT
+    plots = (report.plot_rewards(runs, REPO / "docs" / "img") if runs
+             else [kept] if kept.exists() else [])
     args.doc.write_text(report.markdown(res, plots, args.doc))
     print(json.dumps(res["headline"], indent=2))
     print(f"wrote bench_results.json, {args.doc}, {len(plots)} plot(s) in "
