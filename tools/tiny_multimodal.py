@@ -52,10 +52,28 @@ def _tokenizer(special: list[str]) -> Any:
     return tok
 
 
-def build_vl(out: Path, seed: int = 0) -> str:
+def _save(model_cls, config, tok, out: Path, seed: int, processor=None) -> str:
+    """A seeded random `model_cls(config)` saved with `tok` (and `processor`, saved before the
+    tokenizer: the tokenizer class stays loadable in transformers 4.x); a line saying so."""
     import torch
-    from transformers import (GenerationConfig, Qwen2_5_VLConfig,
-                              Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil)
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    if processor is not None:
+        processor.save_pretrained(out)
+    save_tokenizer(tok, out)
+    n = sum(p.numel() for p in model.parameters())
+    return f"wrote {out}: {model_cls.__name__} with {n:,} parameters"
+
+
+def build_vl(out: Path, seed: int = 0) -> str:
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                              Qwen2VLImageProcessorPil)
 
     tok = _tokenizer(VISION_TOKENS)
     start, end, image, video = tok.convert_tokens_to_ids(VISION_TOKENS)
@@ -66,21 +84,12 @@ def build_vl(out: Path, seed: int = 0) -> str:
                            out_hidden_size=64, fullatt_block_indexes=[0], window_size=112),
         vision_start_token_id=start, vision_end_token_id=end, image_token_id=image,
         video_token_id=video, tie_word_embeddings=True, dtype="float32")
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,
-                                               pad_token_id=tok.pad_token_id)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    save_tokenizer(tok, out)
-    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(out)
-    n = sum(p.numel() for p in model.parameters())
-    return f"wrote {out}: Qwen2_5_VLForConditionalGeneration with {n:,} parameters"
+    return _save(Qwen2_5_VLForConditionalGeneration, config, tok, out, seed,
+                 Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS))
 
 
 def build_vl3(out: Path, seed: int = 0) -> str:
-    import torch
-    from transformers import (GenerationConfig, Qwen2VLImageProcessorPil, Qwen3VLConfig,
+    from transformers import (Qwen2VLImageProcessorPil, Qwen3VLConfig,
                               Qwen3VLForConditionalGeneration)
 
     tok = _tokenizer(VISION_TOKENS)
@@ -97,25 +106,15 @@ def build_vl3(out: Path, seed: int = 0) -> str:
                            deepstack_visual_indexes=[0]),
         vision_start_token_id=start, vision_end_token_id=end, image_token_id=image,
         video_token_id=video, tie_word_embeddings=True, dtype="float32")
-    torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,
-                                               pad_token_id=tok.pad_token_id)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    save_tokenizer(tok, out)
-    Qwen2VLImageProcessorPil(patch_size=16, min_pixels=VL3_MIN_PIXELS, max_pixels=VL3_MAX_PIXELS,
-                             image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
-                             ).save_pretrained(out)
-    n = sum(p.numel() for p in model.parameters())
-    return f"wrote {out}: Qwen3VLForConditionalGeneration with {n:,} parameters"
+    return _save(Qwen3VLForConditionalGeneration, config, tok, out, seed,
+                 Qwen2VLImageProcessorPil(patch_size=16, min_pixels=VL3_MIN_PIXELS,
+                                          max_pixels=VL3_MAX_PIXELS,
+                                          image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]))
 
 
 def build_audio(out: Path, seed: int = 0) -> str:
-    import torch
-    from transformers import (GenerationConfig, Qwen2AudioConfig,
-                              Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor,
-                              WhisperFeatureExtractor)
+    from transformers import (Qwen2AudioConfig, Qwen2AudioForConditionalGeneration,
+                              Qwen2AudioProcessor, WhisperFeatureExtractor)
 
     tok = _tokenizer(AUDIO_TOKENS)
     config = Qwen2AudioConfig(
@@ -124,19 +123,11 @@ def build_audio(out: Path, seed: int = 0) -> str:
                           max_source_positions=AUDIO_SECONDS * 50),  # 100 frames/s, /2 by conv
         text_config=_text_config(tok, model_type="qwen2", tie_word_embeddings=True),
         audio_token_id=tok.convert_tokens_to_ids("<|AUDIO|>"), dtype="float32")
-    torch.manual_seed(seed)
-    model = Qwen2AudioForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id,
-                                               pad_token_id=tok.pad_token_id)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
     fe = WhisperFeatureExtractor(feature_size=MEL_BINS, chunk_length=AUDIO_SECONDS,
                                  sampling_rate=16000)
-    Qwen2AudioProcessor(feature_extractor=fe, tokenizer=tok,
-                        chat_template=tok.chat_template).save_pretrained(out)
-    save_tokenizer(tok, out)  # after the processor: the tokenizer class stays loadable in 4.x
-    n = sum(p.numel() for p in model.parameters())
-    return f"wrote {out}: Qwen2AudioForConditionalGeneration with {n:,} parameters"
+    return _save(Qwen2AudioForConditionalGeneration, config, tok, out, seed,
+                 Qwen2AudioProcessor(feature_extractor=fe, tokenizer=tok,
+                                     chat_template=tok.chat_template))
 
 
 def build_multimodal(kind: str, out: Path, seed: int = 0) -> str:
