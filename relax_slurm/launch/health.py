@@ -58,8 +58,11 @@ class HangWatch:
         self._restarted[name] = self._clock()
         if name in self._last_ok:
             self._last_ok[name] = self._clock()
+        if name in self.engines:  # whoever waited on it (a push, a request) gets its time too
+            self._restarted[""] = self._clock()
 
     def _in_grace(self, heartbeat_name: str, now: float) -> bool:
+        """Restarted in place (or, "" for every role, an engine was) within the timeout."""
         return any(heartbeat_name.startswith(name) and now - t <= self.timeout_s
                    for name, t in self._restarted.items())
 
@@ -71,14 +74,16 @@ class HangWatch:
         if now < self._next:
             return None
         self._next = now + self.interval_s
-        hung = self._check_broker(now)
+        # engines first: a trainer or worker blocked on a hung engine (a weight push, a
+        # request) falls silent too, but the engine is the one to restart
+        hung = None
         for name, url in self.engines.items():
             if self._ok(url + "/health"):
                 self._last_ok[name] = self._clock()
             elif hung is None and self._clock() - self._last_ok[name] > self.timeout_s:
                 hung = (name, f"has not answered /health for {self.timeout_s:.0f}s "
                               "(cluster.heartbeat_timeout_s)")
-        return hung
+        return hung or self._check_broker(now)
 
     def _check_broker(self, now: float) -> tuple[str, str] | None:
         if self.admin_url is None:

@@ -158,7 +158,8 @@ class RankZero:
         # a restarted engine re-joins through a new cohort (weightsync/cohort.py)
         self.cohort = Cohort(plan.engine_urls, WEIGHT_GROUP, plan.weight_sync_port, make_sender,
                              new_port=lambda: free_port(sync_host),
-                             startup_timeout_s=cfg.rollout.startup_timeout_s)
+                             startup_timeout_s=cfg.rollout.startup_timeout_s,
+                             waiting=self.heartbeat_waiting)
         # every role starts at once: the engines may still be loading their models
         wait_until_healthy(plan.engine_urls, cfg.rollout.startup_timeout_s)
         self.cohort.connect()
@@ -187,6 +188,11 @@ class RankZero:
             self.broker.heartbeat("trainer", step=step)
             if weights is not None:
                 self.cohort.resync(weights, version=step)
+
+    def heartbeat_waiting(self) -> None:
+        """While the cohort waits for a restarting engine (rank 0's loop is held there)."""
+        if self.pacer.due():
+            self.broker.heartbeat("trainer", waiting_for="engines")
 
     def engines_sleep(self) -> None:
         """Shared GPUs: the rollout of this step is in, so engines free their memory for the

@@ -34,8 +34,12 @@ MakeSender = Callable[[str, int, list[str]], WeightSender]
 
 class Cohort:
     def __init__(self, urls: Sequence[str], group_name: str, port: int, make_sender: MakeSender,
-                 new_port: Callable[[], int], startup_timeout_s: float) -> None:
+                 new_port: Callable[[], int], startup_timeout_s: float,
+                 waiting: Callable[[], None] = lambda: None) -> None:
+        """`waiting` runs between the health polls of a re-forming (the trainer heartbeats
+        there: waiting for a restarting engine is not a hang)."""
         self.urls = list(urls)
+        self.waiting = waiting
         self.group_name = group_name
         self.make_sender = make_sender
         self.new_port = new_port
@@ -81,7 +85,7 @@ class Cohort:
         return True
 
     def reform(self) -> None:
-        wait_until_healthy(self.urls, self.startup_timeout_s)
+        wait_until_healthy(self.urls, self.startup_timeout_s, between_polls=self.waiting)
         self.sender.close()
         self.generation += 1
         name = f"{self.group_name}_c{self.generation}"

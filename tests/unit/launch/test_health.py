@@ -93,3 +93,22 @@ def test_relax_ctl_status_reads_plan_and_secret(start_broker: Callable[..., Brok
     secret_path(run).write_text(SECRET + "\n")
     assert main(["status", str(run)]) == 0
     assert json.loads(capsys.readouterr().out)["pid"] == broker.proc.pid
+
+
+def test_a_hung_engine_is_named_before_the_roles_waiting_on_it(
+        start_broker: Callable[..., Broker]) -> None:
+    """A trainer blocked in a weight push to a hung engine falls silent with it: the engine is
+    the one named (and restarted), and the roles get the timeout anew from its restart."""
+    broker = start_broker(admin=True)
+    dead_engine = f"http://127.0.0.1:{free_port()}"
+    with broker.client("trainer") as trainer:
+        trainer.heartbeat("trainer", step=1)  # then silent, as in a push to the engine
+        watch = HangWatch(broker.admin, SECRET, {"engine0": dead_engine}, INTERVAL_S, TIMEOUT_S)
+        try:
+            time.sleep(TIMEOUT_S + 0.5)  # both silent for longer than the timeout
+            found = poll(watch, 2 * INTERVAL_S)
+            assert found is not None and found[0] == "engine0", found
+            watch.restarted("engine0")
+            assert poll(watch, TIMEOUT_S - 0.5) is None
+        finally:
+            watch.close()
