@@ -28,6 +28,20 @@ pytestmark = [
 ]
 
 
+def torchrun(ranks: int, script_args: list[str], log: Path, timeout_s: float) -> int:
+    """`torchrun --standalone` of a script on `ranks` ranks, output to `log`; its exit code.
+    The whole session goes afterwards (torchrun, the ranks, a forked checkpoint writer)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(ranks), *script_args]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
+                                cwd=str(REPO_ROOT), start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    finally:
+        stop_process(proc)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     return run_tiny_model_tool(tmp_path_factory.mktemp("megatron") / "model")
@@ -39,17 +53,10 @@ def parity_runs(model_dir: Path, root: Path, layouts) -> dict[str, Path]:
     out = {}
     for name, ranks, tp, pp, ep, *flags in layouts:
         d = root / name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(ranks), str(SCRIPT), "--model-dir", str(model_dir),
-               "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--out", str(d), *flags]
         log = root / f"{name}.log"
-        with open(log, "wb") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
-                                    cwd=str(REPO_ROOT), start_new_session=True)
-        try:
-            rc = proc.wait(timeout=600)
-        finally:
-            stop_process(proc)
+        rc = torchrun(ranks, [str(SCRIPT), "--model-dir", str(model_dir), "--tp", str(tp),
+                              "--pp", str(pp), "--ep", str(ep), "--out", str(d), *flags],
+                      log, timeout_s=600)
         assert rc == 0, log.read_text()[-6000:]
         out[name] = d
     return out
@@ -164,16 +171,8 @@ def test_async_save_killed_before_commit_is_not_a_checkpoint(tiny_dir, tmp_path)
     from relax_slurm.trainer.megatron.checkpoint import is_megatron_checkpoint
 
     root, log = tmp_path / "checkpoints", tmp_path / "torchrun.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "1", str(SCRIPTS / "megatron_kill_async_save.py"), "--model-dir", str(tiny_dir),
-           "--root", str(root)]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
-                                cwd=str(REPO_ROOT), start_new_session=True)
-    try:
-        rc = proc.wait(timeout=500)
-    finally:
-        stop_process(proc)  # the whole session: torchrun, the rank, its forked writer
+    rc = torchrun(1, [str(SCRIPTS / "megatron_kill_async_save.py"), "--model-dir",
+                      str(tiny_dir), "--root", str(root)], log, timeout_s=500)
     assert rc != 0 and (tmp_path / "scheduled").exists(), log.read_text()[-4000:]
     latest = find_latest(tmp_path)
     assert latest is not None and latest.name == "step_1" and is_megatron_checkpoint(latest)

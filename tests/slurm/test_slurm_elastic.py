@@ -16,6 +16,8 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -24,7 +26,7 @@ import pytest
 from tests.conftest import REPO
 from tests.slurm.conftest import SETUP_ALLOWANCE_S
 from tests.slurm.test_slurm_runs import (
-    diagnose, in_queue, job_env, read_rows, slurm, tiny_overrides, wait_until,
+    diagnose, in_queue, job_env, read_rows, slurm, slurm_command, wait_until,
 )
 
 pytestmark = pytest.mark.slurm
@@ -49,6 +51,23 @@ def engine_jobs(env: dict, run_job_name: str) -> list[str]:
             if n.startswith(f"{run_job_name}-engine")]
 
 
+@contextmanager
+def running(cmd: list[str], env: dict, name: str) -> Iterator[subprocess.Popen]:
+    """`cmd` (relax-train) in its own session; on the way out, whatever is left of it and of
+    the Slurm jobs called `name` (the run's) or `name-engine*` (its engine jobs) goes."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        slurm(env, "scancel", f"--name={name}")
+        for job in engine_jobs(env, name):
+            slurm(env, "scancel", job)
+
+
 def job_state(env: dict, job_id: str) -> str:
     r = slurm(env, "sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State")
     return r.stdout.strip().split()[0] if r.stdout.strip() else ""
@@ -59,17 +78,12 @@ def test_scale_out_submits_an_engine_job_then_drains_and_cancels_it(tmp_path, ti
                                                                      slurm_env):
     run_dir, name = tmp_path / "run", f"relax-test-{uuid.uuid4().hex[:8]}"
     env = job_env(slurm_env)
-    cmd = [sys.executable, "-m", "relax_slurm.launch.cli",
-           *tiny_overrides(tiny_assets, run_dir, STEPS), "metrics.progress=false",
-           "rollout.groups_per_request=8",  # several requests a step: both engines get some
-           "cluster.heartbeat_interval_s=1", "cluster.elastic_drain_timeout_s=120",
-           "cluster=slurm", "cluster.wait=true", "cluster.wait_poll_s=2",
-           f"cluster.job_name={name}", "cluster.time_limit_min=30",
-           "cluster.engine_job_cpus=2", "cluster.engine_job_time_min=20"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    cmd = slurm_command(tiny_assets, run_dir, STEPS, name, "metrics.progress=false",
+                        "rollout.groups_per_request=8",  # several requests a step: both engines
+                        "cluster.heartbeat_interval_s=1", "cluster.elastic_drain_timeout_s=120",
+                        "cluster.engine_job_cpus=2", "cluster.engine_job_time_min=20")
     why = lambda: diagnose(run_dir)  # noqa: E731
-    try:
+    with running(cmd, env, name) as proc:
         wait_until(lambda: len(read_rows(run_dir)) >= 2 or proc.poll() is not None, 600,
                    "2 training steps", why=why)
         assert proc.poll() is None, why()
@@ -108,13 +122,6 @@ def test_scale_out_submits_an_engine_job_then_drains_and_cancels_it(tmp_path, ti
         wait_until(lambda: not engine_jobs(env, name), 60, "the engine job to be cancelled",
                    why=why)
         out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-        slurm(env, "scancel", f"--name={name}")
-        for job in engine_jobs(env, name):
-            slurm(env, "scancel", job)
     assert proc.returncode == 0, out[-3000:] + "\n" + why()
     state = wait_until(lambda: job_state(env, job_id) or None, 60, "sacct's row of the job")
     assert state.startswith(("CANCELLED", "COMPLETED")), state
@@ -159,14 +166,9 @@ def steps_named(env: dict, job_id: str, name: str) -> list[str]:
 def test_killed_engine_and_worker_restart_as_new_srun_steps(tmp_path, tiny_assets, slurm_env):
     run_dir, name = tmp_path / "run", f"relax-test-{uuid.uuid4().hex[:8]}"
     env = job_env(slurm_env)
-    cmd = [sys.executable, "-m", "relax_slurm.launch.cli",
-           *tiny_overrides(tiny_assets, run_dir, RESTART_STEPS), "metrics.progress=false",
-           "cluster=slurm", "cluster.wait=true", "cluster.wait_poll_s=2",
-           f"cluster.job_name={name}", "cluster.time_limit_min=30"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    cmd = slurm_command(tiny_assets, run_dir, RESTART_STEPS, name, "metrics.progress=false")
     why = lambda: diagnose(run_dir)  # noqa: E731
-    try:
+    with running(cmd, env, name) as proc:
         wait_until(lambda: len(read_rows(run_dir)) >= KILL_AFTER or proc.poll() is not None,
                    600, f"{KILL_AFTER} training steps", why=why)
         assert proc.poll() is None, why()
@@ -184,11 +186,6 @@ def test_killed_engine_and_worker_restart_as_new_srun_steps(tmp_path, tiny_asset
         assert pid is not None, why()
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-        slurm(env, "scancel", f"--name={name}")
     assert proc.returncode == 0, out[-3000:] + "\n" + why()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == RESTART_STEPS, summary

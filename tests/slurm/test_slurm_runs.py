@@ -45,6 +45,13 @@ def tiny_overrides(tiny: Path, run_dir: Path, steps: int) -> list[str]:
     return cmd[3:]
 
 
+def slurm_command(tiny: Path, run_dir: Path, steps: int, name: str, *extra: str) -> list[str]:
+    """`relax-train` of the tiny experiment as a het job called `name`, waiting for its end."""
+    return [sys.executable, "-m", "relax_slurm.launch.cli", *tiny_overrides(tiny, run_dir, steps),
+            *extra, "cluster=slurm", "cluster.wait=true", "cluster.wait_poll_s=2",
+            f"cluster.job_name={name}", "cluster.time_limit_min=30"]
+
+
 def job_env(slurm_env: dict[str, str]) -> dict[str, str]:
     return {**slurm_env, "PYTHONPATH": str(REPO), "RELAX_PYTHON": sys.executable}
 
@@ -128,10 +135,7 @@ def check_het_run(run_dir: Path, summary: dict, env: dict, job_id: str, steps: i
 def test_relax_train_hetjob_learns(tmp_path, tiny_assets, slurm_env):
     run_dir, name = tmp_path / "run", f"relax-test-{uuid.uuid4().hex[:8]}"
     env = job_env(slurm_env)
-    cmd = [sys.executable, "-m", "relax_slurm.launch.cli",
-           *tiny_overrides(tiny_assets, run_dir, LEARN_STEPS),
-           "cluster=slurm", "cluster.wait=true", "cluster.wait_poll_s=2",
-           f"cluster.job_name={name}", "cluster.time_limit_min=30"]
+    cmd = slurm_command(tiny_assets, run_dir, LEARN_STEPS, name)
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S)
