@@ -129,6 +129,18 @@ def stop_process(proc: Optional[subprocess.Popen], timeout_s: float = 10.0) -> N
         proc.wait(timeout=timeout_s)
 
 
+def run_logged(cmd: list[str], log: Path, timeout_s: float) -> int:
+    """Run `cmd` in its own session with its output in `log`; its exit code. Whatever it
+    left in that session (ranks, a forked checkpoint writer) is killed afterwards."""
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
+                                cwd=str(REPO_ROOT), start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    finally:
+        stop_process(proc)
+
+
 def _tail(path: str | Path, n: int = 4000) -> str:
     try:
         return Path(path).read_text(errors="replace")[-n:]

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
-from helpers_tiny import REPO_ROOT, child_env, run_tiny_model_tool, stop_process  # noqa: E402
+from helpers_tiny import (  # noqa: E402
+    REPO_ROOT, child_env, run_logged, run_tiny_model_tool, stop_process,
+)
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -22,16 +24,6 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     return run_tiny_model_tool(tmp_path_factory.mktemp("ckpt_dist") / "model")
-
-
-def run_logged(cmd: list[str], log: Path, timeout_s: float) -> int:
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
-                                cwd=str(REPO_ROOT), start_new_session=True)
-    try:
-        return proc.wait(timeout=timeout_s)
-    finally:
-        stop_process(proc)
 
 
 @pytest.mark.slow

@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
-from helpers_tiny import REPO_ROOT, child_env, run_tiny_model_tool, stop_process  # noqa: E402
+from helpers_tiny import (  # noqa: E402
+    REPO_ROOT, child_env, run_logged, run_tiny_model_tool,
+)
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 SCRIPT = SCRIPTS / "megatron_parity.py"
@@ -29,17 +31,9 @@ pytestmark = [
 
 
 def torchrun(ranks: int, script_args: list[str], log: Path, timeout_s: float) -> int:
-    """`torchrun --standalone` of a script on `ranks` ranks, output to `log`; its exit code.
-    The whole session goes afterwards (torchrun, the ranks, a forked checkpoint writer)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(ranks), *script_args]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
-                                cwd=str(REPO_ROOT), start_new_session=True)
-    try:
-        return proc.wait(timeout=timeout_s)
-    finally:
-        stop_process(proc)
+    """`torchrun --standalone` of a script on `ranks` ranks, output to `log`; its exit code."""
+    return run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", str(ranks), *script_args], log, timeout_s)
 
 
 @pytest.fixture(scope="module")
