@@ -51,8 +51,15 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+# Ports this process has handed out. A plan asks for several ports before any role binds one,
+# and "free now" is true of the same port each time until then: two roles of one run were given
+# the same port, and the second failed to bind (seen in CI: an engine on the broker's port).
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free now, below the OS's ephemeral range when there is room.
+    """A port that is free now and not handed out before by this process, below the OS's
+    ephemeral range when there is room.
 
     A port is chosen here and bound later by a role, seconds after. The OS hands out ephemeral
     ports to every outgoing connection (HTTP clients, gloo, ZMQ), so a port taken from that range
@@ -60,19 +67,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     that way on a busy machine. Ports below the range are only ever taken by an explicit bind.
     """
     lo, _ = _ephemeral_range()
-    if lo > 12000:
-        rng = random.SystemRandom()
-        for _ in range(64):
-            port = rng.randrange(10000, lo)
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
-                return port
+    rng = random.SystemRandom()
+    for _ in range(256 if lo > 12000 else 0):
+        port = rng.randrange(10000, lo)
+        if port not in _HANDED_OUT and _bindable(host, port):
+            _HANDED_OUT.add(port)
+            return port
+    for _ in range(256):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no free TCP port on {host}")
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def save_plan(plan: RunPlan, run_dir: str | Path) -> Path:

@@ -21,3 +21,11 @@ def test_free_ports_avoid_the_ephemeral_range_and_are_bindable():
         server.listen()
         client.connect(server.getsockname())
         assert lo <= client.getsockname()[1] <= hi
+
+
+def test_one_process_never_hands_out_a_port_twice():
+    # a plan asks for every port before any role binds one: "free now" alone gave two roles of
+    # one run the same port (an engine then failed to bind). 3000 draws from ~22k ports repeat
+    # one almost surely (birthday bound) unless handed-out ports are remembered.
+    ports = [free_port() for _ in range(3000)]
+    assert len(set(ports)) == len(ports)
