@@ -11,7 +11,10 @@ every role acts on what it reads from it (see docs/operations.md, "Elastic rollo
   detached;
 - the rollout worker routes only to `routable_urls()` (active engines) and reports an engine
   `drained` once none of its requests is in flight there;
-- the launcher stops detached engines it started and reports `stopped`: they leave the list.
+- the launcher stops detached engines it started and reports `stopped`: they leave the list;
+- the launcher reports an engine `lost` when it went away without a scale-in (its Slurm job
+  ended, an external server stopped answering): it is detached at once, no drain and no
+  weights; the trainer's cohort and the worker's routing leave it at their next look.
 
 A scale-out: PENDING -> CREATING -> HEALTH_CHECKING -> WEIGHT_SYNCING -> ACTIVE, or FAILED
 (its timeout passed, or the launcher reported an error) / CANCELLED (`cancel`): both roll back,
@@ -60,6 +63,8 @@ class Engine:
     state: str = E_ACTIVE
     op: str | None = None
     """The operation that added or removes it."""
+    lost: str | None = None
+    """Why it went away without a scale-in (`Elastic.lost`), or None."""
 
 
 @dataclass(kw_only=True)
@@ -343,6 +348,24 @@ class Elastic:
         if (op is not None and op.status == DETACHING
                 and not any(u in self.engines for u in op.urls)):
             self._finish(op, COMPLETED)
+
+    def lost(self, url: str, why: str) -> bool:
+        """The launcher saw an engine go away without a scale-in (its Slurm job ended, an
+        external server stopped answering): detached at once (there is nothing to drain or to
+        send weights to). A scale-in draining it counts it drained. False when it is not an
+        engine in service (unknown, joining: its scale-out fails through the launcher)."""
+        e = self.engines.get(url.rstrip("/"))
+        if e is None or e.state not in (E_ACTIVE, E_DRAINING):
+            return False
+        draining = e.state == E_DRAINING
+        e.state, e.lost = E_DETACHED, why
+        self.membership += 1
+        op = self.ops.get(e.op) if draining and e.op else None
+        if op is not None and op.status == DRAINING and all(
+                self.engines[u].state != E_DRAINING for u in op.urls if u in self.engines):
+            op.status = DETACHING
+            op.history.append(DETACHING)
+        return True
 
     def to_stop(self) -> list[Engine]:
         """Detached engines the launcher should stop now."""

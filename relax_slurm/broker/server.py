@@ -435,6 +435,10 @@ class BrokerServer:
                 elif method == "POST" and parts == ["rollout", "engines", "stopped"]:
                     el.stopped(str(body.get("url", "")))  # the launcher stopped it (internal)
                     out = el.view()
+                elif method == "POST" and parts == ["rollout", "engines", "lost"]:
+                    # the launcher saw it go away without a scale-in (internal)
+                    el.lost(str(body.get("url", "")), str(body.get("why", "lost")))
+                    out = el.view()
                 else:
                     return 404, {"error": f"no route {method} {path}; see docs/operations.md "
                                           "(Elastic rollout)"}

@@ -131,6 +131,8 @@ class EngineJobs:
         self.cfg, self.run_dir, self.parent_job = cfg, run_dir, parent_job
         self.workdir = workdir or Path.cwd()
         self.jobs: dict[str, EngineJob] = {}
+        self.names_used: set[str] = set()
+        """Every name a job was submitted under: never reused (its log, its URL file)."""
         self._checked = 0.0
 
     def submit(self, name: str, seed: int) -> EngineJob:
@@ -146,6 +148,7 @@ class EngineJobs:
         with _submit_env():
             job = executor.submit(serve, str(self.run_dir), name, seed, self.parent_job)
         entry = self.jobs[name] = EngineJob(name=name, job=job)
+        self.names_used.add(name)
         log.info("engine job %s: %s", job.job_id, name)
         return entry
 
@@ -166,9 +169,17 @@ class EngineJobs:
                     e.ended = queued is not None and e.job.job_id not in queued
         return self.jobs[name].ended
 
+    def info(self, name: str) -> dict[str, Any]:
+        """What the job of `name` last wrote in its URL file ({} before it did)."""
+        try:
+            info = json.loads(url_file(self.run_dir, name).read_text())
+        except (OSError, ValueError):
+            return {}
+        return info if str(info.get("job_id")) == str(self.jobs[name].job.job_id) else {}
+
     def cancel(self, name: str) -> None:
         entry = self.jobs.pop(name, None)
-        if entry is not None:
+        if entry is not None and not entry.ended:  # an ended job has nothing left to cancel
             scancel(entry.job.job_id)
 
     def cancel_all(self) -> None:

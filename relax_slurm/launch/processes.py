@@ -73,6 +73,9 @@ class ProcessSet:
         self.log_dir = log_dir
         self.env = env
         self.roles: list[Role] = []
+        self.outside: dict[str, dict] = {}
+        """Roles of the run that are not processes of this set (engines in Slurm jobs of
+        their own, launch/engine_job.py), by name: their roles.json entries."""
 
     def start(self, name: str, cmd: list[str], *, ports: dict[str, int] | None = None,
               host: str = "127.0.0.1", cpus: list[int] | None = None) -> Role:

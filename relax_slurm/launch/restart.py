@@ -28,7 +28,8 @@ RESTARTS_FILE = "restarts.jsonl"
 def write_roles(procs: ProcessSet, run_dir: Path) -> None:
     path = run_dir / "roles.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps([r.info() for r in procs.roles], indent=2))
+    rows = [r.info() for r in procs.roles] + list(procs.outside.values())
+    tmp.write_text(json.dumps(rows, indent=2))
     tmp.replace(path)  # readers see the old file or the new one
 
 

@@ -15,7 +15,14 @@ On Slurm (`jobs`, an `EngineJobs`) a `num_replicas` scale-out submits one Slurm 
 engine instead (launch/engine_job.py): the op stays PENDING while the jobs wait in the queue
 and start, and goes to CREATING once every engine has reported its URL; a job that ends before
 its engine is healthy fails the op. Detached engines' jobs are cancelled (scale-in after its
-drain, rollback), and `close` (the run's end) cancels every job still running.
+drain, rollback), and `close` (the run's end) cancels every job still running. Engine jobs are
+listed in roles.json (`kind: slurm_job`).
+
+An engine job that ends while its engine serves (its time limit, a node failure, a scancel by
+hand) is reported `lost` to the broker (broker/elastic.py: it leaves routing and the cohort at
+once) and replaced: the Scaler asks for a scale-out back to the number of engines serving
+before, as soon as no other operation runs. Each is a `replaced` row in restarts.jsonl, and an
+engine restarted inside its job an `in_job` row; both count in summary.json's `restarts`.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from relax_slurm.errors import EngineError
 from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.plan import free_port
 from relax_slurm.launch.processes import ProcessSet, Role
-from relax_slurm.launch.restart import InPlace, write_roles
+from relax_slurm.launch.restart import InPlace, record_restart, write_roles
 from relax_slurm.launch.roles import _engine_spec, engines_rejoin
 from relax_slurm.rollout.engine_client import EngineClient
 
@@ -54,11 +61,16 @@ class Scaler:
         self.http = httpx.Client(timeout=HTTP_TIMEOUT_S,
                                  headers={"Authorization": f"Bearer {secret}"})
         self.started: dict[str, Role] = {}  # url -> the engine process this launcher started
+        self.replacing = 0  # engines lost with their jobs, not yet asked back by a scale-out
+        self.restarted: dict[str, int] = {}  # engine job name -> restarts (replaced, in job)
+        self._in_job_seen: dict[str, int] = {}  # engine job name -> in-job restarts recorded
 
     def close(self) -> None:
         """The run's end: cancel every engine job submitted (none stays in the queue)."""
         self.http.close()
         if self.jobs is not None:
+            for name in list(self.jobs.jobs):
+                self._record_in_job_restarts(name)
             self.jobs.cancel_all()
 
     def _post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -72,6 +84,9 @@ class Scaler:
         not answer now is asked again next tick (its restart is the supervisor's business)."""
         try:
             view = self.http.get(self.admin + "/rollout/engines").json()
+            if self.jobs is not None:
+                self._replace(view)
+                self._watch_jobs(view)
             for e in view["engines"]:
                 if e["state"] == "detached":
                     self._stop(e["url"])
@@ -160,7 +175,74 @@ class Scaler:
         if any(u is None for u in urls):
             return None
         self.job_urls.update(zip(urls, names))  # (submitted until CREATING is on record)
+        for name, url in zip(names, urls):
+            info = self.jobs.info(name)
+            self.procs.outside[name] = {
+                "name": name, "kind": "slurm_job", "job_id": str(self.jobs.jobs[name].job.job_id),
+                "url": url, "host": info.get("host"),
+                "log": str(self.run_dir / "logs" / f"{name}.log"), "restarts": 0}
+        write_roles(self.procs, self.run_dir)
         return urls
+
+    def _watch_jobs(self, view: dict[str, Any]) -> None:
+        """Engine jobs of engines in service: restarts inside them are recorded; one whose job
+        ended is reported lost and a replacement is due (see the module's docstring)."""
+        assert self.jobs is not None
+        for e in view["engines"]:
+            name = self.job_urls.get(e["url"])
+            if name is None or name not in self.jobs.jobs or e["state"] not in ("active",
+                                                                               "draining"):
+                continue
+            self._record_in_job_restarts(name)
+            if not self.jobs.ended(name):
+                continue
+            why = f"its Slurm job {self.jobs.jobs[name].job.job_id} ended"
+            self._post("/rollout/engines/lost", {"url": e["url"], "why": why})
+            self.procs.outside.pop(name, None)
+            write_roles(self.procs, self.run_dir)
+            replace = e["state"] == "active"  # a draining one was on its way out anyway
+            if replace:
+                self.replacing += 1
+                self.restarted[name] = self.restarted.get(name, 0) + 1
+            record_restart(self.run_dir, {"role": name, "kind": "replaced" if replace else
+                                          "lost", "restart": self.restarted.get(name, 0),
+                                          "cause": why})
+            self._say(f"{name} ({e['url']}): {why} while it served; "
+                      + ("a new engine job replaces it" if replace else "it was draining"))
+
+    def _record_in_job_restarts(self, name: str) -> None:
+        assert self.jobs is not None
+        n = int(self.jobs.info(name).get("restarts", 0))
+        seen = self._in_job_seen.get(name, 0)
+        if n > seen:
+            self._in_job_seen[name] = n
+            self.restarted[name] = self.restarted.get(name, 0) + n - seen
+            record_restart(self.run_dir, {"role": name, "kind": "in_job", "restart": n,
+                                          "cause": "exited; restarted inside its Slurm job"})
+            if name in self.procs.outside:
+                self.procs.outside[name]["restarts"] = n
+                write_roles(self.procs, self.run_dir)
+
+    def _replace(self, view: dict[str, Any]) -> None:
+        """Ask for the engines lost with their jobs back, once no operation runs."""
+        if not self.replacing or view.get("op") is not None:
+            return
+        serving = sum(e["state"] in ("joining", "active") for e in view["engines"])
+        r = self.http.post(self.admin + "/rollout/scale_out",
+                           json={"num_replicas": serving + self.replacing})
+        if r.status_code == 409:
+            return  # an operation started meanwhile: after it
+        if r.status_code >= 400:  # e.g. above cluster.elastic_max_engines: asked once only
+            self._say(f"the {self.replacing} engine(s) lost with their jobs are not replaced: "
+                      f"POST /rollout/scale_out: HTTP {r.status_code}: {r.text[:300]}")
+        else:
+            self._say(f"replacing {self.replacing} engine(s) lost with their jobs: "
+                      f"{r.json().get('request_id') or r.json().get('message')}")
+        self.replacing = 0
+
+    def counts(self) -> dict[str, int]:
+        """Restarts of engine jobs' engines, by name: replaced jobs and restarts inside one."""
+        return dict(self.restarted)
 
     def _forget_submitted(self, op: dict[str, Any] | None) -> None:
         """Cancel the jobs of scale-outs that ended (timeout, cancel) while still PENDING."""
@@ -172,7 +254,7 @@ class Scaler:
             self._say(f"{rid}: ended before its engines reported; their jobs are cancelled")
 
     def _new_names(self, n: int) -> list[str]:
-        taken = {r.name for r in self.procs.roles} | set(self.jobs.jobs if self.jobs else ())
+        taken = {r.name for r in self.procs.roles} | (self.jobs.names_used if self.jobs else set())
         names = []
         for _ in range(n):
             k = next(i for i in range(len(taken) + n + 1) if f"engine{i}" not in taken)
@@ -209,10 +291,14 @@ class Scaler:
 
     def _cancel_job(self, url: str) -> None:
         name = self.job_urls.pop(url, None)
-        if name is not None and self.jobs is not None:
-            job_id = self.jobs.jobs[name].job.job_id
+        if name is not None and self.jobs is not None and name in self.jobs.jobs:
+            entry = self.jobs.jobs[name]
+            self._record_in_job_restarts(name)
             self.jobs.cancel(name)
-            self._say(f"cancelled the Slurm job {job_id} of {name} ({url})")
+            if self.procs.outside.pop(name, None) is not None:
+                write_roles(self.procs, self.run_dir)
+            if not entry.ended:
+                self._say(f"cancelled the Slurm job {entry.job.job_id} of {name} ({url})")
 
     def _stop_process(self, url: str) -> None:
         role = self.started.pop(url, None)

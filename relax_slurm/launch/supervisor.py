@@ -183,7 +183,7 @@ def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap
             procs.close()
         rows = list(iter_metrics(run_dir / METRICS_FILE))
         summary = summarize(rows, time.monotonic() - t0, cfg.algo.max_staleness) | (extra or {})
-        summary["restarts"] = in_place.counts()
+        summary["restarts"] = in_place.counts() | (scaler.counts() if scaler else {})
         if final_status is not None:
             summary["samples_lost"] = samples_lost(final_status, rows, cfg.rollout.batch_size,
                                                    cfg.rollout.n_samples_per_prompt)

@@ -28,7 +28,7 @@ from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.config import TrainConfig, load_config
-from relax_slurm.errors import BrokerTimeout, ConfigError
+from relax_slurm.errors import BrokerError, BrokerTimeout, ConfigError
 from relax_slurm.launch.plan import free_port, load_plan
 from relax_slurm.metrics.fanout import open_sinks
 from relax_slurm.metrics.jsonl import METRICS_FILE
@@ -44,6 +44,7 @@ from relax_slurm.weightsync.cohort import Cohort
 log = logging.getLogger("relax_slurm.trainer")
 WEIGHT_GROUP = "relax_weights"
 POLL_S = 5.0  # one get_batch call parks at most this long, so a stuck run is noticed
+FOLLOW_S = 2.0  # how often a re-forming cohort asks the broker for its engine set
 
 
 def check_batch_divides(cfg: TrainConfig, world: int) -> None:
@@ -159,7 +160,8 @@ class RankZero:
         self.cohort = Cohort(plan.engine_urls, WEIGHT_GROUP, plan.weight_sync_port, make_sender,
                              new_port=lambda: free_port(sync_host),
                              startup_timeout_s=cfg.rollout.startup_timeout_s,
-                             waiting=self.heartbeat_waiting)
+                             waiting=self.heartbeat_waiting, follow=self.broker_cohort)
+        self.follow_pacer = Pacer(FOLLOW_S)
         # every role starts at once: the engines may still be loading their models
         wait_until_healthy(plan.engine_urls, cfg.rollout.startup_timeout_s)
         self.cohort.connect()
@@ -194,6 +196,16 @@ class RankZero:
         if self.pacer.due():
             self.broker.heartbeat("trainer", waiting_for="engines")
 
+    def broker_cohort(self) -> list[str] | None:
+        """The broker's engine set, asked at most every FOLLOW_S while the cohort waits for its
+        engines: one the launcher reported lost (broker/elastic.py) must not be waited for."""
+        if not self.follow_pacer.due():
+            return None
+        try:
+            return self.broker.engines()["cohort"]
+        except (BrokerError, BrokerTimeout):  # the broker restarting: ask again later
+            return None
+
     def engines_sleep(self) -> None:
         """Shared GPUs: the rollout of this step is in, so engines free their memory for the
         trainer (on-policy only: the worker waits for the next version)."""
@@ -224,7 +236,11 @@ class RankZero:
         The engine set follows the broker's first: new engines get this version before the
         worker routes to them, leaving ones leave the cohort before the launcher stops them."""
         report = self.follow_engines()
+        before = list(self.cohort.urls)
         stats = self.cohort.send(weights, version=version)
+        if self.cohort.urls != before:  # followed the broker while re-forming (a lost engine)
+            self.num_engines = len(self.cohort.urls)
+            report = True
         if report:
             self.broker.engines(synced=self.cohort.urls)
         if self.verify:

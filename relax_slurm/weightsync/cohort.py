@@ -10,6 +10,8 @@ So the cohort is re-formed, all engines together under a new group name (`NAME_c
   (`rollout.startup_timeout_s`), re-form, send again;
 - when the broker's engine list changes (elastic rollout, `move`): the cohort becomes the new
   engine set; the trainer sends the weights on it before it reports the engines synced;
+- when the broker's engine set changes while a re-forming waits (`follow`: an engine was lost,
+  broker/elastic.py, so it will never answer again): the wait goes on with the new set;
 - when an engine serves another version than the trainer's while nothing is being sent
   (`resync`, called from the trainer's batch wait): it was restarted meanwhile; re-form and
   send the current weights, so it does not generate with its initial ones. Samples it made in
@@ -32,14 +34,21 @@ MakeSender = Callable[[str, int, list[str]], WeightSender]
 """(group name, port, engine URLs) -> an unconnected sender to those engines."""
 
 
+class _EnginesChanged(Exception):
+    """The broker's engine set changed during a re-forming's wait (internal)."""
+
+
 class Cohort:
     def __init__(self, urls: Sequence[str], group_name: str, port: int, make_sender: MakeSender,
                  new_port: Callable[[], int], startup_timeout_s: float,
-                 waiting: Callable[[], None] = lambda: None) -> None:
+                 waiting: Callable[[], None] = lambda: None,
+                 follow: Callable[[], Sequence[str] | None] = lambda: None) -> None:
         """`waiting` runs between the health polls of a re-forming (the trainer heartbeats
-        there: waiting for a restarting engine is not a hang)."""
+        there: waiting for a restarting engine is not a hang); `follow` then gives the
+        broker's cohort (None: not asked this time, or no answer)."""
         self.urls = list(urls)
         self.waiting = waiting
+        self.follow = follow
         self.group_name = group_name
         self.make_sender = make_sender
         self.new_port = new_port
@@ -85,7 +94,13 @@ class Cohort:
         return True
 
     def reform(self) -> None:
-        wait_until_healthy(self.urls, self.startup_timeout_s, between_polls=self.waiting)
+        while True:
+            try:
+                wait_until_healthy(self.urls, self.startup_timeout_s,
+                                   between_polls=self._between_polls)
+                break
+            except _EnginesChanged:
+                continue  # wait for the new set (a lost engine would never answer)
         self.sender.close()
         self.generation += 1
         name = f"{self.group_name}_c{self.generation}"
@@ -93,6 +108,15 @@ class Cohort:
         self.sender.connect()
         log.info("weight-sync cohort %d formed (%s, %d engines)", self.generation, name,
                  len(self.urls))
+
+    def _between_polls(self) -> None:
+        self.waiting()
+        urls = self.follow()
+        if urls and list(urls) != self.urls:
+            log.warning("weight-sync cohort: the broker's engine set changed while waiting for "
+                        "the engines: %s -> %s", self.urls, list(urls))
+            self.urls = list(urls)
+            raise _EnginesChanged
 
     def move(self, urls: Sequence[str]) -> None:
         """Elastic rollout: the cohort is these engines from now on (engines joined or left,

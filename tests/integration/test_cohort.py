@@ -1,5 +1,6 @@
-"""An engine restarted in place re-joins the weight sync through a new cohort (trainer rank 0's
-side alone, against real hf engine processes; the whole run is in test_chaos.py)."""
+"""An engine restarted in place re-joins the weight sync through a new cohort, and one lost for
+good is left (trainer rank 0's side alone, against real hf engine processes; the whole runs
+are in test_chaos.py and tests/slurm/test_slurm_elastic.py)."""
 
 import json
 import subprocess
@@ -30,3 +31,5 @@ def test_a_restarted_engine_is_resynced_through_a_new_cohort(tmp_path):
     assert r["stale_restarted"] == [url]  # back at version 0
     assert r["resync_restarted"] is True and r["generation"] == 1
     assert r["stale_after"] == [] and r["verified"] is True
+    # the lost engine is left: the cohort re-formed with the survivor and sent it the weights
+    assert r["followed"] == [url] and r["verified_after_loss"] is True

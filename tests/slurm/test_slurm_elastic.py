@@ -1,8 +1,11 @@
 """Elastic rollout on a real slurmctld, one run of the tiny experiment (one trainer rank) as a
 het job from relax-train: `relax-ctl scale-out --num-replicas 2` mid-run submits the new engine
 as its own Slurm job (launch/engine_job.py), which serves the trainer's current weights and
-generates for the run; `relax-ctl scale-in --num-replicas 1` drains it and cancels its job; a
-scale-out cancelled after its job was submitted cancels that job. The run ends with
+generates for the run; its engine SIGKILLed inside the job is restarted there (on record in
+restarts.jsonl); its job ended by hand (as a time limit or a node failure would) is
+reported lost and replaced by a new engine job; `relax-ctl scale-in --num-replicas 1` drains
+that one and cancels its job; a scale-out cancelled after its job was submitted cancels that
+job. The run ends with
 samples_lost 0 and no engine job left in the queue. Then, in a second short run, an engine
 and then the rollout worker SIGKILLed mid-run are restarted in place as new srun steps of their
 het component.
@@ -31,7 +34,7 @@ from tests.slurm.test_slurm_runs import (
 
 pytestmark = pytest.mark.slurm
 
-STEPS = 150  # the last operation (the cancel) ends near step 80 here (0.3-0.7 s a step)
+STEPS = 300  # the last operation (the cancel) ends near step 150 here (0.3-0.7 s a step)
 RUN_TIMEOUT_S = 900
 OP_TIMEOUT_S = 300
 
@@ -108,14 +111,42 @@ def test_scale_out_submits_an_engine_job_then_drains_and_cancels_it(tmp_path, ti
             "requests_per_engine", {}).get(new, 0) >= 2 or proc.poll() is not None,
             OP_TIMEOUT_S, "requests on the new engine", why=why)
         assert proc.poll() is None, why()
+        roles = {r["name"]: r for r in json.loads((run_dir / "roles.json").read_text())}
+        assert roles["engine1"]["kind"] == "slurm_job" and roles["engine1"]["url"] == new
+        # its engine killed inside the job: restarted there, the driver records it
+        os.kill(info["pid"], signal.SIGKILL)
+        restarts = run_dir / "restarts.jsonl"
+        wait_until(lambda: restarts.exists() and '"in_job"' in restarts.read_text(),
+                   OP_TIMEOUT_S, "the in-job restart on record", why=why)
+        # its job ends while it serves: the engine is lost, a new engine job replaces it
+        lost_job = job_id
+        slurm(env, "scancel", lost_job)
+        driver_log = next(run_dir.glob("slurm-*.out"))
+        wait_until(lambda: f"its Slurm job {lost_job} ended while it served; a new engine job "
+                   "replaces it" in driver_log.read_text(), OP_TIMEOUT_S, "the loss", why=why)
+
+        def replaced() -> list[str] | None:
+            routable = ctl(env, run_dir, "engines")["routable"]
+            return routable if len(routable) == 2 and new not in routable else None
+        new = next(u for u in wait_until(replaced, OP_TIMEOUT_S, "a replacement engine",
+                                         why=why) if u != first)
+        roles = {r["name"]: r for r in json.loads((run_dir / "roles.json").read_text())}
+        assert "engine1" not in roles and roles["engine2"]["url"] == new, roles
+        job_id = roles["engine2"]["job_id"]
+        assert job_id != lost_job and in_queue(env, job_id)
+        wait_until(lambda: ctl(env, run_dir, "status")["roles"]["rollout"].get(
+            "requests_per_engine", {}).get(new, 0) >= 2 or proc.poll() is not None,
+            OP_TIMEOUT_S, "requests on the replacement", why=why)
+        assert proc.poll() is None, why()
         # scale in to 1: drained, then its job cancelled
         op = ctl(env, run_dir, "scale-in", "--num-replicas", "1", "--wait")
         assert op["status"] == "COMPLETED" and "drain timeout" not in " ".join(op["history"]), op
         assert ctl(env, run_dir, "engines")["routable"] == [first]
         wait_until(lambda: not in_queue(env, job_id), 60, f"engine job {job_id} to end", why=why)
+        assert not [r for r in json.loads((run_dir / "roles.json").read_text())
+                    if r.get("kind") == "slurm_job"]
         # a scale-out cancelled once its job is submitted: rolled back, the job cancelled
         rid = ctl(env, run_dir, "scale-out", "--num-replicas", "2")["request_id"]
-        driver_log = next(run_dir.glob("slurm-*.out"))
         wait_until(lambda: f"{rid}: submitted Slurm job" in driver_log.read_text(), 60,
                    f"{rid}'s engine job", why=why)
         assert ctl(env, run_dir, "cancel", rid)["status"] == "CANCELLED"
@@ -127,8 +158,12 @@ def test_scale_out_submits_an_engine_job_then_drains_and_cancels_it(tmp_path, ti
     assert state.startswith(("CANCELLED", "COMPLETED")), state
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["samples_lost"] == 0, summary
+    assert summary["restarts"] == {"engine1": 2}, summary  # restarted in its job, replaced
+    rows = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert [(r["role"], r["kind"]) for r in rows] == [("engine1", "in_job"),
+                                                      ("engine1", "replaced")], rows
     log = driver_log.read_text()
-    assert f"cancelled the Slurm job {job_id} of engine1" in log, log[-3000:]
+    assert f"cancelled the Slurm job {job_id} of engine2" in log, log[-3000:]
     # the cancel lands while the job is queued (PENDING) or, if it started first, once it has
     # reported its URL (a rollback): the job is cancelled either way
     second = log.split(f"{rid}: submitted Slurm job(s) ['", 1)[1].split("'", 1)[0]

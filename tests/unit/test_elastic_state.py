@@ -112,3 +112,31 @@ def test_force_skips_the_drain():
     el.synced([A, B])
     r = el.scale_in({"num_replicas": 1, "force": True}, 0.0)
     assert r["status"] == DETACHING and el.cohort_urls() == [A]
+
+
+def test_a_lost_engine_is_detached_at_once_and_leaves_when_stopped():
+    el = Elastic([A])
+    rid = out_to(el, [B, C])
+    assert el.lost(B, "job ended") is False  # joining: its scale-out fails instead
+    el.synced([A, B, C])
+    before = el.membership
+    assert el.lost(B + "/", "its Slurm job 7 ended") is True
+    assert el.membership > before
+    assert el.routable_urls() == [A, C] and el.cohort_urls() == [A, C]
+    assert [(e.url, e.lost) for e in el.to_stop()] == [(B, "its Slurm job 7 ended")]
+    assert el.lost(B, "again") is False and el.lost("http://h:9", "unknown") is False
+    el.stopped(B)
+    assert [e.url for e in el.serving()] == [A, C] and el.current is None
+    assert el.op(rid).status == ACTIVE  # what added it is history
+    # one lost while a scale-in drains it: counted drained, the scale-in completes
+    r = el.scale_in({"num_replicas": 1}, 0.0)
+    assert r["remove"] == [C]
+    el.lost(C, "external server stopped answering")
+    assert el.op(r["request_id"]).status == DETACHING
+    el.stopped(C)
+    assert el.op(r["request_id"]).status == COMPLETED and el.current is None
+    # and it survives the broker's restart (state file)
+    el.lost(A, "x")
+    again = Elastic([])
+    again.load(el.to_dict())
+    assert again.engines[A].lost == "x"

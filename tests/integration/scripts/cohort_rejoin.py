@@ -3,7 +3,10 @@
 Trainer rank 0's side of an engine restart, alone: start an hf engine, form the weight-sync
 cohort, send weights at version 3; SIGKILL the engine and start a new one on its port (what the
 launcher does); `Cohort.resync` must see it unreachable, then stale (version 0), then re-form
-the cohort and send the weights, which the new engine then holds bit for bit. JSON to --out.
+the cohort and send the weights, which the new engine then holds bit for bit. Then a second
+engine joins (`move`) and is SIGKILLed for good, and the broker's engine set (`follow`) no
+longer has it (the launcher reported it lost): the next send re-forms the cohort with the
+survivor instead of waiting for the dead one. JSON to --out.
 """
 
 import argparse
@@ -59,6 +62,26 @@ def main() -> None:
         out["stale_after"] = cohort.stale(3)
         cohort.sender.verify(weights)  # raises unless bit for bit
         out["verified"] = True
+
+        port_b = free_port()
+        url_b = f"http://127.0.0.1:{port_b}"
+        engine_b = start_engine(args.model_dir, port_b, log.with_suffix(".b.log"))
+        try:
+            wait_healthy(url_b, engine_b, 180, log.with_suffix(".b.log"))
+            cohort.move([url, url_b])
+            cohort.send(weights, version=3)
+            os.kill(engine_b.pid, signal.SIGKILL)
+            engine_b.wait(30)
+        finally:
+            stop_process(engine_b)
+        # what the broker answers once the launcher reported engine B lost
+        cohort.follow = lambda: [url]
+        cohort.startup_timeout_s = 30  # waiting for the dead engine would raise EngineDown
+        later = [(n, t + 1.0) for n, t in weights]
+        cohort.send(later, version=4)
+        out["followed"] = cohort.urls
+        cohort.sender.verify(later)
+        out["verified_after_loss"] = True
         cohort.close()
     finally:
         stop_process(engine)

@@ -152,3 +152,22 @@ def test_a_broker_restarted_in_place_keeps_the_engine_list(
     again.proc.wait(10)
     fresh = start_broker(admin=True, extra_args=spill)
     assert [e["url"] for e in call(fresh, "GET", "/rollout/engines").json()["engines"]] == [A]
+
+
+def test_the_launcher_reports_an_engine_lost(broker: Broker) -> None:
+    rid = call(broker, "POST", "/rollout/scale_out", {"engine_urls": [B]}).json()["request_id"]
+    for status in ("CREATING", "HEALTH_CHECKING", "WEIGHT_SYNCING"):
+        call(broker, "POST", f"/rollout/ops/{rid}/step", {"status": status})
+    with broker.client() as trainer:
+        trainer.engines(synced=[A, B])
+    assert call(broker, "POST", "/rollout/engines/lost", {"url": B},
+                token=None).status_code == 401
+    r = call(broker, "POST", "/rollout/engines/lost", {"url": B, "why": "its Slurm job ended"})
+    assert r.status_code == 200
+    view = r.json()
+    assert view["routable"] == [A] and view["cohort"] == [A]
+    [gone] = [e for e in view["engines"] if e["url"] == B]
+    assert gone["state"] == "detached" and gone["lost"] == "its Slurm job ended"
+    # one not in service: nothing changes, no error (the launcher may report twice)
+    again = call(broker, "POST", "/rollout/engines/lost", {"url": "http://nowhere:1"})
+    assert again.status_code == 200 and again.json()["membership"] == view["membership"]
