@@ -23,17 +23,23 @@ hand) is reported `lost` to the broker (broker/elastic.py: it leaves routing and
 once) and replaced: the Scaler asks for a scale-out back to the number of engines serving
 before, as soon as no other operation runs. Each is a `replaced` row in restarts.jsonl, and an
 engine restarted inside its job an `in_job` row; both count in summary.json's `restarts`.
+
+An external engine (registered by URL) that does not answer /health for
+cluster.heartbeat_timeout_s is reported lost too (a `lost` row), and not replaced: the run did
+not start it and cannot start another.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineError
 from relax_slurm.launch.engine_job import EngineJobs
@@ -46,6 +52,7 @@ from relax_slurm.rollout.engine_client import EngineClient
 log = logging.getLogger(__name__)
 HTTP_TIMEOUT_S = 5.0
 HEALTH_PROBE_S = 2.0
+EXTERNAL_PROBE_S = 5.0  # how often external engines' /health is asked
 
 
 class Scaler:
@@ -64,6 +71,9 @@ class Scaler:
         self.replacing = 0  # engines lost with their jobs, not yet asked back by a scale-out
         self.restarted: dict[str, int] = {}  # engine job name -> restarts (replaced, in job)
         self._in_job_seen: dict[str, int] = {}  # engine job name -> in-job restarts recorded
+        self._silent_since: dict[str, float] = {}  # external engine url -> first failed probe
+        lost_after = cfg.cluster.heartbeat_timeout_s
+        self._probe = Pacer(min(EXTERNAL_PROBE_S, lost_after / 2)) if lost_after else None
 
     def close(self) -> None:
         """The run's end: cancel every engine job submitted (none stays in the queue)."""
@@ -87,6 +97,7 @@ class Scaler:
             if self.jobs is not None:
                 self._replace(view)
                 self._watch_jobs(view)
+            self._watch_external(view)
             for e in view["engines"]:
                 if e["state"] == "detached":
                     self._stop(e["url"])
@@ -209,6 +220,33 @@ class Scaler:
                                           "cause": why})
             self._say(f"{name} ({e['url']}): {why} while it served; "
                       + ("a new engine job replaces it" if replace else "it was draining"))
+
+    def _watch_external(self, view: dict[str, Any]) -> None:
+        """External engines in service that have not answered /health for
+        cluster.heartbeat_timeout_s (asked every EXTERNAL_PROBE_S at most) are reported lost."""
+        external = {e["url"]: e for e in view["engines"]
+                    if e["origin"] == "external" and e["state"] in ("active", "draining")}
+        for url in [u for u in self._silent_since if u not in external]:
+            del self._silent_since[url]
+        if self._probe is None or not external or not self._probe.due():
+            return
+        lost_after = self.cfg.cluster.heartbeat_timeout_s
+        for url, e in external.items():
+            if _healthy(url):
+                self._silent_since.pop(url, None)
+                continue
+            now = time.monotonic()
+            silent = now - self._silent_since.setdefault(url, now)
+            if silent < lost_after:
+                continue
+            why = (f"no answer to /health for {silent:.0f}s "
+                   f"(cluster.heartbeat_timeout_s={lost_after:g})")
+            self._post("/rollout/engines/lost", {"url": url, "why": why})
+            del self._silent_since[url]
+            record_restart(self.run_dir, {"role": e["name"], "kind": "lost", "restart": 0,
+                                          "url": url, "cause": why})
+            self._say(f"{e['name']} ({url}, external): {why}; it leaves the run (not "
+                      "replaced: the run did not start it)")
 
     def _record_in_job_restarts(self, name: str) -> None:
         assert self.jobs is not None

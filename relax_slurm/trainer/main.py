@@ -159,7 +159,11 @@ class RankZero:
         # a restarted engine re-joins through a new cohort (weightsync/cohort.py)
         self.cohort = Cohort(plan.engine_urls, WEIGHT_GROUP, plan.weight_sync_port, make_sender,
                              new_port=lambda: free_port(sync_host),
-                             startup_timeout_s=cfg.rollout.startup_timeout_s,
+                             # an engine that stopped answering is restarted by the launcher
+                             # (or reported lost) once silent for heartbeat_timeout_s, and the
+                             # new one loads within startup_timeout_s: wait for both
+                             startup_timeout_s=(cfg.rollout.startup_timeout_s
+                                                + cfg.cluster.heartbeat_timeout_s),
                              waiting=self.heartbeat_waiting, follow=self.broker_cohort)
         self.follow_pacer = Pacer(FOLLOW_S)
         # every role starts at once: the engines may still be loading their models

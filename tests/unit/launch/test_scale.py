@@ -5,6 +5,7 @@ server that never answers failing at its timeout."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -85,6 +86,59 @@ def test_external_engine_joins_and_leaves(start_broker: Callable[..., Broker], t
         assert admin(f"/rollout/scale_in/{sid}")["status"] == "COMPLETED"
         assert engine.poll() is None
         assert httpx.get(url + "/health", timeout=10).status_code == 200
+    finally:
+        scaler.close()
+        procs.close()
+        stop_process(engine)
+
+
+def test_an_external_engine_that_stops_answering_is_lost(start_broker: Callable[..., Broker],
+                                                         tmp_path: Path, tiny_assets: Path
+                                                         ) -> None:
+    save_plan(RunPlan(broker_router="tcp://x:1", broker_pub="tcp://x:2", engine_urls=[INITIAL]),
+              tmp_path)
+    broker = start_broker(admin=True)
+    headers = {"Authorization": f"Bearer {SECRET}"}
+
+    def admin(route: str, body: dict | None = None) -> dict:
+        if body is None:
+            return httpx.get(broker.admin + route, headers=headers, timeout=TIMEOUT_S).json()
+        return httpx.post(broker.admin + route, json=body, headers=headers,
+                          timeout=TIMEOUT_S).json()
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine = start_engine(tiny_assets / "model", port, tmp_path / "external.log")
+    cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path="x"),
+                      data=DataConfig(train_files=["x"]))
+    cfg.cluster.heartbeat_interval_s, cfg.cluster.heartbeat_timeout_s = 1.0, 3.0
+    procs = ProcessSet(tmp_path / "logs", {})
+    scaler = Scaler(procs, cfg, tmp_path, broker.admin, SECRET, wrap=lambda spec: spec.argv)
+    try:
+        rid = admin("/rollout/scale_out", {"engine_urls": [url]})["request_id"]
+        wait_healthy(url, engine, 120, tmp_path / "external.log")
+        tick_until(scaler, admin, rid, "WEIGHT_SYNCING")
+        with broker.client() as trainer:
+            trainer.engines(synced=[INITIAL, url])
+        # answering: several probes past the timeout leave it in the run
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            scaler.tick()
+            time.sleep(0.2)
+        assert admin("/rollout/engines")["routable"] == [INITIAL, url]
+        stop_process(engine)  # it stops answering
+        killed = time.monotonic()
+        deadline = killed + 60
+        while url in [e["url"] for e in admin("/rollout/engines")["engines"]]:
+            assert time.monotonic() < deadline, admin("/rollout/engines")
+            scaler.tick()
+            time.sleep(0.2)
+        assert time.monotonic() - killed >= 3.0  # not before heartbeat_timeout_s
+        view = admin("/rollout/engines")
+        assert view["routable"] == [INITIAL] and view["cohort"] == [INITIAL]
+        [row] = [json.loads(x) for x in (tmp_path / "restarts.jsonl").read_text().splitlines()]
+        assert row["kind"] == "lost" and row["url"] == url and "heartbeat_timeout_s" in row["cause"]
+        assert scaler.counts() == {}  # lost, not restarted
     finally:
         scaler.close()
         procs.close()
