@@ -10,7 +10,8 @@ job, submitted through submitit from the driver (launch/scale.py calls `EngineJo
       run's end) stops it                                   every job it submitted
 
 The engine is the same program as the launch's engines (`roles._engine_spec`: hf engine or
-SGLang server), bound to its node's Slurm name, with the run's secret as its API key (read from
+SGLang server), in the run's container if it has one (`job_argv`), bound to its node's Slurm
+name, with the run's secret as its API key (read from
 RUN_DIR/secret in the job, never on a command line). Its log is RUN_DIR/logs/<name>.log, as for
 the launch's engines; submitit's own files are under RUN_DIR/submitit/engines.
 
@@ -231,11 +232,12 @@ def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
     url = f"http://{host}:{free_port(host)}"
     # its own allocation: its GPUs start at 0 whatever the run's layout
     spec = _engine_spec(cfg, name, url, cfg.model.path, seed, base_gpu=0, restartable=False)
+    argv = job_argv(cfg, name, spec.argv, workdir=os.getcwd())
     env = child_env(cfg, read_secret(run))
     log_path = run / "logs" / f"{name}.log"
     job_id = read_allocation().job_id
     restarts = 0
-    proc = _start(spec.argv, env, log_path)
+    proc = _start(argv, env, log_path)
     cancelled: list[int] = []
 
     def on_sigterm(signum: int, frame: object) -> None:
@@ -264,11 +266,25 @@ def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
                   f"cluster.max_role_restarts={cfg.cluster.max_role_restarts})", flush=True)
             with log_path.open("ab") as f:
                 f.write(f"\n--- engine job {job_id}: restarting {name} in place ---\n".encode())
-            proc = _start(spec.argv, env, log_path)
+            proc = _start(argv, env, log_path)
             write_url_file(run, name, {"url": url, "job_id": job_id, "host": host,
                                        "pid": proc.pid, "restarts": restarts})
     finally:
         _stop(proc)
+
+
+def job_argv(cfg: TrainConfig, name: str, argv: list[str], workdir: str) -> list[str]:
+    """The engine's command in its job: in the run's container when it has one, as the run's
+    own roles are (slurm_driver.srun_wrap). pyxis works through srun, so the engine is then a
+    step of its job; an Apptainer prefix (cluster.container_prefix) needs none."""
+    from relax_slurm.launch.slurm_driver import container_srun_args, in_container
+
+    c = cfg.cluster
+    command = in_container(c, argv)
+    if not c.container_image:
+        return command
+    return ["srun", "--nodes=1", "--ntasks=1", f"--job-name={name}", "--kill-on-bad-exit=1",
+            *container_srun_args(c, workdir), *c.extra_srun_args, *command]
 
 
 def _start(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from relax_slurm.checkpoint import resume_for_attempt
 from relax_slurm.config import TrainConfig, load_config
+from relax_slurm.config.schema import ClusterConfig
 from relax_slurm.errors import ConfigError, Preempted, RelaxError, RoleFailed
 from relax_slurm.launch.control import (
     PREEMPT_EXIT_CODE, clear_preempt, read_status, request_preempt, write_status,
@@ -118,10 +119,29 @@ def role_specs(cfg: TrainConfig, plan: RunPlan, layout: Layout, run_dir: Path) -
     return [dataclasses.replace(s, cpus=None) for s in specs]
 
 
+def container_srun_args(c: ClusterConfig, workdir: str) -> list[str]:
+    """srun options of a step in the run's pyxis container (cluster.container_image), or []."""
+    if not c.container_image:
+        return []
+    args = [f"--container-image={c.container_image}", f"--container-workdir={workdir}"]
+    if c.container_mounts:
+        args.append(f"--container-mounts={','.join(c.container_mounts)}")
+    return args
+
+
+def in_container(c: ClusterConfig, command: list[str]) -> list[str]:
+    """A role's command as run inside the container (cluster.container_prefix before it, the
+    container's Python for ours); unchanged without a container."""
+    if not (c.container_image or c.container_prefix):
+        return list(command)
+    if command and command[0] == sys.executable:
+        command = [c.container_python, *command[1:]]
+    return [*c.container_prefix, *command]
+
+
 def srun_wrap(cfg: TrainConfig, layout: Layout, workdir: str) -> Wrap:
     """spec -> `srun ... argv` for its nodes (all trainer nodes for the trainer)."""
     c = cfg.cluster
-    container = bool(c.container_image or c.container_prefix)
 
     def wrap(spec: RoleSpec) -> list[str]:
         hosts = layout.trainer_hosts if spec.name == "trainer" else (spec.host,)
@@ -132,15 +152,8 @@ def srun_wrap(cfg: TrainConfig, layout: Layout, workdir: str) -> Wrap:
         argv += [f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
                  f"--nodelist={','.join(hosts)}", "--overlap", f"--job-name={spec.name}",
                  "--kill-on-bad-exit=1"]
-        if c.container_image:
-            argv += [f"--container-image={c.container_image}", f"--container-workdir={workdir}"]
-            if c.container_mounts:
-                argv.append(f"--container-mounts={','.join(c.container_mounts)}")
-        argv += c.extra_srun_args
-        command = list(spec.argv)
-        if container and command[0] == sys.executable:
-            command[0] = c.container_python
-        return [*argv, *c.container_prefix, *command]
+        argv += container_srun_args(c, workdir) + c.extra_srun_args
+        return [*argv, *in_container(c, spec.argv)]
 
     return wrap
 

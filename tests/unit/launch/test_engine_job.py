@@ -58,6 +58,22 @@ def test_engine_job_resources_default_to_the_rollout_component():
     assert "#SBATCH --partition=spot" in engine_partition.splitlines()
 
 
+def test_the_engine_runs_in_the_runs_container():
+    argv = [sys.executable, "-m", "relax_slurm.rollout.hf_engine", "--port", "5"]
+    assert ej.job_argv(cfg_for(), "engine3", argv, "/w") == argv  # no container
+    pyxis = ej.job_argv(cfg_for("cluster.container_image=img.sqsh", "cluster.container_python=py3",
+                                "cluster.container_mounts=[/data:/data]",
+                                "cluster.extra_srun_args=[--overlap]"), "engine3", argv, "/w")
+    # a step of the engine job, in the image, with the container's Python
+    assert pyxis == ["srun", "--nodes=1", "--ntasks=1", "--job-name=engine3",
+                     "--kill-on-bad-exit=1", "--container-image=img.sqsh",
+                     "--container-workdir=/w", "--container-mounts=/data:/data", "--overlap",
+                     "py3", *argv[1:]]
+    apptainer = ej.job_argv(cfg_for("cluster.container_prefix=[apptainer,exec,--nv,img.sif]"),
+                            "engine3", argv, "/w")
+    assert apptainer == ["apptainer", "exec", "--nv", "img.sif", "python", *argv[1:]]
+
+
 def test_url_file_is_read_for_its_own_job_only(tmp_path):
     assert ej.read_url(tmp_path, "engine1", "7") is None
     ej.write_url_file(tmp_path, "engine1", {"url": "http://n1:5", "job_id": "7"})
@@ -78,9 +94,12 @@ def test_sbatch_inside_a_job_gets_no_job_variables():
 def test_engine_job_function_serves_restarts_in_place_and_stops(tmp_path, tiny_assets):
     """`serve` as the engine job runs it (in a process of its own, with the variables Slurm
     sets; no Slurm here, so squeue fails and the run's job counts as queued): it reports its
-    URL, restarts a SIGKILLed engine on the same URL, and a SIGTERM (scancel) stops it all."""
+    URL, restarts a SIGKILLed engine on the same URL, and a SIGTERM (scancel) stops it all.
+    Its engine runs through the run's container prefix (here `env`, which marks it)."""
     cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path=str(tiny_assets / "model")),
                       data=DataConfig(train_files=["x"]))
+    cfg.cluster.container_prefix = ["env", "RELAX_TEST_CONTAINER=1"]
+    cfg.cluster.container_python = sys.executable
     save_config(cfg, tmp_path / "config.yaml")
     ensure_secret(tmp_path)
     (tmp_path / "logs").mkdir()
@@ -102,6 +121,7 @@ def test_engine_job_function_serves_restarts_in_place_and_stops(tmp_path, tiny_a
         url = ej.read_url(tmp_path, "engine1", "7")
         wait_healthy(url, job, 120, log)
         first = json.loads(ej.url_file(tmp_path, "engine1").read_text())["pid"]
+        assert b"RELAX_TEST_CONTAINER=1" in Path(f"/proc/{first}/environ").read_bytes()
         os.kill(first, signal.SIGKILL)
         while json.loads(ej.url_file(tmp_path, "engine1").read_text())["pid"] == first:
             assert job.poll() is None and time.monotonic() < deadline + 60, job.communicate()
