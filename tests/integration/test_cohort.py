@@ -33,3 +33,23 @@ def test_a_restarted_engine_is_resynced_through_a_new_cohort(tmp_path):
     assert r["stale_after"] == [] and r["verified"] is True
     # the lost engine is left: the cohort re-formed with the survivor and sent it the weights
     assert r["followed"] == [url] and r["verified_after_loss"] is True
+
+
+ABANDON = Path(__file__).resolve().parent / "scripts" / "abandoned_update.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_an_update_abandoned_midway_gives_way_to_the_next_cohort(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "model")
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(ABANDON), "--model-dir", str(model_dir),
+                           "--out", str(out)], cwd=REPO_ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["stuck_done_before"] is False  # the engine waits for the second tensor
+    # the next cohort's update goes through at once, not after the engine's 120 s timeout
+    assert r["verified"] is True and r["version"] == "2"
+    assert r["new_update_s"] < 60, r
+    assert "abandoned" in r["stuck_error"], r
