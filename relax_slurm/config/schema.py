@@ -36,6 +36,7 @@ class ModelConfig:
 
 # Names registered in relax_slurm.algos (checked against its registry by a unit test), kept here
 # so that validating a config does not import torch.
+FLATTENED_BUCKET = "flattened_bucket"  # weight_sync.load_format: one broadcast per bucket
 ALGO_NAMES = ("dapo", "grpo", "gspo", "opd", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
               "rloo", "sapo")
 
@@ -457,10 +458,18 @@ class WeightSyncConfig:
     timeout_s: float = 300.0
     verify: bool = False
     """After every sync, compare engine and trainer weight checksums (tests, debugging)."""
+    load_format: Optional[str] = None
+    """null: one broadcast per tensor. flattened_bucket: one broadcast per bucket, its tensors'
+    bytes end to end (SGLang >= 0.5's load_format of the same name; the hf engine serves both).
+    Fewer collectives for models of many small tensors (MoE experts), at the price of one
+    bucket-sized buffer and a copy on each side (see docs/weight_sync.md)."""
 
     def __post_init__(self) -> None:
         _check(self.backend in ("auto", "gloo", "nccl"),
                f"weight_sync.backend={self.backend!r}: use auto, gloo or nccl")
+        _check(self.load_format in (None, FLATTENED_BUCKET),
+               f"weight_sync.load_format={self.load_format!r}: use null (one broadcast per "
+               f"tensor) or {FLATTENED_BUCKET}")
 
 
 @dataclass(kw_only=True)

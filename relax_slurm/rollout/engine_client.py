@@ -220,10 +220,11 @@ class EngineClient(_Base):
                                         shapes: list[list[int]],
                                         group_name: str = "weight_update_group",
                                         weight_version: Optional[str] = None,
-                                        flush_cache: bool = True) -> dict[str, Any]:
+                                        flush_cache: bool = True,
+                                        load_format: Optional[str] = None) -> dict[str, Any]:
         """Blocks until the engine received and loaded every tensor (broadcast concurrently)."""
         body = sglang_api.update_weights_body(names, dtypes, shapes, group_name,
-                                              weight_version, flush_cache)
+                                              weight_version, flush_cache, load_format)
         return self._json("/update_weights_from_distributed",
                           self._call("POST", "/update_weights_from_distributed", body))
 

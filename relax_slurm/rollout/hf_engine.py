@@ -14,6 +14,7 @@ rollout worker or trainer cannot tell this server from `python -m sglang.launch_
   POST /init_weights_update_group     join the trainer's weight-sync group (blocks until formed)
   POST /destroy_weights_update_group  leave it
   POST /update_weights_from_distributed  receive one broadcast per name from rank 0, in order
+                                      (load_format=flattened_bucket: one of them all)
   POST /flush_cache                   no prefix cache here: a no-op answering 200
   POST /pause_generation, /continue_generation
   GET  /get_server_info               hf extension: batching counters
@@ -64,6 +65,7 @@ from transformers import (AutoTokenizer, GenerationConfig, LogitsProcessor, Logi
                           StoppingCriteria, StoppingCriteriaList)
 
 from relax_slurm.auth import bearer_matches
+from relax_slurm.config.schema import FLATTENED_BUCKET
 from relax_slurm.data.media import MODALITIES, MediaRef, from_engine
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, concat_tensors
 from relax_slurm.data.video import VideoLimits
@@ -729,8 +731,10 @@ class HFEngine:
                 self._cond.wait(timeout=left)
 
     def update_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                       group_name: str, weight_version: Optional[str]) -> None:
-        """Receive (per-tensor broadcast from rank 0, in the order of names) and load."""
+                       group_name: str, weight_version: Optional[str],
+                       flattened: bool = False) -> None:
+        """Receive (per-tensor broadcast from rank 0, in the order of names; or one of the
+        flattened bucket) and load."""
         if not self._model_lock.acquire(timeout=self.sync_timeout_s):
             raise WeightSyncError(f"generation held the model for more than {self.sync_timeout_s}s")
         try:
@@ -740,7 +744,7 @@ class HFEngine:
             params = dict(self.model.named_parameters(remove_duplicate=False))
             try:
                 received = self.receiver.receive(names, dtypes, shapes, group_name, self.device,
-                                                 into=params)
+                                                 into=params, flattened=flattened)
                 load_named_tensors(self.model, received)
             except BaseException:
                 self.partial_weights = True
@@ -911,14 +915,16 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
         if not len(names) == len(dtypes) == len(shapes):
             raise BadRequest(f"names, dtypes and shapes differ in length: {len(names)}, "
                              f"{len(dtypes)}, {len(shapes)}")
-        if b.get("load_format") is not None:
-            raise BadRequest(f"load_format={b['load_format']!r} is not supported by the hf "
-                             "engine: send one tensor per name (load_format null)")
+        load_format = b.get("load_format")
+        if load_format not in (None, FLATTENED_BUCKET):
+            raise BadRequest(f"load_format={load_format!r} is not supported by the hf engine: "
+                             f"use null (one broadcast per tensor) or {FLATTENED_BUCKET}")
         group = b.get("group_name", "weight_update_group")
         if not engine.receiver.has_group(group):
             raise BadRequest(f"no weight-update group {group!r}: call /init_weights_update_group")
         version = b.get("weight_version")
-        await asyncio.to_thread(engine.update_weights, names, dtypes, shapes, group, version)
+        await asyncio.to_thread(engine.update_weights, names, dtypes, shapes, group, version,
+                                load_format == FLATTENED_BUCKET)
         message = "Succeeded to update parameter online."
         if version is not None:
             message += f" Weight version updated to {version}."

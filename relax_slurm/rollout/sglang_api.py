@@ -83,10 +83,13 @@ def init_group_body(master_address: str, master_port: int, rank_offset: int, wor
 
 def update_weights_body(names: list[str], dtypes: list[str], shapes: list[list[int]],
                         group_name: str, weight_version: Optional[str],
-                        flush_cache: bool) -> dict[str, Any]:
-    return {"names": list(names), "dtypes": list(dtypes),
+                        flush_cache: bool, load_format: Optional[str] = None) -> dict[str, Any]:
+    body = {"names": list(names), "dtypes": list(dtypes),
             "shapes": [list(map(int, s)) for s in shapes], "group_name": group_name,
             "flush_cache": flush_cache, "weight_version": weight_version}
+    if load_format is not None:  # older servers may not know the field
+        body["load_format"] = load_format
+    return body
 
 
 def pause_body(mode: str) -> dict[str, Any]:

@@ -155,6 +155,7 @@ class RankZero:
                 cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
                 pause_mode="in_place" if cfg.algo.max_staleness > 0 else None,
                 ranks_per_engine=cfg.rollout.engine_tp_size,
+                load_format=cfg.weight_sync.load_format,
             )
         # a restarted engine re-joins through a new cohort (weightsync/cohort.py)
         self.cohort = Cohort(plan.engine_urls, WEIGHT_GROUP, plan.weight_sync_port, make_sender,

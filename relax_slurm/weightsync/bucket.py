@@ -1,8 +1,13 @@
-"""Split an ordered list of named tensors into buckets of about `bucket_mb`, one dtype each.
+"""Split an ordered list of named tensors into buckets of about `bucket_mb`, one dtype each,
+and flatten a bucket into one byte buffer (and back).
 
 Pure: no I/O, no collectives. Each bucket becomes one /update_weights_from_distributed call
-(names, dtypes, shapes) followed by one broadcast per tensor, so buckets bound how much an
-engine allocates before it loads, and how many HTTP calls one sync costs.
+(names, dtypes, shapes) followed by one broadcast per tensor, or with
+load_format=flattened_bucket by one broadcast of the bucket's bytes, so buckets bound how much
+an engine allocates before it loads, and how many HTTP calls one sync costs.
+
+The flattened layout is SGLang's (`FlattenedTensorBucket`, 0.5.x): every tensor's contiguous
+bytes (`flatten().view(torch.uint8)`), end to end in the order of `names`, no padding.
 """
 
 from __future__ import annotations
@@ -50,3 +55,37 @@ def bucket_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]],
 def dtype_name(dtype: torch.dtype) -> str:
     """The string SGLang resolves with getattr(torch, name): torch.bfloat16 -> 'bfloat16'."""
     return str(dtype).removeprefix("torch.")
+
+
+def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes end to end, as one uint8 tensor (a new buffer)."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel * dtype.itemsize
+
+
+def flat_nbytes(dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]) -> int:
+    """Size of the flattened bucket of these tensors."""
+    return sum(_nbytes(d, s) for d, s in zip(dtypes, shapes))
+
+
+def unflatten_bucket(flat: torch.Tensor, dtypes: Sequence[torch.dtype],
+                     shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Views of `flat` (uint8) as the tensors it holds; ValueError on a size mismatch."""
+    if flat_nbytes(dtypes, shapes) != flat.numel():
+        raise ValueError(f"a flattened bucket of {flat.numel()} bytes, announced tensors of "
+                         f"{flat_nbytes(dtypes, shapes)} bytes")
+    out, start = [], 0
+    for dtype, shape in zip(dtypes, shapes):
+        n = _nbytes(dtype, shape)
+        part = flat[start:start + n]
+        if start % dtype.itemsize:
+            part = part.clone()  # a view as `dtype` needs an offset aligned to its size
+        out.append(part.view(dtype).reshape(list(shape)))
+        start += n
+    return out

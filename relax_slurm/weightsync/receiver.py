@@ -3,7 +3,8 @@
 Mirrors what an SGLang server does for `/init_weights_update_group` and
 `/update_weights_from_distributed`: join the named group at rank `rank_offset`, then for a
 request (names, dtypes, shapes) allocate one empty tensor per name and receive it by a broadcast
-from group rank 0, in the order of `names` (all issued async, then waited), and load them.
+from group rank 0, in the order of `names` (all issued async, then waited), and load them; with
+load_format=flattened_bucket, one broadcast of all their bytes end to end.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from relax_slurm.errors import WeightSyncError
+from relax_slurm.weightsync.bucket import flat_nbytes, unflatten_bucket
 from relax_slurm.weightsync.group import destroy_weight_update_group, init_weight_update_group
 
 log = logging.getLogger(__name__)
@@ -108,20 +110,24 @@ class WeightReceiver:
 
     def receive(self, names: Sequence[str], dtypes: Sequence[str],
                 shapes: Sequence[Sequence[int]], group_name: str, device: torch.device,
-                into: Optional[Mapping[str, torch.Tensor]] = None
+                into: Optional[Mapping[str, torch.Tensor]] = None, flattened: bool = False
                 ) -> list[tuple[str, torch.Tensor]]:
         """One broadcast from group rank 0 per name, in order; returns (name, tensor) pairs.
+        `flattened` (load_format=flattened_bucket): one broadcast of all their bytes end to end
+        (weightsync/bucket.py), returned as views of that buffer.
 
         A tensor of `into` with the same name, dtype, shape and device (and contiguous) is
         received in place: no new allocation and no second copy, which is most of the cost of
         a large sync on CPU (the benchmark measured 45% of raw broadcast bandwidth with a
         fresh buffer plus a copy per tensor). The caller must keep readers of `into` out
-        until the receive is done (the engine holds its model lock).
+        until the receive is done (the engine holds its model lock). A flattened bucket is
+        never received in place.
 
-        On gloo, a receive that a newer group (the trainer's next cohort) overtakes is abandoned
-        with WeightSyncError within RECHECK_S: its sender failed midway (another engine of the cohort
-        died) and will send nothing more on the old group, and waiting out timeout_s would hold
-        the engine's model lock against the new cohort's update all that time.
+        On gloo, a receive that a newer group (the trainer's next cohort) overtakes is
+        abandoned with WeightSyncError within RECHECK_S: its sender failed midway (another
+        engine of the cohort died) and will send nothing more on the old group, and waiting
+        out timeout_s would hold the engine's model lock against the new cohort's update all
+        that time.
         """
         with self._lock:
             pg = self._groups.get(group_name)
@@ -132,36 +138,48 @@ class WeightReceiver:
         if pg is None:
             raise WeightSyncError(f"no weight-update group {group_name!r}: call "
                                   "/init_weights_update_group first")
+        torch_dtypes = [parse_dtype(d) for d in dtypes]
+        if flattened:
+            flat = torch.empty(flat_nbytes(torch_dtypes, shapes), dtype=torch.uint8,
+                               device=device)
+            what = f"a flattened bucket of {len(names)} tensors ({names[0]!r}...)"
+            self._wait_all([(what, dist.broadcast(flat, src=0, group=pg, async_op=True))],
+                           group_name, formed, recheck)
+            return list(zip(names, unflatten_bucket(flat, torch_dtypes, shapes)))
         received, works = [], []
         into = into or {}
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            t = _in_place(into.get(name), parse_dtype(dtype), shape, device)
+        for name, dtype, shape in zip(names, torch_dtypes, shapes):
+            t = _in_place(into.get(name), dtype, shape, device)
             if t is None:
-                t = torch.empty(list(shape), dtype=parse_dtype(dtype), device=device)
-            works.append(dist.broadcast(t, src=0, group=pg, async_op=True))
+                t = torch.empty(list(shape), dtype=dtype, device=device)
+            works.append((repr(name), dist.broadcast(t, src=0, group=pg, async_op=True)))
             received.append((name, t))
-        deadline = time.monotonic() + self.timeout_s
-        for (name, _), work in zip(received, works):
-            while not self._wait(work, name, group_name, deadline, recheck):
-                if self._formed != formed:
-                    raise WeightSyncError(
-                        f"receiving {name!r} on group {group_name!r} abandoned: a newer "
-                        "weight-update group was formed (the sender gave this one up)")
+        self._wait_all(works, group_name, formed, recheck)
         return received
 
-    def _wait(self, work: dist.Work, name: str, group_name: str, deadline: float,
+    def _wait_all(self, works: list[tuple[str, dist.Work]], group_name: str, formed: int,
+                  recheck: float) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        for what, work in works:
+            while not self._wait(work, what, group_name, deadline, recheck):
+                if self._formed != formed:
+                    raise WeightSyncError(
+                        f"receiving {what} on group {group_name!r} abandoned: a newer "
+                        "weight-update group was formed (the sender gave this one up)")
+
+    def _wait(self, work: dist.Work, what: str, group_name: str, deadline: float,
               recheck: float) -> bool:
         """Wait for `work` up to `recheck` seconds: True when done, False when not yet; raises
         on failure and past `deadline`."""
         left = deadline - time.monotonic()
         if left <= 0:
-            raise WeightSyncError(f"receiving {name!r} on group {group_name!r} timed out "
+            raise WeightSyncError(f"receiving {what} on group {group_name!r} timed out "
                                   f"after {self.timeout_s}s")
         try:
             ok = work.wait(timeout=timedelta(seconds=min(recheck, left)))
         except Exception as e:  # gloo raises on its timeout too: a timed-out wait can be retried
             if work.is_completed() or "timed out" not in str(e).lower():
-                raise WeightSyncError(f"receiving {name!r} on group {group_name!r} failed: "
+                raise WeightSyncError(f"receiving {what} on group {group_name!r} failed: "
                                       f"{e}") from e
             return False
         return ok is not False

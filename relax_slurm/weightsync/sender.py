@@ -5,7 +5,8 @@ Protocol (the one SGLang servers implement, see docs/weight_sync.md):
            1+N) while rank 0 joins; the HTTP calls return once the group has formed.
   send:    per bucket, POST /update_weights_from_distributed {names, dtypes, shapes} to every
            engine, and meanwhile broadcast each tensor of the bucket from rank 0 in the order of
-           `names`; then the HTTP calls return once the engines loaded the bucket.
+           `names` (or, with load_format=flattened_bucket, the bucket's bytes end to end in one
+           broadcast); then the HTTP calls return once the engines loaded the bucket.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch.distributed as dist
 
 from relax_slurm.errors import EngineError, WeightSyncError
 from relax_slurm.rollout.engine_client import EngineClient
-from relax_slurm.weightsync.bucket import bucket_named_tensors, dtype_name, tensor_nbytes
+from relax_slurm.weightsync.bucket import (bucket_named_tensors, dtype_name, flatten_bucket,
+                                           tensor_nbytes)
 from relax_slurm.weightsync.group import (destroy_weight_update_group, init_weight_update_group,
                                           resolve_backend)
 from relax_slurm.weightsync.receiver import tensor_sha256
@@ -35,7 +37,8 @@ class WeightSender:
     def __init__(self, engine_urls: Sequence[str], master_addr: str, master_port: int,
                  group_name: str = "weight_update_group", backend: str = "auto",
                  timeout_s: float = 300.0, bucket_mb: float = 512.0,
-                 pause_mode: Optional[str] = "in_place", ranks_per_engine: int = 1) -> None:
+                 pause_mode: Optional[str] = "in_place", ranks_per_engine: int = 1,
+                 load_format: Optional[str] = None) -> None:
         if not engine_urls:
             raise WeightSyncError("WeightSender needs at least one engine URL")
         self.engine_urls = list(engine_urls)
@@ -51,6 +54,8 @@ class WeightSender:
         self.ranks_per_engine = ranks_per_engine
         """Group ranks of one engine: its TP size (SGLang: rank = rank_offset + tp_rank; every
         TP rank receives the full tensor and keeps its shard)."""
+        self.load_format = load_format
+        """None: one broadcast per tensor; flattened_bucket: one per bucket (bucket.py)."""
         self.world_size = 1 + len(self.engine_urls) * ranks_per_engine
         self.clients = [EngineClient(u, timeout_s) for u in self.engine_urls]
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients),
@@ -124,7 +129,7 @@ class WeightSender:
              version: Optional[str | int] = None, flush_cache: bool = True) -> dict[str, Any]:
         """Broadcast every tensor; engines load them and report `version` as weight_version.
 
-        Returns stats: bytes, seconds, num_buckets. Raises WeightSyncError on any failure; the
+        Returns stats: bytes, seconds, num_buckets, broadcasts. Raises WeightSyncError on any failure; the
         group is then unusable (close() this sender, connect a new one on a new port).
         """
         if self._pg is None:
@@ -136,11 +141,13 @@ class WeightSender:
             if self.pause_mode is not None:
                 self._join("/pause_generation", self._on_engines(
                     lambda c, i: c.pause_generation(self.pause_mode)))
-            total = 0
+            total = broadcasts = 0
             for b, bucket in enumerate(buckets):
                 last = b == len(buckets) - 1
                 # the version (and the cache flush) come with the last bucket, once all is in
-                total += self._send_bucket(bucket, version if last else None, flush_cache and last)
+                nbytes, n = self._send_bucket(bucket, version if last else None,
+                                              flush_cache and last)
+                total, broadcasts = total + nbytes, broadcasts + n
         except BaseException:
             if self.pause_mode is not None:  # best effort: the original error matters more
                 self._on_engines(lambda c, i: c.continue_generation())  # not awaited
@@ -148,22 +155,27 @@ class WeightSender:
         if self.pause_mode is not None:
             self._join("/continue_generation", self._on_engines(
                 lambda c, i: c.continue_generation()))
-        stats = {"bytes": total, "seconds": time.monotonic() - start, "num_buckets": len(buckets)}
-        log.info("sent %.1f MB in %d buckets in %.2fs (version %s)", total / 2**20,
-                 len(buckets), stats["seconds"], version)
+        stats = {"bytes": total, "seconds": time.monotonic() - start, "num_buckets": len(buckets),
+                 "broadcasts": broadcasts}
+        log.info("sent %.1f MB in %d buckets (%d broadcasts) in %.2fs (version %s)",
+                 total / 2**20, len(buckets), broadcasts, stats["seconds"], version)
         return stats
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: Optional[str],
-                     flush_cache: bool) -> int:
+                     flush_cache: bool) -> tuple[int, int]:
+        """(bytes, broadcasts) of one bucket."""
         names = [n for n, _ in bucket]
         dtypes = [dtype_name(t.dtype) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
         route = "/update_weights_from_distributed"
         http = self._on_engines(lambda c, i: c.update_weights_from_distributed(
-            names, dtypes, shapes, self.group_name, version, flush_cache))
+            names, dtypes, shapes, self.group_name, version, flush_cache, self.load_format))
         # one broadcast per tensor from rank 0, in the order of `names`, all issued async (the
-        # engines do the same), then waited for while watching the engines' HTTP answers
+        # engines do the same), then waited for while watching the engines' HTTP answers; or
+        # one of the whole bucket flattened
         tensors = [t.detach().to(self.device).contiguous() for _, t in bucket]
+        if self.load_format is not None:
+            tensors = [flatten_bucket(tensors)]
         works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in tensors]
         self._inflight = works
         what = f"broadcasting {len(names)} tensors ({names[0]!r}...) on {self.group_name!r}"
@@ -175,7 +187,7 @@ class WeightSender:
         except Exception as e:
             raise WeightSyncError(f"{what} failed: {e}") from e
         self._join(route, http)
-        return sum(tensor_nbytes(t) for t in tensors)
+        return sum(tensor_nbytes(t) for t in tensors), len(tensors)
 
     def verify(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Compare sha256 per tensor with every engine's GET /weights_checksum (hf engines)."""

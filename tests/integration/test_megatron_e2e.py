@@ -3,7 +3,8 @@ rollout worker, torchrun trainer running megatron-core through megatron-bridge o
 
 Each run checks, with weight_sync.verify=true, that after every sync the engine's weights equal
 the HF weights the bridge exported (gathered across TP), and that the reward rises. The TP=2
-run saves asynchronously (trainer.async_save=true), converts its final Megatron dist-checkpoint
+run saves asynchronously (trainer.async_save=true), the TP=1 run sends flattened buckets
+(weight_sync.load_format=flattened_bucket), converts its final Megatron dist-checkpoint
 with relax-convert and compares it with the HF export the trainer wrote at the same step, and
 resumes from its step-27 checkpoint (exact: same rewards, same final weights).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -43,12 +45,18 @@ def test_megatron_trainer_learns_with_verified_sync(tmp_path, tiny_assets, tp):
         # both checkpoints written asynchronously (megatron-core's forked writer)
         common += (f"trainer.save_every={STEPS - 3}", f"trainer.save_hf_every={STEPS}",
                    "trainer.async_save=true")
+    else:  # one broadcast per bucket instead of one per tensor, verified all the same
+        common += ("weight_sync.load_format=flattened_bucket",)
     proc = relax_train(run_dir, tiny_assets, *common, timeout_s=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert log.count("weights verified bit for bit") == STEPS + 1  # the start and every step
+    sends = re.findall(r"in (\d+) buckets \((\d+) broadcasts\)", log)
+    assert len(sends) == STEPS + 1
+    # flattened: a broadcast per bucket; else one per tensor (the tiny model has 24)
+    assert all((n == b) == (tp == 1) for b, n in sends), sends[:3]
     assert summary["reward_last"] >= summary["reward_first"] + RISE, summary
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["train/update_skipped"] == 0 for r in rows)

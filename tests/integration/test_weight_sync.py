@@ -1,4 +1,5 @@
-"""Weight sync end to end: torchrun (2 ranks) -> 2 hf engine processes over a gloo group."""
+"""Weight sync end to end: torchrun (2 ranks) -> 2 hf engine processes over a gloo group, one
+broadcast per tensor or one per flattened bucket (weight_sync.load_format)."""
 
 import json
 import subprocess
@@ -16,7 +17,8 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "weight_sync_trainer.py"
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_weight_sync_two_engines_bit_exact(tmp_path):
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_weight_sync_two_engines_bit_exact(tmp_path, load_format):
     model_dir = make_tiny_model(tmp_path / "model")
     engines, trainer = [], None
     try:
@@ -32,7 +34,8 @@ def test_weight_sync_two_engines_bit_exact(tmp_path):
         out_file, trainer_log = tmp_path / "result.json", tmp_path / "trainer.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", str(SCRIPT), "--model-dir", str(model_dir),
-               "--engines", ",".join(urls), "--port", str(free_port()), "--out", str(out_file)]
+               "--engines", ",".join(urls), "--port", str(free_port()), "--out", str(out_file),
+               *(["--load-format", load_format] if load_format else [])]
         with open(trainer_log, "wb") as logf:
             trainer = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=child_env(),
                                        cwd=str(REPO_ROOT), start_new_session=True)
@@ -46,6 +49,9 @@ def test_weight_sync_two_engines_bit_exact(tmp_path):
 
     assert r["default_group_ok"]
     assert r["stats1"]["num_buckets"] > 1 and r["stats1"]["bytes"] > 0
+    # one broadcast per tensor, or one per bucket
+    assert r["stats1"]["broadcasts"] == (r["stats1"]["num_buckets"] if load_format
+                                         else r["num_tensors"])
     assert r["after1"] != r["before"], "generation did not change after the weights did"
     assert r["after1"][0] == r["after1"][1]  # both engines hold the same weights
     assert r["versions1"] == ["1", "1"] and set(r["gen_versions1"]) == {"1"}

@@ -23,6 +23,10 @@ TARGETS = {
     "trl_speedup_sync": (None, True, "samples/s ours sync / TRL GRPOTrainer"),
     "weight_sync_efficiency": (0.85, True, "raw broadcast time / full sync time, ~470 MB"),
     "weight_sync_efficiency_tiny": (None, True, "the same for the tiny model (0.3 MB)"),
+    "weight_sync_efficiency_flattened": (None, True, "the same, ~470 MB, "
+                                                     "load_format=flattened_bucket"),
+    "weight_sync_efficiency_flattened_tiny": (None, True, "the same, tiny model, "
+                                                          "load_format=flattened_bucket"),
     "broker_step_share": (0.03, False, "get_batch time / sync step time"),
     "engine_scaling": (None, True, "time to generate a step's batch, 1 engine / 3 engines "
                                    "(rollout-bound run)"),
@@ -47,6 +51,10 @@ def _find(res: dict, key: str) -> dict:
              "trl_speedup_sync": ("trl", "ours_sync_over_trl"),
              "weight_sync_efficiency": ("weight_sync", "large", "efficiency"),
              "weight_sync_efficiency_tiny": ("weight_sync", "tiny", "efficiency"),
+             "weight_sync_efficiency_flattened": ("weight_sync", "large",
+                                                  "efficiency_flattened"),
+             "weight_sync_efficiency_flattened_tiny": ("weight_sync", "tiny",
+                                                       "efficiency_flattened"),
              "broker_step_share": ("broker", "step_share"),
              "engine_scaling": ("engines", "gen_speedup")}
     node = res
@@ -91,12 +99,13 @@ def detail_tables(res: dict) -> list[str]:
     if "weight_sync" in res:
         out += ["", "### Weight sync", "",
                 "| state | MB | tensors | buckets | full sync GB/s | raw broadcast GB/s | "
-                "efficiency |", "|---|---|---|---|---|---|---|"]
+                "efficiency | efficiency, flattened_bucket |", "|---|---|---|---|---|---|---|---|"]
         for name, w in res["weight_sync"].items():
             out.append(f"| {name} | {w['mb']:.1f} | {w['tensors']} | {w['buckets']} | "
                        f"{' / '.join(_spread(w['full_gbps']))} | "
                        f"{' / '.join(_spread(w['raw_gbps']))} | "
-                       f"{' / '.join(_spread(w['efficiency']))} |")
+                       f"{' / '.join(_spread(w['efficiency']))} | "
+                       f"{' / '.join(_spread(w.get('efficiency_flattened', {})))} |")
     if "broker" in res:
         b = res["broker"]
         out += ["", "### Broker", "",

@@ -70,6 +70,10 @@ def headline(res: dict) -> dict[str, float]:
     if res.get("weight_sync"):
         out["weight_sync_efficiency"] = res["weight_sync"]["large"]["efficiency"]["median"]
         out["weight_sync_efficiency_tiny"] = res["weight_sync"]["tiny"]["efficiency"]["median"]
+        for size, suffix in (("large", ""), ("tiny", "_tiny")):
+            flat = res["weight_sync"][size].get("efficiency_flattened")
+            if flat:
+                out[f"weight_sync_efficiency_flattened{suffix}"] = flat["median"]
     if res.get("broker"):
         out["broker_step_share"] = res["broker"]["step_share"]["median"]
     if res.get("engines"):
@@ -132,7 +136,8 @@ def main() -> int:
                 "mb": r["mb"], "tensors": r["tensors"], "buckets": r["buckets"],
                 "full_gbps": spread(r["full_gbps"]), "raw_gbps": spread(r["raw_gbps"]),
                 "full_s": spread(r["full_s"]), "raw_s": spread(r["raw_s"]),
-                "efficiency": spread(r["efficiency"])}
+                "efficiency": spread(r["efficiency"]),
+                "efficiency_flattened": spread(r["efficiency_flattened"])}
     if "broker" in parts:
         print("[5] broker", flush=True)
         b = broker_bench.measure(args.out, 10 if args.quick else 50)

@@ -2,9 +2,10 @@
 
 The full sync is what the trainer does each step: `WeightSender.send` to a real hf engine
 process (HTTP /update_weights_from_distributed per bucket, one gloo broadcast per tensor, the
-engine copies every tensor into its model). The baseline is one `torch.distributed` broadcast
-of the same number of bytes as one flat tensor in a gloo group of the same two kinds of
-process, followed by a barrier so that it, too, ends when the receiver has everything.
+engine receiving into its model's parameters), and the same with
+weight_sync.load_format=flattened_bucket (one broadcast per bucket, a copy on each side). The
+baseline is one `torch.distributed` broadcast of the same number of bytes as one flat tensor in
+a gloo group of the same two kinds of process, followed by a barrier so that it, too, ends when the receiver has everything.
 Efficiency = raw time / full-sync time. The engine (and the raw receiver) run on core 0, the
 sender on core 1.
 """
@@ -65,7 +66,8 @@ def start_engine(model: Path, port: int, log: Path) -> subprocess.Popen:
                                 preexec_fn=lambda: os.sched_setaffinity(0, [0]))
 
 
-def time_full_sync(model: Path, repeats: int, workdir: Path) -> dict:
+def time_full_sync(model: Path, repeats: int, workdir: Path,
+                   load_format: str | None = None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -82,7 +84,8 @@ def time_full_sync(model: Path, repeats: int, workdir: Path) -> dict:
                    AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
                    .named_parameters()]
         # the run's default bucket size (weight_sync.bucket_mb)
-        sender = WeightSender([url], "127.0.0.1", free_port(), timeout_s=600, bucket_mb=512)
+        sender = WeightSender([url], "127.0.0.1", free_port(), timeout_s=600, bucket_mb=512,
+                              load_format=load_format)
         sender.connect()
         times, nbytes, buckets = [], 0, 0
         for i in range(repeats + 1):  # the first send is warm-up
@@ -140,15 +143,18 @@ def time_raw(nbytes: int, repeats: int) -> list[float]:
 
 
 def measure(model: Path, repeats: int, workdir: Path) -> dict:
-    """Full sync and raw broadcast of the same bytes; GB/s and their ratio per repeat."""
+    """Full sync (one broadcast per tensor, then one per flattened bucket) and raw broadcast
+    of the same bytes; GB/s and their ratios per repeat."""
     full = time_full_sync(model, repeats, workdir)
+    flat = time_full_sync(model, repeats, workdir, load_format="flattened_bucket")
     raw = time_raw(full["bytes"], repeats)
     gb = full["bytes"] / 1e9
     return {"mb": full["bytes"] / 2**20, "tensors": full["tensors"], "buckets": full["buckets"],
-            "full_s": full["seconds"], "raw_s": raw,
+            "full_s": full["seconds"], "raw_s": raw, "flat_s": flat["seconds"],
             "full_gbps": [gb / t for t in full["seconds"]], "raw_gbps": [gb / t for t in raw],
             # per repeat, as measured back to back
-            "efficiency": [r / f for r, f in zip(raw, full["seconds"])]}
+            "efficiency": [r / f for r, f in zip(raw, full["seconds"])],
+            "efficiency_flattened": [r / f for r, f in zip(raw, flat["seconds"])]}
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
 """torchrun --nproc-per-node 2 weight_sync_trainer.py --model-dir D --engines U1,U2 --port P --out F
+    [--load-format flattened_bucket]
 
 Both ranks share a default gloo group (as trainer ranks do). Rank 0 also forms the weight-sync
 group with the engines, pushes perturbed weights twice, verifies them bit for bit, checks that
@@ -38,11 +39,13 @@ def run_rank0(args):
     clients = [EngineClient(u, timeout_s=60) for u in urls]
     out = {"before": greedy_outputs(clients)}
     sender = WeightSender(urls, "127.0.0.1", args.port, group_name="relax_test_sync",
-                          backend="gloo", timeout_s=60, bucket_mb=0.02)
+                          backend="gloo", timeout_s=60, bucket_mb=0.02,
+                          load_format=args.load_format)
     sender.connect()
     try:
         first = perturbed(named, seed=1)
         out["stats1"] = sender.send(first, version=1)
+        out["num_tensors"] = len(first)
         sender.verify(first)
         out["after1"] = greedy_outputs(clients)
         out["versions1"] = [c.weight_version() for c in clients]
@@ -96,6 +99,7 @@ def main():
     p.add_argument("--engines", required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--load-format", default=None, help="null or flattened_bucket")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))

@@ -55,6 +55,10 @@ def test_cross_field_check_names_the_override():
         to_train_config(_compose(["rollout.n_samples_per_prompt=1"]))
     with pytest.raises(ConfigError, match=r"algo\.max_staleness"):
         to_train_config(_compose(["algo.max_staleness=-1"]))
+    with pytest.raises(ConfigError, match=r"weight_sync\.load_format='flat'.*flattened_bucket"):
+        to_train_config(_compose(["weight_sync.load_format=flat"]))
+    cfg = to_train_config(_compose(["weight_sync.load_format=flattened_bucket"]))
+    assert cfg.weight_sync.load_format == "flattened_bucket"
 
 
 def test_bad_yaml_file_is_named(tmp_path):

@@ -17,6 +17,8 @@ BODIES = {
     "/init_weights_update_group": api.init_group_body("10.0.0.1", 29500, 1, 3, "g", "nccl"),
     "/update_weights_from_distributed": api.update_weights_body(
         ["w"], ["bfloat16"], [(2, 3)], "g", "7", True),
+    "/update_weights_from_distributed (flattened)": api.update_weights_body(
+        ["w"], ["bfloat16"], [(2, 3)], "g", "7", True, load_format="flattened_bucket"),
     "/pause_generation": api.pause_body("in_place"),
     "/abort_request": api.abort_body(abort_all=True),
     "/release_memory_occupation": api.memory_body(None),
@@ -36,7 +38,14 @@ def test_generate_bodies_with_media_build_sglang_requests():
 
 @pytest.mark.parametrize("route", BODIES)
 def test_client_bodies_build_sglang_requests(route):
-    api.check_body(route, BODIES[route])
+    api.check_body(route.split(" ")[0], BODIES[route])
+
+
+def test_load_format_is_sent_only_when_set():
+    # older servers may not know the field: one broadcast per tensor does not name it
+    assert "load_format" not in BODIES["/update_weights_from_distributed"]
+    assert BODIES["/update_weights_from_distributed (flattened)"]["load_format"] == \
+        "flattened_bucket"
 
 
 def test_issue_fields_are_recorded():

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from relax_slurm.weightsync.bucket import bucket_named_tensors, dtype_name
+from relax_slurm.weightsync.bucket import (bucket_named_tensors, dtype_name, flat_nbytes,
+                                           flatten_bucket, unflatten_bucket)
 
 MB = 1024 * 1024
 
@@ -48,3 +49,18 @@ def test_empty_and_invalid():
 def test_dtype_name_is_what_sglang_resolves():
     for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
         assert getattr(torch, dtype_name(dt)) is dt
+
+
+def test_a_flattened_bucket_is_the_bytes_end_to_end_and_comes_back_exact():
+    ts = [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16), torch.arange(3),
+          torch.randn(2, 2).t()]  # non-contiguous: its row-major bytes
+    flat = flatten_bucket(ts)
+    # SGLang's FlattenedTensorBucket layout: each tensor's flatten().view(uint8), in order
+    assert flat.dtype == torch.uint8
+    assert flat.numel() == flat_nbytes([t.dtype for t in ts], [t.shape for t in ts]) == 98
+    assert torch.equal(flat[:48], ts[0].reshape(-1).view(torch.uint8))
+    back = unflatten_bucket(flat, [t.dtype for t in ts], [t.shape for t in ts])
+    for t, b in zip(ts, back):
+        assert b.dtype == t.dtype and torch.equal(b, t)  # the int64 one sits at an odd offset
+    with pytest.raises(ValueError, match="announced"):
+        unflatten_bucket(flat[:-1], [t.dtype for t in ts], [t.shape for t in ts])
