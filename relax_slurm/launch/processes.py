@@ -91,7 +91,9 @@ class ProcessSet:
 
     def restart(self, role: Role, cmd: list[str], cpus: list[int] | None = None) -> None:
         """Start `role` again (same name, log and ports) after its process died."""
+        tree = descendants(role.proc.pid)
         _signal_session(role.proc, signal.SIGKILL)  # whatever it left in its session
+        _signal_each(tree, signal.SIGKILL)
         _reap(role.proc, timeout_s=5.0)
         with role.log.open("ab") as f:
             f.write(f"\n--- relax-train: restarting {role.name} in place ---\n".encode())
@@ -103,12 +105,15 @@ class ProcessSet:
     def stop(self, role: Role, grace_s: float = 10.0) -> None:
         """Stop one role for good (an engine a scale-in removed): SIGTERM, then SIGKILL after
         `grace_s`; it leaves the set, so `check_alive` no longer reports it."""
+        tree = descendants(role.proc.pid)
         _signal_session(role.proc, signal.SIGTERM)
+        _signal_each(tree, signal.SIGTERM)
         try:
             role.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             pass
         _signal_session(role.proc, signal.SIGKILL)
+        _signal_each(tree, signal.SIGKILL)
         _reap(role.proc, timeout_s=5.0)
         self.roles.remove(role)
 
@@ -126,9 +131,12 @@ class ProcessSet:
             raise role.failure(f"exited with code {rc}")
 
     def close(self) -> None:
-        """SIGTERM every session, wait, then SIGKILL what is left."""
+        """SIGTERM every session, wait, then SIGKILL what is left, descendants in sessions of
+        their own included (torchrun's ranks)."""
+        trees = {role.name: descendants(role.proc.pid) for role in self.roles}
         for role in reversed(self.roles):
             _signal_session(role.proc, signal.SIGTERM)
+            _signal_each(trees[role.name], signal.SIGTERM)
         deadline = time.monotonic() + TERM_GRACE_S
         for role in self.roles:
             try:
@@ -137,6 +145,7 @@ class ProcessSet:
                 pass
         for role in self.roles:
             _signal_session(role.proc, signal.SIGKILL)  # stragglers in the session, too
+            _signal_each(trees[role.name], signal.SIGKILL)
             _reap(role.proc, timeout_s=5.0)
 
 
@@ -163,6 +172,39 @@ def _reap(proc: subprocess.Popen, timeout_s: float) -> None:
             proc.returncode = os.waitstatus_to_exitcode(status)
             return
         time.sleep(0.05)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (children first), from /proc. Taken before a role is
+    stopped: once their parent is gone, orphans belong to init and cannot be found this way."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # the command name (field 2) may hold spaces and parentheses: split after it
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _signal_each(pids: list[int], sig: int) -> None:
+    """`sig` to each process, and SIGCONT after a SIGTERM: a stopped process (SIGSTOP, a frozen
+    rank) handles nothing until continued, and torchrun's ranks live in sessions of their own,
+    out of reach of the role's killpg; left stopped, one outlived its run (seen in the suite)."""
+    for pid in pids:
+        for s in (sig, signal.SIGCONT) if sig == signal.SIGTERM else (sig,):
+            try:
+                os.kill(pid, s)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _signal_session(proc: subprocess.Popen, sig: int) -> None:
