@@ -12,19 +12,25 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
 from helpers_tiny import REPO_ROOT, child_env, make_tiny_model  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "cohort_rejoin.py"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def run_script(name: str, tmp_path: Path) -> dict:
+    """scripts/NAME --model-dir (a tiny model) --out F, as a process of its own (it forms
+    torch.distributed groups); its JSON findings."""
+    model_dir = make_tiny_model(tmp_path / "model")
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / name), "--model-dir", str(model_dir),
+                           "--out", str(out)], cwd=REPO_ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_restarted_engine_is_resynced_through_a_new_cohort(tmp_path):
-    model_dir = make_tiny_model(tmp_path / "model")
-    out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model-dir", str(model_dir),
-                           "--out", str(out)], cwd=REPO_ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=360)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(out.read_text())
+    r = run_script("cohort_rejoin.py", tmp_path)
     url = r["stale_restarted"][0]
     assert r["stale_before"] == [] and r["resync_before"] is False
     assert r["stale_dead"] is None  # unreachable: wait, do not re-form yet
@@ -35,19 +41,10 @@ def test_a_restarted_engine_is_resynced_through_a_new_cohort(tmp_path):
     assert r["followed"] == [url] and r["verified_after_loss"] is True
 
 
-ABANDON = Path(__file__).resolve().parent / "scripts" / "abandoned_update.py"
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_an_update_abandoned_midway_gives_way_to_the_next_cohort(tmp_path):
-    model_dir = make_tiny_model(tmp_path / "model")
-    out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(ABANDON), "--model-dir", str(model_dir),
-                           "--out", str(out)], cwd=REPO_ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=360)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(out.read_text())
+    r = run_script("abandoned_update.py", tmp_path)
     assert r["stuck_done_before"] is False  # the engine waits for the second tensor
     # the next cohort's update goes through at once, not after the engine's 120 s timeout
     assert r["verified"] is True and r["version"] == "2"
