@@ -3,8 +3,8 @@ rollout worker, torchrun trainer running megatron-core through megatron-bridge o
 
 Each run checks, with weight_sync.verify=true, that after every sync the engine's weights equal
 the HF weights the bridge exported (gathered across TP), and that the reward rises. The TP=2
-run saves asynchronously (trainer.async_save=true), the TP=1 run sends flattened buckets
-(weight_sync.load_format=flattened_bucket), converts its final Megatron dist-checkpoint
+run saves asynchronously (trainer.async_save=true) and sends one broadcast per tensor (the
+preset's flattened buckets are what the TP=1 run sends), converts its final Megatron dist-checkpoint
 with relax-convert and compares it with the HF export the trainer wrote at the same step, and
 resumes from its step-27 checkpoint (exact: same rewards, same final weights).
 """
@@ -42,11 +42,10 @@ def test_megatron_trainer_learns_with_verified_sync(tmp_path, tiny_assets, tp):
               f"trainer.tensor_parallel_size={tp}", "weight_sync.verify=true",
               f"trainer.total_steps={STEPS}", "metrics.progress=false")
     if tp == 2:  # a checkpoint 3 steps before the end (resumed below) and the final HF export,
-        # both checkpoints written asynchronously (megatron-core's forked writer)
+        # both checkpoints written asynchronously (megatron-core's forked writer); one
+        # broadcast per tensor (the preset flattens buckets: both are verified)
         common += (f"trainer.save_every={STEPS - 3}", f"trainer.save_hf_every={STEPS}",
-                   "trainer.async_save=true")
-    else:  # one broadcast per bucket instead of one per tensor, verified all the same
-        common += ("weight_sync.load_format=flattened_bucket",)
+                   "trainer.async_save=true", "weight_sync.load_format=null")
     proc = relax_train(run_dir, tiny_assets, *common, timeout_s=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
