@@ -158,3 +158,19 @@ def run_tiny_model_tool(out: Path) -> Path:
     spec.loader.exec_module(tool)
     assert tool.main(["--out", str(out)]) == 0
     return out
+
+
+def script_args() -> tuple[Path, list, Path]:
+    """For scripts run as `SCRIPT --model-dir D --out F`: D, D's weights as (name, tensor) in
+    file order, and F."""
+    import argparse
+
+    from safetensors.torch import load_file
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    model_dir = Path(args.model_dir)
+    return model_dir, list(load_file(str(model_dir / "model.safetensors")).items()), \
+        Path(args.out)

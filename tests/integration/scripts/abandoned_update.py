@@ -7,21 +7,18 @@ group and sends the full weights on it. The engine must drop the abandoned updat
 take the new one, not hold its model until its weight-sync timeout (120 s here). JSON to --out.
 """
 
-import argparse
 import json
-import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # helpers_tiny
-from helpers_tiny import free_port, start_engine, stop_process, wait_healthy  # noqa: E402
+from helpers_tiny import (free_port, script_args, start_engine, stop_process,  # noqa: E402
+                          wait_healthy)
 
 from relax_slurm.errors import EngineError  # noqa: E402
 from relax_slurm.weightsync import WeightSender  # noqa: E402
@@ -31,15 +28,11 @@ ENGINE_SYNC_TIMEOUT_S = 120
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model-dir", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    named = list(load_file(os.path.join(args.model_dir, "model.safetensors")).items())
+    model_dir, named, out_path = script_args()
     weights = [(n, t + 0.25) for n, t in named]
-    port, log = free_port(), Path(args.out).with_suffix(".engine.log")
+    port, log = free_port(), out_path.with_suffix(".engine.log")
     url = f"http://127.0.0.1:{port}"
-    engine = start_engine(args.model_dir, port, log,
+    engine = start_engine(model_dir, port, log,
                           ["--weight-sync-timeout-s", str(ENGINE_SYNC_TIMEOUT_S)])
     out = {}
     pool = ThreadPoolExecutor(1)
@@ -75,7 +68,7 @@ def main() -> None:
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         stop_process(engine)
-        Path(args.out).write_text(json.dumps(out))
+        out_path.write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ longer has it (the launcher reported it lost): the next send re-forms the cohort
 survivor instead of waiting for the dead one. JSON to --out.
 """
 
-import argparse
 import json
 import os
 import signal
@@ -17,27 +16,23 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # helpers_tiny
-from helpers_tiny import free_port, start_engine, stop_process, wait_healthy  # noqa: E402
+from helpers_tiny import (free_port, script_args, start_engine, stop_process,  # noqa: E402
+                          wait_healthy)
 
 from relax_slurm.weightsync import WeightSender  # noqa: E402
 from relax_slurm.weightsync.cohort import Cohort  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model-dir", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    named = list(load_file(os.path.join(args.model_dir, "model.safetensors")).items())
+    model_dir, named, out_path = script_args()
     g = torch.Generator().manual_seed(3)
     weights = [(n, t + 0.5 * torch.randn(t.shape, generator=g, dtype=t.dtype)) for n, t in named]
-    port, log = free_port(), Path(args.out).with_suffix(".engine.log")
+    port, log = free_port(), out_path.with_suffix(".engine.log")
     url = f"http://127.0.0.1:{port}"
-    engine = start_engine(args.model_dir, port, log)
+    engine = start_engine(model_dir, port, log)
     out = {}
     try:
         wait_healthy(url, engine, 180, log)
@@ -54,7 +49,7 @@ def main() -> None:
         os.kill(engine.pid, signal.SIGKILL)
         engine.wait(30)
         out["stale_dead"] = cohort.stale(3)
-        engine = start_engine(args.model_dir, port, log)  # restarted in place
+        engine = start_engine(model_dir, port, log)  # restarted in place
         wait_healthy(url, engine, 180, log)
         out["stale_restarted"] = cohort.stale(3)
         out["resync_restarted"] = cohort.resync(lambda: weights, 3)
@@ -65,7 +60,7 @@ def main() -> None:
 
         port_b = free_port()
         url_b = f"http://127.0.0.1:{port_b}"
-        engine_b = start_engine(args.model_dir, port_b, log.with_suffix(".b.log"))
+        engine_b = start_engine(model_dir, port_b, log.with_suffix(".b.log"))
         try:
             wait_healthy(url_b, engine_b, 180, log.with_suffix(".b.log"))
             cohort.move([url, url_b])
@@ -85,7 +80,7 @@ def main() -> None:
         cohort.close()
     finally:
         stop_process(engine)
-        Path(args.out).write_text(json.dumps(out))
+        out_path.write_text(json.dumps(out))
 
 
 if __name__ == "__main__":
