@@ -130,12 +130,47 @@ def resolve_resume(run_dir: str | Path, resume: str | None, overwrite: bool) -> 
     return _resolve_path(Path(mode).expanduser())
 
 
+def _last_logged_step(run_dir: Path) -> int | None:
+    """The step of the last row of run_dir/metrics.jsonl, or None without one."""
+    path = run_dir / "metrics.jsonl"
+    last = None
+    try:
+        with path.open() as f:
+            for line in f:
+                try:
+                    last = int(json.loads(line)["step"])
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last line (the crash), or not a step row
+    except OSError:
+        return None
+    return last
+
+
+def find_resumable(run_dir: str | Path) -> Path | None:
+    """The latest checkpoint of this run that its metrics log reaches (its step at most the
+    last row's step + 1), else the latest one.
+
+    The trainer saves step_N, then logs the row of step N-1: a trainer killed in between
+    leaves a checkpoint one row ahead of metrics.jsonl. Resuming there would lose that row for
+    good (and summary.json would count its samples as lost); the checkpoint before it re-runs
+    the step and logs it (seen: a trainer frozen right after a save).
+    """
+    found = list_checkpoints(_checkpoints_root(Path(run_dir)))
+    logged = _last_logged_step(Path(run_dir))
+    if logged is not None:
+        for ckpt in reversed(found):
+            if parse_step(ckpt) <= logged + 1:
+                return ckpt
+    return found[-1] if found else None
+
+
 def resume_for_attempt(run_dir: str | Path, resume: str | None, overwrite: bool,
                        attempt: int) -> Path | None:
     """What attempt `attempt` of a run resumes from. A restarted or requeued attempt
-    (attempt > 0) continues its own run from its latest checkpoint, whatever `resume=` and
-    `overwrite=` say: they apply to the first attempt, where overwrite clears old checkpoints."""
-    latest = find_latest(run_dir) if attempt > 0 else None
+    (attempt > 0) continues its own run from its latest checkpoint that its metrics log
+    reaches (`find_resumable`), whatever `resume=` and `overwrite=` say: they apply to the
+    first attempt, where overwrite clears old checkpoints."""
+    latest = find_resumable(run_dir) if attempt > 0 else None
     if latest is not None:
         return latest
     path = resolve_resume(run_dir, resume, overwrite)

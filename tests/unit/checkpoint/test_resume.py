@@ -9,6 +9,7 @@ import pytest
 
 from relax_slurm.checkpoint.resume import (
     clear_checkpoints, find_latest, list_checkpoints, parse_step, resolve_resume,
+    resume_for_attempt,
 )
 from relax_slurm.errors import ConfigError
 
@@ -100,3 +101,21 @@ def test_clear_checkpoints(tmp_path):
     clear_checkpoints(tmp_path)
     assert not (tmp_path / "checkpoints").exists() and find_latest(tmp_path) is None
     clear_checkpoints(tmp_path)  # nothing there: no error
+
+
+def test_a_restart_resumes_from_a_checkpoint_its_metrics_log_reaches(tmp_path):
+    """step_N is saved before the row of step N-1 is logged: a trainer killed in between left
+    step_4 with rows 0-2 only (the chaos suite's frozen trainer). Resuming at step_4 would lose
+    row 3 for good; step_2 re-runs steps 2 and 3."""
+    root = tmp_path / "checkpoints"
+    fake(root, "step_2", saved=1.0)
+    fake(root, "step_4", saved=2.0)
+    metrics = tmp_path / "metrics.jsonl"
+    assert resume_for_attempt(tmp_path, "auto", False, attempt=1).name == "step_4"  # no log
+    metrics.write_text("".join(json.dumps({"step": i}) + "\n" for i in range(3)))
+    assert resume_for_attempt(tmp_path, "auto", False, attempt=1).name == "step_2"
+    metrics.write_text(metrics.read_text() + json.dumps({"step": 3}) + "\n" + '{"st')  # torn
+    assert resume_for_attempt(tmp_path, "auto", False, attempt=1).name == "step_4"
+    # only checkpoints ahead of the log: the latest, as before
+    metrics.write_text(json.dumps({"step": 0}) + "\n")
+    assert resume_for_attempt(tmp_path, "auto", False, attempt=1).name == "step_4"
