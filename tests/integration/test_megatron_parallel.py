@@ -88,10 +88,22 @@ def test_tp2_forward_backward_equals_tp1(runs):
     for k in g1:
         # same weights, same batch: gradients equal up to the order of float32 sums
         torch.testing.assert_close(g2[k], g1[k], rtol=1e-5, atol=1e-7, msg=k)
-    for a, b in zip(one["steps"], two["steps"]):
-        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
-        # every TP shard counted once in the norm (clipping sees the whole gradient)
-        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+    # step 0 runs on the same weights: loss and norm equal up to the order of float32 sums;
+    # every TP shard counted once in the norm (clipping sees the whole gradient)
+    (a0, a1), (b0, b1) = one["steps"], two["steps"]
+    assert a0["train/loss"] == pytest.approx(b0["train/loss"], rel=1e-5)
+    assert a0["train/grad_norm"] == pytest.approx(b0["train/grad_norm"], rel=1e-5)
+    # step 1 runs on weights that differ: Adam's first update is lr * g / (|g| + eps), which
+    # turns the rounding-level gradient difference of a component with |g| ~ eps into a weight
+    # difference up to lr (a relative 1e-5 on the loss failed once at 1.7e-5). Bound the loss
+    # gap by the mean-value theorem: |dL| <= |grad L| * |dw| (Cauchy-Schwarz), with dw that
+    # Adam update computed from the two layouts' own step-0 gradients, x2 for the second-order
+    # term, plus the step-0 rounding allowance.
+    lr, adam_eps = 1e-2, 1e-8  # megatron_parity.py's TrainerConfig, megatron-core's default eps
+    dw = sum(float(((g2[k] / (g2[k].abs() + adam_eps) - g1[k] / (g1[k].abs() + adam_eps))
+                    * lr).square().sum()) for k in g1) ** 0.5
+    bound = 2 * max(a1["train/grad_norm"], b1["train/grad_norm"]) * dw
+    assert abs(a1["train/loss"] - b1["train/loss"]) <= bound + 1e-5 * abs(a1["train/loss"])
 
 
 @pytest.mark.timeout(1200)
