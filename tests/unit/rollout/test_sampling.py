@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from relax_slurm.rollout.hf_engine import inverse_cdf_sample
+from relax_slurm.rollout.hf_batch import inverse_cdf_sample
 
 
 def test_draws_follow_the_softmax():

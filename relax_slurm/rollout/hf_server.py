@@ -1,0 +1,222 @@
+"""The hf engine's HTTP server: SGLang's routes over an `HFEngine` (see hf_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from relax_slurm.auth import bearer_matches
+from relax_slurm.config.schema import FLATTENED_BUCKET
+from relax_slurm.errors import WeightSyncError
+from relax_slurm.rollout import sglang_api
+from relax_slurm.rollout.hf_engine import PARTIAL_WEIGHTS, HFEngine
+from relax_slurm.rollout.hf_requests import (BadRequest, NotServing, parse_generate_request,
+                                             parse_media)
+
+log = logging.getLogger("relax_slurm.hf_engine")
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    # {success, message} as SGLang's weight routes; {error: {message}} as its /generate errors
+    return JSONResponse({"success": False, "message": message, "error": {"message": message}},
+                        status_code=status)
+
+
+def _json_errors(fn):
+    """Every failure becomes JSON {success: false, message} with a 4xx/5xx code."""
+    @functools.wraps(fn)
+    async def wrapper(request: Request):
+        try:
+            return await fn(request)
+        except (BadRequest, WeightSyncError, ValueError, KeyError, TypeError) as e:
+            return _error(400, f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e))
+        except NotServing as e:
+            return _error(503, str(e))
+        except (asyncio.TimeoutError, TimeoutError) as e:
+            return _error(504, f"timed out: {e}")
+        except Exception as e:
+            log.exception("%s failed", request.url.path)
+            return _error(500, f"{type(e).__name__}: {e}")
+    return wrapper
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _memory_tags(body: dict, route: str) -> list[str]:
+    sglang_api.check_body(route, body)
+    tags = body.get("tags")
+    if tags is None:
+        return list(sglang_api.MEMORY_TAGS)
+    bad = [t for t in tags if t not in sglang_api.MEMORY_TAGS]
+    if bad:
+        raise BadRequest(f"{route}: unknown tags {bad}; use {list(sglang_api.MEMORY_TAGS)}")
+    return list(tags)
+
+
+def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = None
+              ) -> FastAPI:
+    """The SGLang routes; with `api_key`, every route but /health* wants
+    `Authorization: Bearer KEY` (401 otherwise), as SGLang's --api-key."""
+    app = FastAPI(title="relax-slurm hf engine")
+
+    if api_key:
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if (not request.url.path.startswith(sglang_api.OPEN_ROUTES)
+                    and not bearer_matches(api_key, request.headers.get("authorization"))):
+                return JSONResponse({"error": "missing or wrong API key (Authorization: Bearer "
+                                              f"${sglang_api.API_KEY_ENV})"}, status_code=401)
+            return await call_next(request)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    @_json_errors
+    async def generate(request: Request):
+        body = await _body(request)
+        if engine.released:
+            raise BadRequest(f"memory {sorted(engine.released)} is released: call "
+                             "/resume_memory_occupation before /generate")
+        if engine.partial_weights:
+            raise NotServing(PARTIAL_WEIGHTS)
+        prompts, specs, flags, starts, is_batch = parse_generate_request(
+            body, engine.tokenizer, engine.vocab_size)
+        media = parse_media(body, len(prompts), is_batch)
+        prompts, mm = await asyncio.to_thread(engine.process_media, prompts, media)
+        future = engine.submit(prompts, specs, flags, starts, mm)
+        items = await asyncio.wait_for(asyncio.wrap_future(future), timeout=request_timeout_s)
+        return JSONResponse(items if is_batch else items[0])
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.alive() else 503)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict:
+        return {"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path,
+                "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": engine.weight_version}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict:
+        return {"weight_version": engine.weight_version}
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict:
+        return {"engine": "hf", "model_path": engine.model_path,
+                "max_batch_size": engine.max_batch_size,
+                "batch_wait_ms": engine.batch_wait_s * 1000.0,
+                "weight_version": engine.weight_version, "paused": engine._paused,
+                "memory_released": sorted(engine.released),
+                "queued_sequences": len(engine._pending), "internal_states": [dict(engine.stats)]}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        return Response(content="Cache flushed.\n", status_code=200)  # no prefix cache to drop
+
+    @app.post("/pause_generation")
+    @_json_errors
+    async def pause_generation(request: Request):
+        mode = (await _body(request)).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"Invalid mode: {mode!r}. Expected one of abort, retract, in_place")
+        await asyncio.to_thread(engine.pause, mode)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> JSONResponse:
+        engine.resume()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/init_weights_update_group")
+    @_json_errors
+    async def init_weights_update_group(request: Request):
+        b = await _body(request)
+        sglang_api.check_body("/init_weights_update_group", b)
+        await asyncio.to_thread(engine.receiver.init_group, str(b["master_address"]),
+                                int(b["master_port"]), int(b["rank_offset"]),
+                                int(b["world_size"]), b.get("group_name", "weight_update_group"),
+                                b.get("backend", "nccl"))
+        return JSONResponse({"success": True,
+                             "message": "Succeeded to initialize custom process group."})
+
+    @app.post("/destroy_weights_update_group")
+    @_json_errors
+    async def destroy_weights_update_group(request: Request):
+        name = (await _body(request)).get("group_name", "weight_update_group")
+        if not await asyncio.to_thread(engine.receiver.destroy_group, name):
+            raise BadRequest(f"no weight-update group {name!r}")
+        return JSONResponse({"success": True, "message": f"Destroyed group {name}."})
+
+    @app.post("/update_weights_from_distributed")
+    @_json_errors
+    async def update_weights_from_distributed(request: Request):
+        b = await _body(request)
+        sglang_api.check_body("/update_weights_from_distributed", b)
+        names, dtypes, shapes = list(b["names"]), list(b["dtypes"]), list(b["shapes"])
+        if not len(names) == len(dtypes) == len(shapes):
+            raise BadRequest(f"names, dtypes and shapes differ in length: {len(names)}, "
+                             f"{len(dtypes)}, {len(shapes)}")
+        load_format = b.get("load_format")
+        if load_format not in (None, FLATTENED_BUCKET):
+            raise BadRequest(f"load_format={load_format!r} is not supported by the hf engine: "
+                             f"use null (one broadcast per tensor) or {FLATTENED_BUCKET}")
+        group = b.get("group_name", "weight_update_group")
+        if not engine.receiver.has_group(group):
+            raise BadRequest(f"no weight-update group {group!r}: call /init_weights_update_group")
+        version = b.get("weight_version")
+        await asyncio.to_thread(engine.update_weights, names, dtypes, shapes, group, version,
+                                load_format == FLATTENED_BUCKET)
+        message = "Succeeded to update parameter online."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return JSONResponse({"success": True, "message": message})
+
+    @app.post("/abort_request")
+    @_json_errors
+    async def abort_request(request: Request):
+        b = await _body(request)
+        sglang_api.check_body("/abort_request", b)
+        # no request ids here: a single rid matches nothing, as an unknown rid in SGLang
+        if b.get("abort_all"):
+            await asyncio.to_thread(engine.abort_queued)
+        return Response(status_code=200)
+
+    @app.post("/release_memory_occupation")
+    @_json_errors
+    async def release_memory_occupation(request: Request):
+        tags = _memory_tags(await _body(request), "/release_memory_occupation")
+        await asyncio.to_thread(engine.pause, "in_place")  # as SGLang, after the batch in flight
+        engine.released |= set(tags)
+        return JSONResponse({"success": True, "message": f"released {sorted(tags)}"})
+
+    @app.post("/resume_memory_occupation")
+    @_json_errors
+    async def resume_memory_occupation(request: Request):
+        tags = _memory_tags(await _body(request), "/resume_memory_occupation")
+        engine.released -= set(tags)
+        if not engine.released:
+            engine.resume()
+        return JSONResponse({"success": True, "message": f"resumed {sorted(tags)}"})
+
+    @app.get("/weights_checksum")
+    async def weights_checksum() -> dict:
+        checksums = await asyncio.to_thread(engine.checksums)
+        return {"success": True, "weight_version": engine.weight_version, "checksums": checksums}
+
+    return app
