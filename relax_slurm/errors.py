@@ -34,6 +34,12 @@ class EngineUnreachable(EngineError):
     answer with an error: the request may be tried again once the engine is back."""
 
 
+class EngineAborted(EngineError):
+    """An engine ended a generation with finish_reason abort (a weight sync paused it with
+    weight_sync.pause_mode=abort, or an abort_all): its tokens are truncated, never trained on
+    or scored; the group is generated again."""
+
+
 class EngineDown(EngineError):
     """An engine did not answer /health within rollout.startup_timeout_s."""
 

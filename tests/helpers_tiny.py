@@ -174,3 +174,18 @@ def script_args() -> tuple[Path, list, Path]:
     model_dir = Path(args.model_dir)
     return model_dir, list(load_file(str(model_dir / "model.safetensors")).items()), \
         Path(args.out)
+
+
+def run_script(name: str, tmp_path: Path) -> dict:
+    """tests/integration/scripts/NAME --model-dir (a tiny model) --out F, as a process of its
+    own (it forms torch.distributed groups); its JSON findings."""
+    import json
+
+    model_dir = make_tiny_model(tmp_path / "model")
+    out = tmp_path / "result.json"
+    script = REPO_ROOT / "tests" / "integration" / "scripts" / name
+    proc = subprocess.run([sys.executable, str(script), "--model-dir", str(model_dir),
+                           "--out", str(out)], cwd=REPO_ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())

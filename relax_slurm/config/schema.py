@@ -194,7 +194,14 @@ class RolloutConfig:
     """sglang: more `python -m sglang.launch_server` flags, passed as they are."""
     release_memory_during_train: bool = False
     """Colocated placement: engines release GPU memory (/release_memory_occupation) while the
-    trainer steps and resume it for rollout; sglang engines then start --enable-memory-saver."""
+    trainer steps and resume it for rollout; sglang engines then start --enable-memory-saver.
+    Generation is paused first (weight_sync.pause_mode): SGLang asserts an idle engine."""
+    deterministic: bool = False
+    """Reproducible rollouts: every sequence's tokens follow from its seed (run seed, group,
+    sample), whatever else is batched, so a resumed run draws the same tokens. The hf engine
+    always does this; sglang engines only with --enable-deterministic-inference, which this
+    adds (a batch-invariant sampler and kernels: slower, see docs/engines.md#seeds). Without it
+    SGLang ignores sampling_params.sampling_seed."""
     agent_mode: str = "env"
     """env: the worker draws prompts from data.* and runs them (single-turn, or episodes of
     env.name); proxy: it serves an OpenAI-compatible /v1/chat/completions for external agent
@@ -460,13 +467,23 @@ class WeightSyncConfig:
     """After every sync, compare engine and trainer weight checksums (tests, debugging)."""
     load_format: Optional[str] = None
     """null: one broadcast per tensor. flattened_bucket: one broadcast per bucket, its tensors'
-    bytes end to end (SGLang >= 0.5's load_format of the same name; the hf engine serves both).
+    bytes end to end (SGLang's load_format of the same name; the hf engine serves both).
     Fewer collectives for models of many small tensors (MoE experts), at the price of one
     bucket-sized buffer and a copy on each side (see docs/weight_sync.md)."""
+    pause_mode: str = "retract"
+    """How engines pause while weights are sent (async runs, algo.max_staleness >= 1) and
+    before they release memory (colocated): retract (running requests go back to the queue,
+    keep their tokens and continue on the new weights; a sample then spans two versions, see
+    meta_info.weight_versions), abort (they end with finish_reason abort and the worker
+    generates their groups again) or in_place (refused by every supported SGLang: the sync's
+    cache flush cannot run beside requests paused in place). Checked against each engine's
+    version when the weight-sync group forms."""
 
     def __post_init__(self) -> None:
         _check(self.backend in ("auto", "gloo", "nccl"),
                f"weight_sync.backend={self.backend!r}: use auto, gloo or nccl")
+        _check(self.pause_mode in ("abort", "retract", "in_place"),
+               f"weight_sync.pause_mode={self.pause_mode!r}: use retract, abort or in_place")
         _check(self.load_format in (None, FLATTENED_BUCKET),
                f"weight_sync.load_format={self.load_format!r}: use null (one broadcast per "
                f"tensor) or {FLATTENED_BUCKET}")

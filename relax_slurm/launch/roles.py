@@ -127,7 +127,7 @@ def _sglang_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, 
             dtype=cfg.model.dtype, seed=seed, trust_remote_code=cfg.model.trust_remote_code,
             api_key=r.engine_api_key,
             enable_memory_saver=r.release_memory_during_train,
-            extra_args=r.engine_extra_args),
+            extra_args=r.engine_extra_args, deterministic=r.deterministic),
     )
 
 

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from relax_slurm.errors import EngineDown, EngineError, EngineUnreachable
+from relax_slurm.errors import EngineAborted, EngineDown, EngineError, EngineUnreachable
 from relax_slurm.rollout import sglang_api
 
 # httpx logs every request at INFO: thousands of lines per step in a role's log
@@ -42,6 +42,17 @@ class GenerateResult:
     input_logprobs: list[Optional[float]] = field(default_factory=list)
     """Log-prob of each input token from logprob_start_len on (the very first token's is None);
     empty unless the request set logprob_start_len >= 0."""
+    weight_versions: list[tuple[str, int, int]] = field(default_factory=list)
+    """(version, start, end) spans of output_ids, end exclusive (meta_info.weight_versions):
+    more than one when the weights changed while the sequence was generated (a pause in
+    retract or in_place mode); empty when the server did not report them."""
+
+    def versions(self) -> list[int]:
+        """The policy versions whose weights sampled this sequence's tokens, oldest first (the
+        staleness rule judges the oldest)."""
+        if self.weight_versions:
+            return [int(v) for v, _, _ in self.weight_versions]
+        return [] if self.weight_version is None else [int(self.weight_version)]
 
 
 def parse_generate_item(item: dict[str, Any]) -> GenerateResult:
@@ -60,9 +71,24 @@ def parse_generate_item(item: dict[str, Any]) -> GenerateResult:
     version = meta.get("weight_version")
     # [[logprob | None, token_id, text | None], ...] from logprob_start_len on
     inputs = [None if e[0] is None else float(e[0]) for e in meta.get("input_token_logprobs") or []]
+    spans = [(str(s["version"]), int(s["start"]), int(s["end"]))
+             for s in meta.get("weight_versions") or []]
     return GenerateResult(output_ids=output_ids, logprobs=logprobs, finish_reason=finish_type,
                           weight_version=None if version is None else str(version),
-                          text=item.get("text", ""), meta_info=meta, input_logprobs=inputs)
+                          text=item.get("text", ""), meta_info=meta, input_logprobs=inputs,
+                          weight_versions=spans)
+
+
+def raise_if_aborted(results: list[GenerateResult], url: str) -> list[GenerateResult]:
+    """`results`, unless one was aborted (EngineAborted): a truncated sequence must never be
+    scored or trained on."""
+    aborted = [r for r in results if r.finish_reason == "abort"]
+    if aborted:
+        reason = aborted[0].meta_info.get("finish_reason")
+        why = reason.get("message") if isinstance(reason, dict) else reason
+        raise EngineAborted(f"engine {url}/generate: {len(aborted)} of {len(results)} "
+                            f"sequences aborted ({why})")
+    return results
 
 
 def _server_message(resp: httpx.Response) -> str:
@@ -137,6 +163,10 @@ class _Base:
         body.update(media_fields(media, len(input_ids)))
         return body
 
+    def _info(self, route: str, resp: httpx.Response) -> Optional[dict[str, Any]]:
+        """An info route's body; None on a 404 (try its older name, DEPRECATED_ROUTE)."""
+        return None if resp.status_code == 404 else self._json(route, resp)
+
     def _parse_generate(self, body: Any, n: int) -> list[GenerateResult]:
         items = body if isinstance(body, list) else [body]
         if len(items) != n:
@@ -183,12 +213,29 @@ class EngineClient(_Base):
             raise EngineError(f"engine {self.url}/health: HTTP {resp.status_code}")
         return True
 
+    def _get_info(self, route: str) -> dict[str, Any]:
+        """GET /model_info or /server_info, else their older names; a 404 on both is an
+        EngineError (a server that does not speak the protocol), not an engine down."""
+        for name in (route, sglang_api.DEPRECATED_ROUTE[route]):
+            body = self._info(name, self._call("GET", name))
+            if body is not None:
+                return body
+        raise EngineError(f"engine {self.url}: neither {route} nor "
+                          f"{sglang_api.DEPRECATED_ROUTE[route]} exists (HTTP 404): not an "
+                          f"SGLang server of {sglang_api.SUPPORTED_SGLANG}?")
+
     def model_info(self) -> dict[str, Any]:
-        return self._json("/get_model_info", self._call("GET", "/get_model_info"))
+        return self._get_info("/model_info")
+
+    def server_info(self) -> dict[str, Any]:
+        return self._get_info("/server_info")
+
+    def protocol(self) -> sglang_api.ServerProtocol:
+        """The server's SGLang release (or the hf engine's), checked against the range."""
+        return sglang_api.server_protocol(self.server_info(), self.url)
 
     def weight_version(self) -> Optional[str]:
-        version = self._json("/get_weight_version",
-                             self._call("GET", "/get_weight_version"))["weight_version"]
+        version = self.model_info().get("weight_version")
         return None if version is None else str(version)
 
     def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
@@ -228,8 +275,16 @@ class EngineClient(_Base):
         return self._json("/update_weights_from_distributed",
                           self._call("POST", "/update_weights_from_distributed", body))
 
-    def pause_generation(self, mode: str = "in_place") -> None:
-        """Stop starting new work (SGLang's mode: abort, retract or in_place; hf: in_place)."""
+    def begin_weight_update(self) -> None:
+        """Open the weight-update session the updates of one sync run in (SGLang 0.5.21+)."""
+        self._json("/begin_weight_update", self._call("POST", "/begin_weight_update", {}))
+
+    def end_weight_update(self) -> None:
+        self._json("/end_weight_update", self._call("POST", "/end_weight_update", {}))
+
+    def pause_generation(self, mode: str = "retract") -> None:
+        """Stop generating: retract (running requests back to the queue, continued after
+        /continue_generation), abort (they end with finish_reason abort) or in_place."""
         self._check("/pause_generation",
                     self._call("POST", "/pause_generation", sglang_api.pause_body(mode)))
 
@@ -344,13 +399,6 @@ class AsyncEngineClient(_Base):
             raise EngineError(f"engine {self.url}/health: HTTP {resp.status_code}")
         return True
 
-    async def model_info(self) -> dict[str, Any]:
-        return self._json("/get_model_info", await self._call("GET", "/get_model_info"))
-
-    async def weight_version(self) -> Optional[str]:
-        body = self._json("/get_weight_version", await self._call("GET", "/get_weight_version"))
-        return None if body["weight_version"] is None else str(body["weight_version"])
-
     async def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
                        return_logprob: bool = True, logprob_start_len: Optional[int] = None,
                        media: Optional[list[dict[str, list[str]]]] = None
@@ -362,12 +410,12 @@ class AsyncEngineClient(_Base):
         resp = await self._call("POST", "/generate", body)
         return self._parse_generate(self._json("/generate", resp), len(input_ids))
 
-    async def prefill_logprobs(self, input_ids: list[list[int]], temperature: float = 1.0
-                               ) -> list[list[float]]:
+    async def prefill_logprobs(self, input_ids: list[list[int]]) -> list[list[float]]:
         """Log-probs of tokens 1..L-1 of each sequence given the ones before it, [L-1] each:
         the prefill path of /generate (max_new_tokens=0, logprob_start_len=0), no sampling.
-        How a teacher engine scores a student's prompt + response."""
-        params = {"max_new_tokens": 0, "temperature": temperature}
+        How a teacher engine scores a student's prompt + response. At temperature 1 on SGLang
+        (its prefill reads no sampling params) and on the hf engine alike."""
+        params = {"max_new_tokens": 0}
         results = await self.generate(input_ids, params, return_logprob=True, logprob_start_len=0)
         out = []
         for ids, res in zip(input_ids, results):

@@ -21,9 +21,12 @@ from typing import Any
 from relax_slurm.config.schema import TrainConfig
 from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.rewards import RewardInput, build_reward
+from relax_slurm.errors import EngineAborted
 from relax_slurm.rollout.engine_client import EngineClient
 
 log = logging.getLogger("relax_slurm.eval")
+ABORT_RETRIES = 20
+"""Times an eval sequence is generated again after a weight sync aborted it (pause_mode=abort)."""
 CORRECT = 1.0  # a response counts as solved for pass@k when its reward reaches the full 1.0
 
 
@@ -76,11 +79,17 @@ class Evaluator:
         results: list[Any] = [None] * len(ids)
         for e, engine in enumerate(self.engines):
             mine = list(range(e, len(ids), n))
-            if mine:
+            for _ in range(ABORT_RETRIES):  # a weight sync in abort mode ends some: again
+                if not mine:
+                    break
                 got = engine.generate([ids[i] for i in mine], [seeds[i] for i in mine],
                                       media=[media[i] for i in mine] if any(media) else None)
                 for i, r in zip(mine, got):
                     results[i] = r
+                mine = [i for i, r in zip(mine, got) if r.finish_reason == "abort"]
+            if mine:
+                raise EngineAborted(f"engine {engine.url}: {len(mine)} eval sequences aborted "
+                                    f"{ABORT_RETRIES} times (weight_sync.pause_mode=abort)")
         return [results[i * k:(i + 1) * k] for i in range(len(prompts))]
 
     def _score(self, prompt: Prompt, results: list[Any]) -> list[float]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from transformers import LogitsProcessor, StoppingCriteria
@@ -53,16 +53,40 @@ class Row:
     """>= 0: also return the log-probs of the input tokens from this position on."""
     mm: Optional[dict] = None
     """Processed media of this row (forward kwargs as numpy arrays), or None for text."""
+    out_ids: list[int] = field(default_factory=list)
+    """Tokens generated so far, over every batch the row ran in: a row retracted by a pause
+    (SGLang's retract and in_place modes) keeps them and continues from prompt + out_ids."""
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[list] = field(default_factory=list)
+    """[version, start, end] of out_ids, end exclusive (SGLang's meta_info.weight_versions)."""
+    generator: Optional[torch.Generator] = None
+    """A seeded row's own generator, kept across batches: a continued row draws on where it
+    stopped, so its tokens are those of an uninterrupted run with the same weights."""
+    held_in_place: bool = False
+    """Interrupted by a pause in in_place mode: "running" as far as a cache flush goes."""
+    retractions: int = 0
+    input_logprobs: Optional[list] = None
+    """Computed once, in the row's first batch (wants_input_logprobs)."""
 
     @property
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0
 
-    @property
-    def logprob_temperature(self) -> float:
-        # greedy rows keep temperature 1 for their log-probs, as SGLang does
-        t = self.spec.temperature
-        return 1.0 if t < GREEDY_EPS else t
+    def add_tokens(self, version: str, before: int) -> None:
+        """Record that out_ids[before:] came from weights `version`."""
+        end = len(self.out_ids)
+        if end == before:
+            return
+        if self.spans and self.spans[-1][0] == version and self.spans[-1][2] == before:
+            self.spans[-1][2] = end
+        else:
+            self.spans.append([version, before, end])
+
+    def weight_versions(self, version: str) -> list[dict]:
+        """meta_info.weight_versions: the spans, or one empty span of `version` (the weights
+        serving at the end) when nothing was generated, as SGLang reports it."""
+        spans = self.spans or [[version, 0, 0]]
+        return [{"version": v, "start": a, "end": b} for v, a, b in spans]
 
 
 class BatchState:
@@ -79,14 +103,16 @@ class BatchState:
         # greedy rows keep temperature 1 for their log-probs, as SGLang does
         self.temperature = torch.tensor([1.0 if t < GREEDY_EPS else t for t in temps],
                                         dtype=torch.float32, device=device)[:, None]  # [B, 1]
-        self.out_ids: list[list[int]] = [[] for _ in rows]
-        self.logprobs: list[list[float]] = [[] for _ in rows]
+        # the rows' own lists: a continued row appends to what it generated before
+        self.out_ids: list[list[int]] = [r.out_ids for r in rows]
+        self.logprobs: list[list[float]] = [r.logprobs for r in rows]
         self.finish: list[Optional[dict]] = [None for _ in rows]
         # seeded rows draw from their own generator, so their tokens do not depend on what else
         # is in the batch or on the engine's history (exact resume relies on this)
-        self.generators = [None if r.spec.sampling_seed is None else
-                           torch.Generator(device=device).manual_seed(r.spec.sampling_seed)
-                           for r in rows]
+        for r in rows:
+            if r.spec.sampling_seed is not None and r.generator is None:
+                r.generator = torch.Generator(device=device).manual_seed(r.spec.sampling_seed)
+        self.generators = [r.generator for r in rows]
         self.last_scaled: Optional[torch.Tensor] = None  # [B, V] logits / temperature, this step
         self.last_lse: Optional[torch.Tensor] = None  # [B] their logsumexp
 
@@ -178,10 +204,14 @@ class RowSampler(LogitsProcessor):
 
 
 class RowStopper(StoppingCriteria):
-    """Called after each new token: record it and its log-prob, decide which rows are done."""
+    """Called after each new token: record it and its log-prob, decide which rows are done.
+    Once `interrupted()` (a pause came) every row stops after this token; the unfinished ones
+    are then aborted, or continued later, by the pause's mode."""
 
-    def __init__(self, state: BatchState) -> None:
+    def __init__(self, state: BatchState, interrupted: Callable[[], bool] = lambda: False
+                 ) -> None:
         self.state = state
+        self.interrupted = interrupted
 
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
         st = self.state
@@ -193,5 +223,7 @@ class RowStopper(StoppingCriteria):
             st.out_ids[i].append(tok)
             st.logprobs[i].append(lp)
             st.finish[i] = st.finish_reason(i)
+        if self.interrupted():
+            return torch.ones(len(st.finish), dtype=torch.bool, device=input_ids.device)
         return torch.tensor([f is not None for f in st.finish], dtype=torch.bool,
                             device=input_ids.device)

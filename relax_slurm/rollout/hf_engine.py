@@ -77,6 +77,12 @@ log = logging.getLogger("relax_slurm.hf_engine")
 KEEP_ALIVE_S = 120
 
 
+PREFILL_ONLY = {"type": "length", "length": 0}
+"""The finish reason of a row that generates nothing (max_new_tokens=0)."""
+ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
+"""SGLang's finish reasons of an aborted running and waiting request."""
+
 PARTIAL_WEIGHTS = ("the last weight update failed midway and left a mix of two versions: "
                    "generation resumes after the next complete /update_weights_from_distributed")
 
@@ -117,12 +123,17 @@ class HFEngine:
         self._pending: deque[Row] = deque()
         self._cond = threading.Condition()
         self._paused = False
+        self._interrupt: Optional[str] = None
+        """A pause's mode (or an abort_all's "abort") the batch in flight obeys: it stops after
+        its current token, and its unfinished rows are aborted or go back to the queue."""
+        self._session = False  # a weight-update session is open (/begin_weight_update)
         self.partial_weights = False
         self.released: set[str] = set()
         """Memory regions let go by /release_memory_occupation (colocated placement); CPU
         frees nothing, but generation is refused until resumed, as SGLang cannot generate
         without its weights and KV cache."""
         self._busy = False  # a batch was taken from the queue and is not delivered yet
+        self._running: list[Row] = []  # the rows of the generate call in flight
         self._stop = False
         self._model_lock = threading.Lock()  # held by a generate call or a weight update
         self._thread = threading.Thread(target=self._loop, name="hf-generate", daemon=True)
@@ -191,7 +202,7 @@ class HFEngine:
         queued = []
         for row in rows:
             if row.spec.max_new_tokens == 0 and not row.wants_input_logprobs:  # nothing to run
-                req.deliver(row.index, self._item(row, [], [], {"type": "length", "length": 0}))
+                req.deliver(row.index, self._item(row, PREFILL_ONLY))
             else:
                 queued.append(row)
         with self._cond:
@@ -227,7 +238,12 @@ class HFEngine:
             finally:
                 with self._cond:
                     self._busy = False
+                    if not self._paused:  # an abort_all's interrupt ended with its batch
+                        self._interrupt = None
                     self._cond.notify_all()
+
+    def _interrupted(self) -> bool:
+        return self._interrupt is not None
 
     def _run_batch(self, rows: list[Row]) -> None:
         with self._model_lock:  # a weight update waits for this batch to finish
@@ -238,25 +254,51 @@ class HFEngine:
                 return
             try:
                 to_generate = [r for r in rows if r.spec.max_new_tokens > 0]
-                outputs = dict(zip(map(id, to_generate), self._generate(to_generate)
-                                   if to_generate else []))
-                inputs = self._input_logprobs([r for r in rows if r.wants_input_logprobs])
+                finishes = dict(zip(map(id, to_generate), self._generate(to_generate, version)
+                                    if to_generate else []))
+                # once per row: a continued row computed them in its first batch
+                self._input_logprobs([r for r in rows if r.wants_input_logprobs
+                                      and r.input_logprobs is None])
             except Exception as e:  # a bad batch fails its requests, not the server
                 log.exception("generate failed for a batch of %d", len(rows))
                 for row in rows:
                     row.request.fail(e)
                 return
-        prefill_only = ([], [], {"type": "length", "length": 0})
+            mode = self._interrupt
+        stopped = []
         for row in rows:
-            ids, lps, finish = outputs.get(id(row), prefill_only)
-            row.request.deliver(row.index, self._item(row, ids, lps, finish, version,
-                                                      inputs.get(id(row))))
+            finish = finishes.get(id(row), PREFILL_ONLY)
+            if finish is None and mode is None:  # generate() ended the row without a reason
+                finish = {"type": "length", "length": len(row.out_ids)}
+            if finish is None:
+                stopped.append(row)
+            else:
+                row.request.deliver(row.index, self._item(row, finish, version))
+        if stopped:
+            self._stop_rows(stopped, mode)
 
-    @torch.no_grad()
-    def _input_logprobs(self, rows: list[Row]) -> dict[int, list[Optional[float]]]:
-        """Per row (by id): log-probs of its input tokens from logprob_start_len on, the first
-        input token's being None; one teacher-forced forward per chunk of rows."""
-        out: dict[int, list[Optional[float]]] = {}
+    def _stop_rows(self, rows: list[Row], mode: str) -> None:
+        """Rows a pause interrupted midway, as SGLang treats its running batch: abort ends them
+        with what they have; retract puts them back at the head of the queue, to continue from
+        prompt + tokens so far once generation continues (on the weights then served, recorded
+        in their version spans); in_place does the same, but until then they count as running
+        (a cache flush is refused). SGLang keeps in-place rows' KV cache; here it is recomputed."""
+        if mode == "abort":
+            for row in rows:
+                row.request.deliver(row.index, self._item(row, ABORTED))
+            return
+        with self._cond:
+            for row in reversed(rows):
+                row.held_in_place = mode == "in_place"
+                row.retractions += 1
+                self._pending.appendleft(row)
+            self._cond.notify_all()
+
+    def _input_logprobs(self, rows: list[Row]) -> None:
+        """Each row's `input_logprobs`: log-probs of its input tokens from logprob_start_len on,
+        the first input token's being None; one teacher-forced forward per chunk of rows. At
+        temperature 1 whatever the request's temperature, as SGLang computes them (its prefill
+        path reads no sampling params): a teacher scores the same on both engines."""
         for lo in range(0, len(rows), self.max_batch_size):
             chunk = rows[lo:lo + self.max_batch_size]
             width = max(len(r.input_ids) for r in chunk)
@@ -273,11 +315,10 @@ class HFEngine:
                                 **self._mm_kwargs(chunk, input_ids)).logits  # [B, L, V]
             for i, row in enumerate(chunk):
                 n = len(row.input_ids)
-                scaled = logits[i, :n - 1].float() / row.logprob_temperature  # [L-1, V]
+                scores = logits[i, :n - 1].float()  # [L-1, V]
                 targets = input_ids[i, 1:n][:, None]
-                lps = (scaled.gather(1, targets).squeeze(1) - torch.logsumexp(scaled, -1))
-                out[id(row)] = [None, *lps.tolist()][row.logprob_start_len:]
-        return out
+                lps = (scores.gather(1, targets).squeeze(1) - torch.logsumexp(scores, -1))
+                row.input_logprobs = [None, *lps.tolist()][row.logprob_start_len:]
 
     def _mm_kwargs(self, rows: list[Row], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The batch's media tensors: each row's, concatenated in row order (the order of their
@@ -294,81 +335,125 @@ class HFEngine:
         return {**media, **mm_token_types(self.model, input_ids, media)}
 
     @torch.no_grad()
-    def _generate(self, rows: list[Row]) -> list[tuple[list[int], list[float], dict]]:
-        batch, width = len(rows), max(len(r.input_ids) for r in rows)
+    def _generate(self, rows: list[Row], version: str) -> list[Optional[dict]]:
+        """One generate call for `rows` (each from its prompt + tokens so far) on the weights
+        `version`; each row's finish reason, None for a row a pause stopped midway."""
+        inputs = [r.input_ids + r.out_ids for r in rows]
+        before = [len(r.out_ids) for r in rows]
+        batch, width = len(rows), max(len(ids) for ids in inputs)
         input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # [B, L] left-padded
         attention_mask = torch.zeros((batch, width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            input_ids[i, width - len(row.input_ids):] = torch.tensor(row.input_ids)
-            attention_mask[i, width - len(row.input_ids):] = 1
+        for i, ids in enumerate(inputs):
+            input_ids[i, width - len(ids):] = torch.tensor(ids)
+            attention_mask[i, width - len(ids):] = 1
         state = BatchState(rows, self.eos_ids, self.tokenizer, self.device)
         input_ids = input_ids.to(self.device)
-        self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask.to(self.device),
-            **self._mm_kwargs(rows, input_ids),
-            max_new_tokens=max(r.spec.max_new_tokens for r in rows),
-            logits_processor=LogitsProcessorList([RowSampler(state, self.banned_ids)]),
-            stopping_criteria=StoppingCriteriaList([RowStopper(state)]))
+        self._running = rows
+        try:
+            self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask.to(self.device),
+                **self._mm_kwargs(rows, input_ids),
+                max_new_tokens=max(r.spec.max_new_tokens - n for r, n in zip(rows, before)),
+                logits_processor=LogitsProcessorList([RowSampler(state, self.banned_ids)]),
+                stopping_criteria=StoppingCriteriaList([RowStopper(state, self._interrupted)]))
+        finally:
+            self._running = []
         self.stats["num_batches"] += 1
         self.stats["num_sequences"] += batch
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], batch)
-        return [(state.out_ids[i], state.logprobs[i],
-                 state.finish[i] or {"type": "length", "length": len(state.out_ids[i])})
-                for i in range(batch)]
+        for row, n in zip(rows, before):
+            row.add_tokens(version, n)
+        return state.finish
 
-    def _item(self, row: Row, out_ids: list[int], logprobs: list[float], finish: dict,
-              version: Optional[str] = None,
-              input_logprobs: Optional[list[Optional[float]]] = None) -> dict:
-        """One response element in SGLang's shape."""
-        spec = row.spec
+    def _item(self, row: Row, finish: dict, version: Optional[str] = None) -> dict:
+        """One response element in SGLang's shape; `version`: the weights serving now."""
+        spec, out_ids = row.spec, row.out_ids
+        version = version or self.weight_version
         text = self.tokenizer.decode(out_ids, skip_special_tokens=spec.skip_special_tokens)
         if finish.get("type") == "stop" and isinstance(finish.get("matched"), str) \
                 and not spec.no_stop_trim:
             text = text[:text.find(finish["matched"])]
+        spans = row.weight_versions(version)
         meta: dict[str, Any] = {
             "id": uuid.uuid4().hex, "finish_reason": finish,
             "prompt_tokens": len(row.input_ids), "completion_tokens": len(out_ids),
-            "cached_tokens": 0, "weight_version": version or self.weight_version,
+            "cached_tokens": 0, "num_retractions": row.retractions,
+            # the final result's version is its last span's, as SGLang reports it
+            "weight_version": spans[-1]["version"], "weight_versions": spans,
         }
         if row.return_logprob:
             # SGLang: [logprob, token_id, token_text]; text is None unless return_text_in_logprobs
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, out_ids)]
-        if input_logprobs is not None:
+            meta["output_token_logprobs"] = [[lp, tok, None]
+                                             for lp, tok in zip(row.logprobs, out_ids)]
+        if row.input_logprobs is not None:
             tokens = row.input_ids[row.logprob_start_len:]
             meta["input_token_logprobs"] = [[lp, tok, None]
-                                            for lp, tok in zip(input_logprobs, tokens)]
+                                            for lp, tok in zip(row.input_logprobs, tokens)]
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
     # ---- control: pause, weights ------------------------------------------------------------
 
     def pause(self, mode: str) -> None:
-        """Start no new batch; abort drops the queued requests (finish_reason abort).
-        hf cannot stop a generate call midway, so every mode lets the batch in flight finish."""
+        """SGLang's /pause_generation: start no new batch and stop the one in flight after its
+        current token (its rows per `mode`, see _stop_rows); abort also ends the queued
+        requests. Returns once no batch runs."""
         with self._cond:
             self._paused = True
+            self._interrupt = mode
             aborted = list(self._pending) if mode == "abort" else []
             if aborted:
                 self._pending.clear()
-        for row in aborted:
-            finish = {"type": "abort", "message": "Abort by /pause_generation"}
-            row.request.deliver(row.index, self._item(row, [], [], finish))
+        self._abort_queued(aborted)
         self._wait_idle()
 
-    def abort_queued(self) -> int:
-        """/abort_request with abort_all: queued requests finish with abort (the batch in
-        flight completes: hf cannot stop a generate call midway)."""
+    def abort_all(self) -> None:
+        """/abort_request with abort_all: every request ends with finish_reason abort (the
+        batch in flight after its current token)."""
         with self._cond:
             aborted = list(self._pending)
             self._pending.clear()
-        for row in aborted:
-            finish = {"type": "abort", "message": "Abort by /abort_request"}
-            row.request.deliver(row.index, self._item(row, [], [], finish))
-        return len(aborted)
+            if self._busy:
+                self._interrupt = "abort"
+        self._abort_queued(aborted)
+
+    def _abort_queued(self, rows: list[Row]) -> None:
+        for row in rows:
+            row.request.deliver(row.index, self._item(row, ABORTED_WAITING))
 
     def resume(self) -> None:
+        """/continue_generation: retracted and in-place rows continue first, on the weights
+        served now."""
         with self._cond:
             self._paused = False
+            self._interrupt = None
+            for row in self._pending:
+                row.held_in_place = False
             self._cond.notify_all()
+
+    def status(self) -> dict[str, Any]:
+        """What /server_info reports of the engine's state."""
+        with self._cond:
+            return {"paused": self._paused, "pause_mode": self._interrupt if self._paused else None,
+                    "queued_sequences": len(self._pending),
+                    "running_sequences": len(self._running),
+                    "running_tokens": sum(len(r.out_ids) for r in self._running),
+                    "held_in_place": sum(r.held_in_place for r in self._pending),
+                    "weight_update_session": self._session,
+                    "weight_update_groups": self.receiver.group_names(),
+                    "memory_released": sorted(self.released)}
+
+    def held_in_place(self) -> bool:
+        """Requests paused in place (SGLang: still in the running batch)."""
+        with self._cond:
+            return any(r.held_in_place for r in self._pending)
+
+    def idle_or_paused(self) -> bool:
+        """What SGLang asserts before releasing memory: nothing running (a paused engine's
+        queue does not count, its in-place batch does)."""
+        with self._cond:
+            if self._paused:
+                return not any(r.held_in_place for r in self._pending)
+            return not self._busy and not self._pending
 
     def _wait_idle(self) -> None:
         deadline = time.monotonic() + self.sync_timeout_s
@@ -380,11 +465,35 @@ class HFEngine:
                                        f"{self.sync_timeout_s}s")
                 self._cond.wait(timeout=left)
 
+    def begin_session(self) -> None:
+        """/begin_weight_update: updates are refused outside a session, as in SGLang 0.5.21+
+        (which has no owner or timeout for one either)."""
+        with self._cond:
+            if self._session:
+                raise BadRequest("a weight-update session is already open; call "
+                                 "end_weight_update() first")
+            self._session = True
+
+    def end_session(self) -> None:
+        with self._cond:
+            if not self._session:
+                raise BadRequest("no weight-update session is open; call "
+                                 "begin_weight_update() first")
+            self._session = False
+
     def update_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                       group_name: str, weight_version: Optional[str],
+                       group_name: str, weight_version: Optional[str], flush_cache: bool,
                        flattened: bool = False) -> None:
         """Receive (per-tensor broadcast from rank 0, in the order of names; or one of the
-        flattened bucket) and load."""
+        flattened bucket) and load. As SGLang 0.5.22+: refused outside a session (before
+        anything is received), and a flush with requests paused in place fails after the
+        weights are loaded."""
+        with self._cond:
+            if not self._session:
+                raise BadRequest(sglang_api.OUT_OF_SESSION)
+        if not self.receiver.has_group(group_name):
+            raise BadRequest(f"no weight-update group {group_name!r}: call "
+                             "/init_weights_update_group")
         if not self._model_lock.acquire(timeout=self.sync_timeout_s):
             raise WeightSyncError(f"generation held the model for more than {self.sync_timeout_s}s")
         try:
@@ -406,6 +515,18 @@ class HFEngine:
             self._model_lock.release()
         log.info("loaded %d tensors from group %r (weight_version %s)", len(names), group_name,
                  self.weight_version)
+        if flush_cache and self.held_in_place():
+            raise BadRequest(sglang_api.FLUSH_REFUSED)
+
+    def destroy_group(self, group_name: str) -> bool:
+        """/destroy_weights_update_group, once no update holds the model (one the trainer gave
+        up midway drops out within a second of its next cohort forming)."""
+        if not self._model_lock.acquire(timeout=self.sync_timeout_s):
+            raise WeightSyncError(f"an update held the model for more than {self.sync_timeout_s}s")
+        try:
+            return self.receiver.destroy_group(group_name)
+        finally:
+            self._model_lock.release()
 
     def checksums(self) -> dict[str, str]:
         with self._model_lock:

@@ -106,24 +106,22 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
     async def health() -> Response:
         return Response(status_code=200 if engine.alive() else 503)
 
-    @app.get("/get_model_info")
-    async def get_model_info() -> dict:
+    @app.get("/model_info")
+    @app.get("/get_model_info")  # its older name, still served by SGLang
+    async def model_info() -> dict:
         return {"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path,
                 "is_generation": True, "preferred_sampling_params": None,
                 "weight_version": engine.weight_version}
 
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> dict:
-        return {"weight_version": engine.weight_version}
-
+    @app.get("/server_info")
     @app.get("/get_server_info")
-    async def get_server_info() -> dict:
-        return {"engine": "hf", "model_path": engine.model_path,
-                "max_batch_size": engine.max_batch_size,
+    async def server_info() -> dict:
+        # `version`: the SGLang release whose protocol this server speaks
+        return {"engine": "hf", "version": sglang_api.HF_PROTOCOL,
+                "model_path": engine.model_path, "max_batch_size": engine.max_batch_size,
                 "batch_wait_ms": engine.batch_wait_s * 1000.0,
-                "weight_version": engine.weight_version, "paused": engine._paused,
-                "memory_released": sorted(engine.released),
-                "queued_sequences": len(engine._pending), "internal_states": [dict(engine.stats)]}
+                "weight_version": engine.weight_version, **engine.status(),
+                "internal_states": [dict(engine.stats)]}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -133,13 +131,15 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
     @_json_errors
     async def pause_generation(request: Request):
         mode = (await _body(request)).get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
+        if mode not in sglang_api.PAUSE_MODES:
             raise BadRequest(f"Invalid mode: {mode!r}. Expected one of abort, retract, in_place")
         await asyncio.to_thread(engine.pause, mode)
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     @app.post("/continue_generation")
-    async def continue_generation() -> JSONResponse:
+    @_json_errors
+    async def continue_generation(request: Request) -> JSONResponse:
+        sglang_api.check_body("/continue_generation", await _body(request))
         engine.resume()
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -159,9 +159,24 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
     @_json_errors
     async def destroy_weights_update_group(request: Request):
         name = (await _body(request)).get("group_name", "weight_update_group")
-        if not await asyncio.to_thread(engine.receiver.destroy_group, name):
-            raise BadRequest(f"no weight-update group {name!r}")
-        return JSONResponse({"success": True, "message": f"Destroyed group {name}."})
+        if not await asyncio.to_thread(engine.destroy_group, name):
+            raise BadRequest("The group to be destroyed does not exist.")
+        return JSONResponse({"success": True,
+                             "message": "Succeeded to destroy custom process group."})
+
+    @app.post("/begin_weight_update")
+    @_json_errors
+    async def begin_weight_update(request: Request):
+        sglang_api.check_body("/begin_weight_update", await _body(request))
+        engine.begin_session()
+        return JSONResponse({"success": True, "message": "Success"})
+
+    @app.post("/end_weight_update")
+    @_json_errors
+    async def end_weight_update(request: Request):
+        await _body(request)  # SGLang ignores what it does not know
+        engine.end_session()
+        return JSONResponse({"success": True, "message": "Success"})
 
     @app.post("/update_weights_from_distributed")
     @_json_errors
@@ -177,11 +192,9 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
             raise BadRequest(f"load_format={load_format!r} is not supported by the hf engine: "
                              f"use null (one broadcast per tensor) or {FLATTENED_BUCKET}")
         group = b.get("group_name", "weight_update_group")
-        if not engine.receiver.has_group(group):
-            raise BadRequest(f"no weight-update group {group!r}: call /init_weights_update_group")
         version = b.get("weight_version")
         await asyncio.to_thread(engine.update_weights, names, dtypes, shapes, group, version,
-                                load_format == FLATTENED_BUCKET)
+                                bool(b.get("flush_cache", True)), load_format == FLATTENED_BUCKET)
         message = "Succeeded to update parameter online."
         if version is not None:
             message += f" Weight version updated to {version}."
@@ -194,14 +207,16 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
         sglang_api.check_body("/abort_request", b)
         # no request ids here: a single rid matches nothing, as an unknown rid in SGLang
         if b.get("abort_all"):
-            await asyncio.to_thread(engine.abort_queued)
+            engine.abort_all()
         return Response(status_code=200)
 
     @app.post("/release_memory_occupation")
     @_json_errors
     async def release_memory_occupation(request: Request):
         tags = _memory_tags(await _body(request), "/release_memory_occupation")
-        await asyncio.to_thread(engine.pause, "in_place")  # as SGLang, after the batch in flight
+        if not engine.idle_or_paused():  # SGLang asserts this, and its scheduler dies
+            raise BadRequest("the engine is generating: pause it first (/pause_generation "
+                             "with mode retract or abort), SGLang asserts an idle engine here")
         engine.released |= set(tags)
         return JSONResponse({"success": True, "message": f"released {sorted(tags)}"})
 
@@ -209,9 +224,7 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
     @_json_errors
     async def resume_memory_occupation(request: Request):
         tags = _memory_tags(await _body(request), "/resume_memory_occupation")
-        engine.released -= set(tags)
-        if not engine.released:
-            engine.resume()
+        engine.released -= set(tags)  # a paused engine stays paused, as SGLang's
         return JSONResponse({"success": True, "message": f"resumed {sorted(tags)}"})
 
     @app.get("/weights_checksum")

@@ -94,7 +94,7 @@ class Episode:
         self.add(res.output_ids, model=True, logprobs=res.logprobs)
         self.turns += 1
         self.finish_reason = res.finish_reason
-        self.versions.append(int(res.weight_version) if res.weight_version is not None else 0)
+        self.versions.extend(res.versions() or [0])
 
     @property
     def total_tokens(self) -> int:

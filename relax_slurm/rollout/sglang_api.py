@@ -1,17 +1,36 @@
-"""SGLang's side of the engine protocol, in one place: request bodies and the server command line.
+"""SGLang's side of the engine protocol, in one place: the versions spoken, request bodies and
+the server command line.
 
-SGLang does not install on CPU machines (it pins a CUDA torch), so its request schemas are
-recorded here from SGLang 0.5.x (python/sglang/srt/managers/io_struct.py) and
-tests/unit/rollout/test_sglang_contract.py checks every body the client sends against them; the
-hf engine parses the same bodies, so the whole client path runs in CI. When `import sglang`
-works the contract test also compares these records with the installed dataclasses.
+The protocol is that of SGLang 0.5.21 .. 0.5.23 (SUPPORTED_SGLANG, the `gpu` extra's pin): a
+weight update runs inside a session (/begin_weight_update .. /end_weight_update), the served
+version is read from /model_info, and a finished /generate result carries the version spans of
+its tokens (`meta_info.weight_versions`). A client learns a server's version from /server_info
+at connect time and refuses one outside the range. SGLang does not install on CPU machines (it
+pins a CUDA torch), so the request schemas are recorded here from its io_struct.py;
+tests/unit/rollout/test_sglang_contract.py checks every body the client sends against this
+record and tests/unit/rollout/test_sglang_source.py checks the record, the routes and the launch
+line against the released wheels of every supported version. The hf engine serves the same
+protocol (it reports HF_PROTOCOL as its version), so the whole client path runs in CI.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+from dataclasses import dataclass
 from typing import Any, Optional
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from relax_slurm.errors import EngineError
+
+SUPPORTED_SGLANG = ">=0.5.21,<0.5.24"
+"""SGLang releases whose protocol this client speaks (setup.cfg's `gpu` extra pins the same)."""
+TESTED_SGLANG = ("0.5.21", "0.5.22", "0.5.23")
+"""Every release in the range, each checked against its own source by the contract tests."""
+HF_PROTOCOL = TESTED_SGLANG[-1]
+"""The SGLang release whose protocol the hf engine mirrors (its /server_info `version`)."""
 
 API_KEY_ENV = "RELAX_ENGINE_API_KEY"
 """Environment variable with the engines' API key: servers read it at start (--api-key) and
@@ -42,8 +61,12 @@ SGLANG_REQUESTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "UpdateWeightsFromDistributedReqInput": (
         frozenset({"names", "dtypes", "shapes"}),
         frozenset({"group_name", "flush_cache", "abort_all_requests", "weight_version",
-                   "load_format", "torch_empty_cache"})),
+                   "load_format", "torch_empty_cache", "selector"})),
+    # a weight-update session: updates are refused outside one (0.5.21+)
+    "BeginWeightUpdateReqInput": (frozenset(), frozenset({"selector"})),
+    "EndWeightUpdateReqInput": (frozenset(), frozenset()),
     "PauseGenerationReqInput": (frozenset(), frozenset({"mode"})),
+    "ContinueGenerationReqInput": (frozenset(), frozenset({"torch_empty_cache"})),
     "AbortReq": (frozenset(), frozenset({"rid", "abort_all", "finished_reason",
                                          "abort_message"})),
     "ReleaseMemoryOccupationReqInput": (frozenset(), frozenset({"tags"})),
@@ -56,19 +79,82 @@ SGLANG_REQUESTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 }
 
 # route -> request class (routes without a body: /health, /health_generate, /flush_cache,
-# /continue_generation, /get_model_info, /get_weight_version)
+# /model_info, /server_info)
 ROUTE_REQUEST = {
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
     "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
     "/abort_request": "AbortReq",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
     "/generate": "GenerateReqInput",
 }
 
+GET_ROUTES = ("/health", "/health_generate", "/model_info", "/server_info", "/flush_cache")
+"""Routes the client reads with GET (all of them in every supported release)."""
+DEPRECATED_ROUTE = {"/model_info": "/get_model_info", "/server_info": "/get_server_info"}
+"""Older names of the two info routes; a client falls back to them on a 404."""
+
 PAUSE_MODES = ("abort", "retract", "in_place")
+FLUSHABLE_PAUSE_MODES = ("abort", "retract")
+"""Pause modes under which a weight update may flush the cache. in_place keeps the running
+requests (and their KV) in the batch, and the update's flush then finds them: SGLang 0.5.21
+asserts and its scheduler dies, 0.5.22+ answer HTTP 400 after loading the weights. Every sync
+flushes (a prefix cache computed by the old weights must not serve the new ones)."""
+OUT_OF_SESSION = ("update_weights_from_distributed must run between begin_weight_update() and "
+                  "end_weight_update()")
+"""SGLang's answer to an update outside a session (the hf engine answers the same)."""
+FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are "
+                 "still running or queued. Retract or finish them, then call /flush_cache.")
+"""SGLang 0.5.22+'s answer to a flushing update while requests are paused in place."""
+
+
+@dataclass(frozen=True)
+class ServerProtocol:
+    """What a server speaks, from its /server_info: SGLang's release, or the hf engine's
+    HF_PROTOCOL."""
+
+    engine: str
+    """sglang or hf"""
+    version: str
+
+    def __str__(self) -> str:
+        if self.engine == "hf":
+            return f"the hf engine (SGLang {self.version}'s protocol)"
+        return f"SGLang {self.version}"
+
+    def check_pause_mode(self, mode: str) -> None:
+        """EngineError naming weight_sync.pause_mode when this server cannot flush after a
+        pause in `mode` (see FLUSHABLE_PAUSE_MODES)."""
+        if mode not in FLUSHABLE_PAUSE_MODES:
+            raise EngineError(
+                f"weight_sync.pause_mode={mode}: {self} cannot flush its "
+                "cache after a weight update while requests are paused in place (SGLang 0.5.21 "
+                "kills its scheduler, 0.5.22+ answer HTTP 400), and every sync flushes; use "
+                "retract (running requests go back to the queue and continue on the new "
+                "weights) or abort (they end with finish_reason abort and are generated again)")
+
+
+def server_protocol(info: dict[str, Any], url: str) -> ServerProtocol:
+    """/server_info's body -> ServerProtocol; EngineError naming the supported range when the
+    server runs an SGLang outside it."""
+    if info.get("engine") == "hf":
+        return ServerProtocol("hf", str(info.get("version", HF_PROTOCOL)))
+    raw = str(info.get("version", ""))
+    try:
+        supported = Version(raw) in SpecifierSet(SUPPORTED_SGLANG)
+    except InvalidVersion:
+        supported = False
+    if not supported:
+        raise EngineError(
+            f"engine {url} runs SGLang {raw or '(no version in /server_info)'}; relax-slurm "
+            f"speaks SGLang {SUPPORTED_SGLANG} (tested: {', '.join(TESTED_SGLANG)}): install "
+            f"one with pip install 'sglang{SUPPORTED_SGLANG}' (see docs/engines.md#versions)")
+    return ServerProtocol("sglang", raw)
 MEMORY_TAGS = ("weights", "kv_cache")
 """Regions /release_memory_occupation accepts (SGLang 0.5.x); None means all of them."""
 
@@ -93,6 +179,8 @@ def update_weights_body(names: list[str], dtypes: list[str], shapes: list[list[i
 
 
 def pause_body(mode: str) -> dict[str, Any]:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode {mode!r}: use one of {', '.join(PAUSE_MODES)}")
     return {"mode": mode}
 
 
@@ -119,12 +207,14 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
                 tp_size: int,
                 ep_size: int, mem_fraction_static: float, dtype: str, seed: int,
                 trust_remote_code: bool, api_key: bool, enable_memory_saver: bool,
-                extra_args: list[str]) -> list[str]:
+                extra_args: list[str], deterministic: bool = False) -> list[str]:
     """`python -m sglang.launch_server ...` for one engine (flags of SGLang 0.5.x server_args).
 
     --base-gpu-id places engines that share a node (with each other or the trainer) on
     disjoint GPUs. --enable-memory-saver is what makes /release_memory_occupation free GPU memory (colocated
-    placement); --weight-version starts the version at 0 like the hf engine."""
+    placement); --weight-version starts the version at 0 like the hf engine.
+    --enable-deterministic-inference (rollout.deterministic): without it SGLang ignores
+    `sampling_params.sampling_seed`, so a resumed run would not draw the same tokens."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", model_path,
             "--host", host, "--port", str(port), "--base-gpu-id", str(base_gpu_id),
             "--tp-size", str(tp_size),
@@ -136,6 +226,8 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
         argv += ["--ep-size", str(ep_size)]
     if enable_memory_saver:
         argv.append("--enable-memory-saver")
+    if deterministic:
+        argv.append("--enable-deterministic-inference")
     argv += list(extra_args)
     if api_key:
         # the shell expands the key at start: it is in no file and no printed command line

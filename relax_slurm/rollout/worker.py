@@ -47,7 +47,7 @@ from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, Processed
 from relax_slurm.data.video import VideoLimits
 from relax_slurm.envs import env_factory
-from relax_slurm.errors import BrokerShutdown, ConfigError, EngineUnreachable
+from relax_slurm.errors import BrokerShutdown, ConfigError, EngineAborted, EngineUnreachable
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.launch.plan import load_plan
@@ -55,7 +55,7 @@ from relax_slurm.rewards import RewardInput, RewardPool, build_reward
 from relax_slurm.rewards.shaping import is_informative_group, overlong_penalty
 from relax_slurm.rollout.coalesce import CoalescingEngine
 from relax_slurm.rollout.engine_client import (
-    AsyncEngineClient, GenerateResult, wait_until_healthy,
+    AsyncEngineClient, GenerateResult, raise_if_aborted, wait_until_healthy,
 )
 from relax_slurm.rollout.multiturn import (
     Episode, ObservationRenderer, TurnLimits, episode_sample, run_episode,
@@ -254,7 +254,7 @@ class RolloutWorker:
             return [None] * len(results)
         P = len(prompt.input_ids)
         seqs = [list(prompt.input_ids) + list(r.output_ids) for r in results]
-        lps = await self.teacher.prefill_logprobs(seqs, self.cfg.rollout.temperature)
+        lps = await self.teacher.prefill_logprobs(seqs)  # at temperature 1: the teacher's own
         # token t of the sequence is predicted at position t - 1: the response starts at P - 1
         return [np.asarray(lp[P - 1:], dtype=np.float32) for lp in lps]
 
@@ -270,7 +270,9 @@ class RolloutWorker:
         media = ([{k: [r.to_engine() for r in refs] for k, refs in prompt.media.items()}] * n
                  if processed.tensors else None)
         async with self.router.pick() as engine:
-            results = await engine.generate([processed.input_ids] * n, params, media=media)
+            results = raise_if_aborted(
+                await engine.generate([processed.input_ids] * n, params, media=media),
+                engine.url)
         if processed.tensors:
             results = [cut_at_media_pads(r, self.media.pad_ids.values()) for r in results]
         t_end = time.time()
@@ -282,14 +284,16 @@ class RolloutWorker:
             return
         group: Group = []
         for res, reward, teacher_lp in zip(results, rewards, teacher):
-            version = int(res.weight_version) if res.weight_version is not None else 0
+            # tokens from several versions when a sync paused the engine in retract mode: the
+            # staleness rule judges the oldest
+            versions = res.versions() or [0]
             group.append(Sample(
                 prompt_id=prompt.prompt_id, group_id=gid,
                 prompt_ids=processed.input_ids, response_ids=res.output_ids,
                 loss_mask=[1.0] * len(res.output_ids), rollout_logprobs=res.logprobs,
                 teacher_logprobs=teacher_lp,
                 mm_inputs=processed.tensors,  # one dict: the group's samples share its arrays
-                reward=float(reward), version=version, version_min=version,
+                reward=float(reward), version=max(versions), version_min=min(versions),
                 finish_reason=res.finish_reason,
                 metadata={"t_start": t_start, "t_end": t_end, "worker": self.worker_rank,
                           "data_state": data_state, **counts},
@@ -312,7 +316,7 @@ class RolloutWorker:
         (its prefix cache holds the shared prompt and each episode's history)."""
         async with self.router.pick() as engine:
             async def generate(ids: list[int], p: dict) -> GenerateResult:
-                [res] = await engine.generate([ids], [p])
+                [res] = raise_if_aborted(await engine.generate([ids], [p]), engine.url)
                 return res
 
             episodes = await asyncio.gather(*(
@@ -367,13 +371,15 @@ class RolloutWorker:
         task.add_done_callback(self._done)
 
     async def guarded_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
-        """A group whose engine went away (died, restarting in place) is queued again with its
-        credit and the same seeds; any other failure fails the worker."""
+        """A group whose engine went away (died, restarting in place) or aborted it (a weight
+        sync with weight_sync.pause_mode=abort) is queued again with its credit and the same
+        seeds; any other failure fails the worker."""
         try:
             await self.rollout_group(prompt, gid, data_state)
-        except EngineUnreachable as e:
+        except (EngineUnreachable, EngineAborted) as e:
             log.warning("group %d re-queued: %s", gid, e)
-            await asyncio.sleep(ENGINE_RETRY_S)  # no busy loop while the engine restarts
+            if isinstance(e, EngineUnreachable):  # no busy loop while the engine restarts
+                await asyncio.sleep(ENGINE_RETRY_S)
             self.requeued.append((prompt, gid, data_state))
             self.requeued_total += 1
 

@@ -146,14 +146,12 @@ class RankZero:
                                    identity="trainer")
         # empty host: wherever rank 0 landed (c10d rendezvous picks it on multi-node Slurm runs)
         sync_host = plan.weight_sync_host or socket.gethostname()
-        # on-policy (max_staleness=0), nothing generates while weights are sent: the broker
-        # admits no group of the next version before set_version. Pausing the engines is then
-        # two HTTP round trips per step for nothing.
         def make_sender(group_name: str, port: int, urls: list[str]) -> WeightSender:
             return WeightSender(
                 urls, sync_host, port, group_name,
                 cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
-                pause_mode="in_place" if cfg.algo.max_staleness > 0 else None,
+                pause_mode=cfg.weight_sync.pause_mode,
+                pause_for_sync=cfg.algo.max_staleness > 0,  # on-policy nothing generates
                 ranks_per_engine=cfg.rollout.engine_tp_size,
                 load_format=cfg.weight_sync.load_format,
             )

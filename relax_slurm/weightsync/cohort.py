@@ -16,6 +16,9 @@ So the cohort is re-formed, all engines together under a new group name (`NAME_c
   (`resync`, called from the trainer's batch wait): it was restarted meanwhile; re-form and
   send the current weights, so it does not generate with its initial ones. Samples it made in
   between carry its version and are dropped as stale by the broker, never trained on.
+
+Once the new cohort has formed, the engines destroy the old group
+(/destroy_weights_update_group), so a long run's replaced cohorts do not pile up on them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from relax_slurm.errors import EngineError, WeightSyncError
+from relax_slurm.errors import EngineUnreachable, WeightSyncError
 from relax_slurm.rollout.engine_client import EngineClient, wait_until_healthy
 from relax_slurm.weightsync.sender import WeightSender
 
@@ -70,13 +73,14 @@ class Cohort:
 
     def stale(self, version: int) -> list[str] | None:
         """Engines serving another version than `version`; None while one does not answer
-        (it is being restarted: try again later)."""
+        (it is being restarted: try again later). Any other error (a server without
+        /model_info, say) is raised: taking it for "unknown" would never re-sync the engine."""
         out = []
         for url in self.urls:
             try:
                 with EngineClient(url, PROBE_TIMEOUT_S) as client:
                     served = client.weight_version()
-            except EngineError:
+            except EngineUnreachable:
                 return None
             if served != str(version):
                 out.append(url)
@@ -101,13 +105,19 @@ class Cohort:
                 break
             except _EnginesChanged:
                 continue  # wait for the new set (a lost engine would never answer)
-        self.sender.close()
+        old = self.sender
         self.generation += 1
         name = f"{self.group_name}_c{self.generation}"
         self.sender = self.make_sender(name, self.new_port(), self.urls)
-        self.sender.connect()
-        log.info("weight-sync cohort %d formed (%s, %d engines)", self.generation, name,
-                 len(self.urls))
+        try:
+            self.sender.connect()
+            log.info("weight-sync cohort %d formed (%s, %d engines)", self.generation, name,
+                     len(self.urls))
+            # once the new group formed: an engine still in a receive the old sender gave up
+            # drops it then (weightsync/receiver.py), so the old group is idle when destroyed
+            old.destroy_on_engines()
+        finally:
+            old.close()
 
     def _between_polls(self) -> None:
         self.waiting()

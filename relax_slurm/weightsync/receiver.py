@@ -86,6 +86,10 @@ class WeightReceiver:
         self._formed = 0  # groups formed so far: a receive started before a newer one is over
         self._backends: dict[str, str] = {}
 
+    def group_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._groups)
+
     def has_group(self, group_name: str) -> bool:
         with self._lock:
             return group_name in self._groups

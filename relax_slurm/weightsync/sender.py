@@ -1,12 +1,16 @@
 """Trainer rank 0's side of weight sync: one group with N engines, buckets of broadcasts.
 
-Protocol (the one SGLang servers implement, see docs/weight_sync.md):
-  connect: POST /init_weights_update_group to every engine (engine i is rank 1+i of a group of
-           1+N) while rank 0 joins; the HTTP calls return once the group has formed.
-  send:    per bucket, POST /update_weights_from_distributed {names, dtypes, shapes} to every
-           engine, and meanwhile broadcast each tensor of the bucket from rank 0 in the order of
-           `names` (or, with load_format=flattened_bucket, the bucket's bytes end to end in one
-           broadcast); then the HTTP calls return once the engines loaded the bucket.
+Protocol (the one SGLang 0.5.21+ servers implement, see docs/weight_sync.md):
+  connect: GET /server_info of every engine (its SGLang release must be in SUPPORTED_SGLANG and
+           allow weight_sync.pause_mode), then POST /init_weights_update_group to every engine
+           (engine i is rank 1+i of a group of 1+N) while rank 0 joins; the HTTP calls return
+           once the group has formed.
+  send:    [POST /pause_generation {mode}], POST /begin_weight_update; per bucket, POST
+           /update_weights_from_distributed {names, dtypes, shapes} to every engine, and
+           meanwhile broadcast each tensor of the bucket from rank 0 in the order of `names`
+           (or, with load_format=flattened_bucket, the bucket's bytes end to end in one
+           broadcast), the HTTP calls returning once the engines loaded the bucket; POST
+           /end_weight_update, [POST /continue_generation].
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.distributed as dist
 
 from relax_slurm.errors import EngineError, WeightSyncError
 from relax_slurm.rollout.engine_client import EngineClient
+from relax_slurm.rollout.sglang_api import ServerProtocol
 from relax_slurm.weightsync.bucket import (bucket_named_tensors, dtype_name, flatten_bucket,
                                            tensor_nbytes)
 from relax_slurm.weightsync.group import (destroy_weight_update_group, init_weight_update_group,
@@ -31,14 +36,34 @@ from relax_slurm.weightsync.receiver import tensor_sha256
 log = logging.getLogger(__name__)
 
 
+DESTROY_WAIT_S = 30.0
+"""How long a replaced cohort's group destruction is waited for (best effort)."""
+STALE_SESSION = "already open"
+"""SGLang's refusal of a begin while a session is open (words of its message)."""
+
+
+def open_session(client: EngineClient) -> None:
+    """/begin_weight_update; a session left open by a sync that failed midway (its best-effort
+    end never arrived: the engine died with it, or the sender was closed first) is ended
+    first. A session has no owner in SGLang, and this trainer is the only one updating."""
+    try:
+        client.begin_weight_update()
+    except EngineError as e:
+        if STALE_SESSION not in str(e):
+            raise
+        log.warning("%s: closing a weight-update session left open", client.url)
+        client.end_weight_update()
+        client.begin_weight_update()
+
+
 class WeightSender:
     """Push full (gathered, HF-named) tensors from trainer rank 0 to a cohort of engines."""
 
     def __init__(self, engine_urls: Sequence[str], master_addr: str, master_port: int,
                  group_name: str = "weight_update_group", backend: str = "auto",
                  timeout_s: float = 300.0, bucket_mb: float = 512.0,
-                 pause_mode: Optional[str] = "in_place", ranks_per_engine: int = 1,
-                 load_format: Optional[str] = None) -> None:
+                 pause_mode: str = "retract", pause_for_sync: bool = True,
+                 ranks_per_engine: int = 1, load_format: Optional[str] = None) -> None:
         if not engine_urls:
             raise WeightSyncError("WeightSender needs at least one engine URL")
         self.engine_urls = list(engine_urls)
@@ -49,8 +74,13 @@ class WeightSender:
         self.timeout_s = timeout_s
         self.bucket_mb = bucket_mb
         self.pause_mode = pause_mode
-        """Pause engines around a multi-bucket send so no batch sees half-updated weights;
-        None disables (SGLang: in_place keeps running requests, abort returns them)."""
+        """How engines pause (sglang_api.PAUSE_MODES): around a send when pause_for_sync, so
+        no batch sees half-updated weights, and before they release memory (SGLang asserts an
+        idle engine there). Checked against every engine's protocol at connect."""
+        self.pause_for_sync = pause_for_sync
+        """False on-policy: nothing generates while weights are sent (the broker admits no
+        group of the next version before set_version), and a pause would be two HTTP round
+        trips per step for nothing."""
         self.ranks_per_engine = ranks_per_engine
         """Group ranks of one engine: its TP size (SGLang: rank = rank_offset + tp_rank; every
         TP rank receives the full tensor and keeps its shard)."""
@@ -64,6 +94,7 @@ class WeightSender:
                                                 thread_name_prefix="weight-sync-group")
         self._pg: Optional[dist.ProcessGroup] = None
         self._inflight: list = []  # broadcast works of the bucket being sent
+        self.protocols: list[ServerProtocol] = []  # every engine's, learned at connect
 
     @property
     def device(self) -> torch.device:
@@ -93,19 +124,37 @@ class WeightSender:
         return results
 
     def release_memory(self) -> None:
-        """Shared GPUs: every engine of the cohort frees its memory (weights, KV cache)."""
+        """Shared GPUs: every engine of the cohort pauses (SGLang asserts it is idle), then
+        frees its memory (weights, KV cache)."""
+        self._join("/pause_generation", self._on_engines(
+            lambda c, i: c.pause_generation(self.pause_mode)))
         route = "/release_memory_occupation"
         self._join(route, self._on_engines(lambda c, i: c.release_memory_occupation()))
 
     def resume_memory(self) -> None:
-        """Shared GPUs: every engine takes its memory back (before weights are sent)."""
+        """Shared GPUs: every engine takes its memory back (before weights are sent) and
+        generates again."""
         route = "/resume_memory_occupation"
         self._join(route, self._on_engines(lambda c, i: c.resume_memory_occupation()))
+        self._join("/continue_generation", self._on_engines(
+            lambda c, i: c.continue_generation()))
+
+    def check_engines(self) -> list[ServerProtocol]:
+        """Every engine's protocol (/server_info): an SGLang outside SUPPORTED_SGLANG, or one
+        that cannot flush after a pause in `pause_mode`, fails with the reason."""
+        protocols = self._join("/server_info", self._on_engines(lambda c, i: c.protocol()))
+        for url, p in zip(self.engine_urls, protocols):
+            try:
+                p.check_pause_mode(self.pause_mode)
+            except EngineError as e:
+                raise WeightSyncError(f"engine {url}: {e}") from e
+        return protocols
 
     def connect(self) -> None:
         """Form the group: every engine joins over HTTP (threads) while this process is rank 0."""
         if self._pg is not None:
             raise WeightSyncError(f"group {self.group_name!r} is already connected")
+        self.protocols = self.check_engines()
         route = "/init_weights_update_group"
         http = self._on_engines(lambda c, i: c.init_weights_update_group(
             self.master_addr, self.master_port, 1 + i * self.ranks_per_engine, self.world_size,
@@ -138,9 +187,13 @@ class WeightSender:
         buckets = bucket_named_tensors(list(named_tensors), self.bucket_mb)
         version = None if version is None else str(version)
         try:
-            if self.pause_mode is not None:
+            if self.pause_for_sync:
                 self._join("/pause_generation", self._on_engines(
                     lambda c, i: c.pause_generation(self.pause_mode)))
+            # SGLang refuses updates outside a session, and checks that before it joins the
+            # broadcast: the session must be open before rank 0 broadcasts anything
+            self._join("/begin_weight_update", self._on_engines(
+                lambda c, i: open_session(c)))
             total = broadcasts = 0
             for b, bucket in enumerate(buckets):
                 last = b == len(buckets) - 1
@@ -148,11 +201,15 @@ class WeightSender:
                 nbytes, n = self._send_bucket(bucket, version if last else None,
                                               flush_cache and last)
                 total, broadcasts = total + nbytes, broadcasts + n
+            self._join("/end_weight_update", self._on_engines(
+                lambda c, i: c.end_weight_update()))
         except BaseException:
-            if self.pause_mode is not None:  # best effort: the original error matters more
-                self._on_engines(lambda c, i: c.continue_generation())  # not awaited
+            # the session a failure leaves open is closed by the next sync's open_session: an
+            # end sent from here could overtake that sync's begin and close its session
+            if self.pause_for_sync:  # best effort, not awaited: the original error matters more
+                self._on_engines(lambda c, i: c.continue_generation())
             raise
-        if self.pause_mode is not None:
+        if self.pause_for_sync:
             self._join("/continue_generation", self._on_engines(
                 lambda c, i: c.continue_generation()))
         stats = {"bytes": total, "seconds": time.monotonic() - start, "num_buckets": len(buckets),
@@ -201,9 +258,21 @@ class WeightSender:
                     raise WeightSyncError(f"weights of {name!r} on engine {url} {what} "
                                           "(sha256 of the raw bytes)")
 
+    def destroy_on_engines(self) -> None:
+        """Best effort, before close() when a newer cohort replaced this one: every engine
+        still up frees its end of the group (its communicator, and on NCCL its buffers). An
+        engine restarted since never had it: its refusal, like any failure here, is logged."""
+        route = "/destroy_weights_update_group"
+        futures = self._on_engines(lambda c, i: c.destroy_weights_update_group(self.group_name))
+        for url, fut in zip(self.engine_urls, futures):
+            try:
+                fut.result(timeout=min(self.timeout_s, DESTROY_WAIT_S))
+            except Exception as e:  # noqa: BLE001 - logged; the new cohort works regardless
+                log.info("engine %s%s %r: %s", url, route, self.group_name, e)
+
     def close(self) -> None:
         """Destroy the group and release the HTTP clients and threads; the sender is done.
-        (Engines keep their end of the group until they re-init it or exit.)"""
+        (Engines keep their end of the group until destroy_on_engines(), a re-init or exit.)"""
         if self._inflight and not all(w.is_completed() for w in self._inflight):
             # destroying a group under a pending collective can hang or abort the process
             log.warning("weight-sync group %r left with a broadcast pending; not destroyed, "

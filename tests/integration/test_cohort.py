@@ -2,29 +2,13 @@
 good is left (trainer rank 0's side alone, against real hf engine processes; the whole runs
 are in test_chaos.py and tests/slurm/test_slurm_elastic.py)."""
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
-from helpers_tiny import REPO_ROOT, child_env, make_tiny_model  # noqa: E402
-
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-
-
-def run_script(name: str, tmp_path: Path) -> dict:
-    """scripts/NAME --model-dir (a tiny model) --out F, as a process of its own (it forms
-    torch.distributed groups); its JSON findings."""
-    model_dir = make_tiny_model(tmp_path / "model")
-    out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(SCRIPTS / name), "--model-dir", str(model_dir),
-                           "--out", str(out)], cwd=REPO_ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=360)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+from helpers_tiny import run_script  # noqa: E402
 
 
 @pytest.mark.slow
@@ -39,6 +23,9 @@ def test_a_restarted_engine_is_resynced_through_a_new_cohort(tmp_path):
     assert r["stale_after"] == [] and r["verified"] is True
     # the lost engine is left: the cohort re-formed with the survivor and sent it the weights
     assert r["followed"] == [url] and r["verified_after_loss"] is True
+    # every replaced cohort's group was destroyed on the engines still up
+    assert r["groups_after_move"] == ["relax_test_cohort_c2"]
+    assert r["groups_after_loss"] == ["relax_test_cohort_c3"]
 
 
 @pytest.mark.slow

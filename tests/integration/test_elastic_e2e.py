@@ -48,7 +48,7 @@ class Admin:
 
 
 def engine_version(url: str, secret: str) -> int:
-    return int(httpx.get(url + "/get_weight_version", timeout=10,
+    return int(httpx.get(url + "/model_info", timeout=10,
                          headers={"Authorization": f"Bearer {secret}"}).json()["weight_version"])
 
 

@@ -103,7 +103,7 @@ def test_scale_out_submits_an_engine_job_then_drains_and_cancels_it(tmp_path, ti
         assert in_queue(env, job_id)  # its own job, not a step of the run's
         # it serves the trainer's weights, not model.path's version 0
         secret = (run_dir / "secret").read_text().strip()
-        version = int(httpx.get(new + "/get_weight_version", timeout=10, headers={
+        version = int(httpx.get(new + "/model_info", timeout=10, headers={
             "Authorization": f"Bearer {secret}"}).json()["weight_version"])
         assert version >= max(version_at_request, 1)
         # and generates for the run

@@ -39,10 +39,11 @@ def main() -> None:
     try:
         wait_healthy(url, engine, 180, log)
         first = WeightSender([url], "127.0.0.1", free_port(), "relax_test_abandon", "gloo", 60,
-                             512, pause_mode=None)
+                             512, pause_for_sync=False)
         first.connect()
         (n1, t1), (n2, t2) = weights[:2]
         client = first.clients[0]
+        client.begin_weight_update()  # left open: the second sender's send must recover it
         stuck = pool.submit(client.update_weights_from_distributed, [n1, n2],
                             [dtype_name(t1.dtype), dtype_name(t2.dtype)],
                             [list(t1.shape), list(t2.shape)], "relax_test_abandon", "1")
@@ -51,7 +52,7 @@ def main() -> None:
         out["stuck_done_before"] = stuck.done()
 
         second = WeightSender([url], "127.0.0.1", free_port(), "relax_test_abandon_c1", "gloo",
-                              60, 512, pause_mode=None)
+                              60, 512, pause_for_sync=False)
         t0 = time.monotonic()
         second.connect()
         second.send(weights, version=2)

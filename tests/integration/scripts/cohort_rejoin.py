@@ -15,6 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
+import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
@@ -39,7 +40,7 @@ def main() -> None:
 
         def make_sender(name: str, sync_port: int, urls: list[str]) -> WeightSender:
             return WeightSender(urls, "127.0.0.1", sync_port, name, "gloo", 60, 0.02,
-                                pause_mode=None)
+                                pause_for_sync=False)
         cohort = Cohort([url], "relax_test_cohort", free_port(), make_sender, free_port, 180)
         cohort.connect()
         cohort.send(weights, version=3)
@@ -64,6 +65,9 @@ def main() -> None:
         try:
             wait_healthy(url_b, engine_b, 180, log.with_suffix(".b.log"))
             cohort.move([url, url_b])
+            # the replaced cohort's group is destroyed on the engine that had it
+            out["groups_after_move"] = httpx.get(url + "/server_info").json()[
+                "weight_update_groups"]
             cohort.send(weights, version=3)
             os.kill(engine_b.pid, signal.SIGKILL)
             engine_b.wait(30)
@@ -77,6 +81,7 @@ def main() -> None:
         out["followed"] = cohort.urls
         cohort.sender.verify(later)
         out["verified_after_loss"] = True
+        out["groups_after_loss"] = httpx.get(url + "/server_info").json()["weight_update_groups"]
         cohort.close()
     finally:
         stop_process(engine)

@@ -19,14 +19,14 @@ def test_routes_need_the_key_except_health(tiny_model_dir, monkeypatch) -> None:
     try:
         with TestClient(build_app(engine, 30.0, api_key="k3y")) as http:
             assert http.get("/health").status_code == 200
-            for route in ("/get_model_info", "/get_weight_version"):
+            for route in ("/model_info", "/server_info"):
                 assert http.get(route).status_code == 401
                 assert http.get(route, headers={"Authorization": "Bearer nope"}).status_code == 401
             r = http.post("/generate", json={"input_ids": [4, 5], "sampling_params": {}})
             assert r.status_code == 401 and "API key" in r.json()["error"]
             monkeypatch.setenv(sglang_api.API_KEY_ENV, "k3y")
-            assert http.get("/get_model_info", headers=sglang_api.auth_headers()).status_code == 200
+            assert http.get("/model_info", headers=sglang_api.auth_headers()).status_code == 200
         with TestClient(build_app(engine, 30.0)) as http:  # no key: open, as before
-            assert http.get("/get_model_info").status_code == 200
+            assert http.get("/model_info").status_code == 200
     finally:
         engine.shutdown()

@@ -10,6 +10,7 @@ import pytest
 
 from helpers_tiny import free_port, start_engine, stop_process, wait_healthy
 from relax_slurm.errors import EngineError
+from relax_slurm.rollout import sglang_api
 from relax_slurm.rollout.engine_client import AsyncEngineClient, EngineClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -34,6 +35,17 @@ def engine_url(tiny_model_dir, tmp_path_factory):
 
 def post(url, route, body, timeout=60):
     return httpx.post(url + route, json=body, timeout=timeout)
+
+
+def status(url):
+    return httpx.get(url + "/server_info", timeout=10).json()
+
+
+def wait_for(condition, what, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def check_item(item, max_new, want_logprobs=True):
@@ -61,10 +73,15 @@ def check_item(item, max_new, want_logprobs=True):
 
 def test_info_routes(engine_url, tiny_model_dir):
     assert httpx.get(engine_url + "/health").status_code == 200
-    info = httpx.get(engine_url + "/get_model_info").json()
+    info = httpx.get(engine_url + "/model_info").json()
     assert info["model_path"] == str(tiny_model_dir) and info["is_generation"] is True
     assert info["weight_version"] == "0"
-    assert httpx.get(engine_url + "/get_weight_version").json() == {"weight_version": "0"}
+    assert httpx.get(engine_url + "/get_model_info").json() == info  # SGLang's older name
+    # as in SGLang 0.5.21+: the version is read from /model_info only
+    assert httpx.get(engine_url + "/get_weight_version").status_code == 404
+    server = httpx.get(engine_url + "/server_info").json()
+    assert server["engine"] == "hf" and server["version"] == sglang_api.HF_PROTOCOL
+    assert httpx.get(engine_url + "/get_server_info").json()["version"] == server["version"]
     assert httpx.post(engine_url + "/flush_cache").status_code == 200
     sums = httpx.get(engine_url + "/weights_checksum").json()["checksums"]
     # tied embeddings: both names present, same tensor
@@ -186,9 +203,18 @@ def test_errors_are_json(engine_url):
     r = httpx.post(engine_url + "/generate", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["success"] is False
-    r = post(engine_url, "/update_weights_from_distributed", {
-        "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
-    assert r.status_code == 400 and "nope" in r.json()["message"]
+    update = {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"}
+    r = post(engine_url, "/update_weights_from_distributed", update)  # outside a session
+    assert r.status_code == 400 and r.json()["message"] == sglang_api.OUT_OF_SESSION
+    assert post(engine_url, "/end_weight_update", {}).status_code == 400  # none open
+    assert post(engine_url, "/begin_weight_update", {}).json()["success"] is True
+    try:
+        again = post(engine_url, "/begin_weight_update", {})
+        assert again.status_code == 400 and "already open" in again.json()["message"]
+        r = post(engine_url, "/update_weights_from_distributed", update)
+        assert r.status_code == 400 and "nope" in r.json()["message"]
+    finally:
+        assert post(engine_url, "/end_weight_update", {}).json()["success"] is True
     r = post(engine_url, "/init_weights_update_group", {"master_address": "127.0.0.1"})
     assert r.status_code == 400 and r.json()["success"] is False
 
@@ -198,11 +224,13 @@ def test_sync_client(engine_url, tiny_model_dir):
         assert client.health()
         assert client.model_info()["model_path"] == str(tiny_model_dir)
         assert client.weight_version() == "0"
+        assert client.protocol() == sglang_api.ServerProtocol("hf", sglang_api.HF_PROTOCOL)
         results = client.generate(PROMPTS, {"max_new_tokens": 5, "temperature": 1.0})
         assert len(results) == 3
         for r in results:
             assert len(r.output_ids) == len(r.logprobs) >= 1
             assert r.finish_reason in ("stop", "length") and r.weight_version == "0"
+            assert r.weight_versions == [("0", 0, len(r.output_ids))] and r.versions() == [0]
         client.flush_cache()
         client.pause_generation("in_place")
         client.continue_generation()
@@ -214,7 +242,7 @@ def test_sync_client(engine_url, tiny_model_dir):
     with EngineClient(f"http://127.0.0.1:{free_port()}", timeout_s=2) as dead:
         with pytest.raises(EngineError, match="/health"):
             dead.health()
-        with pytest.raises(EngineError, match="/get_model_info"):
+        with pytest.raises(EngineError, match="/model_info"):
             dead.model_info()
 
 
@@ -254,8 +282,10 @@ def test_logprobs_match_teacher_forcing(engine_url, tiny_model_dir):
 
 def test_prefill_logprobs_of_the_input(engine_url):
     """max_new_tokens=0 with logprob_start_len (how a teacher scores a response): SGLang's
-    meta_info.input_token_logprobs, equal to the log-probs the tokens got when sampled."""
-    temperature = 0.7
+    meta_info.input_token_logprobs, equal to the log-probs the tokens got when sampled at
+    temperature 1, and at temperature 1 whatever the request says (SGLang's prefill reads no
+    sampling params)."""
+    temperature = 1.0
     sp = {"max_new_tokens": 5, "temperature": temperature}
     gen = post(engine_url, "/generate", {"input_ids": PROMPTS, "sampling_params": sp,
                                          "return_logprob": True}).json()
@@ -280,6 +310,10 @@ def test_prefill_logprobs_of_the_input(engine_url):
     assert [e[1] for e in tail] == seqs[0][2:]
     assert [e[0] for e in tail] == pytest.approx([e[0] for e in out[0]["meta_info"]
                                                   ["input_token_logprobs"][2:]], abs=1e-5)
+    cooler = post(engine_url, "/generate", {**score, "sampling_params": {
+        "max_new_tokens": 0, "temperature": 0.5}}).json()
+    assert [i["meta_info"]["input_token_logprobs"] for i in cooler] == \
+        [i["meta_info"]["input_token_logprobs"] for i in out]
     plain = post(engine_url, "/generate", {**score, "logprob_start_len": None}).json()
     assert all("input_token_logprobs" not in item["meta_info"] for item in plain)
     bad = post(engine_url, "/generate", {**score, "logprob_start_len": len(seqs[0]) + 5})
@@ -287,7 +321,7 @@ def test_prefill_logprobs_of_the_input(engine_url):
 
     async def score_async():
         async with AsyncEngineClient(engine_url, timeout_s=60) as client:
-            return await client.prefill_logprobs(seqs, temperature)
+            return await client.prefill_logprobs(seqs)
 
     lps = asyncio.run(score_async())
     for seq, item, row in zip(seqs, out, lps):
@@ -328,8 +362,9 @@ def test_colocated_memory_routes_abort_and_health_generate(engine_url):
     until resumed; an abort_all drops queued requests with finish_reason abort."""
     with EngineClient(engine_url, timeout_s=60) as c:
         assert c.health_generate()
+        c.pause_generation("retract")  # as the trainer does: SGLang asserts an idle engine
         c.release_memory_occupation()
-        info = httpx.get(engine_url + "/get_server_info", timeout=10).json()
+        info = httpx.get(engine_url + "/server_info", timeout=10).json()
         assert info["memory_released"] == ["kv_cache", "weights"] and info["paused"]
         with pytest.raises(EngineError, match="resume_memory_occupation"):
             c.generate([PROMPTS[0]], {"max_new_tokens": 2})
@@ -337,6 +372,7 @@ def test_colocated_memory_routes_abort_and_health_generate(engine_url):
         with pytest.raises(EngineError, match="weights"):
             c.generate([PROMPTS[0]], {"max_new_tokens": 2})
         c.resume_memory_occupation(["weights"])
+        c.continue_generation()  # resuming memory does not continue generation (SGLang)
         assert len(c.generate([PROMPTS[0]], {"max_new_tokens": 2})[0].output_ids) >= 1
         with pytest.raises(EngineError, match="unknown tags"):
             c.release_memory_occupation(["cuda_graph_x"])
@@ -347,11 +383,12 @@ def test_colocated_memory_routes_abort_and_health_generate(engine_url):
         t = threading.Thread(target=lambda: result.setdefault(
             "r", c.generate([PROMPTS[0]], {"max_new_tokens": 2})))
         t.start()
-        time.sleep(1.0)
+        wait_for(lambda: status(engine_url)["queued_sequences"] == 1, "the request to queue")
         c.abort_request(abort_all=True)
         t.join(30)
         c.continue_generation()
         assert result["r"][0].finish_reason == "abort"
+        assert result["r"][0].meta_info["finish_reason"]["message"] == "Abort in waiting queue"
         c.abort_request(rid="no-such-request")  # unknown rid: a no-op, as in SGLang
         assert c.generate([PROMPTS[0]], {"max_new_tokens": 2})[0].finish_reason in ("stop", "length")
     bad = post(engine_url, "/update_weights_from_distributed",

@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from relax_slurm.errors import EngineError
 from relax_slurm.rollout import sglang_api as api
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -19,7 +20,10 @@ BODIES = {
         ["w"], ["bfloat16"], [(2, 3)], "g", "7", True),
     "/update_weights_from_distributed (flattened)": api.update_weights_body(
         ["w"], ["bfloat16"], [(2, 3)], "g", "7", True, load_format="flattened_bucket"),
-    "/pause_generation": api.pause_body("in_place"),
+    "/pause_generation": api.pause_body("retract"),
+    "/begin_weight_update": {},
+    "/end_weight_update": {},
+    "/continue_generation": {},
     "/abort_request": api.abort_body(abort_all=True),
     "/release_memory_occupation": api.memory_body(None),
     "/resume_memory_occupation": api.memory_body(["weights"]),
@@ -46,6 +50,37 @@ def test_load_format_is_sent_only_when_set():
     assert "load_format" not in BODIES["/update_weights_from_distributed"]
     assert BODIES["/update_weights_from_distributed (flattened)"]["load_format"] == \
         "flattened_bucket"
+
+
+def test_server_versions_outside_the_range_are_refused_naming_it():
+    assert api.server_protocol({"version": "0.5.22"}, "u") == api.ServerProtocol("sglang", "0.5.22")
+    assert api.server_protocol({"engine": "hf", "version": "0.5.23"}, "u").engine == "hf"
+    for version in ("0.5.20", "0.5.24", "0.4.10", "", "nonsense"):
+        with pytest.raises(EngineError, match=r"speaks SGLang >=0\.5\.21,<0\.5\.24") as e:
+            api.server_protocol({"version": version} if version else {}, "http://h:1")
+        assert "http://h:1" in str(e.value) and "pip install" in str(e.value)
+
+
+def test_pause_modes_that_cannot_flush_are_refused_with_the_reason():
+    proto = api.ServerProtocol("sglang", "0.5.22")
+    for mode in ("retract", "abort"):
+        proto.check_pause_mode(mode)
+    with pytest.raises(EngineError, match="weight_sync.pause_mode=in_place: SGLang 0.5.22 cannot "
+                                          "flush"):
+        proto.check_pause_mode("in_place")
+    with pytest.raises(ValueError, match="pause mode 'nap'"):
+        api.pause_body("nap")
+
+
+def test_the_gpu_extra_pins_the_supported_range():
+    import configparser
+
+    from helpers_tiny import REPO_ROOT
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO_ROOT / "setup.cfg")
+    gpu = [line.strip() for line in cfg["options.extras_require"]["gpu"].splitlines()]
+    assert f"sglang{api.SUPPORTED_SGLANG}" in gpu
 
 
 def test_issue_fields_are_recorded():
