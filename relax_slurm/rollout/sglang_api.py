@@ -94,8 +94,10 @@ ROUTE_REQUEST = {
     "/generate": "GenerateReqInput",
 }
 
-GET_ROUTES = ("/health", "/health_generate", "/model_info", "/server_info", "/flush_cache")
-"""Routes the client reads with GET (all of them in every supported release)."""
+GET_ROUTES = ("/health", "/health_generate", "/model_info", "/server_info")
+"""Routes the client reads with GET."""
+POST_ROUTES = (*ROUTE_REQUEST, "/flush_cache")
+"""Routes the client posts to."""
 DEPRECATED_ROUTE = {"/model_info": "/get_model_info", "/server_info": "/get_server_info"}
 """Older names of the two info routes; a client falls back to them on a 404."""
 

@@ -267,7 +267,9 @@ def _preimport_megatron_core() -> None:
     sys.modules.setdefault("megatron.core.extensions.transformer_engine", None)
 
 
-def _install_triton_stub() -> None:
+def install_triton_stub() -> None:
+    """`triton` as a stub module when it is not installed (CPU): the packages that import it
+    at module level (megatron-bridge, SGLang's server_args) then import; nothing calls it."""
     try:
         import triton  # noqa: F401
         return
@@ -303,7 +305,7 @@ def import_bridge():
     """`megatron.bridge` (the module), importable on CPU; plain import with a GPU."""
     if needed() and "megatron.bridge" not in sys.modules:
         _preimport_megatron_core()
-        _install_triton_stub()
+        install_triton_stub()
         for name in _TE_MODULES:
             sys.modules.setdefault(name, _stub_module(name))
     import megatron.bridge as bridge
