@@ -36,6 +36,8 @@ class ModelConfig:
 
 # Names registered in relax_slurm.algos (checked against its registry by a unit test), kept here
 # so that validating a config does not import torch.
+SEED_LIMIT = 1 << 22
+"""seed below this: its sampling seeds (seed << 40, plus up to 2**40 samples) stay in int64."""
 FLATTENED_BUCKET = "flattened_bucket"  # weight_sync.load_format: one broadcast per bucket
 ALGO_NAMES = ("dapo", "grpo", "gspo", "opd", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
               "rloo", "sapo")
@@ -798,6 +800,11 @@ class TrainConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
+        # every sampling_seed is (seed << 40) + group * n + index (rollout/worker.py
+        # sample_seed), and SGLang refuses seeds outside int64
+        _check(0 <= self.seed < SEED_LIMIT,
+               f"seed={self.seed}: must be in [0, {SEED_LIMIT}) (it is shifted 40 bits into "
+               "every sampling_seed, which engines take as a signed 64-bit integer)")
         buffer, max_new = self.algo.overlong_buffer_tokens, self.rollout.max_new_tokens
         _check(buffer == 0 or buffer < max_new,
                f"algo.overlong_buffer_tokens={buffer} must be below rollout.max_new_tokens="

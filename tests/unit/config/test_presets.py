@@ -59,6 +59,15 @@ def test_cross_field_check_names_the_override():
         to_train_config(_compose(["weight_sync.load_format=flat"]))
     cfg = to_train_config(_compose(["weight_sync.load_format=flattened_bucket"]))
     assert cfg.weight_sync.load_format == "flattened_bucket"
+    assert cfg.weight_sync.pause_mode == "retract"  # what every supported SGLang flushes with
+    with pytest.raises(ConfigError, match=r"weight_sync\.pause_mode='nap': use retract"):
+        to_train_config(_compose(["weight_sync.pause_mode=nap"]))
+    # sampling seeds are seed << 40 + ...: the largest must stay in int64 (SGLang checks it)
+    with pytest.raises(ConfigError, match=r"seed=4194304: must be in \[0, 4194304\)"):
+        to_train_config(_compose(["seed=4194304"]))
+    with pytest.raises(ConfigError, match=r"seed=-1"):
+        to_train_config(_compose(["seed=-1"]))
+    assert to_train_config(_compose(["rollout.deterministic=true"])).rollout.deterministic
 
 
 def test_bad_yaml_file_is_named(tmp_path):

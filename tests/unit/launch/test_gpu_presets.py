@@ -70,6 +70,13 @@ def test_qwen3_4b_separate_pools_on_one_node():
     assert "--enable-memory-saver" not in engines[0]
 
 
+def test_deterministic_rollouts_start_sglang_deterministic():
+    plain = sruns(dry_run("qwen3_4b_dapo"))["engine0"]
+    det = sruns(dry_run("qwen3_4b_dapo", "rollout.deterministic=true"))["engine0"]
+    assert "--enable-deterministic-inference" not in plain
+    assert "--enable-deterministic-inference" in det
+
+
 def test_qwen3_4b_shared_gpus_release_memory():
     lines = sruns(dry_run("qwen3_4b_dapo", "trainer.nproc_per_node=8", "rollout.num_engines=2",
                           "rollout.engine_tp_size=4", "rollout.release_memory_during_train=true",
