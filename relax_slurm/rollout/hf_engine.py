@@ -1,29 +1,17 @@
 """A CPU inference server wrapping transformers, speaking SGLang's native HTTP API.
 
-Routes and JSON shapes follow sglang/srt/entrypoints/http_server.py and managers/io_struct.py
-(GenerateReqInput, InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput), so a
-rollout worker or trainer cannot tell this server from `python -m sglang.launch_server`:
-
-  POST /generate                      text | input_ids (one or a batch), sampling_params,
-                                      return_logprob, logprob_start_len, image_data,
-                                      video_data, audio_data
-                                      -> {text, output_ids, meta_info} or a list
-  GET  /health, /health_generate      200 when the generation thread is alive, else 503
-  GET  /get_model_info                {model_path, tokenizer_path, is_generation, ...}
-  GET  /get_weight_version            {weight_version}
-  POST /init_weights_update_group     join the trainer's weight-sync group (blocks until formed)
-  POST /destroy_weights_update_group  leave it
-  POST /update_weights_from_distributed  receive one broadcast per name from rank 0, in order
-                                      (load_format=flattened_bucket: one of them all)
-  POST /flush_cache                   no prefix cache here: a no-op answering 200
-  POST /pause_generation, /continue_generation
-  GET  /get_server_info               hf extension: batching counters
-  GET  /weights_checksum              hf extension: sha256 of every parameter's raw bytes
+It mirrors the protocol of SGLang sglang_api.HF_PROTOCOL (the newest supported release): the
+routes and JSON shapes of its entrypoints/http_server.py and managers/io_struct.py, the
+weight-update session, the pause modes' treatment of the running batch and the version spans
+of its results, so a rollout worker or trainer cannot tell this server from `python -m
+sglang.launch_server`. Here: the engine (model, queue, generation thread, pause and weight
+control); the routes and CLI are in hf_server.py, request parsing in hf_requests.py, per-row
+sampling in hf_batch.py.
 
 Prefill log-probs (how a teacher scores a student's response): `return_logprob=true` with
 `logprob_start_len=k >= 0` adds `meta_info.input_token_logprobs`, one `[logprob, token_id, None]`
-per input position from k on, the first input token's log-prob being None, as SGLang does;
-with `max_new_tokens=0` nothing is generated and only the prefill runs.
+per input position from k on, the first input token's log-prob being None, at temperature 1,
+as SGLang does; with `max_new_tokens=0` nothing is generated and only the prefill runs.
 
 Multimodal models (Qwen2.5-VL, Qwen3-VL, Qwen2-Audio, ...: `relax_slurm.modeling`): `image_data`
 / `video_data` / `audio_data` as SGLang takes them (one list of items per input; an item is a
@@ -44,7 +32,6 @@ processor and a stopping criterion that share one `BatchState`.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 import time
@@ -54,15 +41,10 @@ from concurrent.futures import Future
 from typing import Any, Optional
 
 import torch
-import uvicorn
 from transformers import AutoTokenizer, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from relax_slurm.data.media import MediaRef
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, concat_tensors
-from relax_slurm.data.video import VideoLimits
-from relax_slurm.errors import DataError, WeightSyncError
-from relax_slurm.launch.exit import exit_now
-from relax_slurm.launch.heap import freeze_heap
+from relax_slurm.errors import WeightSyncError
 from relax_slurm.modeling import (auto_model_class, is_multimodal, media_token_ids,
                                   mm_token_types)
 from relax_slurm.rollout import sglang_api
@@ -163,32 +145,6 @@ class HFEngine:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-
-    def process_media(self, prompts: list[list[int]], media: list[dict[str, list[MediaRef]]]
-                      ) -> tuple[list[list[int]], list[Optional[dict]]]:
-        """Each input's ids with its media pads expanded, and its processed tensors (None for
-        text); inputs with the same ids and media (a group's samples) are processed once."""
-        if not any(any(m.values()) for m in media):
-            return prompts, [None] * len(prompts)
-        if self.media is None:
-            raise BadRequest(f"image_data/video_data/audio_data sent, but {self.model_path} is "
-                             "a text model")
-        done: dict[tuple, Any] = {}
-        ids_out, mm_out = [], []
-        for i, (ids, items) in enumerate(zip(prompts, media)):
-            if not any(items.values()):
-                ids_out.append(ids)
-                mm_out.append(None)
-                continue
-            key = (tuple(ids), tuple((k, r.path, r.data) for k, rs in items.items() for r in rs))
-            if key not in done:
-                try:
-                    done[key] = self.media.process(ids, items, where=f"input {i}")
-                except DataError as e:
-                    raise BadRequest(str(e)) from e
-            ids_out.append(done[key].input_ids)
-            mm_out.append(done[key].tensors)
-        return ids_out, mm_out
 
     def submit(self, prompts: list[list[int]], specs: list[SamplingSpec],
                logprob_flags: list[bool], logprob_start_lens: Optional[list[int]] = None,
@@ -533,68 +489,7 @@ class HFEngine:
             return model_checksums(self.model)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(description="transformers inference server with SGLang's API")
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--tokenizer-path", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-batch-size", type=int, default=1024)
-    p.add_argument("--batch-wait-ms", type=float, default=5.0)
-    p.add_argument("--torch-threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--request-timeout-s", type=float, default=600.0,
-                   help="longest a /generate call may wait for its batch")
-    p.add_argument("--weight-sync-timeout-s", type=float, default=300.0,
-                   help="timeout of group formation, broadcasts and waiting for the model lock")
-    p.add_argument("--image-min-pixels", type=int, default=None,
-                   help="multimodal: smallest image size in pixels (default: the processor's)")
-    p.add_argument("--image-max-pixels", type=int, default=None,
-                   help="multimodal: largest image size in pixels (default: the processor's)")
-    p.add_argument("--audio-sampling-rate-hz", type=int, default=16000)
-    p.add_argument("--video-fps", type=float, default=2.0,
-                   help="multimodal: frames kept per second of a video")
-    p.add_argument("--video-min-frames", type=int, default=4)
-    p.add_argument("--video-max-frames", type=int, default=768)
-    p.add_argument("--video-max-pixels", type=int, default=None,
-                   help="multimodal: largest video frame in pixels (default: the image limit)")
-    p.add_argument("--log-level", default="info")
-    args = p.parse_args(argv)
-    if args.max_batch_size < 1:
-        p.error("--max-batch-size must be >= 1")
+if __name__ == "__main__":  # the entry point is the server's (hf_server.main)
+    from relax_slurm.rollout.hf_server import main
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(args.torch_threads)
-    torch.manual_seed(args.seed)
-    engine = HFEngine(args.model_path, args.tokenizer_path, args.dtype, args.device,
-                      args.max_batch_size, args.batch_wait_ms, args.weight_version,
-                      args.weight_sync_timeout_s,
-                      MediaLimits(image_min_pixels=args.image_min_pixels,
-                                  image_max_pixels=args.image_max_pixels,
-                                  audio_sampling_rate_hz=args.audio_sampling_rate_hz,
-                                  video=VideoLimits(fps=args.video_fps,
-                                                    min_frames=args.video_min_frames,
-                                                    max_frames=args.video_max_frames,
-                                                    max_pixels=args.video_max_pixels)))
-    freeze_heap()
-    engine.start()
-    log.info("serving %s on %s:%d (max batch %d, wait %.1f ms)", args.model_path, args.host,
-             args.port, args.max_batch_size, args.batch_wait_ms)
-    try:
-        from relax_slurm.rollout.hf_server import build_app
-
-        app = build_app(engine, args.request_timeout_s, api_key=sglang_api.api_key())
-        uvicorn.run(app, host=args.host, port=args.port,
-                    log_level="warning", timeout_graceful_shutdown=5,
-                    timeout_keep_alive=KEEP_ALIVE_S)
-    finally:
-        engine.shutdown()
-    exit_now(0)  # uvicorn stopped and nothing is written: skip the interpreter's teardown
-
-
-if __name__ == "__main__":
     main()

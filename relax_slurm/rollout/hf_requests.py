@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from relax_slurm.data.media import MODALITIES, MediaRef, from_engine
+from relax_slurm.data.processor import MediaProcessor
 from relax_slurm.errors import DataError
 
 GREEDY_EPS = 1e-6
@@ -169,3 +170,31 @@ def parse_media(body: dict, n: int, is_batch: bool) -> list[dict[str, list[Media
             except DataError as e:
                 raise BadRequest(str(e)) from e
     return out
+
+
+def process_media(processor: Optional[MediaProcessor], model_path: str, prompts: list[list[int]],
+                  media: list[dict[str, list[MediaRef]]]
+                  ) -> tuple[list[list[int]], list[Optional[dict]]]:
+    """Each input's ids with its media pads expanded, and its processed tensors (None for
+    text); inputs with the same ids and media (a group's samples) are processed once."""
+    if not any(any(m.values()) for m in media):
+        return prompts, [None] * len(prompts)
+    if processor is None:
+        raise BadRequest(f"image_data/video_data/audio_data sent, but {model_path} is "
+                         "a text model")
+    done: dict[tuple, Any] = {}
+    ids_out, mm_out = [], []
+    for i, (ids, items) in enumerate(zip(prompts, media)):
+        if not any(items.values()):
+            ids_out.append(ids)
+            mm_out.append(None)
+            continue
+        key = (tuple(ids), tuple((k, r.path, r.data) for k, rs in items.items() for r in rs))
+        if key not in done:
+            try:
+                done[key] = processor.process(ids, items, where=f"input {i}")
+            except DataError as e:
+                raise BadRequest(str(e)) from e
+        ids_out.append(done[key].input_ids)
+        mm_out.append(done[key].tensors)
+    return ids_out, mm_out

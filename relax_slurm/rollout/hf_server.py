@@ -1,22 +1,47 @@
-"""The hf engine's HTTP server: SGLang's routes over an `HFEngine` (see hf_engine.py)."""
+"""The hf engine's HTTP server and its command line: SGLang's routes over an `HFEngine` (see
+hf_engine.py). `python -m relax_slurm.rollout.hf_engine` runs `main` here.
+
+  POST /generate                      text | input_ids (one or a batch), sampling_params,
+                                      return_logprob, logprob_start_len, image_data,
+                                      video_data, audio_data
+                                      -> {text, output_ids, meta_info} or a list
+  GET  /health, /health_generate      200 when the generation thread is alive, else 503
+  GET  /model_info, /server_info      (and their older names /get_model_info, /get_server_info)
+  POST /init_weights_update_group     join the trainer's weight-sync group (blocks until formed)
+  POST /destroy_weights_update_group  leave it
+  POST /begin_weight_update, /end_weight_update   the session updates must run in
+  POST /update_weights_from_distributed  receive one broadcast per name from rank 0, in order
+                                      (load_format=flattened_bucket: one of them all)
+  POST /pause_generation, /continue_generation   modes abort, retract, in_place (SGLang's)
+  POST /flush_cache                   no prefix cache here: a no-op answering 200
+  GET  /weights_checksum              hf extension: sha256 of every parameter's raw bytes
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import functools
 import json
 import logging
+from typing import Optional
 
+import torch
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from relax_slurm.auth import bearer_matches
 from relax_slurm.config.schema import FLATTENED_BUCKET
+from relax_slurm.data.processor import MediaLimits
+from relax_slurm.data.video import VideoLimits
 from relax_slurm.errors import WeightSyncError
+from relax_slurm.launch.exit import exit_now
+from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.rollout import sglang_api
-from relax_slurm.rollout.hf_engine import PARTIAL_WEIGHTS, HFEngine
+from relax_slurm.rollout.hf_engine import KEEP_ALIVE_S, PARTIAL_WEIGHTS, HFEngine
 from relax_slurm.rollout.hf_requests import (BadRequest, NotServing, parse_generate_request,
-                                             parse_media)
+                                             parse_media, process_media)
 
 log = logging.getLogger("relax_slurm.hf_engine")
 
@@ -96,7 +121,8 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
         prompts, specs, flags, starts, is_batch = parse_generate_request(
             body, engine.tokenizer, engine.vocab_size)
         media = parse_media(body, len(prompts), is_batch)
-        prompts, mm = await asyncio.to_thread(engine.process_media, prompts, media)
+        prompts, mm = await asyncio.to_thread(process_media, engine.media, engine.model_path,
+                                              prompts, media)
         future = engine.submit(prompts, specs, flags, starts, mm)
         items = await asyncio.wait_for(asyncio.wrap_future(future), timeout=request_timeout_s)
         return JSONResponse(items if is_batch else items[0])
@@ -233,3 +259,64 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
         return {"success": True, "weight_version": engine.weight_version, "checksums": checksums}
 
     return app
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description="transformers inference server with SGLang's API")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-batch-size", type=int, default=1024)
+    p.add_argument("--batch-wait-ms", type=float, default=5.0)
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="longest a /generate call may wait for its batch")
+    p.add_argument("--weight-sync-timeout-s", type=float, default=300.0,
+                   help="timeout of group formation, broadcasts and waiting for the model lock")
+    p.add_argument("--image-min-pixels", type=int, default=None,
+                   help="multimodal: smallest image size in pixels (default: the processor's)")
+    p.add_argument("--image-max-pixels", type=int, default=None,
+                   help="multimodal: largest image size in pixels (default: the processor's)")
+    p.add_argument("--audio-sampling-rate-hz", type=int, default=16000)
+    p.add_argument("--video-fps", type=float, default=2.0,
+                   help="multimodal: frames kept per second of a video")
+    p.add_argument("--video-min-frames", type=int, default=4)
+    p.add_argument("--video-max-frames", type=int, default=768)
+    p.add_argument("--video-max-pixels", type=int, default=None,
+                   help="multimodal: largest video frame in pixels (default: the image limit)")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    if args.max_batch_size < 1:
+        p.error("--max-batch-size must be >= 1")
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.torch_threads)
+    torch.manual_seed(args.seed)
+    engine = HFEngine(args.model_path, args.tokenizer_path, args.dtype, args.device,
+                      args.max_batch_size, args.batch_wait_ms, args.weight_version,
+                      args.weight_sync_timeout_s,
+                      MediaLimits(image_min_pixels=args.image_min_pixels,
+                                  image_max_pixels=args.image_max_pixels,
+                                  audio_sampling_rate_hz=args.audio_sampling_rate_hz,
+                                  video=VideoLimits(fps=args.video_fps,
+                                                    min_frames=args.video_min_frames,
+                                                    max_frames=args.video_max_frames,
+                                                    max_pixels=args.video_max_pixels)))
+    freeze_heap()
+    engine.start()
+    log.info("serving %s on %s:%d (max batch %d, wait %.1f ms)", args.model_path, args.host,
+             args.port, args.max_batch_size, args.batch_wait_ms)
+    try:
+        app = build_app(engine, args.request_timeout_s, api_key=sglang_api.api_key())
+        uvicorn.run(app, host=args.host, port=args.port,
+                    log_level="warning", timeout_graceful_shutdown=5,
+                    timeout_keep_alive=KEEP_ALIVE_S)
+    finally:
+        engine.shutdown()
+    exit_now(0)  # uvicorn stopped and nothing is written: skip the interpreter's teardown
