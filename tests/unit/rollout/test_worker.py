@@ -5,6 +5,7 @@ rewards through the pool (errors counted), dynamic sampling, overlong penalty, t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import textwrap
@@ -322,3 +323,44 @@ def test_groups_of_an_unreachable_engine_are_requeued_with_their_credit(make_wor
     # the same two prompts (with their group ids), not the next ones; no credit released
     assert sorted(g[0].prompt_id for g in broker.groups) == ["0", "1"]
     assert broker.released == 0 and broker.state.counters()["accepted"] == 2
+
+
+class AbortingEngine(FakeEngine):
+    """Its first `aborts` calls end like a sync in weight_sync.pause_mode=abort ends them: the
+    tokens so far and finish_reason abort; later answers carry version spans (a retract)."""
+
+    def __init__(self, tokenizer, answers, aborts: int) -> None:
+        super().__init__(tokenizer, answers)
+        self.aborts, self.calls = aborts, 0
+
+    async def generate(self, input_ids, params, return_logprob=True, **kwargs):
+        self.calls += 1
+        out = await super().generate(input_ids, params, return_logprob, **kwargs)
+        if self.calls <= self.aborts:
+            return [dataclasses.replace(r, output_ids=r.output_ids[:1], logprobs=r.logprobs[:1],
+                                        finish_reason="abort") for r in out]
+        return [dataclasses.replace(r, weight_version="4",
+                                    weight_versions=[("3", 0, 1), ("4", 1, len(r.output_ids))])
+                for r in out]
+
+
+def test_aborted_groups_are_requeued_never_scored_and_spans_give_the_versions(make_worker):
+    async def main():
+        worker = make_worker()
+        engine = AbortingEngine(worker.tokenizer, {p: ["2", "12", "2", "2"] for p in PROMPTS},
+                                aborts=2)
+        worker.router = LeastLoadedRouter([engine])
+        worker.broker.close()
+        worker.broker = FakeBroker(worker, stop_after=2)
+        await worker.run()
+        return worker
+
+    worker = asyncio.run(main())
+    groups = worker.broker.groups
+    assert worker.requeued_total == 2
+    assert sorted(g[0].prompt_id for g in groups) == ["0", "1"]  # the same prompts, again
+    samples = [s for g in groups for s in g]
+    assert all(s.finish_reason == "stop" and len(s.response_ids) > 1 for s in samples)
+    # tokens from versions 3 and 4: the staleness rule judges the oldest
+    assert {(s.version_min, s.version) for s in samples} == {(3, 4)}
+    assert worker.broker.released == 0
