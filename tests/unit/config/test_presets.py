@@ -70,6 +70,15 @@ def test_cross_field_check_names_the_override():
     assert to_train_config(_compose(["rollout.deterministic=true"])).rollout.deterministic
 
 
+def test_a_misspelt_experiment_fails_listing_the_presets():
+    # before, `optional experiment` made Hydra skip it and the default config trained
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException,
+                       match=r"(?s)Could not find 'experiment/tiny_cpux'.*tiny_cpu"):
+        _compose(["experiment=tiny_cpux"])
+
+
 def test_bad_yaml_file_is_named(tmp_path):
     bad = tmp_path / "config.yaml"
     bad.write_text("run_dir: x\nalgo: {max_staleness: [1,\n")
