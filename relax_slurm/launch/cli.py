@@ -19,7 +19,10 @@ from omegaconf import DictConfig
 from relax_slurm.config import register_configs, to_train_config
 from relax_slurm.errors import RelaxError
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+"""The Hydra configs: package data of an installed relax_slurm, and in a source checkout the
+symlink relax_slurm/conf -> conf/ (the repository keeps them at its top). A user's own
+configs are added with Hydra's --config-dir DIR (docs/configuration.md)."""
 
 
 def _run(cfg: DictConfig) -> None:
@@ -50,8 +53,9 @@ def _interrupt(signum, frame) -> None:
 def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     if not (CONF_DIR / "train.yaml").is_file():
-        sys.exit(f"relax-train: {CONF_DIR}/train.yaml not found; install from a source checkout "
-                 "with `pip install -e .`")
+        sys.exit(f"relax-train: {CONF_DIR}/train.yaml not found: the package was installed "
+                 "without its configs; reinstall it (pip install relax-slurm, or pip install . "
+                 "from a source checkout)")
     register_configs()
     hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_run)()
 

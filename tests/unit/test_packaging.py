@@ -1,0 +1,66 @@
+"""A wheel of relax-slurm carries its Hydra configs: installed (not editable) into a fresh venv,
+`relax-train` composes the presets from any directory, and a user's own config directory is
+added with --config-dir."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """A wheel built from a copy of the package's sources (the checkout stays untouched)."""
+    src = tmp_path_factory.mktemp("src")
+    for name in ("relax_slurm", "conf"):
+        shutil.copytree(REPO / name, src / name, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
+                    "--no-build-isolation", str(src), "--wheel-dir", str(out)],
+                   check=True, timeout=300)
+    [whl] = out.glob("relax_slurm-*.whl")
+    return whl
+
+
+def test_the_wheel_carries_every_config(wheel):
+    packaged = {n.removeprefix("relax_slurm/") for n in zipfile.ZipFile(wheel).namelist()
+                if n.startswith("relax_slurm/conf/")}
+    on_disk = {str(p.relative_to(REPO)) for p in (REPO / "conf").rglob("*.yaml")}
+    assert packaged == on_disk
+
+
+def test_an_installed_wheel_composes_from_anywhere(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    # the dependencies come from this interpreter's site-packages; the package from the wheel
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
+                   check=True, timeout=120)
+    subprocess.run([venv / "bin" / "pip", "install", "--quiet", "--no-deps", str(wheel)],
+                   check=True, timeout=300)
+    where = subprocess.run([venv / "bin" / "python", "-c",
+                            "import relax_slurm; print(relax_slurm.__file__)"], cwd=tmp_path,
+                           capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(venv)), where  # the installed copy, not the checkout
+
+    def job(*args: str) -> str:
+        proc = subprocess.run([venv / "bin" / "relax-train", *args, "run_dir=r", "--cfg", "job"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return proc.stdout
+
+    assert "total_steps: 150" in job("experiment=tiny_cpu")
+    mine = tmp_path / "mine" / "experiment"
+    mine.mkdir(parents=True)
+    (mine / "short.yaml").write_text("# @package _global_\ndefaults:\n  - tiny_cpu\n"
+                                     "trainer:\n  total_steps: 7\n")
+    assert "total_steps: 7" in job("--config-dir", str(tmp_path / "mine"), "experiment=short")
