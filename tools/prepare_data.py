@@ -2,71 +2,13 @@
 
     python tools/prepare_data.py --out tiny
 
-Writes OUT/arith_train.jsonl and OUT/arith_test.jsonl, one row per line:
-{"prompt": "3+4=", "label": "7", "id": "train-0"}. a and b are digits up to --max-operand and
-the label is the last digit of a+b. The default, 4, gives 25 distinct prompts with single-digit
-answers: a table the ~100k-parameter tiny model learns by RL in about 200 steps on 2 CPU cores
-(--max-operand 9, the full table mod 10, takes thousands). The test set is a separate random
-draw (a held-out order, not held-out prompts), which is enough to measure whether the model
-learned the table.
-Standard library only, so it runs in well under a second.
+The command line of `relax_slurm.tiny.arith` (see its docstring); `relax-train experiment=tiny_*` also builds
+what it needs on first use (relax_slurm/tiny/assets.py).
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-import random
 import sys
-from pathlib import Path
 
-
-def make_rows(n: int, rng: random.Random, split: str, max_operand: int = 4
-              ) -> list[dict[str, str]]:
-    """`n` rows of random sums of digits 0..max_operand, labelled with the sum's last digit."""
-    rows = []
-    for i in range(n):
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        rows.append({"prompt": f"{a}+{b}=", "label": str((a + b) % 10), "id": f"{split}-{i}"})
-    return rows
-
-
-def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-
-
-def prepare(out: Path, n_train: int = 5000, n_test: int = 500, seed: int = 0,
-            max_operand: int = 4) -> list[Path]:
-    """Write both splits under `out`; returns their paths (train first)."""
-    out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    paths = []
-    for split, n in (("train", n_train), ("test", n_test)):
-        path = out / f"arith_{split}.jsonl"
-        write_jsonl(path, make_rows(n, rng, split, max_operand))
-        paths.append(path)
-    return paths
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory to write the jsonl files")
-    parser.add_argument("--n-train", type=int, default=5000)
-    parser.add_argument("--n-test", type=int, default=500)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-operand", type=int, default=4,
-                        help="largest digit a and b take (0-9); 9 is the full table mod 10")
-    args = parser.parse_args(argv)
-    if args.n_train < 1 or args.n_test < 0:
-        parser.error("--n-train must be >= 1 and --n-test >= 0")
-    if not 0 <= args.max_operand <= 9:
-        parser.error(f"--max-operand must be a digit 0-9, got {args.max_operand}")
-    train, test = prepare(Path(args.out), args.n_train, args.n_test, args.seed, args.max_operand)
-    print(f"wrote {train} ({args.n_train} rows) and {test} ({args.n_test} rows)")
-    return 0
-
+from relax_slurm.tiny.arith import main
 
 if __name__ == "__main__":
     sys.exit(main())

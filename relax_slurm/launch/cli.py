@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from relax_slurm.config import register_configs, to_train_config
 from relax_slurm.errors import RelaxError
+from relax_slurm.tiny.assets import ensure_tiny_assets
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 """The Hydra configs: package data of an installed relax_slurm, and in a source checkout the
@@ -28,6 +29,8 @@ configs are added with Hydra's --config-dir DIR (docs/configuration.md)."""
 def _run(cfg: DictConfig) -> None:
     try:
         train_cfg = to_train_config(cfg)
+        if not train_cfg.cluster.dry_run:  # a tiny preset on a fresh machine: its model, data
+            ensure_tiny_assets(train_cfg)
         if train_cfg.cluster.kind == "slurm":
             from relax_slurm.launch.sbatch import run_sbatch
 

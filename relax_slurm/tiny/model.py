@@ -1,0 +1,165 @@
+"""Build the tiny Qwen3 model and character tokenizer of the embedded CPU default.
+
+    python tools/make_tiny_model.py --out tiny/model
+    python tools/make_tiny_model.py --out tiny/vl_model --kind vl        # tiny Qwen2.5-VL
+    python tools/make_tiny_model.py --out tiny/vl3_model --kind vl3      # tiny Qwen3-VL
+    python tools/make_tiny_model.py --out tiny/audio_model --kind audio  # tiny Qwen2-Audio
+
+The model is a randomly initialised `Qwen3ForCausalLM` (hidden 64, 2 layers, 4 query / 2 kv
+heads of 16 dims, tied embeddings, 75k parameters); the tokenizer has one token per
+character of "a+b=" arithmetic plus <pad>, <eos>, <unk>. Its chat template renders messages as
+their contents concatenated, so the prompt "3+4=" is exactly the ids of "3+4=" and the model
+answers with "7<eos>". Everything is built locally: no hub access.
+
+`--kind vl`, `--kind vl3` and `--kind audio` build the multimodal siblings on the same
+character tokenizer (see tools/tiny_multimodal.py): a Qwen2.5-VL with a one-block vision tower
+and its image processor, a Qwen3-VL likewise (patch 16, DeepStack), and a Qwen2-Audio with a
+one-layer audio encoder over 2 s of 16 mel bins and its Whisper feature extractor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # torch and the model classes take many seconds to import: build_model
+    import torch  # imports them, so callers that only need the tokenizer stay fast
+    from transformers import Qwen3ForCausalLM
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+SPECIAL_TOKENS = [PAD, EOS, UNK]  # ids 0, 1, 2
+CHARS = list("0123456789+-*= ")
+
+# System, user and tool turns render as their content; assistant turns end with EOS (that is
+# what the model learns to emit); the generation prompt adds nothing.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- message['content'] -}}"
+    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+def build_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one token per character, special tokens first."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Split every character into its own word (spaces included) ...
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # ... and glue them back without the spaces WordLevel would put between tokens.
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+        padding_side="left",  # batched generation pads prompts on the left
+    )
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Qwen3ForCausalLM:
+    """A randomly initialised Qwen3 whose special-token ids match `tokenizer`."""
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    # The tokenizer has no BOS token (as Qwen's); bos_token_id is None in both.
+    special = dict(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        dtype="float32",
+        **special,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(**special)
+    return model
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+    tokenizer.save_pretrained(out)
+    # transformers 5 records its internal class name (TokenizersBackend), which 4.x cannot
+    # load; PreTrainedTokenizerFast loads in both.
+    path = out / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Unique parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory to write model and tokenizer")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=16)
+    parser.add_argument("--intermediate-size", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kind", choices=["text", "vl", "vl3", "audio"], default="text",
+                        help="text: Qwen3; vl: Qwen2.5-VL; vl3: Qwen3-VL; audio: Qwen2-Audio")
+    args = parser.parse_args(argv)
+    if args.kind != "text":
+        from relax_slurm.tiny.multimodal import build_multimodal
+
+        print(build_multimodal(args.kind, Path(args.out), seed=args.seed))
+        return 0
+
+    tokenizer = build_tokenizer()
+    model = build_model(
+        tokenizer,
+        hidden_size=args.hidden_size,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size,
+        seed=args.seed,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
+    print(f"wrote {out}: Qwen3ForCausalLM with {count_parameters(model):,} parameters, "
+          f"tokenizer with {len(tokenizer)} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
