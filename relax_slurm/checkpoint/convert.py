@@ -14,6 +14,7 @@ import copy
 import importlib.util
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -462,6 +463,14 @@ def _start_output(out: Path, overwrite: bool) -> Path:
 
 
 def _finish_output(tmp: Path, out: Path) -> Path:
+    # safetensors (and transformers' save_pretrained through it) create their files 0600:
+    # give every output file the mode the user's umask gives new files, so that a converted
+    # model on a shared cluster is readable by whoever may read the directory
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
     if out.exists():
         doomed = out.with_name(out.name + ".del")
         shutil.rmtree(doomed, ignore_errors=True)

@@ -4,6 +4,7 @@ format detection, architecture checks, dtype, the Megatron path, save_hf, the CL
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,12 @@ def test_dcp_to_hf_gives_the_trainers_logits_exactly(run_dir, tmp_path):
     assert "lm_head.weight" not in hf_tensors(out)  # tied, stored once as HF does
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert torch.equal(logits(loaded), ref)
+    # the mode the umask gives new files (safetensors itself writes 0600): readable on a
+    # shared cluster by whoever may read the directory
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == {
+        f.name: 0o666 & ~umask for f in out.iterdir()}
 
 
 def test_hf_to_dcp_to_hf_is_byte_identical(tiny_dir, tmp_path):
