@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -132,10 +133,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        print(json.dumps(run(args), indent=2))
+        print(json.dumps(run(args), indent=2), flush=True)
     except RelaxError as e:
         print(f"relax-ctl: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `relax-ctl status RUN | head`: the reader has what it wanted
+        # stdout's last buffered bytes can no longer be written: drop them quietly at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 0
 
 

@@ -95,6 +95,33 @@ def test_relax_ctl_status_reads_plan_and_secret(start_broker: Callable[..., Brok
     assert json.loads(capsys.readouterr().out)["pid"] == broker.proc.pid
 
 
+def test_relax_ctl_into_a_closed_pipe_exits_quietly(start_broker: Callable[..., Broker],
+                                                   tmp_path) -> None:
+    """`relax-ctl status RUN | head`: the reader leaves early; no BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from relax_slurm.auth import secret_path
+    from relax_slurm.launch.plan import RunPlan, save_plan
+
+    broker = start_broker(admin=True)
+    run = tmp_path / "ctl"
+    run.mkdir()
+    save_plan(RunPlan(broker_router=broker.router, broker_pub=broker.pub,
+                      broker_admin=broker.admin), run)
+    secret_path(run).write_text(SECRET + "\n")
+    secret_path(run).chmod(0o600)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written: every write fails
+    try:
+        proc = subprocess.run([sys.executable, "-m", "relax_slurm.launch.ctl", "status", str(run)],
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
 def test_a_hung_engine_is_named_before_the_roles_waiting_on_it(
         start_broker: Callable[..., Broker]) -> None:
     """A trainer blocked in a weight push to a hung engine falls silent with it: the engine is
