@@ -161,7 +161,11 @@ def dry_run_text(cfg: TrainConfig, run_dir: Path, workdir: Path) -> str:
     example = "; ".join(f"component {k}: {','.join(g)}" for k, g in
                         enumerate(example_allocation(cfg.cluster).het_groups))
     lines = srun_lines(cfg, run_dir, workdir)
-    return (f"{render_script(cfg, run_dir, workdir)}\n"
+    shebang, script = render_script(cfg, run_dir, workdir).split("\n", 1)
+    return (f"{shebang}\n"
+            f"# DRY RUN (cluster.dry_run=true): nothing was written or submitted. Without it,\n"
+            f"# relax-train writes this script to {run_dir / SCRIPT_NAME} and submits it.\n"
+            f"{script}\n"
             f"# The driver then starts one srun step per role (nodes as in an allocation of\n"
             f"# {example}; ports are chosen in the allocation):\n"
             + "\n".join(lines) + "\n")
