@@ -53,8 +53,28 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+USAGE = """usage: relax-train experiment=NAME [key=value ...]     (Hydra overrides; --help lists all)
+
+  relax-train experiment=tiny_cpu run_dir=runs/tiny      the embedded CPU default (builds its
+                                                         tiny model and data on first use)
+  relax-train experiment=tiny_cpu cluster=slurm          the same as a Slurm heterogeneous job
+
+experiments: {experiments}
+docs: docs/quickstart.md, docs/configuration.md"""
+
+
+def usage() -> str:
+    """What a bare `relax-train` prints: with no experiment the base config would train 100
+    steps of nothing (lr 1e-6, 256-token answers), so it names the presets instead."""
+    names = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+    return USAGE.format(experiments=", ".join(names))
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
+    if len(sys.argv) == 1:
+        print(usage(), file=sys.stderr)
+        sys.exit(2)
     if not (CONF_DIR / "train.yaml").is_file():
         sys.exit(f"relax-train: {CONF_DIR}/train.yaml not found: the package was installed "
                  "without its configs; reinstall it (pip install relax-slurm, or pip install . "

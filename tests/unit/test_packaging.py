@@ -1,6 +1,6 @@
 """A wheel of relax-slurm carries its Hydra configs: installed (not editable) into a fresh venv,
-`relax-train` composes the presets from any directory, and a user's own config directory is
-added with --config-dir."""
+`relax-train` composes the presets from any directory (and, bare, names them), and a user's own
+config directory is added with --config-dir."""
 
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ def test_an_installed_wheel_composes_from_anywhere(wheel, tmp_path):
         return proc.stdout
 
     assert "total_steps: 150" in job("experiment=tiny_cpu")
+    # bare: the usage and the presets, not 100 steps of the base config that learn nothing
+    bare = subprocess.run([venv / "bin" / "relax-train"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert bare.returncode == 2 and "usage: relax-train experiment=NAME" in bare.stderr
+    assert "tiny_cpu" in bare.stderr and not (tmp_path / "runs").exists()
     mine = tmp_path / "mine" / "experiment"
     mine.mkdir(parents=True)
     (mine / "short.yaml").write_text("# @package _global_\ndefaults:\n  - tiny_cpu\n"
