@@ -102,15 +102,10 @@ def test_contract(broker: Broker) -> None:
 def test_relax_ctl(broker: Broker, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     import json
 
-    from relax_slurm.auth import secret_path
     from relax_slurm.launch.ctl import main
+    from tests.unit.launch.test_health import ctl_run_dir
 
-    run = tmp_path / "ctl"
-    run.mkdir()
-    save_plan(RunPlan(broker_router=broker.router, broker_pub=broker.pub,
-                      broker_admin=broker.admin), run)
-    secret_path(run).write_text(SECRET + "\n")
-    secret_path(run).chmod(0o600)
+    run = ctl_run_dir(broker, tmp_path)
 
     def ctl(*argv: str) -> tuple[int, dict | str]:
         rc = main([argv[0], str(run), *argv[1:]])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from collections.abc import Callable
 
 import pytest
@@ -76,17 +77,27 @@ def test_silent_roles_engines_and_broker_are_named(start_broker: Callable[..., B
         off.close()
 
 
-def test_relax_ctl_status_reads_plan_and_secret(start_broker: Callable[..., Broker], tmp_path,
-                                                 capsys) -> None:
+def ctl_run_dir(broker: Broker, tmp_path) -> Path:
+    """A run directory relax-ctl can reach `broker` from: its plan and its secret."""
     from relax_slurm.auth import secret_path
-    from relax_slurm.launch.ctl import main
     from relax_slurm.launch.plan import RunPlan, save_plan
 
-    broker = start_broker(admin=True)
     run = tmp_path / "ctl"
     run.mkdir()
     save_plan(RunPlan(broker_router=broker.router, broker_pub=broker.pub,
                       broker_admin=broker.admin), run)
+    secret_path(run).write_text(SECRET + "\n")
+    secret_path(run).chmod(0o600)
+    return run
+
+
+def test_relax_ctl_status_reads_plan_and_secret(start_broker: Callable[..., Broker], tmp_path,
+                                                 capsys) -> None:
+    from relax_slurm.auth import secret_path
+    from relax_slurm.launch.ctl import main
+
+    broker = start_broker(admin=True)
+    run = ctl_run_dir(broker, tmp_path)
     secret_path(run).write_text("wrong\n")
     secret_path(run).chmod(0o600)
     assert main(["status", str(run)]) == 1 and "HTTP 401" in capsys.readouterr().err
@@ -102,16 +113,7 @@ def test_relax_ctl_into_a_closed_pipe_exits_quietly(start_broker: Callable[..., 
     import subprocess
     import sys
 
-    from relax_slurm.auth import secret_path
-    from relax_slurm.launch.plan import RunPlan, save_plan
-
-    broker = start_broker(admin=True)
-    run = tmp_path / "ctl"
-    run.mkdir()
-    save_plan(RunPlan(broker_router=broker.router, broker_pub=broker.pub,
-                      broker_admin=broker.admin), run)
-    secret_path(run).write_text(SECRET + "\n")
-    secret_path(run).chmod(0o600)
+    run = ctl_run_dir(start_broker(admin=True), tmp_path)
     read, write = os.pipe()
     os.close(read)  # the reader is gone before anything is written: every write fails
     try:

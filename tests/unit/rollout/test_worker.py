@@ -304,20 +304,24 @@ class FlakyEngine(FakeEngine):
         return await super().generate(input_ids, params, return_logprob, **kwargs)
 
 
-def test_groups_of_an_unreachable_engine_are_requeued_with_their_credit(make_worker, monkeypatch):
-    monkeypatch.setattr(worker_module, "ENGINE_RETRY_S", 0.01)
-
+def run_two_groups(make_worker, make_engine) -> RolloutWorker:
+    """A worker on make_engine(tokenizer, answers) until the broker has two groups."""
     async def main():
         worker = make_worker()
-        engine = FlakyEngine(worker.tokenizer, {p: ["2", "12", "2", "2"] for p in PROMPTS},
-                             failures=2)
+        engine = make_engine(worker.tokenizer, {p: ["2", "12", "2", "2"] for p in PROMPTS})
         worker.router = LeastLoadedRouter([engine])
         worker.broker.close()
         worker.broker = FakeBroker(worker, stop_after=2)
         await worker.run()
         return worker
 
-    worker = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_groups_of_an_unreachable_engine_are_requeued_with_their_credit(make_worker, monkeypatch):
+    monkeypatch.setattr(worker_module, "ENGINE_RETRY_S", 0.01)
+
+    worker = run_two_groups(make_worker, lambda tok, answers: FlakyEngine(tok, answers, 2))
     broker = worker.broker
     assert worker.requeued_total == 2
     # the same two prompts (with their group ids), not the next ones; no credit released
@@ -345,17 +349,7 @@ class AbortingEngine(FakeEngine):
 
 
 def test_aborted_groups_are_requeued_never_scored_and_spans_give_the_versions(make_worker):
-    async def main():
-        worker = make_worker()
-        engine = AbortingEngine(worker.tokenizer, {p: ["2", "12", "2", "2"] for p in PROMPTS},
-                                aborts=2)
-        worker.router = LeastLoadedRouter([engine])
-        worker.broker.close()
-        worker.broker = FakeBroker(worker, stop_after=2)
-        await worker.run()
-        return worker
-
-    worker = asyncio.run(main())
+    worker = run_two_groups(make_worker, lambda tok, answers: AbortingEngine(tok, answers, 2))
     groups = worker.broker.groups
     assert worker.requeued_total == 2
     assert sorted(g[0].prompt_id for g in groups) == ["0", "1"]  # the same prompts, again
