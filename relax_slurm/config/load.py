@@ -8,6 +8,8 @@ resolved config per run and no Hydra on the ranks.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -16,6 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 from relax_slurm.config import schema
 from relax_slurm.errors import ConfigError
 
+NON_SCHEMA_GROUPS = ("experiment",)
+"""Config groups that choose a preset rather than fill a section of TrainConfig."""
 # group name -> schema; each group's YAML files list `base_<group>` first in their defaults.
 GROUP_SCHEMAS = {
     "model": schema.ModelConfig,
@@ -46,6 +50,49 @@ def _explain(e: OmegaConfBaseException) -> str:
     return f"{e.msg if hasattr(e, 'msg') else e}{where}"
 
 
+def _schema_class(ftype: object) -> type | None:
+    """The dataclass a field's (string) annotation names, or None for a leaf or a dict."""
+    sub = getattr(schema, ftype, None) if isinstance(ftype, str) else ftype
+    return sub if dataclasses.is_dataclass(sub) else None
+
+
+def schema_keys(cls: type = schema.TrainConfig, prefix: str = "") -> list[str]:
+    """Every settable dotted key of the schema (sections and leaves)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        out.append(prefix + f.name)
+        sub = _schema_class(f.type)
+        if sub is not None:
+            out += schema_keys(sub, f"{prefix}{f.name}.")
+    return out
+
+
+def check_override_keys(overrides: Sequence[str]) -> None:
+    """ConfigError for a `key=value` override whose key the schema lacks, suggesting the closest
+    one ("did you mean trainer.total_steps"). Hydra would advise `+key=value`, which then fails
+    at validation; group choices (experiment=...), hydra.* and +/~ overrides pass."""
+    known = schema_keys()
+    for arg in overrides:
+        key = arg.split("=", 1)[0]
+        if (arg.startswith(("-", "+", "~")) or "=" not in arg or key in NON_SCHEMA_GROUPS
+                or key.startswith("hydra.")):
+            continue
+        cls, parts = schema.TrainConfig, key.split(".")
+        for i, part in enumerate(parts):
+            fields = {f.name: f for f in dataclasses.fields(cls)}
+            if part not in fields:
+                near = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.75)
+                close = ([".".join([*parts[:i], near[0], *parts[i + 1:]])] if near else
+                         [k for k in known if k.rsplit(".", 1)[-1] == parts[-1]])
+                hint = f" Did you mean {' or '.join(close)}?" if close else ""
+                raise ConfigError(f"unknown config key {key!r} (in {arg!r}).{hint} Every key: "
+                                  "`relax-train experiment=... --cfg job`, docs/configuration.md")
+            sub = _schema_class(fields[part].type)
+            if sub is None:  # a leaf, or a free-form dict (env.kwargs, data.multimodal_keys)
+                break
+            cls = sub
+
+
 def _unknown_keys(node: DictConfig, cls: type, prefix: str = "") -> list[str]:
     """Keys in `node` that `cls` has no field for (Hydra lets `+key=...` through)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -56,10 +103,9 @@ def _unknown_keys(node: DictConfig, cls: type, prefix: str = "") -> list[str]:
         if key not in fields:
             unknown.append(f"{prefix}{key}")
             continue
-        ftype = fields[key].type
-        sub = getattr(schema, ftype, None) if isinstance(ftype, str) else ftype
+        sub = _schema_class(fields[key].type)
         value = node._get_node(key)
-        if dataclasses.is_dataclass(sub) and isinstance(value, DictConfig):
+        if sub is not None and isinstance(value, DictConfig):
             unknown += _unknown_keys(value, sub, f"{prefix}{key}.")
     return unknown
 

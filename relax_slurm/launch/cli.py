@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from relax_slurm.config import register_configs, to_train_config
+from relax_slurm.config.load import check_override_keys
 from relax_slurm.errors import RelaxError
 from relax_slurm.tiny.assets import ensure_tiny_assets
 
@@ -75,6 +76,11 @@ def main() -> None:
     if len(sys.argv) == 1:
         print(usage(), file=sys.stderr)
         sys.exit(2)
+    try:  # before Hydra, whose advice for a misspelt key is to add it with `+`
+        check_override_keys(sys.argv[1:])
+    except RelaxError as e:
+        print(f"relax-train: error: {e}", file=sys.stderr)
+        sys.exit(1)
     if not (CONF_DIR / "train.yaml").is_file():
         sys.exit(f"relax-train: {CONF_DIR}/train.yaml not found: the package was installed "
                  "without its configs; reinstall it (pip install relax-slurm, or pip install . "

@@ -79,6 +79,24 @@ def test_a_misspelt_experiment_fails_listing_the_presets():
         _compose(["experiment=tiny_cpux"])
 
 
+def test_a_misspelt_key_gets_the_closest_one_not_hydras_plus_advice():
+    from relax_slurm.config.load import check_override_keys
+
+    with pytest.raises(ConfigError, match=r"'trainer\.total_step'.*Did you mean "
+                                          r"trainer\.total_steps\?"):
+        check_override_keys(["experiment=tiny_cpu", "trainer.total_step=5"])
+    with pytest.raises(ConfigError, match=r"Did you mean algo\.max_staleness\?"):
+        check_override_keys(["trainer.max_staleness=1"])  # the right key, in another section
+    with pytest.raises(ConfigError, match=r"Did you mean trainer\.lr\?"):
+        check_override_keys(["trainr.lr=1e-3"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'zzz' \(in 'zzz=1'\)\. Every"):
+        check_override_keys(["zzz=1"])
+    # what is not a schema key passes: group choices, Hydra's own, +/~, free-form dicts, flags
+    check_override_keys(["experiment=tiny_cpu", "algo=gspo", "+x=1", "~seed", "hydra.run.dir=d",
+                         "env.kwargs.x=1", "--config-dir", "d", "-m", "seed=3",
+                         "trainer.lr=1e-3", "weight_sync.pause_mode=abort", "algo=grpo,gspo"])
+
+
 def test_bad_yaml_file_is_named(tmp_path):
     bad = tmp_path / "config.yaml"
     bad.write_text("run_dir: x\nalgo: {max_staleness: [1,\n")
