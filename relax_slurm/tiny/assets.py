@@ -62,9 +62,14 @@ def ensure_tiny_assets(cfg: TrainConfig, say: Callable[[str], None] = print) -> 
     for path, (module, *args) in todo:
         say(f"relax-train: {path} does not exist yet: building it (python -m {module} "
             f"{' '.join(args)}; once)")
-        with contextlib.redirect_stdout(io.StringIO()):  # the builders' own reports
-            code = importlib.import_module(module).main(args)
+        out = io.StringIO()  # the builders' own reports and progress bars, shown on failure
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                code = importlib.import_module(module).main(args)
+        except Exception as e:
+            raise DataError(f"building {path} failed: python -m {module} {' '.join(args)}: "
+                            f"{type(e).__name__}: {e}\n{out.getvalue()[-2000:]}") from e
         if code:
             raise DataError(f"building {path} failed: python -m {module} {' '.join(args)} "
-                            f"exited with {code}")
+                            f"exited with {code}\n{out.getvalue()[-2000:]}")
     return len(todo)
