@@ -149,14 +149,10 @@ def _tail(path: str | Path, n: int = 4000) -> str:
 
 
 def run_tiny_model_tool(out: Path) -> Path:
-    """tools/make_tiny_model.py run in this process (which imports torch anyway)."""
-    import importlib.util
+    """tools/make_tiny_model.py's code run in this process (which imports torch anyway)."""
+    from relax_slurm.tiny.model import main
 
-    spec = importlib.util.spec_from_file_location("make_tiny_model",
-                                                  REPO_ROOT / "tools" / "make_tiny_model.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    assert tool.main(["--out", str(out)]) == 0
+    assert main(["--out", str(out)]) == 0
     return out
 
 

@@ -4,6 +4,7 @@ config directory is added with --config-dir."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -41,27 +42,31 @@ def test_the_wheel_carries_every_config(wheel):
 
 
 def test_an_installed_wheel_composes_from_anywhere(wheel, tmp_path):
+    # nothing of a checkout on the path (a clean-clone run sets PYTHONPATH to the clone)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     venv = tmp_path / "venv"
     # the dependencies come from this interpreter's site-packages; the package from the wheel
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
                    check=True, timeout=120)
-    subprocess.run([venv / "bin" / "pip", "install", "--quiet", "--no-deps", str(wheel)],
+    # --ignore-installed: this interpreter's editable relax-slurm must not count as installed
+    subprocess.run([venv / "bin" / "pip", "install", "--quiet", "--no-deps", "--ignore-installed",
+                    str(wheel)],
                    check=True, timeout=300)
     where = subprocess.run([venv / "bin" / "python", "-c",
                             "import relax_slurm; print(relax_slurm.__file__)"], cwd=tmp_path,
-                           capture_output=True, text=True, check=True).stdout
+                           capture_output=True, text=True, check=True, env=env).stdout
     assert where.startswith(str(venv)), where  # the installed copy, not the checkout
 
     def job(*args: str) -> str:
         proc = subprocess.run([venv / "bin" / "relax-train", *args, "run_dir=r", "--cfg", "job"],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         return proc.stdout
 
     assert "total_steps: 150" in job("experiment=tiny_cpu")
     # bare: the usage and the presets, not 100 steps of the base config that learn nothing
     bare = subprocess.run([venv / "bin" / "relax-train"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=env)
     assert bare.returncode == 2 and "usage: relax-train experiment=NAME" in bare.stderr
     assert "tiny_cpu" in bare.stderr and not (tmp_path / "runs").exists()
     mine = tmp_path / "mine" / "experiment"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -80,12 +79,10 @@ def test_model_and_tokenizer_load_and_generate(tiny):
 
 
 def test_build_model_is_seeded():
-    spec = importlib.util.spec_from_file_location("make_tiny_model",
-                                                  REPO / "tools" / "make_tiny_model.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    tok = tool.build_tokenizer()
-    a, b, c = (tool.build_model(tok, seed=s).state_dict() for s in (0, 0, 1))
+    from relax_slurm.tiny.model import build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    a, b, c = (build_model(tok, seed=s).state_dict() for s in (0, 0, 1))
     assert all(a[k].equal(b[k]) for k in a)
     assert not a["model.layers.0.self_attn.q_proj.weight"].equal(
         c["model.layers.0.self_attn.q_proj.weight"])

@@ -1,22 +1,18 @@
-"""The tiny Qwen3 model of tools/make_tiny_model.py, built once per session (in-process: the
+"""The tiny Qwen3 model of relax_slurm/tiny/model.py (tools/make_tiny_model.py), built once per session (in-process: the
 test process has torch and transformers imported already)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
 
 
 def make_tiny(out: Path, *extra: str) -> Path:
-    spec = importlib.util.spec_from_file_location("make_tiny_model",
-                                                  REPO / "tools" / "make_tiny_model.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    assert tool.main(["--out", str(out), *extra]) == 0
+    from relax_slurm.tiny.model import main
+
+    assert main(["--out", str(out), *extra]) == 0
     return out
 
 

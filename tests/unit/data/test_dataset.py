@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import doctest
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,19 +13,13 @@ from relax_slurm.data import PromptDataset, chat, encode, to_messages
 from relax_slurm.data.chat import _as_ids
 from relax_slurm.errors import ConfigError, DataError
 
-REPO = Path(__file__).resolve().parents[3]
-
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return _tool("make_tiny_model").build_tokenizer()
+    from relax_slurm.tiny.model import build_tokenizer
+
+    return build_tokenizer()
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

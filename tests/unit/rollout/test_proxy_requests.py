@@ -5,7 +5,6 @@ tokenizer with a template whose generation prompt is not empty."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from relax_slurm.rollout.engine_client import GenerateResult
 from relax_slurm.rollout.multiturn import ObservationRenderer, TurnLimits, run_episode
 from relax_slurm.rollout.openai_chat import ProxyError, new_messages, parse_chat_request
 
-REPO = Path(__file__).resolve().parents[3]
 # user turns start with "=", assistant turns with "*" and end with EOS; the generation prompt
 # is "*": a template that only appends, with something to move after a first observation
 MARKED_TEMPLATE = (
@@ -29,11 +27,9 @@ MARKED_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tok():
-    spec = importlib.util.spec_from_file_location("make_tiny_model",
-                                                  REPO / "tools" / "make_tiny_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    tokenizer = module.build_tokenizer()
+    from relax_slurm.tiny.model import build_tokenizer
+
+    tokenizer = build_tokenizer()
     tokenizer.chat_template = MARKED_TEMPLATE
     return tokenizer
 
