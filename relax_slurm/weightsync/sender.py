@@ -43,9 +43,9 @@ STALE_SESSION = "already open"
 
 
 def open_session(client: EngineClient) -> None:
-    """/begin_weight_update; a session left open by a sync that failed midway (its best-effort
-    end never arrived: the engine died with it, or the sender was closed first) is ended
-    first. A session has no owner in SGLang, and this trainer is the only one updating."""
+    """/begin_weight_update; a session left open by a sync that failed midway is ended first
+    (the failing sync sends no end: it could overtake this begin). A session has no owner in
+    SGLang, and this trainer is the only one updating."""
     try:
         client.begin_weight_update()
     except EngineError as e:
@@ -94,7 +94,6 @@ class WeightSender:
                                                 thread_name_prefix="weight-sync-group")
         self._pg: Optional[dist.ProcessGroup] = None
         self._inflight: list = []  # broadcast works of the bucket being sent
-        self.protocols: list[ServerProtocol] = []  # every engine's, learned at connect
 
     @property
     def device(self) -> torch.device:
@@ -154,7 +153,7 @@ class WeightSender:
         """Form the group: every engine joins over HTTP (threads) while this process is rank 0."""
         if self._pg is not None:
             raise WeightSyncError(f"group {self.group_name!r} is already connected")
-        self.protocols = self.check_engines()
+        self.check_engines()
         route = "/init_weights_update_group"
         http = self._on_engines(lambda c, i: c.init_weights_update_group(
             self.master_addr, self.master_port, 1 + i * self.ranks_per_engine, self.world_size,
