@@ -26,6 +26,7 @@ ARRAY_FIELDS: dict[str, np.dtype] = {
 # Arrays a sample may lack (None): sent only when set, so messages without them stay valid.
 OPTIONAL_ARRAY_FIELDS: dict[str, np.dtype] = {
     "teacher_logprobs": np.dtype(np.float32),
+    "routed_experts": np.dtype(np.int16),
 }
 
 
@@ -59,6 +60,9 @@ class Sample:
     teacher_logprobs: np.ndarray | None = None
     """Log-probs of `response_ids` under the teacher engine (on-policy distillation), [R]
     float32, or None without a teacher."""
+    routed_experts: np.ndarray | None = None
+    """MoE models: the expert ids the engine routed each token to, [(P + R - 1) x layers x
+    top-k] int16 flattened (relax_slurm.routing.shape), or None."""
     mm_inputs: dict[str, np.ndarray] = field(default_factory=dict)
     """Processed media of the prompt, as the model's forward takes them (pixel_values [N, D],
     image_grid_thw [n, 3], input_features [n, mel, frames], ...); `prompt_ids` holds the

@@ -91,6 +91,11 @@ class AlgoConfig:
     """OPD: Hugging Face directory of the teacher (same tokenizer as model.path). cluster=local
     serves it on one more hf engine (role `teacher`) whose prefill log-probs of every response
     go into the samples; required by algo=opd."""
+    routing_replay: bool = False
+    """Rollout routing replay (R3), MoE models: the trainer's MoE layers route every token to
+    the experts the rollout engine chose for it (gating weights still from the trainer's own
+    router, so it learns), removing the router disagreement from the train/rollout log-prob
+    gap. Needs rollout.return_routed_experts (docs/algorithms.md#routing-replay)."""
     dynamic_sampling: bool = False
     """Data filter: drop groups whose rewards are all equal and sample more prompts to refill
     the batch (DAPO)."""
@@ -198,6 +203,11 @@ class RolloutConfig:
     """Colocated placement: engines release GPU memory (/release_memory_occupation) while the
     trainer steps and resume it for rollout; sglang engines then start --enable-memory-saver.
     Generation is paused first (weight_sync.pause_mode): SGLang asserts an idle engine."""
+    return_routed_experts: bool = True
+    """MoE models (ignored for dense ones): engines return the experts each token was routed
+    to (SGLang's --enable-return-routed-experts), which ride with the samples for
+    algo.routing_replay and the train/routing_mismatch_frac metric. Costs SGLang a host buffer
+    of tokens x layers x top-k int32; false turns both off."""
     deterministic: bool = False
     """Reproducible rollouts: every sequence's tokens follow from its seed (run seed, group,
     sample), whatever else is batched, so a resumed run draws the same tokens. The hf engine
@@ -838,3 +848,13 @@ class TrainConfig:
                "trainer=megatron trains text decoders only: data.multimodal_keys and "
                "trainer.freeze_modules need trainer=torch (FSDP2/DDP over the transformers "
                "multimodal model)")
+        _check(not self.algo.routing_replay or self.rollout.return_routed_experts,
+               "algo.routing_replay=true replays the experts the engines report: set "
+               "rollout.return_routed_experts=true")
+        _check(not self.algo.routing_replay or t.backend == "torch",
+               "algo.routing_replay=true is implemented for trainer=torch only so far "
+               "(docs/algorithms.md#routing-replay)")
+        _check(not self.algo.routing_replay or (not self.env.name
+                                               and self.rollout.agent_mode == "env"),
+               "algo.routing_replay=true replays single-turn rollouts only so far: unset env.name "
+               "and use rollout.agent_mode=env")

@@ -26,6 +26,7 @@ from relax_slurm.launch.roles import (
     broker_spec, engine_specs, teacher_specs, trainer_spec, worker_spec,
 )
 from relax_slurm.launch.supervisor import supervise
+from relax_slurm.routing.shape import routing_shape
 
 LOCALHOST = "127.0.0.1"
 
@@ -45,6 +46,10 @@ def check_inputs(cfg: TrainConfig) -> None:
                 "`python tools/prepare_data.py --out tiny`"
             )
     check_teacher(cfg)
+    if cfg.algo.routing_replay and routing_shape(cfg.model.path) is None:
+        raise ConfigError(f"algo.routing_replay=true: model.path={cfg.model.path} is not a "
+                          "mixture-of-experts model (its config.json names no experts); "
+                          "unset it for a dense model")
 
 
 def check_teacher(cfg: TrainConfig) -> None:

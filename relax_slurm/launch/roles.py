@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 from relax_slurm.config import TrainConfig
 from relax_slurm.launch.plan import RunPlan
 from relax_slurm.rollout import sglang_api
+from relax_slurm.routing.shape import routing_shape
 
 TRAINER_GROUP, ROLLOUT_GROUP = 0, 1
 SPILL_FILE = "broker/spill.bin"  # Slurm het groups: trainer + broker, engines + workers
@@ -76,8 +77,16 @@ def _hf_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed
               "--max-batch-size", str(cfg.rollout.engine_max_batch_size),
               "--batch-wait-ms", str(cfg.rollout.engine_batch_wait_ms),
               "--torch-threads", str(cfg.rollout.torch_threads),
-              "--seed", str(seed), "--weight-version", "0", *_media_flags(cfg)],
+              "--seed", str(seed), "--weight-version", "0", *_media_flags(cfg),
+              *(["--enable-return-routed-experts"] if returns_routing(cfg, model_path) else [])],
     )
+
+
+def returns_routing(cfg: TrainConfig, model_path: str) -> bool:
+    """Whether the policy's engines report routed experts: an MoE model.path (read from its
+    config.json where the launcher runs) with rollout.return_routed_experts. A teacher never."""
+    return (cfg.rollout.return_routed_experts and model_path == cfg.model.path
+            and routing_shape(model_path) is not None)
 
 
 def _media_flags(cfg: TrainConfig) -> list[str]:
@@ -127,7 +136,8 @@ def _sglang_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, 
             dtype=cfg.model.dtype, seed=seed, trust_remote_code=cfg.model.trust_remote_code,
             api_key=r.engine_api_key,
             enable_memory_saver=r.release_memory_during_train,
-            extra_args=r.engine_extra_args, deterministic=r.deterministic),
+            extra_args=r.engine_extra_args, deterministic=r.deterministic,
+            routed_experts=returns_routing(cfg, model_path)),
     )
 
 

@@ -46,6 +46,9 @@ class GenerateResult:
     """(version, start, end) spans of output_ids, end exclusive (meta_info.weight_versions):
     more than one when the weights changed while the sequence was generated (a pause in
     retract or in_place mode); empty when the server did not report them."""
+    routed_experts: Optional[str] = None
+    """meta_info.routed_experts (MoE models, asked with return_routed_experts): base64 int32
+    expert ids [prompt + output - 1, layers, top-k], decoded by relax_slurm.routing.shape."""
 
     def versions(self) -> list[int]:
         """The policy versions whose weights sampled this sequence's tokens, oldest first (the
@@ -76,7 +79,7 @@ def parse_generate_item(item: dict[str, Any]) -> GenerateResult:
     return GenerateResult(output_ids=output_ids, logprobs=logprobs, finish_reason=finish_type,
                           weight_version=None if version is None else str(version),
                           text=item.get("text", ""), meta_info=meta, input_logprobs=inputs,
-                          weight_versions=spans)
+                          weight_versions=spans, routed_experts=meta.get("routed_experts"))
 
 
 def raise_if_aborted(results: list[GenerateResult], url: str) -> list[GenerateResult]:
@@ -152,7 +155,8 @@ class _Base:
     @staticmethod
     def _generate_body(input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
                        return_logprob: bool, logprob_start_len: Optional[int] = None,
-                       media: Optional[list[dict[str, list[str]]]] = None) -> dict[str, Any]:
+                       media: Optional[list[dict[str, list[str]]]] = None,
+                       routed_experts: bool = False) -> dict[str, Any]:
         body = {"input_ids": [list(map(int, ids)) for ids in input_ids],
                 "sampling_params": ([dict(p) for p in sampling_params]
                                     if isinstance(sampling_params, list)
@@ -160,6 +164,8 @@ class _Base:
                 "return_logprob": return_logprob}
         if logprob_start_len is not None:
             body["logprob_start_len"] = int(logprob_start_len)
+        if routed_experts:  # the whole sequence's: the trainer replays the prompt's too
+            body.update(return_routed_experts=True, routed_experts_start_len=0)
         body.update(media_fields(media, len(input_ids)))
         return body
 
@@ -358,8 +364,11 @@ def wait_until_healthy(urls: list[str], timeout_s: float, poll_s: float = 0.5,
 class AsyncEngineClient(_Base):
     """asyncio client for rollout workers that keep many requests in flight."""
 
-    def __init__(self, url: str, timeout_s: float = 300.0, max_connections: int = 256) -> None:
+    def __init__(self, url: str, timeout_s: float = 300.0, max_connections: int = 256,
+                 routed_experts: bool = False) -> None:
         super().__init__(url, timeout_s)
+        self.routed_experts = routed_experts
+        """Ask every /generate for the routed experts (an MoE policy's engines)."""
         limits = httpx.Limits(max_connections=max_connections,
                               max_keepalive_connections=max_connections)
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, limits=limits,
@@ -406,7 +415,7 @@ class AsyncEngineClient(_Base):
         if not input_ids:
             return []
         body = self._generate_body(input_ids, sampling_params, return_logprob, logprob_start_len,
-                                   media)
+                                   media, self.routed_experts)
         resp = await self._call("POST", "/generate", body)
         return self._parse_generate(self._json("/generate", resp), len(input_ids))
 

@@ -67,6 +67,12 @@ class Row:
     retractions: int = 0
     input_logprobs: Optional[list] = None
     """Computed once, in the row's first batch (wants_input_logprobs)."""
+    routed_start: Optional[int] = None
+    """>= 0: return the experts each token was routed to from this position on (MoE models,
+    SGLang's return_routed_experts / routed_experts_start_len)."""
+    routed: Optional[torch.Tensor] = None
+    """[prompt + out_ids - 1, layers, K] int32, from the row's last batch (a continued row's
+    prefill recomputes every earlier position on the weights then served, as SGLang's does)."""
 
     @property
     def wants_input_logprobs(self) -> bool:

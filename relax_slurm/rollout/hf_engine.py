@@ -21,6 +21,12 @@ rollout worker runs too); each item's pad token in `input_ids` is expanded to it
 (ids already expanded pass unchanged) and the tensors ride along with the row into the batched
 `generate`.
 
+Routed experts (MoE models, started with --enable-return-routed-experts, as SGLang):
+`return_routed_experts=true` adds `meta_info.routed_experts`, base64 of int32 expert ids
+[prompt + completion - 1 - routed_experts_start_len, num_hidden_layers, num_experts_per_tok]
+recorded by hooks on the routers during the batch's generate (`relax_slurm.routing`). Without
+the flag the field is absent, as it is from SGLang.
+
 Dynamic batching: requests queue up; one generation thread takes up to --max-batch-size
 sequences (waiting up to --batch-wait-ms for more) and runs one `model.generate` with left
 padding. Per-row sampling params, stop conditions and log-probs are handled by a logits
@@ -32,6 +38,7 @@ processor and a stopping criterion that share one `BatchState`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -50,6 +57,8 @@ from relax_slurm.modeling import (auto_model_class, is_multimodal, media_token_i
 from relax_slurm.rollout import sglang_api
 from relax_slurm.rollout.hf_batch import BatchState, PendingRequest, Row, RowSampler, RowStopper
 from relax_slurm.rollout.hf_requests import BadRequest, NotServing, SamplingSpec
+from relax_slurm.routing.hooks import RoutingTrace
+from relax_slurm.routing.shape import encode_routed_experts, routing_shape_of
 from relax_slurm.weightsync.receiver import WeightReceiver, load_named_tensors, model_checksums
 
 log = logging.getLogger("relax_slurm.hf_engine")
@@ -77,7 +86,8 @@ class HFEngine:
 
     def __init__(self, model_path: str, tokenizer_path: Optional[str], dtype: str, device: str,
                  max_batch_size: int, batch_wait_ms: float, weight_version: str,
-                 sync_timeout_s: float, media_limits: Optional[MediaLimits] = None) -> None:
+                 sync_timeout_s: float, media_limits: Optional[MediaLimits] = None,
+                 return_routed_experts: bool = False) -> None:
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or model_path
         self.device = torch.device(device)
@@ -88,6 +98,11 @@ class HFEngine:
                       if is_multimodal(model_path) else None)
         self.banned_ids = media_token_ids(self.model.config)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.routing = routing_shape_of(self.model.config.to_dict()) if return_routed_experts \
+            else None
+        if return_routed_experts and self.routing is None:
+            raise ValueError(f"--enable-return-routed-experts: {model_path} is not a "
+                             "mixture-of-experts model (its config has no num_experts)")
         self.eos_ids = self._eos_ids()
         self.pad_id = next(i for i in (self.tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
                            if i is not None)
@@ -148,12 +163,17 @@ class HFEngine:
 
     def submit(self, prompts: list[list[int]], specs: list[SamplingSpec],
                logprob_flags: list[bool], logprob_start_lens: Optional[list[int]] = None,
-               mm: Optional[list[Optional[dict]]] = None) -> Future:
-        """Queue one request's sequences; the future resolves to their response items."""
+               mm: Optional[list[Optional[dict]]] = None,
+               routed_start: Optional[int] = None) -> Future:
+        """Queue one request's sequences; the future resolves to their response items.
+        `routed_start`: return routed experts from this position on (ignored, as by SGLang,
+        unless the engine was started with them enabled)."""
         req = PendingRequest(future=Future(), results=[None] * len(prompts), remaining=len(prompts))
         starts = logprob_start_lens or [-1] * len(prompts)
         mm = mm or [None] * len(prompts)
-        rows = [Row(ids, spec, lp, req, i, start, m) for i, (ids, spec, lp, start, m)
+        routed_start = routed_start if self.routing is not None else None
+        rows = [Row(ids, spec, lp, req, i, start, m, routed_start=routed_start)
+                for i, (ids, spec, lp, start, m)
                 in enumerate(zip(prompts, specs, logprob_flags, starts, mm))]
         queued = []
         for row in rows:
@@ -304,14 +324,17 @@ class HFEngine:
             attention_mask[i, width - len(ids):] = 1
         state = BatchState(rows, self.eos_ids, self.tokenizer, self.device)
         input_ids = input_ids.to(self.device)
+        trace = RoutingTrace(batch) if any(r.routed_start is not None for r in rows) else None
         self._running = rows
         try:
-            self.model.generate(
+            with trace.record(self.model) if trace else contextlib.nullcontext():
+                self.model.generate(
                 input_ids=input_ids, attention_mask=attention_mask.to(self.device),
                 **self._mm_kwargs(rows, input_ids),
-                max_new_tokens=max(r.spec.max_new_tokens - n for r, n in zip(rows, before)),
-                logits_processor=LogitsProcessorList([RowSampler(state, self.banned_ids)]),
-                stopping_criteria=StoppingCriteriaList([RowStopper(state, self._interrupted)]))
+                    max_new_tokens=max(r.spec.max_new_tokens - n for r, n in zip(rows, before)),
+                    logits_processor=LogitsProcessorList([RowSampler(state, self.banned_ids)]),
+                    stopping_criteria=StoppingCriteriaList([RowStopper(state,
+                                                                       self._interrupted)]))
         finally:
             self._running = []
         self.stats["num_batches"] += 1
@@ -319,6 +342,13 @@ class HFEngine:
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], batch)
         for row, n in zip(rows, before):
             row.add_tokens(version, n)
+        if trace is not None:
+            # every position that went through a forward: the inputs, and each new token but
+            # the last (SGLang's [0, seqlen - 1)); left padding shifts row i by width - len
+            lengths = [len(r.input_ids) + len(r.out_ids) - 1 for r in rows]
+            pads = [width - len(ids) for ids in inputs]
+            for row, ids in zip(rows, trace.rows(self.routing.layers, lengths, pads)):
+                row.routed = ids
         return state.finish
 
     def _item(self, row: Row, finish: dict, version: Optional[str] = None) -> dict:
@@ -341,6 +371,8 @@ class HFEngine:
             # SGLang: [logprob, token_id, token_text]; text is None unless return_text_in_logprobs
             meta["output_token_logprobs"] = [[lp, tok, None]
                                              for lp, tok in zip(row.logprobs, out_ids)]
+        if row.routed_start is not None and row.routed is not None:
+            meta["routed_experts"] = encode_routed_experts(row.routed[row.routed_start:].numpy())
         if row.input_logprobs is not None:
             tokens = row.input_ids[row.logprob_start_len:]
             meta["input_token_logprobs"] = [[lp, tok, None]

@@ -151,6 +151,20 @@ def parse_generate_request(body: dict, tokenizer: Any, vocab_size: int
     return prompts, specs, flags, starts, is_batch
 
 
+def parse_routing_request(body: dict, prompts: list[list[int]]) -> Optional[int]:
+    """SGLang's `return_routed_experts` (one flag for the request) and
+    `routed_experts_start_len` (the first position returned, 0..prompt length): the start, or
+    None when no routing is asked for."""
+    if not body.get("return_routed_experts"):
+        return None
+    start = body.get("routed_experts_start_len", 0)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0 \
+            or any(start > len(p) for p in prompts):
+        raise BadRequest(f"routed_experts_start_len={start!r}: must be an int in 0..the number "
+                         "of input tokens")
+    return start
+
+
 def parse_media(body: dict, n: int, is_batch: bool) -> list[dict[str, list[MediaRef]]]:
     """SGLang's `image_data` / `video_data` / `audio_data`: for one input an item or a list of
     items, for a batch one such entry (or null) per input -> per input {kind: [MediaRef]}."""

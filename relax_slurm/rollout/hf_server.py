@@ -41,7 +41,7 @@ from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.rollout import sglang_api
 from relax_slurm.rollout.hf_engine import KEEP_ALIVE_S, PARTIAL_WEIGHTS, HFEngine
 from relax_slurm.rollout.hf_requests import (BadRequest, NotServing, parse_generate_request,
-                                             parse_media, process_media)
+                                             parse_media, parse_routing_request, process_media)
 
 log = logging.getLogger("relax_slurm.hf_engine")
 
@@ -121,9 +121,10 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
         prompts, specs, flags, starts, is_batch = parse_generate_request(
             body, engine.tokenizer, engine.vocab_size)
         media = parse_media(body, len(prompts), is_batch)
+        routed_start = parse_routing_request(body, prompts)
         prompts, mm = await asyncio.to_thread(process_media, engine.media, engine.model_path,
                                               prompts, media)
-        future = engine.submit(prompts, specs, flags, starts, mm)
+        future = engine.submit(prompts, specs, flags, starts, mm, routed_start)
         items = await asyncio.wait_for(asyncio.wrap_future(future), timeout=request_timeout_s)
         return JSONResponse(items if is_batch else items[0])
 
@@ -289,6 +290,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--video-max-frames", type=int, default=768)
     p.add_argument("--video-max-pixels", type=int, default=None,
                    help="multimodal: largest video frame in pixels (default: the image limit)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE models: answer return_routed_experts=true with "
+                        "meta_info.routed_experts (SGLang's flag)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     if args.max_batch_size < 1:
@@ -307,7 +311,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                                   video=VideoLimits(fps=args.video_fps,
                                                     min_frames=args.video_min_frames,
                                                     max_frames=args.video_max_frames,
-                                                    max_pixels=args.video_max_pixels)))
+                                                    max_pixels=args.video_max_pixels)),
+                      return_routed_experts=args.enable_return_routed_experts)
     freeze_heap()
     engine.start()
     log.info("serving %s on %s:%d (max batch %d, wait %.1f ms)", args.model_path, args.host,

@@ -101,6 +101,12 @@ POST_ROUTES = (*ROUTE_REQUEST, "/flush_cache")
 DEPRECATED_ROUTE = {"/model_info": "/get_model_info", "/server_info": "/get_server_info"}
 """Older names of the two info routes; a client falls back to them on a 404."""
 
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+"""The server flag without which /generate ignores return_routed_experts (0.5.21+)."""
+ROUTED_EXPERTS_REQUEST = ("return_routed_experts", "routed_experts_start_len")
+"""GenerateReqInput's fields: the flag, and the first position returned (0: the whole
+sequence); the answer is meta_info.routed_experts (relax_slurm.routing.shape)."""
+
 PAUSE_MODES = ("abort", "retract", "in_place")
 FLUSHABLE_PAUSE_MODES = ("abort", "retract")
 """Pause modes under which a weight update may flush the cache. in_place keeps the running
@@ -209,14 +215,17 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
                 tp_size: int,
                 ep_size: int, mem_fraction_static: float, dtype: str, seed: int,
                 trust_remote_code: bool, api_key: bool, enable_memory_saver: bool,
-                extra_args: list[str], deterministic: bool = False) -> list[str]:
+                extra_args: list[str], deterministic: bool = False,
+                routed_experts: bool = False) -> list[str]:
     """`python -m sglang.launch_server ...` for one engine (flags of SGLang 0.5.x server_args).
 
     --base-gpu-id places engines that share a node (with each other or the trainer) on
     disjoint GPUs. --enable-memory-saver is what makes /release_memory_occupation free GPU memory (colocated
     placement); --weight-version starts the version at 0 like the hf engine.
     --enable-deterministic-inference (rollout.deterministic): without it SGLang ignores
-    `sampling_params.sampling_seed`, so a resumed run would not draw the same tokens."""
+    `sampling_params.sampling_seed`, so a resumed run would not draw the same tokens.
+    --enable-return-routed-experts (MoE models, rollout.return_routed_experts): without it a
+    request's return_routed_experts is silently ignored (no meta_info.routed_experts)."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", model_path,
             "--host", host, "--port", str(port), "--base-gpu-id", str(base_gpu_id),
             "--tp-size", str(tp_size),
@@ -230,6 +239,8 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
         argv.append("--enable-memory-saver")
     if deterministic:
         argv.append("--enable-deterministic-inference")
+    if routed_experts:
+        argv.append(ROUTED_EXPERTS_FLAG)
     argv += list(extra_args)
     if api_key:
         # the shell expands the key at start: it is in no file and no printed command line

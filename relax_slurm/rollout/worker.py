@@ -53,6 +53,7 @@ from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.launch.plan import load_plan
 from relax_slurm.rewards import RewardInput, RewardPool, build_reward
 from relax_slurm.rewards.shaping import is_informative_group, overlong_penalty
+from relax_slurm.rollout import sglang_api
 from relax_slurm.rollout.coalesce import CoalescingEngine
 from relax_slurm.rollout.engine_client import (
     AsyncEngineClient, GenerateResult, raise_if_aborted, wait_until_healthy,
@@ -62,6 +63,7 @@ from relax_slurm.rollout.multiturn import (
 )
 from relax_slurm.rollout.proxy_server import serve_proxy
 from relax_slurm.rollout.router import LeastLoadedRouter
+from relax_slurm.routing.shape import RoutingShape, decode_routed_experts, routing_shape
 from relax_slurm.samples import Group, Sample
 
 log = logging.getLogger("relax_slurm.rollout")
@@ -149,6 +151,25 @@ def sampling_params(cfg: TrainConfig) -> dict:
     }
 
 
+def sample_routing(res: GenerateResult, prompt_len: int, shape: RoutingShape, *,
+                   required: bool) -> np.ndarray | None:
+    """A response's routed experts as a sample carries them (flat int16, one row per prompt +
+    response token but the last), or None when the engine sent none; `required`
+    (algo.routing_replay) makes that a ConfigError naming the engine flag."""
+    if res.routed_experts is None:
+        if required:
+            raise ConfigError(
+                "algo.routing_replay=true but the engine returned no meta_info.routed_experts: "
+                f"start SGLang with {sglang_api.ROUTED_EXPERTS_FLAG} (relax-train adds it to the "
+                "engines it starts for an MoE model.path; check externally started engines)")
+        return None
+    # decoded for every token generated; a response cut short here (at a media pad) drops the
+    # rows of the tokens it lost
+    generated = int(res.meta_info.get("completion_tokens", len(res.output_ids)))
+    ids = decode_routed_experts(res.routed_experts, shape, prompt_len + generated - 1)
+    return ids[:(prompt_len + len(res.output_ids) - 1) * shape.layers * shape.topk]
+
+
 class RolloutWorker:
     def __init__(self, cfg: TrainConfig, run_dir: Path, worker_rank: int = 0, num_workers: int = 1):
         plan = load_plan(run_dir)
@@ -172,9 +193,12 @@ class RolloutWorker:
         self.broker = AsyncBrokerClient(
             plan.broker_router, cfg.broker.request_timeout_s, identity=f"rollout{worker_rank}"
         )
+        # an MoE policy's engines report where they routed each token (routing replay)
+        self.routing = (routing_shape(cfg.model.path) if cfg.rollout.return_routed_experts
+                        else None)
         self.router = LeastLoadedRouter(
-            [CoalescingEngine(AsyncEngineClient(u, cfg.rollout.request_timeout_s),
-                              cfg.rollout.groups_per_request) for u in plan.engine_urls]
+            [CoalescingEngine(self._engine_client(u), cfg.rollout.groups_per_request)
+             for u in plan.engine_urls]
         )
         if cfg.algo.teacher_model_path and plan.teacher_url is None:
             raise ConfigError(
@@ -206,6 +230,25 @@ class RolloutWorker:
         self.tasks: set[asyncio.Task] = set()
         self.requeued: deque[tuple[Prompt, int, dict]] = deque()
         self.requeued_total = 0
+        self.warned_no_routing = False
+
+    def _engine_client(self, url: str) -> AsyncEngineClient:
+        return AsyncEngineClient(url, self.cfg.rollout.request_timeout_s,
+                                 routed_experts=self.routing is not None)
+
+    def routed_experts(self, prompt_ids: list[int], res: GenerateResult) -> np.ndarray | None:
+        """The sample's routed experts (None for a dense model, or, with a warning, from an
+        engine that does not report them while nothing needs them)."""
+        if self.routing is None:
+            return None
+        ids = sample_routing(res, len(prompt_ids), self.routing,
+                             required=self.cfg.algo.routing_replay)
+        if ids is None and not self.warned_no_routing:
+            log.warning("the engines return no routed experts (start SGLang with %s): no "
+                        "routing replay, no train/routing_mismatch_frac",
+                        sglang_api.ROUTED_EXPERTS_FLAG)
+            self.warned_no_routing = True
+        return ids
 
     def _media_processing(self, cfg: TrainConfig
                           ) -> tuple[MediaProcessor | None, concurrent.futures.Executor | None]:
@@ -292,6 +335,7 @@ class RolloutWorker:
                 prompt_ids=processed.input_ids, response_ids=res.output_ids,
                 loss_mask=[1.0] * len(res.output_ids), rollout_logprobs=res.logprobs,
                 teacher_logprobs=teacher_lp,
+                routed_experts=self.routed_experts(processed.input_ids, res),
                 mm_inputs=processed.tensors,  # one dict: the group's samples share its arrays
                 reward=float(reward), version=max(versions), version_min=min(versions),
                 finish_reason=res.finish_reason,
@@ -419,7 +463,7 @@ class RolloutWorker:
                 if url not in known:
                     log.info("engine %s joined: routing to it", url)
                     self.router.add(CoalescingEngine(
-                        AsyncEngineClient(url, self.cfg.rollout.request_timeout_s),
+                        self._engine_client(url),
                         self.cfg.rollout.groups_per_request))
             self.router.route_only(lambda e: e.url in routable)
             draining = {e["url"] for e in view["engines"] if e["state"] == "draining"}

@@ -30,6 +30,7 @@ def _task(module: str, *args: str) -> Callable[[Path], list[str]]:
 ASSETS: dict[str, Callable[[Path], list[str]]] = {
     # name under tiny/ -> the module and arguments that build it
     "model": _model("text"),
+    "moe_model": _model("moe"),
     "vl_model": _model("vl"),
     "vl3_model": _model("vl3"),
     "audio_model": _model("audio"),

@@ -4,6 +4,7 @@
     python tools/make_tiny_model.py --out tiny/vl_model --kind vl        # tiny Qwen2.5-VL
     python tools/make_tiny_model.py --out tiny/vl3_model --kind vl3      # tiny Qwen3-VL
     python tools/make_tiny_model.py --out tiny/audio_model --kind audio  # tiny Qwen2-Audio
+    python tools/make_tiny_model.py --out tiny/moe_model --kind moe      # tiny Qwen3-MoE
 
 The model is a randomly initialised `Qwen3ForCausalLM` (hidden 64, 2 layers, 4 query / 2 kv
 heads of 16 dims, tied embeddings, 75k parameters); the tokenizer has one token per
@@ -15,6 +16,8 @@ answers with "7<eos>". Everything is built locally: no hub access.
 character tokenizer (see tools/tiny_multimodal.py): a Qwen2.5-VL with a one-block vision tower
 and its image processor, a Qwen3-VL likewise (patch 16, DeepStack), and a Qwen2-Audio with a
 one-layer audio encoder over 2 s of 16 mel bins and its Whisper feature extractor.
+`--kind moe` builds a `Qwen3MoeForCausalLM` of the same size: every layer's MLP is 16 experts of
+16 dims, 4 routed per token (the routing-replay preset, experiment=tiny_moe_cpu).
 """
 
 from __future__ import annotations
@@ -77,10 +80,15 @@ def build_model(
     intermediate_size: int = 128,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    experts: int = 0,
+    experts_per_token: int = 2,
+    expert_size: int = 32,
 ) -> Qwen3ForCausalLM:
-    """A randomly initialised Qwen3 whose special-token ids match `tokenizer`."""
+    """A randomly initialised Qwen3 whose special-token ids match `tokenizer`; with `experts`,
+    a Qwen3-MoE whose every layer routes each token to `experts_per_token` of them."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     # The tokenizer has no BOS token (as Qwen's); bos_token_id is None in both.
     special = dict(
@@ -88,7 +96,10 @@ def build_model(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
-    config = Qwen3Config(
+    moe = dict(num_experts=experts, num_experts_per_tok=experts_per_token,
+               moe_intermediate_size=expert_size, decoder_sparse_step=1, norm_topk_prob=True,
+               router_aux_loss_coef=0.0) if experts else {}
+    config = (Qwen3MoeConfig if experts else Qwen3Config)(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -99,10 +110,11 @@ def build_model(
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         dtype="float32",
+        **moe,
         **special,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = (Qwen3MoeForCausalLM if experts else Qwen3ForCausalLM)(config)
     model.generation_config = GenerationConfig(**special)
     return model
 
@@ -132,10 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--intermediate-size", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kind", choices=["text", "vl", "vl3", "audio"], default="text",
-                        help="text: Qwen3; vl: Qwen2.5-VL; vl3: Qwen3-VL; audio: Qwen2-Audio")
+    parser.add_argument("--kind", choices=["text", "moe", "vl", "vl3", "audio"], default="text",
+                        help="text: Qwen3; moe: Qwen3-MoE; vl: Qwen2.5-VL; vl3: Qwen3-VL; "
+                             "audio: Qwen2-Audio")
     args = parser.parse_args(argv)
-    if args.kind != "text":
+    if args.kind not in ("text", "moe"):
         from relax_slurm.tiny.multimodal import build_multimodal
 
         print(build_multimodal(args.kind, Path(args.out), seed=args.seed))
@@ -151,12 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         head_dim=args.head_dim,
         intermediate_size=args.intermediate_size,
         seed=args.seed,
+        **(dict(experts=16, experts_per_token=4, expert_size=16) if args.kind == "moe" else {}),
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     save_tokenizer(tokenizer, out)
-    print(f"wrote {out}: Qwen3ForCausalLM with {count_parameters(model):,} parameters, "
+    print(f"wrote {out}: {type(model).__name__} with {count_parameters(model):,} parameters, "
           f"tokenizer with {len(tokenizer)} tokens")
     return 0
 

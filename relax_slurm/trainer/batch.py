@@ -114,6 +114,15 @@ class MicroBatch:
     seq_lens: tuple[int, ...] = ()
     media: MediaTensors | None = None
     """Processed images/audio of the rows (multimodal models), or None."""
+    routed: Tensor | None = None
+    """MoE models: the rollout's expert ids at every position, [B, T, layers x top-k] int32
+    (valid below each row's length - 1), when the samples carry them."""
+
+    def routed_valid(self) -> Tensor:
+        """[B, T] bool: the positions `routed` covers (all but each row's last token)."""
+        pos = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
+        lens = torch.tensor(self.seq_lens, device=self.input_ids.device)
+        return pos[None, :] < (lens[:, None] - 1)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -134,6 +143,7 @@ class MicroBatch:
                for name, t in ((f, getattr(self, f)) for f in _PER_POSITION)},
             seq_lens=self.seq_lens[lo:hi],
             media=None if self.media is None else self.media.rows(lo, hi),
+            routed=None if self.routed is None else self.routed[lo:hi, :width],
         )
 
 
@@ -154,6 +164,7 @@ def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroB
         raise ValueError(f"{sum(with_teacher)} of {len(items)} samples carry teacher log-probs: "
                          "a batch needs them on every sample or none")
     teacher_logp = torch.zeros((B, T - 1)) if all(with_teacher) else None
+    routed = collate_routed(items, T)
     media = collate_media(items)
     for i, it in enumerate(items):
         s = it.sample
@@ -179,7 +190,26 @@ def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroB
         seq_lens=tuple(lengths),
         media=None if media is None else MediaTensors(
             tensors={k: t.to(device) for k, t in media.tensors.items()}, counts=media.counts),
+        routed=None if routed is None else routed.to(device),
     )
+
+
+def collate_routed(items: list[TrainItem], width: int) -> Tensor | None:
+    """The samples' routed experts as [B, width, layers x top-k] int32 (zeros past each row's
+    prompt + response - 1), or None unless every sample carries them (a batch mixing MoE
+    samples with and without is one whose engines changed: trained without replay)."""
+    arrays = [it.sample.routed_experts for it in items]
+    if not arrays or any(a is None for a in arrays):
+        return None
+    tokens = [len(it.sample.prompt_ids) + it.sample.response_len - 1 for it in items]
+    per = {len(a) // max(n, 1) for a, n in zip(arrays, tokens)}
+    if len(per) != 1 or any(len(a) != n * next(iter(per)) for a, n in zip(arrays, tokens)):
+        raise ValueError("samples' routed_experts do not cover prompt + response - 1 tokens "
+                         "of one layers x top-k width each")
+    out = torch.zeros((len(items), width, per.pop()), dtype=torch.int32)
+    for i, (a, n) in enumerate(zip(arrays, tokens)):
+        out[i, :n] = torch.from_numpy(a.astype(np.int32).reshape(n, -1))
+    return out
 
 
 def scatter_batch(batch: MicroBatch | None, device: torch.device,
@@ -190,18 +220,19 @@ def scatter_batch(batch: MicroBatch | None, device: torch.device,
     world, rank = dist.get_world_size(), dist.get_rank()
     data_ranks = list(range(world)) if data_ranks is None else data_ranks
     blocks_n = len(set(data_ranks))
-    # rows, width, teacher log-probs present, media present
-    head = torch.zeros(4, dtype=torch.long, device=device)
+    # rows, width, teacher log-probs present, media present, routed experts per token (0: none)
+    head = torch.zeros(5, dtype=torch.long, device=device)
     if rank == 0:
         assert len(batch) % blocks_n == 0, "batch not divisible by data-parallel ranks"
         head = torch.tensor([len(batch) // blocks_n, batch.input_ids.shape[1],
-                             int(batch.teacher_logp is not None), int(batch.media is not None)],
+                             int(batch.teacher_logp is not None), int(batch.media is not None),
+                             0 if batch.routed is None else batch.routed.shape[2]],
                             device=device)
     dist.broadcast(head, src=0)
-    rows, width, teacher, with_media = head.tolist()
+    rows, width, teacher, with_media, routed_per_token = head.tolist()
 
-    def part(name: str, dtype: torch.dtype, w: int) -> Tensor:
-        out = torch.empty((rows, w), dtype=dtype, device=device)
+    def part(name: str, dtype: torch.dtype, w: int, *inner: int) -> Tensor:
+        out = torch.empty((rows, w, *inner), dtype=dtype, device=device)
         blocks = None
         if rank == 0:
             split = getattr(batch, name).to(device).split(rows)
@@ -222,6 +253,7 @@ def scatter_batch(batch: MicroBatch | None, device: torch.device,
            if name != "teacher_logp" or teacher},
         seq_lens=tuple(attention_mask.sum(1).tolist()),  # one device->host copy per step
         media=media,
+        routed=part("routed", torch.int32, width, routed_per_token) if routed_per_token else None,
     )
 
 

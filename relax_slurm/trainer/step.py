@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from relax_slurm.algos import policy_loss
 from relax_slurm.config.schema import AlgoConfig
 from relax_slurm.modeling import media_token_ids, mm_token_types
+from relax_slurm.routing.hooks import RoutingStats, routing_replay
 from relax_slurm.trainer.batch import MicroBatch, loss_params
 
 # policy_loss metric sums logged under another name (all are divided by the trained tokens)
@@ -100,13 +101,19 @@ def train_step(
     starts = range(0, len(batch), micro_batch_size)
     params = loss_params(algo)
     sums: dict[str, float] = {"loss": 0.0}
+    routing = RoutingStats() if batch.routed is not None else None
     for i, lo in enumerate(starts):
         mb = batch.rows(lo, lo + micro_batch_size)
         last = i == len(starts) - 1
         # DDP: all-reduce gradients once, on the last micro-batch
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+        # MoE samples with the rollout's routing: compare with this router's, replay if asked
+        replay = (routing_replay(model, mb.routed, mb.routed_valid(), replay=algo.routing_replay,
+                                 stats=routing) if mb.routed is not None
+                  else contextlib.nullcontext())
         with sync:
-            logits = scaled_logits(model, mb, temperature)  # [B, T-1, V]
+            with replay:
+                logits = scaled_logits(model, mb, temperature)  # [B, T-1, V]
             loss, metrics = micro_batch_loss(logits, mb, algo, params,
                                              reference_logprobs(ref_model, mb, temperature))
             # weights sum to 1 over the whole batch across ranks; DDP averages over ranks
@@ -114,6 +121,9 @@ def train_step(
         sums["loss"] += loss.item()
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value)
+    if routing is not None:  # same keys on every rank: every rank's block carries routing
+        sums["routing_pairs"] = routing.pairs
+        sums["routing_mismatched"] = routing.mismatched
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
@@ -132,6 +142,9 @@ def reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
     total = dict(zip(keys, totals.tolist()))
     tokens = max(total.get("tokens", 0.0), 1.0)
     out = {"train/loss": total.pop("loss"), "train/tokens": total.pop("tokens", 0.0)}
+    if "routing_pairs" in total:  # token x MoE-layer pairs, not trained tokens
+        pairs, mismatched = total.pop("routing_pairs"), total.pop("routing_mismatched")
+        out["train/routing_mismatch_frac"] = mismatched / max(pairs, 1.0)
     for key, value in total.items():
         out[f"train/{_LOG_NAMES.get(key, key)}"] = value / tokens
     return out
