@@ -75,7 +75,8 @@ SGLANG_REQUESTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     # input of a batch (SGLang's MultimodalDataInputFormat)
     "GenerateReqInput": (frozenset(), frozenset({
         "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-        "image_data", "video_data", "audio_data"})),
+        "image_data", "video_data", "audio_data", "return_routed_experts",
+        "routed_experts_start_len"})),
 }
 
 # route -> request class (routes without a body: /health, /health_generate, /flush_cache,

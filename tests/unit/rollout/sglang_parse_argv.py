@@ -12,7 +12,8 @@ from relax_slurm.trainer.megatron.cpu_compat import install_triton_stub
 
 FIELDS = ("model_path", "host", "port", "base_gpu_id", "tp_size", "ep_size",
           "mem_fraction_static", "dtype", "random_seed", "weight_version", "trust_remote_code",
-          "enable_memory_saver", "enable_deterministic_inference", "api_key", "context_length")
+          "enable_memory_saver", "enable_deterministic_inference", "api_key", "context_length",
+          "enable_return_routed_experts")
 
 
 def main() -> None:

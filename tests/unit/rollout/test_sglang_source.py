@@ -161,6 +161,14 @@ def test_answers_the_client_and_the_hf_engine_rely_on(src):
     set_keys = {t.slice.value for n in ast.walk(add) if isinstance(n, ast.Assign)
                 for t in n.targets if isinstance(t, ast.Subscript)}
     assert set_keys == {"weight_versions", "weight_version"}
+    # meta_info.routed_experts: base64 of numpy int32 ids (relax_slurm.routing.shape), when the
+    # request asks and the server was started with the flag
+    tm = parse(src / "managers" / "tokenizer_manager.py")
+    assert any(isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant)
+               and n.slice.value == "routed_experts" and isinstance(n.value, ast.Name)
+               and n.value.id == "meta_info" for n in ast.walk(tm))
+    capturer = (src / "state_capturer" / "routed_experts.py").read_text()
+    assert "dtype=np.int32" in capturer and "enable_return_routed_experts" in capturer
 
 
 def launch_lines() -> list[list[str]]:
@@ -172,7 +180,7 @@ def launch_lines() -> list[list[str]]:
     variants = [base, {**base, "ep_size": 2, "trust_remote_code": True},
                 {**base, "enable_memory_saver": True, "deterministic": True,
                  "extra_args": ["--context-length", "8192"]},
-                {**base, "api_key": True}]
+                {**base, "api_key": True}, {**base, "routed_experts": True}]
     lines = []
     for v in variants:
         argv = api.server_argv("/py", **v)
@@ -193,7 +201,7 @@ def test_every_launch_line_parses_with_sglangs_own_parser(src):
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["version"] == src.parent.parent.name
-    plain, ep, det, keyed = out["parsed"]
+    plain, ep, det, keyed, routed = out["parsed"]
     assert (plain["model_path"], plain["port"], plain["base_gpu_id"], plain["tp_size"]) == \
         ("/m", 30000, 4, 2)
     assert plain["mem_fraction_static"] == 0.7 and plain["dtype"] == "bfloat16"
@@ -203,3 +211,4 @@ def test_every_launch_line_parses_with_sglangs_own_parser(src):
     assert det["enable_deterministic_inference"] and det["enable_memory_saver"]
     assert det["context_length"] == 8192
     assert keyed["api_key"] == "s3cret"
+    assert routed["enable_return_routed_experts"] and not plain["enable_return_routed_experts"]
