@@ -18,7 +18,8 @@ from omegaconf import DictConfig
 
 from relax_slurm.config import register_configs, to_train_config
 from relax_slurm.config.load import check_override_keys
-from relax_slurm.errors import RelaxError
+from relax_slurm.errors import Preempted, RelaxError
+from relax_slurm.launch.interrupt import STOP, kept_message
 from relax_slurm.tiny.assets import ensure_tiny_assets
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -28,6 +29,7 @@ configs are added with Hydra's --config-dir DIR (docs/configuration.md)."""
 
 
 def _run(cfg: DictConfig) -> None:
+    run_dir = Path(cfg.get("run_dir") or ".").resolve()
     try:
         train_cfg = to_train_config(cfg)
         if not train_cfg.cluster.dry_run:  # a tiny preset on a fresh machine: its model, data
@@ -39,19 +41,25 @@ def _run(cfg: DictConfig) -> None:
         from relax_slurm.launch.local import run_local
 
         summary = run_local(train_cfg)
+        if summary is None:  # complete already: nothing ran, its summary.json is kept
+            return
+    except Preempted as e:
+        if not STOP.requested:  # not our Ctrl-C: a preemption request of its own
+            print(f"relax-train: error: {e}", file=sys.stderr)
+            sys.exit(1)
+        print("relax-train: interrupted: the trainer saved a checkpoint and every process of "
+              f"the run was stopped\n{kept_message(sys.argv[1:], run_dir)}", file=sys.stderr)
+        sys.exit(130)
     except RelaxError as e:
         print(f"relax-train: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print("relax-train: interrupted; every process of the run was stopped", file=sys.stderr)
+        print("relax-train: interrupted; every process of the run was stopped at once"
+              + (f"\n{kept_message(sys.argv[1:], run_dir)}" if run_dir.is_dir() else ""),
+              file=sys.stderr)
         sys.exit(130)
     print(json.dumps(summary, indent=2))
     print(f"run directory: {Path(train_cfg.run_dir).resolve()}")
-
-
-def _interrupt(signum, frame) -> None:
-    # SIGTERM (scancel, kill) takes the same path as Ctrl-C: children are stopped in finally
-    raise KeyboardInterrupt
 
 
 USAGE = """usage: relax-train experiment=NAME [key=value ...]     (Hydra overrides; --help lists all)
@@ -72,7 +80,11 @@ def usage() -> str:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM (kill) takes the same path as Ctrl-C (launch/interrupt.py): the first keeps a
+    # checkpoint once the roles run, a second stops them at once (children stopped in finally)
+    signal.signal(signal.SIGTERM, STOP)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # nohup / `&` keep it ignored
+        signal.signal(signal.SIGINT, STOP)
     if len(sys.argv) == 1:
         print(usage(), file=sys.stderr)
         sys.exit(2)
