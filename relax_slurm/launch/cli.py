@@ -9,6 +9,7 @@ Hydra runs here only; every role reads the resolved `run_dir/config.yaml`.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -26,6 +27,13 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 """The Hydra configs: package data of an installed relax_slurm, and in a source checkout the
 symlink relax_slurm/conf -> conf/ (the repository keeps them at its top). A user's own
 configs are added with Hydra's --config-dir DIR (docs/configuration.md)."""
+
+
+def discard_if_unused(run_dir: Path) -> None:
+    """Hydra makes run_dir (and its .hydra/) before the config is validated: a run refused
+    before it started must not leave a directory that looks like a run."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _run(cfg: DictConfig) -> None:
@@ -51,6 +59,7 @@ def _run(cfg: DictConfig) -> None:
               f"the run was stopped\n{kept_message(sys.argv[1:], run_dir)}", file=sys.stderr)
         sys.exit(130)
     except RelaxError as e:
+        discard_if_unused(run_dir)
         print(f"relax-train: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

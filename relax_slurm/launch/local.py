@@ -19,6 +19,7 @@ from pathlib import Path
 
 from relax_slurm.checkpoint import find_latest, resume_for_attempt
 from relax_slurm.config import TrainConfig, save_config
+from relax_slurm.data.validate import check_data_files
 from relax_slurm.errors import ConfigError, RoleFailed
 from relax_slurm.launch.control import clear_preempt
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
@@ -47,6 +48,8 @@ def check_inputs(cfg: TrainConfig) -> None:
                 "`python tools/prepare_data.py --out tiny`"
             )
     check_teacher(cfg)
+    if cfg.rollout.agent_mode == "env":  # proxy mode reads no prompts
+        check_data_files(cfg.data, cfg.eval.datasets if cfg.eval.every else [])
 
 
 def check_teacher(cfg: TrainConfig) -> None:
