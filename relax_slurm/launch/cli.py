@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from relax_slurm.config import register_configs, to_train_config
 from relax_slurm.config.load import check_override_keys
 from relax_slurm.errors import Preempted, RelaxError
+from relax_slurm.launch.help import HELP_FLAGS, help_text
 from relax_slurm.launch.interrupt import STOP, kept_message
 from relax_slurm.tiny.assets import ensure_tiny_assets
 
@@ -107,6 +108,10 @@ def main() -> None:
                  "without its configs; reinstall it (pip install relax-slurm, or pip install . "
                  "from a source checkout)")
     register_configs()
+    args = sys.argv[1:]
+    if any(a in HELP_FLAGS for a in args) and not any(a.startswith("--config-dir") for a in args):
+        print(help_text(CONF_DIR, [a for a in args if a not in HELP_FLAGS]))  # no base_* choices
+        return
     hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_run)()
 
 

@@ -150,6 +150,26 @@ def test_every_default_passes_the_type_check():
                          "trainer.total_steps=1_000", "trainer.lr=3"])
 
 
+def test_help_lists_choices_without_the_internal_schemas():
+    """`relax-train --help` (a process): every preset and group option, no base_* schema."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, run_env
+
+    proc = subprocess.run([sys.executable, "-m", "relax_slurm.launch.cli", "--help",
+                           "experiment=tiny_cpu"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=run_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "base_" not in proc.stdout
+    groups = proc.stdout.split("== Config ==")[0]
+    lines = dict(line.split(": ", 1) for line in groups.splitlines()
+                 if line.split(":")[0] in ("algo", "experiment", "trainer"))
+    assert "grpo" in lines["algo"] and "tiny_cpu" in lines["experiment"], proc.stdout[:2000]
+    assert lines["trainer"] == "megatron, torch"
+    assert "total_steps: 150" in proc.stdout  # the config composed with the overrides given
+
+
 def test_bad_yaml_file_is_named(tmp_path):
     bad = tmp_path / "config.yaml"
     bad.write_text("run_dir: x\nalgo: {max_staleness: [1,\n")
