@@ -93,3 +93,22 @@ def test_resume_command_keeps_the_overrides_and_drops_resume_and_overwrite(tmp_p
     assert cmd == ("relax-train experiment=tiny_cpu 'data.train_files=[/d/a b.jsonl]' "
                    f"trainer.lr=1e-3 run_dir={tmp_path}")
     assert resume_command(["experiment=x", "run_dir=runs/a"], tmp_path).endswith("run_dir=runs/a")
+
+
+def test_a_ready_sbatch_script_on_a_complete_or_changed_run(tmp_path):
+    """The driver's compose path (sbatch/*.sbatch) applies the same rules as relax-train."""
+    from relax_slurm.launch.slurm_driver import compose_run_dir
+    from relax_slurm.launch.slurm_env import SlurmAllocation
+
+    model, data, run = tmp_path / "model", tmp_path / "d.jsonl", tmp_path / "run"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    alloc = SlurmAllocation(job_id="7", het_groups=(("n1",),))
+    base = ["experiment=tiny_cpu", f"run_dir={run}", f"model.path={model}",
+            f"data.train_files=[{data}]", "trainer.total_steps=4"]
+    assert compose_run_dir(base, alloc) == run.resolve()  # a fresh start
+    fake_checkpoint(run, 4)
+    assert compose_run_dir(base, alloc) is None  # complete: nothing to do
+    with pytest.raises(ConfigError, match="algo.max_staleness 0 -> 1"):
+        compose_run_dir([*base, "trainer.total_steps=8", "algo.max_staleness=1"], alloc)
