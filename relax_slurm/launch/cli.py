@@ -62,8 +62,11 @@ def _run(cfg: DictConfig) -> None:
     except RelaxError as e:
         discard_if_unused(run_dir)
         print(f"relax-train: error: {e}", file=sys.stderr)
+        if STOP.requested:  # failed while stopping on a Ctrl-C: what is there to resume from
+            print(kept_message(sys.argv[1:], run_dir), file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
+        discard_if_unused(run_dir)  # stopped before anything started
         print("relax-train: interrupted; every process of the run was stopped at once"
               + (f"\n{kept_message(sys.argv[1:], run_dir)}" if run_dir.is_dir() else ""),
               file=sys.stderr)

@@ -22,6 +22,7 @@ from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.data.validate import check_data_files
 from relax_slurm.errors import ConfigError, RoleFailed
 from relax_slurm.launch.control import clear_preempt
+from relax_slurm.launch.interrupt import STOP
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.rerun import plan_rerun
 from relax_slurm.launch.restart import record_restart
@@ -138,6 +139,8 @@ def run_local(cfg: TrainConfig) -> dict | None:
             summary = run_attempt(cfg, attempt, started=t0)
             break
         except RoleFailed as e:
+            if STOP.requested:  # a Ctrl-C asked to stop: no restart
+                raise
             if attempt >= cap:
                 if cap:
                     raise RoleFailed(f"{e}\n(gave up after cluster.max_global_restarts={cap} "
