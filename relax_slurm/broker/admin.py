@@ -11,7 +11,8 @@ paths are 404, other methods 405. Each request has a socket timeout, so a client
 sending cannot hold a handler thread for good.
 
 `/rollout/...` (elastic rollout: scale_out, scale_in, engines, ...) goes to `route(method, path,
-body)`, the broker's `rollout_route` (JSON bodies of at most MAX_BODY_BYTES; 400 otherwise).
+body)`, the broker's `rollout_route` (JSON bodies of at most MAX_BODY_BYTES; 400 otherwise; a
+GET's query parameters, e.g. `?status=ACTIVE`, as the body).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qsl
 
 from relax_slurm.auth import bearer_matches
 from relax_slurm.errors import BrokerError
@@ -86,9 +88,10 @@ def _handler(secret: str, status: Callable[[], dict[str, Any]],
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if not self._authorized():
                 return
-            path = self.path.split("?")[0].rstrip("/")
-            if path.startswith("/rollout/"):
-                self._send(*route("GET", path, {}))
+            path, _, query = self.path.partition("?")
+            path = path.rstrip("/")
+            if path.startswith("/rollout/"):  # a GET's filters come as the route's body
+                self._send(*route("GET", path, dict(parse_qsl(query))))
             elif path != "/status":
                 self._send(404, {"error": f"no route {self.path}; try GET /status"})
             else:

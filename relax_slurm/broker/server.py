@@ -32,6 +32,7 @@ import zmq
 from relax_slurm.auth import secret_matches
 from relax_slurm.broker.admin import AdminServer
 from relax_slurm.broker.elastic import Elastic, OpRefused
+from relax_slurm.broker.elastic_query import cancel_matching, list_ops
 from relax_slurm.broker.spill import Spill
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.broker.wire import decode, encode
@@ -417,6 +418,8 @@ class BrokerServer:
             try:
                 if method == "GET" and parts == ["rollout", "engines"]:
                     return 200, el.view()
+                if method == "GET" and len(parts) == 2 and parts[1] in ("scale_out", "scale_in"):
+                    return 200, list_ops(el, parts[1], body)  # body: the query's filters
                 if method == "GET" and len(parts) == 3 and parts[1] in ("scale_out", "scale_in",
                                                                          "ops"):
                     return 200, el.op(parts[2]).view()
@@ -424,6 +427,8 @@ class BrokerServer:
                     out = el.scale_out(body, now)
                 elif method == "POST" and parts == ["rollout", "scale_in"]:
                     out = el.scale_in(body, now)
+                elif method == "POST" and parts == ["rollout", "scale_out_cancel"]:
+                    out = cancel_matching(el, body)
                 elif (method == "POST" and len(parts) == 4 and parts[1] == "scale_out"
                       and parts[3] == "cancel"):
                     out = el.cancel(parts[2])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from relax_slurm.config import schema
+from relax_slurm.config.value_types import type_error
 from relax_slurm.errors import ConfigError
 
 NON_SCHEMA_GROUPS = ("experiment",)
@@ -89,8 +91,19 @@ def check_override_keys(overrides: Sequence[str]) -> None:
                                   "`relax-train experiment=... --cfg job`, docs/configuration.md")
             sub = _schema_class(fields[part].type)
             if sub is None:  # a leaf, or a free-form dict (env.kwargs, data.multimodal_keys)
+                if i == len(parts) - 1:
+                    check_value(cls, fields[part], key, arg.split("=", 1)[1])
                 break
             cls = sub
+
+
+def check_value(cls: type, f: dataclasses.Field, key: str, value: str) -> None:
+    """ConfigError for a value that cannot be the field's type, naming it with an example."""
+    default = f.default if f.default is not dataclasses.MISSING else None
+    problem = type_error(key, value, typing.get_type_hints(cls)[f.name], default)
+    if problem:
+        raise ConfigError(f"{problem}. Every key and its type: `relax-train experiment=... "
+                          "--cfg job`, docs/configuration.md")
 
 
 def _unknown_keys(node: DictConfig, cls: type, prefix: str = "") -> list[str]:

@@ -794,6 +794,10 @@ class TrainConfig:
     (refused if run_dir has checkpoints, unless overwrite=true); or a checkpoint path."""
     overwrite: bool = False
     """With resume=none, allow starting over in a run_dir that has checkpoints."""
+    resume_with_changes: bool = False
+    """Allow a resume whose config differs from the one its checkpoint's steps ran with (in
+    keys that change what a step computes; see launch/rerun.py); recorded in
+    run_dir/config_history.jsonl."""
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -12,7 +12,6 @@ well under a second); the length filter and `len()` need the token counts anyway
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from relax_slurm.config.schema import DataConfig
 from relax_slurm.data.chat import encode_batch, to_messages
 from relax_slurm.data.media import (MediaRef, add_placeholders, check_counts, check_image,
                                     replace_placeholders, row_media)
+from relax_slurm.data.validate import json_rows
 from relax_slurm.data.video import check_video
 from relax_slurm.errors import ConfigError, DataError
 
@@ -106,19 +106,16 @@ def _load_from_disk(p: Path, datasets: Any) -> Any:
 
 
 def _diagnose_jsonl(p: Path) -> str | None:
-    """The first row of a jsonl file that is not a JSON object; None if there is none."""
+    """The first line of a jsonl file that is not a JSON object (`file:line: ...`, 1-based);
+    None if there is none."""
     try:
-        with open(p, encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
+        for line_no, row in json_rows(p):
+            if not isinstance(row, dict):
+                return f"{p}:{line_no}: a JSON {type(row).__name__}, not an object"
+    except DataError as e:
+        return str(e).split(". Fix", 1)[0]
+    except OSError as e:
         return f"{type(e).__name__}: {e}"
-    for row, line in enumerate(lines):
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            return f"row {row} is not valid JSON ({e.msg} at column {e.colno})"
-        if not isinstance(obj, dict):
-            return f"row {row} is a JSON {type(obj).__name__}, not an object"
     return None
 
 
@@ -154,7 +151,7 @@ def read_prompts(cfg: DataConfig, tokenizer: Any) -> tuple[list[Prompt], int]:
 def _column(table: Any, key: str, option: str, path: Path) -> list[Any]:
     if key not in table.column_names:
         raise DataError(
-            f"{path}, row 0, key {key!r}: no such column (columns: {table.column_names}). "
+            f"{path}: no column {key!r} ({option}); the columns are {table.column_names}. "
             f"Fix: set {option}=<one of the columns>"
         )
     # One slice formats the whole column at once (iterating a column goes row by row, slowly)

@@ -9,6 +9,7 @@ Hydra runs here only; every role reads the resolved `run_dir/config.yaml`.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -18,7 +19,9 @@ from omegaconf import DictConfig
 
 from relax_slurm.config import register_configs, to_train_config
 from relax_slurm.config.load import check_override_keys
-from relax_slurm.errors import RelaxError
+from relax_slurm.errors import Preempted, RelaxError
+from relax_slurm.launch.help import HELP_FLAGS, help_text
+from relax_slurm.launch.interrupt import STOP, kept_message
 from relax_slurm.tiny.assets import ensure_tiny_assets
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -27,7 +30,15 @@ symlink relax_slurm/conf -> conf/ (the repository keeps them at its top). A user
 configs are added with Hydra's --config-dir DIR (docs/configuration.md)."""
 
 
+def discard_if_unused(run_dir: Path) -> None:
+    """Hydra makes run_dir (and its .hydra/) before the config is validated: a run refused
+    before it started must not leave a directory that looks like a run."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def _run(cfg: DictConfig) -> None:
+    run_dir = Path(cfg.get("run_dir") or ".").resolve()
     try:
         train_cfg = to_train_config(cfg)
         if not train_cfg.cluster.dry_run:  # a tiny preset on a fresh machine: its model, data
@@ -39,19 +50,29 @@ def _run(cfg: DictConfig) -> None:
         from relax_slurm.launch.local import run_local
 
         summary = run_local(train_cfg)
+        if summary is None:  # complete already: nothing ran, its summary.json is kept
+            return
+    except Preempted as e:
+        if not STOP.requested:  # not our Ctrl-C: a preemption request of its own
+            print(f"relax-train: error: {e}", file=sys.stderr)
+            sys.exit(1)
+        print("relax-train: interrupted: the trainer saved a checkpoint and every process of "
+              f"the run was stopped\n{kept_message(sys.argv[1:], run_dir)}", file=sys.stderr)
+        sys.exit(130)
     except RelaxError as e:
+        discard_if_unused(run_dir)
         print(f"relax-train: error: {e}", file=sys.stderr)
+        if STOP.requested:  # failed while stopping on a Ctrl-C: what is there to resume from
+            print(kept_message(sys.argv[1:], run_dir), file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print("relax-train: interrupted; every process of the run was stopped", file=sys.stderr)
+        discard_if_unused(run_dir)  # stopped before anything started
+        print("relax-train: interrupted; every process of the run was stopped at once"
+              + (f"\n{kept_message(sys.argv[1:], run_dir)}" if run_dir.is_dir() else ""),
+              file=sys.stderr)
         sys.exit(130)
     print(json.dumps(summary, indent=2))
     print(f"run directory: {Path(train_cfg.run_dir).resolve()}")
-
-
-def _interrupt(signum, frame) -> None:
-    # SIGTERM (scancel, kill) takes the same path as Ctrl-C: children are stopped in finally
-    raise KeyboardInterrupt
 
 
 USAGE = """usage: relax-train experiment=NAME [key=value ...]     (Hydra overrides; --help lists all)
@@ -72,7 +93,11 @@ def usage() -> str:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM (kill) takes the same path as Ctrl-C (launch/interrupt.py): the first keeps a
+    # checkpoint once the roles run, a second stops them at once (children stopped in finally)
+    signal.signal(signal.SIGTERM, STOP)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # nohup / `&` keep it ignored
+        signal.signal(signal.SIGINT, STOP)
     if len(sys.argv) == 1:
         print(usage(), file=sys.stderr)
         sys.exit(2)
@@ -86,6 +111,10 @@ def main() -> None:
                  "without its configs; reinstall it (pip install relax-slurm, or pip install . "
                  "from a source checkout)")
     register_configs()
+    args = sys.argv[1:]
+    if any(a in HELP_FLAGS for a in args) and not any(a.startswith("--config-dir") for a in args):
+        print(help_text(CONF_DIR, [a for a in args if a not in HELP_FLAGS]))  # no base_* choices
+        return
     hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_run)()
 
 

@@ -6,7 +6,9 @@
     relax-ctl scale-out RUN_DIR --engine-url URL   ... register an engine started elsewhere
     relax-ctl scale-in RUN_DIR --num-replicas N    POST /rollout/scale_in [--force] [--dry-run]
     relax-ctl op-status RUN_DIR ID                 GET /rollout/scale_out/ID
-    relax-ctl cancel RUN_DIR ID                    POST /rollout/scale_out/ID/cancel
+    relax-ctl ops RUN_DIR [--kind scale_in] [--status S]   GET /rollout/scale_out?status=S
+    relax-ctl cancel RUN_DIR ID [ID ...]           POST /rollout/scale_out/ID/cancel, each
+    relax-ctl cancel-all RUN_DIR [--status S] [--dry-run]  POST /rollout/scale_out_cancel
 
 Replies are printed as JSON; exit 1 on an HTTP error (409: another operation runs) or when the
 broker does not answer. `--wait` (scale-out, scale-in) polls the operation until it ends and
@@ -24,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
@@ -85,8 +88,17 @@ def run(args: argparse.Namespace) -> dict:
         return admin_get(args.run_dir, "/rollout/engines", t)
     if args.command == "op-status":
         return admin_get(args.run_dir, f"/rollout/scale_out/{args.request_id}", t)
+    if args.command == "ops":
+        query = f"?{urlencode({'status': args.status})}" if args.status else ""
+        return admin_get(args.run_dir, f"/rollout/{args.kind}{query}", t)
     if args.command == "cancel":
-        return admin_call(args.run_dir, "POST", f"/rollout/scale_out/{args.request_id}/cancel", t)
+        replies = [admin_call(args.run_dir, "POST", f"/rollout/scale_out/{rid}/cancel", t)
+                   for rid in args.request_id]
+        return replies[0] if len(replies) == 1 else {"replies": replies}
+    if args.command == "cancel-all":
+        body = {"dry_run": args.dry_run, **({"status_filter": args.status} if args.status
+                                            else {})}
+        return admin_call(args.run_dir, "POST", "/rollout/scale_out_cancel", t, body)
     if args.command == "scale-out":
         body = {**_target(args), **({"timeout_secs": args.timeout_secs}
                                     if args.timeout_secs else {})}
@@ -110,9 +122,16 @@ def parser() -> argparse.ArgumentParser:
 
     add("status", "the broker's view of the run (GET /status)")
     add("engines", "the rollout engines and the current operation (GET /rollout/engines)")
-    for name, help in (("op-status", "one scale operation (GET /rollout/scale_out/ID)"),
-                       ("cancel", "cancel a scale-out and roll it back")):
-        add(name, help).add_argument("request_id")
+    add("op-status", "one scale operation (GET /rollout/scale_out/ID)").add_argument(
+        "request_id")
+    add("cancel", "cancel scale-outs and roll them back").add_argument("request_id", nargs="+")
+    s = add("ops", "list scale operations (GET /rollout/scale_out or /rollout/scale_in)")
+    s.add_argument("--kind", choices=("scale_out", "scale_in"), default="scale_out")
+    s.add_argument("--status", default=None, help="only operations in this status")
+    s = add("cancel-all", "cancel every scale-out under way, or those in --status "
+                          "(POST /rollout/scale_out_cancel)")
+    s.add_argument("--status", default=None, help="only scale-outs in this status")
+    s.add_argument("--dry-run", action="store_true", help="only say what would be cancelled")
     for name in ("scale-out", "scale-in"):
         s = add(name, f"POST /rollout/{name.replace('-', '_')}")
         s.add_argument("--num-replicas", type=int, default=None, help="absolute target")

@@ -19,8 +19,12 @@ from pathlib import Path
 
 from relax_slurm.checkpoint import find_latest, resume_for_attempt
 from relax_slurm.config import TrainConfig, save_config
+from relax_slurm.data.validate import check_data_files
 from relax_slurm.errors import ConfigError, RoleFailed
+from relax_slurm.launch.control import clear_preempt
+from relax_slurm.launch.interrupt import STOP
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
+from relax_slurm.launch.rerun import plan_rerun
 from relax_slurm.launch.restart import record_restart
 from relax_slurm.launch.roles import (
     broker_spec, engine_specs, teacher_specs, trainer_spec, worker_spec,
@@ -50,6 +54,8 @@ def check_inputs(cfg: TrainConfig) -> None:
         raise ConfigError(f"algo.routing_replay=true: model.path={cfg.model.path} is not a "
                           "mixture-of-experts model (its config.json names no experts); "
                           "unset it for a dense model")
+    if cfg.rollout.agent_mode == "env":  # proxy mode reads no prompts
+        check_data_files(cfg.data, cfg.eval.datasets if cfg.eval.every else [])
 
 
 def check_teacher(cfg: TrainConfig) -> None:
@@ -89,6 +95,7 @@ def prepare_run_dir(cfg: TrainConfig, plan: RunPlan, attempt: int = 0) -> Path:
     run_dir = Path(cfg.run_dir).resolve()
     resume = resume_for_attempt(run_dir, cfg.resume, cfg.overwrite, attempt)
     plan.resume_from = str(resume) if resume else None
+    clear_preempt(run_dir)  # a Ctrl-C that stopped the run before must not stop this one
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     save_plan(plan, run_dir)
@@ -115,10 +122,20 @@ def record_global_restart(run_dir: Path, attempt: int, cap: int, cause: RoleFail
           f"{row['resumes_from'] or 'the start'}", file=sys.stderr, flush=True)
 
 
-def run_local(cfg: TrainConfig) -> dict:
+def say(text: str | None) -> None:
+    if text:
+        print(f"relax-train: {text}", file=sys.stderr, flush=True)
+
+
+def run_local(cfg: TrainConfig) -> dict | None:
     """Run to the end, restarting globally after a failure up to cluster.max_global_restarts;
-    returns the summary. Raises RoleFailed/ConfigError with the cause."""
+    returns the summary, None for a run already complete (nothing started, summary.json
+    kept). Raises RoleFailed/ConfigError with the cause."""
     check_inputs(cfg)
+    rerun = plan_rerun(cfg, Path(cfg.run_dir).resolve())
+    say(rerun.message(cfg, Path(cfg.run_dir).resolve()))
+    if rerun.complete:
+        return None
     t0 = time.monotonic()
     cap = cfg.cluster.max_global_restarts
     attempt = 0
@@ -127,6 +144,8 @@ def run_local(cfg: TrainConfig) -> dict:
             summary = run_attempt(cfg, attempt, started=t0)
             break
         except RoleFailed as e:
+            if STOP.requested:  # a Ctrl-C asked to stop: no restart
+                raise
             if attempt >= cap:
                 if cap:
                     raise RoleFailed(f"{e}\n(gave up after cluster.max_global_restarts={cap} "

@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-from relax_slurm.checkpoint import resolve_resume
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.config.schema import ClusterConfig
 from relax_slurm.errors import ConfigError, RelaxError
@@ -234,7 +233,8 @@ def wait_for_job(job_id: str, run_dir: Path, poll_s: float) -> dict:
 
 def run_sbatch(cfg: TrainConfig) -> int:
     """The relax-train entry for cluster=slurm: dry run, or submit (and wait). Exit code."""
-    from relax_slurm.launch.local import check_inputs
+    from relax_slurm.launch.local import check_inputs, say
+    from relax_slurm.launch.rerun import plan_rerun
 
     run_dir, workdir = Path(cfg.run_dir).resolve(), Path.cwd()
     cfg.run_dir = str(run_dir)
@@ -242,7 +242,10 @@ def run_sbatch(cfg: TrainConfig) -> int:
         print(dry_run_text(cfg, run_dir, workdir), end="")
         return 0
     check_inputs(cfg)
-    resolve_resume(run_dir, cfg.resume, cfg.overwrite)  # refuse now, not in the queue
+    rerun = plan_rerun(cfg, run_dir)  # refuse now, not in the queue
+    say(rerun.message(cfg, run_dir))
+    if rerun.complete:
+        return 0
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     script = run_dir / SCRIPT_NAME

@@ -300,10 +300,13 @@ def drive(run_dir: str | Path, alloc: SlurmAllocation | None = None) -> dict:
     return summary
 
 
-def compose_run_dir(overrides: list[str], alloc: SlurmAllocation) -> Path:
-    """Compose the config of a ready sbatch script (sbatch/*.sbatch) and write its run_dir.
+def compose_run_dir(overrides: list[str], alloc: SlurmAllocation) -> Path | None:
+    """Compose the config of a ready sbatch script (sbatch/*.sbatch) and write its run_dir;
+    None when that run is complete already (nothing to do; launch/rerun.py).
 
     A requeued attempt reuses the config.yaml its first attempt wrote."""
+    from relax_slurm.launch.rerun import plan_rerun
+
     from relax_slurm.config import save_config
     from relax_slurm.launch.submit import compose_config, slurm_overrides
 
@@ -313,6 +316,12 @@ def compose_run_dir(overrides: list[str], alloc: SlurmAllocation) -> Path:
         return run_dir
     check_inputs(cfg)
     cfg.run_dir = str(run_dir)
+    rerun = plan_rerun(cfg, run_dir)  # a changed config is refused here, as by relax-train
+    message = rerun.message(cfg, run_dir)
+    if message:
+        log.info("%s", message)
+    if rerun.complete:
+        return None
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     return run_dir
@@ -332,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         alloc = read_allocation()
         run_dir = args.run_dir if args.compose is None else compose_run_dir(args.compose, alloc)
+        if run_dir is None:
+            return 0
         log.info("job %s attempt %d, run directory %s", alloc.job_id, alloc.restart_count,
                  Path(run_dir).resolve())
         summary = drive(run_dir, alloc)

@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Callable
 
 from relax_slurm.auth import SECRET_ENV, ensure_secret
+from relax_slurm.checkpoint.resume import parse_step
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineDown, Preempted, RoleFailed, RoleHung
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
 from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.health import HangWatch
+from relax_slurm.launch.interrupt import STOP
 from relax_slurm.launch.plan import PLAN_FILE, load_plan
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.restart import InPlace, write_roles
@@ -101,6 +103,14 @@ def hung(procs: ProcessSet, name: str, why: str) -> RoleHung:
     return RoleHung(str(role.failure(why)))
 
 
+def resumed_step(run_dir: Path) -> int:
+    """The step of the checkpoint this attempt resumes from (plan.json), 0 for a fresh start."""
+    if not (run_dir / PLAN_FILE).exists():
+        return 0
+    resume = load_plan(run_dir).resume_from
+    return (parse_step(resume) or 0) if resume else 0
+
+
 def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
           notifier: Notifier | None = None, hangs: HangWatch | None = None,
           in_place: InPlace | None = None, scaler: Scaler | None = None) -> None:
@@ -108,12 +118,16 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
     (see launch/control.py), RoleHung for a role that stopped heartbeating (see
     launch/health.py) and may not be restarted in place, RoleFailed for any other death or a
     stalled run."""
-    progress = Progress(cfg.trainer.total_steps, enabled=cfg.metrics.progress)
+    start_step = resumed_step(run_dir)
+    progress = Progress(cfg.trainer.total_steps, enabled=cfg.metrics.progress,
+                        start_step=start_step)
     tail = MetricsTail(run_dir / METRICS_FILE)
     last_step_t = time.monotonic()
     try:
         while True:
             for row in tail.new_rows():
+                if row.get("step", 0) < start_step:
+                    continue  # logged before the checkpoint this attempt resumed from
                 progress.update(row)
                 if notifier is not None:
                     notifier.on_row(row, cfg.trainer.total_steps)
@@ -172,11 +186,13 @@ def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap
     try:
         try:
             trainer = start(procs, specs, cfg, wrap)
+            STOP.arm(run_dir)  # a first Ctrl-C now checkpoints (launch/interrupt.py)
             write_roles(procs, run_dir)
             notifier.send("started", f"{cfg.trainer.total_steps} steps, run dir {run_dir}")
             watch(procs, trainer, cfg, run_dir, notifier, hangs, in_place, scaler)
             final_status = hangs.broker_status()  # the trainer is done; the broker still up
         finally:
+            STOP.disarm()
             if scaler is not None:
                 scaler.close()
             hangs.close()

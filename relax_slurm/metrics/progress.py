@@ -25,29 +25,37 @@ def _fmt(row: dict[str, Any]) -> dict[str, str]:
 
 
 class Progress:
-    def __init__(self, total_steps: int, enabled: bool = True) -> None:
+    """Steps done out of `total_steps`, from the step each metrics row names (not a count of
+    rows: a resumed run's file still holds the rows before its checkpoint, and the trainer
+    rewrites it). `start_step`: the checkpoint's step; rows before it are not this run's."""
+
+    def __init__(self, total_steps: int, enabled: bool = True, start_step: int = 0) -> None:
         self.total = total_steps
+        self.start = start_step
         self.tty = enabled and sys.stdout.isatty()
         self.enabled = enabled
-        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True) if self.tty else None
+        self.bar = (tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                         dynamic_ncols=True) if self.tty else None)
         self.t0 = time.monotonic()
         self.last_print = 0.0
 
     def update(self, row: dict[str, Any]) -> None:
+        step = int(row.get("step", 0)) + 1  # steps done once this row's step is
+        if step <= self.start:
+            return
         fields = _fmt(row)
         if self.bar is not None:
             self.bar.set_postfix(fields, refresh=False)
-            self.bar.update(1)
+            self.bar.update(step - self.bar.n)
             return
         if not self.enabled:
             return
-        step = int(row.get("step", 0)) + 1
         now = time.monotonic()
         if now - self.last_print < PLAIN_EVERY_S and step < self.total:
             return
         self.last_print = now
         elapsed = now - self.t0
-        eta = elapsed / step * (self.total - step)
+        eta = elapsed / (step - self.start) * (self.total - step)
         text = " ".join(f"{k}={v}" for k, v in fields.items())
         print(f"step {step}/{self.total} {text} elapsed={elapsed:.0f}s eta={eta:.0f}s", flush=True)
 

@@ -127,6 +127,43 @@ def test_relax_ctl(broker: Broker, tmp_path: Path, capsys: pytest.CaptureFixture
     assert rc == 1 and "protected" in got
 
 
+def test_listing_with_filters_and_cancelling_several(broker: Broker, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    """Relax's list and cancel-all routes over HTTP, and relax-ctl ops / cancel / cancel-all."""
+    import json
+
+    from relax_slurm.launch.ctl import main
+    from tests.unit.launch.test_health import ctl_run_dir
+
+    run = ctl_run_dir(broker, tmp_path)
+
+    def ctl(*argv: str) -> tuple[int, dict | str]:
+        rc = main([argv[0], str(run), *argv[1:]])
+        out = capsys.readouterr()
+        return rc, (json.loads(out.out) if rc == 0 else out.err)
+
+    first = call(broker, "POST", "/rollout/scale_out", {"engine_urls": [B]}).json()["request_id"]
+    assert ctl("cancel", first)[1]["status"] == "CANCELLED"
+    second = call(broker, "POST", "/rollout/scale_out", {"engine_urls": [C]}).json()["request_id"]
+    r = call(broker, "GET", "/rollout/scale_out?status=PENDING")
+    assert r.status_code == 200 and [x["request_id"] for x in r.json()["requests"]] == [second]
+    assert call(broker, "GET", "/rollout/scale_out").json()["total_count"] == 2
+    assert call(broker, "GET", "/rollout/scale_out?model_name=critic").json()["total_count"] == 0
+    assert call(broker, "GET", "/rollout/scale_out?status=BOGUS").status_code == 400
+    assert call(broker, "GET", "/rollout/scale_in").json()["requests"] == []
+    rc, listed = ctl("ops", "--status", "CANCELLED")
+    assert rc == 0 and [x["request_id"] for x in listed["requests"]] == [first]
+    rc, preview = ctl("cancel-all", "--dry-run")
+    assert rc == 0 and preview["succeeded"] == [second] and preview["skipped"][0]["request_id"] \
+        == first
+    assert call(broker, "GET", f"/rollout/scale_out/{second}").json()["status"] == "PENDING"
+    r = call(broker, "POST", "/rollout/scale_out_cancel", {"status_filter": "PENDING"})
+    assert r.status_code == 200 and r.json()["succeeded"] == [second]
+    assert call(broker, "GET", "/rollout/engines").json()["current_op"] is None
+    rc, replies = ctl("cancel", first, second)  # several ids: one reply each (ended: no-ops)
+    assert rc == 0 and [x["noop"] for x in replies["replies"]] == [True, True]
+
+
 def test_a_broker_restarted_in_place_keeps_the_engine_list(
         start_broker: Callable[..., Broker], tmp_path: Path) -> None:
     save_plan(RunPlan(broker_router="tcp://x:1", broker_pub="tcp://x:2", engine_urls=[A]),

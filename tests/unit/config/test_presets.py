@@ -1,5 +1,6 @@
 """Every preset under conf/ composes and validates; bad input names the key."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,78 @@ def test_a_misspelt_key_gets_the_closest_one_not_hydras_plus_advice():
     check_override_keys(["experiment=tiny_cpu", "algo=gspo", "+x=1", "~seed", "hydra.run.dir=d",
                          "env.kwargs.x=1", "--config-dir", "d", "-m", "seed=3",
                          "trainer.lr=1e-3", "weight_sync.pause_mode=abort", "algo=grpo,gspo"])
+
+
+def test_a_wrong_type_names_the_type_and_an_example(tmp_path):
+    """relax-train itself (a process): exit 1 before Hydra composes, no run dir left."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, run_env
+
+    proc = subprocess.run([sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_cpu",
+                           f"run_dir={tmp_path / 'run'}", "trainer.lr=abc"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=run_env())
+    assert proc.returncode == 1
+    assert ("trainer.lr=abc: trainer.lr takes a number (float), e.g. trainer.lr=1e-06"
+            in proc.stderr), proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("trainer.total_steps=1.5", "takes an integer (int), e.g. trainer.total_steps=100"),
+    ("algo.max_staleness=two", "takes an integer (int), e.g. algo.max_staleness=0"),
+    ("metrics.progress=maybe", "takes true or false (bool), e.g. metrics.progress=true"),
+    ("trainer.lr_decay_steps=x", "takes an integer (int) or null, e.g. trainer.lr_decay_steps=1"),
+])
+def test_wrong_types_are_refused_before_hydra(override, expected):
+    from relax_slurm.config.load import check_override_keys
+
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        check_override_keys([override])
+
+
+def test_every_default_passes_the_type_check():
+    """No false alarm: each int/float/bool key set to its own default (and interpolations,
+    null for Optional keys) passes."""
+    import dataclasses
+
+    from relax_slurm.config import schema
+    from relax_slurm.config.load import _schema_class, check_override_keys
+
+    def leaves(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            sub = _schema_class(f.type)
+            if sub is not None:
+                yield from leaves(sub, f"{prefix}{f.name}.")
+            elif isinstance(f.default, (bool, int, float)):
+                yield f"{prefix}{f.name}", f.default
+    checked = [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+               for k, v in leaves(schema.TrainConfig)]
+    assert len(checked) > 100
+    check_override_keys(checked)
+    check_override_keys(["trainer.lr_decay_steps=null", "trainer.lr=${trainer.min_lr_ratio}",
+                         "trainer.total_steps=1_000", "trainer.lr=3"])
+
+
+def test_help_lists_choices_without_the_internal_schemas():
+    """`relax-train --help` (a process): every preset and group option, no base_* schema."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, run_env
+
+    proc = subprocess.run([sys.executable, "-m", "relax_slurm.launch.cli", "--help",
+                           "experiment=tiny_cpu"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=run_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "base_" not in proc.stdout
+    groups = proc.stdout.split("== Config ==")[0]
+    lines = dict(line.split(": ", 1) for line in groups.splitlines()
+                 if line.split(":")[0] in ("algo", "experiment", "trainer"))
+    assert "grpo" in lines["algo"] and "tiny_cpu" in lines["experiment"], proc.stdout[:2000]
+    assert lines["trainer"] == "megatron, torch"
+    assert "total_steps: 150" in proc.stdout  # the config composed with the overrides given
 
 
 def test_bad_yaml_file_is_named(tmp_path):

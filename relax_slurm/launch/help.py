@@ -1,0 +1,42 @@
+"""`relax-train --help`: the groups a user can pick and the composed config, as Hydra's help
+shows them, minus the internal `base_<group>` schemas (ConfigStore entries every group's YAML
+extends, never a choice of their own)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+INTERNAL_PREFIX = "base_"
+HELP_FLAGS = ("--help", "-h")
+
+HEADER = """relax-train: RL post-training on Slurm or one machine (docs/quickstart.md)
+
+usage: relax-train experiment=NAME [group=option ...] [key=value ...]
+       relax-train experiment=NAME --cfg job     the composed config
+       relax-train --hydra-help                   Hydra's own flags
+
+== Configuration groups ==
+Compose your configuration from those groups (group=option)
+"""
+
+
+def group_options(conf_dir: Path, overrides: list[str]) -> tuple[dict[str, list[str]], str]:
+    """({group: user-facing options}, the composed config as YAML) for these overrides."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        groups = {g: sorted(o for o in loader.get_group_options(g)
+                            if not o.startswith(INTERNAL_PREFIX))
+                  for g in sorted(loader.list_groups("")) if g != "hydra"}
+        cfg = compose(config_name="train", overrides=overrides)
+    return groups, OmegaConf.to_yaml(cfg)
+
+
+def help_text(conf_dir: Path, overrides: list[str]) -> str:
+    groups, config = group_options(conf_dir, overrides)
+    lines = [f"{g}: {', '.join(opts)}" for g, opts in groups.items() if opts]
+    return (HEADER + "\n".join(lines) + "\n\n== Config ==\nOverride anything in the config "
+            "(foo.bar=value); docs/configuration.md\n\n" + config)

@@ -1,0 +1,64 @@
+"""Ctrl-C and SIGTERM of `relax-train` (local runs): the first keeps the work, a second stops.
+
+The first signal once the roles run takes the preemption path (launch/control.py): the trainer
+saves a checkpoint after its current step and exits, then every role stops, and relax-train
+names the checkpoint and the command that resumes from it. A second signal (or one before the
+roles are up) stops every role at once (KeyboardInterrupt, children stopped in `finally`).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from relax_slurm.checkpoint.resume import find_latest
+from relax_slurm.launch.control import request_preempt
+
+# overrides that would not resume this run if typed again: resume=PATH/none, overwrite=true
+NOT_FOR_RESUME = ("resume=", "overwrite=", "+resume=", "+overwrite=")
+
+
+class GracefulStop:
+    """The SIGINT/SIGTERM handler of relax-train; `arm` once there is a trainer to ask."""
+
+    def __init__(self) -> None:
+        self.run_dir: Path | None = None
+        self.requested = False
+
+    def arm(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def disarm(self) -> None:
+        self.run_dir = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.run_dir is None or self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        request_preempt(self.run_dir, "interrupt")
+        print("relax-train: stopping: the trainer saves a checkpoint after its current step, "
+              "then every role stops (Ctrl-C again stops at once, without it)",
+              file=sys.stderr, flush=True)
+
+
+STOP = GracefulStop()
+
+
+def resume_command(argv: list[str], run_dir: Path) -> str:
+    """The relax-train command line that resumes this run: the same overrides (so the same
+    config), run_dir pinned, and no resume=/overwrite= (resume=auto finds its checkpoint)."""
+    args = [a for a in argv if not a.startswith(NOT_FOR_RESUME)]
+    if not any(a.startswith(("run_dir=", "+run_dir=")) for a in args):
+        args.append(f"run_dir={run_dir}")
+    return " ".join(["relax-train", *map(shlex.quote, args)])
+
+
+def kept_message(argv: list[str], run_dir: Path) -> str:
+    """What an interrupted run kept, and how to go on from it."""
+    latest = find_latest(run_dir)
+    if latest is None:
+        return (f"no checkpoint in {run_dir / 'checkpoints'}: the same command starts again "
+                "from step 0 (one Ctrl-C, not two, saves one after the current step; "
+                "trainer.save_every=N saves every N steps)")
+    return f"checkpoint kept: {latest}\nresume with: {resume_command(argv, run_dir)}"
