@@ -2,6 +2,7 @@
 
     relax-train experiment=tiny_cpu run_dir=runs/demo algo.max_staleness=2
     relax-train experiment=tiny_cpu cluster=slurm cluster.partition=gpu [cluster.wait=true]
+    relax-train -m experiment=tiny_cpu trainer.lr=1e-5,3e-5      # a sweep (launch/sweep.py)
 
 Hydra runs here only; every role reads the resolved `run_dir/config.yaml`.
 """
@@ -14,12 +15,15 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from relax_slurm.config import register_configs, to_train_config
 from relax_slurm.config.load import check_override_keys
-from relax_slurm.errors import RelaxError
+from relax_slurm.errors import ConfigError, RelaxError
+from relax_slurm.launch.sweep import Sweep, fixed_keys, in_multirun, is_multirun, point_name
 from relax_slurm.tiny.assets import ensure_tiny_assets
+
+SWEEP = Sweep()  # the points of `relax-train -m`, in the order Hydra runs them
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 """The Hydra configs: package data of an installed relax_slurm, and in a source checkout the
@@ -28,6 +32,9 @@ configs are added with Hydra's --config-dir DIR (docs/configuration.md)."""
 
 
 def _run(cfg: DictConfig) -> None:
+    if in_multirun():
+        _run_point(cfg)
+        return
     try:
         train_cfg = to_train_config(cfg)
         if not train_cfg.cluster.dry_run:  # a tiny preset on a fresh machine: its model, data
@@ -47,6 +54,55 @@ def _run(cfg: DictConfig) -> None:
         sys.exit(130)
     print(json.dumps(summary, indent=2))
     print(f"run directory: {Path(train_cfg.run_dir).resolve()}")
+
+
+def _run_point(cfg: DictConfig) -> None:
+    """One point of `relax-train -m`: its own run directory (Hydra's output directory for
+    it); an error is recorded in SWEEP and the sweep goes on (no sys.exit here: Hydra's
+    launcher would end the whole multirun)."""
+    point = SWEEP.begin()
+    print(f"relax-train: sweep point #{point.num} ({point.overrides}): {point.run_dir}",
+          file=sys.stderr, flush=True)
+    try:
+        train_cfg = to_train_config(cfg)
+        train_cfg.run_dir = point.run_dir
+        if not train_cfg.cluster.dry_run:
+            ensure_tiny_assets(train_cfg)
+        if train_cfg.cluster.kind == "slurm":
+            from relax_slurm.launch.sbatch import submit_run
+
+            point.job_id = submit_run(train_cfg)  # the next point is submitted at once
+            point.state = "dry run" if point.job_id is None else "submitted"
+            if point.job_id is not None and train_cfg.cluster.wait:
+                SWEEP.waiting.append((point, train_cfg.cluster.wait_poll_s))
+            return
+        from relax_slurm.launch.local import run_local
+
+        summary = run_local(train_cfg)
+    except RelaxError as e:
+        point.state, point.message = "failed", str(e)
+        print(f"relax-train: error in sweep point #{point.num}: {e}", file=sys.stderr, flush=True)
+        return
+    except KeyboardInterrupt:
+        point.state = "interrupted"
+        raise  # Ctrl-C ends the sweep: main prints what ran
+    point.state = "completed"
+    print(json.dumps(summary, indent=2))
+
+
+def _finish_sweep() -> int:
+    """After the last point: wait for Slurm jobs (cluster.wait=true), print the table, write
+    sweep.json; exit status 1 if any point failed."""
+    try:
+        SWEEP.wait_jobs()
+    except KeyboardInterrupt:
+        print("stopped waiting; the sweep's jobs keep running (`scancel` stops them)",
+              flush=True)
+    except RelaxError as e:
+        print(f"relax-train: error: {e}", file=sys.stderr)
+    print(SWEEP.table(), flush=True)
+    SWEEP.write()
+    return SWEEP.exit_code()
 
 
 def _interrupt(signum, frame) -> None:
@@ -86,8 +142,37 @@ def main() -> None:
                  "without its configs; reinstall it (pip install relax-slurm, or pip install . "
                  "from a source checkout)")
     register_configs()
-    hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_run)()
+    OmegaConf.register_new_resolver("relax_point", point_name, replace=True)
+    argv = sys.argv[1:]
+    multirun = is_multirun(argv)
+    if multirun:
+        try:
+            sys.argv += sweep_overrides(argv)
+        except RelaxError as e:
+            print(f"relax-train: error: {e}", file=sys.stderr)
+            sys.exit(1)
+    try:
+        hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_run)()
+    except KeyboardInterrupt:
+        if not multirun:
+            raise
+        print("relax-train: sweep interrupted; every process of the running point was stopped",
+              file=sys.stderr)
+        _finish_sweep()
+        sys.exit(130)
+    if multirun:
+        sys.exit(_finish_sweep())
 
+
+def sweep_overrides(argv: list[str]) -> list[str]:
+    """Hydra overrides a sweep adds: point directories named by the swept keys only."""
+    fixed = fixed_keys(argv)
+    if "run_dir" in {a.split("=", 1)[0] for a in argv} - set(fixed):
+        raise ConfigError("run_dir cannot be swept: in `relax-train -m` it names the sweep's "
+                          "directory, and each point runs in run_dir/<num>_<swept values>")
+    if any(a.startswith("hydra.job.config.override_dirname.exclude_keys=") for a in argv):
+        return []  # the user chose what names a point
+    return [f"hydra.job.config.override_dirname.exclude_keys=[{','.join(fixed)}]"]
 
 if __name__ == "__main__":
     main()

@@ -232,15 +232,15 @@ def wait_for_job(job_id: str, run_dir: Path, poll_s: float) -> dict:
     return status
 
 
-def run_sbatch(cfg: TrainConfig) -> int:
-    """The relax-train entry for cluster=slurm: dry run, or submit (and wait). Exit code."""
+def submit_run(cfg: TrainConfig) -> str | None:
+    """Print the dry run (None), or write the run directory and submit its script (job id)."""
     from relax_slurm.launch.local import check_inputs
 
     run_dir, workdir = Path(cfg.run_dir).resolve(), Path.cwd()
     cfg.run_dir = str(run_dir)
     if cfg.cluster.dry_run:
         print(dry_run_text(cfg, run_dir, workdir), end="")
-        return 0
+        return None
     check_inputs(cfg)
     resolve_resume(run_dir, cfg.resume, cfg.overwrite)  # refuse now, not in the queue
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -250,19 +250,32 @@ def run_sbatch(cfg: TrainConfig) -> int:
     job_id = submit_script(script)
     print(f"submitted job {job_id}\nrun directory: {run_dir}\n"
           f"slurm log: {run_dir}/slurm-{job_id}.out", flush=True)
-    if not cfg.cluster.wait:
-        return 0
-    try:
-        status = wait_for_job(job_id, run_dir, cfg.cluster.wait_poll_s)
-    except KeyboardInterrupt:
-        print(f"stopped waiting; job {job_id} keeps running (`scancel {job_id}` stops it)",
-              flush=True)
-        return 130
+    return job_id
+
+
+def report_job(job_id: str, run_dir: Path, poll_s: float) -> dict:
+    """Wait for the job's end (wait_for_job), print its state and, if it completed, its
+    summary; return the final status."""
+    status = wait_for_job(job_id, run_dir, poll_s)
     print(f"job {job_id}: {status['state']}"
           + (f": {status['message']}" if status.get("message") else ""), flush=True)
     summary = run_dir / "summary.json"
     if status["state"] == "completed" and summary.is_file():
         print(summary.read_text(), end="")
+    return status
+
+
+def run_sbatch(cfg: TrainConfig) -> int:
+    """The relax-train entry for cluster=slurm: dry run, or submit (and wait). Exit code."""
+    job_id = submit_run(cfg)
+    if job_id is None or not cfg.cluster.wait:
+        return 0
+    try:
+        status = report_job(job_id, Path(cfg.run_dir), cfg.cluster.wait_poll_s)
+    except KeyboardInterrupt:
+        print(f"stopped waiting; job {job_id} keeps running (`scancel {job_id}` stops it)",
+              flush=True)
+        return 130
     return 0 if status["state"] == "completed" else 1
 
 
