@@ -39,15 +39,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from relax_slurm.checkpoint import resume_for_attempt
+from relax_slurm.checkpoint import find_latest, resume_for_attempt
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.config.schema import ClusterConfig
-from relax_slurm.errors import ConfigError, Preempted, RelaxError, RoleFailed
+from relax_slurm.errors import ConfigError, NodesLost, Preempted, RelaxError, RoleFailed
 from relax_slurm.launch.control import (
     PREEMPT_EXIT_CODE, clear_preempt, read_status, request_preempt, write_status,
 )
 from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.local import check_inputs, record_global_restart
+from relax_slurm.launch.node_health import lost_nodes
+from relax_slurm.launch.restart import record_restart
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.roles import (
     RoleSpec, broker_spec, engine_specs, teacher_specs, trainer_spec, worker_spec,
@@ -254,13 +256,29 @@ def prepare(cfg: TrainConfig, alloc: SlurmAllocation, run_dir: Path, global_rest
     return specs, wrap, info
 
 
+def check_nodes(run_dir: Path, info: dict, failure: RoleFailed) -> None:
+    """Raise NodesLost (recorded in restarts.jsonl) if a node of the allocation is down,
+    drained or not responding: new steps there would fail too (launch/node_health.py)."""
+    lost = lost_nodes([*info["trainer_hosts"], *info["rollout_hosts"]])
+    if not lost:
+        return
+    nodes = ", ".join(f"{n} ({s})" for n, s in lost.items())
+    resumes = find_latest(run_dir)
+    cause = str(failure).splitlines()[0].removesuffix(" Last lines:")  # (its log tail follows)
+    record_restart(run_dir, {"kind": "requeue", "cause": cause, "lost_nodes": lost,
+                             "resumes_from": str(resumes) if resumes else None})
+    raise NodesLost(f"{cause}; node(s) {nodes} of the allocation lost: the job is requeued "
+                    f"and resumes from {resumes or 'the start'} on other nodes") from failure
+
+
 def run_attempts(cfg: TrainConfig, alloc: SlurmAllocation, run_dir: Path,
                  status: Callable[..., None]) -> dict:
     """Supervise the roles to the end. A failure the supervisor cannot mend in place (a dead or
     hung trainer, a role out of cluster.max_role_restarts) stops every step and starts every
     role again as new srun steps, from the latest checkpoint, up to
     cluster.max_global_restarts times in this allocation (as the local runner does,
-    launch/local.py). Preempted is not a failure: it goes to drive() and the requeue."""
+    launch/local.py). If a node of the allocation was lost, NodesLost instead: drive()
+    requeues the job, as for Preempted, which is not a failure either."""
     cap, started = cfg.cluster.max_global_restarts, time.monotonic()
     restart = 0
     while True:
@@ -271,6 +289,7 @@ def run_attempts(cfg: TrainConfig, alloc: SlurmAllocation, run_dir: Path,
                              extra={"slurm": info, "global_restarts": restart},
                              engine_jobs=EngineJobs(cfg, run_dir, parent_job=alloc.job_id))
         except RoleFailed as e:
+            check_nodes(run_dir, info, e)  # NodesLost: requeue rather than restart here
             if restart >= cap:
                 if cap:
                     raise RoleFailed(f"{e}\n(gave up after cluster.max_global_restarts={cap} "
