@@ -93,6 +93,8 @@ def _run_point(cfg: DictConfig) -> None:
 def _finish_sweep() -> int:
     """After the last point: wait for Slurm jobs (cluster.wait=true), print the table, write
     sweep.json; exit status 1 if any point failed."""
+    if not SWEEP.points:  # `-m --cfg job` and the like: Hydra printed, nothing ran
+        return 0
     try:
         SWEEP.wait_jobs()
     except KeyboardInterrupt:
@@ -147,7 +149,10 @@ def main() -> None:
     multirun = is_multirun(argv)
     if multirun:
         try:
-            sys.argv += sweep_overrides(argv)
+            # next to the user's overrides: Hydra's parser wants them in one run (--cfg job after)
+            at = next((i for i, a in enumerate(sys.argv) if i and "=" in a
+                       and not a.startswith("-")), len(sys.argv))
+            sys.argv[at:at] = sweep_overrides(argv)
         except RelaxError as e:
             print(f"relax-train: error: {e}", file=sys.stderr)
             sys.exit(1)

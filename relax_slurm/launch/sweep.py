@@ -22,7 +22,10 @@ from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from hydra.types import RunMode
+
+from relax_slurm.errors import ConfigError
 
 SWEEP_FILE = "sweep.json"
 MAX_NAME_CHARS = 120  # a directory name stays well under the usual 255-byte limit
@@ -37,7 +40,11 @@ def fixed_keys(argv: Sequence[str]) -> list[str]:
     """Keys the command line sets to one value in every point (paths, the experiment, ...):
     left out of a point's directory name, which then shows only what the sweep varies."""
     args = [a for a in argv if not a.startswith("-") and "=" in a]
-    overrides = OverridesParser.create().parse_overrides(args)
+    try:
+        overrides = OverridesParser.create().parse_overrides(args)
+    except OverrideParseException as e:
+        raise ConfigError(f"{e} (Hydra's override grammar: key=a,b sweeps, key=range(0,3), "
+                          "quote values with commas: key='[1,2]')") from e
     return sorted({o.key_or_group for o in overrides
                    if not o.is_sweep_override() and not o.is_hydra_override()})
 
