@@ -64,3 +64,8 @@ class RoleHung(RoleFailed):
 class Preempted(RelaxError):
     """The run checkpointed and stopped on request (Slurm's preemption or time-limit signal);
     it resumes from that checkpoint when started again with the same run directory."""
+
+
+class NodesLost(Preempted):
+    """Nodes of the Slurm allocation are down, drained or not responding: the job is requeued
+    (like a preemption) and resumes from its latest checkpoint on other nodes."""

@@ -2,6 +2,7 @@
 
     relax-train experiment=tiny_cpu run_dir=runs/demo algo.max_staleness=2
     relax-train experiment=tiny_cpu cluster=slurm cluster.partition=gpu [cluster.wait=true]
+    relax-train -m experiment=tiny_cpu trainer.lr=1e-5,3e-5      # a sweep (launch/sweep.py)
 
 Hydra runs here only; every role reads the resolved `run_dir/config.yaml`.
 """
@@ -15,14 +16,17 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from relax_slurm.config import register_configs, to_train_config
 from relax_slurm.config.load import check_override_keys
-from relax_slurm.errors import Preempted, RelaxError
+from relax_slurm.errors import ConfigError, Preempted, RelaxError
 from relax_slurm.launch.help import HELP_FLAGS, help_text
 from relax_slurm.launch.interrupt import STOP, kept_message
+from relax_slurm.launch.sweep import Sweep, fixed_keys, in_multirun, is_multirun, point_name
 from relax_slurm.tiny.assets import ensure_tiny_assets
+
+SWEEP = Sweep()  # the points of `relax-train -m`, in the order Hydra runs them
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 """The Hydra configs: package data of an installed relax_slurm, and in a source checkout the
@@ -38,6 +42,9 @@ def discard_if_unused(run_dir: Path) -> None:
 
 
 def _run(cfg: DictConfig) -> None:
+    if in_multirun():
+        _run_point(cfg)
+        return
     run_dir = Path(cfg.get("run_dir") or ".").resolve()
     try:
         train_cfg = to_train_config(cfg)
@@ -73,6 +80,66 @@ def _run(cfg: DictConfig) -> None:
         sys.exit(130)
     print(json.dumps(summary, indent=2))
     print(f"run directory: {Path(train_cfg.run_dir).resolve()}")
+
+
+def _run_point(cfg: DictConfig) -> None:
+    """One point of `relax-train -m`: its own run directory (Hydra's output directory for
+    it); an error is recorded in SWEEP and the sweep goes on (no sys.exit here: Hydra's
+    launcher would end the whole multirun)."""
+    point = SWEEP.begin()
+    print(f"relax-train: sweep point #{point.num} ({point.overrides}): {point.run_dir}",
+          file=sys.stderr, flush=True)
+    try:
+        train_cfg = to_train_config(cfg)
+        train_cfg.run_dir = point.run_dir
+        if not train_cfg.cluster.dry_run:
+            ensure_tiny_assets(train_cfg)
+        if train_cfg.cluster.kind == "slurm":
+            from relax_slurm.launch.sbatch import submit_run
+
+            point.job_id = submit_run(train_cfg)  # the next point is submitted at once
+            point.state = ("submitted" if point.job_id is not None
+                           else "dry run" if train_cfg.cluster.dry_run else "complete already")
+            if point.job_id is not None and train_cfg.cluster.wait:
+                SWEEP.waiting.append((point, train_cfg.cluster.wait_poll_s))
+            return
+        from relax_slurm.launch.local import run_local
+
+        summary = run_local(train_cfg)
+    except Preempted as e:  # our Ctrl-C kept a checkpoint: the sweep ends here
+        point.state = "interrupted"
+        if not STOP.requested:
+            point.state, point.message = "failed", str(e)
+            return
+        print(kept_message(sys.argv[1:], Path(point.run_dir)), file=sys.stderr)
+        raise KeyboardInterrupt from e
+    except RelaxError as e:
+        point.state, point.message = "failed", str(e)
+        print(f"relax-train: error in sweep point #{point.num}: {e}", file=sys.stderr, flush=True)
+        return
+    except KeyboardInterrupt:
+        point.state = "interrupted"
+        raise  # Ctrl-C ends the sweep: main prints what ran
+    point.state = "completed"
+    if summary is not None:  # None: complete already, nothing ran
+        print(json.dumps(summary, indent=2))
+
+
+def _finish_sweep() -> int:
+    """After the last point: wait for Slurm jobs (cluster.wait=true), print the table, write
+    sweep.json; exit status 1 if any point failed."""
+    if not SWEEP.points:  # `-m --cfg job` and the like: Hydra printed, nothing ran
+        return 0
+    try:
+        SWEEP.wait_jobs()
+    except KeyboardInterrupt:
+        print("stopped waiting; the sweep's jobs keep running (`scancel` stops them)",
+              flush=True)
+    except RelaxError as e:
+        print(f"relax-train: error: {e}", file=sys.stderr)
+    print(SWEEP.table(), flush=True)
+    SWEEP.write()
+    return SWEEP.exit_code()
 
 
 USAGE = """usage: relax-train experiment=NAME [key=value ...]     (Hydra overrides; --help lists all)
@@ -115,7 +182,39 @@ def main() -> None:
     if any(a in HELP_FLAGS for a in args) and not any(a.startswith("--config-dir") for a in args):
         print(help_text(CONF_DIR, [a for a in args if a not in HELP_FLAGS]))  # no base_* choices
         return
-    hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_run)()
+    OmegaConf.register_new_resolver("relax_point", point_name, replace=True)
+    multirun = is_multirun(args)
+    if multirun:
+        try:
+            # next to the user's overrides: Hydra's parser wants them in one run (--cfg job after)
+            at = next((i for i, a in enumerate(sys.argv) if i and "=" in a
+                       and not a.startswith("-")), len(sys.argv))
+            sys.argv[at:at] = sweep_overrides(args)
+        except RelaxError as e:
+            print(f"relax-train: error: {e}", file=sys.stderr)
+            sys.exit(1)
+    try:
+        hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_run)()
+    except KeyboardInterrupt:
+        if not multirun:
+            raise
+        print("relax-train: sweep interrupted; every process of the running point was stopped",
+              file=sys.stderr)
+        _finish_sweep()
+        sys.exit(130)
+    if multirun:
+        sys.exit(_finish_sweep())
+
+
+def sweep_overrides(argv: list[str]) -> list[str]:
+    """Hydra overrides a sweep adds: point directories named by the swept keys only."""
+    fixed = fixed_keys(argv)
+    if "run_dir" in {a.split("=", 1)[0] for a in argv} - set(fixed):
+        raise ConfigError("run_dir cannot be swept: in `relax-train -m` it names the sweep's "
+                          "directory, and each point runs in run_dir/<num>_<swept values>")
+    if any(a.startswith("hydra.job.config.override_dirname.exclude_keys=") for a in argv):
+        return []  # the user chose what names a point
+    return [f"hydra.job.config.override_dirname.exclude_keys=[{','.join(fixed)}]"]
 
 
 if __name__ == "__main__":

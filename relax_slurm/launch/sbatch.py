@@ -231,8 +231,9 @@ def wait_for_job(job_id: str, run_dir: Path, poll_s: float) -> dict:
     return status
 
 
-def run_sbatch(cfg: TrainConfig) -> int:
-    """The relax-train entry for cluster=slurm: dry run, or submit (and wait). Exit code."""
+def submit_run(cfg: TrainConfig) -> str | None:
+    """Print the dry run, or write the run directory and submit its script: the job id, or
+    None when nothing was submitted (a dry run, or a run complete already)."""
     from relax_slurm.launch.local import check_inputs, say
     from relax_slurm.launch.rerun import plan_rerun
 
@@ -240,12 +241,12 @@ def run_sbatch(cfg: TrainConfig) -> int:
     cfg.run_dir = str(run_dir)
     if cfg.cluster.dry_run:
         print(dry_run_text(cfg, run_dir, workdir), end="")
-        return 0
+        return None
     check_inputs(cfg)
     rerun = plan_rerun(cfg, run_dir)  # refuse now, not in the queue
     say(rerun.message(cfg, run_dir))
     if rerun.complete:
-        return 0
+        return None
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     script = run_dir / SCRIPT_NAME
@@ -253,19 +254,32 @@ def run_sbatch(cfg: TrainConfig) -> int:
     job_id = submit_script(script)
     print(f"submitted job {job_id}\nrun directory: {run_dir}\n"
           f"slurm log: {run_dir}/slurm-{job_id}.out", flush=True)
-    if not cfg.cluster.wait:
-        return 0
-    try:
-        status = wait_for_job(job_id, run_dir, cfg.cluster.wait_poll_s)
-    except KeyboardInterrupt:
-        print(f"stopped waiting; job {job_id} keeps running (`scancel {job_id}` stops it)",
-              flush=True)
-        return 130
+    return job_id
+
+
+def report_job(job_id: str, run_dir: Path, poll_s: float) -> dict:
+    """Wait for the job's end (wait_for_job), print its state and, if it completed, its
+    summary; return the final status."""
+    status = wait_for_job(job_id, run_dir, poll_s)
     print(f"job {job_id}: {status['state']}"
           + (f": {status['message']}" if status.get("message") else ""), flush=True)
     summary = run_dir / "summary.json"
     if status["state"] == "completed" and summary.is_file():
         print(summary.read_text(), end="")
+    return status
+
+
+def run_sbatch(cfg: TrainConfig) -> int:
+    """The relax-train entry for cluster=slurm: dry run, or submit (and wait). Exit code."""
+    job_id = submit_run(cfg)
+    if job_id is None or not cfg.cluster.wait:
+        return 0
+    try:
+        status = report_job(job_id, Path(cfg.run_dir), cfg.cluster.wait_poll_s)
+    except KeyboardInterrupt:
+        print(f"stopped waiting; job {job_id} keeps running (`scancel {job_id}` stops it)",
+              flush=True)
+        return 130
     return 0 if status["state"] == "completed" else 1
 
 

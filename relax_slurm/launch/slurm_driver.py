@@ -35,18 +35,21 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from relax_slurm.checkpoint import resume_for_attempt
+from relax_slurm.checkpoint import find_latest, resume_for_attempt
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.config.schema import ClusterConfig
-from relax_slurm.errors import ConfigError, Preempted, RelaxError, RoleFailed
+from relax_slurm.errors import ConfigError, NodesLost, Preempted, RelaxError, RoleFailed
 from relax_slurm.launch.control import (
     PREEMPT_EXIT_CODE, clear_preempt, read_status, request_preempt, write_status,
 )
 from relax_slurm.launch.engine_job import EngineJobs
-from relax_slurm.launch.local import check_inputs
+from relax_slurm.launch.local import check_inputs, record_global_restart
+from relax_slurm.launch.node_health import lost_nodes
+from relax_slurm.launch.restart import record_restart
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.roles import (
     RoleSpec, broker_spec, engine_specs, teacher_specs, trainer_spec, worker_spec,
@@ -228,24 +231,72 @@ def slurm_info(alloc: SlurmAllocation, layout: Layout, specs: list[RoleSpec]) ->
     }
 
 
-def prepare(cfg: TrainConfig, alloc: SlurmAllocation, run_dir: Path) -> tuple[list[RoleSpec],
-                                                                              Wrap, dict]:
+def prepare(cfg: TrainConfig, alloc: SlurmAllocation, run_dir: Path, global_restart: int = 0
+            ) -> tuple[list[RoleSpec], Wrap, dict]:
     """Place the roles on this allocation, resolve the resume point, write plan.json and
-    slurm.json; return the role specs, the srun wrap and the placement."""
+    slurm.json; return the role specs, the srun wrap and the placement.
+
+    A requeued attempt (SLURM_RESTART_COUNT > 0) and a global restart inside this allocation
+    both resume from the run's latest checkpoint; fresh ports for either."""
     layout = make_layout(cfg, alloc)
     plan = slurm_plan(cfg, layout)
-    resume = resume_for_attempt(run_dir, cfg.resume, cfg.overwrite, alloc.restart_count)
+    resume = resume_for_attempt(run_dir, cfg.resume, cfg.overwrite,
+                                alloc.restart_count + global_restart)
     plan.resume_from = str(resume) if resume else None
     save_plan(plan, run_dir)
     specs = role_specs(cfg, plan, layout, run_dir)
     wrap = srun_wrap(cfg, layout, workdir=str(Path.cwd()))
-    info = slurm_info(alloc, layout, specs)
+    info = slurm_info(alloc, layout, specs) | {"global_restart": global_restart}
     (run_dir / "slurm.json").write_text(json.dumps(info, indent=2))
-    log.info("attempt %d %s", alloc.restart_count,
+    log.info("attempt %d%s %s", alloc.restart_count,
+             f", global restart {global_restart}" if global_restart else "",
              f"resumes from {resume}" if resume else "starts fresh")
     for spec in specs:
         log.info("%s: %s", spec.name, shlex.join(wrap(spec)))
     return specs, wrap, info
+
+
+def check_nodes(run_dir: Path, info: dict, failure: RoleFailed) -> None:
+    """Raise NodesLost (recorded in restarts.jsonl) if a node of the allocation is down,
+    drained or not responding: new steps there would fail too (launch/node_health.py)."""
+    lost = lost_nodes([*info["trainer_hosts"], *info["rollout_hosts"]])
+    if not lost:
+        return
+    nodes = ", ".join(f"{n} ({s})" for n, s in lost.items())
+    resumes = find_latest(run_dir)
+    cause = str(failure).splitlines()[0].removesuffix(" Last lines:")  # (its log tail follows)
+    record_restart(run_dir, {"kind": "requeue", "cause": cause, "lost_nodes": lost,
+                             "resumes_from": str(resumes) if resumes else None})
+    raise NodesLost(f"{cause}; node(s) {nodes} of the allocation lost: the job is requeued "
+                    f"and resumes from {resumes or 'the start'} on other nodes") from failure
+
+
+def run_attempts(cfg: TrainConfig, alloc: SlurmAllocation, run_dir: Path,
+                 status: Callable[..., None]) -> dict:
+    """Supervise the roles to the end. A failure the supervisor cannot mend in place (a dead or
+    hung trainer, a role out of cluster.max_role_restarts) stops every step and starts every
+    role again as new srun steps, from the latest checkpoint, up to
+    cluster.max_global_restarts times in this allocation (as the local runner does,
+    launch/local.py). If a node of the allocation was lost, NodesLost instead: drive()
+    requeues the job, as for Preempted, which is not a failure either."""
+    cap, started = cfg.cluster.max_global_restarts, time.monotonic()
+    restart = 0
+    while True:
+        specs, wrap, info = prepare(cfg, alloc, run_dir, restart)
+        status("running")
+        try:
+            return supervise(specs, cfg, run_dir, wrap, started=started,
+                             extra={"slurm": info, "global_restarts": restart},
+                             engine_jobs=EngineJobs(cfg, run_dir, parent_job=alloc.job_id))
+        except RoleFailed as e:
+            check_nodes(run_dir, info, e)  # NodesLost: requeue rather than restart here
+            if restart >= cap:
+                if cap:
+                    raise RoleFailed(f"{e}\n(gave up after cluster.max_global_restarts={cap} "
+                                     "global restarts; see restarts.jsonl)") from e
+                raise
+            restart += 1
+            record_global_restart(run_dir, restart, cap, e)
 
 
 def drive(run_dir: str | Path, alloc: SlurmAllocation | None = None) -> dict:
@@ -261,14 +312,11 @@ def drive(run_dir: str | Path, alloc: SlurmAllocation | None = None) -> dict:
     try:
         cfg = load_config(run_dir / "config.yaml")
         clear_preempt(run_dir)  # a request from the attempt before must not stop this one
-        specs, wrap, info = prepare(cfg, alloc, run_dir)
         on_usr1 = PreemptSignal(run_dir, alloc, cfg)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR1, on_usr1)
             signal.signal(signal.SIGTERM, _terminate)
-        status("running")
-        summary = supervise(specs, cfg, run_dir, wrap, extra={"slurm": info},
-                            engine_jobs=EngineJobs(cfg, run_dir, parent_job=alloc.job_id))
+        summary = run_attempts(cfg, alloc, run_dir, status)
     except Preempted as e:
         on_usr1.cancel()
         if not cfg.cluster.requeue:
