@@ -92,9 +92,35 @@ def check_override_keys(overrides: Sequence[str]) -> None:
             sub = _schema_class(fields[part].type)
             if sub is None:  # a leaf, or a free-form dict (env.kwargs, data.multimodal_keys)
                 if i == len(parts) - 1:
-                    check_value(cls, fields[part], key, arg.split("=", 1)[1])
+                    for value in sweep_items(arg.split("=", 1)[1]):
+                        check_value(cls, fields[part], key, value)
                 break
             cls = sub
+
+
+SWEEP_FUNCTIONS = ("range(", "choice(", "interval(", "glob(", "sort(", "shuffle(", "tag(")
+"""Hydra's sweep functions: their values are Hydra's to expand (and to check)."""
+
+
+def sweep_items(value: str) -> list[str]:
+    """The values of a `relax-train -m` sweep `a,b,c` (commas outside brackets and quotes),
+    one value otherwise; none for Hydra's sweep functions."""
+    if value.startswith(SWEEP_FUNCTIONS):
+        return []
+    items, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(value):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(value[start:i])
+            start = i + 1
+    return [*items, value[start:]]
 
 
 def check_value(cls: type, f: dataclasses.Field, key: str, value: str) -> None:

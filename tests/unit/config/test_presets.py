@@ -127,6 +127,20 @@ def test_wrong_types_are_refused_before_hydra(override, expected):
         check_override_keys([override])
 
 
+def test_sweep_values_are_checked_one_by_one():
+    """`relax-train -m key=a,b`: each value of a sweep has the key's type; Hydra's sweep
+    functions are Hydra's to expand."""
+    from relax_slurm.config.load import check_override_keys, sweep_items
+
+    assert sweep_items("1,2") == ["1", "2"] and sweep_items("[a,b],[c]") == ["[a,b]", "[c]"]
+    assert sweep_items("'x,y'") == ["'x,y'"] and sweep_items("range(1,3)") == []
+    check_override_keys(["rollout.num_engines=1,2", "trainer.lr=1e-3,3e-3",
+                         "trainer.total_steps=range(1,5)"])
+    with pytest.raises(ConfigError, match=re.escape("rollout.num_engines=x: rollout.num_engines "
+                                                    "takes an integer")):
+        check_override_keys(["rollout.num_engines=1,x"])
+
+
 def test_every_default_passes_the_type_check():
     """No false alarm: each int/float/bool key set to its own default (and interpolations,
     null for Optional keys) passes."""
