@@ -85,3 +85,25 @@ def mm_token_types(model: Any, input_ids: Any, media: Mapping[str, Any]) -> dict
 @functools.cache
 def _forward_params(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
+
+
+FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+"""transformers 5 keeps an MoE layer's experts fused in memory (Qwen2/3-MoE, Qwen3-Omni's
+thinker, DeepSeek, ...: `experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) while
+the checkpoint files, SGLang's loader and megatron-bridge's export name them per expert."""
+
+
+def checkpoint_views(name: str, tensor: Any) -> list[tuple[str, Any]]:
+    """A parameter under the names of the checkpoint files: itself, or for a fused experts
+    tensor one view per expert (`experts.{e}.gate_proj.weight` = gate_up_proj[e, :I],
+    `up_proj` = [e, I:], `down_proj` = down_proj[e]), contiguous, sharing its memory, so a
+    weight update received into them lands in the fused tensor. SGLang loads the same names."""
+    if tensor.dim() != 3 or not name.endswith(FUSED_EXPERTS):
+        return [(name, tensor)]
+    stem, kind = name.rsplit(".", 1)
+    if kind == "down_proj":
+        return [(f"{stem}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
+    half = tensor.shape[1] // 2
+    return [view for e in range(tensor.shape[0])
+            for view in ((f"{stem}.{e}.gate_proj.weight", tensor[e, :half]),
+                         (f"{stem}.{e}.up_proj.weight", tensor[e, half:]))]

@@ -59,7 +59,8 @@ from relax_slurm.rollout.hf_batch import BatchState, PendingRequest, Row, RowSam
 from relax_slurm.rollout.hf_requests import BadRequest, NotServing, SamplingSpec
 from relax_slurm.routing.hooks import RoutingTrace
 from relax_slurm.routing.shape import encode_routed_experts, routing_shape_of
-from relax_slurm.weightsync.receiver import WeightReceiver, load_named_tensors, model_checksums
+from relax_slurm.weightsync.receiver import (WeightReceiver, load_named_tensors, model_checksums,
+                                            weight_targets)
 
 log = logging.getLogger("relax_slurm.hf_engine")
 
@@ -488,7 +489,7 @@ class HFEngine:
             # received in place into the parameters: a failure midway leaves a mix of two
             # versions, so the engine serves nothing until a later update completes (requests
             # queued meanwhile are refused by _run_batch; the lock keeps them out until then)
-            params = dict(self.model.named_parameters(remove_duplicate=False))
+            params = weight_targets(self.model)  # per-expert names too: views of fused experts
             try:
                 received = self.receiver.receive(names, dtypes, shapes, group_name, self.device,
                                                  into=params, flattened=flattened)

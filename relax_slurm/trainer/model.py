@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from relax_slurm.config.schema import ModelConfig, TrainerConfig
 from relax_slurm.errors import ConfigError
-from relax_slurm.modeling import auto_model_class
+from relax_slurm.modeling import auto_model_class, checkpoint_views
 from relax_slurm.trainer.schedule import lr_factor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -118,7 +118,9 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig):
 
 
 def full_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named full tensors for the engines, tied weights once (as named_parameters gives them).
+    """HF-named full tensors for the engines, tied weights once (as named_parameters gives them);
+    fused MoE experts one view per expert, under the checkpoint files' names that SGLang loads
+    (`relax_slurm.modeling.checkpoint_views`).
 
     Under FSDP2 every rank must iterate (full_tensor() is a collective); only rank 0 sends.
     """
@@ -126,4 +128,4 @@ def full_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         t = p.detach()
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
-        yield name, t
+        yield from checkpoint_views(name, t)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from relax_slurm.errors import WeightSyncError
+from relax_slurm.modeling import checkpoint_views
 from relax_slurm.weightsync.bucket import flat_nbytes, unflatten_bucket
 from relax_slurm.weightsync.group import destroy_weight_update_group, init_weight_update_group
 
@@ -41,9 +42,25 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
+def parameter_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter by name (tied ones under each name), and fused MoE experts also per
+    expert, as the checkpoint files and SGLang name them (`relax_slurm.modeling.
+    checkpoint_views`: views into the fused tensors)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = p
+        out.update(checkpoint_views(name, p))
+    return out
+
+
+def weight_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What an update may name: `parameter_views` and the buffers."""
+    return {**parameter_views(model), **dict(model.named_buffers(remove_duplicate=False))}
+
+
 def model_checksums(model: torch.nn.Module) -> dict[str, str]:
-    """sha256 per parameter name; tied parameters appear under every name they have."""
-    return {name: tensor_sha256(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    """sha256 per name of `parameter_views`."""
+    return {name: tensor_sha256(p) for name, p in parameter_views(model).items()}
 
 
 def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -51,8 +68,7 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
 
     Tied weights (lm_head.weight is embed_tokens.weight) are one tensor, so either name works.
     """
-    targets = dict(model.named_parameters(remove_duplicate=False))
-    targets.update(dict(model.named_buffers(remove_duplicate=False)))
+    targets = weight_targets(model)
     named = list(named)
     for name, t in named:
         if name not in targets:
