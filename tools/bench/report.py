@@ -30,6 +30,9 @@ TARGETS = {
     "broker_step_share": (0.03, False, "get_batch time / sync step time"),
     "engine_scaling": (None, True, "time to generate a step's batch, 1 engine / 3 engines "
                                    "(rollout-bound run)"),
+    "routing_replay_train_ratio": (None, False, "trainer time per step, tiny MoE with "
+                                                "algo.routing_replay / without routing data"),
+    "routing_replay_step_ratio": (None, False, "step time, the same two runs"),
 }
 
 
@@ -56,7 +59,9 @@ def _find(res: dict, key: str) -> dict:
              "weight_sync_efficiency_flattened_tiny": ("weight_sync", "tiny",
                                                        "efficiency_flattened"),
              "broker_step_share": ("broker", "step_share"),
-             "engine_scaling": ("engines", "gen_speedup")}
+             "engine_scaling": ("engines", "gen_speedup"),
+             "routing_replay_train_ratio": ("routing", "replayed_train_ratio"),
+             "routing_replay_step_ratio": ("routing", "replayed_step_ratio")}
     node = res
     for p in paths[key]:
         node = node.get(p, {})
@@ -123,6 +128,19 @@ def detail_tables(res: dict) -> list[str]:
                        f"{' / '.join(_spread(e['samples_per_s'][n]))} |")
         out += ["", f"samples/s with 3 engines / with 1: "
                     f"{' / '.join(_spread(e['samples_per_s_ratio']))} (min / median / max)."]
+    if "routing" in res:
+        r = res["routing"]
+        out += ["", "### Routing replay (tiny MoE)", "",
+                "| routing | trainer s a step | step s | final reward |", "|---|---|---|---|"]
+        for mode, m in r["modes"].items():
+            out.append(f"| {mode} | {' / '.join(_spread(m['train_s']))} | "
+                       f"{' / '.join(_spread(m['step_s']))} | "
+                       f"{' / '.join(_spread(m['final_reward']))} |")
+        out += ["", "Over the off mode (min / median / max): recorded trainer "
+                f"{' / '.join(_spread(r['recorded_train_ratio']))}, step "
+                f"{' / '.join(_spread(r['recorded_step_ratio']))}; replayed trainer "
+                f"{' / '.join(_spread(r['replayed_train_ratio']))}, step "
+                f"{' / '.join(_spread(r['replayed_step_ratio']))}."]
     if "scaling" in res:
         out += ["", "### Scaling sketch", "",
                 "Costs from the sync run (s): " + ", ".join(

@@ -26,11 +26,12 @@ import async_sync  # noqa: E402
 import broker_bench  # noqa: E402
 import engine_scaling  # noqa: E402
 import report  # noqa: E402
+import routing_bench  # noqa: E402
 import scaling  # noqa: E402
 import weight_sync_bench  # noqa: E402
 from common import REPO, Run, machine, make_assets, spread  # noqa: E402
 
-PARTS = ("async", "trl", "sync", "broker", "engines")
+PARTS = ("async", "trl", "sync", "broker", "engines", "routing")
 
 
 def run_trl(out: Path, model: Path, data: Path, steps: int, repeats: int) -> list[Run]:
@@ -78,6 +79,9 @@ def headline(res: dict) -> dict[str, float]:
         out["broker_step_share"] = res["broker"]["step_share"]["median"]
     if res.get("engines"):
         out["engine_scaling"] = res["engines"]["gen_speedup"]["median"]
+    if res.get("routing"):
+        out["routing_replay_train_ratio"] = res["routing"]["replayed_train_ratio"]["median"]
+        out["routing_replay_step_ratio"] = res["routing"]["replayed_step_ratio"]["median"]
     return out
 
 
@@ -157,6 +161,10 @@ def main() -> int:
         print("[7] engines: rollout throughput with 1 and 3 engines", flush=True)
         res["engines"] = engine_scaling.measure(args.out / "engines", model, data,
                                                 steps=40 if args.quick else 60, repeats=repeats)
+    if "routing" in parts:
+        print("[8] routing replay: the tiny MoE with routing off, recorded, replayed", flush=True)
+        res["routing"] = routing_bench.measure(args.out, data, steps=40 if args.quick else 60,
+                                               repeats=repeats)
     if "async" in res:
         c = res["async"]["sync_components"]
         costs = scaling.Costs(G=c["G_s"]["median"], T=c["T_s"]["median"] - c["weight_sync_s"]
