@@ -11,7 +11,7 @@ import pytest
 from relax_slurm.envs import BaseEnv, EnvError, StepResult, env_factory, names, register_env
 from relax_slurm.envs.arith_feedback import ArithFeedbackEnv
 from relax_slurm.envs.sandbox import run_python
-from relax_slurm.envs.tools import Tool, ToolEnv, calculate, call_tool, parse_tool_calls
+from relax_slurm.envs.tools import Tool, ToolEnv, calculate, parse_tool_calls
 
 
 def run(coro):

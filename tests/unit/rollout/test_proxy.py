@@ -8,7 +8,6 @@ ids and seed), and the HTTP errors are checked on the same processes."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
