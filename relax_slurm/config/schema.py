@@ -855,8 +855,9 @@ class TrainConfig:
         _check(not self.algo.routing_replay or self.rollout.return_routed_experts,
                "algo.routing_replay=true replays the experts the engines report: set "
                "rollout.return_routed_experts=true")
-        _check(not self.algo.routing_replay or t.backend == "torch",
-               "algo.routing_replay=true is implemented for trainer=torch only so far "
+        _check(not self.algo.routing_replay or t.context_parallel_size == 1,
+               "algo.routing_replay=true with trainer.context_parallel_size > 1 is not supported "
+               "yet: the replayed routing is not split across context-parallel ranks "
                "(docs/algorithms.md#routing-replay)")
         _check(not self.algo.routing_replay or (not self.env.name
                                                and self.rollout.agent_mode == "env"),

@@ -90,7 +90,7 @@ class RoutingStats:
     mismatched: float = 0.0
 
 
-def _same_set(a: Tensor, b: Tensor) -> Tensor:
+def same_sets(a: Tensor, b: Tensor) -> Tensor:
     """[N, K] x [N, K] -> [N] bool: the rows hold the same ids in any order."""
     return (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)
 
@@ -114,7 +114,7 @@ def routing_replay(model: nn.Module, routed: Tensor, valid: Tensor, *, replay: b
             logits, weights, ids = output
             if stats is not None:
                 with torch.no_grad():
-                    same = _same_set(ids[mask], want[mask])
+                    same = same_sets(ids[mask], want[mask])
                     stats.pairs += float(mask.sum())
                     stats.mismatched += float((~same).sum())
             if not replay:

@@ -101,6 +101,9 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
         if getattr(provider, "num_moe_experts", None):
             # the alltoall dispatcher copies token counts on a CUDA side-stream
             provider.moe_token_dispatcher_type = "allgather"
+    if getattr(provider, "num_moe_experts", None):
+        # a RouterReplay per router (idle unless routing replay hands it the rollout's experts)
+        provider.moe_enable_routing_replay = True
     provider.finalize()
     return provider
 
@@ -118,6 +121,11 @@ class MegatronModel:
 
         self.cfg = cfg
         dtype = DTYPES[model_cfg.dtype]
+        if cpu_compat.needed() and dtype != torch.float32:
+            raise ConfigError(
+                f"trainer=megatron on CPU trains in float32 only (model.dtype={model_cfg.dtype}): "
+                "megatron-core's mixed-precision optimizer wraps CUDA tensors; set "
+                "model.dtype=float32 or use trainer=torch")
         self.bridge = bridge_mod.AutoBridge.from_hf_pretrained(
             model_cfg.path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
         self.vocab_size = self.bridge.hf_pretrained.config.vocab_size

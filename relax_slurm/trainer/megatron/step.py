@@ -4,13 +4,17 @@ the torch backend (`trainer.step.micro_batch_loss`), Megatron's optimizer step."
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.distributed as dist
 
 from relax_slurm.config.schema import AlgoConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.batch import MicroBatch, loss_params
 from relax_slurm.trainer.megatron import context_parallel
+from relax_slurm.routing.hooks import RoutingStats
 from relax_slurm.trainer.megatron.model import MegatronModel
+from relax_slurm.trainer.megatron.routing import megatron_routing
 from relax_slurm.trainer.step import micro_batch_loss, reduce_metrics, reference_logprobs
 
 
@@ -45,13 +49,22 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
                and cp_rank == 0)
     sums: dict[str, float] = {"loss": 0.0}
     width = batch.input_ids.shape[1]
+    # MoE samples with the rollout's routing: every stage's routers compare (TP rank 0 counts:
+    # its peers route the same tokens), and replay when asked
+    routing = (RoutingStats() if batch.routed is not None
+               and ps.get_tensor_model_parallel_rank() == 0 and cp_rank == 0 else None)
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
-        if cp > 1:  # this rank's 2 chunks of the sequence (GPU only: context_parallel.py)
-            output = mm.forward(chunk, *context_parallel.local_tokens(mb.input_ids, cp, cp_rank))
-        else:
-            output = mm.forward(chunk, mb.input_ids)
+        routed = (megatron_routing([chunk], mb.routed, mb.routed_valid(),
+                                   replay=algo.routing_replay, stats=routing)
+                  if mb.routed is not None else contextlib.nullcontext())
+        with routed:
+            if cp > 1:  # this rank's 2 chunks of the sequence (GPU only: context_parallel.py)
+                output = mm.forward(chunk, *context_parallel.local_tokens(mb.input_ids, cp,
+                                                                          cp_rank))
+            else:
+                output = mm.forward(chunk, mb.input_ids)
 
         def loss_func(out):
             logits = mm.full_logits(out)
@@ -77,6 +90,8 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
         micro_batch_size=len(mbs[0]), forward_only=False)
     ok, grad_norm, _ = mm.optimizer.step()
     mm.steps_done += 1
+    if routing is not None:
+        sums["routing_pairs"], sums["routing_mismatched"] = routing.pairs, routing.mismatched
     sums = _same_keys(sums)
     return {**reduce_metrics(sums), "train/grad_norm": float(grad_norm or 0.0),
             "train/lr": lr, "train/update_skipped": float(not ok)}
