@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,6 +15,11 @@ REPO = Path(__file__).resolve().parents[1]
 # CPU-s of start-up and ~20% of each step's CPU. The preset's own runs (test_tiny_e2e.py), exact
 # resume and the global restart keep its two ranks.
 ONE_RANK = "trainer.nproc_per_node=1"
+NEEDS_MEGATRON = pytest.mark.skipif(
+    importlib.util.find_spec("megatron.bridge") is None,
+    reason="megatron-bridge not installed: pip install --no-deps megatron-bridge==0.3.1 "
+           "(see docs/backends.md)")
+"""The megatron tests' marker: they skip, naming the install command, without the bridge."""
 
 
 def tiny_command(run_dir: Path, tiny: Path, *overrides: str, experiment: str = "tiny_cpu"

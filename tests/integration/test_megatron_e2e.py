@@ -11,7 +11,6 @@ resumes from its step-27 checkpoint (exact: same rewards, same final weights).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -21,16 +20,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, relax_train, run_env
+from tests.conftest import NEEDS_MEGATRON, REPO, relax_train, run_env
 
 STEPS = 30  # reward ~0.002 -> ~0.15-0.2 by step 25 (TP=1, TP=2): 30 keeps a ~2x margin over RISE
 RISE = 0.1
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is None,
-                       reason="megatron-bridge not installed: pip install --no-deps "
-                              "megatron-bridge==0.3.1 (see docs/backends.md)"),
+    NEEDS_MEGATRON,
 ]
 
 

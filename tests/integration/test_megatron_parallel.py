@@ -4,7 +4,6 @@ TP=1, TP=2 and PP=2 (tests/integration/scripts/megatron_parity.py, one torchrun 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,14 +18,14 @@ from helpers_tiny import (  # noqa: E402
     REPO_ROOT, child_env, run_logged, run_tiny_model_tool,
 )
 
+from tests.conftest import NEEDS_MEGATRON  # noqa: E402
+
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 SCRIPT = SCRIPTS / "megatron_parity.py"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is None,
-                       reason="megatron-bridge not installed: pip install --no-deps "
-                              "megatron-bridge==0.3.1 (see docs/backends.md)"),
+    NEEDS_MEGATRON,
 ]
 
 

@@ -5,7 +5,6 @@ each; the batch comes from tests/helpers_moe.py like the torch trainer's test.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -17,13 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the h
 from helpers_moe import LAYERS, bf16_routed_batch, make_moe_model  # noqa: E402
 from helpers_tiny import run_logged  # noqa: E402
 
+from tests.conftest import NEEDS_MEGATRON  # noqa: E402
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "megatron_routing.py"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is None,
-                       reason="megatron-bridge not installed: pip install --no-deps "
-                              "megatron-bridge==0.3.1 (see docs/backends.md)"),
+    NEEDS_MEGATRON,
 ]
 
 

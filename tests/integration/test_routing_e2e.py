@@ -4,14 +4,13 @@ carrying them through the broker, the trainer replaying them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from relax_slurm.tiny.model import main as make_tiny_model
-from tests.conftest import ONE_RANK, relax_train
+from tests.conftest import NEEDS_MEGATRON, ONE_RANK, relax_train
 
 TIMEOUT_S = 900
 MOE = ("algo.routing_replay=true",)
@@ -66,14 +65,12 @@ def test_routing_replay_resumes_exactly(tmp_path, moe_assets):
 
 
 @pytest.mark.slow
+@NEEDS_MEGATRON
 @pytest.mark.timeout(TIMEOUT_S + 100)
 def test_tiny_moe_learns_under_megatron(tmp_path, moe_assets):
     """The same MoE through megatron-bridge, replaying with megatron-core's routers: its
     per-expert export loads into the hf engine's fused experts (every sync verified); 150 steps
     reach 0.87 without replay (0.47 by step 50)."""
-    if importlib.util.find_spec("megatron.bridge") is None:
-        pytest.skip("megatron-bridge not installed: pip install --no-deps "
-                    "megatron-bridge==0.3.1 (see docs/backends.md)")
     rows = run(tmp_path / "run", moe_assets, *MOE, "trainer=megatron", "trainer.total_steps=50",
                "weight_sync.verify=true")
     assert all(r["train/routing_mismatch_frac"] == 0.0 for r in rows)  # float32 both sides
