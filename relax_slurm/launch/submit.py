@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from relax_slurm.checkpoint import resolve_resume
 from relax_slurm.config import TrainConfig, save_config, to_train_config
 from relax_slurm.errors import ConfigError, Preempted
 from relax_slurm.launch.control import PREEMPT_EXIT_CODE, read_status
@@ -141,15 +140,22 @@ def _job_classes():
 
 def submit(cfg: TrainConfig | Sequence[str]) -> Any:
     """Submit a run (a TrainConfig, or Hydra overrides as for relax-train) as a Slurm job through
-    submitit; returns the `submitit.Job`, whose `result()` is the run's summary."""
+    submitit; returns the `submitit.Job`, whose `result()` is the run's summary, or None when
+    the run directory holds a complete run (nothing is submitted). A resume whose config
+    changes what a step computes is refused (ConfigError naming the keys) unless
+    resume_with_changes=true, as by relax-train (launch/rerun.py)."""
     if not isinstance(cfg, TrainConfig):
         cfg = compose_config(slurm_overrides(list(cfg)))
-    from relax_slurm.launch.local import check_inputs
+    from relax_slurm.launch.local import check_inputs, say
+    from relax_slurm.launch.rerun import plan_rerun
 
     run_dir, workdir = Path(cfg.run_dir).resolve(), Path.cwd()
     cfg.run_dir = str(run_dir)
     check_inputs(cfg)
-    resolve_resume(run_dir, cfg.resume, cfg.overwrite)  # refuse now, not in the queue
+    rerun = plan_rerun(cfg, run_dir)  # refuse now, not in the queue
+    say(rerun.message(cfg, run_dir))
+    if rerun.complete:
+        return None
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     python = cfg.cluster.python or sys.executable

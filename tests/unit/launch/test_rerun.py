@@ -112,3 +112,22 @@ def test_a_ready_sbatch_script_on_a_complete_or_changed_run(tmp_path):
     assert compose_run_dir(base, alloc) is None  # complete: nothing to do
     with pytest.raises(ConfigError, match="algo.max_staleness 0 -> 1"):
         compose_run_dir([*base, "trainer.total_steps=8", "algo.max_staleness=1"], alloc)
+
+
+def test_submit_follows_the_same_rules(tmp_path, capsys):
+    """relax_slurm.submit([...]) refuses a changed resume and submits nothing for a complete
+    run, before it asks Slurm for anything."""
+    from relax_slurm.launch.submit import submit
+
+    model, data, run = tmp_path / "model", tmp_path / "d.jsonl", tmp_path / "run"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    base = ["experiment=tiny_cpu", f"run_dir={run}", f"model.path={model}",
+            f"data.train_files=[{data}]", "trainer.total_steps=4"]
+    save_config(compose_config(["cluster=slurm", *base]), run / "config.yaml")
+    fake_checkpoint(run, 4)
+    with pytest.raises(ConfigError, match="trainer.lr 0.002 -> 0.001"):
+        submit([*base, "trainer.lr=1e-3"])
+    assert submit(base) is None
+    assert "run complete at step 4" in capsys.readouterr().err
