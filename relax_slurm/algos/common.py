@@ -45,17 +45,28 @@ def importance_weights(
 
 
 def ppo_clip(
-    log_ratio: Tensor, advantages: Tensor, eps_clip: float, eps_clip_high: float | None = None
+    log_ratio: Tensor, advantages: Tensor, eps_clip: float, eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Per-token PPO-clip loss and a 0/1 map of where the clipped term wins.
+    """Per-token PPO-clip loss and a 0/1 map of where a clip bound wins.
 
     loss = max(-ratio * A, -clip(ratio, 1 - eps_clip, 1 + eps_clip_high) * A)
+    Dual-clip (`eps_clip_c` = c > 1, Ye et al. 2020): for A < 0 the loss is also capped at
+    -c * A, so a token whose ratio ran far above 1 under a negative advantage cannot blow up
+    the update: loss = min(that, -c * A) where A < 0.
     """
     high = eps_clip if eps_clip_high is None else eps_clip_high
     ratio = torch.exp(log_ratio)
     unclipped = -ratio * advantages
     clipped = -ratio.clamp(1.0 - eps_clip, 1.0 + high) * advantages
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    loss = torch.maximum(unclipped, clipped)
+    flag = clipped > unclipped
+    if eps_clip_c is not None:
+        cap = -eps_clip_c * advantages
+        capped = (advantages < 0) & (loss > cap)
+        loss = torch.where(capped, cap, loss)
+        flag = flag | capped
+    return loss, flag.float()
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:

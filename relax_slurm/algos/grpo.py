@@ -25,10 +25,12 @@ def group_advantages(rewards: Tensor, std_normalize: bool = True, **_: object) -
 
 def ppo_clip_token_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor | None = None, *,
-    eps_clip: float = 0.2, eps_clip_high: float | None = None, **_: object,
+    eps_clip: float = 0.2, eps_clip_high: float | None = None, eps_clip_c: float | None = None,
+    **_: object,
 ) -> tuple[Tensor, Tensor]:
-    """Per-token PPO-clip loss on ratio = exp(logp - old_logp); see `common.ppo_clip`."""
-    return ppo_clip(logp - old_logp, advantages, eps_clip, eps_clip_high)
+    """Per-token PPO-clip loss on ratio = exp(logp - old_logp) (dual-clip with `eps_clip_c`);
+    see `common.ppo_clip`."""
+    return ppo_clip(logp - old_logp, advantages, eps_clip, eps_clip_high, eps_clip_c)
 
 
 register(Algorithm(name="grpo", advantages=group_advantages, token_loss=ppo_clip_token_loss))

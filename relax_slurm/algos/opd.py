@@ -30,7 +30,7 @@ def distill_token_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor, *,
     teacher_logprobs: Tensor | None = None, opd_kl_coef: float = 1.0,
     opd_only_reward: bool = False, eps_clip: float = 0.2, eps_clip_high: float | None = None,
-    **_: object,
+    eps_clip_c: float | None = None, **_: object,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """PPO-clip on the distilled advantages; reports `opd_reverse_kl` (mask-weighted sum)."""
     if teacher_logprobs is None:
@@ -38,7 +38,7 @@ def distill_token_loss(
                          "to policy_loss")
     adv = distilled_advantages(advantages, old_logp, teacher_logprobs, opd_kl_coef,
                                opd_only_reward)
-    loss, clipped = ppo_clip(logp - old_logp, adv, eps_clip, eps_clip_high)
+    loss, clipped = ppo_clip(logp - old_logp, adv, eps_clip, eps_clip_high, eps_clip_c)
     mask = (loss_mask != 0).float()
     reverse_kl = ((old_logp.detach() - teacher_logprobs) * mask).sum()
     return loss, clipped, {"opd_reverse_kl": reverse_kl}

@@ -39,8 +39,10 @@ class ModelConfig:
 SEED_LIMIT = 1 << 22
 """seed below this: its sampling seeds (seed << 40, plus up to 2**40 samples) stay in int64."""
 FLATTENED_BUCKET = "flattened_bucket"  # weight_sync.load_format: one broadcast per bucket
-ALGO_NAMES = ("dapo", "grpo", "gspo", "opd", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-              "rloo", "sapo")
+ALGO_NAMES = ("cispo", "dapo", "grpo", "gspo", "opd", "reinforce_plus_plus",
+              "reinforce_plus_plus_baseline", "rloo", "sapo")
+PPO_CLIP_ALGOS = frozenset(ALGO_NAMES) - {"cispo", "sapo"}
+"""The estimators whose loss is PPO's clipped objective (where dual-clip has a place)."""
 
 
 @dataclass(kw_only=True)
@@ -54,7 +56,11 @@ class AlgoConfig:
     eps_clip: float = 0.2
     """PPO clip range below 1."""
     eps_clip_high: Optional[float] = None
-    """PPO clip range above 1; defaults to eps_clip (0.28 is DAPO's clip-higher)."""
+    """PPO clip range above 1; defaults to eps_clip (0.28 is DAPO's clip-higher). CISPO: the
+    bounds of its importance weight, [1 - eps_clip, 1 + eps_clip_high]."""
+    eps_clip_c: Optional[float] = None
+    """Dual-clip (> 1, e.g. 3): for negative advantages the PPO loss is capped at
+    eps_clip_c x |A| (Relax's eps_clip_c); null: off. PPO-clip estimators only."""
     old_logprobs: str = "auto"
     """The PPO ratio's denominator. recompute: the trainer's policy before this step (one
     optimizer step per batch, so the ratio is 1 and the clip only shapes the gradient; stale
@@ -115,6 +121,14 @@ class AlgoConfig:
         if self.eps_clip_high is None:
             self.eps_clip_high = self.eps_clip
         _check(self.eps_clip_high > 0, f"algo.eps_clip_high={self.eps_clip_high}: must be > 0")
+        if self.eps_clip_c is not None:
+            _check(self.eps_clip_c > 1,
+                   f"algo.eps_clip_c={self.eps_clip_c}: must be > 1 (the cap is eps_clip_c x |A|, "
+                   "above the clipped objective's 1 - eps_clip), or null")
+            _check(self.name in PPO_CLIP_ALGOS,
+                   f"algo.eps_clip_c (dual-clip) caps PPO's clipped objective, which "
+                   f"algo={self.name} does not have (cispo weights by a clipped ratio, sapo "
+                   "gates softly): unset it")
         _check(self.loss_reduction in ("seq_mean_token_mean", "token_sum", "token_mean"),
                f"algo.loss_reduction={self.loss_reduction!r}: use seq_mean_token_mean, "
                "token_sum or token_mean")

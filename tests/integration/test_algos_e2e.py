@@ -1,5 +1,5 @@
-"""The wired algorithms, end to end on the tiny experiment: gspo, sapo and dapo (dynamic sampling)
-learn the task; opd distills a second tiny model served by a teacher engine.
+"""The wired algorithms, end to end on the tiny experiment: cispo, gspo, sapo and dapo (dynamic
+sampling) learn the task; opd distills a second tiny model served by a teacher engine.
 
 Each run is the real process topology (broker, engine(s), rollout worker, torchrun trainer) and
 costs ~90 s of start-up plus ~3 s per step on an idle 2-core machine, so step counts are
@@ -21,11 +21,12 @@ RUN_TIMEOUT_S = 900
 TEACHER_SHARPNESS = 6.0
 # per algorithm: steps and overrides beyond `algo=<name>` (lr: the tiny_cpu default unless noted)
 RUNS = {
+    "cispo": (40, []),  # as grpo at ratio 1 (one step per batch): 0.10 by step 25, 0.40 by 40
     "gspo": (25, []),
     "sapo": (25, []),
     "dapo": (25, []),
 }
-RISE = 0.1  # reward_last - reward_first: on one rank all three gain 0.2-0.35 by step 25
+RISE = 0.1  # reward_last - reward_first: on one rank each gains 0.2-0.35 by step 25
 
 
 def finished(run_dir: Path, proc: subprocess.CompletedProcess, steps: int

@@ -168,3 +168,53 @@ def test_each_algorithm_has_a_yaml(name):
 def test_bad_algo_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         AlgoConfig(**overrides)
+
+
+# ---- dual-clip and CISPO (values by hand) ---------------------------------------------------
+
+def test_dual_clip_caps_negative_advantages_only():
+    from relax_slurm.algos import ppo_clip
+
+    # ratios 5, 2, 5 with advantages -1, -1, +1; eps 0.2, c = 3
+    log_ratio = torch.log(torch.tensor([[5.0, 2.0, 5.0]])).requires_grad_(True)
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    plain, plain_flag = ppo_clip(log_ratio, adv, 0.2)
+    assert plain.tolist()[0] == pytest.approx([5.0, 2.0, -1.2])  # max(-r A, -clip(r) A)
+    loss, flag = ppo_clip(log_ratio, adv, 0.2, eps_clip_c=3.0)
+    assert loss.tolist()[0] == pytest.approx([3.0, 2.0, -1.2])  # only 5 > 3 under A < 0 capped
+    assert flag.tolist() == [[1.0, 0.0, 1.0]]
+    loss.sum().backward()
+    # the cap is a constant: no gradient there; -r A below it keeps d/dlog_ratio = -r A = 2
+    assert log_ratio.grad.tolist()[0] == pytest.approx([0.0, 2.0, 0.0])
+    assert plain_flag.tolist() == [[0.0, 0.0, 1.0]]
+
+
+def test_dual_clip_goes_through_policy_loss_and_the_config():
+    logp = torch.log(torch.tensor([[5.0]]))
+    old, adv, mask = torch.zeros(1, 1), torch.tensor([[-1.0]]), torch.ones(1, 1)
+    for name in ("grpo", "gspo", "dapo"):
+        loss, _ = policy_loss(name, logp, old, adv, mask, **{**loss_params(
+            AlgoConfig(name=name, eps_clip_c=3.0)), "eps_clip": 0.2, "eps_clip_high": 0.2})
+        assert loss.item() == pytest.approx(3.0), name
+    for name in ("cispo", "sapo"):
+        with pytest.raises(ConfigError, match="dual-clip"):
+            AlgoConfig(name=name, eps_clip_c=3.0)
+    with pytest.raises(ConfigError, match="must be > 1"):
+        AlgoConfig(eps_clip_c=0.5)
+
+
+def test_cispo_weights_the_gradient_by_the_clipped_stopped_ratio():
+    # ratios 2 (above 1 + 0.28: weight 1.28), 0.5 (no lower bound at eps_clip = 1: 0.5), 1
+    old = torch.zeros(1, 3)
+    logp = torch.log(torch.tensor([[2.0, 0.5, 1.0]])).requires_grad_(True)
+    adv = torch.tensor([[1.0, -2.0, 3.0]])
+    mask = torch.ones(1, 3)
+    params = loss_params(AlgoConfig(name="cispo", eps_clip=1.0, eps_clip_high=0.28))
+    loss, metrics = policy_loss("cispo", logp, old, adv, mask, reduction="token_sum", **params)
+    weights = [1.28, 0.5, 1.0]
+    want = -sum(w * a * lp for w, a, lp in zip(weights, adv[0].tolist(), logp[0].tolist()))
+    assert loss.item() == pytest.approx(want)
+    loss.backward()
+    # d/dlogp = -w * A: the weight carries no gradient of its own
+    assert logp.grad.tolist()[0] == pytest.approx([-1.28, 1.0, -3.0])
+    assert metrics["clipped_tokens"].item() == 1.0
