@@ -8,8 +8,14 @@ read when there is one.
   also be an option's text); the last `\boxed{X}`; the last "answer is X" /
   "Answer: X" (with `(X)`, `$X$`, `**X**` accepted); a response that is only the letter; the
   last standalone `(X)`. Letters run A-Z (or as many as `metadata["choices"]`).
-- `gpqa` is strict, as GPQA evaluations are: only "Answer: X" with X in A-D (or the number of
-  choices), or the last `\boxed{X}`.
+- `gpqa` scores as Relax's does (a Relax recipe keeps its numbers): lenient, it takes what
+  `multiple_choice` takes ("the answer is (C)", "Answer: C", `\boxed{C}`, ...) and falls back to
+  the last standalone capital letter among the valid ones. Valid letters: `metadata
+  ["valid_letters"]` (a string or list), else one per `metadata["choices"]`, else A-D. The gold
+  letter: `metadata["correct_letter"]` when present, else the label as a letter, an index
+  (0-based, int or digits) or an option's text.
+- `gpqa_strict`, as GPQA evaluations grade: only "Answer: X" with X a valid letter, or the last
+  `\boxed{X}`.
 """
 
 from __future__ import annotations
@@ -111,22 +117,65 @@ def multiple_choice_reward(inp: RewardInput) -> float:
     return 1.0 if gold is not None and picked == gold else 0.0
 
 
+def _valid_letters(metadata: dict[str, Any]) -> str:
+    given = metadata.get("valid_letters")
+    if given:
+        return "".join(str(x).strip().upper() for x in given)
+    return _letters(metadata, 4)
+
+
+def gpqa_gold(label: Any, metadata: dict[str, Any], letters: str) -> str | None:
+    """The gold letter: metadata["correct_letter"], else the label as a letter, a 0-based index
+    or an option's text."""
+    if metadata.get("correct_letter"):
+        return str(metadata["correct_letter"]).strip().strip("()").upper() or None
+    if isinstance(label, int) and not isinstance(label, bool) or str(label).strip().isdigit():
+        i = int(str(label).strip())
+        return letters[i] if 0 <= i < len(letters) else None
+    return label_letter(label, metadata)
+
+
 @register("gpqa")
 def gpqa_reward(inp: RewardInput) -> float:
-    r"""1.0 iff the last "Answer: X" (or last `\boxed{X}`) is the label's letter, X in A-D.
+    r"""1.0 iff the letter the response picks is the gold one (lenient, as Relax's).
 
-    >>> gpqa_reward(RewardInput(prompt="", response="...so\nAnswer: C", label="C"))
+    >>> gpqa_reward(RewardInput(prompt="", response="so the answer is (c).", label="C"))
     1.0
-    >>> gpqa_reward(RewardInput(prompt="", response="I pick (C)", label="C"))
-    0.0
+    >>> gpqa_reward(RewardInput(prompt="", response="B looks wrong; I go with D", label=3))
+    1.0
     >>> gpqa_reward(RewardInput(prompt="", response="Answer: E", label="E"))
+    0.0
+    >>> gpqa_reward(RewardInput(prompt="", response="Answer: E", label="x",
+    ...     metadata={"valid_letters": "ABCDE", "correct_letter": "E"}))
+    1.0
+    """
+    metadata = inp.metadata or {}
+    letters = _valid_letters(metadata)
+    gold = gpqa_gold(inp.label, metadata, letters)
+    text = final_text(inp.response)
+    picked = choose_letter(inp.response, letters)
+    if picked is None:  # the last standalone capital letter among the valid ones
+        found = [c for c in re.findall(r"(?<![A-Za-z])([A-Z])(?![A-Za-z])", text) if c in letters]
+        picked = found[-1] if found else None
+    return 1.0 if gold is not None and picked == gold else 0.0
+
+
+@register("gpqa_strict")
+def gpqa_strict_reward(inp: RewardInput) -> float:
+    r"""1.0 iff the last "Answer: X" (or last `\boxed{X}`) is the label's letter, X valid.
+
+    >>> gpqa_strict_reward(RewardInput(prompt="", response="...so\nAnswer: C", label="C"))
+    1.0
+    >>> gpqa_strict_reward(RewardInput(prompt="", response="I pick (C)", label="C"))
+    0.0
+    >>> gpqa_strict_reward(RewardInput(prompt="", response="Answer: E", label="E"))
     0.0
     """
     metadata = inp.metadata or {}
-    letters = _letters(metadata, 4)
+    letters = _valid_letters(metadata)
     text = final_text(inp.response)
     picked = _last_match(r"answer\s*:" + _WRAPPED + r"(?![A-Za-z])", text, letters)
     if picked is None:
         picked = _boxed_letter(text, letters)
-    gold = label_letter(inp.label, metadata)
+    gold = gpqa_gold(inp.label, metadata, letters)
     return 1.0 if gold is not None and picked == gold else 0.0

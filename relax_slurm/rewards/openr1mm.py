@@ -4,7 +4,9 @@ The response's answer is the content of its last `<answer>...</answer>` (the who
 when it has none); the label's likewise (datasets such as multimodal-open-r1-8k-verified store
 the solution as `<answer> 3 </answer>`). First math-verify decides (symbolic equality, so
 `\frac{1}{2}` matches `0.5`); when it cannot parse either side, or says no, the normalised
-strings are compared exactly (so a text answer such as "cat" matches "Cat.").
+strings are compared exactly (so a text answer such as "cat" matches "Cat."). As Relax's: a
+response with more than one `</think>` or more than one `<answer>` scores 0 (a model that
+learns to hedge with several answers must not be paid for the last one).
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ def openr1mm_reward(inp: RewardInput) -> float:
     0.0
     >>> openr1mm_reward(RewardInput(prompt="", response="7", label="7"))
     1.0
+    >>> openr1mm_reward(RewardInput(prompt="", response="<answer>3</answer><answer>4</answer>",
+    ...     label="4"))
+    0.0
+    >>> openr1mm_reward(RewardInput(prompt="", response="a</think>b</think><answer>4</answer>",
+    ...     label="4"))
+    0.0
     """
+    if inp.response.count("</think>") > 1 or inp.response.count("<answer>") > 1:
+        return 0.0
     predicted = _answer(inp.response)
     return 1.0 if any(answer_matches(predicted, g) for g in label_list(inp.label)) else 0.0

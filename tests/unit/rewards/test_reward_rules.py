@@ -18,8 +18,8 @@ from relax_slurm.rewards import registry
 from relax_slurm.rewards.extract import last_boxed
 
 CONF_REWARD = Path(__file__).resolve().parents[3] / "conf" / "reward"
-BUILT_IN = ["dapo", "deepscaler", "exact_match", "f1", "genrm", "gpqa", "ifeval", "math",
-            "multiple_choice", "remote"]
+BUILT_IN = ["dapo", "deepscaler", "exact_match", "f1", "genrm", "gpqa", "gpqa_strict", "ifeval",
+            "math", "multiple_choice", "remote"]
 LONG = "Let me think about this step by step. " * 5000  # ~190k characters
 
 
@@ -103,8 +103,26 @@ def test_multiple_choice(response, label, meta, want):
     ("The answer is B", "B", 0.0),  # strict format
     ("Answer: A\nAnswer: B", "A", 0.0),
 ])
-def test_gpqa(response, label, want):
-    assert score("gpqa", response, label) == want
+def test_gpqa_strict(response, label, want):
+    assert score("gpqa_strict", response, label) == want
+
+
+@pytest.mark.parametrize("response,label,meta,want", [
+    ("The answer is (C).", "C", None, 1.0),          # Relax: "the answer is (X)" counts
+    ("Answer: (B)", "B", None, 1.0),
+    (r"\boxed{B}", "B", None, 1.0),
+    ("A is tempting, B is right... final: D", "D", None, 1.0),  # last standalone letter
+    ("Between A and B I choose E", "B", None, 1.0),  # E is not valid: the last valid is B
+    ("no letter here", "A", None, 0.0),
+    ("The answer is C", 2, None, 1.0),               # label: a 0-based index
+    ("The answer is C", "2", None, 1.0),
+    ("The answer is B", "Paris", {"choices": ["Rome", "Paris", "Oslo", "Bern"]}, 1.0),
+    ("Answer: E", "?", {"valid_letters": "ABCDE", "correct_letter": "E"}, 1.0),
+    ("Answer: E", "E", None, 0.0),                   # A-D unless valid_letters says more
+    ("Answer: (c)", "x", {"correct_letter": "(C)"}, 1.0),
+])
+def test_gpqa_scores_as_relax(response, label, meta, want):
+    assert score("gpqa", response, label, meta) == want
 
 
 @pytest.mark.parametrize("response,label,want", [
