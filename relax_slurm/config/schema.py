@@ -13,7 +13,6 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 from relax_slurm.errors import ConfigError
-from relax_slurm.trainer.schedule import SCHEDULES
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -38,6 +37,8 @@ class ModelConfig:
 # so that validating a config does not import torch.
 SEED_LIMIT = 1 << 22
 """seed below this: its sampling seeds (seed << 40, plus up to 2**40 samples) stay in int64."""
+SCHEDULES = ("constant", "cosine", "linear")
+"""trainer.lr_schedule's choices (relax_slurm.trainer.schedule computes them)."""
 FLATTENED_BUCKET = "flattened_bucket"  # weight_sync.load_format: one broadcast per bucket
 ALGO_NAMES = ("cispo", "dapo", "grpo", "gspo", "opd", "reinforce_plus_plus",
               "reinforce_plus_plus_baseline", "rloo", "sapo")
