@@ -87,6 +87,9 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
     # RL: the policy the engines sample from has no dropout; train the same function
     provider.hidden_dropout = 0.0
     provider.attention_dropout = 0.0
+    theta = rope_theta(bridge.hf_pretrained.config)
+    if theta is not None:
+        provider.rotary_base = theta
     if cpu_compat.needed():
         # no transformer-engine, no fused CUDA kernels: megatron-core's local layers
         from megatron.bridge.models.gpt_provider import local_layer_spec
@@ -106,6 +109,19 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
         provider.moe_enable_routing_replay = True
     provider.finalize()
     return provider
+
+
+def rope_theta(hf_config) -> float | None:
+    """The model's RoPE base. megatron-bridge 0.3.1 maps the HF field `rope_theta`
+    (conversion/model_bridge.py CONFIG_MAPPING), which transformers 5 moved into
+    `rope_parameters`: without this every model trained with rotary_base=10000 whatever its
+    checkpoint says (Qwen3: 1e6), silently. VL models keep it in their text config."""
+    text = hf_config.get_text_config()
+    params = getattr(text, "rope_parameters", None) or {}
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    theta = getattr(text, "rope_theta", None)
+    return None if theta is None else float(theta)
 
 
 class MegatronModel:
