@@ -220,8 +220,8 @@ class MegatronModel:
         vision-language model takes the rows' media (`MicroBatch.media.kwargs()`) and their
         [B, T] padding mask (its M-RoPE positions skip padding)."""
         B, T = input_ids.shape
-        if self.vl is not None and media:
-            return vl.forward(self.vl, chunk, input_ids, attention_mask, media)
+        if self.vl is not None:  # text-only rows too: M-RoPE's 3-D positions
+            return vl.forward(self.vl, chunk, input_ids, attention_mask, media or {})
         if positions is not None:
             return chunk(input_ids, positions.unsqueeze(0).expand(B, T), None)
         pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
