@@ -87,7 +87,8 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
     # RL: the policy the engines sample from has no dropout; train the same function
     provider.hidden_dropout = 0.0
     provider.attention_dropout = 0.0
-    hf_config = bridge.hf_pretrained.config
+    # from_hf_config (relax-convert) holds the config itself, from_hf_pretrained the model
+    hf_config = getattr(bridge.hf_pretrained, "config", bridge.hf_pretrained)
     theta = rope_theta(hf_config)
     if theta is not None:
         provider.rotary_base = theta
