@@ -20,13 +20,11 @@ from relax_slurm.errors import ConfigError
 
 QWEN25 = "qwen2_5_vl"
 QWEN3 = "qwen3_vl"
+QWEN3_MOE = "qwen3_vl_moe"  # GPU only, unverified (transformer-engine's grouped GEMM path)
 SUPPORTED = (QWEN25, QWEN3)
 
 # model_type -> why trainer=megatron refuses it (the fix: trainer=torch)
 REFUSED = {
-    "qwen3_vl_moe": (
-        "Qwen3-VL-MoE under trainer=megatron is not tested yet (its experts need the bridge's "
-        "local_experts mappings and DeepStack with sequence parallelism)"),
     "qwen3_omni_moe": (
         "megatron-bridge 0.3.1 has no Qwen3-Omni bridge (no provider, no weight mappings for "
         "its audio tower, vision tower and talker)"),
@@ -41,6 +39,16 @@ def kind(hf_config) -> str | None:
     model_type = getattr(hf_config, "model_type", "")
     if model_type in SUPPORTED:
         return model_type
+    if model_type == QWEN3_MOE:
+        from relax_slurm.trainer.megatron import cpu_compat
+
+        if cpu_compat.needed():
+            raise ConfigError(
+                "trainer=megatron: Qwen3-VL-MoE needs GPUs (megatron-bridge maps its experts "
+                "for transformer-engine's grouped GEMM only; on CPU megatron-core's "
+                "SequentialMLP names them local_experts.*, which its VL-MoE mappings do not "
+                "cover). Fix: trainer=torch (docs/backends.md#multimodal-models)")
+        return QWEN3_MOE
     if model_type in REFUSED:
         raise ConfigError(f"trainer=megatron: {REFUSED[model_type]}. Fix: trainer=torch "
                           "(docs/backends.md#multimodal-models)")
@@ -156,6 +164,9 @@ def _qwen3_rope_alias() -> None:
     transformers 4's Qwen3-VL rotary embedding that transformers 5 renamed away; the same
     interleaving (frequency i of the head carries t, h, w in turn per mrope_section)."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+        Qwen3VLMoeTextRotaryEmbedding,
+    )
 
     def apply_interleaved_mrope(self, freqs, mrope_section):
         out = freqs[0]
@@ -164,8 +175,9 @@ def _qwen3_rope_alias() -> None:
             out[..., idx] = freqs[dim, ..., idx]
         return out
 
-    if not hasattr(Qwen3VLTextRotaryEmbedding, "apply_interleaved_mrope"):
-        Qwen3VLTextRotaryEmbedding.apply_interleaved_mrope = apply_interleaved_mrope
+    for cls in (Qwen3VLTextRotaryEmbedding, Qwen3VLMoeTextRotaryEmbedding):
+        if not hasattr(cls, "apply_interleaved_mrope"):
+            cls.apply_interleaved_mrope = apply_interleaved_mrope
 
 
 def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | None,
