@@ -183,7 +183,7 @@ def _qwen3_rope_alias() -> None:
 def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | None,
             media: dict[str, Tensor]) -> Tensor:
     """One VL chunk's vocab-parallel logits [B, T, V/TP] for right-padded rows with media."""
-    B, T = input_ids.shape
+    T = input_ids.shape[1]
     kw = {k: media[k] for k in ("pixel_values", "image_grid_thw") if k in media}
     unknown = set(media) - {"pixel_values", "image_grid_thw"}
     if unknown:
@@ -201,6 +201,7 @@ def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | 
 
 
 def chunk_config(chunk):
+    """The megatron model's config under its DDP / float16 wrappers."""
     inner = chunk
     while hasattr(inner, "module"):
         inner = inner.module
@@ -212,7 +213,8 @@ def hf_prefix_to_megatron(model_kind: str, prefix: str) -> str:
     -> the megatron model's parameter prefix."""
     vision = "visual" if model_kind == QWEN25 else "vision_model"
     for hf, mg in (("model.visual", vision), ("visual", vision),
-                   ("model.language_model", "language_model"), ("lm_head", "language_model.output_layer")):
+                   ("model.language_model", "language_model"),
+                   ("lm_head", "language_model.output_layer")):
         if prefix == hf or prefix.startswith(hf + "."):
             return mg + prefix[len(hf):]
     return prefix
