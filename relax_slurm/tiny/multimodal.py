@@ -15,8 +15,8 @@
   patch 16 and mean/std 0.5, limited to 32x32..64x64 pixels (at most 16 patches = 4 image
   tokens). Its tokenizer also has the characters of the "<t seconds>" text Qwen3-VL puts
   before each frame pair of a video; its vocab_size is 32, one past the tokenizer's 31, so the
-  embedding splits over TP=2 under trainer=megatron. Qwen3-VL's full processor (`Qwen3VLProcessor`) needs
-  torchvision's video processor too, so it is not saved either.
+  embedding splits over TP=2 under trainer=megatron. Qwen3-VL's full processor
+  (`Qwen3VLProcessor`) needs torchvision's video processor too, so it is not saved either.
 - `audio`: `Qwen2AudioForConditionalGeneration` (text as above; audio encoder: one layer of
   width 32 over 16 mel bins and 200 frames = 2 s) and a `Qwen2AudioProcessor` (Whisper
   feature extractor with chunk_length=2 s at 16 kHz), loadable with `AutoProcessor`.
