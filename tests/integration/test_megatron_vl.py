@@ -154,7 +154,8 @@ def test_tiny_vl_learns_under_megatron_tp2_and_converts(vl_assets, tmp_path):
     cfg = model.config
     n = int(image["image_grid_thw"].prod()) // 4  # 2x2 merge
     ids = torch.tensor([[cfg.vision_start_token_id] + [cfg.image_token_id] * n
-                        + [cfg.vision_end_token_id] + tok("=", add_special_tokens=False)["input_ids"]])
+                        + [cfg.vision_end_token_id]
+                        + tok("=", add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                              mm_token_type_ids=(ids == cfg.image_token_id).long(),

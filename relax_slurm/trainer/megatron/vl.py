@@ -187,8 +187,9 @@ def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | 
     kw = {k: media[k] for k in ("pixel_values", "image_grid_thw") if k in media}
     unknown = set(media) - {"pixel_values", "image_grid_thw"}
     if unknown:
-        raise ConfigError(f"trainer=megatron trains images only; the batch has {sorted(unknown)} "
-                          "(video or audio). Fix: trainer=torch (docs/backends.md#multimodal-models)")
+        raise ConfigError(f"trainer=megatron trains images only; the batch has "
+                          f"{sorted(unknown)} (video or audio). Fix: trainer=torch "
+                          "(docs/backends.md#multimodal-models)")
     if model_kind == QWEN25:
         pad = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).triu(1)

@@ -1,6 +1,7 @@
 """trainer=megatron with vision-language models: what the config allows and refuses, and
 `trainer.freeze_modules` in HF names mapped onto the megatron model's parameters
-(relax_slurm/trainer/megatron/vl.py). The models themselves: tests/integration/test_megatron_vl.py."""
+(relax_slurm/trainer/megatron/vl.py). The models themselves:
+tests/integration/test_megatron_vl.py."""
 
 from __future__ import annotations
 
