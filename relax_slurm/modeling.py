@@ -93,6 +93,42 @@ thinker, DeepSeek, ...: `experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [
 the checkpoint files, SGLang's loader and megatron-bridge's export name them per expert."""
 
 
+def checkpoint_names(model: Any) -> dict[str, str]:
+    """Checkpoint-file name -> parameter name where they differ by a renaming only.
+
+    transformers 5 loads some models under new names (Qwen2.5-VL: `model.language_model.*`,
+    `model.visual.*`) from files written with the old ones (`model.*`, `visual.*`), and saves
+    them back under the old ones, by its conversion mapping. Trainers exporting checkpoint
+    names (megatron-bridge) and SGLang use the old ones; this is transformers' own reversal
+    (`revert_weight_conversion`, as `save_pretrained` applies it), kept where it renames a
+    parameter without converting it. Computed once per model."""
+    cached = getattr(model, "_relax_checkpoint_names", None)
+    if cached is not None:
+        return cached
+    out: dict[str, str] = {}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: loads under the checkpoint's names
+        revert_weight_conversion = None
+    if revert_weight_conversion is not None:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        by_id = {}
+        for name, p in params.items():
+            by_id.setdefault(id(p), name)
+        try:
+            reverted = revert_weight_conversion(model, dict(params))
+        except Exception:  # noqa: BLE001 - no alias names rather than no engine
+            reverted = {}
+        for name, t in reverted.items():
+            if name not in params and id(t) in by_id:
+                out[name] = by_id[id(t)]
+    try:
+        model._relax_checkpoint_names = out
+    except AttributeError:
+        pass
+    return out
+
+
 def checkpoint_views(name: str, tensor: Any) -> list[tuple[str, Any]]:
     """A parameter under the names of the checkpoint files: itself, or for a fused experts
     tensor one view per expert (`experts.{e}.gate_proj.weight` = gate_up_proj[e, :I],

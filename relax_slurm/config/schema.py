@@ -862,11 +862,18 @@ class TrainConfig:
                f"trainer.expert_parallel_size={t.expert_parallel_size} must divide the data-"
                f"parallel size {data_parallel} (ranks / (TP x PP x CP)): change it or "
                "trainer.nproc_per_node")
-        # the megatron backend builds GPT-style decoders through the bridge: no media towers
-        _check(t.backend != "megatron" or not (self.data.multimodal_keys or t.freeze_modules),
-               "trainer=megatron trains text decoders only: data.multimodal_keys and "
-               "trainer.freeze_modules need trainer=torch (FSDP2/DDP over the transformers "
-               "multimodal model)")
+        # the megatron backend trains Qwen2.5-VL / Qwen3-VL (dense) on images, TP only; the
+        # architecture itself is checked when the model loads (trainer/megatron/vl.py)
+        mm_kinds = set(self.data.multimodal_keys) - {"image"}
+        _check(t.backend != "megatron" or not mm_kinds,
+               f"trainer=megatron trains vision-language models on images only "
+               f"(data.multimodal_keys has {sorted(mm_kinds)}): use trainer=torch for video and "
+               "audio (docs/backends.md#multimodal-models)")
+        _check(t.backend != "megatron" or not self.data.multimodal_keys
+               or (t.pipeline_parallel_size == 1 and t.context_parallel_size == 1),
+               "trainer=megatron with data.multimodal_keys supports tensor parallelism only: set "
+               "trainer.pipeline_parallel_size=1 and trainer.context_parallel_size=1 "
+               "(docs/backends.md#multimodal-models)")
         _check(not self.algo.routing_replay or self.rollout.return_routed_experts,
                "algo.routing_replay=true replays the experts the engines report: set "
                "rollout.return_routed_experts=true")

@@ -14,8 +14,9 @@
   position grid, DeepStack from block 0) and the same PIL image processor with Qwen3-VL's
   patch 16 and mean/std 0.5, limited to 32x32..64x64 pixels (at most 16 patches = 4 image
   tokens). Its tokenizer also has the characters of the "<t seconds>" text Qwen3-VL puts
-  before each frame pair of a video. Qwen3-VL's full processor (`Qwen3VLProcessor`) needs
-  torchvision's video processor too, so it is not saved either.
+  before each frame pair of a video; its vocab_size is 32, one past the tokenizer's 31, so the
+  embedding splits over TP=2 under trainer=megatron. Qwen3-VL's full processor
+  (`Qwen3VLProcessor`) needs torchvision's video processor too, so it is not saved either.
 - `audio`: `Qwen2AudioForConditionalGeneration` (text as above; audio encoder: one layer of
   width 32 over 16 mel bins and 200 frames = 2 s) and a `Qwen2AudioProcessor` (Whisper
   feature extractor with chunk_length=2 s at 16 kHz), loadable with `AutoProcessor`.
@@ -97,10 +98,14 @@ def build_vl3(out: Path, seed: int = 0) -> str:
     start, end, image, video = tok.convert_tokens_to_ids(VISION_TOKENS)
     # mrope_section: how many of the head_dim/2 = 8 rotary frequencies carry time, height and
     # width (interleaved, as Qwen3-VL-4B's [24, 20, 20] of 64)
+    # vocab rounded up to even (32 > the tokenizer's 31): trainer=megatron splits the
+    # embedding over tensor_parallel_size=2 unpadded; ids past the tokenizer are never sampled
+    text = _text_config(tok, head_dim=16, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+        "mrope_interleaved": True})
+    text["vocab_size"] += text["vocab_size"] % 2
     config = Qwen3VLConfig(
-        text_config=_text_config(tok, head_dim=16, rope_parameters={
-            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
-            "mrope_interleaved": True}),
+        text_config=text,
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                            out_hidden_size=64, patch_size=16, num_position_embeddings=16,
                            deepstack_visual_indexes=[0]),

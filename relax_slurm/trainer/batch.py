@@ -243,8 +243,8 @@ def scatter_batch(batch: MicroBatch | None, device: torch.device,
     input_ids = part("input_ids", torch.long, width)
     attention_mask = part("attention_mask", torch.long, width)
     # text batches skip the media header's two collectives
-    media = (_scatter_media(batch.media if rank == 0 else None, rows, device) if with_media
-             else None)
+    media = (_scatter_media(batch.media if rank == 0 else None, rows, device,
+                            data_ranks[rank]) if with_media else None)
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -269,10 +269,10 @@ def _broadcast_json(value: object, device: torch.device) -> object:
     return json.loads(bytes(raw.cpu().tolist()).decode())
 
 
-def _scatter_media(media: MediaTensors | None, rows: int, device: torch.device
-                   ) -> MediaTensors | None:
+def _scatter_media(media: MediaTensors | None, rows: int, device: torch.device,
+                   block: int) -> MediaTensors | None:
     """Rank 0's media tensors to every rank (whole: their sizes vary by row); each rank keeps
-    its block of rows. Collective."""
+    its block of rows (its data-parallel index: model-parallel peers share it). Collective."""
     rank = dist.get_rank()
     head = None
     if rank == 0 and media is not None:
@@ -289,4 +289,4 @@ def _scatter_media(media: MediaTensors | None, rows: int, device: torch.device
         tensors[name] = t
     whole = MediaTensors(tensors=tensors,
                          counts={k: tuple(v[2]) for k, v in head.items()})
-    return whole.rows(rank * rows, (rank + 1) * rows)
+    return whole.rows(block * rows, (block + 1) * rows)

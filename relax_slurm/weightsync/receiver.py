@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from relax_slurm.errors import WeightSyncError
-from relax_slurm.modeling import checkpoint_views
+from relax_slurm.modeling import checkpoint_names, checkpoint_views
 from relax_slurm.weightsync.bucket import flat_nbytes, unflatten_bucket
 from relax_slurm.weightsync.group import destroy_weight_update_group, init_weight_update_group
 
@@ -50,6 +50,8 @@ def parameter_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters(remove_duplicate=False):
         out[name] = p
         out.update(checkpoint_views(name, p))
+    for file_name, name in checkpoint_names(model).items():
+        out.setdefault(file_name, out[name])
     return out
 
 

@@ -37,7 +37,14 @@ def torchrun(ranks: int, script_args: list[str], log: Path, timeout_s: float) ->
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    return run_tiny_model_tool(tmp_path_factory.mktemp("megatron") / "model")
+    d = run_tiny_model_tool(tmp_path_factory.mktemp("megatron") / "model")
+    # a RoPE base other than the default 10000 (real Qwen3: 1e6), so the logits comparison
+    # catches a bridge that drops it: megatron-bridge 0.3.1 reads `rope_theta`, which
+    # transformers 5 keeps in `rope_parameters` (relax_slurm/trainer/megatron/model.py rope_theta)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"]["rope_theta"] = 1e6
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
 
 
 def parity_runs(model_dir: Path, root: Path, layouts) -> dict[str, Path]:

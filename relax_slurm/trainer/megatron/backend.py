@@ -25,7 +25,8 @@ class MegatronBackend:
         self.cfg = cfg
         init_model_parallel(cfg.trainer)
         self.mm = MegatronModel(cfg.model, cfg.trainer)
-        pad = self.mm.bridge.hf_pretrained.config.pad_token_id
+        # multimodal configs keep it in the text config (transformers 5)
+        pad = self.mm.bridge.hf_pretrained.config.get_text_config().pad_token_id
         self.pad_id = pad if pad is not None else 0
         # the KL loss's anchor: a frozen transformers replica of model.path on every rank
         self.ref_model = None

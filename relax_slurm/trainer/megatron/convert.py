@@ -15,7 +15,7 @@ import torch
 from relax_slurm.checkpoint.convert import write_hf_dir
 from relax_slurm.checkpoint.resume import CheckpointError
 from relax_slurm.config.schema import ModelConfig, TrainerConfig
-from relax_slurm.trainer.megatron import cpu_compat
+from relax_slurm.trainer.megatron import cpu_compat, vl
 from relax_slurm.trainer.model import single_process_group
 from relax_slurm.trainer.megatron.model import (
     build_provider, destroy_model_parallel, fix_sequential_experts, init_model_parallel,
@@ -44,6 +44,8 @@ def dist_checkpoint_to_hf(src: Path, out: Path, hf_config: str | Path | None = N
         try:
             bridge = cpu_compat.import_bridge().AutoBridge.from_hf_config(config)
             fix_sequential_experts()
+            if vl.kind(config) is not None:
+                vl.apply()
             provider = build_provider(bridge, model_cfg, TrainerConfig(backend="megatron"),
                                       load_weights=False)
             chunks = provider.provide_distributed_model(

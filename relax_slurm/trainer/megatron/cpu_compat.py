@@ -208,6 +208,10 @@ def activate(seed: int) -> bool:
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda *a, **k: None
+    # megatron-bridge's Qwen3VLModel.forward (modelling_qwen3_vl/model.py:260) marks NVTX
+    # ranges unconditionally; without CUDA they raise
+    torch.cuda.nvtx.range_push = lambda *a, **k: None
+    torch.cuda.nvtx.range_pop = lambda *a, **k: None
     _CudaToCpu().__enter__()  # for the life of the process
     _ACTIVE = True
     log.info("megatron CPU compatibility layer active (no GPU)")
@@ -215,6 +219,22 @@ def activate(seed: int) -> bool:
 
 
 # ---- megatron-bridge on CPU -----------------------------------------------------------------
+
+def local_vl_layer_specs() -> None:
+    """megatron-bridge 0.3.1's Qwen3-VL providers (qwen_vl/qwen3_vl_provider.py:114 dense,
+    :257 MoE) build their language layers with transformer-engine's spec unconditionally (on
+    CPU: NameError TESpecProvider). megatron-core's local spec instead, as the GPT providers
+    use on CPU (gpt_provider.local_layer_spec); the MoE's grouped GEMM is transformer-engine's
+    too."""
+    from megatron.bridge.models.qwen_vl import qwen3_vl_provider as qp
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    def local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, **_):
+        return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                        qk_layernorm=qk_layernorm, normalization="RMSNorm")
+
+    qp.get_gpt_layer_with_transformer_engine_spec = local_spec
+
 
 class _StubMeta(type):
     def __getattr__(cls, name):

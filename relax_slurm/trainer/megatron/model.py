@@ -18,7 +18,7 @@ from torch import Tensor
 
 from relax_slurm.config.schema import ModelConfig, TrainerConfig
 from relax_slurm.errors import ConfigError
-from relax_slurm.trainer.megatron import context_parallel, cpu_compat
+from relax_slurm.trainer.megatron import context_parallel, cpu_compat, vl
 from relax_slurm.trainer.schedule import lr_factor
 
 log = logging.getLogger("relax_slurm.trainer.megatron")
@@ -87,6 +87,14 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
     # RL: the policy the engines sample from has no dropout; train the same function
     provider.hidden_dropout = 0.0
     provider.attention_dropout = 0.0
+    # from_hf_config (relax-convert) holds the config itself, from_hf_pretrained the model
+    hf_config = getattr(bridge.hf_pretrained, "config", bridge.hf_pretrained)
+    theta = rope_theta(hf_config)
+    if theta is not None:
+        provider.rotary_base = theta
+    if hf_config.get_text_config() is not hf_config:
+        # multimodal: transformers 5 keeps the tied-embeddings flag on the top-level config only
+        provider.share_embeddings_and_output_weights = bool(hf_config.tie_word_embeddings)
     if cpu_compat.needed():
         # no transformer-engine, no fused CUDA kernels: megatron-core's local layers
         from megatron.bridge.models.gpt_provider import local_layer_spec
@@ -106,6 +114,19 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
         provider.moe_enable_routing_replay = True
     provider.finalize()
     return provider
+
+
+def rope_theta(hf_config) -> float | None:
+    """The model's RoPE base. megatron-bridge 0.3.1 maps the HF field `rope_theta`
+    (conversion/model_bridge.py CONFIG_MAPPING), which transformers 5 moved into
+    `rope_parameters`: without this every model trained with rotary_base=10000 whatever its
+    checkpoint says (Qwen3: 1e6), silently. VL models keep it in their text config."""
+    text = hf_config.get_text_config()
+    params = getattr(text, "rope_parameters", None) or {}
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    theta = getattr(text, "rope_theta", None)
+    return None if theta is None else float(theta)
 
 
 class MegatronModel:
@@ -128,7 +149,23 @@ class MegatronModel:
                 "model.dtype=float32 or use trainer=torch")
         self.bridge = bridge_mod.AutoBridge.from_hf_pretrained(
             model_cfg.path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
-        self.vocab_size = self.bridge.hf_pretrained.config.vocab_size
+        hf_config = self.bridge.hf_pretrained.config
+        self.vl = vl.kind(hf_config)  # None: a text decoder
+        if self.vl is not None:
+            if cfg.pipeline_parallel_size > 1 or cfg.context_parallel_size > 1:
+                raise ConfigError(
+                    "trainer=megatron with a vision-language model supports tensor "
+                    f"parallelism only (pipeline_parallel_size={cfg.pipeline_parallel_size}, "
+                    f"context_parallel_size={cfg.context_parallel_size}): set both to 1 "
+                    "(docs/backends.md#multimodal-models)")
+            vl.apply()
+        self.vocab_size = hf_config.get_text_config().vocab_size
+        if self.vocab_size % cfg.tensor_parallel_size:
+            raise ConfigError(
+                f"the model's vocab_size={self.vocab_size} does not split over "
+                f"trainer.tensor_parallel_size={cfg.tensor_parallel_size}: megatron-bridge loads "
+                "the embedding unpadded. Fix: a tensor_parallel_size dividing it, or pad the "
+                "checkpoint's vocabulary (config.json vocab_size and the embedding rows)")
         provider = build_provider(self.bridge, model_cfg, cfg)
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -141,6 +178,9 @@ class MegatronModel:
             mixed_precision_wrapper=None if dtype == torch.float32 else _float16_module())
         for chunk in bare:
             mark_tensor_parallel(chunk)
+        if cfg.freeze_modules:
+            freeze(bare, [vl.hf_prefix_to_megatron(self.vl, p) if self.vl else p
+                          for p in cfg.freeze_modules], cfg.freeze_modules)
         self.chunks = [DistributedDataParallel(config=c.config, ddp_config=ddp, module=c,
                                                disable_bucketing=i > 0)
                        for i, c in enumerate(bare)]
@@ -171,12 +211,18 @@ class MegatronModel:
         return lr
 
     # ---- forward -----------------------------------------------------------------------------
-    def forward(self, chunk, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(self, chunk, input_ids: Tensor, positions: Tensor | None = None,
+                attention_mask: Tensor | None = None,
+                media: dict[str, Tensor] | None = None) -> Tensor:
         """One chunk's output: vocab-parallel logits [B, T, V/TP] on the last pipeline stage,
         hidden states elsewhere. Rows are right-padded, so the causal mask is the whole mask.
         With context parallelism, `input_ids` are this rank's chunks at `positions` [T] and
-        transformer-engine's attention applies the causal mask across the CP ring."""
+        transformer-engine's attention applies the causal mask across the CP ring. A
+        vision-language model takes the rows' media (`MicroBatch.media.kwargs()`) and their
+        [B, T] padding mask (its M-RoPE positions skip padding)."""
         B, T = input_ids.shape
+        if self.vl is not None:  # text-only rows too: M-RoPE's 3-D positions
+            return vl.forward(self.vl, chunk, input_ids, attention_mask, media or {})
         if positions is not None:
             return chunk(input_ids, positions.unsqueeze(0).expand(B, T), None)
         pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
@@ -200,6 +246,21 @@ class MegatronModel:
     def train(self) -> None:
         for c in self.chunks:
             c.train()
+
+
+def freeze(chunks, prefixes: list[str], hf_prefixes: list[str]) -> None:
+    """`trainer.freeze_modules` (HF names, mapped to megatron's by the caller): these
+    parameters get no gradient buffer and no optimizer state; they still go to the engines."""
+    for prefix, hf in zip(prefixes, hf_prefixes):
+        hits = [p for c in chunks for n, p in c.named_parameters()
+                if n == prefix or n.startswith(prefix + ".")]
+        if not hits:
+            tops = sorted({n.split(".")[0] for c in chunks for n, _ in c.named_parameters()})
+            raise ConfigError(f"trainer.freeze_modules: {hf!r} matches no parameter of the "
+                              f"megatron model (looked for {prefix!r}). Fix: a module prefix, "
+                              f"e.g. model.visual or one of {tops}")
+        for p in hits:
+            p.requires_grad_(False)
 
 
 def fix_sequential_experts() -> None:

@@ -64,7 +64,8 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
                 output = mm.forward(chunk, *context_parallel.local_tokens(mb.input_ids, cp,
                                                                           cp_rank))
             else:
-                output = mm.forward(chunk, mb.input_ids)
+                output = mm.forward(chunk, mb.input_ids, attention_mask=mb.attention_mask,
+                                    media=mb.media.kwargs() if mb.media is not None else None)
 
         def loss_func(out):
             logits = mm.full_logits(out)

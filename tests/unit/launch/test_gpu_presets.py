@@ -22,7 +22,7 @@ from tests.unit.launch.test_sbatch import check_golden
 
 RUN_DIR, WORKDIR = Path("/scratch/runs/demo"), Path("/home/me/project")
 PRESETS = ["qwen3_4b_dapo", "qwen3_30b_a3b_dapo", "qwen3_vl_4b_openr1",
-           "qwen3_omni_30b_a3b_avqa"]
+           "qwen3_vl_30b_a3b_openr1", "qwen3_omni_30b_a3b_avqa"]
 
 
 def dry_run(preset: str, *overrides: str) -> str:
@@ -112,7 +112,7 @@ def test_shared_gpus_need_the_on_policy_schedule():
 
 
 def test_presets_parallel_sizes():
-    """The text-only Qwen3 presets train with megatron-core; the VL one stays on FSDP2."""
+    """The Qwen3 and Qwen3-VL presets train with megatron-core (Omni stays on FSDP2: no bridge)."""
     def sizes(preset):
         t = compose_config([f"experiment={preset}", f"run_dir={RUN_DIR}"]).trainer
         return (t.backend, t.tensor_parallel_size, t.pipeline_parallel_size,
@@ -120,7 +120,8 @@ def test_presets_parallel_sizes():
 
     assert sizes("qwen3_4b_dapo") == ("megatron", 2, 1, 1, 4)  # DP=2 on GPUs 0-3
     assert sizes("qwen3_30b_a3b_dapo") == ("megatron", 2, 1, 8, 8)  # 16 GPUs: DP=8, EP=8
-    assert sizes("qwen3_vl_4b_openr1") == ("torch", 1, 1, 1, 8)
+    assert sizes("qwen3_vl_4b_openr1") == ("megatron", 2, 1, 1, 8)  # DP=4
+    assert sizes("qwen3_vl_30b_a3b_openr1") == ("megatron", 2, 1, 8, 8)  # 16 GPUs: DP=8, EP=8
     assert compose_config(["experiment=qwen3_30b_a3b_dapo", f"run_dir={RUN_DIR}"]
                           ).trainer.use_distributed_optimizer
 

@@ -42,12 +42,12 @@ def test_collate_and_micro_batches() -> None:
     assert set(mb.rows(3, 4).forward_kwargs()) == {"input_ids", "attention_mask"}  # no images
 
 
-def _rank(rank: int, store: str, out: str) -> None:
+def _rank(rank: int, store: str, out: str, data_ranks: list[int] | None = None) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         whole = (collate(prepare_items(samples(), AlgoConfig()), 0, torch.device("cpu"))
                  if rank == 0 else None)
-        mine = scatter_batch(whole, torch.device("cpu"))
+        mine = scatter_batch(whole, torch.device("cpu"), data_ranks)
         torch.save({"counts": mine.media.counts,
                     "pixels": mine.media.tensors["pixel_values"],
                     "ids": mine.input_ids}, f"{out}.{rank}")
@@ -63,6 +63,16 @@ def test_scatter_sends_each_rank_its_rows_media(tmp_path: Path) -> None:
     np.testing.assert_array_equal(r1["pixels"].numpy(), groups[1][0].mm_inputs["pixel_values"])
     np.testing.assert_array_equal(
         r0["pixels"].numpy(), np.concatenate([s.mm_inputs["pixel_values"] for s in groups[0]]))
+
+
+def test_tensor_parallel_peers_get_the_same_rows_media(tmp_path: Path) -> None:
+    """Two TP peers of one data-parallel rank (data_ranks [0, 0]): both hold all rows and their
+    media (the trainer=megatron VL forward runs the same rows on both)."""
+    mp.spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path / "out"), [0, 0]), nprocs=2,
+             join=True)
+    r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in (0, 1))
+    assert r0["counts"]["pixel_values"] == r1["counts"]["pixel_values"] == (4, 4, 8, 0)
+    assert torch.equal(r0["pixels"], r1["pixels"]) and torch.equal(r0["ids"], r1["ids"])
 
 
 def test_freeze_modules_by_prefix_and_the_fix_for_a_typo() -> None:

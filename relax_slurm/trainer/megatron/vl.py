@@ -1,0 +1,221 @@
+"""Vision-language models under trainer=megatron: Qwen2.5-VL and Qwen3-VL (dense), built by
+megatron-bridge 0.3.1 (megatron/bridge/models/qwen_vl/).
+
+The bridge's VL code was written against transformers 4 and for transformer-engine; `apply()`
+installs small overrides, each naming the upstream line it works around (idempotent). The
+vision tower is megatron-bridge's wrapper of the HF module, replicated on every TP rank: it
+sees the same pixels and receives the same gradient (the language model's column-parallel
+layers all-reduce their input gradient over TP), so its weights stay equal across TP; the
+language model is megatron-core's GPTModel with TP (docs/backends.md).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import Tensor
+
+from relax_slurm.errors import ConfigError
+
+QWEN25 = "qwen2_5_vl"
+QWEN3 = "qwen3_vl"
+QWEN3_MOE = "qwen3_vl_moe"  # GPU only, unverified (transformer-engine's grouped GEMM path)
+SUPPORTED = (QWEN25, QWEN3)
+
+# model_type -> why trainer=megatron refuses it (the fix: trainer=torch)
+REFUSED = {
+    "qwen3_omni_moe": (
+        "megatron-bridge 0.3.1 has no Qwen3-Omni bridge (no provider, no weight mappings for "
+        "its audio tower, vision tower and talker)"),
+    "qwen2_5_omni": "megatron-bridge 0.3.1 has no Qwen2.5-Omni bridge",
+    "qwen2_audio": "megatron-bridge 0.3.1 has no Qwen2-Audio bridge",
+}
+
+
+def kind(hf_config) -> str | None:
+    """QWEN25/QWEN3 for a supported VL model, None for a text decoder; ConfigError for a
+    multimodal model trainer=megatron cannot train."""
+    model_type = getattr(hf_config, "model_type", "")
+    if model_type in SUPPORTED:
+        return model_type
+    if model_type == QWEN3_MOE:
+        from relax_slurm.trainer.megatron import cpu_compat
+
+        if cpu_compat.needed():
+            raise ConfigError(
+                "trainer=megatron: Qwen3-VL-MoE needs GPUs (megatron-bridge maps its experts "
+                "for transformer-engine's grouped GEMM only; on CPU megatron-core's "
+                "SequentialMLP names them local_experts.*, which its VL-MoE mappings do not "
+                "cover). Fix: trainer=torch (docs/backends.md#multimodal-models)")
+        return QWEN3_MOE
+    if model_type in REFUSED:
+        raise ConfigError(f"trainer=megatron: {REFUSED[model_type]}. Fix: trainer=torch "
+                          "(docs/backends.md#multimodal-models)")
+    if getattr(hf_config, "vision_config", None) is not None or hasattr(hf_config, "audio_config"):
+        raise ConfigError(
+            f"trainer=megatron trains Qwen2.5-VL and Qwen3-VL among multimodal models, not "
+            f"model_type={model_type!r}. Fix: trainer=torch (docs/backends.md#multimodal-models)")
+    return None
+
+
+_APPLIED = False
+
+
+def apply() -> None:
+    """The overrides (once per process)."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    from relax_slurm.trainer.megatron import cpu_compat
+
+    if cpu_compat.needed():
+        cpu_compat.local_vl_layer_specs()
+    _qwen25_provider()
+    _qwen25_forward()
+    _qwen3_vision_tuple()
+    _qwen3_rope_alias()
+    _APPLIED = True
+
+
+def _qwen25_provider() -> None:
+    """qwen_vl/qwen25_vl_bridge.py:52 reads the text model's fields from the top-level config
+    (`text_config = hf_config`); transformers 5 keeps them only in `text_config` (the provider
+    got no layers/heads: ZeroDivisionError in finalize). The bridge's own provider_bridge run on
+    a view whose attributes fall back from the top-level config to the text config."""
+    from megatron.bridge.models.qwen_vl import qwen25_vl_bridge as qb
+
+    original = qb.Qwen25VLBridge.provider_bridge
+
+    class _Merged:
+        def __init__(self, top, text):
+            self._top, self._text = top, text
+
+        def __getattr__(self, name):
+            value = getattr(self._top, name, None)
+            return value if value is not None else getattr(self._text, name)
+
+    def provider_bridge(self, hf_pretrained):
+        cfg = hf_pretrained.config
+        view = types.SimpleNamespace(config=_Merged(cfg, cfg.text_config))
+        provider = original(self, view)
+        provider.share_embeddings_and_output_weights = bool(cfg.tie_word_embeddings)
+        provider.mrope_section = list(cfg.text_config.rope_parameters["mrope_section"])
+        return provider
+
+    qb.Qwen25VLBridge.provider_bridge = provider_bridge
+
+
+def _qwen25_forward() -> None:
+    """qwen_vl/modeling_qwen25_vl.py Qwen25VLModel.forward calls transformers 4's
+    `get_image_features` (transformers 5 returns a ModelOutput), the old `get_rope_index`
+    signature (transformers 5 takes `mm_token_type_ids` second) and a
+    `get_vision_position_ids` it never binds. The same computation with transformers 5's API:
+    image features (the vision tower's pooler_output) placed at the image tokens, M-RoPE
+    positions from transformers' own get_rope_index, then megatron's language model."""
+    from megatron.bridge.models.qwen_vl.modeling_qwen25_vl import Qwen25VLModel
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, pixel_values=None,
+                image_grid_thw=None, mm_token_type_ids=None, pad_mask=None, **_):
+        emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [T,B,H]
+        if pixel_values is not None:
+            image = self.visual(pixel_values, grid_thw=image_grid_thw).pooler_output
+            emb = emb.transpose(0, 1).clone()
+            emb[input_ids == self.config.image_token_id] = image.to(emb.dtype)
+            emb = emb.transpose(0, 1).contiguous()
+        if position_ids is None:
+            shim = types.SimpleNamespace(config=self.config)
+            shim.get_vision_position_ids = types.MethodType(
+                Qwen2_5_VLModel.get_vision_position_ids, shim)
+            if mm_token_type_ids is None:
+                mm_token_type_ids = (input_ids == self.config.image_token_id).long()
+            position_ids, _ = Qwen2_5_VLModel.get_rope_index(
+                shim, input_ids, mm_token_type_ids, image_grid_thw, None,
+                attention_mask=pad_mask)
+        return self.language_model(input_ids=None, position_ids=position_ids,
+                                   attention_mask=attention_mask, decoder_input=emb)
+
+    Qwen25VLModel.forward = forward
+
+
+def _qwen3_vision_tuple() -> None:
+    """qwen_vl/modelling_qwen3_vl/model.py:273 unpacks the vision tower's output as
+    (embeddings, deepstack features); transformers 5's tower returns a ModelOutput."""
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as m
+
+    base = m.Qwen3VLVisionModelHF
+    if getattr(base, "_relax_tuple", False):
+        return
+
+    class Vision(base):
+        _relax_tuple = True
+
+        def forward(self, hidden_states, grid_thw, **kw):
+            out = super().forward(hidden_states, grid_thw=grid_thw, return_dict=True, **kw)
+            return out.pooler_output, out.deepstack_features
+
+    Vision.__name__ = Vision.__qualname__ = base.__name__
+    m.Qwen3VLVisionModelHF = Vision
+
+
+def _qwen3_rope_alias() -> None:
+    """qwen_vl/modelling_qwen3_vl/rope.py:58,89 call `apply_interleaved_mrope`, a method of
+    transformers 4's Qwen3-VL rotary embedding that transformers 5 renamed away; the same
+    interleaving (frequency i of the head carries t, h, w in turn per mrope_section)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+        Qwen3VLMoeTextRotaryEmbedding,
+    )
+
+    def apply_interleaved_mrope(self, freqs, mrope_section):
+        out = freqs[0]
+        for dim, offset in enumerate((1, 2), start=1):
+            idx = slice(offset, mrope_section[dim] * 3, 3)
+            out[..., idx] = freqs[dim, ..., idx]
+        return out
+
+    for cls in (Qwen3VLTextRotaryEmbedding, Qwen3VLMoeTextRotaryEmbedding):
+        if not hasattr(cls, "apply_interleaved_mrope"):
+            cls.apply_interleaved_mrope = apply_interleaved_mrope
+
+
+def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | None,
+            media: dict[str, Tensor]) -> Tensor:
+    """One VL chunk's vocab-parallel logits [B, T, V/TP] for right-padded rows with media."""
+    T = input_ids.shape[1]
+    kw = {k: media[k] for k in ("pixel_values", "image_grid_thw") if k in media}
+    unknown = set(media) - {"pixel_values", "image_grid_thw"}
+    if unknown:
+        raise ConfigError(f"trainer=megatron trains images only; the batch has "
+                          f"{sorted(unknown)} (video or audio). Fix: trainer=torch "
+                          "(docs/backends.md#multimodal-models)")
+    if model_kind == QWEN25:
+        pad = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).triu(1)
+        return chunk(input_ids=input_ids, attention_mask=causal.view(1, 1, T, T),
+                     mm_token_type_ids=(input_ids == chunk_config(chunk).image_token_id).long(),
+                     pad_mask=pad, **kw)
+    # Qwen3-VL: its model computes the M-RoPE positions itself; a 4-D mask breaks its
+    # utils.py:113-129, and none means the layers' causal mask (rows are right-padded)
+    return chunk(input_ids=input_ids, attention_mask=None, **kw)
+
+
+def chunk_config(chunk):
+    """The megatron model's config under its DDP / float16 wrappers."""
+    inner = chunk
+    while hasattr(inner, "module"):
+        inner = inner.module
+    return inner.config
+
+
+def hf_prefix_to_megatron(model_kind: str, prefix: str) -> str:
+    """A `trainer.freeze_modules` prefix in HF names (model.visual, model.language_model...)
+    -> the megatron model's parameter prefix."""
+    vision = "visual" if model_kind == QWEN25 else "vision_model"
+    for hf, mg in (("model.visual", vision), ("visual", vision),
+                   ("model.language_model", "language_model"),
+                   ("lm_head", "language_model.output_layer")):
+        if prefix == hf or prefix.startswith(hf + "."):
+            return mg + prefix[len(hf):]
+    return prefix

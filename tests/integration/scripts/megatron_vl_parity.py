@@ -1,0 +1,119 @@
+"""torchrun --nproc-per-node N megatron_vl_parity.py --model-dir D --tp T --out DIR
+
+A tiny Qwen2.5-VL / Qwen3-VL under trainer=megatron on gloo (relax_slurm/trainer/megatron/vl.py);
+rank 0 writes DIR/result.json with, against the transformers model on two right-padded rows
+with images of different sizes:
+- the largest logit difference on the rows' tokens (MegatronModel.forward with the media),
+- the largest vision-tower gradient difference of a fixed random linear function of the logits
+  (the patch embedding and the first block's qkv), each with the reference's scale,
+- the exported weight names (the bridge's) and the names of the checkpoint file and of the
+  transformers model's parameters, and whether the export equals the file bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from PIL import Image
+from safetensors.torch import load_file
+
+from relax_slurm.config.schema import ModelConfig, TrainerConfig
+from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel
+
+
+def inputs(path: str):
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+    proc, tok = AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    cfg = AutoConfig.from_pretrained(path)
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, (56, 56, 3), dtype=np.uint8)),
+              Image.fromarray(rng.integers(0, 255, (28, 56, 3), dtype=np.uint8))]
+    out = proc(images=images, return_tensors="pt")
+    pv, thw = out["pixel_values"], out["image_grid_thw"]
+    n = (thw.prod(-1) // 4).tolist()  # tokens per image after the 2x2 merge
+    S, E, I = cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id
+    txt = tok("ab cd", add_special_tokens=False)["input_ids"]
+    rows = [txt + [S] + [I] * n[0] + [E] + txt, txt[:2] + [S] + [I] * n[1] + [E] + txt + txt]
+    T, pad = max(map(len, rows)), tok.pad_token_id or 0
+    ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
+    return ids, mask, {"pixel_values": pv, "image_grid_thw": thw}, I
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--out", required=True, type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp, lr=1e-2,
+                        micro_batch_size=2, nproc_per_node=dist.get_world_size())
+    init_model_parallel(cfg)
+    mm = MegatronModel(ModelConfig(path=args.model_dir), cfg)
+    result: dict = {}
+
+    hf_sd = load_file(str(Path(args.model_dir) / "model.safetensors"))
+    exported = dict(mm.named_hf_weights())
+    result["exported_names"] = sorted(exported)
+    result["file_names"] = sorted(hf_sd)
+    result["export_bitwise"] = all(torch.equal(exported[k], hf_sd[k]) for k in hf_sd
+                                   if k in exported)
+
+    from transformers import AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(args.model_dir, dtype=torch.float32)
+    result["hf_param_names"] = sorted(n for n, _ in hf.named_parameters())
+    ids, mask, media, image_id = inputs(args.model_dir)
+    mm_types = (ids == image_id).long()
+    chunk = mm.chunks[0]
+    valid = mask.bool()
+
+    hf.train()  # no dropout in these models: train() only enables the gradients' bookkeeping
+    ref = hf(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm_types, **media).logits
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3)) * mask[..., None]
+    (ref * w).sum().backward()
+    mm.train()
+    for c in mm.chunks:
+        c.zero_grad_buffer()
+    ours = mm.full_logits(mm.forward(chunk, ids, attention_mask=mask, media=media))
+    (ours * w).sum().backward()
+    result["logits_max_diff"] = (ours - ref).abs()[valid].max().item()
+    result["logits_scale"] = ref.abs()[valid].max().item()
+
+    inner = chunk.module
+    vision = "visual" if hasattr(inner, "visual") else "vision_model"
+    params = dict(inner.named_parameters())
+    hf_params = dict(hf.named_parameters())
+    grads = {}
+    for ours_name, hf_name in ((f"{vision}.patch_embed.proj.weight",
+                                "model.visual.patch_embed.proj.weight"),
+                               (f"{vision}.blocks.0.attn.qkv.weight",
+                                "model.visual.blocks.0.attn.qkv.weight")):
+        p = params[ours_name]
+        g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+        ref_g = hf_params[hf_name].grad
+        # the same on every TP rank: the tower is replicated and gets the same gradient
+        gathered = [torch.empty_like(g) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, g.contiguous())
+        grads[hf_name] = {"max_diff": (g - ref_g).abs().max().item(),
+                          "scale": ref_g.abs().max().item(),
+                          "equal_across_ranks": all(torch.equal(gathered[0], x) for x in gathered)}
+    result["vision_grads"] = grads
+    if dist.get_rank() == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "result.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
