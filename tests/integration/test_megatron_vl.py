@@ -83,10 +83,11 @@ def test_export_is_what_the_hf_engine_loads(runs, kind):
     assert set(r["exported_names"]) <= set(parameter_views(model))
 
 
-# experiment=tiny_vl_cpu trainer=megatron at TP=2, measured: reward 0.001 -> 0.43 by step 40
-# (~0.6 by step 45, ~0.76 by step 70); 40 steps assert a rise of 0.2, half the measured one
-E2E_STEPS = 40
-E2E_RISE = 0.2
+# experiment=tiny_vl_cpu trainer=megatron at TP=2, measured (mean of 10 steps): 0.16 at step 20,
+# 0.44 at 40, 0.58 at 50, 0.75 at 70, 0.90 at 90 (147 s). The claim, reward from <= 0.3
+# to >= 0.6 as under trainer=torch, is asserted at 90 steps: about 1.7x the steps it takes.
+E2E_STEPS = 90
+E2E_REWARD = 0.6
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +134,7 @@ def test_tiny_vl_learns_under_megatron_tp2_and_converts(vl_assets, tmp_path):
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert log.count("weights verified bit for bit") == E2E_STEPS + 1  # the start and every step
     assert summary["reward_first"] <= 0.3, summary
-    assert summary["reward_last"] >= summary["reward_first"] + E2E_RISE, summary
+    assert summary["reward_last"] >= E2E_REWARD, summary
 
     out = tmp_path / "converted"
     conv = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
