@@ -46,11 +46,15 @@ def test_silent_roles_engines_and_broker_are_named(start_broker: Callable[..., B
         assert found is not None and found[0] == "rollout" and "no heartbeat" in found[1]
         # restarted in place: its predecessor's silence is not held against the new process,
         # which is named again only once it too has been silent for the timeout
+        # (the trainer keeps beating here too: silent since its last beat of the first poll,
+        # it would cross the timeout together with the restarted worker, and either could be
+        # named first)
         watch = HangWatch(broker.admin, SECRET, {}, INTERVAL_S, TIMEOUT_S)
+        beat = lambda: trainer.heartbeat("trainer", step=1)  # noqa: E731
         try:
             watch.restarted("rollout")
-            assert poll(watch, TIMEOUT_S - 0.5) is None
-            found = poll(watch, 2 * TIMEOUT_S)
+            assert poll(watch, TIMEOUT_S - 0.5, beat) is None
+            found = poll(watch, 2 * TIMEOUT_S, beat)
         finally:
             watch.close()
         assert found is not None and found[0] == "rollout"
