@@ -130,9 +130,12 @@ class BrokerClient:
     def release(self, n: int) -> None:
         self._call("release", {"n": n})
 
-    def get_batch(self, num_groups: int, version: int, wait_s: float = 0.0) -> Batch | None:
+    def get_batch(self, num_groups: int, version: int, wait_s: float = 0.0,
+                  min_groups: int | None = None) -> Batch | None:
+        """`num_groups` groups; with `min_groups`, whatever is queued once that many are."""
         fields, groups = self._call(
-            "get_batch", {"num_groups": num_groups, "version": version, "wait_s": wait_s},
+            "get_batch", {"num_groups": num_groups, "version": version, "wait_s": wait_s,
+                          **({} if min_groups is None else {"min_groups": min_groups})},
             wait_s=wait_s)
         return _batch(fields, groups)
 
@@ -263,10 +266,11 @@ class AsyncBrokerClient:
     async def release(self, n: int) -> None:
         await self._call("release", {"n": n})
 
-    async def get_batch(self, num_groups: int, version: int, wait_s: float = 0.0
-                        ) -> Batch | None:
+    async def get_batch(self, num_groups: int, version: int, wait_s: float = 0.0,
+                        min_groups: int | None = None) -> Batch | None:
         fields, groups = await self._call(
-            "get_batch", {"num_groups": num_groups, "version": version, "wait_s": wait_s},
+            "get_batch", {"num_groups": num_groups, "version": version, "wait_s": wait_s,
+                          **({} if min_groups is None else {"min_groups": min_groups})},
             wait_s=wait_s)
         return _batch(fields, groups)
 

@@ -251,7 +251,8 @@ class BrokerServer:
         now = time.monotonic()
         while self._batches:
             p = self._batches[0]
-            result = self.state.take_batch(p.args["num_groups"], p.args["version"])
+            result = self.state.take_batch(p.args["num_groups"], p.args["version"],
+                                           p.args["min_groups"])
             if result is None:
                 break
             self._batches.pop(0)
@@ -310,11 +311,18 @@ class BrokerServer:
 
     def _get_batch(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
         args = {"num_groups": _get(fields, "num_groups", int, 1),
-                "version": _get(fields, "version", int)}
+                "version": _get(fields, "version", int),
+                "min_groups": None}
+        if fields.get("min_groups") is not None:  # streaming: whatever is queued past it
+            args["min_groups"] = _get(fields, "min_groups", int, 1)
+            if args["min_groups"] > args["num_groups"]:
+                raise BrokerError(f"get_batch min_groups={args['min_groups']} > num_groups="
+                                  f"{args['num_groups']}")
         wait_s = _get(fields, "wait_s", float)
         result = None
         if not self._batches:  # FIFO among waiting trainers
-            result = self.state.take_batch(args["num_groups"], args["version"])
+            result = self.state.take_batch(args["num_groups"], args["version"],
+                                           args["min_groups"])
         if result is not None:
             groups, stats = result
             stats["auth_refused"] = self.auth_refused

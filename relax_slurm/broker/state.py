@@ -126,16 +126,21 @@ class BrokerState:
         self.dropped += n
         return n
 
-    def take_batch(self, num_groups: int, trainer_version: int
+    def take_batch(self, num_groups: int, trainer_version: int, min_groups: int | None = None
                    ) -> tuple[list[Group], dict[str, Any]] | None:
-        """The oldest `num_groups` fresh groups with staleness stats, or None (keep waiting)."""
-        if num_groups < 1:
-            raise BrokerError(f"get_batch num_groups={num_groups}: must be >= 1")
+        """The oldest fresh groups with staleness stats, or None (keep waiting): `num_groups`
+        of them, or as many as are queued once there are `min_groups` (a streaming trainer
+        takes a step's groups as they arrive; see trainer/stream.py)."""
+        least = num_groups if min_groups is None else min_groups
+        if not 1 <= least <= num_groups:
+            raise BrokerError(f"get_batch num_groups={num_groups}, min_groups={min_groups}: "
+                              "need 1 <= min_groups <= num_groups")
         self._drop_stale(trainer_version)
-        if len(self.queue) < num_groups:
+        if len(self.queue) < least:
             return None
-        groups = [self.queue.popleft() for _ in range(num_groups)]
-        self.consumed += num_groups
+        taken = min(num_groups, len(self.queue))
+        groups = [self.queue.popleft() for _ in range(taken)]
+        self.consumed += taken
         staleness = [trainer_version - s.version_min for g in groups for s in g]
         stats = {
             "staleness_max": max(staleness),

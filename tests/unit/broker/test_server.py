@@ -210,6 +210,7 @@ def test_parked_requests_wake_and_expire(start_broker: Callable[..., Broker]) ->
         groups, stats = results["batch"]  # type: ignore[misc]
         assert groups[0][0].group_id == 1 and stats["wait_s"] > 0
 
+
         # a parked acquire is answered by set_version (the budget grows by batch_size)
         def acquire() -> None:
             with broker.client("worker-thread") as c:
@@ -224,6 +225,31 @@ def test_parked_requests_wake_and_expire(start_broker: Callable[..., Broker]) ->
     assert broker.proc.wait(10) == 0
     log = broker.log.read_text()
     assert "broker: version 1" in log and "SIGTERM" in log
+
+
+def test_a_streaming_take(start_broker: Callable[..., Broker]) -> None:
+    """get_batch with min_groups stays parked until that many groups are queued, then takes
+    every queued one (up to num_groups); a min_groups above num_groups is refused."""
+    broker = start_broker(max_staleness=1, batch_size=3)
+    results: dict[str, object] = {}
+    with broker.client("trainer") as trainer, broker.client("worker") as worker:
+        trainer.set_version(0)
+        assert worker.acquire(3) == 3
+
+        def take_some() -> None:
+            with broker.client("trainer-thread") as c:
+                results["some"] = c.get_batch(3, 0, wait_s=10, min_groups=2)
+        th = threading.Thread(target=take_some)
+        th.start()
+        wait_for(lambda: trainer.stats()["parked_get_batch"] == 1)
+        worker.put_group(group(2))
+        assert trainer.stats()["parked_get_batch"] == 1  # one of two: still parked
+        worker.put_group(group(3))
+        th.join(15)
+        groups, _ = results["some"]  # type: ignore[misc]
+        assert [g[0].group_id for g in groups] == [2, 3]
+        with pytest.raises(BrokerError, match="min_groups=4 > num_groups=3"):
+            trainer.get_batch(3, 0, min_groups=4)
 
 
 def check_shutdown_broadcast(broker: Broker) -> None:

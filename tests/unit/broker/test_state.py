@@ -223,3 +223,22 @@ def test_interleavings_bound_staleness_and_never_deadlock(
         assert run.state.dropped == 0
     run.complete_a_step()
     run.check()
+
+
+def test_partial_take_for_a_streaming_trainer() -> None:
+    """min_groups: whatever is queued (up to num_groups) once min_groups are; counters add up."""
+    st_ = BrokerState(max_staleness=1, batch_size=4)
+    st_.admit(4)
+    assert st_.take_batch(4, 0, min_groups=1) is None  # nothing queued: keep waiting
+    for gid in (1, 2, 3):
+        st_.accept(group(0, gid=gid))
+    groups, stats = st_.take_batch(4, 0, min_groups=1)  # type: ignore[misc]
+    assert [g[0].group_id for g in groups] == [1, 2, 3] and stats["consumed"] == 3
+    assert st_.take_batch(1, 0, min_groups=1) is None
+    st_.accept(group(0, gid=4))
+    groups, stats = st_.take_batch(1, 0, min_groups=1)  # type: ignore[misc]
+    assert [g[0].group_id for g in groups] == [4] and stats["queue_depth"] == 0
+    assert st_.counters()["consumed"] == 4
+    for bad in (0, 5):
+        with pytest.raises(BrokerError, match="min_groups"):
+            st_.take_batch(4, 0, min_groups=bad)
