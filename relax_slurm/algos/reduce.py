@@ -8,7 +8,8 @@ from torch import Tensor
 REDUCTIONS = ("seq_mean_token_mean", "token_mean", "token_sum")
 
 
-def reduction_weights(masks: list[Tensor], reduction: str) -> list[Tensor]:
+def reduction_weights(masks: list[Tensor], reduction: str, batch_samples: int | None = None
+                      ) -> list[Tensor]:
     """Per-token weights over a whole batch so that sum(w * token_loss) is the batch loss.
 
     Computed once over the full batch (before it is split across ranks) so that the loss is the
@@ -17,11 +18,16 @@ def reduction_weights(masks: list[Tensor], reduction: str) -> list[Tensor]:
     - token_mean: mean over every token of the batch;
     - token_sum: plain sum over tokens, divided by the number of samples (a constant scale, as
       Dr.GRPO, so longer answers are not down-weighted).
+    `batch_samples`: the batch's sample count when `masks` are only some of its samples (a
+    streaming trainer weighs groups as they arrive); token_mean needs every mask.
     """
-    n = len(masks)
+    n = len(masks) if batch_samples is None else batch_samples
     if reduction == "seq_mean_token_mean":
         return [m / (m.sum().clamp(min=1.0) * n) for m in masks]
     if reduction == "token_mean":
+        if batch_samples is not None and batch_samples != len(masks):
+            raise ValueError("loss_reduction=token_mean divides by the whole batch's token "
+                             "count: pass every sample's mask")
         total = sum(float(m.sum()) for m in masks)
         return [m / max(total, 1.0) for m in masks]
     if reduction == "token_sum":

@@ -44,6 +44,9 @@ ALGO_NAMES = ("cispo", "dapo", "grpo", "gspo", "opd", "reinforce_plus_plus",
               "reinforce_plus_plus_baseline", "rloo", "sapo")
 PPO_CLIP_ALGOS = frozenset(ALGO_NAMES) - {"cispo", "sapo"}
 """The estimators whose loss is PPO's clipped objective (where dual-clip has a place)."""
+BATCH_WIDE_ADVANTAGE_ALGOS = frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline"})
+"""The estimators whose advantages use the whole batch's rewards, not each group's alone (a
+streaming trainer computes advantages group by group as they arrive; see trainer/stream.py)."""
 
 
 @dataclass(kw_only=True)
@@ -327,6 +330,12 @@ class TrainerConfig:
     freeze_modules: list[str] = field(default_factory=list)
     """Parameter name prefixes not trained (still synced to engines), e.g. [model.visual] for
     a Qwen-VL vision tower or [model.audio_tower] for Qwen2-Audio's encoder."""
+    streaming: Optional[bool] = None
+    """Start forward/backward on complete groups as they arrive instead of waiting for the whole
+    batch; the optimizer steps once all of the step's groups are in (same update as the whole
+    batch). null: wherever it applies (algo.max_staleness >= 1, trainer=torch, a per-group
+    estimator, a loss_reduction whose weights need no batch-wide token count); true: refused
+    where it does not apply, with the reason; false: whole batches. See docs/algorithms.md."""
 
     def __post_init__(self) -> None:
         for key in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
@@ -885,3 +894,29 @@ class TrainConfig:
                                                and self.rollout.agent_mode == "env"),
                "algo.routing_replay=true replays single-turn rollouts only so far: unset env.name "
                "and use rollout.agent_mode=env")
+        blockers = self.streaming_blockers()
+        _check(not (t.streaming and blockers),
+               "trainer.streaming=true does not apply to this run: " + "; ".join(blockers)
+               + ". Set trainer.streaming=null (streams where it applies) or false")
+
+    def streaming_blockers(self) -> list[str]:
+        """Why this run cannot train on groups as they arrive (empty: it can)."""
+        out = []
+        if self.algo.max_staleness < 1:
+            out.append("algo.max_staleness=0 (on-policy: the whole batch is generated with one "
+                       "version and sync runs stay bitwise reproducible)")
+        if self.trainer.backend != "torch":
+            out.append(f"trainer.backend={self.trainer.backend} (megatron's schedule reduces "
+                       "gradients at the end of every forward_backward call and needs the "
+                       "micro-batch count up front)")
+        if self.algo.name in BATCH_WIDE_ADVANTAGE_ALGOS:
+            out.append(f"algo={self.algo.name} (its advantages use the whole batch's rewards)")
+        if self.algo.loss_reduction == "token_mean":
+            out.append("algo.loss_reduction=token_mean (its weights divide by the whole batch's "
+                       "token count)")
+        return out
+
+    @property
+    def streams(self) -> bool:
+        """Whether the trainer takes a step's groups as they arrive (trainer.streaming)."""
+        return self.trainer.streaming is not False and not self.streaming_blockers()

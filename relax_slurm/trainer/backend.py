@@ -2,7 +2,7 @@
 
     backend = build_backend(cfg, device)       # trainer.backend: torch | megatron
     backend.data_ranks                         # rows of the batch each global rank gets
-    metrics = backend.train_step(batch)        # one optimizer step on this rank's rows
+    metrics = backend.train_step(blocks)       # one optimizer step on this rank's rows
     weights = list(backend.named_hf_weights()) # HF names, full tensors (collective: all ranks)
     handle = backend.save(root, step, extra, ...)  /  extra = backend.load(path)
     backend.save_hf(out_dir)
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,13 +50,15 @@ class TorchBackend:
                           if cfg.algo.kl_loss_coef > 0 else None)
         self.data_ranks = list(range(dist.get_world_size()))
 
-    def train_step(self, batch: MicroBatch) -> dict[str, float]:
+    def train_step(self, blocks: Iterable[tuple[MicroBatch, bool]],
+                   before_update: Callable[[], None] = lambda: None) -> dict[str, float]:
         from relax_slurm.trainer.step import train_step
 
         t = self.cfg.trainer
-        return train_step(self.model, self.optimizer, self.scheduler, batch, self.cfg.algo,
+        return train_step(self.model, self.optimizer, self.scheduler, blocks, self.cfg.algo,
                           micro_batch_size=t.micro_batch_size, grad_clip=t.grad_clip,
-                          temperature=self.cfg.rollout.temperature, ref_model=self.ref_model)
+                          temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
+                          before_update=before_update)
 
     def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         from relax_slurm.trainer.model import full_named_weights

@@ -49,13 +49,16 @@ def loss_params(algo: AlgoConfig) -> dict:
     return params
 
 
-def prepare_items(groups: list[Group], algo: AlgoConfig) -> list[TrainItem]:
+def prepare_items(groups: list[Group], algo: AlgoConfig, batch_samples: int | None = None
+                  ) -> list[TrainItem]:
+    """The groups' samples with advantages and loss weights; `batch_samples`: the step's
+    sample count when `groups` are only part of its batch (streaming, trainer/stream.py)."""
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [B, G]
     adv = compute_advantages(algo.name, rewards, **algo_params(algo)).flatten()  # [B*G]
     reduction = algo.loss_reduction
     samples = [s for g in groups for s in g]
     masks = [torch.from_numpy(s.loss_mask) for s in samples]
-    weights = reduction_weights(masks, reduction)
+    weights = reduction_weights(masks, reduction, batch_samples)
     return [
         TrainItem(sample=s, advantage=float(a), weights=w.numpy())
         for s, a, w in zip(samples, adv.tolist(), weights)

@@ -37,7 +37,7 @@ from relax_slurm.rollout.engine_client import wait_until_healthy
 from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
 from relax_slurm.samples import Group
 from relax_slurm.trainer.backend import build_backend
-from relax_slurm.trainer.batch import MicroBatch, collate, prepare_items, scatter_batch
+from relax_slurm.trainer.stream import GroupStream, step_blocks
 from relax_slurm.weightsync import WeightSender
 from relax_slurm.weightsync.cohort import Cohort
 
@@ -59,15 +59,17 @@ def check_batch_divides(cfg: TrainConfig, world: int) -> None:
         )
 
 
-def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int,
-                 beat: Callable[[], None] = lambda: None) -> tuple[list[Group], dict]:
-    """The next batch, polling every POLL_S (each turn also heartbeats: waiting is progress)."""
+def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int, num_groups: int,
+                 min_groups: int, beat: Callable[[], None] = lambda: None
+                 ) -> tuple[list[Group], dict]:
+    """`num_groups` groups, or whatever is queued once `min_groups` are, polling every POLL_S
+    (each turn also heartbeats: waiting is progress)."""
     deadline = time.monotonic() + cfg.trainer.get_batch_timeout_s
     while time.monotonic() < deadline:
         beat()
         wait = min(POLL_S, cfg.cluster.heartbeat_interval_s,
                    max(deadline - time.monotonic(), 0.1))
-        got = broker.get_batch(cfg.rollout.batch_size, version, wait_s=wait)
+        got = broker.get_batch(num_groups, version, wait_s=wait, min_groups=min_groups)
         if got is not None:
             return got
     raise BrokerTimeout(
@@ -112,16 +114,6 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
         "train/samples": n,
     } | ({"rollout/turns_mean": sum(turns) / len(turns),
           "rollout/episode_truncated_frac": sum(cut) / len(cut)} if turns else {})
-
-
-def distribute(groups: list[Group] | None, cfg: TrainConfig, pad_id: int,
-               device: torch.device, data_ranks: list[int]) -> MicroBatch:
-    """Rank 0 prepares and collates the whole batch; every rank gets its data-parallel rank's
-    block of rows (`data_ranks[r]` for global rank r)."""
-    whole = None
-    if dist.get_rank() == 0:
-        whole = collate(prepare_items(groups, cfg.algo), pad_id, torch.device("cpu"))
-    return scatter_batch(whole, device, data_ranks)
 
 
 def init_distributed(cfg: TrainConfig) -> torch.device:
@@ -326,20 +318,25 @@ def run(run_dir: Path) -> int:
         # rank 0 re-sends to a restarted engine on its own where it holds whole tensors
         local_weights = backend.local_weights()
         for step in range(start_step, cfg.trainer.total_steps):
-            tf = time.monotonic()
-            groups, stats = (fetch_groups(zero.broker, cfg, step,
-                                          lambda: zero.heartbeat(step, local_weights))
-                             if rank == 0 else (None, None))
-            td = time.monotonic()
+            stream = None
             if rank == 0:
-                groups.sort(key=lambda g: g[0].group_id)  # arrival order is timing; this is not
-                rollout_states.update(rollout_state(groups))
-            if rank == 0:
-                zero.engines_sleep()
-            batch = distribute(groups, cfg, backend.pad_id, device, backend.data_ranks)
+                def take(n: int, least: int, step: int = step) -> tuple[list[Group], dict]:
+                    return fetch_groups(zero.broker, cfg, step, n, least,
+                                        lambda: zero.heartbeat(step, local_weights))
+                stream = GroupStream(take, cfg.algo, cfg.rollout.batch_size,
+                                     cfg.rollout.n_samples_per_prompt,
+                                     block_rows=data_world * cfg.trainer.micro_batch_size,
+                                     streaming=cfg.streams)
+                if not cfg.streams:  # whole batches: every group in before engines sleep
+                    stream.fill()
+                    zero.engines_sleep()
             t0 = time.monotonic()
-            train = backend.train_step(batch)
+            train = backend.train_step(step_blocks(stream, backend.pad_id, device,
+                                                   backend.data_ranks))
             t1 = time.monotonic()
+            if rank == 0:
+                groups, stats = stream.batch()
+                rollout_states.update(rollout_state(groups))
             done = step + 1
             # a collective under FSDP2 and megatron (gathered over TP/PP): every rank
             weights = list(backend.named_hf_weights())
@@ -369,13 +366,16 @@ def run(run_dir: Path) -> int:
                 zero.broker.set_version(done)
                 row = (batch_metrics(groups, stats) | train | evals
                        | staleness_histogram(stats, cfg.algo.max_staleness) | {
-                    "perf/trainer_wait_s": td - tf,
-                    "perf/train_time_s": t1 - t0,
+                    # the wait for groups (the generation not hidden) and the rest of the
+                    # step's forward/backward/update; streaming interleaves the two
+                    "perf/trainer_wait_s": stream.wait_s,
+                    "perf/train_time_s": t1 - t0 - stream.wait_s,
+                    "perf/stream_blocks": stream.blocks,
                     "perf/weight_sync_s": t2 - t1,
                     "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20,
                     "perf/checkpoint_s": t3 - t2,
                     "perf/step_time_s": t3 - last_end,
-                    "perf/samples_per_s": len(batch) * data_world / (t3 - last_end),
+                    "perf/samples_per_s": stream.batch_samples / (t3 - last_end),
                     "policy/version": done,
                 })
                 zero.metrics.log(step, row)

@@ -10,6 +10,7 @@ are added over micro-batches and ranks and divided by the number of trained toke
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -87,46 +88,56 @@ def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,
-    batch: MicroBatch,
+    blocks: Iterable[tuple[MicroBatch, bool]],
     algo: AlgoConfig,
     *,
     micro_batch_size: int,
     grad_clip: float,
     temperature: float,
     ref_model: nn.Module | None = None,
+    before_update: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
+    """`blocks`: this rank's rows of the step's batch, one block or several as groups arrive
+    (trainer/stream.py), the last one flagged; gradients accumulate over all of them.
+    `before_update` runs just before the optimizer changes the weights (an overlapped weight
+    push of the previous version must be done reading them)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     world = dist.get_world_size()
-    starts = range(0, len(batch), micro_batch_size)
     params = loss_params(algo)
     sums: dict[str, float] = {"loss": 0.0}
-    routing = RoutingStats() if batch.routed is not None else None
-    for i, lo in enumerate(starts):
-        mb = batch.rows(lo, lo + micro_batch_size)
-        last = i == len(starts) - 1
-        # DDP: all-reduce gradients once, on the last micro-batch
-        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-        # MoE samples with the rollout's routing: compare with this router's, replay if asked
-        replay = (routing_replay(model, mb.routed, mb.routed_valid(), replay=algo.routing_replay,
-                                 stats=routing) if mb.routed is not None
-                  else contextlib.nullcontext())
-        with sync:
-            with replay:
-                logits = scaled_logits(model, mb, temperature)  # [B, T-1, V]
-            loss, metrics = micro_batch_loss(logits, mb, algo, params,
-                                             reference_logprobs(ref_model, mb, temperature))
-            # weights sum to 1 over the whole batch across ranks; DDP averages over ranks
-            (loss * world).backward()
-        sums["loss"] += loss.item()
-        for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + float(value)
+    routing = None
+    for block, last_block in blocks:
+        starts = range(0, len(block), micro_batch_size)
+        if block.routed is not None and routing is None:
+            routing = RoutingStats()
+        for i, lo in enumerate(starts):
+            mb = block.rows(lo, lo + micro_batch_size)
+            last = last_block and i == len(starts) - 1
+            # DDP: all-reduce gradients once, on the step's last micro-batch
+            sync = (contextlib.nullcontext() if last or not hasattr(model, "no_sync")
+                    else model.no_sync())
+            # MoE samples with the rollout's routing: compare with this router's, replay if asked
+            replay = (routing_replay(model, mb.routed, mb.routed_valid(),
+                                     replay=algo.routing_replay, stats=routing)
+                      if mb.routed is not None else contextlib.nullcontext())
+            with sync:
+                with replay:
+                    logits = scaled_logits(model, mb, temperature)  # [B, T-1, V]
+                loss, metrics = micro_batch_loss(logits, mb, algo, params,
+                                                 reference_logprobs(ref_model, mb, temperature))
+                # weights sum to 1 over the whole batch across ranks; DDP averages over ranks
+                (loss * world).backward()
+            sums["loss"] += loss.item()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
     if routing is not None:  # same keys on every rank: every rank's block carries routing
         sums["routing_pairs"] = routing.pairs
         sums["routing_mismatched"] = routing.mismatched
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
+    before_update()
     optimizer.step()
     scheduler.step()
     return {**reduce_metrics(sums), "train/grad_norm": float(grad_norm),

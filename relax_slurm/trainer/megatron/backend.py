@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,10 +36,14 @@ class MegatronBackend:
             self.ref_model = load_reference_model(cfg.model, device)
         self.data_ranks = data_ranks()
 
-    def train_step(self, batch: MicroBatch) -> dict[str, float]:
+    def train_step(self, blocks: Iterable[tuple[MicroBatch, bool]],
+                   before_update: Callable[[], None] = lambda: None) -> dict[str, float]:
+        """Whole batches only (one block): see TrainConfig.streaming_blockers for why."""
+        [(batch, _)] = list(blocks)
         return train_step(self.mm, batch, self.cfg.algo,
                           micro_batch_size=self.cfg.trainer.micro_batch_size,
-                          temperature=self.cfg.rollout.temperature, ref_model=self.ref_model)
+                          temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
+                          before_update=before_update)
 
     def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Every rank drives the bridge's export (gathers across TP/PP/EP); only rank 0, the

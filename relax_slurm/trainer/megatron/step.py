@@ -5,6 +5,7 @@ the torch backend (`trainer.step.micro_batch_loss`), Megatron's optimizer step."
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -29,7 +30,8 @@ def micro_batches(batch: MicroBatch, size: int, pipelined: bool) -> list[MicroBa
 
 
 def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_batch_size: int,
-               temperature: float, ref_model=None) -> dict[str, float]:
+               temperature: float, ref_model=None,
+               before_update: Callable[[], None] = lambda: None) -> dict[str, float]:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -89,6 +91,7 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
         num_microbatches=n,
         seq_length=context_parallel.padded_length(width, cp) if cp > 1 else width,
         micro_batch_size=len(mbs[0]), forward_only=False)
+    before_update()  # an overlapped push of the previous weights is done reading them
     ok, grad_norm, _ = mm.optimizer.step()
     mm.steps_done += 1
     if routing is not None:

@@ -12,7 +12,7 @@ from relax_slurm.algos import (
     compute_advantages, importance_weights, kl_penalty, names, opsm_keep, policy_loss,
     reduction_weights,
 )
-from relax_slurm.config.schema import ALGO_NAMES, AlgoConfig
+from relax_slurm.config.schema import ALGO_NAMES, BATCH_WIDE_ADVANTAGE_ALGOS, AlgoConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.batch import loss_params
 
@@ -141,6 +141,19 @@ def test_trainer_style_call_with_every_config_field(name):
 
 def test_static_names_match_the_registry():
     assert tuple(names()) == ALGO_NAMES
+
+
+@pytest.mark.parametrize("name", ALGO_NAMES)
+def test_batch_wide_estimators_are_the_ones_listed(name):
+    """A streaming trainer computes advantages for the groups it has (trainer/stream.py): for
+    every estimator not listed batch-wide, a group's advantages are bit for bit the same alone
+    as in a batch; a listed one's change with the other groups' rewards."""
+    params = dataclasses.asdict(AlgoConfig(name=name))
+    params.pop("name")
+    rewards = torch.tensor([[1.0, 0.0, 0.5, 0.0], [0.0, 0.0, 1.0, 1.0], [3.0, 2.0, 1.0, 0.5]])
+    together = compute_advantages(name, rewards, **params)
+    alone = torch.cat([compute_advantages(name, rewards[i:i + 1], **params) for i in range(3)])
+    assert torch.equal(together, alone) == (name not in BATCH_WIDE_ADVANTAGE_ALGOS)
 
 
 @pytest.mark.parametrize("name", ALGO_NAMES)

@@ -56,7 +56,7 @@ def groups(teacher: bool = False) -> list[list[Sample]]:
 def step(model, items, algo, ref_model=None):
     opt, sched = build_optimizer(model, TrainerConfig(lr=1e-3))
     batch = collate(items, 0, torch.device("cpu"))
-    return train_step(model, opt, sched, batch, algo, micro_batch_size=3, grad_clip=1.0,
+    return train_step(model, opt, sched, [(batch, True)], algo, micro_batch_size=3, grad_clip=1.0,
                       temperature=1.0, ref_model=ref_model)
 
 

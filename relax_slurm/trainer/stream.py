@@ -1,0 +1,124 @@
+"""A step's batch as blocks of rows: the whole batch at once, or groups as they arrive.
+
+Streaming (`trainer.streaming`, async runs): the trainer does not wait for the batch's last
+group (the long tail of generation) before its first forward. Rank 0 takes whatever complete
+groups the broker has queued (`get_batch` with `min_groups=1`), computes their advantages (per
+group: only estimators that need nothing from other groups stream) and loss weights (divided by
+the step's known sample count), and hands out a block of `data ranks x micro_batch_size` rows
+as soon as it has one; every rank runs forward/backward on its micro-batch of it, and the
+optimizer steps after the block marked last. The gradient is the same sum as the whole batch's,
+so the update is the same; for one data rank, groups arriving in group-id order give the whole
+batch's micro-batches in the same order, bit for bit (tests/unit/trainer/test_stream.py).
+
+Whole batches (sync runs, and where streaming does not apply) are the one-block case: rank 0
+fetches every group, sorts them by group id, and the single block is the whole batch, scattered
+as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from relax_slurm.config.schema import AlgoConfig
+from relax_slurm.samples import Group
+from relax_slurm.trainer.batch import MicroBatch, TrainItem, collate, prepare_items, scatter_batch
+
+# take(num_groups, min_groups) -> (groups, stats); blocks until min_groups are queued
+Take = Callable[[int, int], tuple[list[Group], dict]]
+
+
+def merge_stats(parts: list[dict]) -> dict:
+    """The broker stats of one step's takes as one batch's: staleness over every sample taken,
+    counters as of the last take."""
+    hist: Counter = Counter()
+    for p in parts:
+        hist.update({int(k): v for k, v in p.get("staleness_hist", {}).items()})
+    n = sum(hist.values())
+    return {**parts[-1],
+            "staleness_max": max((p.get("staleness_max", 0) for p in parts), default=0),
+            "staleness_mean": sum(k * v for k, v in hist.items()) / n if n else 0.0,
+            "staleness_hist": dict(sorted(hist.items()))}
+
+
+class GroupStream:
+    """Rank 0: one step's groups from the broker, cut into blocks of rows for every rank."""
+
+    def __init__(self, take: Take, algo: AlgoConfig, num_groups: int, samples_per_group: int,
+                 block_rows: int, streaming: bool) -> None:
+        self.take, self.algo = take, algo
+        self.num_groups, self.samples_per_group = num_groups, samples_per_group
+        self.block_rows = block_rows
+        self.streaming = streaming
+        self.groups: list[Group] = []
+        self.stats: list[dict] = []
+        self.pending: list[TrainItem] = []
+        self.blocks = 0
+        self.wait_s = 0.0
+        """Time spent waiting for groups (the part of the step generation was not hidden)."""
+
+    @property
+    def batch_samples(self) -> int:
+        return self.num_groups * self.samples_per_group
+
+    def _take_more(self) -> None:
+        missing = self.num_groups - len(self.groups)
+        t = time.monotonic()
+        groups, stats = self.take(missing, 1 if self.streaming else missing)
+        self.wait_s += time.monotonic() - t
+        for g in groups:
+            if len(g) != self.samples_per_group:
+                raise ValueError(f"group {g[0].group_id} has {len(g)} samples, not "
+                                 f"rollout.n_samples_per_prompt={self.samples_per_group}: loss "
+                                 "weights are divided by the step's sample count")
+        groups = sorted(groups, key=lambda g: g[0].group_id)  # arrival order is timing
+        self.groups.extend(groups)
+        self.stats.append(stats)
+        self.pending.extend(prepare_items(groups, self.algo, self.batch_samples))
+
+    def fill(self) -> None:
+        """Take every group of the step now (whole-batch mode: before engines release memory)."""
+        while len(self.groups) < self.num_groups:
+            self._take_more()
+
+    def next_block(self) -> tuple[list[TrainItem], bool]:
+        """The next block of rows and whether it is the step's last."""
+        if not self.streaming:
+            self.fill()
+        while True:
+            complete = len(self.groups) == self.num_groups
+            if complete and len(self.pending) <= self.block_rows or not self.streaming:
+                block, self.pending = self.pending, []
+                self.blocks += 1
+                return block, True
+            if len(self.pending) >= self.block_rows:
+                block = self.pending[:self.block_rows]
+                self.pending = self.pending[self.block_rows:]
+                self.blocks += 1
+                return block, False
+            self._take_more()
+
+    def batch(self) -> tuple[list[Group], dict]:
+        """Every group trained this step (by group id) and the broker stats of the step."""
+        return sorted(self.groups, key=lambda g: g[0].group_id), merge_stats(self.stats)
+
+
+def step_blocks(stream: GroupStream | None, pad_id: int, device: torch.device,
+                data_ranks: list[int]) -> Iterator[tuple[MicroBatch, bool]]:
+    """Every rank: (its rows of the next block, last?) until the step's last block. Rank 0
+    passes its stream and collates; the others pass None. Collective per block."""
+    while True:
+        whole, last = None, False
+        if dist.get_rank() == 0:
+            items, last = stream.next_block()
+            whole = collate(items, pad_id, torch.device("cpu"))
+        block = scatter_batch(whole, device, data_ranks)
+        flag = torch.tensor([int(last)], device=device)
+        dist.broadcast(flag, src=0)
+        yield block, bool(flag.item())
+        if flag.item():
+            return
