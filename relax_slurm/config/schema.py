@@ -501,6 +501,11 @@ class WeightSyncConfig:
     timeout_s: float = 300.0
     verify: bool = False
     """After every sync, compare engine and trainer weight checksums (tests, debugging)."""
+    overlap: bool = True
+    """Async runs (algo.max_staleness >= 1): push each version from a background thread while
+    the trainer checkpoints and takes, collates and trains on the next batch; only its
+    optimizer step waits for the push (trainer/overlap.py). On-policy runs push in line (the
+    worker waits for the new weights anyway)."""
     load_format: Optional[str] = None
     """null: one broadcast per tensor. flattened_bucket: one broadcast per bucket, its tensors'
     bytes end to end (SGLang's load_format of the same name; the hf engine serves both).

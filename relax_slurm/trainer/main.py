@@ -37,6 +37,7 @@ from relax_slurm.rollout.engine_client import wait_until_healthy
 from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
 from relax_slurm.samples import Group
 from relax_slurm.trainer.backend import build_backend
+from relax_slurm.trainer.overlap import BackgroundPush
 from relax_slurm.trainer.stream import GroupStream, step_blocks
 from relax_slurm.weightsync import WeightSender
 from relax_slurm.weightsync.cohort import Cohort
@@ -136,6 +137,14 @@ class RankZero:
     def __init__(self, cfg: TrainConfig, plan, run_dir: Path, start_step: int) -> None:
         self.broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
                                    identity="trainer")
+        # the weight push's own socket: an overlapped push talks to the broker from its thread
+        # (trainer/overlap.py) while the loop takes the next batch (zmq sockets: one thread)
+        self.sync_broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
+                                        identity="trainer-sync")
+        self.overlap = cfg.algo.max_staleness > 0 and cfg.weight_sync.overlap
+        self.push = BackgroundPush()
+        self.pending: tuple[int, dict, list[Group]] | None = None
+        self.settle_wait_s = 0.0  # this step's wait for the previous version's push
         # empty host: wherever rank 0 landed (c10d rendezvous picks it on multi-node Slurm runs)
         sync_host = plan.weight_sync_host or socket.gethostname()
         def make_sender(group_name: str, port: int, urls: list[str]) -> WeightSender:
@@ -162,6 +171,7 @@ class RankZero:
         self.cohort.connect()
         truncate_metrics(run_dir, start_step)
         self.metrics = open_sinks(cfg, run_dir)
+        self.run_dir = run_dir
         self.decode = (tokenizer_decode(cfg.model.path, cfg.model.trust_remote_code)
                        if cfg.debug.dump_rollouts else None)
         self.evaluator = (EvalSchedule(Evaluator(cfg, plan.engine_urls), cfg.eval.every,
@@ -183,13 +193,13 @@ class RankZero:
         current ones without a collective; None under FSDP2, where that needs every rank)."""
         if self.pacer.due():
             self.broker.heartbeat("trainer", step=step)
-            if weights is not None:
+            if weights is not None and not self.push.busy:  # the engines are the push's
                 self.cohort.resync(weights, version=step)
 
     def heartbeat_waiting(self) -> None:
-        """While the cohort waits for a restarting engine (rank 0's loop is held there)."""
+        """While the cohort waits for a restarting engine (the push's thread is held there)."""
         if self.pacer.due():
-            self.broker.heartbeat("trainer", waiting_for="engines")
+            self.sync_broker.heartbeat("trainer", waiting_for="engines")
 
     def broker_cohort(self) -> list[str] | None:
         """The broker's engine set, asked at most every FOLLOW_S while the cohort waits for its
@@ -197,7 +207,7 @@ class RankZero:
         if not self.follow_pacer.due():
             return None
         try:
-            return self.broker.engines()["cohort"]
+            return self.sync_broker.engines()["cohort"]
         except (BrokerError, BrokerTimeout):  # the broker restarting: ask again later
             return None
 
@@ -218,7 +228,7 @@ class RankZero:
         """Elastic rollout (broker/elastic.py): make the cohort the broker's engine set (engines
         joining with their operation at WEIGHT_SYNCING, minus those detaching); True when the
         broker must hear of it once the weights are sent."""
-        view = self.broker.engines()
+        view = self.sync_broker.engines()
         report = any(e["state"] in ("joining", "detaching") for e in view["engines"])
         if view["cohort"] and view["cohort"] != self.cohort.urls:
             self.cohort.move(view["cohort"])
@@ -237,15 +247,43 @@ class RankZero:
             self.num_engines = len(self.cohort.urls)
             report = True
         if report:
-            self.broker.engines(synced=self.cohort.urls)
+            self.sync_broker.engines(synced=self.cohort.urls)
         if self.verify:
             self.sender.verify(weights)
             log.info("version %d: weights verified bit for bit on %d engine(s)", version,
                      self.num_engines)
         return stats
 
+    def push_and_announce(self, weights: list, version: int) -> dict:
+        """The overlapped push's thread: engines serve `version`, then the broker says so."""
+        stats = self.push_weights(weights, version)
+        self.sync_broker.set_version(version)
+        return stats
+
+    def settle(self) -> None:
+        """Wait for the overlapped push in flight (if any), then finish its step: evaluate on
+        the new weights and log the step's row with the time the loop waited for the push."""
+        if not self.push.busy:
+            return
+        sync, waited = self.push.join()
+        self.settle_wait_s = waited
+        step, row, groups = self.pending
+        self.pending = None
+        done = step + 1
+        evals = self.evaluator.after_step(done) if self.evaluator is not None else {}
+        self.log_step(step, row | evals | {
+            "perf/weight_sync_s": waited, "perf/weight_sync_push_s": self.push.took,
+            "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20}, groups)
+
+    def log_step(self, step: int, row: dict, groups: list[Group]) -> None:
+        self.metrics.log(step, row)
+        if self.decode is not None:
+            write_dump(self.run_dir, step, groups, self.decode)
+
     def close(self) -> None:
-        for closeable in (self.cohort, self.broker, self.metrics, self.evaluator):
+        self.push.close()
+        for closeable in (self.cohort, self.broker, self.sync_broker, self.metrics,
+                          self.evaluator):
             if closeable is not None:
                 closeable.close()
 
@@ -318,11 +356,13 @@ def run(run_dir: Path) -> int:
         # rank 0 re-sends to a restarted engine on its own where it holds whole tensors
         local_weights = backend.local_weights()
         for step in range(start_step, cfg.trainer.total_steps):
+            t0 = time.monotonic()
             stream = None
             if rank == 0:
                 def take(n: int, least: int, step: int = step) -> tuple[list[Group], dict]:
                     return fetch_groups(zero.broker, cfg, step, n, least,
                                         lambda: zero.heartbeat(step, local_weights))
+                zero.settle_wait_s = 0.0
                 stream = GroupStream(take, cfg.algo, cfg.rollout.batch_size,
                                      cfg.rollout.n_samples_per_prompt,
                                      block_rows=data_world * cfg.trainer.micro_batch_size,
@@ -330,9 +370,10 @@ def run(run_dir: Path) -> int:
                 if not cfg.streams:  # whole batches: every group in before engines sleep
                     stream.fill()
                     zero.engines_sleep()
-            t0 = time.monotonic()
-            train = backend.train_step(step_blocks(stream, backend.pad_id, device,
-                                                   backend.data_ranks))
+            # an overlapped push of the previous version ends before the weights change
+            train = backend.train_step(
+                step_blocks(stream, backend.pad_id, device, backend.data_ranks),
+                before_update=zero.settle if rank == 0 else lambda: None)
             t1 = time.monotonic()
             if rank == 0:
                 groups, stats = stream.batch()
@@ -340,9 +381,13 @@ def run(run_dir: Path) -> int:
             done = step + 1
             # a collective under FSDP2 and megatron (gathered over TP/PP): every rank
             weights = list(backend.named_hf_weights())
+            sync = {}
             if rank == 0:
                 zero.engines_wake()
-            sync = zero.push_weights(weights, version=done) if rank == 0 else {}
+                if zero.overlap:  # async: the push runs beside what follows (trainer/overlap.py)
+                    zero.push.start(lambda w=weights, v=done: zero.push_and_announce(w, v))
+                else:
+                    sync = zero.push_weights(weights, version=done)
             t2 = time.monotonic()
             preempt = broadcast_flag(rank == 0 and preempt_requested(run_dir))
             final = preempt or done == cfg.trainer.total_steps
@@ -359,33 +404,39 @@ def run(run_dir: Path) -> int:
             if cfg.trainer.save_hf_every and done % cfg.trainer.save_hf_every == 0:
                 backend.save_hf(run_dir / "hf" / f"step_{done}")
             t3 = time.monotonic()
-            # engines serve `done` and (sync runs) the worker waits for set_version: evaluate now
-            evals = (zero.evaluator.after_step(done)
-                     if rank == 0 and zero.evaluator is not None else {})
             if rank == 0:
-                zero.broker.set_version(done)
-                row = (batch_metrics(groups, stats) | train | evals
+                row = (batch_metrics(groups, stats) | train
                        | staleness_histogram(stats, cfg.algo.max_staleness) | {
                     # the wait for groups (the generation not hidden) and the rest of the
                     # step's forward/backward/update; streaming interleaves the two
                     "perf/trainer_wait_s": stream.wait_s,
-                    "perf/train_time_s": t1 - t0 - stream.wait_s,
+                    "perf/train_time_s": t1 - t0 - stream.wait_s - zero.settle_wait_s,
                     "perf/stream_blocks": stream.blocks,
-                    "perf/weight_sync_s": t2 - t1,
-                    "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20,
                     "perf/checkpoint_s": t3 - t2,
                     "perf/step_time_s": t3 - last_end,
                     "perf/samples_per_s": stream.batch_samples / (t3 - last_end),
                     "policy/version": done,
                 })
-                zero.metrics.log(step, row)
-                if zero.decode is not None:
-                    write_dump(run_dir, step, groups, zero.decode)
+                if zero.overlap:  # logged once the push is in (settle)
+                    zero.pending = (step, row, groups)
+                else:
+                    # engines serve `done` and (sync runs) the worker waits for set_version:
+                    # evaluate now
+                    evals = (zero.evaluator.after_step(done)
+                             if zero.evaluator is not None else {})
+                    zero.broker.set_version(done)
+                    zero.log_step(step, row | evals | {
+                        "perf/weight_sync_s": t2 - t1, "perf/weight_sync_push_s": t2 - t1,
+                        "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20}, groups)
             last_end = t3
             if preempt:
+                if rank == 0:
+                    zero.settle()
                 log.info("preempted: checkpoint step_%d saved; exiting for requeue", done)
                 wait_pending()
                 return PREEMPT_EXIT_CODE
+        if rank == 0:
+            zero.settle()
         wait_pending()
         return 0
     finally:

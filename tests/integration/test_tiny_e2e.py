@@ -78,4 +78,10 @@ def test_tiny_async_learns_within_staleness_bound(tmp_path, tiny_assets):
     assert max(stale) <= 2
     # streamed (trainer.streaming=null applies here): 512 rows in blocks of 1 rank x 256
     assert {r["perf/stream_blocks"] for r in rows} == {2}
+    # overlapped pushes (weight_sync.overlap): every version verified bit for bit, the first
+    # push at start included, and every row logged once its push was in
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert log.count("weights verified") == 151
+    assert [r["policy/version"] for r in rows] == list(range(1, 151))
+    assert all(r["perf/weight_sync_push_s"] > 0 for r in rows)
 
