@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -26,9 +27,20 @@ from torch import Tensor, nn
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 
 
+_ROUTERS: "weakref.WeakKeyDictionary[nn.Module, list[tuple[int, nn.Module]]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def moe_routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """(decoder layer index, router) of the text decoder's MoE layers, in layer order. Only the
-    first decoder stack counts (Qwen3-Omni's talker has routers of its own, never trained)."""
+    first decoder stack counts (Qwen3-Omni's talker has routers of its own, never trained).
+    Found once per model (a walk over every module; the trainer asks every micro-batch)."""
+    if model not in _ROUTERS:
+        _ROUTERS[model] = _find_routers(model)
+    return _ROUTERS[model]
+
+
+def _find_routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     found: dict[str, list[tuple[int, nn.Module]]] = {}
     for name, module in model.named_modules():
         m = _LAYER.search(name)
@@ -81,13 +93,28 @@ class RoutingTrace:
         return out
 
 
-@dataclass
 class RoutingStats:
     """Token x MoE-layer pairs compared, and how many of them the trainer's router would route
-    to another top-k set than the rollout did (train/routing_mismatch_frac)."""
+    to another top-k set than the rollout did (train/routing_mismatch_frac). The counts stay
+    tensors on the model's device while layers add to them: reading one (a host sync on a GPU)
+    happens once per step, not once per layer and micro-batch."""
 
-    pairs: float = 0.0
-    mismatched: float = 0.0
+    def __init__(self) -> None:
+        self._pairs: Tensor | float = 0.0
+        self._mismatched: Tensor | float = 0.0
+
+    def add(self, valid: Tensor, same: Tensor) -> None:
+        """One layer's comparison: `same` [N] bool (the sets agree) at `valid` [N] bool."""
+        self._pairs = self._pairs + valid.sum()
+        self._mismatched = self._mismatched + (valid & ~same).sum()
+
+    @property
+    def pairs(self) -> float:
+        return float(self._pairs)
+
+    @property
+    def mismatched(self) -> float:
+        return float(self._mismatched)
 
 
 def same_sets(a: Tensor, b: Tensor) -> Tensor:
@@ -113,10 +140,8 @@ def routing_replay(model: nn.Module, routed: Tensor, valid: Tensor, *, replay: b
         def hook(module, args, output):
             logits, weights, ids = output
             if stats is not None:
-                with torch.no_grad():
-                    same = same_sets(ids[mask], want[mask])
-                    stats.pairs += float(mask.sum())
-                    stats.mismatched += float((~same).sum())
+                with torch.no_grad():  # every position, masked: no boolean index (a sync)
+                    stats.add(mask, same_sets(ids, want))
             if not replay:
                 return None
             new_ids = torch.where(mask[:, None], want, ids)

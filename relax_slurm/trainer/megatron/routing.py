@@ -16,6 +16,7 @@ Nothing is recomputed in backward (no activation recompute), so no backward repl
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -24,12 +25,20 @@ from torch import Tensor, nn
 from relax_slurm.routing.hooks import RoutingStats, same_sets
 
 
+_ROUTERS: "weakref.WeakKeyDictionary[nn.Module, list[tuple[int, nn.Module]]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def megatron_routers(chunks: list[nn.Module]) -> list[tuple[int, nn.Module]]:
-    """(0-based decoder layer, TopKRouter) of the given model chunks."""
+    """(0-based decoder layer, TopKRouter) of the given model chunks (each chunk walked once:
+    the trainer asks every micro-batch)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    return [(m.layer_number - 1, m) for c in chunks for m in c.modules()
-            if isinstance(m, TopKRouter)]
+    for c in chunks:
+        if c not in _ROUTERS:
+            _ROUTERS[c] = [(m.layer_number - 1, m) for m in c.modules()
+                           if isinstance(m, TopKRouter)]
+    return [r for c in chunks for r in _ROUTERS[c]]
 
 
 def own_topk(router: nn.Module, logits: Tensor) -> Tensor:
@@ -62,9 +71,8 @@ def megatron_routing(chunks: list[nn.Module], routed: Tensor, valid: Tensor, *, 
             flat = logits.reshape(-1, logits.shape[-1])
             own = own_topk(_router, flat.detach())
             want_here = _want.to(own.device)
-            if stats is not None:
-                stats.pairs += float(mask.sum())
-                stats.mismatched += float((~same_sets(own[mask], want_here[mask])).sum())
+            if stats is not None:  # every position, masked: no boolean index (a host sync)
+                stats.add(mask.to(own.device), same_sets(own, want_here))
             if not replay:
                 return _original(logits, *args, **kwargs)
             rr = _router.router_replay

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+
+from script_result import finish
 
 from relax_slurm.config.schema import AlgoConfig, ModelConfig, TrainerConfig
 from relax_slurm.trainer.batch import MicroBatch
@@ -139,10 +140,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         save_file(trained, str(args.out / "trained.safetensors"))
         save_file(grads, str(args.out / "grads.safetensors"))
-        (args.out / "result.json").write_text(json.dumps(result))
-    dist.barrier()
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    finish(args.out, result)
 
 
 if __name__ == "__main__":

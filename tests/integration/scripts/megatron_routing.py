@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from script_result import finish
 
 from relax_slurm.config.schema import ModelConfig, TrainerConfig
 from relax_slurm.routing.hooks import RoutingStats
@@ -76,14 +77,7 @@ def main() -> None:
                     advantages=t["advantages"], rollout_logp=t["rollout_logp"],
                     seq_lens=tuple(t["seq_lens"]), routed=t["routed"])
     result = {"own": forward(mm, mb, replay=False), "replayed": forward(mm, mb, replay=True)}
-    if dist.get_rank() == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "result.json").write_text(json.dumps(result))
-    dist.barrier()
-    from megatron.core import parallel_state as ps
-
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    finish(args.out, result)
 
 
 if __name__ == "__main__":

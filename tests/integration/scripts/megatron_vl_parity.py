@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,8 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 from safetensors.torch import load_file
+
+from script_result import finish
 
 from relax_slurm.config.schema import ModelConfig, TrainerConfig
 from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel
@@ -108,11 +109,7 @@ def main() -> None:
                           "scale": ref_g.abs().max().item(),
                           "equal_across_ranks": all(torch.equal(gathered[0], x) for x in gathered)}
     result["vision_grads"] = grads
-    if dist.get_rank() == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "result.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(args.out, result)
 
 
 if __name__ == "__main__":
