@@ -1,11 +1,21 @@
-"""geo3k and ifbench score as Relax's rewards of those names: hand-written cases."""
+"""geo3k, ifbench and dapo-genrm score as Relax's rewards of those names: hand-written cases.
+
+The judge of dapo-genrm is a real HTTP server of the test's own (the one test_remote_genrm uses),
+answering in the shape of an engine's /generate.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
-from relax_slurm.rewards import score
+from relax_slurm.config.schema import RewardConfig
+from relax_slurm.errors import ConfigError
+from relax_slurm.rewards import RewardError, RewardInput, build_reward, score
+from relax_slurm.rewards.dapo_genrm import DAPO_TEMPLATE, judge_prompt
 from relax_slurm.rewards.ifbench import IFBENCH_IDS, UNSUPPORTED
+from tests.unit.rewards.test_remote_genrm import Reply, Server, judge_engine
 
 # --- geo3k: 0.9 * accuracy (mathruler) + 0.1 * format (<think>...</think> ... \boxed{}) ---
 
@@ -117,3 +127,84 @@ def test_ifbench_never_grades_part_of_a_row():
     with pytest.raises(ValueError, match=r"count:numbers.*N"):
         ifbench("1", ["count:numbers"], [{}])           # a kwarg the check needs is missing
     assert all(need for need in UNSUPPORTED.values())
+
+
+# --- dapo-genrm: Relax's judge on every response; dapo_rule_genrm: the rule first ---
+
+@pytest.fixture
+def judge() -> Iterator:
+    servers: list[Server] = []
+
+    def start(reply: Reply) -> Server:
+        servers.append(Server(reply))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def dapo_cfg(server: Server, name: str = "dapo-genrm") -> RewardConfig:
+    return RewardConfig(name=name, genrm_url=server.url, genrm_max_new_tokens=16,
+                        genrm_temperature=0.1, genrm_timeout_s=5.0, timeout_s=10.0)
+
+
+INP = RewardInput(prompt="What is 6*7?", label="42",
+                  response="<think>6*7 is 42</think> I am sure.\nAnswer: $42$")
+
+
+def test_dapo_genrm_asks_the_judge_with_relaxs_prompt(judge):
+    server = judge(judge_engine(" 1\n"))
+    assert build_reward(dapo_cfg(server))(INP) == 1.0
+    path, body = server.requests[0]
+    assert path == "/generate"
+    assert body["sampling_params"] == {"max_new_tokens": 16, "temperature": 0.1}
+    assert body["text"] == (DAPO_TEMPLATE.replace("{prompt}", "What is 6*7?")
+                            .replace("{label}", "42").replace("{response}", " $42$"))
+    assert body["text"].endswith("[Model_answer] :  $42$\nJudgement:")
+
+
+@pytest.mark.parametrize("answer", ["0", "1.", "10", "Yes", "1 because 42 = 42"])
+def test_dapo_genrm_pays_only_an_exact_one(judge, answer):
+    server = judge(judge_engine(answer))
+    assert build_reward(dapo_cfg(server))(INP) == 0.0
+
+
+def test_dapo_genrm_reads_the_tail_and_the_metadata(judge):
+    server = judge(judge_engine("1"))
+    long = "x" * 500 + " so it is 42"                         # no "Answer:": last 300 chars
+    inp = RewardInput(prompt="rendered", response=long, label="ignored",
+                      metadata={"question": "Q?", "label": "42"})
+    assert build_reward(dapo_cfg(server))(inp) == 1.0
+    text = server.requests[0][1]["text"]
+    assert "[Question]: Q?\n[Standard Answer]: 42\n" in text
+    assert f"[Model_answer] : {long[-300:]}\nJudgement:" in text
+    assert judge_prompt("{label}", RewardInput(prompt="", response="", label=["1", "2"])) \
+        == "1 or 2"
+
+
+def test_dapo_genrm_calls_the_judge_even_for_a_right_rule_answer(judge):
+    server = judge(judge_engine("0"))
+    assert build_reward(dapo_cfg(server))(INP) == 0.0          # Relax: the judge decides
+    assert len(server.requests) == 1
+
+
+def test_dapo_rule_genrm_asks_the_judge_only_when_the_rule_cannot_confirm(judge):
+    server = judge(judge_engine("1"))
+    reward = build_reward(dapo_cfg(server, "dapo_rule_genrm"))
+    assert reward(INP) == 1.0 and server.requests == []        # the rule found 42
+    pink = RewardInput(prompt="Colour?", label="pink", response="Answer: it is pink")
+    assert reward(pink) == 1.0 and len(server.requests) == 1  # the rule says no: the judge
+    assert server.requests[0][1]["text"].endswith("[Model_answer] :  it is pink\nJudgement:")
+    no_line = RewardInput(prompt="", label="42", response=r"\boxed{42}")
+    assert reward(no_line) == 1.0 and len(server.requests) == 2
+
+
+def test_dapo_genrm_failures_are_errors(judge):
+    broken = judge(lambda path, body: (500, {"error": "oom"}))
+    with pytest.raises(RewardError, match="HTTP 500"):
+        build_reward(dapo_cfg(broken))(INP)
+    with pytest.raises(ConfigError, match="genrm_url"):
+        build_reward(RewardConfig(name="dapo-genrm"))
+    with pytest.raises(ConfigError, match="genrm_timeout_s"):
+        RewardConfig(name="dapo-genrm", genrm_timeout_s=120.0, timeout_s=60.0)
