@@ -212,10 +212,13 @@ def conjunctions(text: str, small_n: int, **_: Any) -> bool:
 
 
 PERSON_NAMES = (
-    "Emma Liam Sophia Jackson Olivia Noah Ava Lucas Isabella Mason Mia Ethan Charlotte Alexander "
-    "Amelia Benjamin Harper Leo Zoe Daniel Chloe Samuel Lily Matthew Grace Owen Abigail Gabriel "
-    "Ella Jacob Scarlett Nathan Victoria Elijah Layla Nicholas Audrey David Hannah Christopher "
-    "Penelope Thomas Nora Andrew Aria Joseph Claire Ryan Stella Jonathan").split()
+    "Emma", "Liam", "Sophia", "Jackson", "Olivia", "Noah", "Ava", "Lucas", "Isabella", "Mason",
+    "Mia", "Ethan", "Charlotte", "Alexander", "Amelia", "Benjamin", "Harper", "Leo", "Zoe",
+    "Daniel", "Chloe", "Samuel", "Lily", "Matthew", "Grace", "Owen", "Abigail", "Gabriel", "Ella",
+    "Jacob", "Scarlett", "Nathan", "Victoria", "Elijah", "Layla", "Nicholas", "Audrey", "David",
+    "Hannah", "Christopher", "Penelope", "Thomas", "Nora", "Andrew", "Aria", "Joseph", "Claire",
+    "Ryan", "Stella", "Jonathan",
+)
 
 
 def person_names(text: str, N: int, **_: Any) -> bool:
@@ -421,10 +424,12 @@ def reverse_newline(text: str, **_: Any) -> bool:
     return names == sorted(names, reverse=True)
 
 
-EUROPEAN_CAPITALS = (
-    "Reykjavik Helsinki Oslo Tallinn Stockholm Riga Moscow Copenhagen Vilnius Minsk Dublin Berlin "
-    "Amsterdam Warsaw London Brussels Prague Luxembourg Paris Vienna Bratislava Budapest Vaduz "
-    "Chisinau Bern Ljubljana Zagreb").split()
+EUROPEAN_CAPITALS = [  # in IFBench's order (north to south)
+    "Reykjavik", "Helsinki", "Oslo", "Tallinn", "Stockholm", "Riga", "Moscow", "Copenhagen",
+    "Vilnius", "Minsk", "Dublin", "Berlin", "Amsterdam", "Warsaw", "London", "Brussels", "Prague",
+    "Luxembourg", "Paris", "Vienna", "Bratislava", "Budapest", "Vaduz", "Chisinau", "Bern",
+    "Ljubljana", "Zagreb",
+]
 
 
 def european_capitals(text: str, **_: Any) -> bool:
