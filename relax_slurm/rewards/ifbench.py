@@ -9,18 +9,19 @@ instruction of `metadata.instruction_id_list` with `metadata.kwargs`, else 0.0. 
 - the whole response is checked, reasoning included (unlike `ifeval`, which reads the text
   after `</think>`).
 
-IFBench registers 83 ids: the 25 of IFEval and 58 of its own. The checks live in
-`ifbench_checks`; the ids whose IFBench checker needs NLTK's trained data, langdetect, syllapy
-or emoji are listed in `UNSUPPORTED` with what they need. A row with such an id, an id IFBench
-does not have, or without `instruction_id_list` raises (a reward error scored 0), so that no
-row is graded on part of its instructions.
+IFBench registers 83 ids: the 25 of IFEval (checks in `ifbench_classic`) and 58 of its own
+(`ifbench_checks`). The ids whose IFBench checker needs NLTK's trained data, langdetect,
+syllapy or emoji are listed in `UNSUPPORTED` with what they need. A row with such an id, an id
+IFBench does not have, or without `instruction_id_list` raises (a reward error scored 0), so
+that no row is graded on part of its instructions.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from relax_slurm.rewards.ifbench_checks import CLASSIC, OOD, Check
+from relax_slurm.rewards.ifbench_checks import OOD, Check
+from relax_slurm.rewards.ifbench_classic import CLASSIC
 from relax_slurm.rewards.registry import RewardInput, register
 
 _PUNKT = "NLTK's punkt sentence splitter (trained data)"
