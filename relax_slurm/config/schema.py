@@ -457,11 +457,11 @@ class RewardConfig:
     remote_backoff_s: float = 0.5
     """remote: wait before the first retry, doubled for each further one."""
     genrm_url: Optional[str] = None
-    """genrm: base URL of the judge engine (hf engine or SGLang server; /generate is used)."""
+    """genrm, dapo-genrm: base URL of the judge engine (hf engine or SGLang server; /generate)."""
     genrm_template: Optional[str] = None
-    """genrm: judge prompt with {prompt}, {response}, {label}; null uses the built-in one."""
+    """genrm, dapo-genrm: judge prompt with {prompt}, {response}, {label}; null: the built-in."""
     genrm_parser: str = "yes_no"
-    """genrm: how to read the judge's answer: yes_no or score."""
+    """genrm: how to read the judge's answer: yes_no, score or exact_one."""
     genrm_max_score: float = 10.0
     """genrm, score parser: the judge's score is divided by this."""
     genrm_max_new_tokens: int = 512
@@ -478,15 +478,15 @@ class RewardConfig:
                f"reward.remote_max_retries={self.remote_max_retries}: must be >= 0")
         _check(self.remote_timeout_s > 0 and self.remote_backoff_s >= 0,
                "reward.remote_timeout_s must be > 0 and reward.remote_backoff_s >= 0")
-        _check(self.genrm_parser in ("yes_no", "score"),
-               f"reward.genrm_parser={self.genrm_parser!r}: use yes_no or score")
+        _check(self.genrm_parser in ("yes_no", "score", "exact_one"),
+               f"reward.genrm_parser={self.genrm_parser!r}: use yes_no, score or exact_one")
         _check(self.genrm_max_score > 0,
                f"reward.genrm_max_score={self.genrm_max_score}: must be > 0")
         if self.name == "remote":
             _check(self.timeout_s >= self.remote_timeout_s,
                    f"reward.timeout_s={self.timeout_s} is below reward.remote_timeout_s="
                    f"{self.remote_timeout_s}: raise reward.timeout_s so one attempt fits")
-        if self.name == "genrm":
+        if self.name in ("genrm", "dapo-genrm", "dapo_rule_genrm"):
             _check(self.timeout_s >= self.genrm_timeout_s,
                    f"reward.timeout_s={self.timeout_s} is below reward.genrm_timeout_s="
                    f"{self.genrm_timeout_s}: raise reward.timeout_s so one judge call fits")

@@ -7,7 +7,8 @@ chat format in the template) to `reward.genrm_url` + `/generate`, the engine's n
 answer is turned into a number by `reward.genrm_parser`:
 - `yes_no`: 1.0 when its last YES/NO (any case) is YES, 0.0 when NO;
 - `score`: the number after its last "score:" (else its last number) divided by
-  `reward.genrm_max_score`, clamped to [0, 1].
+  `reward.genrm_max_score`, clamped to [0, 1];
+- `exact_one`: 1.0 when its whole answer, stripped, is "1", else 0.0 (Relax's `dapo-genrm`).
 An answer the parser cannot read raises RewardError (counted in rollout/reward_errors).
 `GenRM(judge, ...)` takes any callable `judge(prompt_text) -> str`.
 """
@@ -57,14 +58,29 @@ def parse_score(text: str, max_score: float = 10.0) -> float:
     return min(max(float(found[-1]) / max_score, 0.0), 1.0)
 
 
+def parse_exact_one(text: str, max_score: float = 1.0) -> float:
+    """1.0 when the judge's whole answer is "1" (spaces around allowed), else 0.0; never raises.
+
+    >>> parse_exact_one(" 1\\n"), parse_exact_one("1."), parse_exact_one("10"), parse_exact_one("0")
+    (1.0, 0.0, 0.0, 0.0)
+    """
+    return 1.0 if text.strip() == "1" else 0.0
+
+
 PARSERS: dict[str, Callable[[str, float], float]] = {"yes_no": parse_yes_no,
-                                                       "score": parse_score}
+                                                       "score": parse_score,
+                                                       "exact_one": parse_exact_one}
+
+
+def fill(template: str, prompt: str, response: str, label: str) -> str:
+    """`template` with `{prompt}`, `{response}`, `{label}` replaced (other braces kept)."""
+    values = {"prompt": prompt, "response": response, "label": label}
+    return re.sub(r"\{(prompt|response|label)\}", lambda m: values[m.group(1)], template)
 
 
 def render(template: str, inp: RewardInput) -> str:
-    """The judge prompt: `{prompt}`, `{response}`, `{label}` replaced (other braces kept)."""
-    values = {"prompt": inp.prompt, "response": final_text(inp.response), "label": str(inp.label)}
-    return re.sub(r"\{(prompt|response|label)\}", lambda m: values[m.group(1)], template)
+    """The judge prompt of `genrm`: the response is the text after `</think>` when there is one."""
+    return fill(template, inp.prompt, final_text(inp.response), str(inp.label))
 
 
 class EngineJudge:

@@ -8,7 +8,8 @@ import pytest
 
 from relax_slurm.errors import ConfigError
 from relax_slurm.rewards import RewardInput, get_reward_fn, register, registered_names
-from relax_slurm.rewards import dapo, deepscaler, extract, f1, genrm, ifeval, multiple_choice
+from relax_slurm.rewards import dapo, dapo_genrm, deepscaler, extract, f1, genrm, geo3k, ifbench
+from relax_slurm.rewards import ifbench_checks, ifeval, multiple_choice
 from relax_slurm.rewards import exact_match as exact_match_module
 from relax_slurm.rewards import math as math_module
 from relax_slurm.rewards import openr1mm, registry, remote
@@ -20,7 +21,7 @@ def inp(response: str, label, finish_reason: str = "stop") -> RewardInput:
 
 @pytest.mark.parametrize("module", [
     exact_match_module, math_module, registry, extract, dapo, deepscaler, multiple_choice, f1,
-    ifeval, remote, genrm, openr1mm,
+    ifeval, remote, genrm, openr1mm, geo3k, ifbench, ifbench_checks, dapo_genrm,
 ], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
 def test_doctests(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
