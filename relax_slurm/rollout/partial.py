@@ -108,11 +108,10 @@ def join_routing(first: Optional[str], then: Optional[str], kept_rows: int
                  ) -> Optional[str]:
     """Routed experts (base64 int32, one row per position) of a resumed sequence: `first`'s
     `kept_rows` rows (prompt + prefix - 1: the forwards that sampled the prefix), then `then`'s
-    rows from there on. None unless both pieces carry them."""
-    if then is None or kept_rows <= 0:
+    rows from there on. An aborted piece without them leaves `then`'s whole (its prefill
+    routed the prefix again on the new weights: what a retract reports too)."""
+    if then is None or first is None or kept_rows <= 0:
         return then
-    if first is None:
-        return None
     a, b = base64.b64decode(first), base64.b64decode(then)
     row = len(a) // kept_rows if kept_rows else 0
     if row == 0 or len(a) != kept_rows * row or len(b) < len(a) or len(b) % row:

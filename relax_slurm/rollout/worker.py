@@ -11,7 +11,8 @@ responses from one engine (tasks started together share one batched request, see
 rollout/coalesce.py), scores them in the reward pool (worker processes with a timeout),
 asks the teacher engine for their log-probs when the run has one (on-policy distillation) and
 puts the group on the broker. The worker cannot tell an SGLang server from the hf engine: both
-speak the same HTTP protocol.
+speak the same HTTP protocol. A sequence a weight sync aborts (weight_sync.pause_mode=abort)
+is continued from its prefix on the new weights (rollout/partial.py, rollout.partial_rollout).
 
 Data-side algorithm knobs applied here (pure functions in relax_slurm/rewards/shaping.py):
 - `algo.overlong_buffer_tokens`: the soft overlong penalty is added to each reward;

@@ -80,12 +80,14 @@ def test_spans_of_one_version_join_and_a_cut_response_keeps_its_runs():
     assert version_record(result([5, 6], [-1.0, -1.0], "stop", [])) == []
 
 
-def test_routing_that_does_not_line_up_is_an_error_and_missing_routing_stays_missing():
+def test_routing_that_does_not_line_up_is_an_error_and_a_missing_prefix_takes_the_rerouting():
     rows = routing(np.zeros((4, LAYERS, TOPK)))
     with pytest.raises(EngineError, match="do not line up"):
         join_routing(rows, routing(np.zeros((3, LAYERS, TOPK))), kept_rows=4)
-    assert join_routing(None, rows, kept_rows=2) is None
+    # an aborted piece that reported none: the second piece's prefill routed the prefix again
+    assert join_routing(None, rows, kept_rows=2) == rows
     assert join_routing(None, rows, kept_rows=0) == rows  # nothing generated before the abort
+    assert join_routing(rows, None, kept_rows=2) is None
 
 
 class Script:
