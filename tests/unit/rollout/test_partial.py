@@ -18,6 +18,7 @@ from relax_slurm.rollout.partial import (
     MAX_RESUMES, derive_seed, generate_resuming, join_routing, merge, resume_params,
     version_record,
 )
+from relax_slurm import samples
 from relax_slurm.samples import Sample
 
 LAYERS, TOPK = 2, 3  # routed experts: one [LAYERS x TOPK] int32 row per position
@@ -35,7 +36,7 @@ def result(ids, lps, finish, spans, routed=None) -> GenerateResult:
 
 
 def test_doctests():
-    assert doctest.testmod(partial).failed == 0
+    assert doctest.testmod(partial).failed == 0 and doctest.testmod(samples).failed == 0
 
 
 def test_derived_seeds_are_int64_distinct_and_the_seed_itself_without_a_prefix():
