@@ -48,9 +48,15 @@ class Sample:
     """Log-probs of `response_ids` under the engine that sampled them, [R] float32."""
     reward: float = 0.0
     version: int = 0
-    """Engine weight version when generation started."""
+    """Newest weight version whose weights sampled a token of this sample."""
     version_min: int = 0
-    """Oldest weight version that touched this sample (differs if weights changed mid-way)."""
+    """Oldest weight version that touched this sample (differs if weights changed mid-way):
+    what the staleness rule and the drop rule judge."""
+    version_spans: list[list[int]] = field(default_factory=list)
+    """[version, start, end] runs of `response_ids` (end exclusive, in token order): the
+    weights that sampled each generated token. One run unless a weight sync came while the
+    sequence was generated (a retract, or an abort resumed from the prefix); tokens the policy
+    did not sample (multi-turn observations) lie in no run. Empty: not recorded."""
     finish_reason: str = "stop"
     """'stop' (EOS or stop string), 'length' (hit max tokens) or 'abort'."""
     multimodal: dict[str, Any] = field(default_factory=dict)
@@ -81,6 +87,8 @@ class Sample:
                 f"loss_mask has {len(self.loss_mask)} and rollout_logprobs "
                 f"{len(self.rollout_logprobs)}; all three must match"
             )
+        self.version_spans = check_spans(self.version_spans, n, self.version_min, self.version,
+                                         f"sample {self.prompt_id}/{self.group_id}")
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
             raise ValueError(
                 f"sample {self.prompt_id}/{self.group_id}: response_ids has {n} tokens but "
@@ -90,6 +98,42 @@ class Sample:
     @property
     def response_len(self) -> int:
         return int(len(self.response_ids))
+
+    @property
+    def multi_version(self) -> bool:
+        """Whether the weights changed while this sample was generated (its tokens come from
+        more than one policy version)."""
+        if self.version_spans:
+            return len({v for v, _, _ in self.version_spans}) > 1
+        return self.version != self.version_min
+
+
+def check_spans(spans: Any, n: int, version_min: int, version: int, where: str
+                ) -> list[list[int]]:
+    """`spans` as plain [version, start, end] int lists (msgpack-able), or ValueError: ordered,
+    non-empty, non-overlapping runs within the `n` response tokens whose versions lie in
+    [version_min, version].
+
+    >>> check_spans([(3, 0, 5), (4, 5, 9)], 9, 3, 4, "s")
+    [[3, 0, 5], [4, 5, 9]]
+    """
+    out: list[list[int]] = []
+    end = 0
+    for span in spans:
+        try:
+            v, a, b = (int(x) for x in span)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: version_spans must be [version, start, end] integer "
+                             f"triples, got {span!r}") from e
+        if not (end <= a < b <= n):
+            raise ValueError(f"{where}: version_spans {list(spans)!r} must be ordered, "
+                             f"non-empty, non-overlapping runs within its {n} response tokens")
+        if not version_min <= v <= version:
+            raise ValueError(f"{where}: version_spans name version {v}, outside version_min="
+                             f"{version_min} .. version={version}")
+        out.append([v, a, b])
+        end = b
+    return out
 
 
 Group = list[Sample]

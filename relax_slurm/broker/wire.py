@@ -47,12 +47,15 @@ from relax_slurm.samples import ARRAY_FIELDS, OPTIONAL_ARRAY_FIELDS, Group, Samp
 
 Frame = Union[bytes, memoryview]
 SCALAR_FIELDS = (
-    "prompt_id", "group_id", "reward", "version", "version_min", "finish_reason",
-    "multimodal", "metadata",
+    "prompt_id", "group_id", "reward", "version", "version_min", "version_spans",
+    "finish_reason", "multimodal", "metadata",
 )
+# (a sample's version_spans are a few [version, start, end] triples: msgpack, not a frame;
+# Sample checks their contents)
 _SCALAR_TYPES: dict[str, type | tuple[type, ...]] = {
     "prompt_id": str, "group_id": int, "reward": (int, float), "version": int,
-    "version_min": int, "finish_reason": str, "multimodal": dict, "metadata": dict,
+    "version_min": int, "version_spans": list, "finish_reason": str, "multimodal": dict,
+    "metadata": dict,
 }
 _EXACT_TYPES = {k: frozenset(t if isinstance(t, tuple) else (t,)) for k, t in _SCALAR_TYPES.items()}
 _ALL_ARRAYS = {**ARRAY_FIELDS, **OPTIONAL_ARRAY_FIELDS}

@@ -232,6 +232,12 @@ class RolloutConfig:
     always does this; sglang engines only with --enable-deterministic-inference, which this
     adds (a batch-invariant sampler and kernels: slower, see docs/engines.md#seeds). Without it
     SGLang ignores sampling_params.sampling_seed."""
+    partial_rollout: bool = True
+    """weight_sync.pause_mode=abort (ignored otherwise): a sequence a weight sync aborts
+    continues from its prefix on the new weights (its sample then spans two versions, recorded
+    in version_spans; docs/engines.md#pause-modes). false: the whole group is generated again
+    from scratch, so every sample's tokens come from one version, at the price of the tokens
+    thrown away. Multi-turn episodes and the agent proxy always do the latter."""
     agent_mode: str = "env"
     """env: the worker draws prompts from data.* and runs them (single-turn, or episodes of
     env.name); proxy: it serves an OpenAI-compatible /v1/chat/completions for external agent
@@ -515,8 +521,9 @@ class WeightSyncConfig:
     """How engines pause while weights are sent (async runs, algo.max_staleness >= 1) and
     before they release memory (colocated): retract (running requests go back to the queue,
     keep their tokens and continue on the new weights; a sample then spans two versions, see
-    meta_info.weight_versions), abort (they end with finish_reason abort and the worker
-    generates their groups again) or in_place (refused by every supported SGLang: the sync's
+    meta_info.weight_versions), abort (they end with finish_reason abort; the worker continues
+    them from their prefix, or with rollout.partial_rollout=false generates their groups
+    again) or in_place (refused by every supported SGLang: the sync's
     cache flush cannot run beside requests paused in place). Checked against each engine's
     version when the weight-sync group forms."""
 

@@ -20,6 +20,7 @@ def dump_rows(groups: Iterable[list], step: int, decode: Decode) -> list[dict[st
         {"step": step, "prompt_id": s.prompt_id, "group_id": s.group_id,
          "prompt": decode(s.prompt_ids.tolist()), "response": decode(s.response_ids.tolist()),
          "reward": float(s.reward), "version": int(s.version), "version_min": int(s.version_min),
+         "version_spans": [list(span) for span in s.version_spans],
          "finish_reason": s.finish_reason, "response_len": int(len(s.response_ids))}
         for g in groups for s in g
     ]

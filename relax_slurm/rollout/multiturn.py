@@ -30,6 +30,7 @@ from typing import Any, Awaitable, Callable
 
 from relax_slurm.envs.base import BaseEnv, EnvError, Message, StepResult
 from relax_slurm.rollout.engine_client import GenerateResult
+from relax_slurm.rollout.partial import version_record
 from relax_slurm.samples import Sample
 
 Generate = Callable[[list[int], dict[str, Any]], Awaitable[GenerateResult]]
@@ -64,6 +65,8 @@ class Episode:
     infos: list[dict] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     """The weight version of each model turn (an async run may update weights mid-episode)."""
+    version_spans: list[list[int]] = field(default_factory=list)
+    """[version, start, end] runs of response_ids the model sampled (Sample.version_spans)."""
     last_turn_text: str = ""
     """The last model turn as handed to the environment (the final answer)."""
 
@@ -91,6 +94,7 @@ class Episode:
 
     def add_turn(self, res: GenerateResult) -> None:
         """A model turn as the engine sampled it: its ids (mask 1), log-probs and version."""
+        self.version_spans += version_record(res, offset=len(self.response_ids))
         self.add(res.output_ids, model=True, logprobs=res.logprobs)
         self.turns += 1
         self.finish_reason = res.finish_reason
@@ -258,6 +262,7 @@ def episode_sample(ep: Episode, *, prompt_id: str, group_id: int, reward: float,
         prompt_id=prompt_id, group_id=group_id, prompt_ids=ep.prompt_ids,
         response_ids=ep.response_ids, loss_mask=ep.loss_mask, rollout_logprobs=ep.logprobs,
         reward=float(reward), version=max(ep.versions), version_min=min(ep.versions),
+        version_spans=ep.version_spans,
         # a truncated episode counts as cut by length in rollout/truncated_frac
         finish_reason="length" if ep.truncated else ep.finish_reason,
         multimodal={"observation_images": ep.images} if ep.images else {},

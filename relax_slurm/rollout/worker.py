@@ -11,7 +11,8 @@ responses from one engine (tasks started together share one batched request, see
 rollout/coalesce.py), scores them in the reward pool (worker processes with a timeout),
 asks the teacher engine for their log-probs when the run has one (on-policy distillation) and
 puts the group on the broker. The worker cannot tell an SGLang server from the hf engine: both
-speak the same HTTP protocol.
+speak the same HTTP protocol. A sequence a weight sync aborts (weight_sync.pause_mode=abort)
+is continued from its prefix on the new weights (rollout/partial.py, rollout.partial_rollout).
 
 Data-side algorithm knobs applied here (pure functions in relax_slurm/rewards/shaping.py):
 - `algo.overlong_buffer_tokens`: the soft overlong penalty is added to each reward;
@@ -61,6 +62,7 @@ from relax_slurm.rollout.engine_client import (
 from relax_slurm.rollout.multiturn import (
     Episode, ObservationRenderer, TurnLimits, episode_sample, run_episode,
 )
+from relax_slurm.rollout.partial import generate_resuming, version_record
 from relax_slurm.rollout.proxy_server import serve_proxy
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.routing.shape import RoutingShape, decode_routed_experts, routing_shape
@@ -313,9 +315,10 @@ class RolloutWorker:
         media = ([{k: [r.to_engine() for r in refs] for k, refs in prompt.media.items()}] * n
                  if processed.tensors else None)
         async with self.router.pick() as engine:
-            results = raise_if_aborted(
-                await engine.generate([processed.input_ids] * n, params, media=media),
-                engine.url)
+            # a sequence a weight sync aborts continues from its prefix (rollout.partial_rollout)
+            results = await generate_resuming(engine.generate, [processed.input_ids] * n,
+                                              params, media, url=engine.url,
+                                              resume=self.cfg.rollout.partial_rollout)
         if processed.tensors:
             results = [cut_at_media_pads(r, self.media.pad_ids.values()) for r in results]
         t_end = time.time()
@@ -327,9 +330,10 @@ class RolloutWorker:
             return
         group: Group = []
         for res, reward, teacher_lp in zip(results, rewards, teacher):
-            # tokens from several versions when a sync paused the engine in retract mode: the
-            # staleness rule judges the oldest
-            versions = res.versions() or [0]
+            # tokens from several versions when a sync paused the engine mid-way (retract, or
+            # abort and resumed): the staleness rule judges the oldest
+            spans = version_record(res)
+            versions = [v for v, _, _ in spans] or res.versions() or [0]
             group.append(Sample(
                 prompt_id=prompt.prompt_id, group_id=gid,
                 prompt_ids=processed.input_ids, response_ids=res.output_ids,
@@ -338,7 +342,7 @@ class RolloutWorker:
                 routed_experts=self.routed_experts(processed.input_ids, res),
                 mm_inputs=processed.tensors,  # one dict: the group's samples share its arrays
                 reward=float(reward), version=max(versions), version_min=min(versions),
-                finish_reason=res.finish_reason,
+                version_spans=spans, finish_reason=res.finish_reason,
                 metadata={"t_start": t_start, "t_end": t_end, "worker": self.worker_rank,
                           "data_state": data_state, **counts},
             ))
@@ -415,9 +419,10 @@ class RolloutWorker:
         task.add_done_callback(self._done)
 
     async def guarded_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
-        """A group whose engine went away (died, restarting in place) or aborted it (a weight
-        sync with weight_sync.pause_mode=abort) is queued again with its credit and the same
-        seeds; any other failure fails the worker."""
+        """A group whose engine went away (died, restarting in place) or aborted it for good (a
+        weight sync with weight_sync.pause_mode=abort and rollout.partial_rollout=false, or a
+        multi-turn episode) is queued again with its credit and the same seeds; any other
+        failure fails the worker."""
         try:
             await self.rollout_group(prompt, gid, data_state)
         except (EngineUnreachable, EngineAborted) as e:

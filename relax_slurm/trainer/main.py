@@ -103,6 +103,8 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
         "rollout/reward_mean": sum(s.reward for s in samples) / n,
         "rollout/response_len_mean": sum(s.response_len for s in samples) / n,
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
+        # samples whose tokens come from more than one policy version (a sync mid-generation)
+        "rollout/multi_version_frac": sum(s.multi_version for s in samples) / n,
         "rollout/reward_errors": sum(int(c.get("reward_errors", 0)) for c in counts),
         "rollout/filtered_groups": sum(int(c.get("filtered_groups", 0)) for c in counts),
         "broker/staleness_max": stats.get("staleness_max", 0),

@@ -179,3 +179,20 @@ def test_a_rejoin_retires_the_dead_workers_late_puts(start_broker: Callable[...,
         successor.put_group(group(3))
         s = trainer.stats()
         assert (s["accepted"], s["in_flight"]) == (2, 2)
+
+
+def test_spill_keeps_the_version_spans_of_queued_groups(tmp_path: Path) -> None:
+    """A group whose samples span two versions (a sync mid-generation) replays with its spans."""
+    path = tmp_path / "spill.bin"
+    state = BrokerState(max_staleness=1, batch_size=1)
+    spill = Spill(path)
+    spill.start(state)
+    state.admit(1)
+    g = group(0, version=1)
+    for s in g:
+        s.version_min, s.version_spans = 0, [[0, 0, 1], [1, 1, s.response_len]][:s.response_len]
+    state.accept(g)
+    spill.record(state, (b"w", 1), {})
+    spill.close()
+    [got] = replay(path).queue.values()
+    assert [s.version_spans for s in got] == [[[0, 0, 1]], [[0, 0, 1], [1, 1, 2]]]

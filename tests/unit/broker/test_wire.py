@@ -283,3 +283,22 @@ def test_mm_inputs_bad() -> None:
     frames[-1] = b"\0" * 8
     with pytest.raises(BrokerError, match=r"shape \[2, 3\].*needs 24"):
         decode(frames)
+
+
+def test_version_spans_round_trip_and_malformed_ones_are_refused() -> None:
+    spans = [[2, 0, 3], [3, 3, 4]]  # a sync after 3 tokens: the 4th came from version 3
+    frames = encode("put_group", {}, [[make_sample(version_spans=spans), make_sample()]])
+    _, _, [[a, b]] = decode(frames)
+    assert a.version_spans == spans and b.version_spans == [] and a.multi_version
+    head = header_of(frames)
+    for bad in ([[2, 0, 3], [3, 2, 4]],  # overlapping
+                [[2, 0, 5]],  # past the 4 response tokens
+                [[1, 0, 4]],  # older than version_min=2
+                [[2, 0]],  # not a triple
+                [[2, 1, 1]]):  # empty
+        head["g"][0]["s"]["version_spans"][0] = bad
+        with pytest.raises(BrokerError, match="version_spans"):
+            decode([msgpack.packb(head, use_bin_type=True), *frames[1:]])
+    head["g"][0]["s"]["version_spans"] = [{}, []]
+    with pytest.raises(BrokerError, match="version_spans"):
+        decode([msgpack.packb(head, use_bin_type=True), *frames[1:]])

@@ -84,6 +84,11 @@ def test_masks_cover_exactly_the_model_tokens_over_three_turns(engine, tiny_asse
             ids, mask = ids + between, mask + [0.0] * len(between)
     assert ep.response_ids == ids and ep.loss_mask == mask
     assert len(ep.logprobs) == len(ids)
+    # each model turn is one version run (no sync came), placed where its tokens are: the
+    # observations between turns lie in none
+    assert [v for v, _, _ in ep.version_spans] == [0] * len(seen)
+    assert [i for _, a, b in ep.version_spans for i in range(a, b)] == \
+        [i for i, m in enumerate(mask) if m]
     assert all(lp <= 0 for lp, m in zip(ep.logprobs, mask) if m) and \
         all(lp == 0 for lp, m in zip(ep.logprobs, mask) if not m)
 

@@ -303,10 +303,11 @@ class FlakyEngine(FakeEngine):
         return await super().generate(input_ids, params, return_logprob, **kwargs)
 
 
-def run_two_groups(make_worker, make_engine) -> RolloutWorker:
+def run_two_groups(make_worker, make_engine, partial_rollout: bool = True) -> RolloutWorker:
     """A worker on make_engine(tokenizer, answers) until the broker has two groups."""
     async def main():
         worker = make_worker()
+        worker.cfg.rollout.partial_rollout = partial_rollout
         engine = make_engine(worker.tokenizer, {p: ["2", "12", "2", "2"] for p in PROMPTS})
         worker.router = LeastLoadedRouter([engine])
         worker.broker.close()
@@ -348,7 +349,9 @@ class AbortingEngine(FakeEngine):
 
 
 def test_aborted_groups_are_requeued_never_scored_and_spans_give_the_versions(make_worker):
-    worker = run_two_groups(make_worker, lambda tok, answers: AbortingEngine(tok, answers, 2))
+    """rollout.partial_rollout=false: an aborted group is generated again from scratch."""
+    worker = run_two_groups(make_worker, lambda tok, answers: AbortingEngine(tok, answers, 2),
+                            partial_rollout=False)
     groups = worker.broker.groups
     assert worker.requeued_total == 2
     assert sorted(g[0].prompt_id for g in groups) == ["0", "1"]  # the same prompts, again
@@ -356,4 +359,5 @@ def test_aborted_groups_are_requeued_never_scored_and_spans_give_the_versions(ma
     assert all(s.finish_reason == "stop" and len(s.response_ids) > 1 for s in samples)
     # tokens from versions 3 and 4: the staleness rule judges the oldest
     assert {(s.version_min, s.version) for s in samples} == {(3, 4)}
+    assert all(s.version_spans == [[3, 0, 1], [4, 1, s.response_len]] for s in samples)
     assert worker.broker.released == 0
