@@ -37,6 +37,7 @@ import multiprocessing as mp
 import pickle
 import signal
 import sys
+import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 120.0
 MAX_CACHED_FNS = 256  # reward objects a worker keeps (with their HTTP clients) between calls
 PRELOAD = ["relax_slurm.rewards"]
+SPLIT_ABOVE_S = 0.002  # a group is split across workers once its reward takes this per input
 
 
 class _WorkerDied(Exception):
@@ -113,38 +115,51 @@ class _Worker:
         child.close()
         self.known: set[int] = set()  # fn keys this worker has received
 
-    async def _recv(self) -> Any:
-        if not self.conn.poll():  # replies of a fast reward are often waiting already
-            loop = asyncio.get_running_loop()
-            readable = loop.create_future()
-            fd = self.conn.fileno()
-            loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
-            try:
-                await readable
-            finally:
-                loop.remove_reader(fd)
+    async def _readable(self, timeout_s: float) -> None:
+        """Until a reply can be read; asyncio.TimeoutError after `timeout_s`."""
+        if self.conn.poll():  # replies of a fast reward are often waiting already
+            await asyncio.sleep(0)  # still a turn for the others (a group's other chunks)
+            return
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        fd = self.conn.fileno()
+        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+        timer = loop.call_later(timeout_s, lambda: readable.done()
+                                or readable.set_exception(asyncio.TimeoutError()))
+        try:
+            await readable
+        finally:
+            timer.cancel()
+            loop.remove_reader(fd)
+
+    def _read(self) -> Any:
         try:
             return self.conn.recv()
         except (EOFError, OSError) as e:
             raise _WorkerDied(f"reward worker exited (code {self.proc.exitcode})") from e
 
+    async def replies(self, timeout_s: float) -> list[tuple[str, Any]]:
+        """Every reply that has arrived, once at least one has (within `timeout_s`): a fast
+        reward's replies are read in one turn of the event loop, not one wait each."""
+        await self._readable(timeout_s)
+        out = [self._read()]
+        while self.conn.poll():
+            try:
+                out.append(self._read())
+            except _WorkerDied:  # after replies it sent before dying: the next call says so
+                break
+        return out
+
     async def started(self) -> None:
-        status, _ = await asyncio.wait_for(self._recv(), STARTUP_TIMEOUT_S)
+        await self._readable(STARTUP_TIMEOUT_S)
+        status, _ = self._read()
         assert status == "ready", status
 
-    async def call(self, key: int, fn: Any, inputs: list) -> tuple[str, Any]:
-        """Send inputs to score in order; the first input's reply (then `next_reply` each)."""
+    def send(self, key: int, fn: Any, inputs: list) -> None:
+        """Inputs to score in order (fn along unless this worker has it already)."""
         # Connection.send pickles before writing: a pickling error leaves the pipe clean
         self.conn.send((key, None if key in self.known else fn, inputs))
         self.known.add(key)
-        reply = await self._recv()
-        if reply[0] == "resend":  # the worker dropped fn from its cache
-            self.conn.send((key, fn, inputs))
-            reply = await self._recv()
-        return reply
-
-    async def next_reply(self) -> tuple[str, Any]:
-        return await self._recv()
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -162,7 +177,7 @@ class RewardPool:
     """
 
     def __init__(self, max_workers: int, timeout_s: float, *, warm_up: bool = True,
-                 start_method: str = "forkserver") -> None:
+                 start_method: str = "forkserver", split_above_s: float = SPLIT_ABOVE_S) -> None:
         if max_workers < 1 or timeout_s <= 0:
             raise ConfigError(f"reward pool: max_workers={max_workers} must be >= 1 and "
                               f"timeout_s={timeout_s} > 0 (reward.num_workers, reward.timeout_s)")
@@ -178,6 +193,8 @@ class RewardPool:
         self._next_key = itertools.count()
         self.calls = 0
         self.errors = 0
+        self.split_above_s = split_above_s
+        self._per_input_s: dict[int, float] = {}  # key -> moving average of a chunk's s/input
 
     async def start(self) -> None:
         """Start every worker now, before the first call (optional: else on first use)."""
@@ -196,7 +213,11 @@ class RewardPool:
         if not inputs:
             return []
         key = self._key(fn)
-        size = -(-len(inputs) // min(self.max_workers, len(inputs)))
+        # a fast reward's group goes to one worker: splitting it costs more messages than the
+        # parallel scoring saves (groups are scored concurrently anyway)
+        split = (1 if self._per_input_s.get(key, math.inf) < self.split_above_s
+                 else self.max_workers)
+        size = -(-len(inputs) // min(split, len(inputs)))
         chunks = [inputs[i:i + size] for i in range(0, len(inputs), size)]
         if len(chunks) == 1:
             return await self._score_chunk(key, fn, chunks[0])
@@ -215,11 +236,16 @@ class RewardPool:
         """Inputs in order on one worker; after a timeout or death, the rest on a fresh one."""
         results: list[tuple[float, bool]] = []
         async with self._slots:
+            start = time.perf_counter()
             self.calls += len(inputs)
             while len(results) < len(inputs):
                 worker = self._idle.pop() if self._idle else await self._spawn()
                 if await self._run(worker, key, fn, inputs[len(results):], results):
                     self._idle.append(worker)
+            # the reward's cost per input as this pool sees it (round trip included)
+            took = (time.perf_counter() - start) / len(inputs)
+            known = self._per_input_s.get(key)
+            self._per_input_s[key] = took if known is None else 0.8 * known + 0.2 * took
         return results
 
     async def _run(self, worker: _Worker, key: int, fn: Any, inputs: list,
@@ -227,14 +253,20 @@ class RewardPool:
         """Append inputs' results from worker until one hangs or kills it (that one scores as an
         error and the worker is discarded: False); True when all are done and worker is idle."""
         try:
-            for i in range(len(inputs)):
+            worker.send(key, fn, inputs)
+            done = len(results)
+            while len(results) - done < len(inputs):
                 # each input's clock starts at the previous result, when the worker took it up
-                reply = worker.call(key, fn, inputs) if i == 0 else worker.next_reply()
-                status, payload = await asyncio.wait_for(reply, self.timeout_s)
-                if status == "config_error":
-                    worker.known.discard(key)
-                    raise ConfigError(payload)
-                results.append((payload, False) if status == "ok" else self._fail(None, payload))
+                for status, payload in await worker.replies(self.timeout_s):
+                    if status == "resend":  # the worker dropped fn from its cache
+                        worker.known.discard(key)
+                        worker.send(key, fn, inputs)
+                    elif status == "config_error":
+                        worker.known.discard(key)
+                        raise ConfigError(payload)
+                    else:
+                        results.append((payload, False) if status == "ok"
+                                       else self._fail(None, payload))
         except (pickle.PicklingError, TypeError, AttributeError) as e:  # nothing was sent
             self._idle.append(worker)
             raise ConfigError(f"reward {fn!r} cannot be sent to a reward worker ({e}). Fix: "

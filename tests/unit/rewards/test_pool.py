@@ -55,6 +55,10 @@ HELPERS = textwrap.dedent("""
 
     def pid_of(inp):
         return float(os.getpid())
+
+    def nap_pid(inp):
+        time.sleep(0.5)
+        return float(os.getpid())
 """)
 
 INP = RewardInput(prompt="", response="7", label="7")
@@ -172,6 +176,25 @@ def test_score_many_keeps_order_and_splits_across_workers(helpers):
             assert pids[0] != pids[3]
             assert await pool.score_many("exact_match", [INP, INP]) == [(1.0, False)] * 2
             assert (pool.calls, pool.errors) == (15, 0)
+
+    run(main())
+
+
+def test_a_fast_rewards_groups_stay_on_one_worker(helpers):
+    """Splitting a group over workers pays for a slow reward only: once the pool has seen a
+    reward take under split_above_s per input, its groups go to one worker in one message; a
+    slow one's keep splitting. (0.2 s: far above a round trip of pid_of even on a loaded
+    machine, far below nap_pid's 0.5 s sleep, which can only overrun.)"""
+    async def main():
+        async with RewardPool(2, timeout_s=10.0, warm_up=False, split_above_s=0.2) as pool:
+            await pool.start()
+            first = [p for p, _ in await pool.score_many(helpers.pid_of, list(range(6)))]
+            assert len(set(first)) == 2  # nothing known yet: split
+            again = [p for p, _ in await pool.score_many(helpers.pid_of, list(range(6)))]
+            assert len(set(again)) == 1
+            for _ in range(2):  # 0.5 s per input: always split
+                naps = await pool.score_many(helpers.nap_pid, list(range(4)))
+                assert len({p for p, _ in naps}) == 2
 
     run(main())
 
