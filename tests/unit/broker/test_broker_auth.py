@@ -22,9 +22,7 @@ from relax_slurm.broker.wire import decode, encode
 from relax_slurm.config import save_config
 from relax_slurm.config.schema import DataConfig, ModelConfig, TrainConfig
 from relax_slurm.errors import BrokerError
-from tests.unit.broker.test_server import (  # noqa: F401  (start_broker is a fixture)
-    REPO, SECRET, TIMEOUT_S, Broker, group, start_broker,
-)
+from tests.helpers_broker import REPO, SECRET, TIMEOUT_S, Broker, group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -11,9 +11,7 @@ import httpx
 import pytest
 
 from relax_slurm.launch.plan import RunPlan, save_plan
-from tests.unit.broker.test_server import (  # noqa: F401  (start_broker is a fixture)
-    SECRET, TIMEOUT_S, Broker, start_broker,
-)
+from tests.helpers_broker import SECRET, TIMEOUT_S, Broker
 
 pytestmark = [pytest.mark.timeout(120)]
 A, B, C = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from relax_slurm.broker.spill import Spill, replay
 from relax_slurm.broker.state import BrokerState
-from tests.unit.broker.test_server import group
+from tests.helpers_broker import group
 
 
 def with_position(gid: int, rank: int = 0):

@@ -20,9 +20,7 @@ from relax_slurm.broker.state import BrokerState
 from relax_slurm.broker.wire import decode, encode
 from relax_slurm.errors import BrokerError
 from relax_slurm.launch.plan import free_port
-from tests.unit.broker.test_server import (  # noqa: F401  (start_broker is a fixture)
-    SECRET, TIMEOUT_S, Broker, group, start_broker,
-)
+from tests.helpers_broker import SECRET, TIMEOUT_S, Broker, group
 
 
 def test_records_round_trip_and_a_torn_tail_is_cut(tmp_path: Path) -> None:

@@ -13,9 +13,7 @@ import pytest
 
 from relax_slurm.launch.health import HangWatch
 from relax_slurm.launch.plan import free_port
-from tests.unit.broker.test_server import (  # noqa: F401  (start_broker is a fixture)
-    SECRET, Broker, start_broker,
-)
+from tests.helpers_broker import SECRET, Broker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 INTERVAL_S, TIMEOUT_S = 0.2, 1.5

@@ -21,9 +21,7 @@ from relax_slurm.launch.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.processes import ProcessSet
 from relax_slurm.launch.scale import Scaler
 from tests.helpers_tiny import start_engine, stop_process, wait_healthy
-from tests.unit.broker.test_server import (  # noqa: F401  (start_broker is a fixture)
-    SECRET, TIMEOUT_S, Broker, start_broker,
-)
+from tests.helpers_broker import SECRET, TIMEOUT_S, Broker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 INITIAL = "http://127.0.0.1:1"
