@@ -139,6 +139,21 @@ def check_spans(spans: Any, n: int, version_min: int, version: int, where: str
 Group = list[Sample]
 
 
+def note_position(positions: dict[str, dict[str, Any]], group: Group) -> None:
+    """Per worker rank (`positions`, updated in place): the data position after its newest
+    group so far (the largest group id), where a restarted worker continues. The broker keeps
+    it over accepted groups, the trainer over trained ones (its checkpoints'), both with this
+    rule: a straggler arriving after a newer group never moves a position back."""
+    meta = group[0].metadata
+    if "data_state" not in meta:
+        return
+    rank = str(meta.get("worker", 0))
+    known = positions.get(rank)
+    if known is None or group[0].group_id + 1 > known["next_group_id"]:
+        positions[rank] = {"data_state": meta["data_state"],
+                           "next_group_id": group[0].group_id + 1}
+
+
 def group_version_min(group: Group) -> int:
     """The oldest weight version that touched any sample of the group."""
     return min(s.version_min for s in group)

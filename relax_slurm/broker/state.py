@@ -24,7 +24,7 @@ from collections import Counter, deque
 from typing import Any
 
 from relax_slurm.errors import BrokerError
-from relax_slurm.samples import Group, group_version_min
+from relax_slurm.samples import Group, group_version_min, note_position
 
 COUNTER_NAMES = ("version", "accepted", "dropped", "consumed", "in_flight", "released")
 
@@ -81,7 +81,7 @@ class BrokerState:
         self.in_flight -= 1
         self._give_back(holder, 1)
         self.accepted += 1
-        self._note_position(group)
+        note_position(self.positions, group)
         if self._is_stale(group, self.version):
             # too old for any trainer at >= self.version: drop now so its credit frees at once
             self.dropped += 1
@@ -103,16 +103,6 @@ class BrokerState:
         self.in_flight -= n
         self.released += n
         return n
-
-    def _note_position(self, group: Group) -> None:
-        meta = group[0].metadata
-        if "data_state" not in meta:
-            return
-        rank = str(meta.get("worker", 0))
-        known = self.positions.get(rank)
-        if known is None or group[0].group_id + 1 > known["next_group_id"]:
-            self.positions[rank] = {"data_state": meta["data_state"],
-                                    "next_group_id": group[0].group_id + 1}
 
     # ---- trainer -------------------------------------------------------------------------
     def _is_stale(self, group: Group, trainer_version: int) -> bool:

@@ -35,7 +35,7 @@ from relax_slurm.metrics.jsonl import METRICS_FILE
 from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.rollout.engine_client import wait_until_healthy
 from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
-from relax_slurm.samples import Group
+from relax_slurm.samples import Group, note_position
 from relax_slurm.trainer.backend import build_backend
 from relax_slurm.trainer.overlap import BackgroundPush
 from relax_slurm.trainer.stream import GroupStream, step_blocks
@@ -304,17 +304,6 @@ def truncate_metrics(run_dir: Path, start_step: int) -> None:
     tmp.replace(path)
 
 
-def rollout_state(groups: list[Group]) -> dict:
-    """Per worker: the data position after its newest trained prompt and its next group id."""
-    out: dict[str, dict] = {}
-    for g in sorted(groups, key=lambda g: g[0].group_id):
-        meta = g[0].metadata
-        if "data_state" in meta:
-            out[str(meta.get("worker", 0))] = {"data_state": meta["data_state"],
-                                                "next_group_id": g[0].group_id + 1}
-    return out
-
-
 def broker_counters(broker: BrokerClient, version: int) -> dict:
     """What a restarted broker needs: its counters as of `version` (queued groups are not kept)."""
     stats = broker.stats()
@@ -379,7 +368,8 @@ def run(run_dir: Path) -> int:
             t1 = time.monotonic()
             if rank == 0:
                 groups, stats = stream.batch()
-                rollout_states.update(rollout_state(groups))
+                for g in groups:
+                    note_position(rollout_states, g)
             done = step + 1
             # a collective under FSDP2 and megatron (gathered over TP/PP): every rank
             weights = list(backend.named_hf_weights())

@@ -38,3 +38,18 @@ def test_reclaim_and_positions(tmp_path: Path) -> None:
     assert len(again.queue) == 2
     again.restore(again.counters())  # a global restart forgets both
     assert again.holders == {} and again.positions == {}
+
+
+def test_the_trainer_keeps_positions_by_the_same_rule() -> None:
+    """The trainer's checkpointed positions (trainer/main.py) follow samples.note_position as
+    the broker does: per worker rank the newest group id wins, a straggler trained in a later
+    step does not move it back, groups without a data position are skipped."""
+    from relax_slurm.samples import note_position
+
+    positions: dict = {}
+    for g in (with_position(4), with_position(7, rank=1), with_position(9)):
+        note_position(positions, g)
+    note_position(positions, with_position(6))  # a straggler of worker 0, trained later
+    note_position(positions, group(20))  # no data_state: not a position
+    assert positions == {"0": {"data_state": {"index": 10}, "next_group_id": 10},
+                         "1": {"data_state": {"index": 8}, "next_group_id": 8}}
