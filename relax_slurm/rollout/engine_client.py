@@ -169,6 +169,14 @@ class _Base:
         body.update(media_fields(media, len(input_ids)))
         return body
 
+    def _healthy(self, resp: httpx.Response) -> bool:
+        """GET /health's answer: True for 200, EngineError otherwise (the sync and async
+        clients' health share it)."""
+        self._check("/health", resp)
+        if resp.status_code != 200:
+            raise EngineError(f"engine {self.url}/health: HTTP {resp.status_code}")
+        return True
+
     def _info(self, route: str, resp: httpx.Response) -> Optional[dict[str, Any]]:
         """An info route's body; None on a 404 (try its older name, DEPRECATED_ROUTE)."""
         return None if resp.status_code == 404 else self._json(route, resp)
@@ -214,10 +222,7 @@ class EngineClient(_Base):
             resp = self._http.get("/health", timeout=timeout_s)
         except httpx.HTTPError as e:
             raise self._error("/health", e) from e
-        self._check("/health", resp)
-        if resp.status_code != 200:
-            raise EngineError(f"engine {self.url}/health: HTTP {resp.status_code}")
-        return True
+        return self._healthy(resp)
 
     def _get_info(self, route: str) -> dict[str, Any]:
         """GET /model_info or /server_info, else their older names; a 404 on both is an
@@ -403,10 +408,7 @@ class AsyncEngineClient(_Base):
             resp = await self._http.get("/health", timeout=timeout_s)
         except httpx.HTTPError as e:
             raise self._error("/health", e) from e
-        self._check("/health", resp)
-        if resp.status_code != 200:
-            raise EngineError(f"engine {self.url}/health: HTTP {resp.status_code}")
-        return True
+        return self._healthy(resp)
 
     async def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
                        return_logprob: bool = True, logprob_start_len: Optional[int] = None,
