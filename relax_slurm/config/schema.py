@@ -20,6 +20,12 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def default_of(cls: type, name: str) -> Any:
+    """A config field's default: the one place it is written (the media processor's limits
+    and the hf engine's flags of the same name read theirs from here)."""
+    return cls.__dataclass_fields__[name].default
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str = MISSING

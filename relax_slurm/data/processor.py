@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from relax_slurm.config.schema import DataConfig, default_of
 from relax_slurm.data.media import MediaRef, load_audio, load_image
 from relax_slurm.data.video import VideoLimits, load_video
 from relax_slurm.errors import DataError
@@ -184,11 +185,20 @@ class Processed:
 class MediaLimits:
     """Processing knobs (data.* keys)."""
 
-    image_min_pixels: int | None = None
-    image_max_pixels: int | None = None
-    audio_sampling_rate_hz: int = 16000
+    image_min_pixels: int | None = default_of(DataConfig, "image_min_pixels")
+    image_max_pixels: int | None = default_of(DataConfig, "image_max_pixels")
+    audio_sampling_rate_hz: int = default_of(DataConfig, "audio_sampling_rate_hz")
     video: VideoLimits = field(default_factory=VideoLimits)
     """Frame sampling of videos (their frames are resized under the image pixel limits)."""
+
+    @classmethod
+    def of(cls, d: Any) -> "MediaLimits":
+        """From the data.* keys: a DataConfig, or the hf engine's flags of the same names."""
+        return cls(image_min_pixels=d.image_min_pixels, image_max_pixels=d.image_max_pixels,
+                   audio_sampling_rate_hz=d.audio_sampling_rate_hz,
+                   video=VideoLimits(fps=d.video_fps, min_frames=d.video_min_frames,
+                                     max_frames=d.video_max_frames,
+                                     max_pixels=d.video_max_pixels))
 
 
 class MediaProcessor:

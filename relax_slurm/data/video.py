@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from relax_slurm.config.schema import DataConfig, default_of
 from relax_slurm.data.media import MediaRef, sample_frame_indices
 from relax_slurm.errors import DataError
 
@@ -30,10 +31,10 @@ FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 class VideoLimits:
     """Frame sampling knobs (data.video_* keys)."""
 
-    fps: float = 2.0
-    min_frames: int = 4
-    max_frames: int = 768
-    max_pixels: int | None = None
+    fps: float = default_of(DataConfig, "video_fps")
+    min_frames: int = default_of(DataConfig, "video_min_frames")
+    max_frames: int = default_of(DataConfig, "video_max_frames")
+    max_pixels: int | None = default_of(DataConfig, "video_max_pixels")
     """Largest frame in pixels; None: the image limit."""
 
 

@@ -32,9 +32,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from relax_slurm.auth import bearer_matches
-from relax_slurm.config.schema import FLATTENED_BUCKET
+from relax_slurm.config.schema import FLATTENED_BUCKET, DataConfig, default_of
 from relax_slurm.data.processor import MediaLimits
-from relax_slurm.data.video import VideoLimits
 from relax_slurm.errors import WeightSyncError
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
@@ -279,16 +278,18 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="longest a /generate call may wait for its batch")
     p.add_argument("--weight-sync-timeout-s", type=float, default=300.0,
                    help="timeout of group formation, broadcasts and waiting for the model lock")
-    p.add_argument("--image-min-pixels", type=int, default=None,
+    # data.*'s media keys, same names and defaults (config/schema.py DataConfig)
+    data = functools.partial(default_of, DataConfig)
+    p.add_argument("--image-min-pixels", type=int, default=data("image_min_pixels"),
                    help="multimodal: smallest image size in pixels (default: the processor's)")
-    p.add_argument("--image-max-pixels", type=int, default=None,
+    p.add_argument("--image-max-pixels", type=int, default=data("image_max_pixels"),
                    help="multimodal: largest image size in pixels (default: the processor's)")
-    p.add_argument("--audio-sampling-rate-hz", type=int, default=16000)
-    p.add_argument("--video-fps", type=float, default=2.0,
+    p.add_argument("--audio-sampling-rate-hz", type=int, default=data("audio_sampling_rate_hz"))
+    p.add_argument("--video-fps", type=float, default=data("video_fps"),
                    help="multimodal: frames kept per second of a video")
-    p.add_argument("--video-min-frames", type=int, default=4)
-    p.add_argument("--video-max-frames", type=int, default=768)
-    p.add_argument("--video-max-pixels", type=int, default=None,
+    p.add_argument("--video-min-frames", type=int, default=data("video_min_frames"))
+    p.add_argument("--video-max-frames", type=int, default=data("video_max_frames"))
+    p.add_argument("--video-max-pixels", type=int, default=data("video_max_pixels"),
                    help="multimodal: largest video frame in pixels (default: the image limit)")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="MoE models: answer return_routed_experts=true with "
@@ -305,13 +306,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     engine = HFEngine(args.model_path, args.tokenizer_path, args.dtype, args.device,
                       args.max_batch_size, args.batch_wait_ms, args.weight_version,
                       args.weight_sync_timeout_s,
-                      MediaLimits(image_min_pixels=args.image_min_pixels,
-                                  image_max_pixels=args.image_max_pixels,
-                                  audio_sampling_rate_hz=args.audio_sampling_rate_hz,
-                                  video=VideoLimits(fps=args.video_fps,
-                                                    min_frames=args.video_min_frames,
-                                                    max_frames=args.video_max_frames,
-                                                    max_pixels=args.video_max_pixels)),
+                      MediaLimits.of(args),  # the flags carry data.*'s names
                       return_routed_experts=args.enable_return_routed_experts)
     freeze_heap()
     engine.start()

@@ -46,7 +46,6 @@ from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, Processed
-from relax_slurm.data.video import VideoLimits
 from relax_slurm.envs import env_factory
 from relax_slurm.errors import BrokerShutdown, ConfigError, EngineAborted, EngineUnreachable
 from relax_slurm.launch.exit import exit_now
@@ -263,13 +262,8 @@ class RolloutWorker:
             if value:
                 raise ConfigError(f"data.multimodal_keys with {option}={value} is not supported "
                                   f"yet: unset one of them")
-        limits = MediaLimits(image_min_pixels=d.image_min_pixels,
-                             image_max_pixels=d.image_max_pixels,
-                             audio_sampling_rate_hz=d.audio_sampling_rate_hz,
-                             video=VideoLimits(fps=d.video_fps, min_frames=d.video_min_frames,
-                                               max_frames=d.video_max_frames,
-                                               max_pixels=d.video_max_pixels))
-        processor = MediaProcessor(cfg.model.path, self.tokenizer.get_vocab(), limits)
+        processor = MediaProcessor(cfg.model.path, self.tokenizer.get_vocab(),
+                                   MediaLimits.of(d))
         return (processor, concurrent.futures.ThreadPoolExecutor(d.media_num_workers,
                                                                  thread_name_prefix="media"))
 
