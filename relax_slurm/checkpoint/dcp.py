@@ -116,17 +116,17 @@ def save_checkpoint(
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp"
     extra = {**extra_state, "step": step}
-    meta_text = _meta_json(step, extra)  # fail before writing anything if not serialisable
+    meta_text = meta_json(step, extra)  # fail before writing anything if not serialisable
     rank, _ = _rank_world()
-    group = _group()
+    group = checkpoint_group()
 
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(root)
+        remove_leftovers(root)
         tmp.mkdir()
         _write_hf_assets(model, hf_assets_src, tmp / HF_ASSETS)
-    _barrier(group)
-    _save_rng(tmp / RNG_DIR / f"rank_{rank}.pt")
+    barrier(group)
+    save_rng(tmp / RNG_DIR / f"rank_{rank}.pt")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     if scheduler is not None:
@@ -135,7 +135,7 @@ def save_checkpoint(
     kwargs = dict(storage_writer=writer, process_group=group, no_dist=group is None)
 
     def commit() -> None:
-        _commit(root, tmp, final, meta_text, keep_last)
+        commit_checkpoint(root, tmp, final, meta_text, keep_last)
 
     if not async_save:
         try:
@@ -146,7 +146,7 @@ def save_checkpoint(
                                   f"{_first_line(e)}") from e
         if rank == 0:
             commit()
-        _barrier(group)  # every rank returns after the commit
+        barrier(group)  # every rank returns after the commit
         done: Future = Future()
         done.set_result(final)
         return SaveHandle(step, final, done)
@@ -226,7 +226,7 @@ def load_checkpoint(
     rank, _ = _rank_world()
     rng_file = path / RNG_DIR / f"rank_{rank}.pt"
     if rng_file.is_file():
-        _load_rng(rng_file)
+        load_rng(rng_file)
     elif not weights_only:
         log.warning("%s has no RNG state for rank %d (saved with world size %s); RNG not restored",
                     path, rank, meta.get("world_size"))
@@ -253,7 +253,7 @@ def meta_dict(step: int, extra_state: dict[str, Any], weights_only: bool = False
     }
 
 
-def _meta_json(step: int, extra: dict[str, Any], weights_only: bool = False) -> str:
+def meta_json(step: int, extra: dict[str, Any], weights_only: bool = False) -> str:
     try:
         return json.dumps(meta_dict(step, extra, weights_only), indent=2, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -262,7 +262,7 @@ def _meta_json(step: int, extra: dict[str, Any], weights_only: bool = False) -> 
 
 
 # ---- commit ---------------------------------------------------------------------------------
-def _commit(root: Path, tmp: Path, final: Path, meta_text: str, keep_last: int) -> None:
+def commit_checkpoint(root: Path, tmp: Path, final: Path, meta_text: str, keep_last: int) -> None:
     """Rank 0, after every shard and .metadata are on disk. Each step is a single rename."""
     write_file_atomic(tmp / META, meta_text)
     _fsync_dir(tmp)
@@ -298,7 +298,7 @@ def _prune(root: Path, keep_last: int, final: Path) -> None:
         log.info("pruned checkpoint %s (keep_last=%d)", p, keep_last)
 
 
-def _remove_leftovers(root: Path) -> None:
+def remove_leftovers(root: Path) -> None:
     """Drop `.tmp` / `.del` directories a crashed save or prune left behind."""
     for child in root.iterdir():
         if child.is_dir() and child.suffix in (".tmp", ".del"):
@@ -324,7 +324,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 # ---- RNG ------------------------------------------------------------------------------------
-def _save_rng(path: Path) -> None:
+def save_rng(path: Path) -> None:
     """Plain tensors, ints and lists only, so it loads with torch.load(weights_only=True)."""
     np_state = np.random.get_state(legacy=False)
     py_version, py_state, py_gauss = random.getstate()
@@ -340,7 +340,7 @@ def _save_rng(path: Path) -> None:
     torch.save(state, path)
 
 
-def _load_rng(path: Path) -> None:
+def load_rng(path: Path) -> None:
     state = torch.load(path, weights_only=True)
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
@@ -373,7 +373,7 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _group() -> dist.ProcessGroup | None:
+def checkpoint_group() -> dist.ProcessGroup | None:
     """A gloo group over all ranks for checkpoint collectives: async saves run them from a
     background thread, which must not interleave with the training collectives of the default
     group; gloo also works when the default group is NCCL."""
@@ -385,7 +385,7 @@ def _group() -> dist.ProcessGroup | None:
     return _ckpt_group
 
 
-def _barrier(group: dist.ProcessGroup | None) -> None:
+def barrier(group: dist.ProcessGroup | None) -> None:
     if group is not None:
         dist.barrier(group=group)
 

@@ -74,13 +74,13 @@ def read_url(run_dir: Path, name: str, job_id: str) -> str | None:
 
 def job_parameters(cfg: TrainConfig, name: str, workdir: Path) -> dict[str, Any]:
     """submitit SlurmExecutor parameters of one engine job (cluster.engine_job_*)."""
-    from relax_slurm.launch.submit import _sbatch_params
+    from relax_slurm.launch.submit import sbatch_params
 
     c = cfg.cluster
     rollout_gpus = c.gpus_per_node if c.rollout_gpus_per_node is None else c.rollout_gpus_per_node
     gpus = c.engine_job_gpus if c.engine_job_gpus is not None else (
         cfg.rollout.engine_tp_size if rollout_gpus else 0)
-    extra = _sbatch_params(c.extra_sbatch_args)
+    extra = sbatch_params(c.extra_sbatch_args)
     extra["no-requeue"] = True  # a preempted engine job is not resumed: the run goes on
     params: dict[str, Any] = dict(
         job_name=f"{c.job_name}-{name}", time=c.engine_job_time_min or c.time_limit_min,
@@ -137,11 +137,11 @@ class EngineJobs:
         self._checked = 0.0
 
     def submit(self, name: str, seed: int) -> EngineJob:
-        from relax_slurm.launch.submit import _job_classes
+        from relax_slurm.launch.submit import job_classes
 
         python = self.cfg.cluster.python or sys.executable
         try:
-            executor = _job_classes()(folder=self.run_dir / SUBMITIT_SUBDIR,
+            executor = job_classes()(folder=self.run_dir / SUBMITIT_SUBDIR,
                                       python=f"exec {shlex.quote(python)}")
         except RuntimeError as e:  # submitit: no srun on PATH
             raise EngineError(f"submitting an engine job needs the Slurm commands: {e}") from e
@@ -222,7 +222,7 @@ def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
     from relax_slurm.auth import read_secret
     from relax_slurm.config import load_config
     from relax_slurm.launch.plan import free_port
-    from relax_slurm.launch.roles import _engine_spec
+    from relax_slurm.launch.roles import engine_spec
     from relax_slurm.launch.slurm_env import node_name, read_allocation
     from relax_slurm.launch.supervisor import child_env
 
@@ -231,7 +231,7 @@ def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
     host = node_name()
     url = f"http://{host}:{free_port(host)}"
     # its own allocation: its GPUs start at 0 whatever the run's layout
-    spec = _engine_spec(cfg, name, url, cfg.model.path, seed, base_gpu=0, restartable=False)
+    spec = engine_spec(cfg, name, url, cfg.model.path, seed, base_gpu=0, restartable=False)
     argv = job_argv(cfg, name, spec.argv, workdir=os.getcwd())
     env = child_env(cfg, read_secret(run))
     log_path = run / "logs" / f"{name}.log"
@@ -288,12 +288,12 @@ def job_argv(cfg: TrainConfig, name: str, argv: list[str], workdir: str) -> list
 
 
 def _start(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    from relax_slurm.launch.processes import _child_setup
+    from relax_slurm.launch.processes import child_setup
 
     with log_path.open("ab") as f:
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                preexec_fn=_child_setup(os.getpid(), None))
+                                preexec_fn=child_setup(os.getpid(), None))
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

@@ -27,7 +27,7 @@ LOG_TAIL_LINES = 20
 PR_SET_PDEATHSIG = 1
 
 
-def _child_setup(parent: int, cpus: list[int] | None):
+def child_setup(parent: int, cpus: list[int] | None):
     """preexec_fn: die with the launcher, then pin to `cpus` (if any)."""
     def setup() -> None:
         if sys.platform.startswith("linux"):
@@ -83,7 +83,7 @@ class ProcessSet:
         f = log.open("ab")
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=self.env, start_new_session=True,
-                                preexec_fn=_child_setup(os.getpid(), cpus))
+                                preexec_fn=child_setup(os.getpid(), cpus))
         f.close()  # the child holds its own descriptor
         role = Role(name=name, proc=proc, log=log, ports=ports or {}, host=host)
         self.roles.append(role)
@@ -99,7 +99,7 @@ class ProcessSet:
             f.write(f"\n--- relax-train: restarting {role.name} in place ---\n".encode())
             role.proc = subprocess.Popen(
                 cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-                start_new_session=True, preexec_fn=_child_setup(os.getpid(), cpus))
+                start_new_session=True, preexec_fn=child_setup(os.getpid(), cpus))
         role.restarts += 1
 
     def stop(self, role: Role, grace_s: float = 10.0) -> None:

@@ -141,7 +141,7 @@ def _sglang_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, 
     )
 
 
-def _engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed: int,
+def engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed: int,
                  slot: int = 0, restartable: bool = True, base_gpu: int | None = None
                  ) -> RoleSpec:
     if cfg.rollout.engine == "sglang":
@@ -176,7 +176,7 @@ def _slots(urls: list[str]) -> list[int]:
 
 def engine_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
     slots = _slots([*plan.engine_urls, *([plan.teacher_url] if plan.teacher_url else [])])
-    return [_engine_spec(cfg, f"engine{i}", url, cfg.model.path, cfg.seed + i, slots[i],
+    return [engine_spec(cfg, f"engine{i}", url, cfg.model.path, cfg.seed + i, slots[i],
                          restartable=engines_rejoin(cfg))
             for i, url in enumerate(plan.engine_urls)]
 
@@ -188,7 +188,7 @@ def teacher_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
         return []
     assert cfg.algo.teacher_model_path, "plan.teacher_url set without algo.teacher_model_path"
     slot = _slots([*plan.engine_urls, plan.teacher_url])[-1]
-    return [_engine_spec(cfg, "teacher", plan.teacher_url, cfg.algo.teacher_model_path,
+    return [engine_spec(cfg, "teacher", plan.teacher_url, cfg.algo.teacher_model_path,
                          cfg.seed, slot)]
 
 

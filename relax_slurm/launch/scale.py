@@ -46,7 +46,7 @@ from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.plan import free_port
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.restart import InPlace, record_restart, write_roles
-from relax_slurm.launch.roles import _engine_spec, engines_rejoin
+from relax_slurm.launch.roles import engine_spec, engines_rejoin
 from relax_slurm.rollout.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,7 @@ class Scaler:
             # restarted in place like the launch's engines when it dies (the trainer re-sends
             # the weights to it, see weightsync/cohort.py): a dead added engine must not fail
             # the run
-            spec = _engine_spec(self.cfg, name, url, self.cfg.model.path, self.cfg.seed + k,
+            spec = engine_spec(self.cfg, name, url, self.cfg.model.path, self.cfg.seed + k,
                                 slot=k, restartable=engines_rejoin(self.cfg))
             role = self.procs.start(name, self.wrap(spec), ports=spec.ports, host=spec.host,
                                     cpus=spec.cpus)

@@ -70,7 +70,7 @@ def run_in_allocation(run_dir: str) -> dict:
         raise SystemExit(PREEMPT_EXIT_CODE) from e
 
 
-def _sbatch_params(args: Sequence[str]) -> dict[str, Any]:
+def sbatch_params(args: Sequence[str]) -> dict[str, Any]:
     """["--constraint=a100", "--exclusive"] -> {"constraint": "a100", "exclusive": True}."""
     out: dict[str, Any] = {}
     for arg in args:
@@ -87,7 +87,7 @@ def executor_parameters(cfg: TrainConfig, workdir: Path) -> dict[str, Any]:
     from relax_slurm.launch.sbatch import component_options
 
     c = cfg.cluster
-    extra = _sbatch_params(c.extra_sbatch_args)
+    extra = sbatch_params(c.extra_sbatch_args)
     extra["requeue" if c.requeue else "no-requeue"] = True
     if c.signal_lead_s:
         extra["signal"] = f"B:USR1@{c.signal_lead_s}"  # replaces submitit's own USR2 signal
@@ -111,7 +111,7 @@ def executor_parameters(cfg: TrainConfig, workdir: Path) -> dict[str, Any]:
     return params
 
 
-def _job_classes():
+def job_classes():
     """submitit's Slurm executor and job, made to read het jobs' sacct rows (`<id>+<k>`)."""
     from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
 
@@ -160,7 +160,7 @@ def submit(cfg: TrainConfig | Sequence[str]) -> Any:
     save_config(cfg, run_dir / "config.yaml")
     python = cfg.cluster.python or sys.executable
     try:
-        executor = _job_classes()(folder=run_dir / SUBMITIT_DIR,
+        executor = job_classes()(folder=run_dir / SUBMITIT_DIR,
                                   python=f"exec {shlex.quote(python)}")
     except RuntimeError as e:  # submitit: no srun on PATH
         raise ConfigError(f"submit() needs the Slurm client commands: {e}") from e

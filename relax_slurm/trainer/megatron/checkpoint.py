@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from relax_slurm.checkpoint.convert import copy_hf_assets, write_hf_dir
 from relax_slurm.checkpoint.dcp import (
-    HF_ASSETS, RNG_DIR, SAVE_TIMEOUT, SaveHandle, _barrier, _commit, _group, _load_rng, _meta_json,
-    _remove_leftovers, _save_rng, set_pending, wait_pending,
+    HF_ASSETS, RNG_DIR, SAVE_TIMEOUT, SaveHandle, barrier, checkpoint_group, commit_checkpoint,
+    load_rng, meta_json, remove_leftovers, save_rng, set_pending, wait_pending,
 )
 from relax_slurm.checkpoint.resume import META, CheckpointError, is_complete, step_dir_name
 from relax_slurm.trainer.megatron.model import MegatronModel
@@ -75,26 +75,26 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp"
     extra = {**extra_state, "step": step, "lr_steps_done": mm.steps_done}
-    meta = json.loads(_meta_json(step, extra))
+    meta = json.loads(meta_json(step, extra))
     meta_text = json.dumps({**meta, "backend": BACKEND}, indent=2)
     rank = dist.get_rank()
-    group = _group()
+    group = checkpoint_group()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(root)
+        remove_leftovers(root)
         tmp.mkdir()
         if hf_assets_src is not None:
             copy_hf_assets(hf_assets_src, tmp / HF_ASSETS, include_config=True)
-    _barrier(group)
-    _save_rng(tmp / RNG_DIR / f"rank_{rank}.pt")
+    barrier(group)
+    save_rng(tmp / RNG_DIR / f"rank_{rank}.pt")
     done: Future = Future()
 
     def commit() -> None:
         # every shard and megatron's metadata.json are on disk: meta.json last, then the rename
-        _barrier(group)
+        barrier(group)
         if rank == 0:
-            _commit(root, tmp, final, meta_text, keep_last)
-        _barrier(group)
+            commit_checkpoint(root, tmp, final, meta_text, keep_last)
+        barrier(group)
         done.set_result(final)
 
     try:
@@ -164,7 +164,7 @@ def load(path: Path, mm: MegatronModel) -> dict[str, Any]:
     mm.steps_done = int(extra.get("lr_steps_done", meta["step"]))
     rng = path / RNG_DIR / f"rank_{dist.get_rank()}.pt"
     if rng.is_file():
-        _load_rng(rng)
+        load_rng(rng)
     return dict(extra, step=meta["step"])
 
 

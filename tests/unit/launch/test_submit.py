@@ -55,14 +55,14 @@ def test_colocated_has_no_hetjob_lines():
 
 
 def test_extra_sbatch_args():
-    assert sub._sbatch_params(["--constraint=a100", "--exclusive"]) == {
+    assert sub.sbatch_params(["--constraint=a100", "--exclusive"]) == {
         "constraint": "a100", "exclusive": True}
     with pytest.raises(ConfigError, match="long form"):
-        sub._sbatch_params(["-C", "a100"])
+        sub.sbatch_params(["-C", "a100"])
 
 
 def test_het_job_state_is_read_from_component_0():
-    executor = sub._job_classes()
+    executor = sub.job_classes()
     watcher = executor.job_class.watcher
     out = ("JobID|State|NodeList\n"
            "41+0|RUNNING|ci0\n41+0.batch|RUNNING|ci0\n41+0.1|RUNNING|ci0\n"
