@@ -39,7 +39,7 @@ def parse_dtype(name: str) -> torch.dtype:
 def tensor_sha256(t: torch.Tensor) -> str:
     """sha256 of the tensor's raw bytes (row-major, contiguous), as hex."""
     raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+    return hashlib.sha256(raw.numpy()).hexdigest()  # the buffer itself: no copy to bytes
 
 
 def parameter_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
