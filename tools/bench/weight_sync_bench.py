@@ -128,6 +128,12 @@ def measure(model: Path, repeats: int, workdir: Path) -> dict:
     from relax_slurm.rollout.engine_client import wait_until_healthy
     from relax_slurm.weightsync.sender import WeightSender
 
+    # the sender on core 1 with one torch thread, as documented: run.py's process is not
+    # pinned otherwise, and there its flattened syncs measured 2-3x its per-tensor ones on a
+    # loaded machine, against 1.0-1.1x pinned
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, [1 % os.cpu_count()])
+    torch.set_num_threads(1)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     engine = start_engine(model, port, workdir / f"engine_{model.name}.log")
@@ -160,6 +166,8 @@ def measure(model: Path, repeats: int, workdir: Path) -> dict:
             raw.close()
         engine.terminate()
         engine.wait(timeout=30)
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
     gb = stats["bytes"] / 1e9
     full, flat, raw_s = times["full_s"], times["flat_s"], times["raw_s"]
     return {"mb": stats["bytes"] / 2**20, "tensors": len(weights),
