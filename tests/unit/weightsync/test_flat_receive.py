@@ -99,5 +99,23 @@ def test_flattened_buckets_land_in_the_adopted_parameters_bit_exact():
             child.wait()
 
 
+def test_a_bucket_naming_one_parameter_twice_is_copied_not_adopted():
+    """Tied weights sent under both names: rebinding one name's view would leave the other's
+    update out, so the bucket is copied into the parameter (the tie stays one tensor)."""
+    from relax_slurm.weightsync.bucket import flatten_bucket, unflatten_bucket
+    from relax_slurm.weightsync.receiver import load_named_tensors
+
+    model = torch.nn.Module()
+    model.emb, model.head = torch.nn.Linear(3, 4, bias=False), torch.nn.Linear(3, 4, bias=False)
+    model.head.weight = model.emb.weight
+    before = model.emb.weight.data_ptr()
+    sent = [("emb.weight", torch.randn(4, 3)), ("head.weight", torch.randn(4, 3))]
+    views = unflatten_bucket(flatten_bucket([t for _, t in sent]), [torch.float32] * 2,
+                             [[4, 3]] * 2)
+    load_named_tensors(model, list(zip([n for n, _ in sent], views)), adopt=True)
+    assert model.head.weight is model.emb.weight and model.emb.weight.data_ptr() == before
+    assert torch.equal(_bits(model.emb.weight), _bits(sent[1][1]))  # the last one, as copied
+
+
 if __name__ == "__main__":
     sender(int(sys.argv[1]))
