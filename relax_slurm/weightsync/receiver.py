@@ -190,7 +190,7 @@ class WeightReceiver:
             # straight into them; otherwise into a new buffer that the parameters then adopt
             targets = [_in_place(into.get(n), d, s, device)
                        for n, d, s in zip(names, torch_dtypes, shapes)]
-            flat = None if None in targets else consecutive_region(targets)
+            flat = None if any(t is None for t in targets) else consecutive_region(targets)
             if flat is None:
                 flat = torch.empty(flat_nbytes(torch_dtypes, shapes), dtype=torch.uint8,
                                    device=device)
