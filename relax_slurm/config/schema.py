@@ -522,7 +522,8 @@ class WeightSyncConfig:
     """null: one broadcast per tensor. flattened_bucket: one broadcast per bucket, its tensors'
     bytes end to end (SGLang's load_format of the same name; the hf engine serves both).
     Fewer collectives for models of many small tensors (MoE experts), at the price of one
-    bucket-sized buffer and a copy on each side (see docs/weight_sync.md)."""
+    bucket-sized buffer and a copy on the sender (an hf engine receives into its parameters;
+    see docs/weight_sync.md)."""
     pause_mode: str = "retract"
     """How engines pause while weights are sent (async runs, algo.max_staleness >= 1) and
     before they release memory (colocated): retract (running requests go back to the queue,

@@ -483,8 +483,10 @@ class HFEngine:
         if not self.receiver.has_group(group_name):
             raise BadRequest(f"no weight-update group {group_name!r}: call "
                              "/init_weights_update_group")
+        t0 = time.monotonic()
         if not self._model_lock.acquire(timeout=self.sync_timeout_s):
             raise WeightSyncError(f"generation held the model for more than {self.sync_timeout_s}s")
+        t_lock = t_received = time.monotonic()
         try:
             # received in place into the parameters: a failure midway leaves a mix of two
             # versions, so the engine serves nothing until a later update completes (requests
@@ -493,7 +495,8 @@ class HFEngine:
             try:
                 received = self.receiver.receive(names, dtypes, shapes, group_name, self.device,
                                                  into=params, flattened=flattened)
-                load_named_tensors(self.model, received)
+                t_received = time.monotonic()
+                load_named_tensors(self.model, received, adopt=flattened)
             except BaseException:
                 self.partial_weights = True
                 raise
@@ -502,8 +505,11 @@ class HFEngine:
                 self.weight_version = str(weight_version)
         finally:
             self._model_lock.release()
-        log.info("loaded %d tensors from group %r (weight_version %s)", len(names), group_name,
-                 self.weight_version)
+        t_end = time.monotonic()
+        # the phases are what docs/benchmarks.md's weight-sync profile reads from this line
+        log.info("loaded %d tensors from group %r (weight_version %s) in %.4fs: lock %.4fs, "
+                 "receive %.4fs, load %.4fs", len(names), group_name, self.weight_version,
+                 t_end - t0, t_lock - t0, t_received - t_lock, t_end - t_received)
         if flush_cache and self.held_in_place():
             raise BadRequest(sglang_api.FLUSH_REFUSED)
 

@@ -12,7 +12,7 @@ bytes (`flatten().view(torch.uint8)`), end to end in the order of `names`, no pa
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -57,9 +57,57 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The tensors' bytes end to end, as one uint8 tensor (a new buffer)."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+def flatten_bucket(tensors: Sequence[torch.Tensor],
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The tensors' bytes end to end, as one uint8 tensor: a new buffer, or the first bytes of
+    `out` (uint8, large enough; a buffer reused across buckets). One copy of each tensor
+    (torch.cat writes straight into the result); tensors already laid end to end in one
+    storage (`consecutive_region`) are returned as a view of it, without any copy."""
+    region = consecutive_region(tensors)
+    if region is not None:
+        return region
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    if out is None:
+        return torch.cat(parts)
+    return torch.cat(parts, out=out[:sum(p.numel() for p in parts)])
+
+
+class FlatBuffer:
+    """A uint8 buffer that buckets are flattened into, kept across buckets and syncs and grown
+    to the largest: a fresh buffer of a large bucket costs its page faults on every sync on
+    CPU (measured in docs/benchmarks.md). A bucket laid end to end already is not copied."""
+
+    def __init__(self) -> None:
+        self._buffer: Optional[torch.Tensor] = None
+
+    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """flatten_bucket(tensors) in this buffer: valid until the next call."""
+        if (region := consecutive_region(tensors)) is not None:
+            return region
+        nbytes = sum(tensor_nbytes(t) for t in tensors)
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = None  # freed before the larger one is allocated
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
+        return flatten_bucket(tensors, out=self._buffer)
+
+
+def consecutive_region(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A uint8 view of exactly the bytes of `tensors` when they lie end to end, in this order,
+    in one storage (each contiguous, same device); None otherwise. Such a view is the
+    flattened bucket of those tensors, and writing into it writes into them."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage()
+    end = first.data_ptr()
+    for t in tensors:
+        if (not t.is_contiguous() or t.device != first.device or t.data_ptr() != end
+                or t.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+        end += tensor_nbytes(t)
+    offset = first.data_ptr() - storage.data_ptr()
+    region = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return region.set_(storage, offset, (end - first.data_ptr(),))
 
 
 def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:

@@ -3,7 +3,9 @@
 The full sync is what the trainer does each step: `WeightSender.send` to a real hf engine
 process (HTTP /update_weights_from_distributed per bucket, one gloo broadcast per tensor, the
 engine receiving into its model's parameters), and the same with
-weight_sync.load_format=flattened_bucket (one broadcast per bucket, a copy on each side). The
+weight_sync.load_format=flattened_bucket (one broadcast per bucket: the sender copies the
+bucket into a kept buffer, the engine receives into its parameters once they adopted the first
+bucket's buffer). The
 baseline is one `torch.distributed` broadcast of the same number of bytes as one flat tensor in
 a gloo group of the same two kinds of process, followed by a barrier so that it, too, ends when the receiver has everything.
 Efficiency = raw time / full-sync time. The engine (and the raw receiver) run on core 0, the
@@ -66,39 +68,37 @@ def start_engine(model: Path, port: int, log: Path) -> subprocess.Popen:
                                 preexec_fn=lambda: os.sched_setaffinity(0, [0]))
 
 
-def time_full_sync(model: Path, repeats: int, workdir: Path,
-                   load_format: str | None = None) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
+class RawBroadcast:
+    """The baseline: rank 0 here, rank 1 a child process on core 0 that receives `count`
+    broadcasts of `nbytes` (each followed by a barrier), one per call of `once`."""
 
-    from relax_slurm.rollout.engine_client import wait_until_healthy
-    from relax_slurm.weightsync.sender import WeightSender
+    def __init__(self, nbytes: int, count: int) -> None:
+        import torch
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    engine = start_engine(model, port, workdir / f"engine_{model.name}.log")
-    sender = None
-    try:
-        wait_until_healthy([url], timeout_s=600)
-        weights = [(n, p.detach()) for n, p in
-                   AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-                   .named_parameters()]
-        # the run's default bucket size (weight_sync.bucket_mb)
-        sender = WeightSender([url], "127.0.0.1", free_port(), timeout_s=600, bucket_mb=512,
-                              load_format=load_format)
-        sender.connect()
-        times, nbytes, buckets = [], 0, 0
-        for i in range(repeats + 1):  # the first send is warm-up
-            stats = sender.send(weights, version=i + 1)
-            if i:
-                times.append(stats["seconds"])
-            nbytes, buckets = stats["bytes"], stats["num_buckets"]
-        return {"bytes": nbytes, "buckets": buckets, "tensors": len(weights), "seconds": times}
-    finally:
-        if sender is not None:
-            sender.close()
-        engine.terminate()
-        engine.wait(timeout=30)
+        from relax_slurm.weightsync.group import init_weight_update_group
+        port = free_port()
+        cmd = [sys.executable, __file__, "--raw-receiver", "--port", str(port),
+               "--nbytes", str(nbytes), "--repeats", str(count - 1)]
+        self.proc = subprocess.Popen(cmd, env=child_env(), cwd=REPO, start_new_session=True,
+                                     preexec_fn=lambda: os.sched_setaffinity(0, [0]))
+        # one group name per measurement: torch refuses a name twice in one process
+        self.pg = init_weight_update_group("127.0.0.1", port, 0, 2, f"{GROUP}_{port}",
+                                           timeout_s=600)
+        self.buf = torch.ones(nbytes, dtype=torch.uint8)
+
+    def once(self) -> float:
+        import torch.distributed as dist
+        t0 = time.perf_counter()
+        dist.broadcast(self.buf, src=0, group=self.pg)
+        dist.barrier(group=self.pg)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            self.proc.wait(timeout=120)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
 
 
 def raw_receiver(port: int, nbytes: int, repeats: int) -> None:
@@ -114,47 +114,68 @@ def raw_receiver(port: int, nbytes: int, repeats: int) -> None:
         dist.barrier(group=pg)
 
 
-def time_raw(nbytes: int, repeats: int) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    from relax_slurm.weightsync.group import init_weight_update_group
-    port = free_port()
-    cmd = [sys.executable, __file__, "--raw-receiver", "--port", str(port),
-           "--nbytes", str(nbytes), "--repeats", str(repeats)]
-    recv = subprocess.Popen(cmd, env=child_env(), cwd=REPO, start_new_session=True,
-                            preexec_fn=lambda: os.sched_setaffinity(0, [0]))
-    try:
-        # one group name per measurement: torch refuses a name twice in one process
-        pg = init_weight_update_group("127.0.0.1", port, 0, 2, f"{GROUP}_{port}", timeout_s=600)
-        buf = torch.ones(nbytes, dtype=torch.uint8)
-        times = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            dist.broadcast(buf, src=0, group=pg)
-            dist.barrier(group=pg)
-            if i:
-                times.append(time.perf_counter() - t0)
-        recv.wait(timeout=120)
-        return times
-    finally:
-        if recv.poll() is None:
-            recv.kill()
+FORMATS = {"full_s": None, "flat_s": "flattened_bucket"}
+"""The full sync's formats: one broadcast per tensor (the default), one per flattened bucket."""
 
 
 def measure(model: Path, repeats: int, workdir: Path) -> dict:
-    """Full sync (one broadcast per tensor, then one per flattened bucket) and raw broadcast
-    of the same bytes; GB/s and their ratios per repeat."""
-    full = time_full_sync(model, repeats, workdir)
-    flat = time_full_sync(model, repeats, workdir, load_format="flattened_bucket")
-    raw = time_raw(full["bytes"], repeats)
-    gb = full["bytes"] / 1e9
-    return {"mb": full["bytes"] / 2**20, "tensors": full["tensors"], "buckets": full["buckets"],
-            "full_s": full["seconds"], "raw_s": raw, "flat_s": flat["seconds"],
-            "full_gbps": [gb / t for t in full["seconds"]], "raw_gbps": [gb / t for t in raw],
+    """Per repeat, back to back: a full sync per tensor, one per flattened bucket (the same
+    engine and sender), and a raw broadcast of the same bytes, so that a drift of the (shared)
+    machine hits the three alike; after one warm-up of each. GB/s and ratios per repeat."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from relax_slurm.rollout.engine_client import wait_until_healthy
+    from relax_slurm.weightsync.sender import WeightSender
+
+    # the sender on core 1 with one torch thread, as documented: run.py's process is not
+    # pinned otherwise, and there its flattened syncs measured 2-3x its per-tensor ones on a
+    # loaded machine, against 1.0-1.1x pinned
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, [1 % os.cpu_count()])
+    torch.set_num_threads(1)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine = start_engine(model, port, workdir / f"engine_{model.name}.log")
+    sender = raw = None
+    try:
+        wait_until_healthy([url], timeout_s=600)
+        weights = [(n, p.detach()) for n, p in
+                   AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+                   .named_parameters()]
+        # the run's default bucket size (weight_sync.bucket_mb)
+        sender = WeightSender([url], "127.0.0.1", free_port(), timeout_s=600, bucket_mb=512)
+        sender.connect()
+        times: dict[str, list[float]] = {"full_s": [], "flat_s": [], "raw_s": []}
+        stats: dict = {}
+        version = 0
+        for _ in range(repeats + 1):  # the first round is warm-up
+            for key, load_format in FORMATS.items():
+                sender.load_format = load_format
+                version += 1
+                stats = sender.send(weights, version=version)
+                times[key].append(stats["seconds"])
+            if raw is None:
+                raw = RawBroadcast(stats["bytes"], repeats + 1)
+            times["raw_s"].append(raw.once())
+        times = {k: v[1:] for k, v in times.items()}
+    finally:
+        if sender is not None:
+            sender.close()
+        if raw is not None:
+            raw.close()
+        engine.terminate()
+        engine.wait(timeout=30)
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    gb = stats["bytes"] / 1e9
+    full, flat, raw_s = times["full_s"], times["flat_s"], times["raw_s"]
+    return {"mb": stats["bytes"] / 2**20, "tensors": len(weights),
+            "buckets": stats["num_buckets"], "full_s": full, "raw_s": raw_s, "flat_s": flat,
+            "full_gbps": [gb / t for t in full], "raw_gbps": [gb / t for t in raw_s],
             # per repeat, as measured back to back
-            "efficiency": [r / f for r, f in zip(raw, full["seconds"])],
-            "efficiency_flattened": [r / f for r, f in zip(raw, flat["seconds"])]}
+            "efficiency": [r / f for r, f in zip(raw_s, full)],
+            "efficiency_flattened": [r / f for r, f in zip(raw_s, flat)]}
 
 
 def main() -> None:

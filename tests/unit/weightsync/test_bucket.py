@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from relax_slurm.weightsync.bucket import (bucket_named_tensors, dtype_name, flat_nbytes,
-                                           flatten_bucket, unflatten_bucket)
+from relax_slurm.weightsync.bucket import (bucket_named_tensors, consecutive_region, dtype_name,
+                                           flat_nbytes, flatten_bucket, unflatten_bucket)
 
 MB = 1024 * 1024
 
@@ -64,3 +64,34 @@ def test_a_flattened_bucket_is_the_bytes_end_to_end_and_comes_back_exact():
         assert b.dtype == t.dtype and torch.equal(b, t)  # the int64 one sits at an odd offset
     with pytest.raises(ValueError, match="announced"):
         unflatten_bucket(flat[:-1], [t.dtype for t in ts], [t.shape for t in ts])
+
+
+def test_flattening_into_a_kept_buffer_writes_its_first_bytes_and_reuses_it():
+    buf = torch.full((200,), 7, dtype=torch.uint8)
+    for ts in ([torch.randn(3, 4), torch.randn(5)],                  # 68 bytes
+               [torch.randn(2, 2).t(), torch.randn(30)],             # 136: non-contiguous first
+               [torch.randn(5).to(torch.bfloat16), torch.arange(2)]):  # 26
+        flat = flatten_bucket(ts, out=buf)
+        assert flat.data_ptr() == buf.data_ptr() and torch.equal(flat, flatten_bucket(ts))
+        assert torch.equal(buf[:flat.numel()], flatten_bucket(ts))
+    one = torch.randn(6)  # a bucket of one contiguous tensor is that tensor's bytes: no copy
+    assert flatten_bucket([one], out=buf).data_ptr() == one.data_ptr()
+
+
+def test_tensors_laid_end_to_end_are_their_own_flattened_bucket():
+    storage = torch.arange(64, dtype=torch.uint8)
+    a, b, c = storage[8:24].view(torch.float32), storage[24:32].view(torch.float32), \
+        storage[32:48].view(torch.float32).reshape(2, 2)
+    region = consecutive_region([a, b, c])
+    assert region is not None and region.data_ptr() == a.data_ptr()
+    assert torch.equal(region, storage[8:48])
+    assert flatten_bucket([a, b, c]).data_ptr() == a.data_ptr()  # no copy
+    region[:] = 1  # writing into the region writes into the tensors
+    assert torch.equal(c.reshape(-1).view(torch.uint8), torch.ones(16, dtype=torch.uint8))
+    # not in order, a gap, two storages, a non-contiguous tensor: no region
+    assert consecutive_region([b, a]) is None
+    assert consecutive_region([a, c]) is None
+    assert consecutive_region([a, torch.zeros(2)]) is None
+    t = torch.zeros(4, 4)
+    assert consecutive_region([t.t()]) is None
+    assert consecutive_region([t[:2], t[2:]]) is not None
