@@ -308,6 +308,11 @@ class TrainerConfig:
     grad_clip: float = 1.0
     micro_batch_size: int = 64
     """Samples per forward/backward on one rank (gradient accumulation beyond it)."""
+    num_steps_per_rollout: int = 1
+    """Optimizer steps per rollout batch (Relax's num_steps_per_rollout): the batch is cut into
+    this many equal mini-batches, one step each, the PPO ratio measured against the policy
+    before the first step. The policy version and the lr schedule still advance once per batch
+    (trainer.total_steps counts batches). torch backend, whole batches only."""
     seed: int = 0
     get_batch_timeout_s: float = 600.0
     """How long a step waits for its batch from the broker before failing."""
@@ -374,6 +379,12 @@ class TrainerConfig:
                f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         _check(self.micro_batch_size >= 1,
                f"trainer.micro_batch_size={self.micro_batch_size}: must be >= 1")
+        _check(self.num_steps_per_rollout >= 1,
+               f"trainer.num_steps_per_rollout={self.num_steps_per_rollout}: must be >= 1")
+        _check(self.backend == "torch" or self.num_steps_per_rollout == 1,
+               f"trainer.num_steps_per_rollout={self.num_steps_per_rollout} with trainer=megatron "
+               "is not supported yet (its step runs one forward_backward_func call and one "
+               "optimizer step per batch): set it to 1 or use trainer=torch")
 
 
 @dataclass(kw_only=True)
@@ -906,6 +917,12 @@ class TrainConfig:
                                                and self.rollout.agent_mode == "env"),
                "algo.routing_replay=true replays single-turn rollouts only so far: unset env.name "
                "and use rollout.agent_mode=env")
+        steps = t.num_steps_per_rollout
+        samples = self.rollout.batch_size * self.rollout.n_samples_per_prompt
+        _check(samples % steps == 0,
+               f"trainer.num_steps_per_rollout={steps} must divide the batch's "
+               f"rollout.batch_size x rollout.n_samples_per_prompt = {samples} samples (equal "
+               "mini-batches): change one of them")
         blockers = self.streaming_blockers()
         _check(not (t.streaming and blockers),
                "trainer.streaming=true does not apply to this run: " + "; ".join(blockers)
@@ -923,6 +940,10 @@ class TrainConfig:
                        "micro-batch count up front)")
         if self.algo.name in BATCH_WIDE_ADVANTAGE_ALGOS:
             out.append(f"algo={self.algo.name} (its advantages use the whole batch's rewards)")
+        if self.trainer.num_steps_per_rollout > 1:
+            out.append(f"trainer.num_steps_per_rollout={self.trainer.num_steps_per_rollout} "
+                       "(the old log-probs of the whole batch are taken before its first "
+                       "optimizer step)")
         if self.algo.loss_reduction == "token_mean":
             out.append("algo.loss_reduction=token_mean (its weights divide by the whole batch's "
                        "token count)")

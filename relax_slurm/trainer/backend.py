@@ -58,7 +58,7 @@ class TorchBackend:
         return train_step(self.model, self.optimizer, self.scheduler, blocks, self.cfg.algo,
                           micro_batch_size=t.micro_batch_size, grad_clip=t.grad_clip,
                           temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
-                          before_update=before_update)
+                          before_update=before_update, num_steps=t.num_steps_per_rollout)
 
     def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         from relax_slurm.trainer.model import full_named_weights

@@ -88,3 +88,21 @@ def test_opd_distills_a_teacher_engine(tmp_path, tiny_assets):
     kl = [r["train/opd_reverse_kl"] for r in rows]
     first, last = sum(kl[:10]) / 10, sum(kl[-10:]) / 10
     assert last < 0.5 * first, (first, last)
+
+
+@pytest.mark.slow
+def test_several_optimizer_steps_per_rollout_batch_learn(tmp_path, tiny_assets):
+    """trainer.num_steps_per_rollout=4: each batch of 512 samples is four mini-batches, four
+    optimizer steps, ratios against the policy before the first (clipfrac > 0 from the second
+    on). One metrics row and one policy version per batch."""
+    steps = 15
+    run_dir = tmp_path / "minibatch"
+    proc = relax_train(run_dir, tiny_assets, ONE_RANK, "metrics.progress=false", "algo=grpo",
+                       "trainer.num_steps_per_rollout=4", f"trainer.total_steps={steps}")
+    summary, rows = finished(run_dir, proc, steps)
+    assert [r["policy/version"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["train/tokens"] > 0 for r in rows)
+    assert max(r["train/clipfrac"] for r in rows) > 0
+    print("MINIBATCH", [round(r["rollout/reward_mean"], 3) for r in rows],
+          [round(r["train/clipfrac"], 4) for r in rows])
+    assert summary["reward_last"] >= summary["reward_first"] + RISE, summary
