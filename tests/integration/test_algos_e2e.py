@@ -1,5 +1,6 @@
 """The wired algorithms, end to end on the tiny experiment: cispo, gspo, sapo and dapo (dynamic
-sampling) learn the task; opd distills a second tiny model served by a teacher engine.
+sampling) learn the task, and so does grpo with several optimizer steps per rollout batch; opd
+distills a second tiny model served by a teacher engine.
 
 Each run is the real process topology (broker, engine(s), rollout worker, torchrun trainer) and
 costs ~90 s of start-up plus ~3 s per step on an idle 2-core machine, so step counts are
@@ -103,6 +104,6 @@ def test_several_optimizer_steps_per_rollout_batch_learn(tmp_path, tiny_assets):
     assert [r["policy/version"] for r in rows] == list(range(1, steps + 1))
     assert all(r["train/tokens"] > 0 for r in rows)
     assert max(r["train/clipfrac"] for r in rows) > 0
-    print("MINIBATCH", [round(r["rollout/reward_mean"], 3) for r in rows],
-          [round(r["train/clipfrac"], 4) for r in rows])
-    assert summary["reward_last"] >= summary["reward_first"] + RISE, summary
+    # measured: reward 0.004 -> 0.17 by step 15 (one step per batch: cispo, grpo's equal there, 0.10 by step 25), clipfrac
+    # 0 on the first steps (near-uniform policy), 0.06-0.12 from step 10
+    assert summary["reward_last"] >= summary["reward_first"] + 0.08, summary
