@@ -86,6 +86,10 @@ class AlgoConfig:
     """Weight of the KL-to-reference-model loss term; 0 disables (no reference model needed)."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator of the KL loss: k1, k2, k3 or low_var_kl (k3 clamped to +-10)."""
+    ref_update_interval: Optional[int] = None
+    """Replace the frozen reference model by the current policy every this many rollout batches
+    (after the batch's update; Relax's ref_update_interval); null: the reference stays
+    model.path. The reference is then checkpointed, so a resume restores it exactly."""
     opsm_delta: Optional[float] = None
     """Off-policy sequence masking: drop sequences with A < 0 and mean KL(rollout || policy)
     above this many nats; null disables."""
@@ -146,6 +150,11 @@ class AlgoConfig:
                f"algo.tis_clip={self.tis_clip}: must be > 0 or null")
         self._check_terms()
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the trainer loads a frozen reference model (a KL to it is in the loss)."""
+        return self.kl_loss_coef > 0
+
     def _check_terms(self) -> None:
         _check(self.tis_type in ("truncate", "icepop"),
                f"algo.tis_type={self.tis_type!r}: use truncate or icepop")
@@ -160,6 +169,13 @@ class AlgoConfig:
         _check(self.kl_loss_coef >= 0, f"algo.kl_loss_coef={self.kl_loss_coef}: must be >= 0")
         _check(self.kl_loss_type in ("k1", "k2", "k3", "low_var_kl"),
                f"algo.kl_loss_type={self.kl_loss_type!r}: use k1, k2, k3 or low_var_kl")
+        _check(self.ref_update_interval is None or self.ref_update_interval >= 1,
+               f"algo.ref_update_interval={self.ref_update_interval}: must be >= 1, or null "
+               "(the reference stays model.path)")
+        _check(self.ref_update_interval is None or self.uses_reference,
+               f"algo.ref_update_interval={self.ref_update_interval} refreshes the reference "
+               "model, which this run does not load: set algo.kl_loss_coef > 0 (or "
+               "algo.kl_coef > 0), or unset algo.ref_update_interval")
         _check(self.opsm_delta is None or self.opsm_delta >= 0,
                f"algo.opsm_delta={self.opsm_delta}: must be >= 0 or null")
         _check(self.tau_pos > 0 and self.tau_neg > 0,
@@ -923,6 +939,10 @@ class TrainConfig:
                f"trainer.num_steps_per_rollout={steps} must divide the batch's "
                f"rollout.batch_size x rollout.n_samples_per_prompt = {samples} samples (equal "
                "mini-batches): change one of them")
+        _check(t.backend == "torch" or self.algo.ref_update_interval is None,
+               "algo.ref_update_interval with trainer=megatron is not supported yet (its reference "
+               "is a transformers replica, and the megatron weights reach HF names on rank 0 "
+               "only): unset it or use trainer=torch")
         blockers = self.streaming_blockers()
         _check(not (t.streaming and blockers),
                "trainer.streaming=true does not apply to this run: " + "; ".join(blockers)
