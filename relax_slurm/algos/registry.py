@@ -15,7 +15,7 @@ from typing import Callable
 from torch import Tensor
 
 from relax_slurm.algos import reduce as reductions
-from relax_slurm.algos.common import importance_weights, kl_penalty, opsm_keep
+from relax_slurm.algos.common import importance_weights, kl_penalty, kl_to_go, opsm_keep
 
 # (rewards [B, G], **params) -> advantages [B, G]
 AdvantageFn = Callable[..., Tensor]
@@ -75,12 +75,15 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     kl_loss_coef: float = 0.0,
     kl_loss_type: str = "low_var_kl",
+    kl_coef: float = 0.0,
     **params,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The named algorithm's loss over token tensors shaped [N, T]; returns (loss, metrics).
 
-    `advantages` are per token (a sample's advantage broadcast over its tokens). On top of the
-    algorithm's per-token policy-gradient loss, in this order:
+    `advantages` are per token (a sample's advantage broadcast over its tokens). `kl_coef > 0`
+    first folds the reward-side KL into them: A_t <- A_t - kl_coef * sum_{s >= t} kl_s, kl of
+    `old_logprobs` to `ref_logprobs` (`kl_loss_type`, `common.kl_to_go`; logged as `reward_kl`).
+    On top of the algorithm's per-token policy-gradient loss, in this order:
     - `rollout_logprobs`: importance weights against the engine (`common.importance_weights`,
       `tis_type` truncate or icepop, band `[tis_clip_low, tis_clip]`);
     - `opsm_delta`: off-policy sequence masking (`common.opsm_keep`) against the rollout
@@ -94,11 +97,21 @@ def policy_loss(
     `kl_loss`, `opd_reverse_kl`) so callers add them across micro-batches and ranks, then
     divide by `tokens`.
     """
+    extra: dict[str, Tensor] = {}
+    if kl_coef:
+        if ref_logprobs is None:
+            raise ValueError(f"algo.kl_coef={kl_coef} needs the reference model's log-probs: "
+                             "pass ref_logprobs=[N, T] to policy_loss")
+        to_go = kl_to_go(old_logprobs, ref_logprobs, loss_mask, kl_loss_type)
+        advantages = advantages - kl_coef * to_go
+        kl = kl_penalty(old_logprobs.detach(), ref_logprobs, kl_loss_type)
+        extra["reward_kl"] = (kl * (loss_mask != 0).float()).sum()
     out = get(name).token_loss(logprobs, old_logprobs, advantages, loss_mask, **params)
     token_loss, clipped = out[0], out[1]
     mask = (loss_mask != 0).float()
     metrics = {"clipped_tokens": (clipped * mask).sum().detach(), "tokens": mask.sum()}
     metrics.update(out[2] if len(out) > 2 else {})
+    metrics.update(extra)
     if rollout_logprobs is not None:
         w = importance_weights(old_logprobs, rollout_logprobs, tis_clip, tis_type, tis_clip_low)
         token_loss = token_loss * w

@@ -44,6 +44,8 @@ ALGO_NAMES = ("cispo", "dapo", "grpo", "gspo", "opd", "reinforce_plus_plus",
               "reinforce_plus_plus_baseline", "rloo", "sapo")
 PPO_CLIP_ALGOS = frozenset(ALGO_NAMES) - {"cispo", "sapo"}
 """The estimators whose loss is PPO's clipped objective (where dual-clip has a place)."""
+NO_REWARD_KL_ALGOS = frozenset({"rloo", "reinforce_plus_plus_baseline"})
+"""The estimators with no place for a reward-side KL (Relax's forbids_reward_side_kl)."""
 BATCH_WIDE_ADVANTAGE_ALGOS = frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline"})
 """The estimators whose advantages use the whole batch's rewards, not each group's alone (a
 streaming trainer computes advantages group by group as they arrive; see trainer/stream.py)."""
@@ -86,6 +88,10 @@ class AlgoConfig:
     """Weight of the KL-to-reference-model loss term; 0 disables (no reference model needed)."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator of the KL loss: k1, k2, k3 or low_var_kl (k3 clamped to +-10)."""
+    kl_coef: float = 0.0
+    """Reward-side KL (Relax's kl_coef): each token's advantage is lowered by kl_coef x the KL
+    (kl_loss_type, of the sampling-time policy to the reference) summed from that token to the
+    end of its response; 0 disables. Not for rloo and reinforce_plus_plus_baseline (refused)."""
     ref_update_interval: Optional[int] = None
     """Replace the frozen reference model by the current policy every this many rollout batches
     (after the batch's update; Relax's ref_update_interval); null: the reference stays
@@ -153,7 +159,7 @@ class AlgoConfig:
     @property
     def uses_reference(self) -> bool:
         """Whether the trainer loads a frozen reference model (a KL to it is in the loss)."""
-        return self.kl_loss_coef > 0
+        return self.kl_loss_coef > 0 or self.kl_coef > 0
 
     def _check_terms(self) -> None:
         _check(self.tis_type in ("truncate", "icepop"),
@@ -169,6 +175,13 @@ class AlgoConfig:
         _check(self.kl_loss_coef >= 0, f"algo.kl_loss_coef={self.kl_loss_coef}: must be >= 0")
         _check(self.kl_loss_type in ("k1", "k2", "k3", "low_var_kl"),
                f"algo.kl_loss_type={self.kl_loss_type!r}: use k1, k2, k3 or low_var_kl")
+        _check(self.kl_coef >= 0, f"algo.kl_coef={self.kl_coef}: must be >= 0")
+        _check(not self.kl_coef or self.name not in NO_REWARD_KL_ALGOS,
+               f"algo.kl_coef={self.kl_coef}: algo={self.name} has no place for a reward-side KL "
+               "(its advantage is built from the completion-level reward alone: a leave-one-out "
+               "baseline for rloo, a group baseline whitened over the batch for "
+               "reinforce_plus_plus_baseline, as in Relax's spec); set algo.kl_coef=0 and use "
+               "the KL loss (algo.kl_loss_coef) instead")
         _check(self.ref_update_interval is None or self.ref_update_interval >= 1,
                f"algo.ref_update_interval={self.ref_update_interval}: must be >= 1, or null "
                "(the reference stays model.path)")
