@@ -101,6 +101,15 @@ def kl_to_go(logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: str) -> Tensor:
     return torch.flip(torch.cumsum(torch.flip(kl, [-1]), -1), [-1])
 
 
+def distilled_advantages(
+    advantages: Tensor, student_logp: Tensor, teacher_logp: Tensor, opd_kl_coef: float,
+    opd_only_reward: bool = False,
+) -> Tensor:
+    """Token advantages [N, T] with the teacher term (no gradient); only_reward drops the task A."""
+    base = torch.zeros_like(advantages) if opd_only_reward else advantages
+    return base - opd_kl_coef * (student_logp.detach() - teacher_logp)
+
+
 def masked_row_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of each row of `x` over its masked tokens, [N, 1]; 0 for a row with no token."""
     m = (mask != 0).to(x.dtype)

@@ -108,9 +108,10 @@ class AlgoConfig:
     opd_only_reward: bool = False
     """OPD: drop the task reward's advantage and learn from the teacher term alone."""
     teacher_model_path: Optional[str] = None
-    """OPD: Hugging Face directory of the teacher (same tokenizer as model.path). cluster=local
-    serves it on one more hf engine (role `teacher`) whose prefill log-probs of every response
-    go into the samples; required by algo=opd."""
+    """On-policy distillation on any estimator: Hugging Face directory of the teacher (same
+    tokenizer as model.path). cluster=local serves it on one more hf engine (role `teacher`)
+    whose prefill log-probs of every model token go into the samples, and the teacher term
+    (opd_kl_coef) joins whatever algo.name computes; required by algo=opd (GRPO + teacher)."""
     routing_replay: bool = False
     """Rollout routing replay (R3), MoE models: the trainer's MoE layers route every token to
     the experts the rollout engine chose for it (gating weights still from the trainer's own
@@ -194,8 +195,9 @@ class AlgoConfig:
         _check(self.tau_pos > 0 and self.tau_neg > 0,
                f"algo.tau_pos={self.tau_pos}, algo.tau_neg={self.tau_neg}: must be > 0")
         _check(self.opd_kl_coef >= 0, f"algo.opd_kl_coef={self.opd_kl_coef}: must be >= 0")
-        _check(not self.opd_only_reward or self.name == "opd",
-               f"algo.opd_only_reward=true only applies to algo=opd (algo.name={self.name!r})")
+        _check(not self.opd_only_reward or self.teacher_model_path,
+               "algo.opd_only_reward=true drops the task advantage for the teacher term alone: "
+               "set algo.teacher_model_path (on-policy distillation), or unset opd_only_reward")
         _check(self.overlong_buffer_tokens >= 0,
                f"algo.overlong_buffer_tokens={self.overlong_buffer_tokens}: must be >= 0")
         _check(self.overlong_penalty_factor >= 0,
@@ -902,11 +904,9 @@ class TrainConfig:
                "lower algo.overlong_buffer_tokens (about a fifth of max_new_tokens) or set it to 0")
         # shared GPUs: engines hold no memory while the trainer steps, so nothing may generate
         # then; only the on-policy schedule (rollout, then train) guarantees that
-        _check(self.rollout.agent_mode == "env" or not (self.env.name
-                                                         or self.algo.teacher_model_path),
-               "rollout.agent_mode=proxy: external agents play the environment's part and "
-               "on-policy distillation is not supported there; unset env.name (env=none) and "
-               "algo.teacher_model_path, or use rollout.agent_mode=env")
+        _check(self.rollout.agent_mode == "env" or not self.env.name,
+               "rollout.agent_mode=proxy: external agents play the environment's part; unset "
+               "env.name (env=none), or use rollout.agent_mode=env")
         _check(not self.rollout.release_memory_during_train or self.algo.max_staleness == 0,
                f"rollout.release_memory_during_train=true needs algo.max_staleness=0 (engines "
                f"are asleep while the trainer steps; got {self.algo.max_staleness})")

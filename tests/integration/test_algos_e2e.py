@@ -107,3 +107,19 @@ def test_several_optimizer_steps_per_rollout_batch_learn(tmp_path, tiny_assets):
     # measured: reward 0.004 -> 0.17 by step 15 (one step per batch: cispo, grpo's equal there, 0.10 by step 25), clipfrac
     # 0 on the first steps (near-uniform policy), 0.06-0.12 from step 10
     assert summary["reward_last"] >= summary["reward_first"] + 0.08, summary
+
+
+@pytest.mark.slow
+def test_opd_on_another_estimator_distills(tmp_path, tiny_assets):
+    """The teacher term on GSPO's sequence-ratio loss (algo=gspo + algo.teacher_model_path):
+    the student's reverse KL to the teacher falls as with algo=opd."""
+    steps = 20
+    teacher = make_teacher(tiny_assets, tmp_path / "teacher")
+    run_dir = tmp_path / "gspo_opd"
+    proc = relax_train(run_dir, tiny_assets, ONE_RANK, "metrics.progress=false", "algo=gspo",
+                       f"algo.teacher_model_path={teacher}", f"trainer.total_steps={steps}")
+    _, rows = finished(run_dir, proc, steps)
+    kl = [r["train/opd_reverse_kl"] for r in rows]
+    print("GSPO_OPD", [round(k, 3) for k in kl])
+    first, last = sum(kl[:10]) / 10, sum(kl[-10:]) / 10
+    assert last < 0.5 * first, (first, last)
