@@ -124,3 +124,22 @@ def test_opd_on_another_estimator_distills(tmp_path, tiny_assets):
     # slower than algo=opd's token clip); means of the first and last 5 steps 1.41 and 0.41
     first, last = sum(kl[:5]) / 5, sum(kl[-5:]) / 5
     assert last < 0.5 * first, (first, last)
+
+
+@pytest.mark.slow
+def test_reward_side_kl_against_a_refreshed_reference(tmp_path, tiny_assets):
+    """algo.kl_coef alone loads the reference; algo.ref_update_interval=2 makes it the policy
+    after steps 2 and 4: the KL measured on steps 3 and 5 (before their updates, against the
+    weights just copied) is 0, the others' is not. No learning claim: a wiring run."""
+    steps = 5
+    run_dir = tmp_path / "reward_kl"
+    proc = relax_train(run_dir, tiny_assets, ONE_RANK, "metrics.progress=false", "algo=grpo",
+                       "algo.kl_coef=0.05", "algo.kl_loss_type=k3", "algo.ref_update_interval=2",
+                       "trainer.lr=1e-3", f"trainer.total_steps={steps}")
+    _, rows = finished(run_dir, proc, steps)
+    kl = [r["train/reward_kl"] for r in rows]
+    # measured: [0, 0.0064, 0, 0.0018, 0]
+    assert kl[0] == 0.0  # step 1: the policy is model.path, as the reference
+    # the policy and the copy run the same forward on the same weights: exactly equal log-probs
+    assert kl[2] == 0.0 and kl[4] == 0.0, kl
+    assert kl[1] > 0 and kl[3] > 0, kl
