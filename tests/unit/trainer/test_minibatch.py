@@ -112,3 +112,16 @@ def test_rollout_logprobs_stay_the_denominator_with_old_logprobs_rollout():
                      grad_clip=1.0, temperature=1.0, num_steps=2)
     assert out["train/tokens"] > 0
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_trainer_refuses_mini_batches_that_do_not_split_over_ranks():
+    from relax_slurm.config.schema import ModelConfig, RolloutConfig, TrainConfig
+    from relax_slurm.errors import ConfigError
+    from relax_slurm.trainer.main import check_batch_divides
+
+    cfg = TrainConfig(run_dir="x", model=ModelConfig(path="/m"),
+                      rollout=RolloutConfig(batch_size=3, n_samples_per_prompt=4),
+                      trainer=TrainerConfig(num_steps_per_rollout=4))
+    check_batch_divides(cfg, 1)  # 12 rows: 4 mini-batches of 3
+    with pytest.raises(ConfigError, match=r"num_steps_per_rollout=4 .*multiple of 8"):
+        check_batch_divides(cfg, 2)  # 6 rows per rank do not cut into 4
