@@ -262,7 +262,8 @@ def episode_sample(ep: Episode, *, prompt_id: str, group_id: int, reward: float,
     return Sample(
         prompt_id=prompt_id, group_id=group_id, prompt_ids=ep.prompt_ids,
         response_ids=ep.response_ids, loss_mask=ep.loss_mask, rollout_logprobs=ep.logprobs,
-        teacher_logprobs=teacher_logprobs, reward=float(reward), version=max(ep.versions), version_min=min(ep.versions),
+        teacher_logprobs=teacher_logprobs, reward=float(reward), version=max(ep.versions),
+        version_min=min(ep.versions),
         version_spans=ep.version_spans,
         # a truncated episode counts as cut by length in rollout/truncated_frac
         finish_reason="length" if ep.truncated else ep.finish_reason,

@@ -2,8 +2,10 @@
 
 Per micro-batch the policy forward gives the log-probs of the sampled tokens and, from the same
 logits, the per-token entropy (with gradient only when `algo.entropy_coef > 0`); a frozen
-reference model adds `ref_logprobs` when `algo.kl_loss_coef > 0`; teacher log-probs come with
-the samples (on-policy distillation). Everything goes to `algos.policy_loss`, whose metric sums
+reference model adds `ref_logprobs` when `algo.kl_loss_coef > 0` or `algo.kl_coef > 0`;
+teacher log-probs come with the samples (on-policy distillation, any estimator). With
+`trainer.num_steps_per_rollout > 1` the rows are cut into mini-batches, one optimizer step each,
+after one forward without gradient for the old log-probs. Everything goes to `algos.policy_loss`, whose metric sums
 are added over micro-batches and ranks and divided by the number of trained tokens.
 """
 
@@ -101,8 +103,8 @@ def _policy_logits(model: nn.Module, mb: MicroBatch, algo: AlgoConfig, temperatu
         return scaled_logits(model, mb, temperature)
 
 
-def _micro_batches(block: MicroBatch, micro_batch_size: int) -> list[MicroBatch]:
-    return [block.rows(lo, lo + micro_batch_size) for lo in range(0, len(block), micro_batch_size)]
+def _micro_batches(block: MicroBatch, size: int) -> list[MicroBatch]:
+    return [block.rows(lo, lo + size) for lo in range(0, len(block), size)]
 
 
 def _accumulate(model: nn.Module, blocks: Iterable[tuple[MicroBatch, bool]], algo: AlgoConfig,
