@@ -89,6 +89,27 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     return torch.exp(r) - r - 1.0
 
 
+def kl_to_go(logp: Tensor, ref_logp: Tensor, mask: Tensor, kind: str) -> Tensor:
+    """Per-token sum of the KL penalty from each trained token to the end of its row, [N, T]:
+    c_t = sum_{s >= t, mask_s != 0} kl_s with kl = kl_penalty(logp, ref_logp, kind), no
+    gradient. The reward-side KL (algo.kl_coef) as a return: every token of a response is
+    charged the KL of itself and what follows it (REINFORCE++'s token rewards -kl_coef * kl_t
+    summed into returns with gamma 1). Untrained positions (prompt, environment tokens) add
+    nothing.
+    """
+    kl = kl_penalty(logp.detach(), ref_logp, kind) * (mask != 0).to(logp.dtype)
+    return torch.flip(torch.cumsum(torch.flip(kl, [-1]), -1), [-1])
+
+
+def distilled_advantages(
+    advantages: Tensor, student_logp: Tensor, teacher_logp: Tensor, opd_kl_coef: float,
+    opd_only_reward: bool = False,
+) -> Tensor:
+    """Token advantages [N, T] with the teacher term (no gradient); only_reward drops the task A."""
+    base = torch.zeros_like(advantages) if opd_only_reward else advantages
+    return base - opd_kl_coef * (student_logp.detach() - teacher_logp)
+
+
 def masked_row_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of each row of `x` over its masked tokens, [N, 1]; 0 for a row with no token."""
     m = (mask != 0).to(x.dtype)

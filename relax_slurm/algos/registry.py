@@ -15,7 +15,9 @@ from typing import Callable
 from torch import Tensor
 
 from relax_slurm.algos import reduce as reductions
-from relax_slurm.algos.common import importance_weights, kl_penalty, opsm_keep
+from relax_slurm.algos.common import (
+    distilled_advantages, importance_weights, kl_penalty, kl_to_go, opsm_keep,
+)
 
 # (rewards [B, G], **params) -> advantages [B, G]
 AdvantageFn = Callable[..., Tensor]
@@ -29,6 +31,8 @@ class Algorithm:
     name: str
     advantages: AdvantageFn
     token_loss: TokenLossFn
+    needs_teacher: bool = False
+    """Refuse to compute the loss without teacher log-probs (algo=opd)."""
 
 
 _ALGOS: dict[str, Algorithm] = {}
@@ -75,12 +79,21 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     kl_loss_coef: float = 0.0,
     kl_loss_type: str = "low_var_kl",
+    kl_coef: float = 0.0,
+    teacher_logprobs: Tensor | None = None,
+    opd_kl_coef: float = 1.0,
+    opd_only_reward: bool = False,
     **params,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The named algorithm's loss over token tensors shaped [N, T]; returns (loss, metrics).
 
-    `advantages` are per token (a sample's advantage broadcast over its tokens). On top of the
-    algorithm's per-token policy-gradient loss, in this order:
+    `advantages` are per token (a sample's advantage broadcast over its tokens). Teacher
+    log-probs (on-policy distillation, any estimator) first fold the teacher term into them,
+    A_t <- A_t - opd_kl_coef * (old_logp_t - teacher_logp_t) (`common.distilled_advantages`; the
+    task advantage dropped with `opd_only_reward`; logged as `opd_reverse_kl`). `kl_coef > 0`
+    then folds the reward-side KL into them: A_t <- A_t - kl_coef * sum_{s >= t} kl_s, kl of
+    `old_logprobs` to `ref_logprobs` (`kl_loss_type`, `common.kl_to_go`; logged as `reward_kl`).
+    On top of the algorithm's per-token policy-gradient loss, in this order:
     - `rollout_logprobs`: importance weights against the engine (`common.importance_weights`,
       `tis_type` truncate or icepop, band `[tis_clip_low, tis_clip]`);
     - `opsm_delta`: off-policy sequence masking (`common.opsm_keep`) against the rollout
@@ -94,11 +107,30 @@ def policy_loss(
     `kl_loss`, `opd_reverse_kl`) so callers add them across micro-batches and ranks, then
     divide by `tokens`.
     """
-    out = get(name).token_loss(logprobs, old_logprobs, advantages, loss_mask, **params)
+    algo = get(name)
+    extra: dict[str, Tensor] = {}
+    if teacher_logprobs is None and algo.needs_teacher:
+        raise ValueError(f"algo={name} needs the teacher's log-probs: pass "
+                         "teacher_logprobs=[N, T] to policy_loss")
+    if teacher_logprobs is not None:
+        advantages = distilled_advantages(advantages, old_logprobs, teacher_logprobs,
+                                          opd_kl_coef, opd_only_reward)
+        gap = (old_logprobs.detach() - teacher_logprobs) * (loss_mask != 0).float()
+        extra["opd_reverse_kl"] = gap.sum()
+    if kl_coef:
+        if ref_logprobs is None:
+            raise ValueError(f"algo.kl_coef={kl_coef} needs the reference model's log-probs: "
+                             "pass ref_logprobs=[N, T] to policy_loss")
+        to_go = kl_to_go(old_logprobs, ref_logprobs, loss_mask, kl_loss_type)
+        advantages = advantages - kl_coef * to_go
+        kl = kl_penalty(old_logprobs.detach(), ref_logprobs, kl_loss_type)
+        extra["reward_kl"] = (kl * (loss_mask != 0).float()).sum()
+    out = algo.token_loss(logprobs, old_logprobs, advantages, loss_mask, **params)
     token_loss, clipped = out[0], out[1]
     mask = (loss_mask != 0).float()
     metrics = {"clipped_tokens": (clipped * mask).sum().detach(), "tokens": mask.sum()}
     metrics.update(out[2] if len(out) > 2 else {})
+    metrics.update(extra)
     if rollout_logprobs is not None:
         w = importance_weights(old_logprobs, rollout_logprobs, tis_clip, tis_type, tis_clip_low)
         token_loss = token_loss * w

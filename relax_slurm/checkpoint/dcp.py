@@ -96,6 +96,7 @@ def save_checkpoint(
     keep_last: int,
     async_save: bool = False,
     hf_assets_src: str | Path | None = None,
+    reference: nn.Module | None = None,
 ) -> SaveHandle:
     """Save model, optimizer, scheduler, RNG and `extra_state` as `ckpt_dir_root/step_<step>/`.
 
@@ -104,7 +105,9 @@ def save_checkpoint(
     started from: its tokenizer and generation config are copied into the checkpoint so that
     `relax-convert` needs nothing else. With `async_save`, tensors are copied to CPU memory
     before this returns and written in a background thread while training goes on; a previous
-    async save is waited for first (only one is in flight).
+    async save is waited for first (only one is in flight). `reference`: a frozen reference model
+    that is not `model.path` as loaded (algo.ref_update_interval refreshes it), saved under
+    "reference" (a plain replica on every rank: DCP writes one copy) for an exact resume.
     """
     global _pending
     if keep_last < 1:
@@ -116,6 +119,8 @@ def save_checkpoint(
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp"
     extra = {**extra_state, "step": step}
+    if reference is not None:
+        extra["reference_saved"] = True
     meta_text = meta_json(step, extra)  # fail before writing anything if not serialisable
     rank, _ = _rank_world()
     group = checkpoint_group()
@@ -131,6 +136,8 @@ def save_checkpoint(
     state = {"model": model_sd, "optimizer": optim_sd}
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
+    if reference is not None:
+        state["reference"] = reference.state_dict()
     writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, overwrite=True)
     kwargs = dict(storage_writer=writer, process_group=group, no_dist=group is None)
 
@@ -186,12 +193,15 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     scheduler: Any | None,
+    reference: nn.Module | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into `model` (and `optimizer`, `scheduler`, this rank's RNG).
 
     Every rank calls this, with the model already wrapped (DDP/FSDP2) and the optimizer
     built. Returns the saved extra_state (with "step"). A weights-only checkpoint (from
     `relax-convert --to dcp`) loads the model and leaves optimizer and scheduler fresh.
+    `reference`: loaded from the checkpoint's "reference" when it has one (saved with
+    `reference=`), else left as it is (with a warning).
     """
     path = Path(path)
     if not is_complete(path):
@@ -206,6 +216,12 @@ def load_checkpoint(
         state["model"], state["optimizer"] = get_state_dict(model, optimizer)
     if not weights_only and scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
+    if reference is not None:
+        if meta.get("extra_state", {}).get("reference_saved"):
+            state["reference"] = reference.state_dict()  # DCP loads in place
+        else:
+            log.warning("%s holds no reference model (saved without algo.ref_update_interval): "
+                        "the reference stays model.path as loaded", path)
     group = dist.group.WORLD if dist.is_initialized() else None
     try:
         with quiet_single_process():

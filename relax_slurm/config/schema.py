@@ -50,6 +50,8 @@ ALGO_NAMES = ("cispo", "dapo", "grpo", "gspo", "opd", "reinforce_plus_plus",
               "reinforce_plus_plus_baseline", "rloo", "sapo")
 PPO_CLIP_ALGOS = frozenset(ALGO_NAMES) - {"cispo", "sapo"}
 """The estimators whose loss is PPO's clipped objective (where dual-clip has a place)."""
+NO_REWARD_KL_ALGOS = frozenset({"rloo", "reinforce_plus_plus_baseline"})
+"""The estimators with no place for a reward-side KL (Relax's forbids_reward_side_kl)."""
 BATCH_WIDE_ADVANTAGE_ALGOS = frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline"})
 """The estimators whose advantages use the whole batch's rewards, not each group's alone (a
 streaming trainer computes advantages group by group as they arrive; see trainer/stream.py)."""
@@ -92,6 +94,14 @@ class AlgoConfig:
     """Weight of the KL-to-reference-model loss term; 0 disables (no reference model needed)."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator of the KL loss: k1, k2, k3 or low_var_kl (k3 clamped to +-10)."""
+    kl_coef: float = 0.0
+    """Reward-side KL (Relax's kl_coef): each token's advantage is lowered by kl_coef x the KL
+    (kl_loss_type, of the sampling-time policy to the reference) summed from that token to the
+    end of its response; 0 disables. Not for rloo and reinforce_plus_plus_baseline (refused)."""
+    ref_update_interval: Optional[int] = None
+    """Replace the frozen reference model by the current policy every this many rollout batches
+    (after the batch's update; Relax's ref_update_interval); null: the reference stays
+    model.path. The reference is then checkpointed, so a resume restores it exactly."""
     opsm_delta: Optional[float] = None
     """Off-policy sequence masking: drop sequences with A < 0 and mean KL(rollout || policy)
     above this many nats; null disables."""
@@ -104,9 +114,10 @@ class AlgoConfig:
     opd_only_reward: bool = False
     """OPD: drop the task reward's advantage and learn from the teacher term alone."""
     teacher_model_path: Optional[str] = None
-    """OPD: Hugging Face directory of the teacher (same tokenizer as model.path). cluster=local
-    serves it on one more hf engine (role `teacher`) whose prefill log-probs of every response
-    go into the samples; required by algo=opd."""
+    """On-policy distillation on any estimator: Hugging Face directory of the teacher (same
+    tokenizer as model.path). cluster=local serves it on one more hf engine (role `teacher`)
+    whose prefill log-probs of every model token go into the samples, and the teacher term
+    (opd_kl_coef) joins whatever algo.name computes; required by algo=opd (GRPO + teacher)."""
     routing_replay: bool = False
     """Rollout routing replay (R3), MoE models: the trainer's MoE layers route every token to
     the experts the rollout engine chose for it (gating weights still from the trainer's own
@@ -152,6 +163,11 @@ class AlgoConfig:
                f"algo.tis_clip={self.tis_clip}: must be > 0 or null")
         self._check_terms()
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the trainer loads a frozen reference model (a KL to it is in the loss)."""
+        return self.kl_loss_coef > 0 or self.kl_coef > 0
+
     def _check_terms(self) -> None:
         _check(self.tis_type in ("truncate", "icepop"),
                f"algo.tis_type={self.tis_type!r}: use truncate or icepop")
@@ -166,13 +182,28 @@ class AlgoConfig:
         _check(self.kl_loss_coef >= 0, f"algo.kl_loss_coef={self.kl_loss_coef}: must be >= 0")
         _check(self.kl_loss_type in ("k1", "k2", "k3", "low_var_kl"),
                f"algo.kl_loss_type={self.kl_loss_type!r}: use k1, k2, k3 or low_var_kl")
+        _check(self.kl_coef >= 0, f"algo.kl_coef={self.kl_coef}: must be >= 0")
+        _check(not self.kl_coef or self.name not in NO_REWARD_KL_ALGOS,
+               f"algo.kl_coef={self.kl_coef}: algo={self.name} has no place for a reward-side KL "
+               "(its advantage is built from the completion-level reward alone: a leave-one-out "
+               "baseline for rloo, a group baseline whitened over the batch for "
+               "reinforce_plus_plus_baseline, as in Relax's spec); set algo.kl_coef=0 and use "
+               "the KL loss (algo.kl_loss_coef) instead")
+        _check(self.ref_update_interval is None or self.ref_update_interval >= 1,
+               f"algo.ref_update_interval={self.ref_update_interval}: must be >= 1, or null "
+               "(the reference stays model.path)")
+        _check(self.ref_update_interval is None or self.uses_reference,
+               f"algo.ref_update_interval={self.ref_update_interval} refreshes the reference "
+               "model, which this run does not load: set algo.kl_loss_coef > 0 (or "
+               "algo.kl_coef > 0), or unset algo.ref_update_interval")
         _check(self.opsm_delta is None or self.opsm_delta >= 0,
                f"algo.opsm_delta={self.opsm_delta}: must be >= 0 or null")
         _check(self.tau_pos > 0 and self.tau_neg > 0,
                f"algo.tau_pos={self.tau_pos}, algo.tau_neg={self.tau_neg}: must be > 0")
         _check(self.opd_kl_coef >= 0, f"algo.opd_kl_coef={self.opd_kl_coef}: must be >= 0")
-        _check(not self.opd_only_reward or self.name == "opd",
-               f"algo.opd_only_reward=true only applies to algo=opd (algo.name={self.name!r})")
+        _check(not self.opd_only_reward or self.teacher_model_path,
+               "algo.opd_only_reward=true drops the task advantage for the teacher term alone: "
+               "set algo.teacher_model_path (on-policy distillation), or unset opd_only_reward")
         _check(self.overlong_buffer_tokens >= 0,
                f"algo.overlong_buffer_tokens={self.overlong_buffer_tokens}: must be >= 0")
         _check(self.overlong_penalty_factor >= 0,
@@ -314,6 +345,11 @@ class TrainerConfig:
     grad_clip: float = 1.0
     micro_batch_size: int = 64
     """Samples per forward/backward on one rank (gradient accumulation beyond it)."""
+    num_steps_per_rollout: int = 1
+    """Optimizer steps per rollout batch (Relax's num_steps_per_rollout): the batch is cut into
+    this many equal mini-batches, one step each, the PPO ratio measured against the policy
+    before the first step. The policy version and the lr schedule still advance once per batch
+    (trainer.total_steps counts batches). torch backend, whole batches only."""
     seed: int = 0
     get_batch_timeout_s: float = 600.0
     """How long a step waits for its batch from the broker before failing."""
@@ -380,6 +416,12 @@ class TrainerConfig:
                f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         _check(self.micro_batch_size >= 1,
                f"trainer.micro_batch_size={self.micro_batch_size}: must be >= 1")
+        _check(self.num_steps_per_rollout >= 1,
+               f"trainer.num_steps_per_rollout={self.num_steps_per_rollout}: must be >= 1")
+        _check(self.backend == "torch" or self.num_steps_per_rollout == 1,
+               f"trainer.num_steps_per_rollout={self.num_steps_per_rollout} with trainer=megatron "
+               "is not supported yet (its step runs one forward_backward_func call and one "
+               "optimizer step per batch): set it to 1 or use trainer=torch")
 
 
 @dataclass(kw_only=True)
@@ -869,11 +911,9 @@ class TrainConfig:
                "lower algo.overlong_buffer_tokens (about a fifth of max_new_tokens) or set it to 0")
         # shared GPUs: engines hold no memory while the trainer steps, so nothing may generate
         # then; only the on-policy schedule (rollout, then train) guarantees that
-        _check(self.rollout.agent_mode == "env" or not (self.env.name
-                                                         or self.algo.teacher_model_path),
-               "rollout.agent_mode=proxy: external agents play the environment's part and "
-               "on-policy distillation is not supported there; unset env.name (env=none) and "
-               "algo.teacher_model_path, or use rollout.agent_mode=env")
+        _check(self.rollout.agent_mode == "env" or not self.env.name,
+               "rollout.agent_mode=proxy: external agents play the environment's part; unset "
+               "env.name (env=none), or use rollout.agent_mode=env")
         _check(not self.rollout.release_memory_during_train or self.algo.max_staleness == 0,
                f"rollout.release_memory_during_train=true needs algo.max_staleness=0 (engines "
                f"are asleep while the trainer steps; got {self.algo.max_staleness})")
@@ -913,6 +953,16 @@ class TrainConfig:
                                                and self.rollout.agent_mode == "env"),
                "algo.routing_replay=true replays single-turn rollouts only so far: unset env.name "
                "and use rollout.agent_mode=env")
+        steps = t.num_steps_per_rollout
+        samples = self.rollout.batch_size * self.rollout.n_samples_per_prompt
+        _check(samples % steps == 0,
+               f"trainer.num_steps_per_rollout={steps} must divide the batch's "
+               f"rollout.batch_size x rollout.n_samples_per_prompt = {samples} samples (equal "
+               "mini-batches): change one of them")
+        _check(t.backend == "torch" or self.algo.ref_update_interval is None,
+               "algo.ref_update_interval with trainer=megatron is not supported yet (its reference "
+               "is a transformers replica, and the megatron weights reach HF names on rank 0 "
+               "only): unset it or use trainer=torch")
         blockers = self.streaming_blockers()
         _check(not (t.streaming and blockers),
                "trainer.streaming=true does not apply to this run: " + "; ".join(blockers)
@@ -930,6 +980,10 @@ class TrainConfig:
                        "micro-batch count up front)")
         if self.algo.name in BATCH_WIDE_ADVANTAGE_ALGOS:
             out.append(f"algo={self.algo.name} (its advantages use the whole batch's rewards)")
+        if self.trainer.num_steps_per_rollout > 1:
+            out.append(f"trainer.num_steps_per_rollout={self.trainer.num_steps_per_rollout} "
+                       "(the old log-probs of the whole batch are taken before its first "
+                       "optimizer step)")
         if self.algo.loss_reduction == "token_mean":
             out.append("algo.loss_reduction=token_mean (its weights divide by the whole batch's "
                        "token count)")

@@ -421,13 +421,17 @@ class AsyncEngineClient(_Base):
         resp = await self._call("POST", "/generate", body)
         return self._parse_generate(self._json("/generate", resp), len(input_ids))
 
-    async def prefill_logprobs(self, input_ids: list[list[int]]) -> list[list[float]]:
+    async def prefill_logprobs(self, input_ids: list[list[int]],
+                               media: Optional[list[dict[str, list[str]]]] = None
+                               ) -> list[list[float]]:
         """Log-probs of tokens 1..L-1 of each sequence given the ones before it, [L-1] each:
         the prefill path of /generate (max_new_tokens=0, logprob_start_len=0), no sampling.
         How a teacher engine scores a student's prompt + response. At temperature 1 on SGLang
-        (its prefill reads no sampling params) and on the hf engine alike."""
+        (its prefill reads no sampling params) and on the hf engine alike. `media`: per sequence,
+        the images / videos / audio its prompt's pads stand for (as `generate` takes them)."""
         params = {"max_new_tokens": 0}
-        results = await self.generate(input_ids, params, return_logprob=True, logprob_start_len=0)
+        results = await self.generate(input_ids, params, return_logprob=True, logprob_start_len=0,
+                                      media=media)
         out = []
         for ids, res in zip(input_ids, results):
             lps = res.input_logprobs[1:]  # the first token has no log-prob

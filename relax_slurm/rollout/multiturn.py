@@ -255,13 +255,15 @@ async def run_episode(generate: Generate, env: BaseEnv, prompt: Any, prompt_ids:
 
 
 def episode_sample(ep: Episode, *, prompt_id: str, group_id: int, reward: float,
-                   metadata: dict[str, Any]) -> Sample:
+                   metadata: dict[str, Any], teacher_logprobs: Any = None) -> Sample:
     """The trainable sample of an episode: model tokens mask 1 with their rollout log-probs,
-    the rest mask 0; stamped with the oldest and newest weight version of its turns."""
+    the rest mask 0; stamped with the oldest and newest weight version of its turns.
+    `teacher_logprobs`: [R], on-policy distillation (0 at environment tokens)."""
     return Sample(
         prompt_id=prompt_id, group_id=group_id, prompt_ids=ep.prompt_ids,
         response_ids=ep.response_ids, loss_mask=ep.loss_mask, rollout_logprobs=ep.logprobs,
-        reward=float(reward), version=max(ep.versions), version_min=min(ep.versions),
+        teacher_logprobs=teacher_logprobs, reward=float(reward), version=max(ep.versions),
+        version_min=min(ep.versions),
         version_spans=ep.version_spans,
         # a truncated episode counts as cut by length in rollout/truncated_frac
         finish_reason="length" if ep.truncated else ep.finish_reason,

@@ -133,6 +133,21 @@ def grades_like_math(reward_name: str) -> bool:
     return any(k in reward_name for k in ("math", "dapo", "deepscaler", "openr1mm"))
 
 
+def response_logprobs(prefill: list[float], prompt_len: int,
+                      mask: list[float] | None = None) -> np.ndarray:
+    """A prefill's log-probs of the response tokens, [R] float32: token t of the sequence is
+    predicted at position t - 1, so the response starts at prompt_len - 1; positions whose mask
+    is 0 (environment tokens of a multi-turn response) get 0.
+
+    >>> response_logprobs([-1.0, -2.0, -3.0, -4.0], 2, [1, 0, 1]).tolist()
+    [-2.0, 0.0, -4.0]
+    """
+    out = np.asarray(prefill[prompt_len - 1:], dtype=np.float32)
+    if mask is not None:
+        out[np.asarray(mask) == 0] = 0.0
+    return out
+
+
 def check_same_tokenizer(tokenizer, teacher_path: str, model_path: str) -> None:
     """The teacher is sent the student's token ids: it must read them as the same text."""
     if load_tokenizer(teacher_path).get_vocab() != tokenizer.get_vocab():
@@ -213,9 +228,6 @@ class RolloutWorker:
         self.media, self.media_pool = self._media_processing(cfg)
         self.make_env = None  # multi-turn rollouts: one environment per episode
         if cfg.env.name:
-            if self.teacher is not None:
-                raise ConfigError("env.name (multi-turn rollouts) with algo.teacher_model_path "
-                                  "(on-policy distillation) is not supported yet: unset one")
             self.make_env = env_factory(cfg.env.name, cfg.env.kwargs)  # a bad env fails now
         if cfg.env.name or cfg.rollout.agent_mode == "proxy":
             self.renderer = ObservationRenderer(self.tokenizer, cfg.data.apply_chat_template)
@@ -257,11 +269,9 @@ class RolloutWorker:
         d = cfg.data
         if not d.multimodal_keys:
             return None, None
-        for option, value in (("algo.teacher_model_path", cfg.algo.teacher_model_path),
-                              ("env.name", cfg.env.name)):
-            if value:
-                raise ConfigError(f"data.multimodal_keys with {option}={value} is not supported "
-                                  f"yet: unset one of them")
+        if cfg.env.name:
+            raise ConfigError(f"data.multimodal_keys with env.name={cfg.env.name} is not "
+                              "supported yet: unset one of them")
         processor = MediaProcessor(cfg.model.path, self.tokenizer.get_vocab(),
                                    MediaLimits.of(d))
         return (processor, concurrent.futures.ThreadPoolExecutor(d.media_num_workers,
@@ -285,17 +295,20 @@ class RolloutWorker:
         scored = await self.reward_pool.score_many(self.reward, inputs)  # one message per group
         return [value for value, _ in scored], sum(error for _, error in scored)
 
-    async def teacher_logprobs(self, prompt: Prompt, results: list[GenerateResult]
-                               ) -> list[np.ndarray | None]:
+    async def teacher_logprobs(self, prompt_ids: list[list[int]], responses: list[list[int]],
+                               masks: list[list[float]] | None = None,
+                               media: list[dict] | None = None) -> list[np.ndarray | None]:
         """The teacher's log-prob of each response token given prompt + response so far, from
-        the prefill path of its /generate; [None] * n without a teacher."""
+        the prefill path of its /generate (with the prompt's media for multimodal samples);
+        [None] * n without a teacher. `masks`: multi-turn responses hold environment tokens
+        (mask 0), which the teacher scores too but which get 0 here: only model tokens train."""
         if self.teacher is None:
-            return [None] * len(results)
-        P = len(prompt.input_ids)
-        seqs = [list(prompt.input_ids) + list(r.output_ids) for r in results]
-        lps = await self.teacher.prefill_logprobs(seqs)  # at temperature 1: the teacher's own
-        # token t of the sequence is predicted at position t - 1: the response starts at P - 1
-        return [np.asarray(lp[P - 1:], dtype=np.float32) for lp in lps]
+            return [None] * len(responses)
+        seqs = [list(p) + list(r) for p, r in zip(prompt_ids, responses)]
+        # at temperature 1: the teacher's own distribution
+        lps = await self.teacher.prefill_logprobs(seqs, media=media)
+        return [response_logprobs(lp, len(p), None if masks is None else masks[i])
+                for i, (lp, p) in enumerate(zip(lps, prompt_ids))]
 
     async def rollout_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
         n = self.cfg.rollout.n_samples_per_prompt
@@ -317,7 +330,9 @@ class RolloutWorker:
             results = [cut_at_media_pads(r, self.media.pad_ids.values()) for r in results]
         t_end = time.time()
         (rewards, errors), teacher = await asyncio.gather(
-            self.score(prompt, results), self.teacher_logprobs(prompt, results))
+            self.score(prompt, results),
+            self.teacher_logprobs([processed.input_ids] * n, [r.output_ids for r in results],
+                                  media=media))
         rewards = shaped_rewards(self.cfg, rewards, [len(r.output_ids) for r in results])
         counts = await self.counts_or_filter(rewards, errors)
         if counts is None:
@@ -379,9 +394,16 @@ class RolloutWorker:
         if counts is None:
             return False
         meta = {**metadata, "worker": self.worker_rank, **counts}
+        if self.teacher is not None and any(ep.images for ep in episodes):
+            raise ConfigError("on-policy distillation of episodes with image observations is "
+                              "not supported yet (the teacher would need their images): unset "
+                              "algo.teacher_model_path or use a text environment")
+        teacher = await self.teacher_logprobs([ep.prompt_ids for ep in episodes],
+                                              [ep.response_ids for ep in episodes],
+                                              masks=[ep.loss_mask for ep in episodes])
         await self.broker.put_group([episode_sample(ep, prompt_id=prompt_id, group_id=gid,
-                                                    reward=r, metadata=meta)
-                                     for ep, r in zip(episodes, rewards)])
+                                                    reward=r, metadata=meta, teacher_logprobs=lp)
+                                     for ep, r, lp in zip(episodes, rewards, teacher)])
         return True
 
     async def episode_rewards(self, prompt: Prompt, episodes: list[Episode]

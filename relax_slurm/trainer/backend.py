@@ -47,18 +47,26 @@ class TorchBackend:
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.trainer)
         # the KL loss's anchor: model.path as loaded, frozen (also on resume)
         self.ref_model = (load_reference_model(cfg.model, device)
-                          if cfg.algo.kl_loss_coef > 0 else None)
+                          if cfg.algo.uses_reference else None)
         self.data_ranks = list(range(dist.get_world_size()))
+        self.steps_done = 0  # rollout batches trained (a checkpoint's step after a resume)
 
     def train_step(self, blocks: Iterable[tuple[MicroBatch, bool]],
                    before_update: Callable[[], None] = lambda: None) -> dict[str, float]:
         from relax_slurm.trainer.step import train_step
 
+        from relax_slurm.trainer.model import refresh_reference
+
         t = self.cfg.trainer
-        return train_step(self.model, self.optimizer, self.scheduler, blocks, self.cfg.algo,
-                          micro_batch_size=t.micro_batch_size, grad_clip=t.grad_clip,
-                          temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
-                          before_update=before_update)
+        metrics = train_step(self.model, self.optimizer, self.scheduler, blocks, self.cfg.algo,
+                             micro_batch_size=t.micro_batch_size, grad_clip=t.grad_clip,
+                             temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
+                             before_update=before_update, num_steps=t.num_steps_per_rollout)
+        self.steps_done += 1
+        if reference_due(self.steps_done, self.cfg.algo.ref_update_interval):
+            refresh_reference(self.ref_model, self.model)
+            log.info("reference model refreshed from the policy after step %d", self.steps_done)
+        return metrics
 
     def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         from relax_slurm.trainer.model import full_named_weights
@@ -78,12 +86,19 @@ class TorchBackend:
 
         return save_checkpoint(root, step, self.model, self.optimizer, self.scheduler, extra,
                                keep_last=keep_last, async_save=async_save,
-                               hf_assets_src=hf_assets_src)
+                               hf_assets_src=hf_assets_src, reference=self._moving_reference())
 
     def load(self, path: Path) -> dict[str, Any]:
         from relax_slurm.checkpoint import load_checkpoint
 
-        return load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        extra = load_checkpoint(path, self.model, self.optimizer, self.scheduler,
+                                reference=self._moving_reference())
+        self.steps_done = extra["step"]
+        return extra
+
+    def _moving_reference(self):
+        """The reference model when it is not model.path as loaded (it is then checkpointed)."""
+        return self.ref_model if self.cfg.algo.ref_update_interval else None
 
     def save_hf(self, out_dir: Path) -> None:
         from relax_slurm.checkpoint import save_hf
@@ -92,6 +107,12 @@ class TorchBackend:
 
     def close(self) -> None:
         pass
+
+
+def reference_due(steps_done: int, interval: int | None) -> bool:
+    """Whether the reference is refreshed after the `steps_done`-th rollout batch: every
+    `interval` batches (after batches interval, 2 x interval, ...); never when None."""
+    return interval is not None and steps_done % interval == 0
 
 
 def build_backend(cfg: TrainConfig, device: torch.device):

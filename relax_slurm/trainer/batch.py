@@ -112,6 +112,10 @@ class MicroBatch:
     advantages: Tensor      # [B, T-1]
     rollout_logp: Tensor    # [B, T-1]
     teacher_logp: Tensor | None = None  # [B, T-1], when the samples carry teacher log-probs
+    old_logp: Tensor | None = None
+    """[B, T-1]: the policy's log-probs before the step's first optimizer step, set by the
+    trainer when one rollout batch takes several (trainer.num_steps_per_rollout); None: the
+    ratio's denominator is the micro-batch's own detached log-probs."""
     # prompt + response length of each row, on the host: cutting micro-batches to their longest
     # row then needs no device->host copy (a GPU sync) per micro-batch
     seq_lens: tuple[int, ...] = ()
@@ -150,8 +154,8 @@ class MicroBatch:
         )
 
 
-# [B, T-1] float fields; teacher_logp last because it is optional
-_PER_POSITION = ("weights", "advantages", "rollout_logp", "teacher_logp")
+# [B, T-1] float fields; teacher_logp and old_logp last because they are optional
+_PER_POSITION = ("weights", "advantages", "rollout_logp", "teacher_logp", "old_logp")
 
 
 def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroBatch:
@@ -252,8 +256,9 @@ def scatter_batch(batch: MicroBatch | None, device: torch.device,
         input_ids=input_ids,
         attention_mask=attention_mask,
         targets=input_ids[:, 1:],
+        # old_logp is computed by each rank after the scatter
         **{name: part(name, torch.float32, width - 1) for name in _PER_POSITION
-           if name != "teacher_logp" or teacher},
+           if name not in ("teacher_logp", "old_logp") or (name == "teacher_logp" and teacher)},
         seq_lens=tuple(attention_mask.sum(1).tolist()),  # one device->host copy per step
         media=media,
         routed=part("routed", torch.int32, width, routed_per_token) if routed_per_token else None,

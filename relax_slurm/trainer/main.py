@@ -58,6 +58,13 @@ def check_batch_divides(cfg: TrainConfig, world: int) -> None:
             f"split evenly over {world} data-parallel trainer ranks; change rollout.batch_size "
             "or trainer.nproc_per_node"
         )
+    steps = cfg.trainer.num_steps_per_rollout
+    if n % (world * steps):
+        raise ConfigError(
+            f"{n} samples per step over {world} data-parallel ranks do not cut into "
+            f"trainer.num_steps_per_rollout={steps} equal mini-batches on every rank: make "
+            f"rollout.batch_size x rollout.n_samples_per_prompt a multiple of {world * steps}"
+        )
 
 
 def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int, num_groups: int,

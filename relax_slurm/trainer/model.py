@@ -48,6 +48,18 @@ def load_reference_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
     return model
 
 
+@torch.no_grad()
+def refresh_reference(ref: nn.Module, model: nn.Module) -> None:
+    """Copy the policy's current weights into the frozen reference (algo.ref_update_interval).
+    Collective under FSDP2 (every rank gathers each full tensor: the reference is a replica)."""
+    params = dict(ref.named_parameters())
+    for name, p in unwrap(model).named_parameters():
+        t = p.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        params[name].copy_(t)
+
+
 def freeze_modules(model: nn.Module, prefixes: list[str]) -> int:
     """Stop training the parameters under these name prefixes (`trainer.freeze_modules`, e.g.
     the vision tower `model.visual`); they still go to the engines with every weight sync.

@@ -2,14 +2,18 @@
 
 Per micro-batch the policy forward gives the log-probs of the sampled tokens and, from the same
 logits, the per-token entropy (with gradient only when `algo.entropy_coef > 0`); a frozen
-reference model adds `ref_logprobs` when `algo.kl_loss_coef > 0`; teacher log-probs come with
-the samples (on-policy distillation). Everything goes to `algos.policy_loss`, whose metric sums
+reference model adds `ref_logprobs` when `algo.kl_loss_coef > 0` or `algo.kl_coef > 0`;
+teacher log-probs come with the samples (on-policy distillation, any estimator). With
+`trainer.num_steps_per_rollout > 1` the rows are cut into mini-batches, one optimizer step each,
+after one forward without gradient for the old log-probs. Everything goes to `algos.policy_loss`, whose metric sums
 are added over micro-batches and ranks and divided by the number of trained tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -75,13 +79,84 @@ def micro_batch_loss(logits: Tensor, mb: MicroBatch, algo: AlgoConfig, params: d
     entropy = token_entropy(logits if algo.entropy_coef else logits.detach())
     # one optimizer step per batch: the "old" policy is the current one, so ratio = 1 in
     # value and the PPO clip only shapes the gradient; detaching avoids a second forward.
+    # Several steps per batch (mb.old_logp): the policy before the first of them.
     # old_logprobs=rollout measures the ratio against the sampling engine instead
-    old = mb.rollout_logp if algo.old_logprobs == "rollout" else logp.detach()
+    if algo.old_logprobs == "rollout":
+        old = mb.rollout_logp
+    else:
+        old = mb.old_logp if mb.old_logp is not None else logp.detach()
     return policy_loss(
         algo.name, logp, old, mb.advantages, mb.weights, mb.rollout_logp,
         reduction="weighted_sum", entropy=entropy, ref_logprobs=ref_logp,
         teacher_logprobs=mb.teacher_logp, **params,
     )
+
+
+def _policy_logits(model: nn.Module, mb: MicroBatch, algo: AlgoConfig, temperature: float,
+                   routing: RoutingStats | None) -> Tensor:
+    """The policy's scaled logits [B, T-1, V]; MoE rows with the rollout's routing are
+    compared with this router's (and replayed when asked)."""
+    replay = (routing_replay(model, mb.routed, mb.routed_valid(), replay=algo.routing_replay,
+                             stats=routing)
+              if mb.routed is not None else contextlib.nullcontext())
+    with replay:
+        return scaled_logits(model, mb, temperature)
+
+
+def _micro_batches(block: MicroBatch, size: int) -> list[MicroBatch]:
+    return [block.rows(lo, lo + size) for lo in range(0, len(block), size)]
+
+
+def _accumulate(model: nn.Module, blocks: Iterable[tuple[MicroBatch, bool]], algo: AlgoConfig,
+                params: dict, sums: dict, *, micro_batch_size: int, temperature: float,
+                ref_model: nn.Module | None, scale: float, routing: list) -> None:
+    """Forward/backward over the blocks' micro-batches, gradients accumulating; metric sums
+    added to `sums`. `scale`: the loss's factor in the backward (the data ranks, times the
+    mini-batches a batch is cut into: each mini-batch's weights then sum to 1)."""
+    for block, last_block in blocks:
+        if block.routed is not None and not routing:
+            routing.append(RoutingStats())
+        mbs = _micro_batches(block, micro_batch_size)
+        for i, mb in enumerate(mbs):
+            last = last_block and i == len(mbs) - 1
+            # DDP: all-reduce gradients once, on the step's last micro-batch
+            sync = (contextlib.nullcontext() if last or not hasattr(model, "no_sync")
+                    else model.no_sync())
+            with sync:
+                logits = _policy_logits(model, mb, algo, temperature,
+                                        routing[0] if routing else None)  # [B, T-1, V]
+                loss, metrics = micro_batch_loss(logits, mb, algo, params,
+                                                 reference_logprobs(ref_model, mb, temperature))
+                # weights sum to 1 over the whole batch across ranks; DDP averages over ranks
+                (loss * scale).backward()
+            sums["loss"] += loss.item()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+
+
+@torch.no_grad()
+def with_old_logprobs(model: nn.Module, block: MicroBatch, algo: AlgoConfig, num_steps: int,
+                      micro_batch_size: int, temperature: float) -> MicroBatch:
+    """The block with `old_logp` [rows, T-1]: the policy's log-probs before the first of the
+    step's optimizer steps, computed mini-batch by mini-batch in the same micro-batches the
+    update runs (so the first mini-batch's ratio is exactly 1, as with one step)."""
+    old = torch.zeros_like(block.weights)
+    for lo, mini in mini_batches(block, num_steps):
+        for j, mb in enumerate(_micro_batches(mini, micro_batch_size)):
+            logits = _policy_logits(model, mb, algo, temperature, RoutingStats())
+            row = lo + j * micro_batch_size
+            old[row:row + len(mb), :mb.targets.shape[1]] = gather_logprobs(logits, mb.targets)
+    return dataclasses.replace(block, old_logp=old)
+
+
+def mini_batches(block: MicroBatch, num_steps: int) -> list[tuple[int, MicroBatch]]:
+    """This rank's rows cut into `num_steps` equal contiguous mini-batches (first row, rows):
+    mini-batch k of the step is every data rank's k-th piece."""
+    if len(block) % num_steps:
+        raise ValueError(f"{len(block)} rows on this rank do not split into "
+                         f"trainer.num_steps_per_rollout={num_steps} mini-batches")
+    size = len(block) // num_steps
+    return [(lo, block.rows(lo, lo + size)) for lo in range(0, len(block), size)]
 
 
 def train_step(
@@ -96,52 +171,58 @@ def train_step(
     temperature: float,
     ref_model: nn.Module | None = None,
     before_update: Callable[[], None] = lambda: None,
+    num_steps: int = 1,
 ) -> dict[str, float]:
     """`blocks`: this rank's rows of the step's batch, one block or several as groups arrive
     (trainer/stream.py), the last one flagged; gradients accumulate over all of them.
-    `before_update` runs just before the optimizer changes the weights (an overlapped weight
-    push of the previous version must be done reading them)."""
+    `before_update` runs just before the optimizer first changes the weights (an overlapped
+    weight push of the previous version must be done reading them).
+
+    `num_steps` > 1 (trainer.num_steps_per_rollout; whole batches only): the block is cut into
+    that many mini-batches, one optimizer step each, the ratio's "old" log-probs computed once
+    before the first. The lr schedule advances once per batch; the metrics are one row: sums
+    over every mini-batch (`train/loss` the mean of the mini-batches' losses, `train/grad_norm`
+    the mean of their norms)."""
     model.train()
-    optimizer.zero_grad(set_to_none=True)
     world = dist.get_world_size()
     params = loss_params(algo)
     sums: dict[str, float] = {"loss": 0.0}
-    routing = None
-    for block, last_block in blocks:
-        starts = range(0, len(block), micro_batch_size)
-        if block.routed is not None and routing is None:
-            routing = RoutingStats()
-        for i, lo in enumerate(starts):
-            mb = block.rows(lo, lo + micro_batch_size)
-            last = last_block and i == len(starts) - 1
-            # DDP: all-reduce gradients once, on the step's last micro-batch
-            sync = (contextlib.nullcontext() if last or not hasattr(model, "no_sync")
-                    else model.no_sync())
-            # MoE samples with the rollout's routing: compare with this router's, replay if asked
-            replay = (routing_replay(model, mb.routed, mb.routed_valid(),
-                                     replay=algo.routing_replay, stats=routing)
-                      if mb.routed is not None else contextlib.nullcontext())
-            with sync:
-                with replay:
-                    logits = scaled_logits(model, mb, temperature)  # [B, T-1, V]
-                loss, metrics = micro_batch_loss(logits, mb, algo, params,
-                                                 reference_logprobs(ref_model, mb, temperature))
-                # weights sum to 1 over the whole batch across ranks; DDP averages over ranks
-                (loss * world).backward()
-            sums["loss"] += loss.item()
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-    if routing is not None:  # same keys on every rank: every rank's block carries routing
-        sums["routing_pairs"] = routing.pairs
-        sums["routing_mismatched"] = routing.mismatched
+    routing: list[RoutingStats] = []
+    run = functools.partial(_accumulate, model, algo=algo, params=params, sums=sums,
+                            micro_batch_size=micro_batch_size, temperature=temperature,
+                            ref_model=ref_model, routing=routing)
+    if num_steps == 1:
+        optimizer.zero_grad(set_to_none=True)
+        run(blocks, scale=world)
+        norms = [_clip(model, grad_clip)]
+        before_update()
+        optimizer.step()
+    else:
+        [(block, _)] = list(blocks)
+        if algo.old_logprobs == "recompute":
+            block = with_old_logprobs(model, block, algo, num_steps, micro_batch_size,
+                                      temperature)
+        norms = []
+        for k, (_, mini) in enumerate(mini_batches(block, num_steps)):
+            optimizer.zero_grad(set_to_none=True)
+            run([(mini, True)], scale=world * num_steps)
+            norms.append(_clip(model, grad_clip))
+            if k == 0:
+                before_update()
+            optimizer.step()
+    scheduler.step()
+    if routing:  # same keys on every rank: every rank's block carries routing
+        sums["routing_pairs"] = routing[0].pairs
+        sums["routing_mismatched"] = routing[0].mismatched
+    return {**reduce_metrics(sums), "train/grad_norm": sum(norms) / len(norms),
+            "train/lr": scheduler.get_last_lr()[0]}
+
+
+def _clip(model: nn.Module, grad_clip: float) -> float:
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
-    before_update()
-    optimizer.step()
-    scheduler.step()
-    return {**reduce_metrics(sums), "train/grad_norm": float(grad_norm),
-            "train/lr": scheduler.get_last_lr()[0]}
+    return float(grad_norm)
 
 
 def reduce_metrics(sums: dict[str, float]) -> dict[str, float]:

@@ -30,7 +30,7 @@ class MegatronBackend:
         self.pad_id = pad if pad is not None else 0
         # the KL loss's anchor: a frozen transformers replica of model.path on every rank
         self.ref_model = None
-        if cfg.algo.kl_loss_coef > 0:
+        if cfg.algo.uses_reference:
             from relax_slurm.trainer.model import load_reference_model
 
             self.ref_model = load_reference_model(cfg.model, device)

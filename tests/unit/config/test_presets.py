@@ -252,3 +252,19 @@ def test_tiny_video_preset_reads_videos_only_and_tells_the_engine():
     cfg = to_train_config(_compose(["experiment=tiny_video_cpu", "data.video_max_pixels=784"]))
     flags = _media_flags(cfg)
     assert flags[flags.index("--video-max-pixels") + 1] == "784"
+
+
+def test_num_steps_per_rollout_is_validated_and_blocks_streaming():
+    base = ["experiment=tiny_cpu", "algo.max_staleness=1"]
+    cfg = to_train_config(_compose([*base, "trainer.num_steps_per_rollout=2"]))
+    assert cfg.trainer.num_steps_per_rollout == 2 and not cfg.streams
+    assert any("num_steps_per_rollout=2" in b for b in cfg.streaming_blockers())
+    with pytest.raises(ConfigError, match=r"num_steps_per_rollout=2.*trainer\.streaming"):
+        to_train_config(_compose([*base, "trainer.num_steps_per_rollout=2",
+                                  "trainer.streaming=true"]))
+    with pytest.raises(ConfigError, match=r"num_steps_per_rollout=3 must divide"):
+        to_train_config(_compose([*base, "trainer.num_steps_per_rollout=3"]))
+    with pytest.raises(ConfigError, match=r"num_steps_per_rollout=2 with trainer=megatron"):
+        to_train_config(_compose([*base, "trainer=megatron", "trainer.num_steps_per_rollout=2"]))
+    with pytest.raises(ConfigError, match=r"num_steps_per_rollout=0: must be >= 1"):
+        to_train_config(_compose([*base, "trainer.num_steps_per_rollout=0"]))

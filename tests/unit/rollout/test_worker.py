@@ -23,6 +23,7 @@ from relax_slurm.launch.plan import RunPlan, save_plan
 from relax_slurm.rollout.engine_client import GenerateResult
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.rollout import worker as worker_module
+from relax_slurm.rollout.multiturn import Episode
 from relax_slurm.rollout.worker import PendingCounts, RolloutWorker, shaped_rewards
 
 EOS = 1  # helpers_tiny vocabulary: <pad>=0, <eos>=1, <unk>=2, digits from 3
@@ -65,9 +66,11 @@ class FakeTeacher:
 
     def __init__(self) -> None:
         self.seen: list[list[int]] = []
+        self.media: list = []
 
-    async def prefill_logprobs(self, seqs, temperature=1.0):
+    async def prefill_logprobs(self, seqs, media=None):
         self.seen += seqs
+        self.media.append(media)
         return [[-t / 100 for t in range(1, len(s))] for s in seqs]
 
     async def aclose(self):
@@ -287,6 +290,75 @@ def test_multimodal_prompts_carry_processed_media(tmp_path, tiny_mm_assets):
         assert g[0].mm_inputs["pixel_values"] is g[1].mm_inputs["pixel_values"]
     rewards = {g[0].prompt_id: [s.reward for s in g] for g in groups}
     assert rewards == {"0": [1.0, 0.0], "1": [0.0, 1.0]}  # answers "0", "1"; labels 0 and 1
+
+
+def test_multimodal_samples_get_teacher_logprobs_of_the_expanded_prompt(tmp_path,
+                                                                      tiny_mm_assets):
+    """On-policy distillation of image prompts: the teacher prefills the expanded ids (one pad
+    per image token, as the engine got them) with the same image, and the response part of its
+    log-probs lines up with the response tokens."""
+    data = tmp_path / "mm.jsonl"
+    data.write_text(json.dumps({"prompt": "<image>=", "label": "0", "id": 0,
+                                "images": [str(tiny_mm_assets / "colors" / "red_0.png")]}) + "\n")
+    model = tiny_mm_assets / "vl_model"
+    cfg = TrainConfig(
+        run_dir=str(tmp_path), model=ModelConfig(path=str(model)),
+        algo=AlgoConfig(name="gspo", teacher_model_path=str(model)),
+        rollout=RolloutConfig(batch_size=1, n_samples_per_prompt=2, max_new_tokens=2),
+        data=DataConfig(train_files=[str(data)], shuffle=False,
+                        multimodal_keys={"image": "images"}),
+        reward=RewardConfig(name="exact_match", num_workers=1, timeout_s=30.0))
+    save_config(cfg, tmp_path / "config.yaml")
+    save_plan(RunPlan(broker_router="tcp://127.0.0.1:1", broker_pub="tcp://127.0.0.1:2",
+                      engine_urls=["http://127.0.0.1:3"], teacher_url="http://127.0.0.1:4"),
+              tmp_path)
+
+    async def main():
+        worker = RolloutWorker(cfg, tmp_path)
+        try:
+            expanded = worker.tokenizer.decode(worker.dataset[0].input_ids).replace(
+                "<|image_pad|>", "<|image_pad|>" * 4)
+            engine = FakeEngine(worker.tokenizer, {expanded: ["0", "1"]})
+            worker.router = LeastLoadedRouter([engine])
+            worker.teacher = FakeTeacher()
+            worker.broker.close()
+            worker.broker = FakeBroker(worker, stop_after=1)
+            await worker.run()
+            return worker.broker.groups, engine.media, worker.teacher
+        finally:
+            await worker.aclose()
+
+    [group], media, teacher = asyncio.run(main())
+    assert teacher.media == media  # the image the engine saw, per sequence
+    assert teacher.seen == [list(s.prompt_ids) + list(s.response_ids) for s in group]
+    for s in group:
+        P, R = len(s.prompt_ids), s.response_len  # P counts the 4 expanded pads
+        np.testing.assert_allclose(s.teacher_logprobs,
+                                   -np.arange(P, P + R, dtype=np.float32) / 100, rtol=1e-6)
+
+
+def test_multi_turn_episodes_get_teacher_logprobs_of_model_tokens_only(make_worker):
+    """Episodes (env-driven or through the agent proxy) go through put_episodes: the teacher
+    scores prompt + the whole response; environment tokens (mask 0) get 0."""
+    async def main():
+        worker = make_worker(teacher=True)
+        worker.teacher = FakeTeacher()
+        worker.broker.close()
+        worker.broker = FakeBroker(worker, stop_after=1)
+        episodes = [Episode(prompt_ids=[5, 6, 7], response_ids=[8, 9, 10, 11, 12],
+                            loss_mask=[1, 1, 0, 0, 1], logprobs=[-0.1] * 5, versions=[0]),
+                    Episode(prompt_ids=[5, 6], response_ids=[8, 9, 10],
+                            loss_mask=[1, 0, 1], logprobs=[-0.1] * 3, versions=[0])]
+        await worker.broker.acquire(1)  # the group's admission credit
+        await worker.put_episodes("p", 0, episodes, [1.0, 0.0], 0, {})
+        return worker
+
+    worker = asyncio.run(main())
+    [group] = worker.broker.groups
+    # sequence position t is scored -t / 100; the response starts at position P
+    assert group[0].teacher_logprobs.tolist() == pytest.approx([-0.03, -0.04, 0.0, 0.0, -0.07])
+    assert group[1].teacher_logprobs.tolist() == pytest.approx([-0.02, 0.0, -0.04])
+    assert worker.teacher.seen == [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 8, 9, 10]]
 
 
 class FlakyEngine(FakeEngine):
