@@ -1,12 +1,11 @@
 """geo3k, ifbench and dapo-genrm score as Relax's rewards of those names: hand-written cases.
 
-The judge of dapo-genrm is a real HTTP server of the test's own (the one test_remote_genrm uses),
+The judge of dapo-genrm is a real HTTP server of the test's own (tests/helpers_http.py),
 answering in the shape of an engine's /generate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,7 +14,7 @@ from relax_slurm.errors import ConfigError
 from relax_slurm.rewards import RewardError, RewardInput, build_reward, score
 from relax_slurm.rewards.dapo_genrm import DAPO_TEMPLATE, judge_prompt
 from relax_slurm.rewards.ifbench import IFBENCH_IDS, UNSUPPORTED
-from tests.unit.rewards.test_remote_genrm import Reply, Server, judge_engine
+from tests.helpers_http import Server, judge_engine
 
 # --- geo3k: 0.9 * accuracy (mathruler) + 0.1 * format (<think>...</think> ... \boxed{}) ---
 
@@ -133,19 +132,6 @@ def test_ifbench_never_grades_part_of_a_row():
 
 # --- dapo-genrm: Relax's judge on every response; dapo_rule_genrm: the rule first ---
 
-@pytest.fixture
-def judge() -> Iterator:
-    servers: list[Server] = []
-
-    def start(reply: Reply) -> Server:
-        servers.append(Server(reply))
-        return servers[-1]
-
-    yield start
-    for s in servers:
-        s.close()
-
-
 def dapo_cfg(server: Server, name: str = "dapo-genrm") -> RewardConfig:
     return RewardConfig(name=name, genrm_url=server.url, genrm_max_new_tokens=16,
                         genrm_temperature=0.1, genrm_timeout_s=5.0, timeout_s=10.0)
@@ -155,8 +141,8 @@ INP = RewardInput(prompt="What is 6*7?", label="42",
                   response="<think>6*7 is 42</think> I am sure.\nAnswer: $42$")
 
 
-def test_dapo_genrm_asks_the_judge_with_relaxs_prompt(judge):
-    server = judge(judge_engine(" 1\n"))
+def test_dapo_genrm_asks_the_judge_with_relaxs_prompt(serve):
+    server = serve(judge_engine(" 1\n"))
     assert build_reward(dapo_cfg(server))(INP) == 1.0
     path, body = server.requests[0]
     assert path == "/generate"
@@ -167,13 +153,13 @@ def test_dapo_genrm_asks_the_judge_with_relaxs_prompt(judge):
 
 
 @pytest.mark.parametrize("answer", ["0", "1.", "10", "Yes", "1 because 42 = 42"])
-def test_dapo_genrm_pays_only_an_exact_one(judge, answer):
-    server = judge(judge_engine(answer))
+def test_dapo_genrm_pays_only_an_exact_one(serve, answer):
+    server = serve(judge_engine(answer))
     assert build_reward(dapo_cfg(server))(INP) == 0.0
 
 
-def test_dapo_genrm_reads_the_tail_and_the_metadata(judge):
-    server = judge(judge_engine("1"))
+def test_dapo_genrm_reads_the_tail_and_the_metadata(serve):
+    server = serve(judge_engine("1"))
     long = "x" * 500 + " so it is 42"                         # no "Answer:": last 300 chars
     inp = RewardInput(prompt="rendered", response=long, label="ignored",
                       metadata={"question": "Q?", "label": "42"})
@@ -185,14 +171,14 @@ def test_dapo_genrm_reads_the_tail_and_the_metadata(judge):
         == "1 or 2"
 
 
-def test_dapo_genrm_calls_the_judge_even_for_a_right_rule_answer(judge):
-    server = judge(judge_engine("0"))
+def test_dapo_genrm_calls_the_judge_even_for_a_right_rule_answer(serve):
+    server = serve(judge_engine("0"))
     assert build_reward(dapo_cfg(server))(INP) == 0.0          # Relax: the judge decides
     assert len(server.requests) == 1
 
 
-def test_dapo_rule_genrm_asks_the_judge_only_when_the_rule_cannot_confirm(judge):
-    server = judge(judge_engine("1"))
+def test_dapo_rule_genrm_asks_the_judge_only_when_the_rule_cannot_confirm(serve):
+    server = serve(judge_engine("1"))
     reward = build_reward(dapo_cfg(server, "dapo_rule_genrm"))
     assert reward(INP) == 1.0 and server.requests == []        # the rule found 42
     pink = RewardInput(prompt="Colour?", label="pink", response="Answer: it is pink")
@@ -202,8 +188,8 @@ def test_dapo_rule_genrm_asks_the_judge_only_when_the_rule_cannot_confirm(judge)
     assert reward(no_line) == 1.0 and len(server.requests) == 2
 
 
-def test_dapo_genrm_failures_are_errors(judge):
-    broken = judge(lambda path, body: (500, {"error": "oom"}))
+def test_dapo_genrm_failures_are_errors(serve):
+    broken = serve(lambda path, body: (500, {"error": "oom"}))
     with pytest.raises(RewardError, match="HTTP 500"):
         build_reward(dapo_cfg(broken))(INP)
     with pytest.raises(ConfigError, match="genrm_url"):

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -14,58 +10,7 @@ from relax_slurm.config.schema import RewardConfig
 from relax_slurm.rewards import RewardError, RewardInput, build_reward, score
 from relax_slurm.rewards.genrm import DEFAULT_TEMPLATE, EngineJudge, GenRM, render
 from relax_slurm.rewards.remote import RemoteReward
-
-# handler(path, body) -> (status, json answer); may sleep
-Reply = Callable[[str, dict], tuple[int, object]]
-
-
-class Server:
-    def __init__(self, reply: Reply) -> None:
-        self.reply, self.requests = reply, []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests.append((self.path, body))
-                status, answer = outer.reply(self.path, body)
-                data = json.dumps(answer).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):  # the client timed out
-                    pass
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)  # the OS picks the port
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[[Reply], Server]]:
-    servers: list[Server] = []
-
-    def start(reply: Reply) -> Server:
-        servers.append(Server(reply))
-        return servers[-1]
-
-    yield start
-    for s in servers:
-        s.close()
-
+from tests.helpers_http import judge_engine
 
 INP = RewardInput(prompt="2+2?", response="<think>easy</think>4", label="4",
                   metadata={"id": 1})
@@ -136,17 +81,6 @@ def test_remote_rejects_an_answer_without_a_number(serve):
     server = serve(lambda path, body: (200, {"verdict": "good"}))
     with pytest.raises(RewardError, match="no numeric reward"):
         RemoteReward(server.url)(INP)
-
-
-def judge_engine(answer: str) -> Reply:
-    """A fake engine: /generate with text input, answering in SGLang's shape."""
-
-    def reply(path: str, body: dict) -> tuple[int, object]:
-        if path != "/generate" or not isinstance(body.get("text"), str):
-            return 400, {"error": {"message": "send text"}}
-        return 200, {"text": answer, "meta_info": {"finish_reason": {"type": "stop"}}}
-
-    return reply
 
 
 def test_genrm_through_an_engine(serve):
