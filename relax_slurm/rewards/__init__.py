@@ -6,12 +6,13 @@
     RewardPool(max_workers, timeout_s): rewards in worker processes with a timeout
 
 Importing this package registers the built-in rewards, one module each: exact_match, math,
-dapo, deepscaler, multiple_choice and gpqa, openr1mm, f1, ifeval, remote, genrm.
+dapo, deepscaler, multiple_choice and gpqa, openr1mm, f1, ifeval, prefix_match, remote, genrm.
 """
 
 # importing a module registers its rewards
 from relax_slurm.rewards import (  # noqa: F401
-    dapo, deepscaler, exact_match, f1, genrm, ifeval, math, multiple_choice, openr1mm, remote,
+    dapo, deepscaler, exact_match, f1, genrm, ifeval, math, multiple_choice, openr1mm,
+    prefix_match, remote,
 )
 from relax_slurm.rewards.pool import RewardPool
 from relax_slurm.rewards.registry import (
