@@ -37,13 +37,18 @@ TARGETS = {
     "longtail_async_over_colocate": (1.5, True, "long tail: samples/s async (streaming, overlap, "
                                                 "disjoint cores) / colocated sync; Relax: 1.76"),
     "longtail_async_over_colocate_time_to_reward": (1.5, True, "long tail: training s to "
-                                                    "reward 0.5, colocated / async"),
+                                                    "reward 0.1, colocated / async"),
     "longtail_reward_delta": (-0.05, True, "long tail: final reward async - colocated"),
     "rollout_overhead_ratio": (1.15, False, "long tail, colocated sync run: trainer wait for a "
                                             "batch / its generation span on the engine"),
     "rollout_overhead_ratio_tiny": (1.15, False, "the same, tiny_cpu sync run (pinned)"),
     "longtail_sync_bound_ratio": (1.03, False, "long tail, colocated: step / (wait + train + "
                                                "weight sync)"),
+    "longtail_async_over_colocate_1t": (None, True, "the same against colocated with 1 torch "
+                                                    "thread per process (control)"),
+    "longtail_async_over_colocate_1t_time_to_reward": (None, True, "the same, time to reward"),
+    "rollout_overhead_ratio_1t": (None, False, "rollout_overhead_ratio of the 1-thread "
+                                               "colocated run"),
     "longtail_sync_share_overlap": (None, False, "long tail async: weight_sync_s / step_time_s, "
                                                  "overlap on"),
     "longtail_sync_share_no_overlap": (None, False, "the same, weight_sync.overlap=false"),
@@ -83,6 +88,10 @@ def _find(res: dict, key: str) -> dict:
              "rollout_overhead_ratio": ("longtail", "rollout_overhead_ratio"),
              "rollout_overhead_ratio_tiny": ("longtail", "rollout_overhead_ratio_tiny"),
              "longtail_sync_bound_ratio": ("longtail", "sync_bound_ratio"),
+             "longtail_async_over_colocate_1t": ("longtail", "async_over_colocated_1t"),
+             "longtail_async_over_colocate_1t_time_to_reward": (
+                 "longtail", "async_over_colocated_1t_time_to_reward"),
+             "rollout_overhead_ratio_1t": ("longtail", "rollout_overhead_ratio_1t"),
              "longtail_sync_share_overlap": ("longtail", "modes", "async", "sync_share"),
              "longtail_sync_share_no_overlap": ("longtail", "modes", "async_no_overlap",
                                                 "sync_share")}
@@ -189,10 +198,10 @@ def detail_tables(res: dict) -> list[str]:
                            f"{s['max']} | {_fmt(s['mean'])} | {_fmt(d['tail'])} |")
     if "scaling_longtail" in res:
         out += ["", "### Scaling sketch, long-tail costs", "",
-                "Costs from the long-tail colocated run (s; G without the tail = the measured "
+                "Costs from the long-tail colocated run (1 thread per process where measured; s; G without the tail = the measured "
                 "generation span / tail): " + ", ".join(
                     f"{k}={_fmt(v)}" for k, v in res["scaling_longtail_costs"].items()) + ".", "",
-                "| engines | GPUs | trainer GPUs | engines | async step s | colocated step s | "
+                "| engine batching | GPUs | trainer GPUs | engines | async step s | colocated step s | "
                 "async / colocated | async / sync (same split) |", "|---|---|---|---|---|---|---|---|"]
         for name, rows in res["scaling_longtail"].items():
             for r in rows:
@@ -243,7 +252,7 @@ def markdown(res: dict, plots: list[Path], doc: Path) -> str:
     return (text + "\n" if text else "# Benchmarks\n\n") + part + "\n"
 
 
-def plot_rewards(runs: dict[str, list[Run]], out_dir: Path, name: str = REWARD_PLOT,
+def plot_rewards(runs: dict[str, list[Run]], out_dir: Path, filename: str = REWARD_PLOT,
                  title: str = "tiny GRPO (a+b=, 32 prompts x 16 samples per step)"
                  ) -> list[Path]:
     """Reward (smoothed over 5 steps) vs training seconds, every repeat, one colour per mode."""
@@ -263,7 +272,7 @@ def plot_rewards(runs: dict[str, list[Run]], out_dir: Path, name: str = REWARD_P
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    path = out_dir / name
+    path = out_dir / filename
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
