@@ -198,11 +198,12 @@ def detail_tables(res: dict) -> list[str]:
                            f"{s['max']} | {_fmt(s['mean'])} | {_fmt(d['tail'])} |")
     if "scaling_longtail" in res:
         out += ["", "### Scaling sketch, long-tail costs", "",
-                "Costs from the long-tail colocated run (1 thread per process where measured; s; G without the tail = the measured "
-                "generation span / tail): " + ", ".join(
-                    f"{k}={_fmt(v)}" for k, v in res["scaling_longtail_costs"].items()) + ".", "",
-                "| engine batching | GPUs | trainer GPUs | engines | async step s | colocated step s | "
-                "async / colocated | async / sync (same split) |", "|---|---|---|---|---|---|---|---|"]
+                "Costs from the long-tail colocated run (1 thread per process where measured; "
+                "s; G without the tail = the measured generation span / tail): " + ", ".join(
+                    f"{k}={_fmt(v)}" for k, v in res["scaling_longtail_costs"].items()) + ".",
+                "", "| engine batching | GPUs | trainer GPUs | engines | async step s | "
+                "colocated step s | async / colocated | async / sync (same split) |",
+                "|---|---|---|---|---|---|---|---|"]
         for name, rows in res["scaling_longtail"].items():
             for r in rows:
                 out.append(f"| {name} | {r['gpus']} | {r['trainer_gpus']} | {r['engines']} | "

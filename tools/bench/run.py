@@ -203,7 +203,7 @@ def main() -> int:
         lt_plot = report.plot_rewards({f"long tail {m}": rs for m, rs in lt_runs.items()
                                        if m != "tiny_sync"}, REPO / "docs" / "img",
                                       filename=report.LONGTAIL_PLOT,
-                                      title="tiny GRPO, long tail (d*n=, 32 prompts x 16)")
+                                      title="tiny GRPO, long tail (d*n=, 16 prompts x 16)")
     if "async" in res:
         c = res["async"]["sync_components"]
         costs = scaling.Costs(G=c["G_s"]["median"], T=c["T_s"]["median"] - c["weight_sync_s"]
