@@ -89,14 +89,15 @@ def headline(res: dict) -> dict[str, float]:
         out["longtail_async_over_colocate"] = lt["async_over_colocated"]["median"]
         out["longtail_async_over_colocate_time_to_reward"] = (
             lt["async_over_colocated_time_to_reward"]["median"])
-        out["longtail_reward_delta"] = lt["reward_delta"]["median"]
-        out["rollout_overhead_ratio"] = lt["rollout_overhead_ratio"]["median"]
-        out["rollout_overhead_ratio_tiny"] = lt["rollout_overhead_ratio_tiny"]["median"]
         if "async_over_colocated_1t" in lt:
             out["longtail_async_over_colocate_1t"] = lt["async_over_colocated_1t"]["median"]
             out["longtail_async_over_colocate_1t_time_to_reward"] = (
                 lt["async_over_colocated_1t_time_to_reward"]["median"])
+        out["longtail_reward_delta"] = lt["reward_delta"]["median"]
+        out["rollout_overhead_ratio"] = lt["rollout_overhead_ratio"]["median"]
+        if "rollout_overhead_ratio_1t" in lt:
             out["rollout_overhead_ratio_1t"] = lt["rollout_overhead_ratio_1t"]["median"]
+        out["rollout_overhead_ratio_tiny"] = lt["rollout_overhead_ratio_tiny"]["median"]
         out["longtail_sync_bound_ratio"] = lt["sync_bound_ratio"]["median"]
         out["longtail_sync_share_overlap"] = lt["modes"]["async"]["sync_share"]["median"]
         out["longtail_sync_share_no_overlap"] = (
