@@ -499,7 +499,9 @@ class RewardConfig:
     """A registered reward (see relax_slurm.rewards), boxed_<name>, or a dotted path
     module:function; a sample's metadata.rm_type overrides it."""
     num_workers: int = 4
-    """Reward worker processes per rollout worker (the concurrency cap)."""
+    """Reward worker processes per rollout worker (the concurrency cap); 0 scores in the rollout
+    worker's own process: no timeout and no isolation, no per-response IPC either (for pure,
+    fast rule rewards such as exact_match and prefix_match)."""
     timeout_s: float = 60.0
     """Per-response time limit; a reward that takes longer scores 0 and counts as an error."""
     remote_url: Optional[str] = None
@@ -526,7 +528,8 @@ class RewardConfig:
     """genrm: timeout of one judge call."""
 
     def __post_init__(self) -> None:
-        _check(self.num_workers >= 1, f"reward.num_workers={self.num_workers}: must be >= 1")
+        _check(self.num_workers >= 0, f"reward.num_workers={self.num_workers}: must be >= 0 "
+               "(0: score in the rollout worker's process)")
         _check(self.timeout_s > 0, f"reward.timeout_s={self.timeout_s}: must be > 0")
         _check(self.remote_max_retries >= 0,
                f"reward.remote_max_retries={self.remote_max_retries}: must be >= 0")

@@ -6,14 +6,14 @@
     RewardPool(max_workers, timeout_s): rewards in worker processes with a timeout
 
 Importing this package registers the built-in rewards, one module each: exact_match, math,
-dapo, deepscaler, multiple_choice and gpqa, openr1mm, geo3k, f1, ifeval, ifbench, remote, genrm,
-dapo-genrm.
+dapo, deepscaler, multiple_choice and gpqa, openr1mm, geo3k, f1, ifeval, ifbench, prefix_match,
+remote, genrm, dapo-genrm.
 """
 
 # importing a module registers its rewards
 from relax_slurm.rewards import (  # noqa: F401
     dapo, dapo_genrm, deepscaler, exact_match, f1, genrm, geo3k, ifbench, ifeval, math,
-    multiple_choice, openr1mm, remote,
+    multiple_choice, openr1mm, prefix_match, remote,
 )
 from relax_slurm.rewards.pool import RewardPool
 from relax_slurm.rewards.registry import (

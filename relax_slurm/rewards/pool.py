@@ -178,8 +178,8 @@ class RewardPool:
 
     def __init__(self, max_workers: int, timeout_s: float, *, warm_up: bool = True,
                  start_method: str = "forkserver", split_above_s: float = SPLIT_ABOVE_S) -> None:
-        if max_workers < 1 or timeout_s <= 0:
-            raise ConfigError(f"reward pool: max_workers={max_workers} must be >= 1 and "
+        if max_workers < 0 or timeout_s <= 0:
+            raise ConfigError(f"reward pool: max_workers={max_workers} must be >= 0 and "
                               f"timeout_s={timeout_s} > 0 (reward.num_workers, reward.timeout_s)")
         self.max_workers, self.timeout_s, self.warm_up = max_workers, timeout_s, warm_up
         self._ctx = mp.get_context(start_method)
@@ -212,6 +212,8 @@ class RewardPool:
         into at most `max_workers` contiguous chunks, each scored by one worker at a time."""
         if not inputs:
             return []
+        if self.max_workers == 0:
+            return self._score_inline(fn, inputs)
         key = self._key(fn)
         # a fast reward's group goes to one worker: splitting it costs more messages than the
         # parallel scoring saves (groups are scored concurrently anyway)
@@ -231,6 +233,24 @@ class RewardPool:
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())
             raise
         return [result for chunk in scored for result in chunk]
+
+    def _score_inline(self, fn: Callable[[Any], float] | str, inputs: list
+                      ) -> list[tuple[float, bool]]:
+        """max_workers=0: every input in this process, on the caller's thread. No timeout and
+        no isolation, and none of the ~50 us a response of pickling and pipe round trips the
+        workers cost (~30 ms for a step of 512 short responses on 2 loaded cores, against
+        ~1 ms scored here): for pure, fast rule rewards."""
+        from relax_slurm.rewards.registry import Scorer
+
+        fn = Scorer(fn) if isinstance(fn, str) else fn
+        self.calls += len(inputs)
+        results = []
+        for inp in inputs:
+            status, payload = _score_one(fn, inp)
+            if status == "config_error":
+                raise ConfigError(payload)
+            results.append((payload, False) if status == "ok" else self._fail(None, payload))
+        return results
 
     async def _score_chunk(self, key: int, fn: Any, inputs: list) -> list[tuple[float, bool]]:
         """Inputs in order on one worker; after a timeout or death, the rest on a fresh one."""

@@ -36,6 +36,8 @@ ASSETS: dict[str, Callable[[Path], list[str]]] = {
     "audio_model": _model("audio"),
     "arith_train.jsonl": _task("relax_slurm.tiny.arith"),
     "arith_test.jsonl": _task("relax_slurm.tiny.arith"),
+    "longtail_train.jsonl": _task("relax_slurm.tiny.longtail"),
+    "longtail_test.jsonl": _task("relax_slurm.tiny.longtail"),
     "colors_train.jsonl": _task("relax_slurm.tiny.media_tasks", "--task", "colors"),
     "colors_test.jsonl": _task("relax_slurm.tiny.media_tasks", "--task", "colors"),
     "change_train.jsonl": _task("relax_slurm.tiny.media_tasks", "--task", "change"),

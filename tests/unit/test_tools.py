@@ -51,6 +51,17 @@ def test_prepare_data_full_table_and_bad_operand(tmp_path):
     assert r.returncode != 0 and "--max-operand must be a digit" in r.stderr
 
 
+def test_prepare_data_longtail_task(tmp_path):
+    run_tool("tools/prepare_data.py", "--task", "longtail", "--out", str(tmp_path), "--n-train",
+             "50", "--n-test", "5")
+    rows = [json.loads(x) for x in (tmp_path / "longtail_train.jsonl").read_text().splitlines()]
+    assert len(rows) == 50 and all(r["label"] == r["prompt"][0] * len(r["label"]) for r in rows)
+    assert not (tmp_path / "arith_train.jsonl").exists()
+    r = subprocess.run([sys.executable, "tools/prepare_data.py", "--task", "lengthy", "--out",
+                        str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode != 0 and "arith, longtail" in r.stderr
+
+
 def test_model_and_tokenizer_load_and_generate(tiny):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -101,9 +101,10 @@ class Run:
 
 
 def relax_train(run_dir: Path, model: Path, data: Path, *overrides: str,
-                timeout_s: float = 1800) -> Run:
-    """`relax-train experiment=tiny_cpu` with the bench's model, data and overrides."""
-    cmd = [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_cpu",
+                timeout_s: float = 1800, experiment: str = "tiny_cpu") -> Run:
+    """`relax-train experiment=tiny_cpu` (or `experiment`) with the bench's model, data and
+    overrides."""
+    cmd = [sys.executable, "-m", "relax_slurm.launch.cli", f"experiment={experiment}",
            f"run_dir={run_dir}", f"model.path={model}", f"data.train_files=[{data}]", *overrides]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
@@ -111,6 +112,12 @@ def relax_train(run_dir: Path, model: Path, data: Path, *overrides: str,
     if proc.returncode != 0:
         raise RuntimeError(f"relax-train failed ({proc.returncode}): {' '.join(cmd)}\n"
                            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return load_run(run_dir, wall)
+
+
+def load_run(run_dir: Path, wall_s: float | None = None) -> Run:
+    """A finished run's metrics (wall time from its summary unless given)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
-    return Run(rows=rows, wall_s=wall, summary=summary)
+    return Run(rows=rows, wall_s=summary["wall_s"] if wall_s is None else wall_s,
+               summary=summary)

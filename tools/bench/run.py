@@ -1,6 +1,7 @@
 """Run every benchmark, write bench_results.json, docs/benchmarks.md and the reward plots.
 
     python tools/bench/run.py [--quick] [--out bench_out] [--parts async,trl,sync,broker,engines]
+    python tools/bench/run.py --parts longtail --repeats 2  # the long-tail workload (~30 min)
 
 Needs the bench extra (`pip install -e ".[bench]"`: TRL for the peer comparison, matplotlib
 for the plots) and an otherwise idle machine: every figure is a ratio of two measurements
@@ -25,13 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import async_sync  # noqa: E402
 import broker_bench  # noqa: E402
 import engine_scaling  # noqa: E402
+import longtail  # noqa: E402
 import report  # noqa: E402
 import routing_bench  # noqa: E402
 import scaling  # noqa: E402
 import weight_sync_bench  # noqa: E402
 from common import REPO, Run, machine, make_assets, spread  # noqa: E402
 
-PARTS = ("async", "trl", "sync", "broker", "engines", "routing")
+PARTS = ("async", "trl", "sync", "broker", "engines", "routing", "longtail")
 
 
 def run_trl(out: Path, model: Path, data: Path, steps: int, repeats: int) -> list[Run]:
@@ -82,6 +84,24 @@ def headline(res: dict) -> dict[str, float]:
     if res.get("routing"):
         out["routing_replay_train_ratio"] = res["routing"]["replayed_train_ratio"]["median"]
         out["routing_replay_step_ratio"] = res["routing"]["replayed_step_ratio"]["median"]
+    if res.get("longtail"):
+        lt = res["longtail"]
+        out["longtail_async_over_colocate"] = lt["async_over_colocated"]["median"]
+        out["longtail_async_over_colocate_time_to_reward"] = (
+            lt["async_over_colocated_time_to_reward"]["median"])
+        if "async_over_colocated_1t" in lt:
+            out["longtail_async_over_colocate_1t"] = lt["async_over_colocated_1t"]["median"]
+            out["longtail_async_over_colocate_1t_time_to_reward"] = (
+                lt["async_over_colocated_1t_time_to_reward"]["median"])
+        out["longtail_reward_delta"] = lt["reward_delta"]["median"]
+        out["rollout_overhead_ratio"] = lt["rollout_overhead_ratio"]["median"]
+        if "rollout_overhead_ratio_1t" in lt:
+            out["rollout_overhead_ratio_1t"] = lt["rollout_overhead_ratio_1t"]["median"]
+        out["rollout_overhead_ratio_tiny"] = lt["rollout_overhead_ratio_tiny"]["median"]
+        out["longtail_sync_bound_ratio"] = lt["sync_bound_ratio"]["median"]
+        out["longtail_sync_share_overlap"] = lt["modes"]["async"]["sync_share"]["median"]
+        out["longtail_sync_share_no_overlap"] = (
+            lt["modes"]["async_no_overlap"]["sync_share"]["median"])
     return out
 
 
@@ -90,12 +110,17 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="one repeat of short runs")
     ap.add_argument("--out", type=Path, default=REPO / "bench_out")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="repeats per measurement (default 3, 1 with --quick)")
+    ap.add_argument("--reuse-runs", action="store_true",
+                    help="longtail: read the runs a previous invocation finished in --out")
     ap.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if unknown := parts - set(PARTS):
         ap.error(f"--parts: unknown {sorted(unknown)}; choose from {','.join(PARTS)}")
     repeats, steps = (1, 40) if args.quick else (3, 150)  # the preset's length
+    repeats = args.repeats or repeats
     args.out.mkdir(parents=True, exist_ok=True)
     model = make_assets(args.out / "assets")
     data = args.out / "assets" / "arith_train.jsonl"
@@ -109,6 +134,7 @@ def main() -> int:
     res.setdefault("commands", {}).update({p: command for p in parts})
     t_start = time.monotonic()
     runs: dict[str, list[Run]] = {}
+    lt_plot: list[Path] = []
 
     if "async" in parts:
         print("[1-2] async vs sync", flush=True)
@@ -165,6 +191,20 @@ def main() -> int:
         print("[8] routing replay: the tiny MoE with routing off, recorded, replayed", flush=True)
         res["routing"] = routing_bench.measure(args.out, data, steps=40 if args.quick else 60,
                                                repeats=repeats)
+    if "longtail" in parts:
+        print("[9] long tail: colocated sync vs async with streaming and overlap", flush=True)
+        lt_data = args.out / "assets" / "longtail_train.jsonl"
+        if not lt_data.exists():
+            subprocess.run([sys.executable, "tools/prepare_data.py", "--task", "longtail",
+                            "--out", str(lt_data.parent)], cwd=REPO, check=True,
+                           capture_output=True)
+        res["longtail"], lt_runs = longtail.measure(
+            args.out / "longtail", model, lt_data, data, steps=20 if args.quick else 40,
+            repeats=repeats, reuse=args.reuse_runs)
+        lt_plot = report.plot_rewards({f"long tail {m}": rs for m, rs in lt_runs.items()
+                                       if m != "tiny_sync"}, REPO / "docs" / "img",
+                                      filename=report.LONGTAIL_PLOT,
+                                      title="tiny GRPO, long tail (d*n=, 16 prompts x 16)")
     if "async" in res:
         c = res["async"]["sync_components"]
         costs = scaling.Costs(G=c["G_s"]["median"], T=c["T_s"]["median"] - c["weight_sync_s"]
@@ -174,6 +214,23 @@ def main() -> int:
                           for tail in (1.0, 2.0, 3.0)}
         res["scaling_costs"] = vars(costs)
 
+    if "longtail" in res:
+        # the long-tail costs (a colocated run: generation and training on the same cores); G
+        # without the tail = the measured span / the tail (a batch of hf generation
+        # costs its longest row's decode steps, a batch of mean length the mean's)
+        lt = res["longtail"]
+        # the 1-thread control where measured: 2-thread processes on a shared machine lose
+        # more to oversubscription than to the workload
+        col = lt["modes"].get("colocated_1t") or lt["modes"]["colocated"]
+        tail = lt["response_len"]["async_no_overlap"]["tail"]
+        costs = scaling.Costs(G=col["gen_time_s"]["median"] / tail,
+                              T=col["train_time_s"]["median"],
+                              S=col["weight_sync_s"]["median"], tail=tail)
+        res["scaling_longtail_costs"] = vars(costs)
+        res["scaling_longtail"] = {
+            name: scaling.sketch(scaling.Costs(**{**vars(costs), "engine_tail": et}))
+            for name, et in (("continuous batching (sglang)", 1.0),
+                             ("one generate per batch (hf)", tail))}
     if parts == set(PARTS) or "elapsed_s" not in res:  # a partial run keeps the full one's
         res["elapsed_s"] = time.monotonic() - t_start
     res["headline"] = headline(res)
@@ -183,6 +240,8 @@ def main() -> int:
     kept = REPO / "docs" / "img" / report.REWARD_PLOT
     plots = (report.plot_rewards(runs, REPO / "docs" / "img") if runs
              else [kept] if kept.exists() else [])
+    kept_lt = REPO / "docs" / "img" / report.LONGTAIL_PLOT
+    plots += lt_plot if "longtail" in parts else [kept_lt] if kept_lt.exists() else []
     args.doc.write_text(report.markdown(res, plots, args.doc))
     print(json.dumps(res["headline"], indent=2))
     print(f"wrote bench_results.json, {args.doc}, {len(plots)} plot(s) in "

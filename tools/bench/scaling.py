@@ -10,8 +10,16 @@ Assumptions (documented in docs/benchmarks.md, all of them simplifications):
 - colocated (the same P GPUs alternate: generate, then train) adds R seconds per step to
   offload and reload the engines' memory; async runs engines and trainer on disjoint GPUs
   (N + M = P) and hides generation behind training up to max_staleness.
-The async run never waits for the tail: partial batches keep flowing (slime/Relax's partial
-rollouts, our broker's streaming), so its generation term is G / M, not G * tail / M.
+What the async run pays for the tail is `engine_tail`, the tail the engines themselves pay:
+- an engine with continuous batching (SGLang) refills the slot of a finished row from the next
+  admitted request, and with max_staleness >= 1 the broker admits the next batch's groups while
+  this batch's long rows run, so generation costs the mean length: engine_tail = 1;
+- the hf engine runs one `generate` per batch until its longest row ends (the finished rows
+  are computed on as padding), so it pays the tail on every batch: engine_tail = tail.
+Streaming training (trainer/stream.py) computes on the groups already in while the last ones
+generate, and a weight sync in retract mode lets rows in flight continue on the new weights
+rather than draining them; neither removes the tail from the engines' own time. None of this
+is measured on GPUs here: the long-tail costs come from the CPU run of tools/bench/longtail.py.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ class Costs:
     """Slowest sample / mean sample generation time within a batch."""
     dp_eff: float = 0.95
     """Data-parallel efficiency per doubling of trainer GPUs."""
+    engine_tail: float = 1.0
+    """The tail the engines pay in async mode: 1 with continuous batching, `tail` without."""
 
 
 def train_time(c: Costs, n: int) -> float:
@@ -52,7 +62,7 @@ def sync_step(c: Costs, n: int, m: int) -> float:
 
 def async_step(c: Costs, n: int, m: int) -> float:
     """Disjoint pools, bounded staleness: the slower side sets the pace."""
-    return max(c.G / m, train_time(c, n) + c.S)
+    return max(c.G * c.engine_tail / m, train_time(c, n) + c.S)
 
 
 def best_split(c: Costs, p: int) -> tuple[int, int, float]:

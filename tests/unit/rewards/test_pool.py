@@ -262,4 +262,21 @@ def test_math_with_rm_type_in_a_warmed_worker():
 
 def test_bad_pool_settings_name_the_config_keys():
     with pytest.raises(ConfigError, match="reward.num_workers"):
-        RewardPool(0, timeout_s=1.0)
+        RewardPool(-1, timeout_s=1.0)
+
+
+def test_no_workers_scores_in_this_process(helpers):
+    import os
+
+    async def main():
+        async with RewardPool(0, timeout_s=1.0) as pool:
+            assert await pool.score("exact_match", INP) == (1.0, False)
+            assert await pool.score(helpers.pid, INP) == (float(os.getpid()), False)
+            assert await pool.score_many(helpers.boom, [INP, INP]) == [(0.0, True)] * 2
+            assert await pool.score(helpers.text, INP) == (0.0, True)  # not a number
+            with pytest.raises(ConfigError, match="remote_url"):
+                await pool.score_many("remote", [INP])
+            assert await pool.score_many(lambda inp: 2.0, [INP]) == [(2.0, False)]  # unpicklable
+            assert (pool.calls, pool.errors) == (7, 3) and not pool._all  # no process started
+
+    run(main())

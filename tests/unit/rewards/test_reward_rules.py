@@ -212,7 +212,7 @@ def test_server_rewards_need_their_url(name, key):
 
 
 @pytest.mark.parametrize("overrides,key", [
-    ({"num_workers": 0}, "reward.num_workers"),
+    ({"num_workers": -1}, "reward.num_workers"),  # 0 is valid: scored inline
     ({"timeout_s": 0.0}, "reward.timeout_s"),
     ({"genrm_parser": "stars"}, "reward.genrm_parser"),
     ({"name": "genrm", "timeout_s": 10.0}, "reward.timeout_s"),

@@ -12,7 +12,7 @@ from relax_slurm.rewards import dapo, dapo_genrm, deepscaler, extract, f1, genrm
 from relax_slurm.rewards import ifbench_checks, ifeval, multiple_choice
 from relax_slurm.rewards import exact_match as exact_match_module
 from relax_slurm.rewards import math as math_module
-from relax_slurm.rewards import openr1mm, registry, remote
+from relax_slurm.rewards import openr1mm, prefix_match, registry, remote
 
 
 def inp(response: str, label, finish_reason: str = "stop") -> RewardInput:
@@ -21,7 +21,7 @@ def inp(response: str, label, finish_reason: str = "stop") -> RewardInput:
 
 @pytest.mark.parametrize("module", [
     exact_match_module, math_module, registry, extract, dapo, deepscaler, multiple_choice, f1,
-    ifeval, remote, genrm, openr1mm, geo3k, ifbench, ifbench_checks, dapo_genrm,
+    ifeval, remote, genrm, openr1mm, geo3k, ifbench, ifbench_checks, dapo_genrm, prefix_match,
 ], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
 def test_doctests(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
