@@ -60,6 +60,13 @@ class TorchBackend:
                           temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
                           before_update=before_update)
 
+    def eval_sums(self, block: MicroBatch) -> dict[str, float]:
+        """Forward only (SFT validation): this rank's summed NLL of its rows' trained tokens
+        and their count. Collective under FSDP2: every rank calls it on an equal block."""
+        from relax_slurm.trainer.sft import nll_sums
+
+        return nll_sums(self.model, block, self.cfg.trainer.micro_batch_size)
+
     def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         from relax_slurm.trainer.model import full_named_weights
 
