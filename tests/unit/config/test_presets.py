@@ -252,3 +252,16 @@ def test_tiny_video_preset_reads_videos_only_and_tells_the_engine():
     cfg = to_train_config(_compose(["experiment=tiny_video_cpu", "data.video_max_pixels=784"]))
     flags = _media_flags(cfg)
     assert flags[flags.index("--video-max-pixels") + 1] == "784"
+
+
+def test_sft_refuses_the_rollout_knobs_it_has_no_data_for():
+    """algo=sft on an RL experiment keeps that experiment's algo overrides (tiny_cpu's
+    tis_clip): refused, naming the overrides that fix it."""
+    with pytest.raises(ConfigError, match=r"algo=sft .*algo\.tis_clip=null"):
+        to_train_config(_compose(["experiment=tiny_cpu", "algo=sft"]))
+    cfg = to_train_config(_compose(["experiment=tiny_cpu", "algo=sft", "algo.tis_clip=null"]))
+    assert cfg.supervised and not to_train_config(_compose(["experiment=tiny_cpu"])).supervised
+    with pytest.raises(ConfigError, match=r"rollout\.temperature=1\.0"):
+        to_train_config(_compose(["experiment=tiny_sft_cpu", "rollout.temperature=0.7"]))
+    with pytest.raises(ConfigError, match=r"sft\.val_files=\[\]"):
+        to_train_config(_compose(["experiment=tiny_sft_cpu", "trainer=megatron"]))
