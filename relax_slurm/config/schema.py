@@ -983,6 +983,9 @@ class TrainConfig:
             out.append(f"algo=sft's NLL is of the model's own distribution, but "
                        f"rollout.temperature={self.rollout.temperature} scales the trainer's "
                        "logits: set rollout.temperature=1.0")
+        if self.data.multimodal_keys:
+            out.append("algo=sft reads text rows only (multimodal SFT is not implemented): "
+                       "unset data.multimodal_keys")
         if self.sft.val_files and self.trainer.backend == "megatron":
             out.append("sft.val_files with trainer=megatron: the validation forward is "
                        "implemented for trainer=torch only; set sft.val_files=[] (or "

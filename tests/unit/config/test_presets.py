@@ -263,5 +263,7 @@ def test_sft_refuses_the_rollout_knobs_it_has_no_data_for():
     assert cfg.supervised and not to_train_config(_compose(["experiment=tiny_cpu"])).supervised
     with pytest.raises(ConfigError, match=r"rollout\.temperature=1\.0"):
         to_train_config(_compose(["experiment=tiny_sft_cpu", "rollout.temperature=0.7"]))
+    with pytest.raises(ConfigError, match=r"unset data\.multimodal_keys"):
+        to_train_config(_compose(["experiment=tiny_sft_cpu", "+data.multimodal_keys={image: i}"]))
     with pytest.raises(ConfigError, match=r"sft\.val_files=\[\]"):
         to_train_config(_compose(["experiment=tiny_sft_cpu", "trainer=megatron"]))
