@@ -134,8 +134,11 @@ def test_sft_warm_start_then_rl_from_its_export(tmp_path, tiny_assets):
 @pytest.mark.slow
 def test_sft_resumes_exactly_where_its_checkpoint_left(tmp_path, tiny_assets):
     """A run resumed from a straight run's mid-run checkpoint trains the same rows (the data
-    position rides in the checkpoint) with the same weights: its steps repeat bit for bit."""
-    common = ("sft.val_files=[]", "trainer.total_steps=12", "sft.batch_size=512")
+    position rides in the checkpoint) with the same weights: its steps repeat bit for bit. Two
+    DDP ranks, as the other exact-resume tests: rows and the padded validation rows are split
+    over both."""
+    common = (f"sft.val_files=[{tiny_assets / 'arith_test.jsonl'}]", "sft.val_every=6",
+              "trainer.total_steps=12", "sft.batch_size=512", "trainer.nproc_per_node=2")
     straight = sft(tmp_path / "straight", tiny_assets, *common, "trainer.save_every=6")
     resumed = sft(tmp_path / "resumed", tiny_assets, *common,
                   f"resume={tmp_path / 'straight' / 'checkpoints' / 'step_6'}")
@@ -143,6 +146,7 @@ def test_sft_resumes_exactly_where_its_checkpoint_left(tmp_path, tiny_assets):
     # 12 x 512 rows cross the 5000-row epoch end after the resume point (6 x 512)
     assert [r["train/loss"] for r in resumed] == [r["train/loss"] for r in straight[6:]]
     assert resumed[-1]["sft/epoch"] == straight[-1]["sft/epoch"]
+    assert resumed[-1]["val/loss"] == straight[-1]["val/loss"] < straight[5]["val/loss"]
 
 
 @pytest.mark.slow
