@@ -986,10 +986,6 @@ class TrainConfig:
         if self.data.multimodal_keys:
             out.append("algo=sft reads text rows only (multimodal SFT is not implemented): "
                        "unset data.multimodal_keys")
-        if self.sft.val_files and self.trainer.backend == "megatron":
-            out.append("sft.val_files with trainer=megatron: the validation forward is "
-                       "implemented for trainer=torch only; set sft.val_files=[] (or "
-                       "trainer=torch)")
         return out
 
     @property

@@ -6,7 +6,7 @@
     weights = list(backend.named_hf_weights()) # HF names, full tensors (collective: all ranks)
     handle = backend.save(root, step, extra, ...)  /  extra = backend.load(path)
     backend.save_hf(out_dir)
-    backend.eval_sums(block)                   # forward only: NLL sums (SFT validation; torch)
+    backend.eval_sums(block)                   # forward only: NLL sums (SFT validation)
 
 The loop never branches on the backend (nor on the algorithm): the torch backend is a
 transformers model under DDP/FSDP2 with torch DCP checkpoints; the megatron backend is

@@ -14,7 +14,7 @@ rollout worker or weight sync. Checkpoints are the RL loop's (same `save`/`load`
 
 Simplifications: rows are not packed (each is one padded row of the block); no gradient
 accumulation beyond the backend's micro-batches; validation is the token-mean NLL of
-`sft.val_files` (trainer=torch).
+`sft.val_files` (a forward-only pass on either backend).
 """
 
 from __future__ import annotations
