@@ -116,6 +116,8 @@ def test_sft_warm_start_then_rl_from_its_export(tmp_path, tiny_assets):
     assert greedy_right(export, test_file) >= GREEDY_RIGHT
     assert greedy_right(tiny_assets / "model", test_file) < 0.2
     assert (sft_dir / "checkpoints" / f"step_{STEPS}").is_dir()
+    summary = json.loads((sft_dir / "summary.json").read_text())
+    assert summary["val_loss_first"] == vals[0] and summary["val_loss_last"] == vals[-1]
 
     # RL from the export (model.path): engines and trainer both load it
     rl_dir = tmp_path / "rl"
