@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
+from relax_slurm.checkpoint.cli import main as convert_main
 
 from tests.conftest import NEEDS_MEGATRON, ONE_RANK, REPO, run_env, tiny_command
 
@@ -116,6 +119,11 @@ def test_sft_warm_start_then_rl_from_its_export(tmp_path, tiny_assets):
     assert greedy_right(export, test_file) >= GREEDY_RIGHT
     assert greedy_right(tiny_assets / "model", test_file) < 0.2
     assert (sft_dir / "checkpoints" / f"step_{STEPS}").is_dir()
+    # relax-convert turns any of its checkpoints into such an export: the last one, bitwise
+    assert convert_main(["--input", str(sft_dir / "checkpoints" / f"step_{STEPS}"),
+                         "--output", str(tmp_path / "converted"), "--no-progress"]) == 0
+    ours, theirs = (load_file(d / "model.safetensors") for d in (tmp_path / "converted", export))
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
     summary = json.loads((sft_dir / "summary.json").read_text())
     assert summary["val_loss_first"] == vals[0] and summary["val_loss_last"] == vals[-1]
 
