@@ -117,11 +117,19 @@ class Validation:
         return {"val/loss": nll / max(tokens, 1.0), "val/tokens": tokens}
 
 
-def load_rows(cfg: TrainConfig) -> tuple[list[SFTExample], object]:
+def open_rows(cfg: TrainConfig, rank: int, data_world: int
+              ) -> tuple[list[SFTExample], EpochSampler | None, Validation]:
+    """Rank 0 reads and tokenizes the training and held-out rows (the others hold none)."""
+    if rank != 0:
+        return [], None, Validation(cfg, None, data_world)
     from relax_slurm.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    return read_examples(cfg.data.train_files, cfg.data, cfg.sft, tokenizer), tokenizer
+    rows = read_examples(cfg.data.train_files, cfg.data, cfg.sft, tokenizer)
+    check_length(cfg, len(rows))
+    log.info("SFT on %d rows: %.2f steps per epoch", len(rows), len(rows) / cfg.sft.batch_size)
+    return (rows, EpochSampler(len(rows), cfg.data.seed, cfg.data.shuffle),
+            Validation(cfg, tokenizer, data_world))
 
 
 def check_length(cfg: TrainConfig, num_rows: int) -> None:
@@ -154,6 +162,8 @@ def save_step(cfg: TrainConfig, backend, run_dir: Path, done: int, final: bool,
 
 
 def run_sft(cfg: TrainConfig, plan, run_dir: Path) -> int:
+    """The SFT run on this rank: rows, then per step train, validate when due, checkpoint,
+    log (rank 0). Returns the exit code (PREEMPT_EXIT_CODE after a preemption's checkpoint)."""
     from relax_slurm.trainer.main import broadcast_flag, init_distributed, truncate_metrics
 
     device = init_distributed(cfg)
@@ -164,14 +174,7 @@ def run_sft(cfg: TrainConfig, plan, run_dir: Path) -> int:
     if cfg.sft.batch_size % data_world:
         raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} does not split over "
                           f"{data_world} data-parallel ranks: make it a multiple of {data_world}")
-    rows, tokenizer, sampler = [], None, None
-    if rank == 0:
-        rows, tokenizer = load_rows(cfg)
-        check_length(cfg, len(rows))
-        sampler = EpochSampler(len(rows), cfg.data.seed, cfg.data.shuffle)
-        log.info("SFT on %d rows: %.2f steps per epoch", len(rows),
-                 len(rows) / cfg.sft.batch_size)
-    validation = Validation(cfg, tokenizer, data_world)
+    rows, sampler, validation = open_rows(cfg, rank, data_world)
     start_step = 0
     if plan.resume_from:
         extra = backend.load(plan.resume_from)
@@ -201,12 +204,13 @@ def run_sft(cfg: TrainConfig, plan, run_dir: Path) -> int:
             save_step(cfg, backend, run_dir, done, final, sampler)
             t3 = time.monotonic()
             if rank == 0:
-                row = {k: v for k, v in train.items() if k not in _NOT_LOGGED} | evals | {
-                    "train/samples": len(batch), "sft/epoch": sampler.epochs_done,
-                    "perf/train_time_s": t1 - t0, "perf/eval_s": t2 - t1,
-                    "perf/checkpoint_s": t3 - t2, "perf/step_time_s": t3 - last_end,
-                    "policy/version": done}
-                sinks.log(step, row)
+                sinks.log(step, {k: v for k, v in train.items() if k not in _NOT_LOGGED}
+                          | evals | {"train/samples": len(batch),
+                                     "sft/epoch": sampler.epochs_done,
+                                     "perf/train_time_s": t1 - t0, "perf/eval_s": t2 - t1,
+                                     "perf/checkpoint_s": t3 - t2,
+                                     "perf/step_time_s": t3 - last_end,
+                                     "policy/version": done})
             last_end = t3
             if preempt:
                 log.info("preempted: checkpoint step_%d saved; exiting for requeue", done)
