@@ -82,10 +82,12 @@ def encode_example(tokenizer: Any, messages: list[Message], apply_chat_template:
     if apply_chat_template:
         pieces = conversation_pieces(tokenizer, messages)
     else:  # the rollout's raw-text prompt, then the answer and EOS (the model learns to stop)
-        context = [m for m in messages if m["role"] != "assistant"]
-        answer = "".join(m["content"] for m in messages if m["role"] == "assistant")
+        *context, answer = messages
+        if answer["role"] != "assistant" or any(m["role"] == "assistant" for m in context):
+            raise ValueError("without a chat template (data.apply_chat_template=false) a row is "
+                             "one prompt and one final answer; multi-turn rows need the template")
         pieces = [(RAW_TEXT_SEPARATOR.join(m["content"] for m in context), False),
-                  (answer + (tokenizer.eos_token or ""), True)]
+                  (answer["content"] + (tokenizer.eos_token or ""), True)]
     ids: list[int] = []
     mask: list[float] = []
     for text, trained in pieces:

@@ -63,6 +63,11 @@ def test_raw_text_rows_end_with_eos(tok):
     assert e.loss_mask.tolist() == [1.0, 1.0]
 
 
+def test_raw_text_rows_are_one_prompt_and_one_answer(tok):
+    with pytest.raises(ValueError, match="multi-turn rows need the template"):
+        encode_example(tok, [user("3+4="), assistant("7"), user("1+1="), assistant("2")], False)
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused():
     class StripsPastThinking:  # like templates that drop past turns' reasoning
         def apply_chat_template(self, messages, add_generation_prompt, tokenize):
