@@ -55,6 +55,10 @@ NO_REWARD_KL_ALGOS = frozenset({"rloo", "reinforce_plus_plus_baseline"})
 BATCH_WIDE_ADVANTAGE_ALGOS = frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline"})
 """The estimators whose advantages use the whole batch's rewards, not each group's alone (a
 streaming trainer computes advantages group by group as they arrive; see trainer/stream.py)."""
+SUPERVISED_ALGOS = ("sft",)
+"""Algorithms that learn from a dataset's targets, not from rollouts: the launcher starts the
+trainer alone (no broker, engines or rollout worker) and it runs trainer/sft.py's loop."""
+ALGO_NAMES += SUPERVISED_ALGOS  # after PPO_CLIP_ALGOS: SFT has no clipped objective
 
 
 @dataclass(kw_only=True)
@@ -873,6 +877,32 @@ class EnvConfig:
 
 
 @dataclass(kw_only=True)
+class SFTConfig:
+    """Supervised fine-tuning (`algo=sft`, trainer/sft.py): rows of data.train_files with their
+    targets; the trainer alone runs, one optimizer step per `batch_size` rows."""
+
+    response_key: str = "response"
+    """Column holding the target answer (a string) to data.prompt_key's prompt."""
+    messages_key: Optional[str] = None
+    """Column of chat conversations ({role, content} lists); when set it replaces the prompt
+    and response columns and every assistant turn is trained (verl's multiturn messages)."""
+    batch_size: int = 32
+    """Rows per optimizer step (all data-parallel ranks together); divides by their count."""
+    max_tokens: int = 1024
+    """Rows longer than this (prompt + response tokens) are dropped, with a count logged."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out rows (same columns) whose token-mean NLL is logged as val/loss; empty: none."""
+    val_every: int = 0
+    """Steps between validations (also after the last step when val_files are set); 0: at the
+    end only."""
+
+    def __post_init__(self) -> None:
+        _check(self.batch_size >= 1, f"sft.batch_size={self.batch_size}: must be >= 1")
+        _check(self.max_tokens >= 2, f"sft.max_tokens={self.max_tokens}: must be >= 2")
+        _check(self.val_every >= 0, f"sft.val_every={self.val_every}: must be >= 0")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     run_dir: str = MISSING
     """Directory of this run: config.yaml, metrics.jsonl, logs/, checkpoints/."""
@@ -900,6 +930,7 @@ class TrainConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     notify: NotifyConfig = field(default_factory=NotifyConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     def __post_init__(self) -> None:
         # every sampling_seed is (seed << 40) + group * n + index (rollout/worker.py
@@ -970,6 +1001,8 @@ class TrainConfig:
         _check(not (t.streaming and blockers),
                "trainer.streaming=true does not apply to this run: " + "; ".join(blockers)
                + ". Set trainer.streaming=null (streams where it applies) or false")
+        problems = self.supervised_problems()
+        _check(not problems, "; ".join(problems))
 
     def streaming_blockers(self) -> list[str]:
         """Why this run cannot train on groups as they arrive (empty: it can)."""
@@ -990,6 +1023,33 @@ class TrainConfig:
         if self.algo.loss_reduction == "token_mean":
             out.append("algo.loss_reduction=token_mean (its weights divide by the whole batch's "
                        "token count)")
+        return out
+
+    @property
+    def supervised(self) -> bool:
+        """An SFT run: the trainer alone, on a dataset's targets (trainer/sft.py)."""
+        return self.algo.name in SUPERVISED_ALGOS
+
+    def supervised_problems(self) -> list[str]:
+        """What an SFT run's config gets wrong (empty: nothing, or not an SFT run). Its loss
+        goes through the shared policy_loss with the rows' log-probs standing in for an
+        engine's (there is none), so the knobs that read those must be off."""
+        if not self.supervised:
+            return []
+        a, out = self.algo, []
+        if a.tis_clip is not None or a.opsm_delta is not None:
+            out.append("algo=sft has no rollout log-probs to correct against: set "
+                       "algo.tis_clip=null and algo.opsm_delta=null")
+        if a.old_logprobs == "rollout" or a.max_staleness:
+            out.append("algo=sft trains on a dataset, not on rollouts: set "
+                       "algo.old_logprobs=auto and algo.max_staleness=0")
+        if self.rollout.temperature != 1.0:
+            out.append(f"algo=sft's NLL is of the model's own distribution, but "
+                       f"rollout.temperature={self.rollout.temperature} scales the trainer's "
+                       "logits: set rollout.temperature=1.0")
+        if self.data.multimodal_keys:
+            out.append("algo=sft reads text rows only (multimodal SFT is not implemented): "
+                       "unset data.multimodal_keys")
         return out
 
     @property

@@ -26,9 +26,7 @@ from relax_slurm.launch.interrupt import STOP
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.rerun import plan_rerun
 from relax_slurm.launch.restart import record_restart
-from relax_slurm.launch.roles import (
-    broker_spec, engine_specs, teacher_specs, trainer_spec, worker_spec,
-)
+from relax_slurm.launch.roles import run_specs
 from relax_slurm.launch.supervisor import supervise
 from relax_slurm.routing.shape import routing_shape
 
@@ -43,18 +41,21 @@ def check_inputs(cfg: TrainConfig) -> None:
             "Face model directory, or build the tiny demo model with "
             "`python tools/make_tiny_model.py --out tiny/model`"
         )
-    for f in cfg.data.train_files:
-        if not Path(f).exists():
-            raise ConfigError(
-                f"data.train_files: {f} does not exist. For the demo data run "
-                "`python tools/prepare_data.py --out tiny`"
-            )
+    for key, files in (("data.train_files", cfg.data.train_files),
+                       ("sft.val_files", cfg.sft.val_files if cfg.supervised else [])):
+        for f in files:
+            if not Path(f).exists():
+                raise ConfigError(
+                    f"{key}: {f} does not exist. For the demo data run "
+                    "`python tools/prepare_data.py --out tiny`"
+                )
     check_teacher(cfg)
     if cfg.algo.routing_replay and routing_shape(cfg.model.path) is None:
         raise ConfigError(f"algo.routing_replay=true: model.path={cfg.model.path} is not a "
                           "mixture-of-experts model (its config.json names no experts); "
                           "unset it for a dense model")
-    if cfg.rollout.agent_mode == "env":  # proxy mode reads no prompts
+    # proxy mode reads no prompts; SFT rows are checked as the trainer reads them
+    if cfg.rollout.agent_mode == "env" and not cfg.supervised:
         check_data_files(cfg.data, cfg.eval.datasets if cfg.eval.every else [])
 
 
@@ -72,6 +73,8 @@ def check_teacher(cfg: TrainConfig) -> None:
 
 
 def local_plan(cfg: TrainConfig) -> RunPlan:
+    if cfg.supervised:  # the trainer alone: its rendezvous port is the whole plan
+        return RunPlan(broker_router="", broker_pub="", trainer_master_port=free_port())
     host = cfg.broker.host
     return RunPlan(
         broker_router=f"tcp://{host}:{free_port(host)}",
@@ -105,9 +108,7 @@ def prepare_run_dir(cfg: TrainConfig, plan: RunPlan, attempt: int = 0) -> Path:
 def run_attempt(cfg: TrainConfig, attempt: int, started: float) -> dict:
     plan = local_plan(cfg)  # fresh ports: the last attempt's may not be free yet
     run_dir = prepare_run_dir(cfg, plan, attempt)
-    specs = [broker_spec(cfg, plan, run_dir), *engine_specs(cfg, plan), *teacher_specs(cfg, plan),
-             worker_spec(cfg, plan, run_dir, LOCALHOST),
-             trainer_spec(cfg, plan, run_dir, [LOCALHOST])]
+    specs = run_specs(cfg, plan, run_dir, LOCALHOST, [LOCALHOST])
     return supervise(specs, cfg, run_dir, wrap=lambda spec: spec.argv, started=started,
                      extra={"global_restarts": attempt})
 

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from relax_slurm.checkpoint.resume import parse_step, resolve_resume
 from relax_slurm.config import TrainConfig
+from relax_slurm.config.schema import SUPERVISED_ALGOS
 from relax_slurm.errors import ConfigError
 
 HISTORY_FILE = "config_history.jsonl"
@@ -88,6 +89,22 @@ def check_changes(changes: dict[str, tuple[Any, Any]], step: int, allow: bool) -
         "start over with them")
 
 
+def check_warm_start(changes: dict[str, tuple[Any, Any]], resume_from: Path) -> None:
+    """An SFT checkpoint resumed as RL (or an RL one as SFT) is a warm start, not a resume:
+    it would carry the step count, optimizer state and lr schedule across. Refused whatever
+    resume_with_changes says, naming the HF export to start from instead."""
+    old, new = changes.get("algo.name", (None, None))
+    if old is None or (old in SUPERVISED_ALGOS) == (new in SUPERVISED_ALGOS):
+        return
+    export = resume_from.parent.parent / "hf" / resume_from.name
+    raise ConfigError(
+        f"{resume_from} is a checkpoint of an algo={old} run and this run is algo={new}: "
+        "starting one from the other is a warm start, not a resume (it would carry the step "
+        "count, optimizer state and lr schedule across). Fix: start from its Hugging Face "
+        f"export, model.path={export} (written at its last step; relax-convert makes one from "
+        "any checkpoint), without resume=")
+
+
 def append_history(run_dir: Path, from_step: int, changes: dict[str, tuple[Any, Any]]) -> None:
     """One line per start that changed the config, and the first start (no changes; a fresh
     start begins the file anew): steps from `from_step` on ran with the config of that line
@@ -149,6 +166,7 @@ def plan_rerun(cfg: TrainConfig, run_dir: Path) -> Rerun:
     if ref is not None:
         old = OmegaConf.to_container(OmegaConf.load(ref), resolve=True)
         changes = {k: v for k, v in config_changes(old, new).items() if k not in LAUNCH_ONLY}
+        check_warm_start(changes, resume)
         check_changes(changes, step, cfg.resume_with_changes)
     rerun = Rerun(resume, step, resume is not None and step >= cfg.trainer.total_steps, changes)
     history = run_dir / HISTORY_FILE

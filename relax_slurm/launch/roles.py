@@ -216,3 +216,14 @@ def trainer_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, hosts: list[str
               "--monitor-interval=1",
               "-m", "relax_slurm.trainer", "--run-dir", str(run_dir)],
     )
+
+
+def run_specs(cfg: TrainConfig, plan: RunPlan, run_dir: Path, rollout_host: str,
+              trainer_hosts: list[str]) -> list[RoleSpec]:
+    """Every role of the run, in start order. An SFT run (`algo=sft`) is its trainer alone:
+    it reads its rows itself and needs no broker, engines or rollout worker."""
+    trainer = trainer_spec(cfg, plan, run_dir, trainer_hosts)
+    if cfg.supervised:
+        return [trainer]
+    return [broker_spec(cfg, plan, run_dir), *engine_specs(cfg, plan), *teacher_specs(cfg, plan),
+            worker_spec(cfg, plan, run_dir, rollout_host), trainer]

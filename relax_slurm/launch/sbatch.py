@@ -13,6 +13,7 @@ hand (`sbatch RUN_DIR/job.sbatch`) and resumes from its checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 import subprocess
@@ -84,9 +85,17 @@ def job_python(c: ClusterConfig) -> str:
     return c.python or sys.executable
 
 
+def job_cluster(cfg: TrainConfig) -> ClusterConfig:
+    """The cluster settings the job is rendered from: an SFT run (`algo=sft`, the trainer
+    alone) is one plain component of cluster.trainer_nodes, whatever the layout says."""
+    if cfg.supervised:
+        return dataclasses.replace(cfg.cluster, layout="colocated", rollout_nodes=0)
+    return cfg.cluster
+
+
 def render_script(cfg: TrainConfig, run_dir: Path, workdir: Path) -> str:
     """The sbatch script of one run (its config.yaml already in run_dir)."""
-    c = cfg.cluster
+    c = job_cluster(cfg)
     script = shlex.quote(str(run_dir / SCRIPT_NAME))
     header = (f"# relax-slurm run {run_dir}\n"
               f"# Rendered by relax-train (relax_slurm/launch/sbatch.py). Resubmit with `sbatch "
@@ -150,7 +159,7 @@ def example_allocation(c: ClusterConfig) -> SlurmAllocation:
 def srun_lines(cfg: TrainConfig, run_dir: Path, workdir: Path) -> list[str]:
     from relax_slurm.launch import slurm_driver as drv
 
-    layout = drv.make_layout(cfg, example_allocation(cfg.cluster))
+    layout = drv.make_layout(cfg, example_allocation(job_cluster(cfg)))
     plan = drv.slurm_plan(cfg, layout)
     wrap = drv.srun_wrap(cfg, layout, str(workdir))
     return [shlex.join(wrap(s)) for s in drv.role_specs(cfg, plan, layout, run_dir)]
@@ -158,7 +167,7 @@ def srun_lines(cfg: TrainConfig, run_dir: Path, workdir: Path) -> list[str]:
 
 def dry_run_text(cfg: TrainConfig, run_dir: Path, workdir: Path) -> str:
     example = "; ".join(f"component {k}: {','.join(g)}" for k, g in
-                        enumerate(example_allocation(cfg.cluster).het_groups))
+                        enumerate(example_allocation(job_cluster(cfg)).het_groups))
     lines = srun_lines(cfg, run_dir, workdir)
     shebang, script = render_script(cfg, run_dir, workdir).split("\n", 1)
     return (f"{shebang}\n"

@@ -51,9 +51,7 @@ from relax_slurm.launch.local import check_inputs, record_global_restart
 from relax_slurm.launch.node_health import lost_nodes
 from relax_slurm.launch.restart import record_restart
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
-from relax_slurm.launch.roles import (
-    RoleSpec, broker_spec, engine_specs, teacher_specs, trainer_spec, worker_spec,
-)
+from relax_slurm.launch.roles import RoleSpec, run_specs
 from relax_slurm.launch.slurm_env import SlurmAllocation, read_allocation
 from relax_slurm.launch.supervisor import Wrap, supervise
 
@@ -94,6 +92,8 @@ def make_layout(cfg: TrainConfig, alloc: SlurmAllocation) -> Layout:
 def slurm_plan(cfg: TrainConfig, layout: Layout) -> RunPlan:
     """Addresses by node name. Ports are ones free on this node now: nodes of one job are
     alike, and a role that cannot bind fails loudly and names its port."""
+    if cfg.supervised:  # SFT: the trainer alone, rendezvous on its first node
+        return RunPlan(broker_router="", broker_pub="", trainer_master_port=free_port(ANY_HOST))
     head, rollout = layout.trainer_hosts[0], layout.rollout_hosts
     n = cfg.rollout.num_engines
     return RunPlan(
@@ -115,9 +115,7 @@ def slurm_plan(cfg: TrainConfig, layout: Layout) -> RunPlan:
 
 
 def role_specs(cfg: TrainConfig, plan: RunPlan, layout: Layout, run_dir: Path) -> list[RoleSpec]:
-    specs = [broker_spec(cfg, plan, run_dir), *engine_specs(cfg, plan), *teacher_specs(cfg, plan),
-             worker_spec(cfg, plan, run_dir, layout.rollout_hosts[0]),
-             trainer_spec(cfg, plan, run_dir, list(layout.trainer_hosts))]
+    specs = run_specs(cfg, plan, run_dir, layout.rollout_hosts[0], list(layout.trainer_hosts))
     # CPU pinning is for local runs: here it would pin the srun client, not the role
     return [dataclasses.replace(s, cpus=None) for s in specs]
 

@@ -16,6 +16,9 @@ def _fmt(row: dict[str, Any]) -> dict[str, str]:
         v = row.get(k)
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
+    if "sft/epoch" in row:  # an SFT run (algo=sft): no rollout, a loss to watch
+        return {"loss": g("train/loss", ".3f"), "val": g("val/loss", ".3f"),
+                "epoch": g("sft/epoch", ".2f"), "s/step": g("perf/step_time_s", ".2f")}
     return {
         "reward": g("rollout/reward_mean", ".3f"),
         "len": g("rollout/response_len_mean", ".1f"),

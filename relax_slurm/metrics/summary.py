@@ -18,7 +18,9 @@ def summarize(rows: list[dict[str, Any]], wall_s: float, max_staleness: int) -> 
     """Pure: metrics rows (one per step) -> summary dict."""
     rewards = [r["rollout/reward_mean"] for r in rows if r.get("rollout/reward_mean") is not None]
     stale = [r.get("broker/staleness_max") or 0 for r in rows]
-    return {
+    vals = [r["val/loss"] for r in rows if r.get("val/loss") is not None]
+    sft = {"val_loss_first": vals[0], "val_loss_last": vals[-1]} if vals else {}  # algo=sft
+    return sft | {
         "steps": len(rows),
         "reward_first": _mean(rewards[:EDGE_STEPS]),
         "reward_last": _mean(rewards[-EDGE_STEPS:]),

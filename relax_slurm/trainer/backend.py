@@ -6,6 +6,7 @@
     weights = list(backend.named_hf_weights()) # HF names, full tensors (collective: all ranks)
     handle = backend.save(root, step, extra, ...)  /  extra = backend.load(path)
     backend.save_hf(out_dir)
+    backend.eval_sums(block)                   # forward only: NLL sums (SFT validation)
 
 The loop never branches on the backend (nor on the algorithm): the torch backend is a
 transformers model under DDP/FSDP2 with torch DCP checkpoints; the megatron backend is
@@ -67,6 +68,13 @@ class TorchBackend:
             refresh_reference(self.ref_model, self.model)
             log.info("reference model refreshed from the policy after step %d", self.steps_done)
         return metrics
+
+    def eval_sums(self, block: MicroBatch) -> dict[str, float]:
+        """Forward only (SFT validation): this rank's summed NLL of its rows' trained tokens
+        and their count. Collective under FSDP2: every rank calls it on an equal block."""
+        from relax_slurm.trainer.sft import nll_sums
+
+        return nll_sums(self.model, block, self.cfg.trainer.micro_batch_size)
 
     def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         from relax_slurm.trainer.model import full_named_weights

@@ -327,6 +327,10 @@ def broadcast_flag(flag: bool) -> bool:
 def run(run_dir: Path) -> int:
     cfg = load_config(run_dir / "config.yaml")
     plan = load_plan(run_dir)
+    if cfg.supervised:  # algo=sft: the trainer alone, on a dataset (trainer/sft.py)
+        from relax_slurm.trainer.sft import run_sft
+
+        return run_sft(cfg, plan, run_dir)
     device = init_distributed(cfg)
     rank = dist.get_rank()
     torch.manual_seed(cfg.trainer.seed)

@@ -45,6 +45,13 @@ class MegatronBackend:
                           temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
                           before_update=before_update)
 
+    def eval_sums(self, block: MicroBatch) -> dict[str, float]:
+        """Forward only (SFT validation): NLL sums of this rank's share (see
+        megatron.step.eval_sums); every rank calls it."""
+        from relax_slurm.trainer.megatron.step import eval_sums
+
+        return eval_sums(self.mm, block, micro_batch_size=self.cfg.trainer.micro_batch_size)
+
     def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Every rank drives the bridge's export (gathers across TP/PP/EP); only rank 0, the
         sender, keeps the tensors: the others would each hold a host copy of the whole model."""

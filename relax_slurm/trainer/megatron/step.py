@@ -107,3 +107,57 @@ def _same_keys(sums: dict[str, float]) -> dict[str, float]:
     keys: list = [None] * dist.get_world_size()
     dist.all_gather_object(keys, sorted(sums))
     return {k: sums.get(k, 0.0) for k in sorted(set().union(*keys))}
+
+
+def eval_sums(mm: MegatronModel, batch: MicroBatch, *, micro_batch_size: int
+              ) -> dict[str, float]:
+    """Forward only (SFT validation): this rank's summed NLL over its rows' trained tokens
+    (`weights != 0`) and their count, counted on one rank per data-parallel block (last stage,
+    TP and CP rank 0; the others return zeros), so a sum over all ranks is the whole batch's.
+    Megatron's schedule with forward_only=True: no gradient, no optimizer."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from relax_slurm.trainer.step import gather_logprobs
+
+    mbs = micro_batches(batch, micro_batch_size, ps.get_pipeline_model_parallel_world_size() > 1)
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    counted = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+               and cp_rank == 0)
+    width = batch.input_ids.shape[1]
+    sums = {"nll": 0.0, "tokens": 0.0}
+
+    def forward_step(data_iterator, chunk):
+        mb = next(data_iterator)
+        if cp > 1:
+            output = mm.forward(chunk, *context_parallel.local_tokens(mb.input_ids, cp, cp_rank))
+        else:
+            output = mm.forward(chunk, mb.input_ids, attention_mask=mb.attention_mask,
+                                media=mb.media.kwargs() if mb.media is not None else None)
+
+        def loss_func(out):
+            logits = mm.full_logits(out)
+            if cp > 1:
+                logits = context_parallel.gather_sequence(logits, width)
+            logp = gather_logprobs(logits[:, :-1].float(), mb.targets)  # [B, T-1]
+            mask = (mb.weights != 0).float()
+            if counted:
+                sums["nll"] -= float((logp * mask).sum())
+                sums["tokens"] += float(mask.sum())
+            return logp.new_zeros(()), {}
+
+        return output, loss_func
+
+    for c in mm.chunks:
+        c.eval()
+    try:
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=mm.chunks,
+                num_microbatches=len(mbs),
+                seq_length=context_parallel.padded_length(width, cp) if cp > 1 else width,
+                micro_batch_size=len(mbs[0]), forward_only=True)
+    finally:
+        mm.train()
+    return sums

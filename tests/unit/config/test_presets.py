@@ -268,3 +268,17 @@ def test_num_steps_per_rollout_is_validated_and_blocks_streaming():
         to_train_config(_compose([*base, "trainer=megatron", "trainer.num_steps_per_rollout=2"]))
     with pytest.raises(ConfigError, match=r"num_steps_per_rollout=0: must be >= 1"):
         to_train_config(_compose([*base, "trainer.num_steps_per_rollout=0"]))
+
+
+def test_sft_refuses_the_rollout_knobs_it_has_no_data_for():
+    """algo=sft on an RL experiment keeps that experiment's algo overrides (tiny_cpu's
+    tis_clip): refused, naming the overrides that fix it."""
+    with pytest.raises(ConfigError, match=r"algo=sft .*algo\.tis_clip=null"):
+        to_train_config(_compose(["experiment=tiny_cpu", "algo=sft"]))
+    cfg = to_train_config(_compose(["experiment=tiny_cpu", "algo=sft", "algo.tis_clip=null"]))
+    assert cfg.supervised and not to_train_config(_compose(["experiment=tiny_cpu"])).supervised
+    with pytest.raises(ConfigError, match=r"rollout\.temperature=1\.0"):
+        to_train_config(_compose(["experiment=tiny_sft_cpu", "rollout.temperature=0.7"]))
+    with pytest.raises(ConfigError, match=r"unset data\.multimodal_keys"):
+        to_train_config(_compose(["experiment=tiny_sft_cpu", "+data.multimodal_keys={image: i}"]))
+    assert to_train_config(_compose(["experiment=tiny_sft_cpu", "trainer=megatron"])).supervised

@@ -131,3 +131,16 @@ def test_submit_follows_the_same_rules(tmp_path, capsys):
         submit([*base, "trainer.lr=1e-3"])
     assert submit(base) is None
     assert "run complete at step 4" in capsys.readouterr().err
+
+
+def test_rl_from_an_sft_checkpoint_is_refused_naming_its_hf_export(tmp_path):
+    """resume=<an SFT run's checkpoint> for an RL run would carry the SFT step count, optimizer
+    and lr schedule into RL: refused even with resume_with_changes, pointing at model.path."""
+    sft_run, rl_run = tmp_path / "sft", tmp_path / "rl"
+    save_config(compose_config(["experiment=tiny_sft_cpu", f"run_dir={sft_run}"]),
+                sft_run / "config.yaml")
+    ckpt = fake_checkpoint(sft_run, 80)
+    for extra in ([], ["resume_with_changes=true"]):
+        with pytest.raises(ConfigError, match=rf"algo=sft run and this run is algo=grpo.*"
+                                              rf"model\.path={sft_run / 'hf' / 'step_80'}"):
+            plan_rerun(cfg_for(rl_run, f"resume={ckpt}", *extra), rl_run)

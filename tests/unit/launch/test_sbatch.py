@@ -154,3 +154,22 @@ def test_wait_survives_a_busy_slurmctld(tmp_path, monkeypatch, capsys):
     answers[:] = [busy] * (sbatch.SQUEUE_RETRIES + 1)
     with pytest.raises(sbatch.RelaxError, match="may still be running"):
         sbatch.wait_for_job("7", tmp_path, 0.01)
+
+
+def test_sft_dry_run_is_one_plain_component_with_the_trainer_alone():
+    """algo=sft needs no broker, engines or rollout worker: whatever cluster.layout says, the
+    job is one component of cluster.trainer_nodes and the driver starts one srun step."""
+    cfg = compose_config(["experiment=tiny_sft_cpu", "cluster=slurm", f"run_dir={RUN_DIR}",
+                          "cluster.python=/opt/venv/bin/python", "cluster.trainer_nodes=2",
+                          "cluster.rollout_nodes=3", "cluster.gpus_per_node=8",
+                          "trainer.nproc_per_node=8", "cluster.dry_run=true"])
+    assert cfg.cluster.layout == "hetjob"
+    text = sbatch.dry_run_text(cfg, RUN_DIR, WORKDIR)
+    assert "#SBATCH hetjob" not in text and "#SBATCH --nodes=2" in text
+    assert "--nodes=3" not in text and "rollout-node" not in text
+    sruns = [shlex.split(l) for l in text.splitlines() if l.startswith("srun ")]
+    assert len(sruns) == 1
+    trainer = sruns[0]
+    assert "--job-name=trainer" in trainer and "--nodelist=trainer-node1,trainer-node2" in trainer
+    assert not any(a.startswith("--het-group") for a in trainer)
+    assert "relax_slurm.trainer" in trainer and "--nproc-per-node=8" in trainer

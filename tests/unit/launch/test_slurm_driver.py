@@ -204,3 +204,17 @@ def test_sigterm_of_our_own_requeue_does_not_read_as_terminated(tmp_path, monkey
         for s, handler in saved.items():
             signal.signal(s, handler)
     assert read_status(tmp_path)["state"] == "requeued"
+
+
+def test_sft_runs_the_trainer_alone_locally_and_on_slurm(tmp_path):
+    from relax_slurm.launch.local import local_plan
+    from relax_slurm.launch.roles import run_specs
+
+    cfg = compose_config(["experiment=tiny_sft_cpu", f"run_dir={tmp_path}"])
+    plan = local_plan(cfg)
+    assert plan.engine_urls == [] and plan.broker_admin is None  # nothing to watch but it
+    specs = run_specs(cfg, plan, tmp_path, "127.0.0.1", ["127.0.0.1"])
+    assert [s.name for s in specs] == ["trainer"]
+    layout = drv.make_layout(cfg, PLAIN)
+    assert [s.name for s in drv.role_specs(cfg, drv.slurm_plan(cfg, layout), layout, tmp_path)
+            ] == ["trainer"]

@@ -1,0 +1,225 @@
+"""Supervised fine-tuning (`algo=sft`): the trainer alone, on a dataset's targets.
+
+    relax-train experiment=tiny_sft_cpu run_dir=runs/sft            # warm-start
+    relax-train experiment=tiny_cpu model.path=runs/sft/hf/step_N   # then RL from its export
+
+Each step rank 0 takes the next `sft.batch_size` rows (epochs of seeded permutations,
+`data.seed + epoch`, batches running on across epoch ends), turns them into the same
+`TrainItem`s and padded `MicroBatch` block an RL step scatters (prompt tokens weigh 0), and
+every rank calls `backend.train_step`: the loss is the registered `sft` algorithm's through the
+shared `micro_batch_loss`, so both trainer backends run it unchanged. No broker, engines,
+rollout worker or weight sync. Checkpoints are the RL loop's (same `save`/`load`, resumable;
+`extra["sft"]` is the data position); the last step also writes an HF export,
+`run_dir/hf/step_<N>`, which is what an RL run takes as `model.path`.
+
+Simplifications: rows are not packed (each is one padded row of the block); no gradient
+accumulation beyond the backend's micro-batches; validation is the token-mean NLL of
+`sft.val_files` (a forward-only pass on either backend).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from relax_slurm.algos import reduction_weights
+from relax_slurm.checkpoint import checkpoints_dir
+from relax_slurm.checkpoint.dcp import wait_pending
+from relax_slurm.config import TrainConfig
+from relax_slurm.data.sft import EpochSampler, SFTExample, read_examples
+from relax_slurm.errors import ConfigError
+from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
+from relax_slurm.launch.heap import freeze_heap
+from relax_slurm.metrics.fanout import open_sinks
+from relax_slurm.samples import Sample
+from relax_slurm.trainer.backend import build_backend
+from relax_slurm.trainer.batch import MicroBatch, TrainItem, collate, scatter_batch
+from relax_slurm.trainer.step import gather_logprobs, scaled_logits
+
+log = logging.getLogger("relax_slurm.trainer")
+# policy_loss sums that mean nothing without rollouts: "rollout log-probs" are zeros here
+_NOT_LOGGED = ("train/clipfrac", "train/rollout_train_logprob_diff")
+
+
+def train_items(examples: list[SFTExample], reduction: str) -> list[TrainItem]:
+    """The rows as the trainer's items: loss weights over the whole batch (token_mean: each
+    trained token 1 / the batch's trained tokens), advantage 1, no rollout log-probs."""
+    samples = [Sample(prompt_id=str(i), group_id=i, prompt_ids=e.prompt_ids,
+                      response_ids=e.response_ids, loss_mask=e.loss_mask,
+                      rollout_logprobs=np.zeros(len(e.response_ids), dtype=np.float32))
+               for i, e in enumerate(examples)]
+    weights = reduction_weights([torch.from_numpy(s.loss_mask) for s in samples], reduction)
+    return [TrainItem(sample=s, advantage=1.0, weights=w.numpy())
+            for s, w in zip(samples, weights)]
+
+
+def padded(examples: list[SFTExample], multiple: int) -> list[SFTExample]:
+    """Rows made a multiple of `multiple` (equal blocks per data rank) with copies of the first
+    row that train nothing (mask 0)."""
+    extra = -len(examples) % multiple
+    e = examples[0]
+    return examples + [SFTExample(e.prompt_ids, e.response_ids, np.zeros_like(e.loss_mask))
+                       for _ in range(extra)]
+
+
+def scatter_rows(examples: list[SFTExample] | None, reduction: str, pad_id: int,
+                 device: torch.device, data_ranks: list[int]) -> MicroBatch:
+    """Rank 0 passes the rows, the others None; every rank gets its block. Collective."""
+    whole = None
+    if dist.get_rank() == 0:
+        whole = collate(train_items(examples, reduction), pad_id, torch.device("cpu"))
+    return scatter_batch(whole, device, data_ranks)
+
+
+@torch.no_grad()
+def nll_sums(model: torch.nn.Module, block: MicroBatch, micro_batch_size: int
+             ) -> dict[str, float]:
+    """Forward only: this rank's summed NLL over its rows' trained tokens and their count.
+    Every rank calls it with as many micro-batches (FSDP2 gathers weights per forward)."""
+    model.eval()
+    nll, tokens = 0.0, 0.0
+    for lo in range(0, len(block), micro_batch_size):
+        mb = block.rows(lo, lo + micro_batch_size)
+        mask = (mb.weights != 0).float()  # [B, T-1]
+        logp = gather_logprobs(scaled_logits(model, mb, 1.0), mb.targets)
+        nll -= float((logp * mask).sum())
+        tokens += float(mask.sum())
+    model.train()
+    return {"nll": nll, "tokens": tokens}
+
+
+class Validation:
+    """Held-out rows (`sft.val_files`) and when to score them (every `sft.val_every` steps
+    and after the last); scored by every rank on its block, summed over ranks."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer, data_world: int) -> None:
+        self.enabled = bool(cfg.sft.val_files)  # every rank knows; rank 0 holds the rows
+        self.every, self.total = cfg.sft.val_every, cfg.trainer.total_steps
+        self.rows = (padded(read_examples(cfg.sft.val_files, cfg.data, cfg.sft, tokenizer),
+                            data_world)
+                     if tokenizer is not None and cfg.sft.val_files else None)
+
+    def due(self, done: int) -> bool:
+        return self.enabled and (done == self.total
+                                 or bool(self.every) and done % self.every == 0)
+
+    def score(self, backend, device: torch.device) -> dict[str, float]:
+        block = scatter_rows(self.rows, "token_sum", backend.pad_id, device, backend.data_ranks)
+        sums = backend.eval_sums(block)
+        total = torch.tensor([sums["nll"], sums["tokens"]], dtype=torch.float64)
+        dist.all_reduce(total)
+        nll, tokens = total.tolist()
+        return {"val/loss": nll / max(tokens, 1.0), "val/tokens": tokens}
+
+
+def open_rows(cfg: TrainConfig, rank: int, data_world: int
+              ) -> tuple[list[SFTExample], EpochSampler | None, Validation]:
+    """Rank 0 reads and tokenizes the training and held-out rows (the others hold none)."""
+    if rank != 0:
+        return [], None, Validation(cfg, None, data_world)
+    from relax_slurm.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    rows = read_examples(cfg.data.train_files, cfg.data, cfg.sft, tokenizer)
+    check_length(cfg, len(rows))
+    log.info("SFT on %d rows: %.2f steps per epoch", len(rows), len(rows) / cfg.sft.batch_size)
+    return (rows, EpochSampler(len(rows), cfg.data.seed, cfg.data.shuffle),
+            Validation(cfg, tokenizer, data_world))
+
+
+def check_length(cfg: TrainConfig, num_rows: int) -> None:
+    """The run's rows fit in data.num_epochs passes (the run stops at trainer.total_steps)."""
+    need = cfg.trainer.total_steps * cfg.sft.batch_size
+    if need > cfg.data.num_epochs * num_rows:
+        raise ConfigError(
+            f"trainer.total_steps={cfg.trainer.total_steps} x sft.batch_size="
+            f"{cfg.sft.batch_size} rows need {need / num_rows:.2f} passes over the {num_rows} "
+            f"rows, more than data.num_epochs={cfg.data.num_epochs}: raise data.num_epochs or "
+            "lower trainer.total_steps")
+
+
+def save_step(cfg: TrainConfig, backend, run_dir: Path, done: int, final: bool,
+              sampler: EpochSampler | None) -> None:
+    """The RL loop's cadence (trainer.save_every, trainer.save_hf_every, always at the end),
+    plus an HF export after the last step: what an RL run takes as model.path. Collective."""
+    t = cfg.trainer
+    if final or (t.save_every and done % t.save_every == 0):
+        extra = {"sft": sampler.state_dict() if sampler is not None else {}}
+        handle = backend.save(checkpoints_dir(run_dir), done, extra, keep_last=t.keep_last,
+                              async_save=t.async_save, hf_assets_src=cfg.model.path)
+        if final:
+            handle.wait()
+    if done == t.total_steps or (t.save_hf_every and done % t.save_hf_every == 0):
+        out = run_dir / "hf" / f"step_{done}"
+        backend.save_hf(out)
+        if done == t.total_steps:
+            log.info("HF export for RL: model.path=%s", out)
+
+
+def run_sft(cfg: TrainConfig, plan, run_dir: Path) -> int:
+    """The SFT run on this rank: rows, then per step train, validate when due, checkpoint,
+    log (rank 0). Returns the exit code (PREEMPT_EXIT_CODE after a preemption's checkpoint)."""
+    from relax_slurm.trainer.main import broadcast_flag, init_distributed, truncate_metrics
+
+    device = init_distributed(cfg)
+    rank = dist.get_rank()
+    torch.manual_seed(cfg.trainer.seed)
+    backend = build_backend(cfg, device)
+    data_world = len(set(backend.data_ranks))
+    if cfg.sft.batch_size % data_world:
+        raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} does not split over "
+                          f"{data_world} data-parallel ranks: make it a multiple of {data_world}")
+    rows, sampler, validation = open_rows(cfg, rank, data_world)
+    start_step = 0
+    if plan.resume_from:
+        extra = backend.load(plan.resume_from)
+        start_step = extra["step"]
+        if sampler is not None and "sft" in extra:
+            sampler.load_state_dict(extra["sft"])
+        log.info("resumed from %s at step %d", plan.resume_from, start_step)
+    freeze_heap()
+    sinks = None
+    if rank == 0:
+        truncate_metrics(run_dir, start_step)
+        sinks = open_sinks(cfg, run_dir)
+    try:
+        last_end = time.monotonic()
+        for step in range(start_step, cfg.trainer.total_steps):
+            t0 = time.monotonic()
+            batch = [rows[i] for i in sampler.take(cfg.sft.batch_size)] if rank == 0 else None
+            block = scatter_rows(batch, cfg.algo.loss_reduction, backend.pad_id, device,
+                                 backend.data_ranks)
+            train = backend.train_step([(block, True)])
+            t1 = time.monotonic()
+            done = step + 1
+            evals = validation.score(backend, device) if validation.due(done) else {}
+            preempt = broadcast_flag(rank == 0 and preempt_requested(run_dir))
+            final = preempt or done == cfg.trainer.total_steps
+            t2 = time.monotonic()
+            save_step(cfg, backend, run_dir, done, final, sampler)
+            t3 = time.monotonic()
+            if rank == 0:
+                sinks.log(step, {k: v for k, v in train.items() if k not in _NOT_LOGGED}
+                          | evals | {"train/samples": len(batch),
+                                     "sft/epoch": sampler.epochs_done,
+                                     "perf/train_time_s": t1 - t0, "perf/eval_s": t2 - t1,
+                                     "perf/checkpoint_s": t3 - t2,
+                                     "perf/step_time_s": t3 - last_end,
+                                     "policy/version": done})
+            last_end = t3
+            if preempt:
+                log.info("preempted: checkpoint step_%d saved; exiting for requeue", done)
+                wait_pending()
+                return PREEMPT_EXIT_CODE
+        wait_pending()
+        return 0
+    finally:
+        if sinks is not None:
+            sinks.close()
+        backend.close()
+        dist.destroy_process_group()
