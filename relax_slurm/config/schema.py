@@ -511,7 +511,12 @@ class RewardConfig:
     remote_backoff_s: float = 0.5
     """remote: wait before the first retry, doubled for each further one."""
     genrm_url: Optional[str] = None
-    """genrm, dapo-genrm: base URL of the judge engine (hf engine or SGLang server; /generate)."""
+    """genrm, dapo-genrm: base URL of a judge engine you run (hf engine or SGLang server;
+    /generate). Exclusive with genrm_model_path."""
+    genrm_model_path: Optional[str] = None
+    """genrm, dapo-genrm: Hugging Face directory of a judge model relax-train serves itself on
+    one more engine (role `genrm`, health-checked and restarted like the others, outside the
+    weight sync). Exclusive with genrm_url."""
     genrm_template: Optional[str] = None
     """genrm, dapo-genrm: judge prompt with {prompt}, {response}, {label}; null: the built-in."""
     genrm_parser: str = "yes_no"
@@ -536,6 +541,10 @@ class RewardConfig:
                f"reward.genrm_parser={self.genrm_parser!r}: use yes_no, score or exact_one")
         _check(self.genrm_max_score > 0,
                f"reward.genrm_max_score={self.genrm_max_score}: must be > 0")
+        _check(not (self.genrm_url and self.genrm_model_path),
+               f"reward.genrm_url={self.genrm_url} and reward.genrm_model_path="
+               f"{self.genrm_model_path} are both set: set genrm_url for a judge you run, or "
+               "genrm_model_path for one relax-train serves, not both")
         if self.name == "remote":
             _check(self.timeout_s >= self.remote_timeout_s,
                    f"reward.timeout_s={self.timeout_s} is below reward.remote_timeout_s="

@@ -1,6 +1,6 @@
 """The local runner (cluster=local): every role a subprocess of this one on this machine.
 
-Roles: broker, engines and the teacher engine if any, rollout worker, torchrun trainer, all
+Roles: broker, engines, the teacher engine and the judge engine (`genrm`) if any, rollout worker, torchrun trainer, all
 started at once (the worker and trainer wait for the engines' /health). The run ends
 when the trainer exits 0; any other exit, or no new step for `cluster.step_timeout_s`, fails
 it naming the role and its log. Every child is stopped in `finally`, Ctrl-C included.
@@ -27,7 +27,7 @@ from relax_slurm.launch.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.rerun import plan_rerun
 from relax_slurm.launch.restart import record_restart
 from relax_slurm.launch.roles import (
-    broker_spec, engine_specs, teacher_specs, trainer_spec, worker_spec,
+    broker_spec, engine_specs, genrm_specs, teacher_specs, trainer_spec, worker_spec,
 )
 from relax_slurm.launch.supervisor import supervise
 from relax_slurm.routing.shape import routing_shape
@@ -50,6 +50,7 @@ def check_inputs(cfg: TrainConfig) -> None:
                 "`python tools/prepare_data.py --out tiny`"
             )
     check_teacher(cfg)
+    check_judge(cfg)
     if cfg.algo.routing_replay and routing_shape(cfg.model.path) is None:
         raise ConfigError(f"algo.routing_replay=true: model.path={cfg.model.path} is not a "
                           "mixture-of-experts model (its config.json names no experts); "
@@ -71,6 +72,13 @@ def check_teacher(cfg: TrainConfig) -> None:
                           "at a Hugging Face model directory")
 
 
+def check_judge(cfg: TrainConfig) -> None:
+    judge = cfg.reward.genrm_model_path
+    if judge and not (Path(judge) / "config.json").is_file():
+        raise ConfigError(f"reward.genrm_model_path={judge}: no config.json there. Point it at a "
+                          "Hugging Face model directory, or reward.genrm_url at a judge you run")
+
+
 def local_plan(cfg: TrainConfig) -> RunPlan:
     host = cfg.broker.host
     return RunPlan(
@@ -80,6 +88,8 @@ def local_plan(cfg: TrainConfig) -> RunPlan:
         engine_urls=[f"http://{LOCALHOST}:{free_port()}" for _ in range(cfg.rollout.num_engines)],
         teacher_url=(f"http://{LOCALHOST}:{free_port()}" if cfg.algo.teacher_model_path
                      else None),
+        genrm_url=(f"http://{LOCALHOST}:{free_port()}" if cfg.reward.genrm_model_path
+                   else None),
         proxy_url=(f"http://{LOCALHOST}:{cfg.rollout.proxy_port or free_port()}"
                    if cfg.rollout.agent_mode == "proxy" else None),
         weight_sync_host=LOCALHOST,
@@ -106,7 +116,7 @@ def run_attempt(cfg: TrainConfig, attempt: int, started: float) -> dict:
     plan = local_plan(cfg)  # fresh ports: the last attempt's may not be free yet
     run_dir = prepare_run_dir(cfg, plan, attempt)
     specs = [broker_spec(cfg, plan, run_dir), *engine_specs(cfg, plan), *teacher_specs(cfg, plan),
-             worker_spec(cfg, plan, run_dir, LOCALHOST),
+             *genrm_specs(cfg, plan), worker_spec(cfg, plan, run_dir, LOCALHOST),
              trainer_spec(cfg, plan, run_dir, [LOCALHOST])]
     return supervise(specs, cfg, run_dir, wrap=lambda spec: spec.argv, started=started,
                      extra={"global_restarts": attempt})

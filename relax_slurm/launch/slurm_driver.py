@@ -52,7 +52,7 @@ from relax_slurm.launch.node_health import lost_nodes
 from relax_slurm.launch.restart import record_restart
 from relax_slurm.launch.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.roles import (
-    RoleSpec, broker_spec, engine_specs, teacher_specs, trainer_spec, worker_spec,
+    RoleSpec, broker_spec, engine_specs, genrm_specs, teacher_specs, trainer_spec, worker_spec,
 )
 from relax_slurm.launch.slurm_env import SlurmAllocation, read_allocation
 from relax_slurm.launch.supervisor import Wrap, supervise
@@ -96,6 +96,7 @@ def slurm_plan(cfg: TrainConfig, layout: Layout) -> RunPlan:
     alike, and a role that cannot bind fails loudly and names its port."""
     head, rollout = layout.trainer_hosts[0], layout.rollout_hosts
     n = cfg.rollout.num_engines
+    teacher = int(bool(cfg.algo.teacher_model_path))
     return RunPlan(
         broker_router=f"tcp://{head}:{free_port(ANY_HOST)}",
         broker_pub=f"tcp://{head}:{free_port(ANY_HOST)}",
@@ -105,6 +106,9 @@ def slurm_plan(cfg: TrainConfig, layout: Layout) -> RunPlan:
         # on-policy distillation's teacher engine: next in the round robin after the engines
         teacher_url=(f"http://{rollout[n % len(rollout)]}:{free_port(ANY_HOST)}"
                      if cfg.algo.teacher_model_path else None),
+        # the managed judge (reward.genrm_model_path): next after the teacher
+        genrm_url=(f"http://{rollout[(n + teacher) % len(rollout)]}:{free_port(ANY_HOST)}"
+                   if cfg.reward.genrm_model_path else None),
         # the rollout worker runs on the first rollout node
         proxy_url=(f"http://{rollout[0]}:{cfg.rollout.proxy_port or free_port(ANY_HOST)}"
                    if cfg.rollout.agent_mode == "proxy" else None),
@@ -116,7 +120,7 @@ def slurm_plan(cfg: TrainConfig, layout: Layout) -> RunPlan:
 
 def role_specs(cfg: TrainConfig, plan: RunPlan, layout: Layout, run_dir: Path) -> list[RoleSpec]:
     specs = [broker_spec(cfg, plan, run_dir), *engine_specs(cfg, plan), *teacher_specs(cfg, plan),
-             worker_spec(cfg, plan, run_dir, layout.rollout_hosts[0]),
+             *genrm_specs(cfg, plan), worker_spec(cfg, plan, run_dir, layout.rollout_hosts[0]),
              trainer_spec(cfg, plan, run_dir, list(layout.trainer_hosts))]
     # CPU pinning is for local runs: here it would pin the srun client, not the role
     return [dataclasses.replace(s, cpus=None) for s in specs]

@@ -3,7 +3,8 @@
 The judge prompt is `reward.genrm_template` with `{prompt}`, `{response}` (the text after
 `</think>` when there is one) and `{label}` replaced; it is sent as raw text (apply the judge's
 chat format in the template) to `reward.genrm_url` + `/generate`, the engine's native route
-(our hf engine or an SGLang server: `{"text", "sampling_params"}` -> `{"text"}`). The judge's
+(our hf engine or an SGLang server: `{"text", "sampling_params"}` -> `{"text"}`); with
+`reward.genrm_model_path` relax-train serves the judge itself and fills in its URL. The judge's
 answer is turned into a number by `reward.genrm_parser`:
 - `yes_no`: 1.0 when its last YES/NO (any case) is YES, 0.0 when NO;
 - `score`: the number after its last "score:" (else its last number) divided by
@@ -16,6 +17,7 @@ An answer the parser cannot read raises RewardError (counted in rollout/reward_e
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +33,9 @@ DEFAULT_TEMPLATE = (
     "Is the response's final answer equivalent to the reference answer? "
     "Reply with a short reason, then YES or NO on the last line.\n"
 )
+CONNECT_RETRY_S = 0.5
+NO_JUDGE = ("set reward.genrm_url=http://host:port (a judge you run) or "
+            "reward.genrm_model_path=DIR (a judge relax-train serves)")
 
 
 def parse_yes_no(text: str, max_score: float = 1.0) -> float:
@@ -93,11 +98,21 @@ class EngineJudge:
         self.timeout_s = timeout_s
 
     def __call__(self, prompt_text: str) -> str:
-        try:
-            resp = httpx.post(f"{self.url}/generate", timeout=self.timeout_s,
-                              json={"text": prompt_text, "sampling_params": self.sampling_params})
-        except httpx.HTTPError as e:
-            raise RewardError(f"genrm judge {self.url}/generate: {type(e).__name__}: {e}") from e
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                resp = httpx.post(f"{self.url}/generate",
+                                  timeout=max(deadline - time.monotonic(), 1.0),
+                                  json={"text": prompt_text, "sampling_params": self.sampling_params})
+                break
+            except httpx.ConnectError as e:
+                # nothing listens: a judge restarting in place (a managed one is restarted by
+                # relax-train) is waited for within the call's timeout instead of scoring 0
+                if time.monotonic() + CONNECT_RETRY_S >= deadline:
+                    raise RewardError(f"genrm judge {self.url}/generate: {e}") from e
+                time.sleep(CONNECT_RETRY_S)
+            except httpx.HTTPError as e:
+                raise RewardError(f"genrm judge {self.url}/generate: {type(e).__name__}: {e}") from e
         if resp.status_code >= 400:
             raise RewardError(f"genrm judge {self.url}/generate: HTTP {resp.status_code}: "
                               f"{resp.text[:200]}")
@@ -124,8 +139,7 @@ class GenRM:
 @register_factory("genrm")
 def make_genrm(cfg: Any) -> GenRM:
     if not cfg.genrm_url:
-        raise ConfigError("reward=genrm needs a judge engine: set "
-                          "reward.genrm_url=http://host:port")
+        raise ConfigError(f"reward=genrm needs a judge engine: {NO_JUDGE}")
     judge = EngineJudge(cfg.genrm_url, max_new_tokens=cfg.genrm_max_new_tokens,
                         temperature=cfg.genrm_temperature, timeout_s=cfg.genrm_timeout_s)
     return GenRM(judge, template=cfg.genrm_template or DEFAULT_TEMPLATE,

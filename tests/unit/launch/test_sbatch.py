@@ -154,3 +154,12 @@ def test_wait_survives_a_busy_slurmctld(tmp_path, monkeypatch, capsys):
     answers[:] = [busy] * (sbatch.SQUEUE_RETRIES + 1)
     with pytest.raises(sbatch.RelaxError, match="may still be running"):
         sbatch.wait_for_job("7", tmp_path, 0.01)
+
+
+def test_dry_run_renders_the_managed_judge_in_the_rollout_component():
+    cfg = cfg_for(["reward=genrm", "reward.genrm_model_path=/models/judge"])
+    text = sbatch.dry_run_text(cfg, RUN_DIR, WORKDIR)
+    sruns = [shlex.split(l) for l in text.splitlines() if l.startswith("srun ")]
+    judge = [s for s in sruns if "--job-name=genrm" in s]
+    assert len(judge) == 1 and "--het-group=1" in judge[0]
+    assert judge[0][judge[0].index("--model-path") + 1] == "/models/judge"

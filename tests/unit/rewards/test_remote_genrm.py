@@ -7,10 +7,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 
 from relax_slurm.config.schema import RewardConfig
+from relax_slurm.rewards import genrm as genrm_module
+from relax_slurm.errors import ConfigError
+from relax_slurm.launch.plan import RunPlan, free_port
 from relax_slurm.rewards import RewardError, RewardInput, build_reward, score
 from relax_slurm.rewards.genrm import DEFAULT_TEMPLATE, EngineJudge, GenRM, render
 from relax_slurm.rewards.remote import RemoteReward
@@ -20,7 +24,7 @@ Reply = Callable[[str, dict], tuple[int, object]]
 
 
 class Server:
-    def __init__(self, reply: Reply) -> None:
+    def __init__(self, reply: Reply, port: int = 0) -> None:
         self.reply, self.requests = reply, []
         outer = self
 
@@ -42,7 +46,8 @@ class Server:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)  # the OS picks the port
+        # the OS picks the port unless one is given
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -186,3 +191,53 @@ def test_genrm_takes_any_judge_callable():
 
     assert GenRM(judge, template="{label}|{response}")(INP) == 0.0
     assert seen == ["4|4"]
+
+
+def test_genrm_url_and_model_path_are_exclusive():
+    with pytest.raises(ConfigError, match="genrm_url=http://j:1 and reward.genrm_model_path=/m"):
+        RewardConfig(name="genrm", genrm_url="http://j:1", genrm_model_path="/m")
+    with pytest.raises(ConfigError, match="genrm_model_path=DIR"):  # neither: both named
+        build_reward(RewardConfig(name="dapo-genrm"))
+
+
+def test_a_managed_judge_gets_its_url_from_the_plan(serve):
+    server = serve(judge_engine("YES"))
+    cfg = RewardConfig(name="genrm", genrm_model_path="/models/judge", genrm_timeout_s=5.0)
+    plan = RunPlan(broker_router="tcp://h:1", broker_pub="tcp://h:2", genrm_url=server.url)
+    resolved = plan.reward_config(cfg)
+    assert resolved.genrm_url == server.url and resolved.genrm_model_path is None
+    assert build_reward(resolved)(INP) == 1.0 and len(server.requests) == 1
+    unmanaged = RewardConfig(name="genrm", genrm_url=server.url)
+    assert plan.reward_config(unmanaged) is unmanaged
+    with pytest.raises(ConfigError, match="no judge engine"):
+        RunPlan(broker_router="tcp://h:1", broker_pub="tcp://h:2").reward_config(cfg)
+
+
+def test_genrm_waits_for_a_judge_restarting_within_its_timeout(monkeypatch):
+    # a judge restarted in place does not listen for a few seconds: the call waits for it
+    port = free_port()
+    judge = EngineJudge(f"http://127.0.0.1:{port}", timeout_s=30.0)
+    refused = threading.Event()  # the judge call found nothing listening and waits to retry
+
+    def pause(seconds: float) -> None:
+        refused.set()
+        time.sleep(seconds)
+
+    monkeypatch.setattr(genrm_module, "time", SimpleNamespace(monotonic=time.monotonic,
+                                                              sleep=pause))
+    up: list[Server] = []
+
+    def bring_up() -> None:
+        if refused.wait(30):
+            up.append(Server(judge_engine("YES"), port))
+
+    thread = threading.Thread(target=bring_up, daemon=True)
+    thread.start()
+    try:
+        assert GenRM(judge)(INP) == 1.0 and refused.is_set()
+        with pytest.raises(RewardError):  # nothing listens and the budget is spent
+            EngineJudge(f"http://127.0.0.1:{free_port()}", timeout_s=0.2)("x")
+    finally:
+        thread.join(30)
+        for s in up:
+            s.close()
