@@ -26,6 +26,7 @@ import httpx
 from relax_slurm.errors import ConfigError
 from relax_slurm.rewards.extract import final_text
 from relax_slurm.rewards.registry import RewardError, RewardInput, register_factory
+from relax_slurm.rollout.sglang_api import auth_headers
 
 DEFAULT_TEMPLATE = (
     "You are grading a response to a question against a reference answer.\n\n"
@@ -34,6 +35,7 @@ DEFAULT_TEMPLATE = (
     "Reply with a short reason, then YES or NO on the last line.\n"
 )
 CONNECT_RETRY_S = 0.5
+JUDGE_GONE = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 NO_JUDGE = ("set reward.genrm_url=http://host:port (a judge you run) or "
             "reward.genrm_model_path=DIR (a judge relax-train serves)")
 
@@ -89,7 +91,10 @@ def render(template: str, inp: RewardInput) -> str:
 
 
 class EngineJudge:
-    """`judge(prompt_text) -> str` through an engine's `/generate` with text input (picklable)."""
+    """`judge(prompt_text) -> str` through an engine's `/generate` with text input (picklable).
+
+    Sends the engines' API key (RELAX_ENGINE_API_KEY) when there is one, as every engine client
+    of the run does: the judge relax-train serves requires it, and a judge you run may use it."""
 
     def __init__(self, url: str, max_new_tokens: int = 512, temperature: float = 0.0,
                  timeout_s: float = 120.0) -> None:
@@ -101,13 +106,14 @@ class EngineJudge:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                resp = httpx.post(f"{self.url}/generate",
+                resp = httpx.post(f"{self.url}/generate", headers=auth_headers(),
                                   timeout=max(deadline - time.monotonic(), 1.0),
                                   json={"text": prompt_text, "sampling_params": self.sampling_params})
                 break
-            except httpx.ConnectError as e:
-                # nothing listens: a judge restarting in place (a managed one is restarted by
-                # relax-train) is waited for within the call's timeout instead of scoring 0
+            except JUDGE_GONE as e:
+                # nothing listens, or the judge dropped the call as it died: a judge restarting
+                # in place (relax-train restarts the one it serves) is waited for within the
+                # call's timeout instead of scoring 0 (a judge call is safe to repeat)
                 if time.monotonic() + CONNECT_RETRY_S >= deadline:
                     raise RewardError(f"genrm judge {self.url}/generate: {e}") from e
                 time.sleep(CONNECT_RETRY_S)

@@ -157,7 +157,7 @@ def test_wait_survives_a_busy_slurmctld(tmp_path, monkeypatch, capsys):
 
 
 def test_dry_run_renders_the_managed_judge_in_the_rollout_component():
-    cfg = cfg_for(["reward=genrm", "reward.genrm_model_path=/models/judge"])
+    cfg = cfg_for(["reward.name=genrm", "reward.genrm_model_path=/models/judge"])
     text = sbatch.dry_run_text(cfg, RUN_DIR, WORKDIR)
     sruns = [shlex.split(l) for l in text.splitlines() if l.startswith("srun ")]
     judge = [s for s in sruns if "--job-name=genrm" in s]

@@ -210,7 +210,7 @@ def test_managed_judge_runs_in_the_rollout_component_after_the_teacher(tmp_path)
     # reward.genrm_model_path makes the judge a role like the teacher: next in the round robin,
     # restarted in place, outside the weight sync, never reporting routed experts
     judge = tmp_path / "judge"
-    cfg = cfg_for("reward=genrm", f"reward.genrm_model_path={judge}", "rollout.num_engines=1",
+    cfg = cfg_for("reward.name=genrm", f"reward.genrm_model_path={judge}", "rollout.num_engines=1",
                   "rollout.return_routed_experts=true")
     lines, plan = _srun_lines(cfg, HET)
     assert list(lines) == ["broker", "engine0", "genrm", "rollout", "trainer"]
@@ -224,10 +224,10 @@ def test_managed_judge_runs_in_the_rollout_component_after_the_teacher(tmp_path)
                 if s.name == "genrm")
     assert spec.restart_argv == spec.argv and spec.health_url == plan.genrm_url
     assert plan.genrm_url not in plan.engine_urls  # the weight sync pushes to engine_urls only
-    teacher = cfg_for("algo=opd", f"algo.teacher_model_path={tmp_path}", "reward=genrm",
+    teacher = cfg_for("algo=opd", f"algo.teacher_model_path={tmp_path}", "reward.name=genrm",
                       f"reward.genrm_model_path={judge}", "rollout.num_engines=1")
     lines, plan = _srun_lines(teacher, HET)
     assert list(lines) == ["broker", "engine0", "teacher", "genrm", "rollout", "trainer"]
     assert plan.teacher_url.startswith("http://r2:") and plan.genrm_url.startswith("http://r1:")
-    assert "genrm" not in _srun_lines(cfg_for("reward=genrm", "reward.genrm_url=http://j:1"),
+    assert "genrm" not in _srun_lines(cfg_for("reward.name=genrm", "reward.genrm_url=http://j:1"),
                                       HET)[0]
