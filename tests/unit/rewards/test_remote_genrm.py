@@ -241,3 +241,18 @@ def test_genrm_waits_for_a_judge_restarting_within_its_timeout(monkeypatch):
         thread.join(30)
         for s in up:
             s.close()
+
+
+def test_genrm_repeats_a_call_the_judge_dropped(serve):
+    # a judge killed mid-call closes the connection without an answer: the call is repeated
+    dropped: list[bool] = []
+
+    def reply(path: str, body: dict) -> tuple[int, object]:
+        if not dropped:
+            dropped.append(True)
+            raise ConnectionAbortedError("the judge died mid-call")
+        return judge_engine("YES")(path, body)
+
+    server = serve(reply)
+    assert GenRM(EngineJudge(server.url, timeout_s=30.0))(INP) == 1.0
+    assert len(server.requests) == 2
