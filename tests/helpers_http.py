@@ -13,14 +13,16 @@ Reply = Callable[[str, dict], tuple[int, object]]
 
 
 class Server:
-    def __init__(self, reply: Reply) -> None:
+    def __init__(self, reply: Reply, port: int = 0) -> None:
         self.reply, self.requests = reply, []
+        self.auth: list[str | None] = []  # each request's Authorization header
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append((self.path, body))
+                outer.auth.append(self.headers.get("Authorization"))
                 status, answer = outer.reply(self.path, body)
                 data = json.dumps(answer).encode()
                 try:
@@ -35,7 +37,8 @@ class Server:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)  # the OS picks the port
+        # the OS picks the port unless one is given
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

@@ -517,7 +517,12 @@ class RewardConfig:
     remote_backoff_s: float = 0.5
     """remote: wait before the first retry, doubled for each further one."""
     genrm_url: Optional[str] = None
-    """genrm, dapo-genrm: base URL of the judge engine (hf engine or SGLang server; /generate)."""
+    """genrm, dapo-genrm: base URL of a judge engine you run (hf engine or SGLang server;
+    /generate). Exclusive with genrm_model_path."""
+    genrm_model_path: Optional[str] = None
+    """genrm, dapo-genrm: Hugging Face directory of a judge model relax-train serves itself on
+    one more engine (role `genrm`, health-checked and restarted like the others, outside the
+    weight sync). Exclusive with genrm_url."""
     genrm_template: Optional[str] = None
     """genrm, dapo-genrm: judge prompt with {prompt}, {response}, {label}; null: the built-in."""
     genrm_parser: str = "yes_no"
@@ -997,6 +1002,11 @@ class TrainConfig:
                "algo.ref_update_interval with trainer=megatron is not supported yet (its reference "
                "is a transformers replica, and the megatron weights reach HF names on rank 0 "
                "only): unset it or use trainer=torch")
+        r = self.reward  # (the run plan fills genrm_url in for a managed judge: launch/plan.py)
+        _check(not (r.genrm_url and r.genrm_model_path),
+               f"reward.genrm_url={r.genrm_url} and reward.genrm_model_path="
+               f"{r.genrm_model_path} are both set: set genrm_url for a judge you run, or "
+               "genrm_model_path for one relax-train serves, not both")
         blockers = self.streaming_blockers()
         _check(not (t.streaming and blockers),
                "trainer.streaming=true does not apply to this run: " + "; ".join(blockers)

@@ -1,6 +1,6 @@
 """The local runner (cluster=local): every role a subprocess of this one on this machine.
 
-Roles: broker, engines and the teacher engine if any, rollout worker, torchrun trainer, all
+Roles: broker, engines, the teacher engine and the judge engine (`genrm`) if any, rollout worker, torchrun trainer, all
 started at once (the worker and trainer wait for the engines' /health). The run ends
 when the trainer exits 0; any other exit, or no new step for `cluster.step_timeout_s`, fails
 it naming the role and its log. Every child is stopped in `finally`, Ctrl-C included.
@@ -50,6 +50,7 @@ def check_inputs(cfg: TrainConfig) -> None:
                     "`python tools/prepare_data.py --out tiny`"
                 )
     check_teacher(cfg)
+    check_judge(cfg)
     if cfg.algo.routing_replay and routing_shape(cfg.model.path) is None:
         raise ConfigError(f"algo.routing_replay=true: model.path={cfg.model.path} is not a "
                           "mixture-of-experts model (its config.json names no experts); "
@@ -72,6 +73,13 @@ def check_teacher(cfg: TrainConfig) -> None:
                           "at a Hugging Face model directory")
 
 
+def check_judge(cfg: TrainConfig) -> None:
+    judge = cfg.reward.genrm_model_path
+    if judge and not (Path(judge) / "config.json").is_file():
+        raise ConfigError(f"reward.genrm_model_path={judge}: no config.json there. Point it at a "
+                          "Hugging Face model directory, or reward.genrm_url at a judge you run")
+
+
 def local_plan(cfg: TrainConfig) -> RunPlan:
     if cfg.supervised:  # the trainer alone: its rendezvous port is the whole plan
         return RunPlan(broker_router="", broker_pub="", trainer_master_port=free_port())
@@ -83,6 +91,8 @@ def local_plan(cfg: TrainConfig) -> RunPlan:
         engine_urls=[f"http://{LOCALHOST}:{free_port()}" for _ in range(cfg.rollout.num_engines)],
         teacher_url=(f"http://{LOCALHOST}:{free_port()}" if cfg.algo.teacher_model_path
                      else None),
+        genrm_url=(f"http://{LOCALHOST}:{free_port()}" if cfg.reward.genrm_model_path
+                   else None),
         proxy_url=(f"http://{LOCALHOST}:{cfg.rollout.proxy_port or free_port()}"
                    if cfg.rollout.agent_mode == "proxy" else None),
         weight_sync_host=LOCALHOST,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import random
 import socket
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from relax_slurm.errors import ConfigError
 
@@ -31,6 +32,9 @@ class RunPlan:
     teacher_url: str | None = None
     """Base URL of the teacher engine (algo.teacher_model_path; on-policy distillation), or
     None. It scores responses only and never joins the weight sync."""
+    genrm_url: str | None = None
+    """Base URL of the managed judge engine (reward.genrm_model_path; genrm rewards), or None.
+    Like the teacher it only answers /generate and never joins the weight sync."""
     proxy_url: str | None = None
     """Base URL of the rollout worker's OpenAI-compatible proxy (rollout.agent_mode=proxy),
     e.g. http://10.0.0.2:8000; agents use {proxy_url}/s/{group}/{name}/v1."""
@@ -41,6 +45,17 @@ class RunPlan:
     """torchrun rendezvous port on the first trainer node."""
     resume_from: str | None = None
     """Checkpoint directory every role resumes from (resolved once by the launcher), or None."""
+
+    def reward_config(self, reward: Any) -> Any:
+        """The run's RewardConfig as the reward functions read it: with a managed judge
+        (reward.genrm_model_path, kept: the judge client sends the run's engine key to that
+        judge only) its URL in this plan becomes reward.genrm_url."""
+        if not getattr(reward, "genrm_model_path", None):
+            return reward
+        if self.genrm_url is None:
+            raise ConfigError(f"reward.genrm_model_path={reward.genrm_model_path} is set but the "
+                              "run plan has no judge engine: start the run with relax-train")
+        return replace(reward, genrm_url=self.genrm_url)
 
 
 def _ephemeral_range() -> tuple[int, int]:

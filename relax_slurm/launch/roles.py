@@ -84,7 +84,8 @@ def _hf_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed
 
 def returns_routing(cfg: TrainConfig, model_path: str) -> bool:
     """Whether the policy's engines report routed experts: an MoE model.path (read from its
-    config.json where the launcher runs) with rollout.return_routed_experts. A teacher never."""
+    config.json where the launcher runs) with rollout.return_routed_experts. A teacher or judge
+    never (only model.path's engines report routing)."""
     return (cfg.rollout.return_routed_experts and model_path == cfg.model.path
             and routing_shape(model_path) is not None)
 
@@ -174,8 +175,13 @@ def _slots(urls: list[str]) -> list[int]:
     return slots
 
 
+def _engine_urls(plan: RunPlan) -> list[str]:
+    """Every engine's URL in slot order: the policy's, then the teacher's and the judge's."""
+    return [*plan.engine_urls, *(u for u in (plan.teacher_url, plan.genrm_url) if u)]
+
+
 def engine_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
-    slots = _slots([*plan.engine_urls, *([plan.teacher_url] if plan.teacher_url else [])])
+    slots = _slots(_engine_urls(plan))
     return [engine_spec(cfg, f"engine{i}", url, cfg.model.path, cfg.seed + i, slots[i],
                          restartable=engines_rejoin(cfg))
             for i, url in enumerate(plan.engine_urls)]
@@ -187,8 +193,20 @@ def teacher_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
     if plan.teacher_url is None:
         return []
     assert cfg.algo.teacher_model_path, "plan.teacher_url set without algo.teacher_model_path"
-    slot = _slots([*plan.engine_urls, plan.teacher_url])[-1]
+    slot = _slots(_engine_urls(plan))[len(plan.engine_urls)]
     return [engine_spec(cfg, "teacher", plan.teacher_url, cfg.algo.teacher_model_path,
+                         cfg.seed, slot)]
+
+
+def genrm_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
+    """The managed judge engine of the genrm rewards (role `genrm`), if the plan has one:
+    reward.genrm_model_path served like the teacher, outside the weight sync, and restarted in
+    place when it dies (it holds no state: its weights never change)."""
+    if plan.genrm_url is None:
+        return []
+    assert cfg.reward.genrm_model_path, "plan.genrm_url set without reward.genrm_model_path"
+    slot = _slots(_engine_urls(plan))[-1]
+    return [engine_spec(cfg, "genrm", plan.genrm_url, cfg.reward.genrm_model_path,
                          cfg.seed, slot)]
 
 
@@ -226,4 +244,4 @@ def run_specs(cfg: TrainConfig, plan: RunPlan, run_dir: Path, rollout_host: str,
     if cfg.supervised:
         return [trainer]
     return [broker_spec(cfg, plan, run_dir), *engine_specs(cfg, plan), *teacher_specs(cfg, plan),
-            worker_spec(cfg, plan, run_dir, rollout_host), trainer]
+            *genrm_specs(cfg, plan), worker_spec(cfg, plan, run_dir, rollout_host), trainer]

@@ -96,6 +96,7 @@ def slurm_plan(cfg: TrainConfig, layout: Layout) -> RunPlan:
         return RunPlan(broker_router="", broker_pub="", trainer_master_port=free_port(ANY_HOST))
     head, rollout = layout.trainer_hosts[0], layout.rollout_hosts
     n = cfg.rollout.num_engines
+    teacher = int(bool(cfg.algo.teacher_model_path))
     return RunPlan(
         broker_router=f"tcp://{head}:{free_port(ANY_HOST)}",
         broker_pub=f"tcp://{head}:{free_port(ANY_HOST)}",
@@ -105,6 +106,9 @@ def slurm_plan(cfg: TrainConfig, layout: Layout) -> RunPlan:
         # on-policy distillation's teacher engine: next in the round robin after the engines
         teacher_url=(f"http://{rollout[n % len(rollout)]}:{free_port(ANY_HOST)}"
                      if cfg.algo.teacher_model_path else None),
+        # the managed judge (reward.genrm_model_path): next after the teacher
+        genrm_url=(f"http://{rollout[(n + teacher) % len(rollout)]}:{free_port(ANY_HOST)}"
+                   if cfg.reward.genrm_model_path else None),
         # the rollout worker runs on the first rollout node
         proxy_url=(f"http://{rollout[0]}:{cfg.rollout.proxy_port or free_port(ANY_HOST)}"
                    if cfg.rollout.agent_mode == "proxy" else None),

@@ -25,7 +25,7 @@ from typing import Any
 from relax_slurm.errors import ConfigError
 from relax_slurm.rewards.dapo import extract_dapo_answer
 from relax_slurm.rewards.extract import label_list
-from relax_slurm.rewards.genrm import EngineJudge, fill, parse_exact_one
+from relax_slurm.rewards.genrm import NO_JUDGE, EngineJudge, fill, parse_exact_one
 from relax_slurm.rewards.math import matches_any
 from relax_slurm.rewards.registry import RewardInput, register_factory
 
@@ -89,10 +89,10 @@ class DapoGenRM:
 
 def _make(cfg: Any, name: str, rule_first: bool) -> DapoGenRM:
     if not cfg.genrm_url:
-        raise ConfigError(f"reward {name!r} asks a judge engine: set "
-                          "reward.genrm_url=http://host:port")
+        raise ConfigError(f"reward {name!r} asks a judge engine: {NO_JUDGE}")
     judge = EngineJudge(cfg.genrm_url, max_new_tokens=cfg.genrm_max_new_tokens,
-                        temperature=cfg.genrm_temperature, timeout_s=cfg.genrm_timeout_s)
+                        temperature=cfg.genrm_temperature, timeout_s=cfg.genrm_timeout_s,
+                        managed=bool(cfg.genrm_model_path))
     return DapoGenRM(judge, template=cfg.genrm_template or DAPO_TEMPLATE, rule_first=rule_first)
 
 

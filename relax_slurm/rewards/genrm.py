@@ -3,7 +3,8 @@
 The judge prompt is `reward.genrm_template` with `{prompt}`, `{response}` (the text after
 `</think>` when there is one) and `{label}` replaced; it is sent as raw text (apply the judge's
 chat format in the template) to `reward.genrm_url` + `/generate`, the engine's native route
-(our hf engine or an SGLang server: `{"text", "sampling_params"}` -> `{"text"}`). The judge's
+(our hf engine or an SGLang server: `{"text", "sampling_params"}` -> `{"text"}`); with
+`reward.genrm_model_path` relax-train serves the judge itself and fills in its URL. The judge's
 answer is turned into a number by `reward.genrm_parser`:
 - `yes_no`: 1.0 when its last YES/NO (any case) is YES, 0.0 when NO;
 - `score`: the number after its last "score:" (else its last number) divided by
@@ -16,6 +17,7 @@ An answer the parser cannot read raises RewardError (counted in rollout/reward_e
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,7 @@ import httpx
 from relax_slurm.errors import ConfigError
 from relax_slurm.rewards.extract import final_text
 from relax_slurm.rewards.registry import RewardError, RewardInput, register_factory
+from relax_slurm.rollout.sglang_api import auth_headers
 
 DEFAULT_TEMPLATE = (
     "You are grading a response to a question against a reference answer.\n\n"
@@ -31,6 +34,10 @@ DEFAULT_TEMPLATE = (
     "Is the response's final answer equivalent to the reference answer? "
     "Reply with a short reason, then YES or NO on the last line.\n"
 )
+CONNECT_RETRY_S = 0.5
+JUDGE_GONE = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+NO_JUDGE = ("set reward.genrm_url=http://host:port (a judge you run) or "
+            "reward.genrm_model_path=DIR (a judge relax-train serves)")
 
 
 def parse_yes_no(text: str, max_score: float = 1.0) -> float:
@@ -84,20 +91,37 @@ def render(template: str, inp: RewardInput) -> str:
 
 
 class EngineJudge:
-    """`judge(prompt_text) -> str` through an engine's `/generate` with text input (picklable)."""
+    """`judge(prompt_text) -> str` through an engine's `/generate` with text input (picklable).
+
+    `managed`: the judge relax-train serves (reward.genrm_model_path), which requires the run's
+    engine key (RELAX_ENGINE_API_KEY) as every engine of the run does. A judge you run never
+    gets that key: it may be the run's own secret."""
 
     def __init__(self, url: str, max_new_tokens: int = 512, temperature: float = 0.0,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, managed: bool = False) -> None:
         self.url = url.rstrip("/")
+        self.managed = managed
         self.sampling_params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
         self.timeout_s = timeout_s
 
     def __call__(self, prompt_text: str) -> str:
-        try:
-            resp = httpx.post(f"{self.url}/generate", timeout=self.timeout_s,
-                              json={"text": prompt_text, "sampling_params": self.sampling_params})
-        except httpx.HTTPError as e:
-            raise RewardError(f"genrm judge {self.url}/generate: {type(e).__name__}: {e}") from e
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                resp = httpx.post(f"{self.url}/generate",
+                                  headers=auth_headers() if self.managed else {},
+                                  timeout=max(deadline - time.monotonic(), 1.0),
+                                  json={"text": prompt_text, "sampling_params": self.sampling_params})
+                break
+            except JUDGE_GONE as e:
+                # nothing listens, or the judge dropped the call as it died: a judge restarting
+                # in place (relax-train restarts the one it serves) is waited for within the
+                # call's timeout instead of scoring 0 (a judge call is safe to repeat)
+                if time.monotonic() + CONNECT_RETRY_S >= deadline:
+                    raise RewardError(f"genrm judge {self.url}/generate: {e}") from e
+                time.sleep(CONNECT_RETRY_S)
+            except httpx.HTTPError as e:
+                raise RewardError(f"genrm judge {self.url}/generate: {type(e).__name__}: {e}") from e
         if resp.status_code >= 400:
             raise RewardError(f"genrm judge {self.url}/generate: HTTP {resp.status_code}: "
                               f"{resp.text[:200]}")
@@ -124,9 +148,9 @@ class GenRM:
 @register_factory("genrm")
 def make_genrm(cfg: Any) -> GenRM:
     if not cfg.genrm_url:
-        raise ConfigError("reward=genrm needs a judge engine: set "
-                          "reward.genrm_url=http://host:port")
+        raise ConfigError(f"reward=genrm needs a judge engine: {NO_JUDGE}")
     judge = EngineJudge(cfg.genrm_url, max_new_tokens=cfg.genrm_max_new_tokens,
-                        temperature=cfg.genrm_temperature, timeout_s=cfg.genrm_timeout_s)
+                        temperature=cfg.genrm_temperature, timeout_s=cfg.genrm_timeout_s,
+                        managed=bool(cfg.genrm_model_path))
     return GenRM(judge, template=cfg.genrm_template or DEFAULT_TEMPLATE,
                  parser=cfg.genrm_parser, max_score=cfg.genrm_max_score)

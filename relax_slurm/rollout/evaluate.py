@@ -43,10 +43,12 @@ def k_metrics(rewards: list[list[float]], k: int) -> dict[str, float]:
 
 
 class Evaluator:
-    def __init__(self, cfg: TrainConfig, engine_urls: list[str]) -> None:
+    def __init__(self, cfg: TrainConfig, engine_urls: list[str], reward_cfg: Any = None) -> None:
+        """`reward_cfg`: the reward config as the run resolved it (RunPlan.reward_config: a
+        managed judge's URL filled in); default cfg.reward."""
         self.cfg = cfg.eval
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.reward = build_reward(cfg.reward)
+        self.reward = build_reward(reward_cfg or cfg.reward)
         self.engines = [EngineClient(u, cfg.rollout.request_timeout_s) for u in engine_urls]
         self.params = {"max_new_tokens": cfg.rollout.max_new_tokens,
                        "temperature": self.cfg.temperature,

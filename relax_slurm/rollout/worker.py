@@ -202,7 +202,9 @@ class RolloutWorker:
         if data_state is not None and self.dataset is not None:
             self.dataset.load_state_dict(data_state)
             log.info("resumed data position %s, next group id %d", data_state, first_group_id)
-        self.reward = build_reward(cfg.reward)  # a bad reward config fails here, at start
+        # a bad reward config fails here, at start; a managed judge's URL comes from the plan
+        self.reward = build_reward(plan.reward_config(cfg.reward))
+        self.judge_url = plan.genrm_url
         self.reward_pool = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s,
                                       warm_up=grades_like_math(cfg.reward.name))
         self.counts = PendingCounts()
@@ -427,6 +429,7 @@ class RolloutWorker:
     async def wait_for_engines(self) -> None:
         """The launcher starts every role at once: engines may still be loading their models."""
         urls = [e.url for e in self.router.engines] + ([self.teacher.url] if self.teacher else [])
+        urls += [self.judge_url] if self.judge_url else []  # the managed judge (genrm rewards)
         await asyncio.to_thread(wait_until_healthy, urls, self.cfg.rollout.startup_timeout_s)
 
     def start_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:

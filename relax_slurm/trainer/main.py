@@ -183,8 +183,9 @@ class RankZero:
         self.run_dir = run_dir
         self.decode = (tokenizer_decode(cfg.model.path, cfg.model.trust_remote_code)
                        if cfg.debug.dump_rollouts else None)
-        self.evaluator = (EvalSchedule(Evaluator(cfg, plan.engine_urls), cfg.eval.every,
-                                       cfg.trainer.total_steps,
+        evaluator = (Evaluator(cfg, plan.engine_urls, plan.reward_config(cfg.reward))
+                     if cfg.eval.every else None)
+        self.evaluator = (EvalSchedule(evaluator, cfg.eval.every, cfg.trainer.total_steps,
                                        background=cfg.algo.max_staleness > 0)
                           if cfg.eval.every else None)
         self.verify = cfg.weight_sync.verify

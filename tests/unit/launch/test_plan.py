@@ -1,7 +1,10 @@
-"""launch.plan: the ports the launcher hands out."""
+"""launch.plan: the ports the launcher hands out, and the roles a local plan holds."""
 
 import socket
 
+import pytest
+
+from relax_slurm.errors import ConfigError
 from relax_slurm.launch.plan import _ephemeral_range, free_port
 
 
@@ -29,3 +32,25 @@ def test_one_process_never_hands_out_a_port_twice():
     # one almost surely (birthday bound) unless handed-out ports are remembered.
     ports = [free_port() for _ in range(3000)]
     assert len(set(ports)) == len(ports)
+
+
+def test_a_local_run_plans_and_specs_the_managed_judge(tmp_path):
+    from relax_slurm.launch.local import check_judge, local_plan
+    from relax_slurm.launch.roles import engine_specs, genrm_specs
+    from relax_slurm.launch.submit import compose_config
+
+    judge = tmp_path / "judge"
+    cfg = compose_config(["experiment=tiny_cpu", f"run_dir={tmp_path / 'run'}",
+                          "reward.name=genrm", f"reward.genrm_model_path={judge}"])
+    with pytest.raises(ConfigError, match=f"reward.genrm_model_path={judge}: no config.json"):
+        check_judge(cfg)
+    plan = local_plan(cfg)
+    assert plan.genrm_url and plan.genrm_url not in plan.engine_urls
+    [spec] = genrm_specs(cfg, plan)
+    assert spec.name == "genrm" and spec.health_url == plan.genrm_url
+    assert spec.restart_argv == spec.argv  # restarted in place, whatever the trainer strategy
+    assert spec.argv[spec.argv.index("--model-path") + 1] == str(judge)
+    assert "--enable-return-routed-experts" not in spec.argv
+    assert [s.name for s in engine_specs(cfg, plan)] == ["engine0"]
+    cfg.reward.genrm_model_path = None
+    assert local_plan(cfg).genrm_url is None and genrm_specs(cfg, local_plan(cfg)) == []

@@ -173,3 +173,12 @@ def test_sft_dry_run_is_one_plain_component_with_the_trainer_alone():
     assert "--job-name=trainer" in trainer and "--nodelist=trainer-node1,trainer-node2" in trainer
     assert not any(a.startswith("--het-group") for a in trainer)
     assert "relax_slurm.trainer" in trainer and "--nproc-per-node=8" in trainer
+
+
+def test_dry_run_renders_the_managed_judge_in_the_rollout_component():
+    cfg = cfg_for(["reward.name=genrm", "reward.genrm_model_path=/models/judge"])
+    text = sbatch.dry_run_text(cfg, RUN_DIR, WORKDIR)
+    sruns = [shlex.split(l) for l in text.splitlines() if l.startswith("srun ")]
+    judge = [s for s in sruns if "--job-name=genrm" in s]
+    assert len(judge) == 1 and "--het-group=1" in judge[0]
+    assert judge[0][judge[0].index("--model-path") + 1] == "/models/judge"

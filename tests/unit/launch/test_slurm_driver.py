@@ -218,3 +218,30 @@ def test_sft_runs_the_trainer_alone_locally_and_on_slurm(tmp_path):
     layout = drv.make_layout(cfg, PLAIN)
     assert [s.name for s in drv.role_specs(cfg, drv.slurm_plan(cfg, layout), layout, tmp_path)
             ] == ["trainer"]
+
+
+def test_managed_judge_runs_in_the_rollout_component_after_the_teacher(tmp_path):
+    # reward.genrm_model_path makes the judge a role like the teacher: next in the round robin,
+    # restarted in place, outside the weight sync, never reporting routed experts
+    judge = tmp_path / "judge"
+    cfg = cfg_for("reward.name=genrm", f"reward.genrm_model_path={judge}", "rollout.num_engines=1",
+                  "rollout.return_routed_experts=true")
+    lines, plan = _srun_lines(cfg, HET)
+    assert list(lines) == ["broker", "engine0", "genrm", "rollout", "trainer"]
+    assert plan.genrm_url.startswith("http://r2:") and plan.teacher_url is None
+    argv = lines["genrm"]
+    assert argv[:2] == ["srun", "--het-group=1"] and "--nodelist=r2" in argv
+    assert argv[argv.index("--model-path") + 1] == str(judge)
+    assert argv[argv.index("--port") + 1] == plan.genrm_url.rsplit(":", 1)[1]
+    assert "--enable-return-routed-experts" not in argv
+    spec = next(s for s in drv.role_specs(cfg, plan, drv.make_layout(cfg, HET), Path("/r"))
+                if s.name == "genrm")
+    assert spec.restart_argv == spec.argv and spec.health_url == plan.genrm_url
+    assert plan.genrm_url not in plan.engine_urls  # the weight sync pushes to engine_urls only
+    teacher = cfg_for("algo=opd", f"algo.teacher_model_path={tmp_path}", "reward.name=genrm",
+                      f"reward.genrm_model_path={judge}", "rollout.num_engines=1")
+    lines, plan = _srun_lines(teacher, HET)
+    assert list(lines) == ["broker", "engine0", "teacher", "genrm", "rollout", "trainer"]
+    assert plan.teacher_url.startswith("http://r2:") and plan.genrm_url.startswith("http://r1:")
+    assert "genrm" not in _srun_lines(cfg_for("reward.name=genrm", "reward.genrm_url=http://j:1"),
+                                      HET)[0]

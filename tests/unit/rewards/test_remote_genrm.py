@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from relax_slurm.config.schema import RewardConfig
+from relax_slurm.config.schema import RewardConfig, TrainConfig
+from relax_slurm.rewards import genrm as genrm_module
+from relax_slurm.errors import ConfigError
+from relax_slurm.launch.plan import RunPlan, free_port
 from relax_slurm.rewards import RewardError, RewardInput, build_reward, score
 from relax_slurm.rewards.genrm import DEFAULT_TEMPLATE, EngineJudge, GenRM, render
 from relax_slurm.rewards.remote import RemoteReward
-from tests.helpers_http import judge_engine
+from tests.helpers_http import Server, judge_engine
 
 INP = RewardInput(prompt="2+2?", response="<think>easy</think>4", label="4",
                   metadata={"id": 1})
@@ -120,3 +125,76 @@ def test_genrm_takes_any_judge_callable():
 
     assert GenRM(judge, template="{label}|{response}")(INP) == 0.0
     assert seen == ["4|4"]
+
+
+def test_genrm_url_and_model_path_are_exclusive():
+    with pytest.raises(ConfigError, match="genrm_url=http://j:1 and reward.genrm_model_path=/m"):
+        TrainConfig(run_dir="r", reward=RewardConfig(name="genrm", genrm_url="http://j:1",
+                                                    genrm_model_path="/m"))
+    with pytest.raises(ConfigError, match="genrm_model_path=DIR"):  # neither: both named
+        build_reward(RewardConfig(name="dapo-genrm"))
+
+
+def test_a_managed_judge_gets_its_url_from_the_plan_and_only_it_the_key(serve, monkeypatch):
+    """The run's engine key goes to the judge relax-train serves, never to a judge the user
+    runs (the key may be the run's own secret)."""
+    monkeypatch.setenv("RELAX_ENGINE_API_KEY", "run-secret")
+    server = serve(judge_engine("YES"))
+    cfg = RewardConfig(name="genrm", genrm_model_path="/models/judge", genrm_timeout_s=5.0)
+    plan = RunPlan(broker_router="tcp://h:1", broker_pub="tcp://h:2", genrm_url=server.url)
+    resolved = plan.reward_config(cfg)
+    assert resolved.genrm_url == server.url and resolved.genrm_model_path == "/models/judge"
+    assert build_reward(resolved)(INP) == 1.0 and len(server.requests) == 1
+    unmanaged = RewardConfig(name="genrm", genrm_url=server.url)
+    assert plan.reward_config(unmanaged) is unmanaged
+    assert build_reward(unmanaged)(INP) == 1.0
+    for name in ("dapo-genrm", "dapo_rule_genrm"):  # the same client
+        build_reward(RewardConfig(name=name, genrm_url=server.url))(INP)
+    assert server.auth == ["Bearer run-secret", None, None, None]
+    with pytest.raises(ConfigError, match="no judge engine"):
+        RunPlan(broker_router="tcp://h:1", broker_pub="tcp://h:2").reward_config(cfg)
+
+
+def test_genrm_waits_for_a_judge_restarting_within_its_timeout(monkeypatch):
+    # a judge restarted in place does not listen for a few seconds: the call waits for it
+    port = free_port()
+    judge = EngineJudge(f"http://127.0.0.1:{port}", timeout_s=30.0)
+    refused = threading.Event()  # the judge call found nothing listening and waits to retry
+
+    def pause(seconds: float) -> None:
+        refused.set()
+        time.sleep(seconds)
+
+    monkeypatch.setattr(genrm_module, "time", SimpleNamespace(monotonic=time.monotonic,
+                                                              sleep=pause))
+    up: list[Server] = []
+
+    def bring_up() -> None:
+        if refused.wait(30):
+            up.append(Server(judge_engine("YES"), port))
+
+    thread = threading.Thread(target=bring_up, daemon=True)
+    thread.start()
+    try:
+        assert GenRM(judge)(INP) == 1.0 and refused.is_set()
+        with pytest.raises(RewardError):  # nothing listens and the budget is spent
+            EngineJudge(f"http://127.0.0.1:{free_port()}", timeout_s=0.2)("x")
+    finally:
+        thread.join(30)
+        for s in up:
+            s.close()
+
+
+def test_genrm_repeats_a_call_the_judge_dropped(serve):
+    # a judge killed mid-call closes the connection without an answer: the call is repeated
+    dropped: list[bool] = []
+
+    def reply(path: str, body: dict) -> tuple[int, object]:
+        if not dropped:
+            dropped.append(True)
+            raise ConnectionAbortedError("the judge died mid-call")
+        return judge_engine("YES")(path, body)
+
+    server = serve(reply)
+    assert GenRM(EngineJudge(server.url, timeout_s=30.0))(INP) == 1.0
+    assert len(server.requests) == 2

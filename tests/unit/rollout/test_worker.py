@@ -433,3 +433,27 @@ def test_aborted_groups_are_requeued_never_scored_and_spans_give_the_versions(ma
     assert {(s.version_min, s.version) for s in samples} == {(3, 4)}
     assert all(s.version_spans == [[3, 0, 1], [4, 1, s.response_len]] for s in samples)
     assert worker.broker.released == 0
+
+
+def test_a_managed_judge_is_called_at_the_plan_url_and_waited_for(make_worker, tmp_path,
+                                                                   monkeypatch):
+    worker = make_worker()
+    cfg = dataclasses.replace(worker.cfg, reward=RewardConfig(
+        name="genrm", genrm_model_path=str(tmp_path / "judge"), timeout_s=60.0))
+    judge = "http://127.0.0.1:5"
+    save_plan(RunPlan(broker_router="tcp://127.0.0.1:1", broker_pub="tcp://127.0.0.1:2",
+                      engine_urls=["http://127.0.0.1:3"], genrm_url=judge), tmp_path)
+    managed = RolloutWorker(cfg, tmp_path)
+    try:
+        assert managed.reward.cfg.genrm_url == judge  # what the reward processes call
+        waited: list[list[str]] = []
+        monkeypatch.setattr(worker_module, "wait_until_healthy",
+                            lambda urls, timeout_s: waited.append(list(urls)))
+        asyncio.run(managed.wait_for_engines())
+        assert waited == [["http://127.0.0.1:3", judge]]
+        save_plan(RunPlan(broker_router="tcp://127.0.0.1:1", broker_pub="tcp://127.0.0.1:2",
+                          engine_urls=["http://127.0.0.1:3"]), tmp_path)
+        with pytest.raises(ConfigError, match="no judge engine"):
+            RolloutWorker(cfg, tmp_path)
+    finally:
+        asyncio.run(managed.aclose())
