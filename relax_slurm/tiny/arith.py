@@ -18,6 +18,7 @@ import argparse
 import json
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -37,17 +38,26 @@ def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def prepare(out: Path, n_train: int = 5000, n_test: int = 500, seed: int = 0,
-            max_operand: int = 4) -> list[Path]:
-    """Write both splits under `out`; returns their paths (train first)."""
+def write_splits(out: Path, task: str, rows: Callable[[int, random.Random, str], list[dict]],
+                 n_train: int, n_test: int, seed: int) -> list[Path]:
+    """OUT/<task>_train.jsonl and OUT/<task>_test.jsonl from `rows(n, rng, split)`, drawn in
+    that order from one seeded generator; returns their paths (train first)."""
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     paths = []
     for split, n in (("train", n_train), ("test", n_test)):
-        path = out / f"arith_{split}.jsonl"
-        write_jsonl(path, make_rows(n, rng, split, max_operand))
+        path = out / f"{task}_{split}.jsonl"
+        write_jsonl(path, rows(n, rng, split))
         paths.append(path)
     return paths
+
+
+def prepare(out: Path, n_train: int = 5000, n_test: int = 500, seed: int = 0,
+            max_operand: int = 4) -> list[Path]:
+    """Write both splits under `out`; returns their paths (train first)."""
+    return write_splits(out, "arith",
+                        lambda n, rng, split: make_rows(n, rng, split, max_operand),
+                        n_train, n_test, seed)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,10 +16,11 @@ Standard library only.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
+
+from relax_slurm.tiny.arith import write_splits
 
 ALPHA = 1.2
 MAX_REPEAT = 30
@@ -44,16 +45,9 @@ def make_rows(n: int, rng: random.Random, split: str, alpha: float = ALPHA,
 def prepare(out: Path, n_train: int = 5000, n_test: int = 500, seed: int = 0,
             alpha: float = ALPHA, max_repeat: int = MAX_REPEAT) -> list[Path]:
     """Write both splits under `out`; returns their paths (train first)."""
-    out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    paths = []
-    for split, n in (("train", n_train), ("test", n_test)):
-        path = out / f"longtail_{split}.jsonl"
-        with open(path, "w", encoding="utf-8") as f:
-            for row in make_rows(n, rng, split, alpha, max_repeat):
-                f.write(json.dumps(row) + "\n")
-        paths.append(path)
-    return paths
+    return write_splits(out, "longtail",
+                        lambda n, rng, split: make_rows(n, rng, split, alpha, max_repeat),
+                        n_train, n_test, seed)
 
 
 def main(argv: list[str] | None = None) -> int:
