@@ -52,6 +52,11 @@ class WeightSyncError(RelaxError):
     """Forming the weight-sync group or broadcasting weights failed or timed out."""
 
 
+class EngineLost(WeightSyncError):
+    """An engine stopped answering during a weight-sync call (it died or hangs), as opposed to
+    an answer that is wrong (a checksum mismatch): the cohort re-forms and sends again."""
+
+
 class RoleFailed(RelaxError):
     """A child process of the run died or hung; the message names the role and its log."""
 

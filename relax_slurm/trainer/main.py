@@ -259,7 +259,7 @@ class RankZero:
         if report:
             self.sync_broker.engines(synced=self.cohort.urls)
         if self.verify:
-            self.sender.verify(weights)
+            self.cohort.verify(weights, version)
             log.info("version %d: weights verified bit for bit on %d engine(s)", version,
                      self.num_engines)
         return stats

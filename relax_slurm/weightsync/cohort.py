@@ -6,8 +6,9 @@ model.path and reports weight version 0). Its old group is useless: a broadcast 
 So the cohort is re-formed, all engines together under a new group name (`NAME_c1`, `NAME_c2`,
 ...) on a new port, and the current weights are sent on it:
 
-- when a send fails (`send`): wait until every engine answers /health again
-  (`rollout.startup_timeout_s`), re-form, send again;
+- when a send fails (`send`), or an engine stops answering the check after it (`verify`):
+  wait until every engine answers /health again (`rollout.startup_timeout_s`), re-form, send
+  again;
 - when the broker's engine list changes (elastic rollout, `move`): the cohort becomes the new
   engine set; the trainer sends the weights on it before it reports the engines synced;
 - when the broker's engine set changes while a re-forming waits (`follow`: an engine was lost,
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from relax_slurm.errors import EngineUnreachable, WeightSyncError
+from relax_slurm.errors import EngineLost, EngineUnreachable, WeightSyncError
 from relax_slurm.rollout.engine_client import EngineClient, wait_until_healthy
 from relax_slurm.weightsync.sender import WeightSender
 
@@ -70,6 +71,24 @@ class Cohort:
                         str(e).splitlines()[0])
         self.reform()
         return self.sender.send(weights, version=version)
+
+    def verify(self, weights: list, version: int) -> None:
+        """Compare every engine's weights with `weights` bit for bit (weight_sync.verify). An
+        engine lost meanwhile (it died right after the send, or was restarted) is waited for
+        like a failed send: re-form, send, verify again. A mismatch raises WeightSyncError."""
+        try:
+            self.sender.verify(weights)
+            return
+        except WeightSyncError as e:
+            # a mismatch with every engine up at this version is real; an engine that stopped
+            # answering, or was restarted since the send (it serves another version), is not
+            if not isinstance(e, EngineLost) and self.stale(version) == []:
+                raise
+            log.warning("weight check failed (%s); waiting for every engine, then a new cohort",
+                        str(e).splitlines()[0])
+        self.reform()
+        self.sender.send(weights, version=version)
+        self.sender.verify(weights)
 
     def stale(self, version: int) -> list[str] | None:
         """Engines serving another version than `version`; None while one does not answer

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from relax_slurm.errors import EngineError, WeightSyncError
+from relax_slurm.errors import EngineError, EngineLost, EngineUnreachable, WeightSyncError
 from relax_slurm.rollout.engine_client import EngineClient
 from relax_slurm.rollout.sglang_api import ServerProtocol
 from relax_slurm.weightsync.bucket import (FlatBuffer, bucket_named_tensors, dtype_name,
@@ -116,8 +116,10 @@ class WeightSender:
             try:
                 results.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
             except FutureTimeout:
-                first_error = first_error or WeightSyncError(
+                first_error = first_error or EngineLost(
                     f"engine {url}{route}: no answer within {self.timeout_s}s")
+            except EngineUnreachable as e:  # its connection failed: died, restarting, hung
+                first_error = first_error or EngineLost(str(e))
             except (EngineError, WeightSyncError) as e:
                 first_error = first_error or WeightSyncError(str(e))
             except Exception as e:  # a malformed answer

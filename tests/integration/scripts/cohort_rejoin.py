@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -58,6 +59,22 @@ def main() -> None:
         out["stale_after"] = cohort.stale(3)
         cohort.sender.verify(weights)  # raises unless bit for bit
         out["verified"] = True
+
+        # the engine dies between a send and its check (weight_sync.verify): the check waits
+        # for it like a failed send (the launcher restarts it), re-forms, sends, checks again
+        os.kill(engine.pid, signal.SIGKILL)
+        engine.wait(30)
+        waiting = threading.Event()
+        cohort.waiting = waiting.set  # called between health polls: the check has failed
+        checked: dict = {}
+        thread = threading.Thread(target=lambda: checked.update(
+            ok=cohort.verify(weights, 3) is None), daemon=True)
+        thread.start()
+        assert waiting.wait(120), "the check did not wait for the engine"
+        engine = start_engine(model_dir, port, log)  # restarted in place
+        thread.join(240)
+        out["verify_after_kill"] = [checked.get("ok", False), cohort.generation]
+        cohort.waiting = lambda: None
 
         port_b = free_port()
         url_b = f"http://127.0.0.1:{port_b}"
