@@ -70,6 +70,8 @@ from relax_slurm.samples import Group, Sample
 log = logging.getLogger("relax_slurm.rollout")
 ENGINE_RETRY_S = 2.0  # a group whose engine is unreachable waits this long before its retry
 ACQUIRE_WAIT_S = 2.0  # one parked admission request; short so shutdown is noticed promptly
+STOP_GRACE_S = 8.0  # after SIGTERM: more than the proxy's own shutdown grace (5 s), less than
+# the launcher's before it SIGKILLs (launch/processes.py TERM_GRACE_S, 10 s)
 
 
 def sample_seed(run_seed: int, group_id: int, index: int, n: int) -> int:
@@ -430,7 +432,16 @@ class RolloutWorker:
         """The launcher starts every role at once: engines may still be loading their models."""
         urls = [e.url for e in self.router.engines] + ([self.teacher.url] if self.teacher else [])
         urls += [self.judge_url] if self.judge_url else []  # the managed judge (genrm rewards)
-        await asyncio.to_thread(wait_until_healthy, urls, self.cfg.rollout.startup_timeout_s)
+        log.info("waiting for the engines' /health: %s", " ".join(urls))
+
+        def stop_requested() -> None:  # in the wait's thread, which a cancel cannot stop
+            if self.stop.is_set():
+                raise StopRequested
+        try:
+            await asyncio.to_thread(wait_until_healthy, urls, self.cfg.rollout.startup_timeout_s,
+                                    between_polls=stop_requested)
+        except StopRequested:
+            pass
 
     def start_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
         task = asyncio.create_task(self.guarded_group(prompt, gid, data_state))
@@ -546,19 +557,44 @@ async def _amain(run_dir: Path) -> None:
     worker = RolloutWorker(cfg, run_dir)
     freeze_heap()
     loop = asyncio.get_running_loop()
+    work = asyncio.create_task(_serve(worker))
+
+    def on_stop_signal() -> None:
+        # The loop stops by itself at its next turn, but a turn may be parked in a call to a
+        # broker or engine that died with the run (a launcher killed outright takes every role
+        # with it at once): such a call only gives up after broker.request_timeout_s. Past
+        # the grace the work is cancelled, so the worker never outlives its run.
+        worker.stop.set()
+        loop.call_later(STOP_GRACE_S, work.cancel)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.stop.set)
+        loop.add_signal_handler(sig, on_stop_signal)
     try:
-        await worker.wait_for_engines()
-        if worker.proxy_url:  # rollout.agent_mode=proxy: external agents drive the sessions
-            url = urlparse(worker.proxy_url)  # bound at the address agents use, as the broker
-            await serve_proxy(worker, url.hostname or "127.0.0.1", int(url.port or 0))
-        else:
-            await worker.run()
+        await work
+    except asyncio.CancelledError:
+        if not work.cancelled():
+            raise
+        log.info("stopping: still busy %.0f s after the stop signal; its calls cancelled",
+                 STOP_GRACE_S)
     except BrokerShutdown as e:  # the run is ending: not an error worth a traceback
         log.info("stopping: %s", e)
     finally:
         await worker.aclose()
+
+
+class StopRequested(Exception):
+    """SIGTERM/SIGINT arrived while the worker waited for its engines."""
+
+
+async def _serve(worker: RolloutWorker) -> None:
+    await worker.wait_for_engines()
+    if worker.stop.is_set():
+        return
+    if worker.proxy_url:  # rollout.agent_mode=proxy: external agents drive the sessions
+        url = urlparse(worker.proxy_url)  # bound at the address agents use, as the broker
+        await serve_proxy(worker, url.hostname or "127.0.0.1", int(url.port or 0))
+    else:
+        await worker.run()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -448,7 +448,7 @@ def test_a_managed_judge_is_called_at_the_plan_url_and_waited_for(make_worker, t
         assert managed.reward.cfg.genrm_url == judge  # what the reward processes call
         waited: list[list[str]] = []
         monkeypatch.setattr(worker_module, "wait_until_healthy",
-                            lambda urls, timeout_s: waited.append(list(urls)))
+                            lambda urls, timeout_s, **_: waited.append(list(urls)))
         asyncio.run(managed.wait_for_engines())
         assert waited == [["http://127.0.0.1:3", judge]]
         save_plan(RunPlan(broker_router="tcp://127.0.0.1:1", broker_pub="tcp://127.0.0.1:2",
