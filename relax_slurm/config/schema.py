@@ -119,7 +119,8 @@ class AlgoConfig:
     """OPD: drop the task reward's advantage and learn from the teacher term alone."""
     teacher_model_path: Optional[str] = None
     """On-policy distillation on any estimator: Hugging Face directory of the teacher (same
-    tokenizer as model.path). cluster=local serves it on one more hf engine (role `teacher`)
+    tokenizer as model.path). The launcher serves it on one more engine (role `teacher`;
+    locally and as a step of the Slurm rollout component)
     whose prefill log-probs of every model token go into the samples, and the teacher term
     (opd_kl_coef) joins whatever algo.name computes; required by algo=opd (GRPO + teacher)."""
     routing_replay: bool = False

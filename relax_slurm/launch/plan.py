@@ -2,7 +2,9 @@
 
 The launcher (local, or inside a Slurm allocation) decides the plan and writes
 `RUN_DIR/plan.json` before starting the roles; each role reads it with `load_plan`. Only the
-launcher decides addresses; roles never read `SLURM_*` or pick ports themselves.
+launcher decides addresses; roles never read `SLURM_*`. One exception picks a port: trainer
+rank 0 re-forming the weight-sync group with a restarted engine (weightsync/cohort.py) takes a
+free one on its own host, as the first group's port may still be held.
 """
 
 from __future__ import annotations

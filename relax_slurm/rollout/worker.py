@@ -223,7 +223,8 @@ class RolloutWorker:
         if cfg.algo.teacher_model_path and plan.teacher_url is None:
             raise ConfigError(
                 f"algo.teacher_model_path={cfg.algo.teacher_model_path} is set but this run has "
-                "no teacher engine (only cluster=local starts one); unset it or run locally")
+                "no teacher engine in its plan (relax-train starts one, locally and on Slurm): "
+                "start the run with relax-train, or unset it")
         self.teacher = None
         if plan.teacher_url:
             check_same_tokenizer(self.tokenizer, cfg.algo.teacher_model_path, cfg.model.path)
