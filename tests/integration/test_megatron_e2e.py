@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import NEEDS_MEGATRON, REPO, relax_train, run_env
+from tests.conftest import NEEDS_MEGATRON, ONE_RANK, REPO, relax_train, run_env
 
 STEPS = 30  # reward ~0.002 -> ~0.15-0.2 by step 25 (TP=1, TP=2): 30 keeps a ~2x margin over RISE
 RISE = 0.1
@@ -84,3 +84,37 @@ def test_megatron_trainer_learns_with_verified_sync(tmp_path, tiny_assets, tp):
     final = load_file(str(resumed / "hf" / f"step_{STEPS}" / "model.safetensors"))
     for k in exported:
         assert torch.equal(final[k], exported[k]), k
+
+
+@pytest.mark.timeout(1300)
+def test_megatron_refreshed_reference_resumes_exactly(tmp_path, tiny_assets):
+    """trainer=megatron with a KL loss whose reference becomes the policy after every 2nd batch
+    (algo.ref_update_interval=2). Steps 1 and 3 measure the KL against the policy's own
+    weights (model.path; the copy made after step 2): the transformers reference and the
+    Megatron policy run them through other kernels, so only float32 rounding is left (logits
+    within 1e-5 of each other: the k3 KL of such a pair is ~1e-10; 1e-6 bounds it); steps 2
+    and 4 are a batch away from it. Resumed from the step-2 checkpoint, steps 3 and 4 repeat
+    bit for bit: the checkpoint carried the refreshed reference (without it the reference
+    would be model.path again and step 3's KL would not be ~0). (Several optimizer steps per
+    batch under megatron: test_megatron_parallel.py.)"""
+    steps = 4
+    common = ("trainer=megatron", ONE_RANK, "metrics.progress=false", "algo.kl_loss_coef=0.1",
+              "algo.kl_loss_type=k3", "algo.ref_update_interval=2", "trainer.lr=1e-3",
+              f"trainer.total_steps={steps}", "trainer.save_every=2")
+    run_dir = tmp_path / "straight"
+    proc = relax_train(run_dir, tiny_assets, *common, timeout_s=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kl = [r["train/kl_loss"] for r in rows]
+    assert kl[0] < 1e-6 and kl[2] < 1e-6, kl  # the reference holds the policy's weights
+    assert kl[1] > 1e-4 and kl[3] > 1e-4, kl  # one batch away from them
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert log.count("reference model refreshed") == 2  # after steps 2 and 4
+    resumed = tmp_path / "resumed"
+    proc = relax_train(resumed, tiny_assets, *common,
+                       f"resume={run_dir / 'checkpoints' / 'step_2'}", timeout_s=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == [2, 3]
+    for key in ("train/kl_loss", "train/loss", "rollout/reward_mean"):
+        assert [r[key] for r in again] == [r[key] for r in rows[2:]], key

@@ -113,6 +113,21 @@ def test_tp2_forward_backward_equals_tp1(runs):
 
 
 @pytest.mark.timeout(1200)
+def test_several_optimizer_steps_per_batch_equal_those_steps_by_hand(runs):
+    """trainer.num_steps_per_rollout=2 under megatron: at TP=1 and TP=2 the old log-probs and
+    the two updates equal the steps written out by hand bitwise (same kernels, same order);
+    every layout's old log-probs (PP=2: through the pipeline's forward-only schedule) equal
+    TP=1's up to float32 rounding of the logits (same weights: the order of sums)."""
+    ref = result(runs["tp1"])["mini_batches"]
+    for name, d in runs.items():
+        r = result(d)["mini_batches"]
+        assert r["moved"] and r["lr_steps"] == 1, name
+        assert r.get("old_equal_by_hand", True) and r.get("equal_by_hand", True), name
+        assert r["old_logp_sum"] == pytest.approx(ref["old_logp_sum"], rel=1e-5), name
+    assert "old_equal_by_hand" in ref and "equal_by_hand" in ref
+
+
+@pytest.mark.timeout(1200)
 def test_pp2_trains_like_pp1(runs):
     one, pp = result(runs["tp1"]), result(runs["pp2"])
     for a, b in zip(one["steps"], pp["steps"]):

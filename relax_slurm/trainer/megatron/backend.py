@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -10,12 +11,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relax_slurm.config import TrainConfig
+from relax_slurm.trainer.backend import reference_due
 from relax_slurm.trainer.batch import MicroBatch
 from relax_slurm.trainer.megatron import checkpoint
 from relax_slurm.trainer.megatron.model import (
     MegatronModel, data_ranks, destroy_model_parallel, init_model_parallel,
 )
 from relax_slurm.trainer.megatron.step import train_step
+
+log = logging.getLogger("relax_slurm.trainer")
 
 
 class MegatronBackend:
@@ -40,10 +44,24 @@ class MegatronBackend:
                    before_update: Callable[[], None] = lambda: None) -> dict[str, float]:
         """Whole batches only (one block): see TrainConfig.streaming_blockers for why."""
         [(batch, _)] = list(blocks)
-        return train_step(self.mm, batch, self.cfg.algo,
-                          micro_batch_size=self.cfg.trainer.micro_batch_size,
-                          temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
-                          before_update=before_update)
+        metrics = train_step(self.mm, batch, self.cfg.algo,
+                             micro_batch_size=self.cfg.trainer.micro_batch_size,
+                             temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
+                             before_update=before_update,
+                             num_steps=self.cfg.trainer.num_steps_per_rollout)
+        if reference_due(self.mm.steps_done, self.cfg.algo.ref_update_interval):
+            self.refresh_reference()
+        return metrics
+
+    def refresh_reference(self) -> None:
+        """The policy's weights into the transformers reference (algo.ref_update_interval):
+        every rank drives the bridge's export (gathered over TP/PP/EP) and keeps it, as every
+        rank holds a reference replica; HF names, fused MoE experts per expert."""
+        from relax_slurm.weightsync.receiver import load_named_tensors
+
+        with torch.no_grad():
+            load_named_tensors(self.ref_model, self.mm.named_hf_weights())
+        log.info("reference model refreshed from the policy after step %d", self.mm.steps_done)
 
     def eval_sums(self, block: MicroBatch) -> dict[str, float]:
         """Forward only (SFT validation): NLL sums of this rank's share (see
@@ -70,10 +88,15 @@ class MegatronBackend:
     def save(self, root: Path, step: int, extra: dict[str, Any], *, keep_last: int,
              async_save: bool, hf_assets_src: str | None):
         return checkpoint.save(root, step, self.mm, extra, keep_last=keep_last,
-                               hf_assets_src=hf_assets_src, async_save=async_save)
+                               hf_assets_src=hf_assets_src, async_save=async_save,
+                               reference=self._moving_reference())
 
     def load(self, path: Path) -> dict[str, Any]:
-        return checkpoint.load(path, self.mm)
+        return checkpoint.load(path, self.mm, reference=self._moving_reference())
+
+    def _moving_reference(self):
+        """The reference model when it is not model.path as loaded (it is then checkpointed)."""
+        return self.ref_model if self.cfg.algo.ref_update_interval else None
 
     def save_hf(self, out_dir: Path) -> None:
         checkpoint.save_hf(self.mm, self.cfg.model.path, out_dir)

@@ -5,6 +5,8 @@
                                                           optimizer, sharded by TP/PP/EP, which
                                                           reshards on load (other sizes)
         rng/rank_<r>.pt                                   RNG states of rank r
+        reference.pt                                      the reference model, when
+                                                          algo.ref_update_interval moves it
         hf/                                               config.json, tokenizer (for relax-convert)
         meta.json                                         as the torch backend's, + "backend"
 
@@ -23,7 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from relax_slurm.checkpoint.convert import copy_hf_assets, write_hf_dir
 from relax_slurm.checkpoint.dcp import (
@@ -35,6 +39,7 @@ from relax_slurm.trainer.megatron.model import MegatronModel
 
 log = logging.getLogger("relax_slurm.checkpoint")
 BACKEND = "megatron"
+REFERENCE = "reference.pt"  # the moving reference model (algo.ref_update_interval), HF names
 
 
 # the distributed optimizer's state in the canonical per-parameter layout (gathered on DP rank 0
@@ -59,11 +64,14 @@ def model_sharded_state_dict(chunks) -> dict:
 
 
 def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], *,
-         keep_last: int, hf_assets_src: str | None, async_save: bool = False) -> SaveHandle:
+         keep_last: int, hf_assets_src: str | None, async_save: bool = False,
+         reference: nn.Module | None = None) -> SaveHandle:
     """Every rank calls this. Synchronous: returns once the checkpoint is committed. With
     `async_save`, returns once a forked process holds a snapshot of the state and writes it
     (megatron-core's async dist-checkpointing); the commit happens when the handle is waited
-    for, on every rank (the next save, the end of the run: `dcp.wait_pending()`)."""
+    for, on every rank (the next save, the end of the run: `dcp.wait_pending()`).
+    `reference`: a reference model that is not model.path as loaded (algo.ref_update_interval),
+    a replica on every rank: rank 0 writes it, synchronously, to REFERENCE."""
     from concurrent.futures import Future
 
     from megatron.core import dist_checkpointing
@@ -74,7 +82,8 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp"
-    extra = {**extra_state, "step": step, "lr_steps_done": mm.steps_done}
+    extra = {**extra_state, "step": step, "lr_steps_done": mm.steps_done,
+             **({"reference_saved": True} if reference is not None else {})}
     meta = json.loads(meta_json(step, extra))
     meta_text = json.dumps({**meta, "backend": BACKEND}, indent=2)
     rank = dist.get_rank()
@@ -85,6 +94,8 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
         tmp.mkdir()
         if hf_assets_src is not None:
             copy_hf_assets(hf_assets_src, tmp / HF_ASSETS, include_config=True)
+        if reference is not None:  # small next to the policy's optimizer state
+            torch.save(reference.state_dict(), tmp / REFERENCE)
     barrier(group)
     save_rng(tmp / RNG_DIR / f"rank_{rank}.pt")
     done: Future = Future()
@@ -143,8 +154,9 @@ def _finalize_all(queue, timeout_s: float = SAVE_TIMEOUT.total_seconds()) -> Non
         time.sleep(0.05)
 
 
-def load(path: Path, mm: MegatronModel) -> dict[str, Any]:
-    """Load model, optimizer, lr position and this rank's RNG; returns extra_state (+ "step")."""
+def load(path: Path, mm: MegatronModel, reference: nn.Module | None = None) -> dict[str, Any]:
+    """Load model, optimizer, lr position and this rank's RNG; returns extra_state (+ "step").
+    `reference`: loaded from REFERENCE when the checkpoint has one, else left as it is."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -165,6 +177,12 @@ def load(path: Path, mm: MegatronModel) -> dict[str, Any]:
     rng = path / RNG_DIR / f"rank_{dist.get_rank()}.pt"
     if rng.is_file():
         load_rng(rng)
+    if reference is not None:
+        if extra.get("reference_saved"):
+            reference.load_state_dict(torch.load(path / REFERENCE, weights_only=True))
+        else:
+            log.warning("%s holds no reference model (saved without algo.ref_update_interval): "
+                        "the reference stays model.path as loaded", path)
     return dict(extra, step=meta["step"])
 
 

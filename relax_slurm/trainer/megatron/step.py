@@ -5,6 +5,7 @@ the torch backend (`trainer.step.micro_batch_loss`), Megatron's optimizer step."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -16,7 +17,9 @@ from relax_slurm.trainer.megatron import context_parallel
 from relax_slurm.routing.hooks import RoutingStats
 from relax_slurm.trainer.megatron.model import MegatronModel
 from relax_slurm.trainer.megatron.routing import megatron_routing
-from relax_slurm.trainer.step import micro_batch_loss, reduce_metrics, reference_logprobs
+from relax_slurm.trainer.step import (
+    gather_logprobs, micro_batch_loss, mini_batches, reduce_metrics, reference_logprobs,
+)
 
 
 def micro_batches(batch: MicroBatch, size: int, pipelined: bool) -> list[MicroBatch]:
@@ -31,30 +34,63 @@ def micro_batches(batch: MicroBatch, size: int, pipelined: bool) -> list[MicroBa
 
 def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_batch_size: int,
                temperature: float, ref_model=None,
-               before_update: Callable[[], None] = lambda: None) -> dict[str, float]:
+               before_update: Callable[[], None] = lambda: None,
+               num_steps: int = 1) -> dict[str, float]:
+    """One rollout batch: `num_steps` optimizer steps (trainer.num_steps_per_rollout), one per
+    contiguous mini-batch of this rank's rows, as the torch backend's `trainer.step.train_step`:
+    the ratio's "old" log-probs computed once before the first (forward only, in the same
+    micro-batches), the lr set once per batch, the metrics one row (sums over the mini-batches,
+    `train/grad_norm` their mean)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     mm.train()
-    for chunk in mm.chunks:
-        chunk.zero_grad_buffer()
-    mm.optimizer.zero_grad()
     lr = mm.set_lr()
     pipelined = ps.get_pipeline_model_parallel_world_size() > 1
-    mbs = micro_batches(batch, micro_batch_size, pipelined)
-    n, dp = len(mbs), ps.get_data_parallel_world_size()
-    params = loss_params(algo)
-    # metric sums come from one rank per data-parallel block: last stage, TP rank 0
-    # (CP ranks each compute the whole loss from the gathered logits: one counts)
-    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    counted = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-               and cp_rank == 0)
-    sums: dict[str, float] = {"loss": 0.0}
-    width = batch.input_ids.shape[1]
+    if num_steps > 1 and algo.old_logprobs == "recompute":
+        batch = with_old_logprobs(mm, batch, algo, num_steps, micro_batch_size, temperature)
+    cp_rank = ps.get_context_parallel_rank()
     # MoE samples with the rollout's routing: every stage's routers compare (TP rank 0 counts:
     # its peers route the same tokens), and replay when asked
     routing = (RoutingStats() if batch.routed is not None
                and ps.get_tensor_model_parallel_rank() == 0 and cp_rank == 0 else None)
+    sums: dict[str, float] = {"loss": 0.0}
+    norms, skipped = [], 0.0
+    for k, (_, mini) in enumerate(mini_batches(batch, num_steps)):
+        for chunk in mm.chunks:
+            chunk.zero_grad_buffer()
+        mm.optimizer.zero_grad()
+        mbs = micro_batches(mini, micro_batch_size, pipelined)
+        # each mini-batch's weights sum to 1 / num_steps of the batch's: x num_steps makes it
+        # a whole step's loss
+        _forward_backward(mm, mbs, algo, temperature, ref_model, routing, sums,
+                          scale=num_steps, width=batch.input_ids.shape[1])
+        if k == 0:
+            before_update()  # an overlapped push of the previous weights is done reading them
+        ok, grad_norm, _ = mm.optimizer.step()
+        norms.append(float(grad_norm or 0.0))
+        skipped += float(not ok)
+    mm.steps_done += 1
+    if routing is not None:
+        sums["routing_pairs"], sums["routing_mismatched"] = routing.pairs, routing.mismatched
+    sums = _same_keys(sums)
+    return {**reduce_metrics(sums), "train/grad_norm": sum(norms) / len(norms),
+            "train/lr": lr, "train/update_skipped": skipped}
+
+
+def _forward_backward(mm: MegatronModel, mbs: list[MicroBatch], algo: AlgoConfig,
+                      temperature: float, ref_model, routing: RoutingStats | None,
+                      sums: dict[str, float], *, scale: int, width: int) -> None:
+    """Megatron's schedule over the micro-batches, gradients accumulating; the metric sums of
+    one rank per data-parallel block (last stage, TP rank 0, CP rank 0) added to `sums`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    n, dp = len(mbs), ps.get_data_parallel_world_size()
+    params = loss_params(algo)
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    # (CP ranks each compute the whole loss from the gathered logits: one counts)
+    counted = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+               and cp_rank == 0)
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
@@ -62,18 +98,10 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
                                    replay=algo.routing_replay, stats=routing)
                   if mb.routed is not None else contextlib.nullcontext())
         with routed:
-            if cp > 1:  # this rank's 2 chunks of the sequence (GPU only: context_parallel.py)
-                output = mm.forward(chunk, *context_parallel.local_tokens(mb.input_ids, cp,
-                                                                          cp_rank))
-            else:
-                output = mm.forward(chunk, mb.input_ids, attention_mask=mb.attention_mask,
-                                    media=mb.media.kwargs() if mb.media is not None else None)
+            output = _forward(mm, chunk, mb, cp, cp_rank)
 
         def loss_func(out):
-            logits = mm.full_logits(out)
-            if cp > 1:
-                logits = context_parallel.gather_sequence(logits, width)
-            logits = logits[:, :-1].float() / temperature
+            logits = _scaled_logits(mm, out, width, cp, temperature)
             loss, metrics = micro_batch_loss(logits, mb, algo, params,
                                              reference_logprobs(ref_model, mb, temperature))
             if counted:
@@ -82,7 +110,7 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
                     sums[key] = sums.get(key, 0.0) + float(value)
             # the schedule divides by the micro-batch count (and multiplies by CP), DDP averages
             # over data-parallel (x CP) ranks; the loss is already a share of the batch's loss
-            return loss * (n * dp), {}
+            return loss * (n * dp * scale), {}
 
         return output, loss_func
 
@@ -91,14 +119,66 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
         num_microbatches=n,
         seq_length=context_parallel.padded_length(width, cp) if cp > 1 else width,
         micro_batch_size=len(mbs[0]), forward_only=False)
-    before_update()  # an overlapped push of the previous weights is done reading them
-    ok, grad_norm, _ = mm.optimizer.step()
-    mm.steps_done += 1
-    if routing is not None:
-        sums["routing_pairs"], sums["routing_mismatched"] = routing.pairs, routing.mismatched
-    sums = _same_keys(sums)
-    return {**reduce_metrics(sums), "train/grad_norm": float(grad_norm or 0.0),
-            "train/lr": lr, "train/update_skipped": float(not ok)}
+
+
+def _forward(mm: MegatronModel, chunk, mb: MicroBatch, cp: int, cp_rank: int):
+    """One chunk's output for a micro-batch (this rank's 2 sequence chunks under CP, GPU only:
+    context_parallel.py)."""
+    if cp > 1:
+        return mm.forward(chunk, *context_parallel.local_tokens(mb.input_ids, cp, cp_rank))
+    return mm.forward(chunk, mb.input_ids, attention_mask=mb.attention_mask,
+                      media=mb.media.kwargs() if mb.media is not None else None)
+
+
+def _scaled_logits(mm: MegatronModel, out, width: int, cp: int, temperature: float):
+    """Full-vocabulary logits predicting each next token, / temperature, [B, T-1, V]."""
+    logits = mm.full_logits(out)
+    if cp > 1:
+        logits = context_parallel.gather_sequence(logits, width)
+    return logits[:, :-1].float() / temperature
+
+
+def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, num_steps: int,
+                      micro_batch_size: int, temperature: float) -> MicroBatch:
+    """The rows with `old_logp` [rows, T-1]: the policy's log-probs before the step's first
+    optimizer step, from a forward-only pass over the same micro-batches the update runs (so
+    the first mini-batch's ratio is exactly 1). Filled where the loss is computed (the last
+    pipeline stage); other stages never read it."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    pipelined = ps.get_pipeline_model_parallel_world_size() > 1
+    width = batch.input_ids.shape[1]
+    old = torch.zeros_like(batch.weights)
+    for lo, mini in mini_batches(batch, num_steps):
+        mbs = micro_batches(mini, micro_batch_size, pipelined)
+        starts = [lo + i * micro_batch_size for i in range(len(mbs))]
+
+        def forward_step(data_iterator, chunk):
+            row, mb = next(data_iterator)
+            routed = (megatron_routing([chunk], mb.routed, mb.routed_valid(),
+                                       replay=algo.routing_replay, stats=RoutingStats())
+                      if mb.routed is not None else contextlib.nullcontext())
+            with routed:
+                output = _forward(mm, chunk, mb, cp, cp_rank)
+
+            def loss_func(out):
+                logp = gather_logprobs(_scaled_logits(mm, out, width, cp, temperature),
+                                       mb.targets)
+                old[row:row + len(mb), :logp.shape[1]] = logp
+                return logp.new_zeros(()), {}
+
+            return output, loss_func
+
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(list(zip(starts, mbs))),
+                model=mm.chunks, num_microbatches=len(mbs),
+                seq_length=context_parallel.padded_length(width, cp) if cp > 1 else width,
+                micro_batch_size=len(mbs[0]), forward_only=True)
+    return dataclasses.replace(batch, old_logp=old)
 
 
 def _same_keys(sums: dict[str, float]) -> dict[str, float]:
@@ -119,8 +199,6 @@ def eval_sums(mm: MegatronModel, batch: MicroBatch, *, micro_batch_size: int
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from relax_slurm.trainer.step import gather_logprobs
-
     mbs = micro_batches(batch, micro_batch_size, ps.get_pipeline_model_parallel_world_size() > 1)
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     counted = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
@@ -130,17 +208,10 @@ def eval_sums(mm: MegatronModel, batch: MicroBatch, *, micro_batch_size: int
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
-        if cp > 1:
-            output = mm.forward(chunk, *context_parallel.local_tokens(mb.input_ids, cp, cp_rank))
-        else:
-            output = mm.forward(chunk, mb.input_ids, attention_mask=mb.attention_mask,
-                                media=mb.media.kwargs() if mb.media is not None else None)
+        output = _forward(mm, chunk, mb, cp, cp_rank)
 
         def loss_func(out):
-            logits = mm.full_logits(out)
-            if cp > 1:
-                logits = context_parallel.gather_sequence(logits, width)
-            logp = gather_logprobs(logits[:, :-1].float(), mb.targets)  # [B, T-1]
+            logp = gather_logprobs(_scaled_logits(mm, out, width, cp, 1.0), mb.targets)  # [B, T-1]
             mask = (mb.weights != 0).float()
             if counted:
                 sums["nll"] -= float((logp * mask).sum())

@@ -12,12 +12,15 @@ for the test to compare across TP/PP sizes,
 - saves a Megatron dist-checkpoint (DIR/checkpoints/step_2), trains one more step, loads the
   checkpoint back and trains that step again (weights restored and the step repeated bitwise);
   with --async-save that checkpoint is written asynchronously during the next step, and a
-  synchronous save of the same state goes to DIR/checkpoints_sync/step_2 for comparison.
+  synchronous save of the same state goes to DIR/checkpoints_sync/step_2 for comparison,
+- from that checkpoint, trains one batch as two optimizer steps (trainer.num_steps_per_rollout=2)
+  and, without pipeline stages, the same two steps by hand (mini_batch_check).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 from pathlib import Path
 
@@ -31,7 +34,8 @@ from relax_slurm.config.schema import AlgoConfig, ModelConfig, TrainerConfig
 from relax_slurm.trainer.batch import MicroBatch
 from relax_slurm.trainer.megatron import checkpoint
 from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel
-from relax_slurm.trainer.megatron.step import train_step
+from relax_slurm.trainer.megatron.step import train_step, with_old_logprobs
+from relax_slurm.trainer.step import gather_logprobs
 
 
 def synthetic_batch(vocab: int, rows: int, width: int) -> MicroBatch:
@@ -43,6 +47,51 @@ def synthetic_batch(vocab: int, rows: int, width: int) -> MicroBatch:
                       weights=weights, advantages=torch.randn(rows, width - 1, generator=g),
                       rollout_logp=torch.full((rows, width - 1), -1.0),
                       seq_lens=(width,) * rows)
+
+
+def mini_batch_check(mm: MegatronModel, mine: MicroBatch, ckpt: Path, *, pp: int,
+                     micro_batch_size: int) -> dict:
+    """trainer.num_steps_per_rollout=2 from the checkpoint's state, and (without pipeline
+    stages, where one forward gives the logits) the same two steps by hand: the policy's
+    log-probs before them as "old", then one step per half of the rows with its weights
+    doubled (x2 is exact). Same kernels in the same order: the weights must be equal bitwise.
+    `old_logp_sum`: the old log-probs the step computes, summed where the loss is (the last
+    pipeline stage, one TP rank, every data-parallel rank), for the test to compare layouts."""
+    from megatron.core import parallel_state as ps
+
+    algo = AlgoConfig(old_logprobs="recompute")
+    checkpoint.load(ckpt, mm)
+    before = {k: v.clone() for k, v in mm.named_hf_weights()}
+    old = with_old_logprobs(mm, mine, algo, 2, micro_batch_size, 1.0).old_logp
+    counted = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    total = torch.tensor(float(old.double().sum()) if counted else 0.0, dtype=torch.float64)
+    dist.all_reduce(total)
+    start = mm.steps_done
+    metrics = train_step(mm, mine, algo, micro_batch_size=micro_batch_size, temperature=1.0,
+                         num_steps=2)
+    two_steps = {k: v.clone() for k, v in mm.named_hf_weights()}
+    out = {"metrics": metrics, "lr_steps": mm.steps_done - start,
+           "old_logp_sum": float(total),
+           "moved": any(not torch.equal(two_steps[k], before[k]) for k in before)}
+    if pp > 1:
+        return out
+    checkpoint.load(ckpt, mm)
+    with torch.no_grad():
+        by_hand_old = torch.cat([gather_logprobs(
+            mm.full_logits(mm.forward(mm.chunks[0], mb.input_ids,
+                                      attention_mask=mb.attention_mask))[:, :-1].float(),
+            mb.targets) for mb in (mine.rows(lo, lo + micro_batch_size)
+                                   for lo in range(0, len(mine), micro_batch_size))])
+    out["old_equal_by_hand"] = torch.equal(old, by_hand_old)
+    half = len(mine) // 2
+    for lo in (0, half):
+        mb = dataclasses.replace(mine.rows(lo, lo + half), old_logp=by_hand_old[lo:lo + half],
+                                 weights=mine.weights[lo:lo + half] * 2)
+        mm.steps_done = start  # one lr per batch
+        train_step(mm, mb, algo, micro_batch_size=micro_batch_size, temperature=1.0)
+    by_hand = {k: v.clone() for k, v in mm.named_hf_weights()}
+    out["equal_by_hand"] = all(torch.equal(two_steps[k], by_hand[k]) for k in by_hand)
+    return out
 
 
 def main() -> None:
@@ -136,6 +185,8 @@ def main() -> None:
         "next_step_equal": all(torch.equal(again_w[k], after_w[k]) for k in after_w),
         "next_loss": [after["train/loss"], again["train/loss"]],
     }
+    result["mini_batches"] = mini_batch_check(mm, mine, root / "step_2", pp=args.pp,
+                                              micro_batch_size=cfg.micro_batch_size)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         save_file(trained, str(args.out / "trained.safetensors"))

@@ -264,8 +264,9 @@ def test_num_steps_per_rollout_is_validated_and_blocks_streaming():
                                   "trainer.streaming=true"]))
     with pytest.raises(ConfigError, match=r"num_steps_per_rollout=3 must divide"):
         to_train_config(_compose([*base, "trainer.num_steps_per_rollout=3"]))
-    with pytest.raises(ConfigError, match=r"num_steps_per_rollout=2 with trainer=megatron"):
-        to_train_config(_compose([*base, "trainer=megatron", "trainer.num_steps_per_rollout=2"]))
+    megatron = to_train_config(_compose([*base, "trainer=megatron",
+                                         "trainer.num_steps_per_rollout=2"]))
+    assert megatron.trainer.num_steps_per_rollout == 2  # both backends take mini-batches
     with pytest.raises(ConfigError, match=r"num_steps_per_rollout=0: must be >= 1"):
         to_train_config(_compose([*base, "trainer.num_steps_per_rollout=0"]))
 
