@@ -1,5 +1,5 @@
-"""Vision-language models under trainer=megatron: Qwen2.5-VL and Qwen3-VL (dense), built by
-megatron-bridge 0.3.1 (megatron/bridge/models/qwen_vl/).
+"""Vision-language models under trainer=megatron: Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (its
+experts: vl_moe.py), built by megatron-bridge 0.3.1 (megatron/bridge/models/qwen_vl/).
 
 The bridge's VL code was written against transformers 4 and for transformer-engine; `apply()`
 installs small overrides, each naming the upstream line it works around (idempotent). The
@@ -17,11 +17,12 @@ import torch
 from torch import Tensor
 
 from relax_slurm.errors import ConfigError
+from relax_slurm.trainer.megatron import vl_moe
 
 QWEN25 = "qwen2_5_vl"
 QWEN3 = "qwen3_vl"
-QWEN3_MOE = "qwen3_vl_moe"  # GPU only, unverified (transformer-engine's grouped GEMM path)
-SUPPORTED = (QWEN25, QWEN3)
+QWEN3_MOE = "qwen3_vl_moe"  # experts: vl_moe.py
+SUPPORTED = (QWEN25, QWEN3, QWEN3_MOE)
 
 # model_type -> why trainer=megatron refuses it (the fix: trainer=torch)
 REFUSED = {
@@ -34,28 +35,18 @@ REFUSED = {
 
 
 def kind(hf_config) -> str | None:
-    """QWEN25/QWEN3 for a supported VL model, None for a text decoder; ConfigError for a
+    """QWEN25/QWEN3/QWEN3_MOE for a supported VL model, None for a text decoder; ConfigError for a
     multimodal model trainer=megatron cannot train."""
     model_type = getattr(hf_config, "model_type", "")
     if model_type in SUPPORTED:
         return model_type
-    if model_type == QWEN3_MOE:
-        from relax_slurm.trainer.megatron import cpu_compat
-
-        if cpu_compat.needed():
-            raise ConfigError(
-                "trainer=megatron: Qwen3-VL-MoE needs GPUs (megatron-bridge maps its experts "
-                "for transformer-engine's grouped GEMM only; on CPU megatron-core's "
-                "SequentialMLP names them local_experts.*, which its VL-MoE mappings do not "
-                "cover). Fix: trainer=torch (docs/backends.md#multimodal-models)")
-        return QWEN3_MOE
     if model_type in REFUSED:
         raise ConfigError(f"trainer=megatron: {REFUSED[model_type]}. Fix: trainer=torch "
                           "(docs/backends.md#multimodal-models)")
     if getattr(hf_config, "vision_config", None) is not None or hasattr(hf_config, "audio_config"):
         raise ConfigError(
-            f"trainer=megatron trains Qwen2.5-VL and Qwen3-VL among multimodal models, not "
-            f"model_type={model_type!r}. Fix: trainer=torch (docs/backends.md#multimodal-models)")
+            f"trainer=megatron trains Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE among multimodal "
+            f"models, not model_type={model_type!r}. Fix: trainer=torch (docs/backends.md#multimodal-models)")
     return None
 
 
@@ -75,6 +66,7 @@ def apply() -> None:
     _qwen25_forward()
     _qwen3_vision_tuple()
     _qwen3_rope_alias()
+    vl_moe.apply()
     _APPLIED = True
 
 

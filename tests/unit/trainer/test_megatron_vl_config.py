@@ -11,7 +11,7 @@ from transformers import Qwen2AudioConfig, Qwen3VLMoeConfig
 
 from relax_slurm.errors import ConfigError
 from relax_slurm.launch.submit import compose_config
-from relax_slurm.trainer.megatron import vl
+from relax_slurm.trainer.megatron import vl, vl_moe
 from relax_slurm.trainer.megatron.model import freeze
 
 
@@ -39,8 +39,25 @@ def test_refused_with_the_fix(overrides, words):
 def test_unsupported_architectures_name_the_reason():
     with pytest.raises(ConfigError, match="no Qwen2-Audio bridge"):
         vl.kind(Qwen2AudioConfig())
-    with pytest.raises(ConfigError, match="Qwen3-VL-MoE needs GPUs"):  # this machine: no CUDA
-        vl.kind(Qwen3VLMoeConfig())
+    assert vl.kind(Qwen3VLMoeConfig()) == vl.QWEN3_MOE  # its experts: vl_moe.py
+
+
+@pytest.mark.parametrize("kind, qwen, hf", [
+    (vl_moe.GATE_UP, (4, 64, 32), (4, 32, 64)),
+    (vl_moe.DOWN, (4, 16, 64), (4, 64, 16)),
+])
+def test_vl_moe_file_layout_read_from_the_shape(kind, qwen, hf):
+    """Qwen's released files and transformers 5's save_pretrained lay the fused experts out
+    transposed; the shape says which (hidden 64, expert width 16)."""
+    assert not vl_moe.is_transformers_layout(kind, qwen, hidden=64, ffn=16)
+    assert vl_moe.is_transformers_layout(kind, hf, hidden=64, ffn=16)
+    with pytest.raises(ConfigError, match="expected"):
+        vl_moe.is_transformers_layout(kind, (4, 8, 8), hidden=64, ffn=16)
+
+
+def test_vl_moe_ambiguous_layout_is_refused():
+    with pytest.raises(ConfigError, match="reads the same"):  # hidden == 2 x expert width
+        vl_moe.is_transformers_layout(vl_moe.GATE_UP, (4, 32, 32), hidden=32, ffn=16)
 
 
 def test_freeze_modules_maps_hf_prefixes():
