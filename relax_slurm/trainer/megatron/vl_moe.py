@@ -21,6 +21,10 @@ The load-balancing loss's weight is the checkpoint's `router_aux_loss_coef` (the
 it at 1e-3, Qwen's released value). The bridge's MoE provider also freezes the language model and the vision tower by default
 (qwen3_vl_provider.py:232-233, `freeze_language_model=True`, `freeze_vision_model=True`);
 trainer=megatron freezes only what `trainer.freeze_modules` names, so both are turned off.
+Its finalize turns sequence parallelism on at TP > 1 (qwen3_vl_provider.py:247-250), over
+`build_provider`'s off: megatron-core trains MoE layers under TP only with it
+(moe_layer.py:379), and on CPU its local layers refuse it, so there `build_provider` refuses
+MoE with TP > 1 (experts split by `trainer.expert_parallel_size` instead).
 """
 
 from __future__ import annotations
