@@ -118,6 +118,19 @@ def test_vl_moe_expert_and_router_gradients_equal_transformers(runs):
 
 
 @pytest.mark.timeout(1200)
+def test_vl_moe_routing_replay_matches_transformers(runs):
+    """algo.routing_replay's trainer side for Qwen3-VL-MoE under megatron: random experts for
+    every token (image tokens too) and layer, replayed by megatron-core's routers
+    (trainer/megatron/routing.py) and by transformers' (routing/hooks.py), give the same logits
+    to REL_TOL (measured ~2e-7 relative), while replay moved them by >= 100x that (measured
+    2e-2): the language model routes the rows' tokens in the order the rollout reports them."""
+    r = result(runs["vl3moe_tp1_ep2"])["replay"]
+    assert r["max_diff"] <= REL_TOL * r["scale"], r
+    assert r["moved"] >= 100 * REL_TOL * r["scale"], r
+    assert r["mismatch_frac"] > 0.5, r  # random sets: the router's own choice mostly differs
+
+
+@pytest.mark.timeout(1200)
 def test_vl_moe_export_is_the_file_in_either_layout(runs):
     """The export at EP=2 equals the file bit for bit (transformers 5's layout of the fused
     experts, as save_pretrained writes it), and every name is one the hf engine receives; the

@@ -119,6 +119,7 @@ def main() -> None:
     result["vision_grads"] = grads
     if hasattr(hf.config.text_config, "num_experts"):
         result["moe_grads"] = moe_grads(params, hf_params, hf.config.text_config)
+        result["replay"] = replayed_logits(mm, hf, ids, mask, media, mm_types, ours.detach())
         result["qwen_layout"] = qwen_layout_export(mm, args.model_dir, args.out, cfg)
     finish(args.out, result)
 
@@ -149,6 +150,34 @@ def moe_grads(params: dict, hf_params: dict, text) -> dict:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, out)
     return {f"rank{r}/layer{k}": v for r, g in enumerate(gathered) for k, v in g.items()}
+
+
+def replayed_logits(mm, hf, ids, mask, media, mm_types, unreplayed) -> dict:
+    """Routing replay (algo.routing_replay) of random experts per token and layer, image tokens
+    included, in both models: megatron's routers (trainer/megatron/routing.py, which assumes
+    the language model sees the rows' tokens in order) against transformers' (routing/hooks.py);
+    the largest logit difference, its scale, and how far replay moved the logits."""
+    from relax_slurm.routing.hooks import RoutingStats, routing_replay
+    from relax_slurm.trainer.megatron.routing import megatron_routing
+
+    text = hf.config.text_config
+    B, T = ids.shape
+    L, E, K = text.num_hidden_layers, text.num_experts, text.num_experts_per_tok
+    g = torch.Generator().manual_seed(5)
+    routed = torch.rand(B, T, L, E, generator=g).argsort(-1)[..., :K].reshape(B, T, L * K)
+    valid = mask.bool()
+    stats = RoutingStats()
+    with torch.no_grad():
+        with routing_replay(hf, routed, valid, replay=True):
+            ref = hf(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm_types,
+                     **media).logits
+        with megatron_routing(mm.chunks, routed, valid, replay=True, stats=stats):
+            ours = mm.full_logits(mm.forward(mm.chunks[0], ids, attention_mask=mask,
+                                             media=media))
+    return {"max_diff": (ours - ref).abs()[valid].max().item(),
+            "scale": ref.abs()[valid].max().item(),
+            "moved": (ours - unreplayed).abs()[valid].max().item(),
+            "mismatch_frac": stats.mismatched / stats.pairs}
 
 
 def qwen_layout_export(mm, model_dir: str, out: Path, cfg) -> dict:
