@@ -66,6 +66,7 @@ def apply() -> None:
     _qwen25_forward()
     _qwen3_vision_tuple()
     _qwen3_rope_alias()
+    _qwen3_rope_index()
     vl_moe.apply()
     _APPLIED = True
 
@@ -172,6 +173,31 @@ def _qwen3_rope_alias() -> None:
             cls.apply_interleaved_mrope = apply_interleaved_mrope
 
 
+def _qwen3_rope_index() -> None:
+    """qwen_vl/modelling_qwen3_vl/model.py:258,311 drops any given position_ids and computes
+    M-RoPE positions with utils.get_rope_index, which reads the token after every
+    <|vision_start|> (utils.py:131-132): out of range when a sampled response ends with one
+    (IndexError in training). transformers 5's Qwen3VLModel.get_rope_index instead, which
+    finds images by their image_token_id, as the hf engine computes them. Images only
+    (trainer=megatron refuses video)."""
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as m
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel as HF
+
+    def get_rope_index(spatial_merge_size, image_token_id, video_token_id,
+                       vision_start_token_id, input_ids, image_grid_thw=None,
+                       video_grid_thw=None, attention_mask=None, **_):
+        shim = types.SimpleNamespace(config=types.SimpleNamespace(
+            vision_config=types.SimpleNamespace(spatial_merge_size=spatial_merge_size)))
+        shim.get_vision_position_ids = types.MethodType(HF.get_vision_position_ids, shim)
+        mm_types = (input_ids == image_token_id).long()
+        if attention_mask is not None and attention_mask.dim() != 2:
+            attention_mask = None  # the layers' mask: rows are right-padded
+        return HF.get_rope_index(shim, input_ids, mm_types, image_grid_thw, None,
+                                 attention_mask=attention_mask)
+
+    m.get_rope_index = get_rope_index
+
+
 def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | None,
             media: dict[str, Tensor]) -> Tensor:
     """One VL chunk's vocab-parallel logits [B, T, V/TP] for right-padded rows with media."""
@@ -188,8 +214,8 @@ def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | 
         return chunk(input_ids=input_ids, attention_mask=causal.view(1, 1, T, T),
                      mm_token_type_ids=(input_ids == chunk_config(chunk).image_token_id).long(),
                      pad_mask=pad, **kw)
-    # Qwen3-VL: its model computes the M-RoPE positions itself; a 4-D mask breaks its
-    # utils.py:113-129, and none means the layers' causal mask (rows are right-padded)
+    # Qwen3-VL: its model computes the M-RoPE positions itself (_qwen3_rope_index); a 4-D
+    # mask breaks its utils.py:113-129, and none means the layers' causal mask (right-padded)
     return chunk(input_ids=input_ids, attention_mask=None, **kw)
 
 
