@@ -181,21 +181,31 @@ def _qwen3_rope_index() -> None:
     finds images by their image_token_id, as the hf engine computes them. Images only
     (trainer=megatron refuses video)."""
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as m
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel as HF
 
     def get_rope_index(spatial_merge_size, image_token_id, video_token_id,
                        vision_start_token_id, input_ids, image_grid_thw=None,
                        video_grid_thw=None, attention_mask=None, **_):
-        shim = types.SimpleNamespace(config=types.SimpleNamespace(
-            vision_config=types.SimpleNamespace(spatial_merge_size=spatial_merge_size)))
-        shim.get_vision_position_ids = types.MethodType(HF.get_vision_position_ids, shim)
-        mm_types = (input_ids == image_token_id).long()
         if attention_mask is not None and attention_mask.dim() != 2:
             attention_mask = None  # the layers' mask: rows are right-padded
-        return HF.get_rope_index(shim, input_ids, mm_types, image_grid_thw, None,
-                                 attention_mask=attention_mask)
+        return qwen3_rope_index(spatial_merge_size, image_token_id, input_ids, image_grid_thw,
+                                attention_mask)
 
     m.get_rope_index = get_rope_index
+
+
+def qwen3_rope_index(spatial_merge_size: int, image_token_id: int, input_ids: Tensor,
+                     image_grid_thw: Tensor | None, attention_mask: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor]:
+    """Qwen3-VL's M-RoPE positions [3, B, T] (and per-row deltas) for right-padded rows with
+    images, by transformers 5's Qwen3VLModel.get_rope_index (images = runs of image_token_id)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel as HF
+
+    shim = types.SimpleNamespace(config=types.SimpleNamespace(
+        vision_config=types.SimpleNamespace(spatial_merge_size=spatial_merge_size)))
+    shim.get_vision_position_ids = types.MethodType(HF.get_vision_position_ids, shim)
+    mm_types = (input_ids == image_token_id).long()
+    return HF.get_rope_index(shim, input_ids, mm_types, image_grid_thw, None,
+                             attention_mask=attention_mask)
 
 
 def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | None,

@@ -60,6 +60,20 @@ def test_vl_moe_ambiguous_layout_is_refused():
         vl_moe.is_transformers_layout(vl_moe.GATE_UP, (4, 32, 32), hidden=32, ffn=16)
 
 
+def test_qwen3_positions_when_a_response_ends_with_vision_start():
+    """The bridge's Qwen3-VL get_rope_index read the token after every <|vision_start|>
+    (IndexError when a sampled response ended with one); transformers' finds images by their
+    image_token_id: text 0,1; a 2x2-merged 4x4 image at (t, h, w) = 2 + (0, h, w); then text
+    from 2 + max(h, w) + 1 = 4 on."""
+    S, I = 5, 7
+    ids = torch.tensor([[1, S, I, I, I, I, 2, 3, S]])
+    pos, _ = vl.qwen3_rope_index(2, I, ids, torch.tensor([[1, 4, 4]]))
+    assert pos.shape == (3, 1, 9)
+    assert pos[:, 0, :2].tolist() == [[0, 1]] * 3
+    assert pos[:, 0, 2:6].tolist() == [[2, 2, 2, 2], [2, 2, 3, 3], [2, 3, 2, 3]]
+    assert pos[:, 0, 6:].tolist() == [[4, 5, 6]] * 3
+
+
 def test_freeze_modules_maps_hf_prefixes():
     chunk = torch.nn.Module()
     chunk.visual = torch.nn.Linear(2, 2)
