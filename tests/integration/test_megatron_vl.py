@@ -1,7 +1,8 @@
 """Vision-language models under trainer=megatron on CPU/gloo (relax_slurm/trainer/megatron/vl.py):
 the tiny Qwen2.5-VL and Qwen3-VL built through megatron-bridge at TP=1 and TP=2, and the tiny
-Qwen3-VL-MoE at EP=2 (vl_moe.py), against the transformers model, on two right-padded rows with images of different sizes
-(tests/integration/scripts/megatron_vl_parity.py, one torchrun each)."""
+Qwen3-VL-MoE at EP=2 (vl_moe.py), against the transformers model, on two right-padded rows
+with images of different sizes (tests/integration/scripts/megatron_vl_parity.py, one torchrun
+each)."""
 
 from __future__ import annotations
 

@@ -46,7 +46,8 @@ def kind(hf_config) -> str | None:
     if getattr(hf_config, "vision_config", None) is not None or hasattr(hf_config, "audio_config"):
         raise ConfigError(
             f"trainer=megatron trains Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE among multimodal "
-            f"models, not model_type={model_type!r}. Fix: trainer=torch (docs/backends.md#multimodal-models)")
+            f"models, not model_type={model_type!r}. Fix: trainer=torch "
+            "(docs/backends.md#multimodal-models)")
     return None
 
 

@@ -18,13 +18,16 @@ Which one a file holds is read from its shape (the safetensors header, not the t
 that fits both (H == 2I, or H == I) is refused rather than guessed.
 
 The load-balancing loss's weight is the checkpoint's `router_aux_loss_coef` (the bridge fixes
-it at 1e-3, Qwen's released value). The bridge's MoE provider also freezes the language model and the vision tower by default
-(qwen3_vl_provider.py:232-233, `freeze_language_model=True`, `freeze_vision_model=True`);
-trainer=megatron freezes only what `trainer.freeze_modules` names, so both are turned off.
+it at 1e-3, Qwen's released value). The bridge's MoE provider also freezes the language model
+and the vision tower by default (qwen3_vl_provider.py:232-233, `freeze_language_model=True`,
+`freeze_vision_model=True`); trainer=megatron freezes only what `trainer.freeze_modules`
+names, so both are turned off.
+
 Its finalize turns sequence parallelism on at TP > 1 (qwen3_vl_provider.py:247-250), over
-`build_provider`'s off: megatron-core trains MoE layers under TP only with it
-(moe_layer.py:379), and on CPU its local layers refuse it, so there `build_provider` refuses
-MoE with TP > 1 (experts split by `trainer.expert_parallel_size` instead).
+`build_provider`'s off, and is left so: megatron-core trains MoE layers under TP only with it
+(moe_layer.py:379). On CPU its local layers refuse it, so there `build_provider` refuses MoE
+with TP > 1 (the experts split by `trainer.expert_parallel_size` instead); on GPUs that path is
+unverified, and the rollout's routing (replay) is refused with it (routing.py).
 """
 
 from __future__ import annotations
@@ -89,13 +92,9 @@ def file_shape(hf_state, name: str) -> tuple[int, ...] | None:
         return None
 
 
-def apply() -> None:
-    """The mappings, the export's layout and the provider's fields (once per process)."""
-    global _APPLIED
-    if _APPLIED:
-        return
-    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
-    from megatron.bridge.models.qwen_vl import qwen3_vl_bridge as qb
+def _sequential_mappings(qb) -> list:
+    """SequentialMLP's expert names -> the fused tensors, through the bridge's own expert
+    mappings (given the fused tensor in Qwen's layout, whichever the file holds)."""
 
     class SequentialGateUp(qb.ExpertMLPGateUpProjMapping):
         def hf_to_megatron(self, hf_weights, megatron_module):
@@ -107,16 +106,26 @@ def apply() -> None:
             fused = _as_qwen_layout(DOWN, hf_weights, megatron_module.config)
             return super().hf_to_megatron(fused, megatron_module)
 
+    return [SequentialGateUp(megatron_param=f"{LAYER}.linear_fc1.weight",
+                             hf_param=f"{HF_LAYER}.{GATE_UP}"),
+            SequentialDown(megatron_param=f"{LAYER}.linear_fc2.weight",
+                           hf_param=f"{HF_LAYER}.{DOWN}")]
+
+
+def apply() -> None:
+    """The mappings, the export's layout and the provider's fields (once per process)."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+    from megatron.bridge.models.qwen_vl import qwen3_vl_bridge as qb
+
     bridge = qb.Qwen3VLMoEBridge
     registry, provider_bridge = bridge.mapping_registry, bridge.provider_bridge
     merge = bridge.maybe_modify_converted_hf_weight
 
     def mapping_registry(self):
-        extra = [SequentialGateUp(megatron_param=f"{LAYER}.linear_fc1.weight",
-                                  hf_param=f"{HF_LAYER}.{GATE_UP}"),
-                 SequentialDown(megatron_param=f"{LAYER}.linear_fc2.weight",
-                                hf_param=f"{HF_LAYER}.{DOWN}")]
-        return MegatronMappingRegistry(*registry(self).mappings, *extra)
+        return MegatronMappingRegistry(*registry(self).mappings, *_sequential_mappings(qb))
 
     def maybe_modify_converted_hf_weight(self, task, converted, hf_state):
         out = merge(self, task, converted, hf_state)  # all experts merged: Qwen's layout

@@ -1,8 +1,8 @@
 """torchrun --nproc-per-node N megatron_vl_parity.py --model-dir D --tp T [--ep E] --out DIR
 
-A tiny Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE under trainer=megatron on gloo (relax_slurm/trainer/megatron/vl.py);
-rank 0 writes DIR/result.json with, against the transformers model on two right-padded rows
-with images of different sizes:
+A tiny Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE under trainer=megatron on gloo
+(relax_slurm/trainer/megatron/vl.py, vl_moe.py); rank 0 writes DIR/result.json with, against
+the transformers model on two right-padded rows with images of different sizes:
 - the largest logit difference on the rows' tokens (MegatronModel.forward with the media),
 - the largest vision-tower gradient difference of a fixed random linear function of the logits
   (the patch embedding and the first block's qkv), each with the reference's scale,
@@ -98,10 +98,19 @@ def main() -> None:
     result["logits_max_diff"] = (ours - ref).abs()[valid].max().item()
     result["logits_scale"] = ref.abs()[valid].max().item()
 
-    inner = chunk.module
-    vision = "visual" if hasattr(inner, "visual") else "vision_model"
-    params = dict(inner.named_parameters())
+    params = dict(chunk.module.named_parameters())
     hf_params = dict(hf.named_parameters())
+    result["vision_grads"] = vision_grads(chunk.module, params, hf_params)
+    if hasattr(hf.config.text_config, "num_experts"):
+        result["moe_grads"] = moe_grads(params, hf_params, hf.config.text_config)
+        result["replay"] = replayed_logits(mm, hf, ids, mask, media, mm_types, ours.detach())
+        result["qwen_layout"] = qwen_layout_export(mm, args.model_dir, args.out, cfg)
+    finish(args.out, result)
+
+
+def vision_grads(inner, params: dict, hf_params: dict) -> dict:
+    """The patch embedding's and the first block's qkv gradients against transformers'."""
+    vision = "visual" if hasattr(inner, "visual") else "vision_model"
     grads = {}
     for ours_name, hf_name in ((f"{vision}.patch_embed.proj.weight",
                                 "model.visual.patch_embed.proj.weight"),
@@ -116,12 +125,7 @@ def main() -> None:
         grads[hf_name] = {"max_diff": (g - ref_g).abs().max().item(),
                           "scale": ref_g.abs().max().item(),
                           "equal_across_ranks": all(torch.equal(gathered[0], x) for x in gathered)}
-    result["vision_grads"] = grads
-    if hasattr(hf.config.text_config, "num_experts"):
-        result["moe_grads"] = moe_grads(params, hf_params, hf.config.text_config)
-        result["replay"] = replayed_logits(mm, hf, ids, mask, media, mm_types, ours.detach())
-        result["qwen_layout"] = qwen_layout_export(mm, args.model_dir, args.out, cfg)
-    finish(args.out, result)
+    return grads
 
 
 def _grad(p):
