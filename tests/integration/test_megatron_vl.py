@@ -152,6 +152,50 @@ def test_vl_moe_export_is_the_file_in_either_layout(runs):
                                 "same_weights": True}
 
 
+@pytest.mark.timeout(900)
+def test_tiny_vl_moe_trains_at_ep2_syncs_and_converts(runs, tmp_path):
+    """Two steps of the colour task with the tiny Qwen3-VL-MoE at EP=2 (~75 s on a loaded
+    2-core machine, with the data and the conversion): every weight sync into the hf engine verified bit for bit (the fused experts
+    under the file's names and layout), and the EP=2 dist-checkpoint converts (relax-convert,
+    one rank) to exactly the trainer's HF export."""
+    import subprocess
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.conftest import REPO, run_env
+
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "tools/prepare_mm_data.py", "--out", str(data), "--task",
+                    "colors"], cwd=REPO, check=True, timeout=600, capture_output=True,
+                   env=run_env())
+    run_dir, steps = tmp_path / "run", 2
+    proc = subprocess.run(
+        [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_vl_cpu",
+         f"run_dir={run_dir}", f"model.path={runs['vl3moe']}",
+         f"data.train_files=[{data / 'colors_train.jsonl'}]", "metrics.progress=false",
+         "trainer=megatron", "trainer.expert_parallel_size=2", "trainer.nproc_per_node=2",
+         f"trainer.total_steps={steps}", f"trainer.save_hf_every={steps}",
+         "weight_sync.verify=true"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=run_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert log.count("weights verified bit for bit") == steps + 1  # the start and every step
+    out = tmp_path / "converted"
+    conv = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
+                           str(run_dir), "--output", str(out), "--no-progress"], cwd=REPO,
+                          env=run_env(), capture_output=True, text=True, timeout=600)
+    assert conv.returncode == 0, conv.stdout[-3000:] + conv.stderr[-3000:]
+    exported = load_file(str(run_dir / "hf" / f"step_{steps}" / "model.safetensors"))
+    converted = load_file(str(out / "model.safetensors"))
+    initial = load_file(str(runs["vl3moe"] / "model.safetensors"))
+    assert sorted(converted) == sorted(exported) == sorted(initial)
+    for k in exported:
+        assert torch.equal(converted[k], exported[k]), k
+    fused = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(exported[fused], initial[fused])  # the experts trained
+
+
 # experiment=tiny_vl_cpu trainer=megatron at TP=2, measured (mean of 10 steps): 0.16 at step 20,
 # 0.44 at 40, 0.58 at 50, 0.75 at 70, 0.90 at 90 (147 s). The issue's claim, reward from <= 0.3
 # to >= 0.6 as under trainer=torch, is asserted at 90 steps: about 1.7x the steps it takes.
