@@ -115,7 +115,7 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
                     f"{cfg.tensor_parallel_size}; megatron-core trains MoE layers under TP only "
                     "with sequence parallelism (moe_layer.py), which its local layers (no "
                     "transformer-engine) refuse. Fix: trainer.tensor_parallel_size=1 and "
-                    "trainer.expert_parallel_size to split the experts")
+                    "trainer.expert_parallel_size to split the experts (docs/backends.md)")
     if getattr(provider, "num_moe_experts", None):
         # a RouterReplay per router (idle unless routing replay hands it the rollout's experts)
         provider.moe_enable_routing_replay = True

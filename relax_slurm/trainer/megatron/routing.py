@@ -70,7 +70,7 @@ def megatron_routing(chunks: list[nn.Module], routed: Tensor, valid: Tensor, *, 
             "trainer=megatron with sequence parallelism: each TP rank's routers see a slice of "
             "the sequence, which the replay does not map (unsupported). Fix: "
             "trainer.tensor_parallel_size=1 with the experts over trainer.expert_parallel_size, "
-            "or rollout.return_routed_experts=false")
+            "or rollout.return_routed_experts=false (docs/backends.md#multimodal-models)")
     for layer, router in routers:
         want = (routed.reshape(B, W, -1, router.topk)[:, :, layer].transpose(0, 1)
                 .reshape(-1, router.topk).long())
