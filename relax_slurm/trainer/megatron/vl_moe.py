@@ -38,6 +38,7 @@ from relax_slurm.errors import ConfigError
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
 LAYER = "language_model.decoder.layers.*.mlp.experts.local_experts.*"
+GROUPED = "language_model.decoder.layers.*.mlp.experts"
 HF_LAYER = "model.language_model.layers.*.mlp.experts"
 
 _APPLIED = False
@@ -92,24 +93,28 @@ def file_shape(hf_state, name: str) -> tuple[int, ...] | None:
         return None
 
 
-def _sequential_mappings(qb) -> list:
-    """SequentialMLP's expert names -> the fused tensors, through the bridge's own expert
-    mappings (given the fused tensor in Qwen's layout, whichever the file holds)."""
+def _expert_mappings(qb) -> dict[str, list]:
+    """The experts' names -> the fused tensors, through the bridge's own expert mappings given
+    the fused tensor in Qwen's layout whichever the file holds: SequentialMLP's names (CPU;
+    tested), and the grouped-GEMM names, to go ahead of the bridge's own (the registry takes
+    the first match), so a file in transformers 5's layout loads on GPUs too (unverified)."""
 
-    class SequentialGateUp(qb.ExpertMLPGateUpProjMapping):
+    class GateUp(qb.ExpertMLPGateUpProjMapping):
         def hf_to_megatron(self, hf_weights, megatron_module):
-            fused = _as_qwen_layout(GATE_UP, hf_weights, megatron_module.config)
+            fused = _as_qwen_layout(GATE_UP, hf_weights, self._get_config(megatron_module))
             return super().hf_to_megatron(fused, megatron_module)
 
-    class SequentialDown(qb.ExpertMLPDownProjMapping):
+    class Down(qb.ExpertMLPDownProjMapping):
         def hf_to_megatron(self, hf_weights, megatron_module):
-            fused = _as_qwen_layout(DOWN, hf_weights, megatron_module.config)
+            fused = _as_qwen_layout(DOWN, hf_weights, self._get_config(megatron_module))
             return super().hf_to_megatron(fused, megatron_module)
 
-    return [SequentialGateUp(megatron_param=f"{LAYER}.linear_fc1.weight",
-                             hf_param=f"{HF_LAYER}.{GATE_UP}"),
-            SequentialDown(megatron_param=f"{LAYER}.linear_fc2.weight",
-                           hf_param=f"{HF_LAYER}.{DOWN}")]
+    return {kind: [GateUp(megatron_param=f"{layer}.linear_fc1{suffix}",
+                          hf_param=f"{HF_LAYER}.{GATE_UP}"),
+                   Down(megatron_param=f"{layer}.linear_fc2{suffix}",
+                        hf_param=f"{HF_LAYER}.{DOWN}")]
+            for kind, layer, suffix in (("sequential", LAYER, ".weight"),
+                                        ("grouped", GROUPED, ".weight*"))}
 
 
 def apply() -> None:
@@ -125,7 +130,9 @@ def apply() -> None:
     merge = bridge.maybe_modify_converted_hf_weight
 
     def mapping_registry(self):
-        return MegatronMappingRegistry(*registry(self).mappings, *_sequential_mappings(qb))
+        ours = _expert_mappings(qb)
+        return MegatronMappingRegistry(*ours["grouped"], *registry(self).mappings,
+                                       *ours["sequential"])
 
     def maybe_modify_converted_hf_weight(self, task, converted, hf_state):
         out = merge(self, task, converted, hf_state)  # all experts merged: Qwen's layout
