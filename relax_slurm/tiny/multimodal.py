@@ -2,6 +2,7 @@
 
     python tools/make_tiny_model.py --out tiny/vl_model --kind vl
     python tools/make_tiny_model.py --out tiny/vl3_model --kind vl3
+    python tools/make_tiny_model.py --out tiny/vl3moe_model --kind vl3moe
     python tools/make_tiny_model.py --out tiny/audio_model --kind audio
 
 - `vl`: `Qwen2_5_VLForConditionalGeneration` (text: hidden 64, 2 layers, M-RoPE sections
@@ -17,6 +18,10 @@
   before each frame pair of a video; its vocab_size is 32, one past the tokenizer's 31, so the
   embedding splits over TP=2 under trainer=megatron. Qwen3-VL's full processor
   (`Qwen3VLProcessor`) needs torchvision's video processor too, so it is not saved either.
+- `vl3moe`: `Qwen3VLMoeForConditionalGeneration`, `vl3` with every text layer's MLP replaced
+  by 4 experts of width 16, top-2 (transformers 5 holds them fused, `mlp.experts.gate_up_proj`
+  [4, 32, 64]; the file keeps Qwen's layout [4, 64, 32], transposed on load and save), no
+  load-balancing loss; same tokenizer and image processor as `vl3`.
 - `audio`: `Qwen2AudioForConditionalGeneration` (text as above; audio encoder: one layer of
   width 32 over 16 mel bins and 200 frames = 2 s) and a `Qwen2AudioProcessor` (Whisper
   feature extractor with chunk_length=2 s at 16 kHz), loadable with `AutoProcessor`.
@@ -90,8 +95,23 @@ def build_vl(out: Path, seed: int = 0) -> str:
 
 
 def build_vl3(out: Path, seed: int = 0) -> str:
-    from transformers import (Qwen2VLImageProcessorPil, Qwen3VLConfig,
-                              Qwen3VLForConditionalGeneration)
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    return _build_qwen3_vl(Qwen3VLConfig, Qwen3VLForConditionalGeneration, {}, out, seed)
+
+
+def build_vl3moe(out: Path, seed: int = 0) -> str:
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    # expert width 16: gate_up 2 x 16 = 32 differs from hidden 64, so transformers' transpose
+    # between file and memory layouts (check_dims) cannot mistake one for the other
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+               decoder_sparse_step=1, router_aux_loss_coef=0.0)
+    return _build_qwen3_vl(Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, moe, out, seed)
+
+
+def _build_qwen3_vl(config_cls, model_cls, text_extra: dict, out: Path, seed: int) -> str:
+    from transformers import Qwen2VLImageProcessorPil
 
     tok = _tokenizer(VISION_TOKENS)
     tok.add_tokens(list(TIMESTAMP_CHARS))  # after the markers: their ids stay those of `vl`
@@ -102,16 +122,16 @@ def build_vl3(out: Path, seed: int = 0) -> str:
     # embedding over tensor_parallel_size=2 unpadded; ids past the tokenizer are never sampled
     text = _text_config(tok, head_dim=16, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
-        "mrope_interleaved": True})
+        "mrope_interleaved": True}, **text_extra)
     text["vocab_size"] += text["vocab_size"] % 2
-    config = Qwen3VLConfig(
+    config = config_cls(
         text_config=text,
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                            out_hidden_size=64, patch_size=16, num_position_embeddings=16,
                            deepstack_visual_indexes=[0]),
         vision_start_token_id=start, vision_end_token_id=end, image_token_id=image,
         video_token_id=video, tie_word_embeddings=True, dtype="float32")
-    return _save(Qwen3VLForConditionalGeneration, config, tok, out, seed,
+    return _save(model_cls, config, tok, out, seed,
                  Qwen2VLImageProcessorPil(patch_size=16, min_pixels=VL3_MIN_PIXELS,
                                           max_pixels=VL3_MAX_PIXELS,
                                           image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]))
@@ -136,4 +156,5 @@ def build_audio(out: Path, seed: int = 0) -> str:
 
 
 def build_multimodal(kind: str, out: Path, seed: int = 0) -> str:
-    return {"vl": build_vl, "vl3": build_vl3, "audio": build_audio}[kind](out, seed)
+    return {"vl": build_vl, "vl3": build_vl3, "vl3moe": build_vl3moe,
+            "audio": build_audio}[kind](out, seed)

@@ -1,7 +1,8 @@
 """Vision-language models under trainer=megatron on CPU/gloo (relax_slurm/trainer/megatron/vl.py):
-the tiny Qwen2.5-VL and Qwen3-VL built through megatron-bridge at TP=1 and TP=2 against the
-transformers model, on two right-padded rows with images of different sizes
-(tests/integration/scripts/megatron_vl_parity.py, one torchrun each)."""
+the tiny Qwen2.5-VL and Qwen3-VL built through megatron-bridge at TP=1 and TP=2, and the tiny
+Qwen3-VL-MoE at EP=2 (vl_moe.py), against the transformers model, on two right-padded rows
+with images of different sizes (tests/integration/scripts/megatron_vl_parity.py, one torchrun
+each)."""
 
 from __future__ import annotations
 
@@ -29,25 +30,42 @@ pytestmark = [pytest.mark.slow, NEEDS_MEGATRON]
 REL_TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    from relax_slurm.tiny.model import main
+class Runs:
+    """The parity runs, each started when a test first asks for it (`runs["vl3_tp2"]`: kind
+    vl3 at TP=2; `runs["vl3moe_tp1_ep2"]`: at EP=2) and kept for the module; `runs["vl3"]` is
+    the tiny model's directory."""
 
-    root = tmp_path_factory.mktemp("megatron_vl")
-    out = {}
-    for kind in ("vl", "vl3"):
-        model = root / f"{kind}_model"
+    def __init__(self, root: Path) -> None:
+        self.root, self.done = root, {}
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in self.done:
+            self.done[name] = self._model(name) if "_tp" not in name else self._run(name)
+        return self.done[name]
+
+    def _model(self, kind: str) -> Path:
+        from relax_slurm.tiny.model import main
+
+        model = self.root / f"{kind}_model"
         assert main(["--out", str(model), "--kind", kind]) == 0
-        for tp in (1, 2):
-            d = root / f"{kind}_tp{tp}"
-            log = root / f"{kind}_tp{tp}.log"
-            rc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", str(tp), str(SCRIPT), "--model-dir", str(model),
-                             "--tp", str(tp), "--out", str(d)], log, timeout_s=600)
-            assert rc == 0, log.read_text()[-6000:]
-            out[f"{kind}_tp{tp}"] = d
-        out[kind] = model
-    return out
+        return model
+
+    def _run(self, name: str) -> Path:
+        kind, sizes = name.split("_tp")
+        tp, _, ep = sizes.partition("_ep")
+        tp, ep = int(tp), int(ep or 1)
+        d, log = self.root / name, self.root / f"{name}.log"
+        rc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc-per-node", str(tp * ep), str(SCRIPT), "--model-dir",
+                         str(self[kind]), "--tp", str(tp), "--ep", str(ep), "--out", str(d)],
+                        log, timeout_s=600)
+        assert rc == 0, log.read_text()[-6000:]
+        return d
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("megatron_vl"))
 
 
 def result(d: Path) -> dict:
@@ -55,10 +73,10 @@ def result(d: Path) -> dict:
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("kind", ["vl", "vl3"])
-@pytest.mark.parametrize("tp", [1, 2])
-def test_logits_and_vision_gradients_equal_transformers(runs, kind, tp):
-    r = result(runs[f"{kind}_tp{tp}"])
+# the Qwen3-VL-MoE runs once, at EP=2: each rank TP=1 with two of the four experts, DP=2
+@pytest.mark.parametrize("run", ["vl_tp1", "vl_tp2", "vl3_tp1", "vl3_tp2", "vl3moe_tp1_ep2"])
+def test_logits_and_vision_gradients_equal_transformers(runs, run):
+    r = result(runs[run])
     assert r["logits_max_diff"] <= REL_TOL * r["logits_scale"], r["logits_max_diff"]
     for name, g in r["vision_grads"].items():
         assert g["scale"] > 0, name  # the tower is in the graph
@@ -70,7 +88,8 @@ def test_logits_and_vision_gradients_equal_transformers(runs, kind, tp):
 @pytest.mark.parametrize("kind", ["vl", "vl3"])
 def test_export_is_what_the_hf_engine_loads(runs, kind):
     """The bridge's export equals the checkpoint file bit for bit at TP=2 and every name is one
-    the hf engine receives (Qwen2.5-VL: the files' names, aliases of transformers 5's)."""
+    the hf engine receives (Qwen2.5-VL: the files' names, aliases of transformers 5's).
+    The Qwen3-VL-MoE's (at EP=2): test_vl_moe_export_is_the_file_in_either_layout."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -81,6 +100,100 @@ def test_export_is_what_the_hf_engine_loads(runs, kind):
     assert r["export_bitwise"]
     model = AutoModelForImageTextToText.from_pretrained(runs[kind], dtype=torch.float32)
     assert set(r["exported_names"]) <= set(parameter_views(model))
+
+
+@pytest.mark.timeout(1200)
+def test_vl_moe_expert_and_router_gradients_equal_transformers(runs):
+    """Qwen3-VL-MoE at EP=2: every expert's gradient on the rank holding it (fc1 against
+    transformers' fused gate_up_proj[e], fc2 against down_proj[e]) and the routers', after
+    Megatron's DP/EP reduction, to REL_TOL of the layer's largest reference gradient (same
+    float32 reasoning as above; the expert sums are per token over two of four experts;
+    measured ~5e-7 relative). The tiny model has no load-balancing loss
+    (router_aux_loss_coef=0, taken over by the provider); with the bridge's fixed 1e-3 the
+    vision tower's gradient differed by ~4e-6 relative."""
+    r = result(runs["vl3moe_tp1_ep2"])
+    assert set(r["moe_grads"]) == {f"rank{k}/layer{n}" for k in (0, 1) for n in (0, 1)}
+    for name, g in r["moe_grads"].items():
+        assert g["scale"] > 0, name
+        assert g["max_diff"] <= REL_TOL * g["scale"], (name, g)
+
+
+@pytest.mark.timeout(1200)
+def test_vl_moe_routing_replay_matches_transformers(runs):
+    """algo.routing_replay's trainer side for Qwen3-VL-MoE under megatron: random experts for
+    every token (image tokens too) and layer, replayed by megatron-core's routers
+    (trainer/megatron/routing.py) and by transformers' (routing/hooks.py), give the same logits
+    to REL_TOL (measured ~2e-7 relative), while replay moved them by >= 100x that (measured
+    2e-2): the language model routes the rows' tokens in the order the rollout reports them."""
+    r = result(runs["vl3moe_tp1_ep2"])["replay"]
+    assert r["max_diff"] <= REL_TOL * r["scale"], r
+    assert r["moved"] >= 100 * REL_TOL * r["scale"], r
+    assert r["mismatch_frac"] > 0.5, r  # random sets: the router's own choice mostly differs
+
+
+@pytest.mark.timeout(1200)
+def test_vl_moe_export_is_the_file_in_either_layout(runs):
+    """The export at EP=2 equals the file bit for bit (transformers 5's layout of the fused
+    experts, as save_pretrained writes it), and every name is one the hf engine receives; the
+    same weights from a file in Qwen's released layout ([E, H, 2I], [E, I, H]) load to the same
+    model and export as that file, bit for bit."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from relax_slurm.weightsync.receiver import parameter_views
+
+    r = result(runs["vl3moe_tp1_ep2"])
+    assert r["exported_names"] == r["file_names"]
+    assert any(".mlp.experts.gate_up_proj" in n for n in r["exported_names"])
+    assert r["export_bitwise"]
+    model = AutoModelForImageTextToText.from_pretrained(runs["vl3moe"], dtype=torch.float32)
+    assert set(r["exported_names"]) <= set(parameter_views(model))
+    assert r["qwen_layout"] == {"names_equal": True, "export_bitwise": True,
+                                "same_weights": True}
+
+
+@pytest.mark.timeout(900)
+def test_tiny_vl_moe_trains_at_ep2_syncs_and_converts(runs, tmp_path):
+    """Two steps of the colour task with the tiny Qwen3-VL-MoE at EP=2 (~75 s on a loaded
+    2-core machine, with the data and the conversion): every weight sync into the hf engine verified bit for bit (the fused experts
+    under the file's names and layout), and the EP=2 dist-checkpoint converts (relax-convert,
+    one rank) to exactly the trainer's HF export."""
+    import subprocess
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.conftest import REPO, run_env
+
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "tools/prepare_mm_data.py", "--out", str(data), "--task",
+                    "colors"], cwd=REPO, check=True, timeout=600, capture_output=True,
+                   env=run_env())
+    run_dir, steps = tmp_path / "run", 2
+    proc = subprocess.run(
+        [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_vl_cpu",
+         f"run_dir={run_dir}", f"model.path={runs['vl3moe']}",
+         f"data.train_files=[{data / 'colors_train.jsonl'}]", "metrics.progress=false",
+         "trainer=megatron", "trainer.expert_parallel_size=2", "trainer.nproc_per_node=2",
+         f"trainer.total_steps={steps}", f"trainer.save_hf_every={steps}",
+         "weight_sync.verify=true"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=run_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert log.count("weights verified bit for bit") == steps + 1  # the start and every step
+    out = tmp_path / "converted"
+    conv = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
+                           str(run_dir), "--output", str(out), "--no-progress"], cwd=REPO,
+                          env=run_env(), capture_output=True, text=True, timeout=600)
+    assert conv.returncode == 0, conv.stdout[-3000:] + conv.stderr[-3000:]
+    exported = load_file(str(run_dir / "hf" / f"step_{steps}" / "model.safetensors"))
+    converted = load_file(str(out / "model.safetensors"))
+    initial = load_file(str(runs["vl3moe"] / "model.safetensors"))
+    assert sorted(converted) == sorted(exported) == sorted(initial)
+    for k in exported:
+        assert torch.equal(converted[k], exported[k]), k
+    fused = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(exported[fused], initial[fused])  # the experts trained
 
 
 # experiment=tiny_vl_cpu trainer=megatron at TP=2, measured (mean of 10 steps): 0.16 at step 20,

@@ -109,6 +109,13 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
         if getattr(provider, "num_moe_experts", None):
             # the alltoall dispatcher copies token counts on a CUDA side-stream
             provider.moe_token_dispatcher_type = "allgather"
+            if cfg.tensor_parallel_size > 1:
+                raise ConfigError(
+                    f"trainer=megatron on CPU: an MoE model with tensor_parallel_size="
+                    f"{cfg.tensor_parallel_size}; megatron-core trains MoE layers under TP only "
+                    "with sequence parallelism (moe_layer.py), which its local layers (no "
+                    "transformer-engine) refuse. Fix: trainer.tensor_parallel_size=1 and "
+                    "trainer.expert_parallel_size to split the experts (docs/backends.md)")
     if getattr(provider, "num_moe_experts", None):
         # a RouterReplay per router (idle unless routing replay hands it the rollout's experts)
         provider.moe_enable_routing_replay = True

@@ -1,9 +1,9 @@
 """Routing replay (R3) and the routing comparison for megatron-core's MoE routers.
 
 megatron-core 0.16 routes in `TopKRouter.routing(logits)` over the micro-batch's tokens in its
-activation layout, [S, B] flattened sequence-major (token s * B + b; no sequence parallelism
-here, and context parallelism is refused with replay). Its own `RouterReplay` (built when the
-provider sets `moe_enable_routing_replay`) substitutes given top-k ids in
+activation layout, [S, B] flattened sequence-major (token s * B + b; sequence parallelism is
+refused here, context parallelism with replay at config time). Its own `RouterReplay` (built
+when the provider sets `moe_enable_routing_replay`) substitutes given top-k ids in
 `REPLAY_FORWARD`: the probabilities are then the router's own scores gathered at those ids
 (softmax over them, or the pre-softmax scores, as the router is configured), so the router
 still learns. Around one forward, each router's `routing` is wrapped to
@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from relax_slurm.errors import ConfigError
 from relax_slurm.routing.hooks import RoutingStats, same_sets
 
 
@@ -62,6 +63,14 @@ def megatron_routing(chunks: list[nn.Module], routed: Tensor, valid: Tensor, *, 
     B, W = valid.shape
     mask = valid.transpose(0, 1).reshape(-1)  # sequence-major, as the router sees tokens
     routers = megatron_routers(chunks)
+    if any(getattr(r.config, "sequence_parallel", False) for _, r in routers):
+        # e.g. Qwen3-VL-MoE at TP > 1 on GPUs: megatron-bridge's provider turns it on
+        raise ConfigError(
+            "the rollout's routing (algo.routing_replay, rollout.return_routed_experts) under "
+            "trainer=megatron with sequence parallelism: each TP rank's routers see a slice of "
+            "the sequence, which the replay does not map (unsupported). Fix: "
+            "trainer.tensor_parallel_size=1 with the experts over trainer.expert_parallel_size, "
+            "or rollout.return_routed_experts=false (docs/backends.md#multimodal-models)")
     for layer, router in routers:
         want = (routed.reshape(B, W, -1, router.topk)[:, :, layer].transpose(0, 1)
                 .reshape(-1, router.topk).long())

@@ -1,5 +1,5 @@
-"""Vision-language models under trainer=megatron: Qwen2.5-VL and Qwen3-VL (dense), built by
-megatron-bridge 0.3.1 (megatron/bridge/models/qwen_vl/).
+"""Vision-language models under trainer=megatron: Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (its
+experts: vl_moe.py), built by megatron-bridge 0.3.1 (megatron/bridge/models/qwen_vl/).
 
 The bridge's VL code was written against transformers 4 and for transformer-engine; `apply()`
 installs small overrides, each naming the upstream line it works around (idempotent). The
@@ -17,11 +17,12 @@ import torch
 from torch import Tensor
 
 from relax_slurm.errors import ConfigError
+from relax_slurm.trainer.megatron import vl_moe
 
 QWEN25 = "qwen2_5_vl"
 QWEN3 = "qwen3_vl"
-QWEN3_MOE = "qwen3_vl_moe"  # GPU only, unverified (transformer-engine's grouped GEMM path)
-SUPPORTED = (QWEN25, QWEN3)
+QWEN3_MOE = "qwen3_vl_moe"  # experts: vl_moe.py
+SUPPORTED = (QWEN25, QWEN3, QWEN3_MOE)
 
 # model_type -> why trainer=megatron refuses it (the fix: trainer=torch)
 REFUSED = {
@@ -34,28 +35,19 @@ REFUSED = {
 
 
 def kind(hf_config) -> str | None:
-    """QWEN25/QWEN3 for a supported VL model, None for a text decoder; ConfigError for a
+    """QWEN25/QWEN3/QWEN3_MOE for a supported VL model, None for a text decoder; ConfigError for a
     multimodal model trainer=megatron cannot train."""
     model_type = getattr(hf_config, "model_type", "")
     if model_type in SUPPORTED:
         return model_type
-    if model_type == QWEN3_MOE:
-        from relax_slurm.trainer.megatron import cpu_compat
-
-        if cpu_compat.needed():
-            raise ConfigError(
-                "trainer=megatron: Qwen3-VL-MoE needs GPUs (megatron-bridge maps its experts "
-                "for transformer-engine's grouped GEMM only; on CPU megatron-core's "
-                "SequentialMLP names them local_experts.*, which its VL-MoE mappings do not "
-                "cover). Fix: trainer=torch (docs/backends.md#multimodal-models)")
-        return QWEN3_MOE
     if model_type in REFUSED:
         raise ConfigError(f"trainer=megatron: {REFUSED[model_type]}. Fix: trainer=torch "
                           "(docs/backends.md#multimodal-models)")
     if getattr(hf_config, "vision_config", None) is not None or hasattr(hf_config, "audio_config"):
         raise ConfigError(
-            f"trainer=megatron trains Qwen2.5-VL and Qwen3-VL among multimodal models, not "
-            f"model_type={model_type!r}. Fix: trainer=torch (docs/backends.md#multimodal-models)")
+            f"trainer=megatron trains Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE among multimodal "
+            f"models, not model_type={model_type!r}. Fix: trainer=torch "
+            "(docs/backends.md#multimodal-models)")
     return None
 
 
@@ -75,6 +67,8 @@ def apply() -> None:
     _qwen25_forward()
     _qwen3_vision_tuple()
     _qwen3_rope_alias()
+    _qwen3_rope_index()
+    vl_moe.apply()
     _APPLIED = True
 
 
@@ -180,6 +174,41 @@ def _qwen3_rope_alias() -> None:
             cls.apply_interleaved_mrope = apply_interleaved_mrope
 
 
+def _qwen3_rope_index() -> None:
+    """qwen_vl/modelling_qwen3_vl/model.py:258,311 drops any given position_ids and computes
+    M-RoPE positions with utils.get_rope_index, which reads the token after every
+    <|vision_start|> (utils.py:131-132): out of range when a sampled response ends with one
+    (IndexError in training). transformers 5's Qwen3VLModel.get_rope_index instead, which
+    finds images by their image_token_id, as the hf engine computes them. Images only
+    (trainer=megatron refuses video)."""
+    from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as m
+
+    def get_rope_index(spatial_merge_size, image_token_id, video_token_id,
+                       vision_start_token_id, input_ids, image_grid_thw=None,
+                       video_grid_thw=None, attention_mask=None, **_):
+        if attention_mask is not None and attention_mask.dim() != 2:
+            attention_mask = None  # the layers' mask: rows are right-padded
+        return qwen3_rope_index(spatial_merge_size, image_token_id, input_ids, image_grid_thw,
+                                attention_mask)
+
+    m.get_rope_index = get_rope_index
+
+
+def qwen3_rope_index(spatial_merge_size: int, image_token_id: int, input_ids: Tensor,
+                     image_grid_thw: Tensor | None, attention_mask: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor]:
+    """Qwen3-VL's M-RoPE positions [3, B, T] (and per-row deltas) for right-padded rows with
+    images, by transformers 5's Qwen3VLModel.get_rope_index (images = runs of image_token_id)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel as HF
+
+    shim = types.SimpleNamespace(config=types.SimpleNamespace(
+        vision_config=types.SimpleNamespace(spatial_merge_size=spatial_merge_size)))
+    shim.get_vision_position_ids = types.MethodType(HF.get_vision_position_ids, shim)
+    mm_types = (input_ids == image_token_id).long()
+    return HF.get_rope_index(shim, input_ids, mm_types, image_grid_thw, None,
+                             attention_mask=attention_mask)
+
+
 def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | None,
             media: dict[str, Tensor]) -> Tensor:
     """One VL chunk's vocab-parallel logits [B, T, V/TP] for right-padded rows with media."""
@@ -196,8 +225,8 @@ def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | 
         return chunk(input_ids=input_ids, attention_mask=causal.view(1, 1, T, T),
                      mm_token_type_ids=(input_ids == chunk_config(chunk).image_token_id).long(),
                      pad_mask=pad, **kw)
-    # Qwen3-VL: its model computes the M-RoPE positions itself; a 4-D mask breaks its
-    # utils.py:113-129, and none means the layers' causal mask (rows are right-padded)
+    # Qwen3-VL: its model computes the M-RoPE positions itself (_qwen3_rope_index); a 4-D
+    # mask breaks its utils.py:113-129, and none means the layers' causal mask (right-padded)
     return chunk(input_ids=input_ids, attention_mask=None, **kw)
 
 

@@ -1,11 +1,16 @@
-"""torchrun --nproc-per-node N megatron_vl_parity.py --model-dir D --tp T --out DIR
+"""torchrun --nproc-per-node N megatron_vl_parity.py --model-dir D --tp T [--ep E] --out DIR
 
-A tiny Qwen2.5-VL / Qwen3-VL under trainer=megatron on gloo (relax_slurm/trainer/megatron/vl.py);
-rank 0 writes DIR/result.json with, against the transformers model on two right-padded rows
-with images of different sizes:
+A tiny Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE under trainer=megatron on gloo
+(relax_slurm/trainer/megatron/vl.py, vl_moe.py); rank 0 writes DIR/result.json with, against
+the transformers model on two right-padded rows with images of different sizes:
 - the largest logit difference on the rows' tokens (MegatronModel.forward with the media),
 - the largest vision-tower gradient difference of a fixed random linear function of the logits
   (the patch embedding and the first block's qkv), each with the reference's scale,
+- for the MoE: the gradients of every expert this rank holds (fc1 = transformers' fused
+  gate_up_proj[e], fc2 = down_proj[e]) and of the routers, after Megatron's gradient
+  reduction (the ranks all see the same rows: at EP=2 an expert gets both ranks' copies of its
+  tokens and the reduction divides by DP=2); and the export of the same model from a copy of
+  the file in Qwen's released layout (fused experts transposed) against that copy,
 - the exported weight names (the bridge's) and the names of the checkpoint file and of the
   transformers model's parameters, and whether the export equals the file bitwise.
 """
@@ -52,12 +57,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp, lr=1e-2,
-                        micro_batch_size=2, nproc_per_node=dist.get_world_size())
+    cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp,
+                        expert_parallel_size=args.ep, lr=1e-2, micro_batch_size=2,
+                        nproc_per_node=dist.get_world_size())
     init_model_parallel(cfg)
     mm = MegatronModel(ModelConfig(path=args.model_dir), cfg)
     result: dict = {}
@@ -87,13 +94,23 @@ def main() -> None:
         c.zero_grad_buffer()
     ours = mm.full_logits(mm.forward(chunk, ids, attention_mask=mask, media=media))
     (ours * w).sum().backward()
+    chunk.config.finalize_model_grads_func(mm.chunks)  # DP/EP reduction, as a train step does
     result["logits_max_diff"] = (ours - ref).abs()[valid].max().item()
     result["logits_scale"] = ref.abs()[valid].max().item()
 
-    inner = chunk.module
-    vision = "visual" if hasattr(inner, "visual") else "vision_model"
-    params = dict(inner.named_parameters())
+    params = dict(chunk.module.named_parameters())
     hf_params = dict(hf.named_parameters())
+    result["vision_grads"] = vision_grads(chunk.module, params, hf_params)
+    if hasattr(hf.config.text_config, "num_experts"):
+        result["moe_grads"] = moe_grads(params, hf_params, hf.config.text_config)
+        result["replay"] = replayed_logits(mm, hf, ids, mask, media, mm_types, ours.detach())
+        result["qwen_layout"] = qwen_layout_export(mm, args.model_dir, args.out, cfg)
+    finish(args.out, result)
+
+
+def vision_grads(inner, params: dict, hf_params: dict) -> dict:
+    """The patch embedding's and the first block's qkv gradients against transformers'."""
+    vision = "visual" if hasattr(inner, "visual") else "vision_model"
     grads = {}
     for ours_name, hf_name in ((f"{vision}.patch_embed.proj.weight",
                                 "model.visual.patch_embed.proj.weight"),
@@ -108,8 +125,89 @@ def main() -> None:
         grads[hf_name] = {"max_diff": (g - ref_g).abs().max().item(),
                           "scale": ref_g.abs().max().item(),
                           "equal_across_ranks": all(torch.equal(gathered[0], x) for x in gathered)}
-    result["vision_grads"] = grads
-    finish(args.out, result)
+    return grads
+
+
+def _grad(p):
+    return p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+
+
+def moe_grads(params: dict, hf_params: dict, text) -> dict:
+    """Every local expert's and every router's gradient against transformers' (per layer, the
+    largest difference and the reference's scale; gathered to rank 0)."""
+    from megatron.core import parallel_state as ps
+
+    per_rank = text.num_experts // ps.get_expert_model_parallel_world_size()
+    first = ps.get_expert_model_parallel_rank() * per_rank
+    out = {}
+    for layer in range(text.num_hidden_layers):
+        ours = f"language_model.decoder.layers.{layer}.mlp"
+        hf = f"model.language_model.layers.{layer}.mlp"
+        pairs = [(_grad(params[f"{ours}.router.weight"]), hf_params[f"{hf}.gate.weight"].grad)]
+        for n in range(per_rank):
+            e = first + n
+            pairs += [(_grad(params[f"{ours}.experts.local_experts.{n}.linear_fc{k}.weight"]),
+                       hf_params[f"{hf}.experts.{name}"].grad[e])
+                      for k, name in ((1, "gate_up_proj"), (2, "down_proj"))]
+        out[str(layer)] = {"max_diff": max((a - b).abs().max().item() for a, b in pairs),
+                           "scale": max(b.abs().max().item() for _, b in pairs)}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, out)
+    return {f"rank{r}/layer{k}": v for r, g in enumerate(gathered) for k, v in g.items()}
+
+
+def replayed_logits(mm, hf, ids, mask, media, mm_types, unreplayed) -> dict:
+    """Routing replay (algo.routing_replay) of random experts per token and layer, image tokens
+    included, in both models: megatron's routers (trainer/megatron/routing.py, which assumes
+    the language model sees the rows' tokens in order) against transformers' (routing/hooks.py);
+    the largest logit difference, its scale, and how far replay moved the logits."""
+    from relax_slurm.routing.hooks import RoutingStats, routing_replay
+    from relax_slurm.trainer.megatron.routing import megatron_routing
+
+    text = hf.config.text_config
+    B, T = ids.shape
+    L, E, K = text.num_hidden_layers, text.num_experts, text.num_experts_per_tok
+    g = torch.Generator().manual_seed(5)
+    routed = torch.rand(B, T, L, E, generator=g).argsort(-1)[..., :K].reshape(B, T, L * K)
+    valid = mask.bool()
+    stats = RoutingStats()
+    with torch.no_grad():
+        with routing_replay(hf, routed, valid, replay=True):
+            ref = hf(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm_types,
+                     **media).logits
+        with megatron_routing(mm.chunks, routed, valid, replay=True, stats=stats):
+            ours = mm.full_logits(mm.forward(mm.chunks[0], ids, attention_mask=mask,
+                                             media=media))
+    return {"max_diff": (ours - ref).abs()[valid].max().item(),
+            "scale": ref.abs()[valid].max().item(),
+            "moved": (ours - unreplayed).abs()[valid].max().item(),
+            "mismatch_frac": stats.mismatched / stats.pairs}
+
+
+def qwen_layout_export(mm, model_dir: str, out: Path, cfg) -> dict:
+    """The same weights in a file with Qwen's released layout of the fused experts
+    (gate_up_proj [E, H, 2I], down_proj [E, I, H]): loaded, the model's export equals the
+    first model's, and its export is that file bit for bit."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    copy = out / "qwen_layout"
+    if dist.get_rank() == 0:
+        shutil.copytree(model_dir, copy, dirs_exist_ok=True)
+        sd = load_file(str(Path(model_dir) / "model.safetensors"))
+        sd = {k: v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v
+              for k, v in sd.items()}
+        save_file(sd, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    dist.barrier()
+    first = dict(mm.named_hf_weights())
+    other = dict(MegatronModel(ModelConfig(path=str(copy)), cfg).named_hf_weights())
+    file = load_file(str(copy / "model.safetensors"))
+    return {"names_equal": sorted(other) == sorted(file),
+            "export_bitwise": all(torch.equal(other[k], file[k]) for k in file if k in other),
+            "same_weights": all(torch.equal(other[k], first[k].transpose(1, 2))
+                                if ".mlp.experts." in k else torch.equal(other[k], first[k])
+                                for k in first)}
 
 
 if __name__ == "__main__":

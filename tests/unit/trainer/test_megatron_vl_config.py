@@ -11,7 +11,7 @@ from transformers import Qwen2AudioConfig, Qwen3VLMoeConfig
 
 from relax_slurm.errors import ConfigError
 from relax_slurm.launch.submit import compose_config
-from relax_slurm.trainer.megatron import vl
+from relax_slurm.trainer.megatron import vl, vl_moe
 from relax_slurm.trainer.megatron.model import freeze
 
 
@@ -39,8 +39,39 @@ def test_refused_with_the_fix(overrides, words):
 def test_unsupported_architectures_name_the_reason():
     with pytest.raises(ConfigError, match="no Qwen2-Audio bridge"):
         vl.kind(Qwen2AudioConfig())
-    with pytest.raises(ConfigError, match="Qwen3-VL-MoE needs GPUs"):  # this machine: no CUDA
-        vl.kind(Qwen3VLMoeConfig())
+    assert vl.kind(Qwen3VLMoeConfig()) == vl.QWEN3_MOE  # its experts: vl_moe.py
+
+
+@pytest.mark.parametrize("kind, qwen, hf", [
+    (vl_moe.GATE_UP, (4, 64, 32), (4, 32, 64)),
+    (vl_moe.DOWN, (4, 16, 64), (4, 64, 16)),
+])
+def test_vl_moe_file_layout_read_from_the_shape(kind, qwen, hf):
+    """Qwen's released files and transformers 5's save_pretrained lay the fused experts out
+    transposed; the shape says which (hidden 64, expert width 16)."""
+    assert not vl_moe.is_transformers_layout(kind, qwen, hidden=64, ffn=16)
+    assert vl_moe.is_transformers_layout(kind, hf, hidden=64, ffn=16)
+    with pytest.raises(ConfigError, match="expected"):
+        vl_moe.is_transformers_layout(kind, (4, 8, 8), hidden=64, ffn=16)
+
+
+def test_vl_moe_ambiguous_layout_is_refused():
+    with pytest.raises(ConfigError, match="reads the same"):  # hidden == 2 x expert width
+        vl_moe.is_transformers_layout(vl_moe.GATE_UP, (4, 32, 32), hidden=32, ffn=16)
+
+
+def test_qwen3_positions_when_a_response_ends_with_vision_start():
+    """The bridge's Qwen3-VL get_rope_index read the token after every <|vision_start|>
+    (IndexError when a sampled response ended with one); transformers' finds images by their
+    image_token_id: text 0,1; a 2x2-merged 4x4 image at (t, h, w) = 2 + (0, h, w); then text
+    from 2 + max(h, w) + 1 = 4 on."""
+    S, I = 5, 7
+    ids = torch.tensor([[1, S, I, I, I, I, 2, 3, S]])
+    pos, _ = vl.qwen3_rope_index(2, I, ids, torch.tensor([[1, 4, 4]]))
+    assert pos.shape == (3, 1, 9)
+    assert pos[:, 0, :2].tolist() == [[0, 1]] * 3
+    assert pos[:, 0, 2:6].tolist() == [[2, 2, 2, 2], [2, 2, 3, 3], [2, 3, 2, 3]]
+    assert pos[:, 0, 6:].tolist() == [[4, 5, 6]] * 3
 
 
 def test_freeze_modules_maps_hf_prefixes():
