@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from relax_slurm.launch.plan import free_port as plan_free_port
+from relax_slurm.runtime.plan import free_port as plan_free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,7 +57,7 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def free_port() -> int:
-    """A TCP port free now, outside the range outgoing connections take (launch.plan's)."""
+    """A TCP port free now, outside the range outgoing connections take (runtime.plan's)."""
     return plan_free_port()
 
 
@@ -84,7 +84,7 @@ def start_engine(model_dir: str | Path, port: int, log_path: str | Path,
     try:
         env = child_env()
         if api_key is not None:
-            from relax_slurm.rollout.sglang_api import API_KEY_ENV
+            from relax_slurm.engines.sglang_api import API_KEY_ENV
 
             env[API_KEY_ENV] = api_key
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,

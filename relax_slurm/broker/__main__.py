@@ -22,7 +22,7 @@ from relax_slurm.broker.spill import Spill, replay
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.config import load_config
 from relax_slurm.errors import ConfigError, RelaxError
-from relax_slurm.launch.plan import PLAN_FILE, load_plan
+from relax_slurm.runtime.plan import PLAN_FILE, load_plan
 
 
 ELASTIC_FILE = "elastic.json"

@@ -11,6 +11,7 @@ renamed to `OUT/` at the end.
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -18,7 +19,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -355,11 +356,30 @@ def _read_hf(src: Path, progress: bool) -> dict[str, torch.Tensor]:
 
 
 # ---- Megatron -> HF -----------------------------------------------------------------------------
+CONVERTERS = "relax_slurm.checkpoint_converters"
+"""Entry-point group where a trainer backend registers the converter of the checkpoints it
+writes (setup.cfg: megatron = relax_slurm.trainer.megatron.convert:dist_checkpoint_to_hf), so
+checkpoint/ finds it without importing trainer code."""
+
+
+def backend_converter(backend: str) -> Callable[..., Path]:
+    """The converter `backend` registered under CONVERTERS: (src, out, hf_config, dtype,
+    progress, overwrite) -> the HF directory."""
+    for entry in importlib.metadata.entry_points(group=CONVERTERS):
+        if entry.name == backend:
+            return entry.load()
+    raise CheckpointError(
+        f"no converter for trainer={backend} checkpoints is registered (entry-point group "
+        f"{CONVERTERS}): the package's metadata is missing or stale; reinstall it "
+        "(pip install -e . in a source checkout)")
+
+
 def megatron_to_hf(input_dir: str | Path, output_dir: str | Path,
                    hf_config: str | Path | None, progress: bool = False,
                    overwrite: bool = False, dtype: torch.dtype | None = None) -> Path:
     """Through megatron-bridge. A trainer=megatron checkpoint (meta.json says so; it keeps its
-    HF config in hf/) is read in this process by relax_slurm.trainer.megatron.convert, on CPU
+    HF config in hf/) is read in this process by the converter that backend registered
+    (`backend_converter`), on CPU
     or GPU; other Megatron checkpoints (Megatron-LM / megatron-bridge layouts) go through the
     bridge's export_ckpt and need --hf-config."""
     try:
@@ -375,10 +395,8 @@ def megatron_to_hf(input_dir: str | Path, output_dir: str | Path,
         ) from e
     src = Path(input_dir)
     if _written_by_megatron_backend(src):
-        from relax_slurm.trainer.megatron.convert import dist_checkpoint_to_hf
-
-        return dist_checkpoint_to_hf(src, Path(output_dir).resolve(), hf_config, dtype,
-                                     progress, overwrite)
+        return backend_converter("megatron")(src, Path(output_dir).resolve(), hf_config, dtype,
+                                             progress, overwrite)
     if dtype is not None:
         raise CheckpointError("--dtype is not supported for this Megatron input: megatron-bridge "
                               "exports in the dtype of --hf-config; drop --dtype")

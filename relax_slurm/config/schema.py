@@ -995,7 +995,7 @@ class TrainConfig:
                f"trainer.num_steps_per_rollout={steps} must divide the batch's "
                f"rollout.batch_size x rollout.n_samples_per_prompt = {samples} samples (equal "
                "mini-batches): change one of them")
-        r = self.reward  # (the run plan fills genrm_url in for a managed judge: launch/plan.py)
+        r = self.reward  # (the run plan fills genrm_url in for a managed judge: runtime/plan.py)
         _check(not (r.genrm_url and r.genrm_model_path),
                f"reward.genrm_url={r.genrm_url} and reward.genrm_model_path="
                f"{r.genrm_model_path} are both set: set genrm_url for a judge you run, or "

@@ -32,7 +32,7 @@ import httpx
 
 from relax_slurm.auth import read_secret
 from relax_slurm.errors import ConfigError, RelaxError
-from relax_slurm.launch.plan import load_plan
+from relax_slurm.runtime.plan import load_plan
 
 WAIT_POLL_S = 1.0
 

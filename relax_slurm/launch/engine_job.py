@@ -221,7 +221,7 @@ def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
     cluster.max_role_restarts times. Returns the engine's last exit code."""
     from relax_slurm.auth import read_secret
     from relax_slurm.config import load_config
-    from relax_slurm.launch.plan import free_port
+    from relax_slurm.runtime.plan import free_port
     from relax_slurm.launch.roles import engine_spec
     from relax_slurm.launch.slurm_env import node_name, read_allocation
     from relax_slurm.launch.supervisor import child_env

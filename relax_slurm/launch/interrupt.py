@@ -1,6 +1,6 @@
 """Ctrl-C and SIGTERM of `relax-train` (local runs): the first keeps the work, a second stops.
 
-The first signal once the roles run takes the preemption path (launch/control.py): the trainer
+The first signal once the roles run takes the preemption path (runtime/control.py): the trainer
 saves a checkpoint after its current step and exits, then every role stops, and relax-train
 names the checkpoint and the command that resumes from it. A second signal (or one before the
 roles are up) stops every role at once (KeyboardInterrupt, children stopped in `finally`).
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from relax_slurm.checkpoint.resume import find_latest
-from relax_slurm.launch.control import request_preempt
+from relax_slurm.runtime.control import request_preempt
 
 # overrides that would not resume this run if typed again: resume=PATH/none, overwrite=true
 NOT_FOR_RESUME = ("resume=", "overwrite=", "+resume=", "+overwrite=")

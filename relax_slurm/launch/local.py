@@ -21,9 +21,9 @@ from relax_slurm.checkpoint import find_latest, resume_for_attempt
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.data.validate import check_data_files
 from relax_slurm.errors import ConfigError, RoleFailed
-from relax_slurm.launch.control import clear_preempt
+from relax_slurm.runtime.control import clear_preempt
 from relax_slurm.launch.interrupt import STOP
-from relax_slurm.launch.plan import RunPlan, free_port, save_plan
+from relax_slurm.runtime.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.rerun import plan_rerun
 from relax_slurm.launch.restart import record_restart
 from relax_slurm.launch.roles import run_specs

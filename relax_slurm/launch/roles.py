@@ -12,8 +12,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from relax_slurm.config import TrainConfig
-from relax_slurm.launch.plan import RunPlan
-from relax_slurm.rollout import sglang_api
+from relax_slurm.runtime.plan import RunPlan
+from relax_slurm.engines import sglang_api
 from relax_slurm.routing.shape import routing_shape
 
 TRAINER_GROUP, ROLLOUT_GROUP = 0, 1

@@ -24,7 +24,7 @@ from pathlib import Path
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.config.schema import ClusterConfig
 from relax_slurm.errors import ConfigError, RelaxError
-from relax_slurm.launch.control import read_status
+from relax_slurm.runtime.control import read_status
 from relax_slurm.launch.slurm_env import SlurmAllocation
 
 SCRIPT_NAME = "job.sbatch"

@@ -43,11 +43,11 @@ from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineError
 from relax_slurm.launch.engine_job import EngineJobs
-from relax_slurm.launch.plan import free_port
+from relax_slurm.runtime.plan import free_port
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.restart import InPlace, record_restart, write_roles
 from relax_slurm.launch.roles import engine_spec, engines_rejoin
-from relax_slurm.rollout.engine_client import EngineClient
+from relax_slurm.engines.client import EngineClient
 
 log = logging.getLogger(__name__)
 HTTP_TIMEOUT_S = 5.0

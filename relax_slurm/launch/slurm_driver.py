@@ -43,14 +43,14 @@ from relax_slurm.checkpoint import find_latest, resume_for_attempt
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.config.schema import ClusterConfig
 from relax_slurm.errors import ConfigError, NodesLost, Preempted, RelaxError, RoleFailed
-from relax_slurm.launch.control import (
+from relax_slurm.runtime.control import (
     PREEMPT_EXIT_CODE, clear_preempt, read_status, request_preempt, write_status,
 )
 from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.local import check_inputs, record_global_restart
 from relax_slurm.launch.node_health import lost_nodes
 from relax_slurm.launch.restart import record_restart
-from relax_slurm.launch.plan import RunPlan, free_port, save_plan
+from relax_slurm.runtime.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.roles import RoleSpec, run_specs
 from relax_slurm.launch.slurm_env import SlurmAllocation, read_allocation
 from relax_slurm.launch.supervisor import Wrap, supervise

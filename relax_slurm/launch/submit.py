@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from relax_slurm.config import TrainConfig, save_config, to_train_config
 from relax_slurm.errors import ConfigError, Preempted
-from relax_slurm.launch.control import PREEMPT_EXIT_CODE, read_status
+from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, read_status
 
 SUBMITIT_DIR = "submitit"
 

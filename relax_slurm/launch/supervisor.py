@@ -16,11 +16,11 @@ from relax_slurm.auth import SECRET_ENV, ensure_secret
 from relax_slurm.checkpoint.resume import parse_step
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineDown, Preempted, RoleFailed, RoleHung
-from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
+from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, preempt_requested
 from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.health import HangWatch
 from relax_slurm.launch.interrupt import STOP
-from relax_slurm.launch.plan import PLAN_FILE, load_plan
+from relax_slurm.runtime.plan import PLAN_FILE, load_plan
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.restart import InPlace, write_roles
 from relax_slurm.launch.scale import Scaler
@@ -30,8 +30,8 @@ from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsTail, iter_metrics
 from relax_slurm.metrics.notify import Notifier
 from relax_slurm.metrics.progress import Progress
 from relax_slurm.metrics.summary import samples_lost, summarize, write_summary
-from relax_slurm.rollout.engine_client import wait_until_healthy
-from relax_slurm.rollout.sglang_api import API_KEY_ENV
+from relax_slurm.engines.client import wait_until_healthy
+from relax_slurm.engines.sglang_api import API_KEY_ENV
 
 POLL_S = 0.5
 Wrap = Callable[[RoleSpec], list[str]]
@@ -115,7 +115,7 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
           notifier: Notifier | None = None, hangs: HangWatch | None = None,
           in_place: InPlace | None = None, scaler: Scaler | None = None) -> None:
     """Return when the trainer exits 0; raise Preempted when it stopped on a preemption request
-    (see launch/control.py), RoleHung for a role that stopped heartbeating (see
+    (see runtime/control.py), RoleHung for a role that stopped heartbeating (see
     launch/health.py) and may not be restarted in place, RoleFailed for any other death or a
     stalled run."""
     start_step = resumed_step(run_dir)

@@ -26,7 +26,7 @@ import httpx
 from relax_slurm.errors import ConfigError
 from relax_slurm.rewards.extract import final_text
 from relax_slurm.rewards.registry import RewardError, RewardInput, register_factory
-from relax_slurm.rollout.sglang_api import auth_headers
+from relax_slurm.engines.sglang_api import auth_headers
 
 DEFAULT_TEMPLATE = (
     "You are grading a response to a question against a reference answer.\n\n"

@@ -18,7 +18,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from relax_slurm.rollout.engine_client import AsyncEngineClient, GenerateResult
+from relax_slurm.engines.client import AsyncEngineClient, GenerateResult
 
 
 @dataclass

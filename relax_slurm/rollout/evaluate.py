@@ -22,7 +22,7 @@ from relax_slurm.config.schema import TrainConfig
 from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.rewards import RewardInput, build_reward
 from relax_slurm.errors import EngineAborted
-from relax_slurm.rollout.engine_client import EngineClient
+from relax_slurm.engines.client import EngineClient
 
 log = logging.getLogger("relax_slurm.eval")
 ABORT_RETRIES = 20

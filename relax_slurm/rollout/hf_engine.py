@@ -54,7 +54,7 @@ from relax_slurm.data.processor import MediaLimits, MediaProcessor, concat_tenso
 from relax_slurm.errors import WeightSyncError
 from relax_slurm.modeling import (auto_model_class, is_multimodal, media_token_ids,
                                   mm_token_types)
-from relax_slurm.rollout import sglang_api
+from relax_slurm.engines import sglang_api
 from relax_slurm.rollout.hf_batch import BatchState, PendingRequest, Row, RowSampler, RowStopper
 from relax_slurm.rollout.hf_requests import BadRequest, NotServing, SamplingSpec
 from relax_slurm.routing.hooks import RoutingTrace

@@ -35,9 +35,9 @@ from relax_slurm.auth import bearer_matches
 from relax_slurm.config.schema import FLATTENED_BUCKET, DataConfig, default_of
 from relax_slurm.data.processor import MediaLimits
 from relax_slurm.errors import WeightSyncError
-from relax_slurm.launch.exit import exit_now
-from relax_slurm.launch.heap import freeze_heap
-from relax_slurm.rollout import sglang_api
+from relax_slurm.runtime.exit import exit_now
+from relax_slurm.runtime.heap import freeze_heap
+from relax_slurm.engines import sglang_api
 from relax_slurm.rollout.hf_engine import KEEP_ALIVE_S, PARTIAL_WEIGHTS, HFEngine
 from relax_slurm.rollout.hf_requests import (BadRequest, NotServing, parse_generate_request,
                                              parse_media, parse_routing_request, process_media)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from relax_slurm.envs.base import BaseEnv, EnvError, Message, StepResult
-from relax_slurm.rollout.engine_client import GenerateResult
+from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.partial import version_record
 from relax_slurm.samples import Sample
 

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Optional
 
 from relax_slurm.errors import EngineError
-from relax_slurm.rollout.engine_client import GenerateResult, raise_if_aborted
+from relax_slurm.engines.client import GenerateResult, raise_if_aborted
 
 MAX_RESUMES = 16
 """Resumes of one request's sequences before they count as aborted for good (each resume needs

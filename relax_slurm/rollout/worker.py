@@ -48,14 +48,14 @@ from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, Processed
 from relax_slurm.envs import env_factory
 from relax_slurm.errors import BrokerShutdown, ConfigError, EngineAborted, EngineUnreachable
-from relax_slurm.launch.exit import exit_now
-from relax_slurm.launch.heap import freeze_heap
-from relax_slurm.launch.plan import load_plan
+from relax_slurm.runtime.exit import exit_now
+from relax_slurm.runtime.heap import freeze_heap
+from relax_slurm.runtime.plan import load_plan
 from relax_slurm.rewards import RewardInput, RewardPool, build_reward
 from relax_slurm.rewards.shaping import is_informative_group, overlong_penalty
-from relax_slurm.rollout import sglang_api
+from relax_slurm.engines import sglang_api
 from relax_slurm.rollout.coalesce import CoalescingEngine
-from relax_slurm.rollout.engine_client import (
+from relax_slurm.engines.client import (
     AsyncEngineClient, GenerateResult, raise_if_aborted, wait_until_healthy,
 )
 from relax_slurm.rollout.multiturn import (

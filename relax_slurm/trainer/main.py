@@ -24,16 +24,16 @@ from relax_slurm.broker.client import BrokerClient
 from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.checkpoint import checkpoints_dir
 from relax_slurm.checkpoint.dcp import wait_pending
-from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
-from relax_slurm.launch.exit import exit_now
-from relax_slurm.launch.heap import freeze_heap
+from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, preempt_requested
+from relax_slurm.runtime.exit import exit_now
+from relax_slurm.runtime.heap import freeze_heap
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import BrokerError, BrokerTimeout, ConfigError
-from relax_slurm.launch.plan import free_port, load_plan
+from relax_slurm.runtime.plan import free_port, load_plan
 from relax_slurm.metrics.fanout import open_sinks
 from relax_slurm.metrics.jsonl import METRICS_FILE
 from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
-from relax_slurm.rollout.engine_client import wait_until_healthy
+from relax_slurm.engines.client import wait_until_healthy
 from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
 from relax_slurm.samples import Group, note_position
 from relax_slurm.trainer.backend import build_backend

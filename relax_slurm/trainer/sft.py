@@ -33,8 +33,8 @@ from relax_slurm.checkpoint.dcp import wait_pending
 from relax_slurm.config import TrainConfig
 from relax_slurm.data.sft import EpochSampler, SFTExample, read_examples
 from relax_slurm.errors import ConfigError
-from relax_slurm.launch.control import PREEMPT_EXIT_CODE, preempt_requested
-from relax_slurm.launch.heap import freeze_heap
+from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, preempt_requested
+from relax_slurm.runtime.heap import freeze_heap
 from relax_slurm.metrics.fanout import open_sinks
 from relax_slurm.samples import Sample
 from relax_slurm.trainer.backend import build_backend

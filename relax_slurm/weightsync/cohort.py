@@ -28,7 +28,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from relax_slurm.errors import EngineLost, EngineUnreachable, WeightSyncError
-from relax_slurm.rollout.engine_client import EngineClient, wait_until_healthy
+from relax_slurm.engines.client import EngineClient, wait_until_healthy
 from relax_slurm.weightsync.sender import WeightSender
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from relax_slurm.errors import EngineError, EngineLost, EngineUnreachable, WeightSyncError
-from relax_slurm.rollout.engine_client import EngineClient
-from relax_slurm.rollout.sglang_api import ServerProtocol
+from relax_slurm.engines.client import EngineClient
+from relax_slurm.engines.sglang_api import ServerProtocol
 from relax_slurm.weightsync.bucket import (FlatBuffer, bucket_named_tensors, dtype_name,
                                            flatten_bucket, tensor_nbytes)
 from relax_slurm.weightsync.group import (destroy_weight_update_group, init_weight_update_group,

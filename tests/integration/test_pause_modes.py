@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
 from helpers_tiny import run_script  # noqa: E402
 
-from relax_slurm.rollout import sglang_api  # noqa: E402
+from relax_slurm.engines import sglang_api  # noqa: E402
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_slurm.launch.control import read_status
+from relax_slurm.runtime.control import read_status
 from tests.slurm.conftest import SETUP_ALLOWANCE_S
 from tests.slurm.test_slurm_elastic import running, steps_named
 from tests.slurm.test_slurm_runs import (

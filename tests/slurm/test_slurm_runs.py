@@ -21,7 +21,7 @@ import pytest
 
 from relax_slurm.checkpoint import find_latest
 from relax_slurm.checkpoint.resume import parse_step
-from relax_slurm.launch.control import read_status
+from relax_slurm.runtime.control import read_status
 from tests.conftest import ONE_RANK, REPO, tiny_command
 from tests.slurm.conftest import SETUP_ALLOWANCE_S
 

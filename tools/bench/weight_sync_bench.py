@@ -125,7 +125,7 @@ def measure(model: Path, repeats: int, workdir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from relax_slurm.rollout.engine_client import wait_until_healthy
+    from relax_slurm.engines.client import wait_until_healthy
     from relax_slurm.weightsync.sender import WeightSender
 
     # the sender on core 1 with one torch thread, as documented: run.py's process is not

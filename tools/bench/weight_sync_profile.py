@@ -81,7 +81,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from relax_slurm.rollout.engine_client import wait_until_healthy
+    from relax_slurm.engines.client import wait_until_healthy
     from relax_slurm.weightsync.sender import WeightSender
 
     torch.set_num_threads(1)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from relax_slurm.checkpoint import find_latest, load_checkpoint, save_checkpoint, wait_pending
 from relax_slurm.config.schema import ModelConfig, TrainerConfig
-from relax_slurm.launch.exit import exit_now
+from relax_slurm.runtime.exit import exit_now
 from relax_slurm.trainer.model import build_optimizer, load_hf_model, wrap_parallel
 
 EXTRA = {"version": 2, "data": {"epoch": 0, "index": 8, "seed": 3, "num_rows": 300},

@@ -32,8 +32,8 @@ from relax_slurm.broker.wire import decode, encode  # noqa: E402
 from relax_slurm.config.schema import (  # noqa: E402
     DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig, WeightSyncConfig,
 )
-from relax_slurm.launch.plan import RunPlan, save_plan  # noqa: E402
-from relax_slurm.rollout.engine_client import EngineClient  # noqa: E402
+from relax_slurm.runtime.plan import RunPlan, save_plan  # noqa: E402
+from relax_slurm.engines.client import EngineClient  # noqa: E402
 from relax_slurm.rollout.partial import resume_params  # noqa: E402
 from relax_slurm.rollout.worker import RolloutWorker, sample_seed  # noqa: E402
 from relax_slurm.weightsync import WeightSender  # noqa: E402

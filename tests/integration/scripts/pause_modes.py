@@ -29,7 +29,7 @@ from helpers_tiny import (free_port, script_args, start_engine, stop_process,  #
                           wait_healthy)
 
 from relax_slurm.errors import WeightSyncError  # noqa: E402
-from relax_slurm.rollout.engine_client import EngineClient  # noqa: E402
+from relax_slurm.engines.client import EngineClient  # noqa: E402
 from relax_slurm.weightsync import WeightSender  # noqa: E402
 
 ROWS, MAX_NEW = 16, 400  # long enough that a pause lands midway (the tiny model has 512 positions)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from relax_slurm.errors import WeightSyncError
-from relax_slurm.rollout.engine_client import EngineClient
+from relax_slurm.engines.client import EngineClient
 from relax_slurm.weightsync import WeightSender, tensor_sha256
 
 PROMPTS = [[4, 5, 13, 6, 14], [9, 10]]

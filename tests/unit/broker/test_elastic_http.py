@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from relax_slurm.launch.plan import RunPlan, save_plan
+from relax_slurm.runtime.plan import RunPlan, save_plan
 from tests.helpers_broker import SECRET, TIMEOUT_S, Broker
 
 pytestmark = [pytest.mark.timeout(120)]

@@ -10,7 +10,7 @@ import pytest
 from relax_slurm.config import TrainConfig
 from relax_slurm.config.schema import ClusterConfig, DataConfig, ModelConfig
 from relax_slurm.errors import ConfigError, Preempted, RelaxError, RoleFailed
-from relax_slurm.launch import control
+from relax_slurm.runtime import control
 from relax_slurm.launch.processes import ProcessSet
 from relax_slurm.launch.supervisor import watch
 

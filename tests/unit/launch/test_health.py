@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from relax_slurm.launch.health import HangWatch
-from relax_slurm.launch.plan import free_port
+from relax_slurm.runtime.plan import free_port
 from tests.helpers_broker import SECRET, Broker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
@@ -82,7 +82,7 @@ def test_silent_roles_engines_and_broker_are_named(start_broker: Callable[..., B
 def ctl_run_dir(broker: Broker, tmp_path) -> Path:
     """A run directory relax-ctl can reach `broker` from: its plan and its secret."""
     from relax_slurm.auth import secret_path
-    from relax_slurm.launch.plan import RunPlan, save_plan
+    from relax_slurm.runtime.plan import RunPlan, save_plan
 
     run = tmp_path / "ctl"
     run.mkdir()

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from relax_slurm.launch.control import preempt_requested
+from relax_slurm.runtime.control import preempt_requested
 from relax_slurm.launch.interrupt import GracefulStop, kept_message
 
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from relax_slurm.config.schema import DataConfig, ModelConfig, TrainConfig
-from relax_slurm.launch.plan import RunPlan, free_port, save_plan
+from relax_slurm.runtime.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.processes import ProcessSet
 from relax_slurm.launch.scale import Scaler
 from tests.helpers_tiny import start_engine, stop_process, wait_healthy

@@ -11,7 +11,7 @@ import pytest
 from relax_slurm.checkpoint import resume_for_attempt
 from relax_slurm.errors import ConfigError
 from relax_slurm.launch import slurm_driver as drv
-from relax_slurm.launch.control import preempt_requested
+from relax_slurm.runtime.control import preempt_requested
 from relax_slurm.launch.slurm_env import SlurmAllocation
 from relax_slurm.launch.submit import compose_config
 
@@ -183,7 +183,7 @@ def test_sigterm_of_our_own_requeue_does_not_read_as_terminated(tmp_path, monkey
 
     from relax_slurm.config import save_config
     from relax_slurm.errors import Preempted
-    from relax_slurm.launch.control import read_status
+    from relax_slurm.runtime.control import read_status
 
     cfg = cfg_for(f"run_dir={tmp_path}")
     save_config(cfg, tmp_path / "config.yaml")

@@ -11,7 +11,7 @@ import pytest
 from relax_slurm.config.schema import RewardConfig, TrainConfig
 from relax_slurm.rewards import genrm as genrm_module
 from relax_slurm.errors import ConfigError
-from relax_slurm.launch.plan import RunPlan, free_port
+from relax_slurm.runtime.plan import RunPlan, free_port
 from relax_slurm.rewards import RewardError, RewardInput, build_reward, score
 from relax_slurm.rewards.genrm import DEFAULT_TEMPLATE, EngineJudge, GenRM, render
 from relax_slurm.rewards.remote import RemoteReward

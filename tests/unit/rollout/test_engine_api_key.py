@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from relax_slurm.rollout import sglang_api
+from relax_slurm.engines import sglang_api
 from relax_slurm.rollout.hf_engine import HFEngine
 from relax_slurm.rollout.hf_server import build_app
 

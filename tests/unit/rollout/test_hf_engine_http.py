@@ -10,8 +10,8 @@ import pytest
 
 from helpers_tiny import free_port, start_engine, stop_process, wait_healthy
 from relax_slurm.errors import EngineError
-from relax_slurm.rollout import sglang_api
-from relax_slurm.rollout.engine_client import AsyncEngineClient, EngineClient
+from relax_slurm.engines import sglang_api
+from relax_slurm.engines.client import AsyncEngineClient, EngineClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -17,7 +17,7 @@ from relax_slurm.config.schema import AlgoConfig, DataConfig, ModelConfig
 from relax_slurm.data import PromptDataset
 from relax_slurm.data.processor import MediaProcessor
 from relax_slurm.errors import EngineError
-from relax_slurm.rollout.engine_client import EngineClient
+from relax_slurm.engines.client import EngineClient
 from relax_slurm.samples import Sample
 from relax_slurm.trainer.batch import collate, prepare_items
 from relax_slurm.trainer.model import freeze_modules, load_hf_model, pad_token_id

@@ -13,7 +13,7 @@ import pytest
 
 from relax_slurm.errors import EngineAborted, EngineError
 from relax_slurm.rollout import partial
-from relax_slurm.rollout.engine_client import GenerateResult
+from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.partial import (
     MAX_RESUMES, derive_seed, generate_resuming, join_routing, merge, resume_params,
     version_record,

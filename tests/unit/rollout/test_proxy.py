@@ -25,7 +25,7 @@ from relax_slurm.config.schema import (
     AlgoConfig, DataConfig, EnvConfig, ModelConfig, RolloutConfig, TrainConfig,
 )
 from relax_slurm.data import load_tokenizer
-from relax_slurm.launch.plan import RunPlan, save_plan
+from relax_slurm.runtime.plan import RunPlan, save_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 N = 2  # sessions per group

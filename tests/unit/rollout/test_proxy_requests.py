@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from relax_slurm.envs import BaseEnv, StepResult
-from relax_slurm.rollout.engine_client import GenerateResult
+from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.multiturn import ObservationRenderer, TurnLimits, run_episode
 from relax_slurm.rollout.openai_chat import ProxyError, new_messages, parse_chat_request
 

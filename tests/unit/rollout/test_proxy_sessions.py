@@ -15,8 +15,8 @@ from relax_slurm.config.schema import (
     AlgoConfig, DataConfig, EnvConfig, ModelConfig, RolloutConfig, TrainConfig,
 )
 from relax_slurm.errors import EngineError
-from relax_slurm.launch.plan import RunPlan, save_plan
-from relax_slurm.rollout.engine_client import GenerateResult
+from relax_slurm.runtime.plan import RunPlan, save_plan
+from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.openai_chat import ProxyError
 from relax_slurm.rollout.proxy import AgentProxy
 from relax_slurm.rollout.worker import RolloutWorker

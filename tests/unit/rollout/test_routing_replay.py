@@ -10,8 +10,8 @@ import torch
 
 from helpers_moe import LAYERS, MAX_NEW, PROMPTS, TOPK, bf16_routed_batch, make_moe_model
 from relax_slurm.errors import ConfigError
-from relax_slurm.rollout import sglang_api
-from relax_slurm.rollout.engine_client import parse_generate_item
+from relax_slurm.engines import sglang_api
+from relax_slurm.engines.client import parse_generate_item
 from relax_slurm.rollout.hf_engine import HFEngine
 from relax_slurm.rollout.hf_requests import parse_sampling_params
 from relax_slurm.rollout.worker import sample_routing

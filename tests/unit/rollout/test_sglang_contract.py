@@ -11,7 +11,7 @@ import os
 import pytest
 
 from relax_slurm.errors import EngineError
-from relax_slurm.rollout import sglang_api as api
+from relax_slurm.engines import sglang_api as api
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 BODIES = {
@@ -31,7 +31,7 @@ BODIES = {
 
 
 def test_generate_bodies_with_media_build_sglang_requests():
-    from relax_slurm.rollout.engine_client import _Base
+    from relax_slurm.engines.client import _Base
 
     body = _Base._generate_body([[1, 2], [3]], {"max_new_tokens": 4}, True, 0,
                                 media=[{"image": ["/a.png"], "audio": ["UklGRg=="]}, {}])
@@ -126,7 +126,7 @@ def test_server_argv_has_sglang_flags():
 
 
 def test_clients_send_the_api_key_from_the_environment(monkeypatch):
-    from relax_slurm.rollout.engine_client import EngineClient
+    from relax_slurm.engines.client import EngineClient
 
     monkeypatch.setenv(api.API_KEY_ENV, "s3cret")
     with EngineClient("http://127.0.0.1:1") as c:
@@ -143,8 +143,8 @@ def test_real_sglang_server_answers_the_client(tmp_path):
     import subprocess
     import sys
 
-    from relax_slurm.launch.plan import free_port
-    from relax_slurm.rollout.engine_client import EngineClient, wait_until_healthy
+    from relax_slurm.runtime.plan import free_port
+    from relax_slurm.engines.client import EngineClient, wait_until_healthy
 
     port = free_port()
     argv = api.server_argv(sys.executable, model_path=os.environ["RELAX_SGLANG_TEST_MODEL"],

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_slurm.rollout import sglang_api as api
+from relax_slurm.engines import sglang_api as api
 
 pytestmark = pytest.mark.timeout(600)
 SRC_CACHE = Path(os.environ.get("RELAX_SGLANG_SRC",

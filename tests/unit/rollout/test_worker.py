@@ -19,8 +19,8 @@ from relax_slurm.config.schema import (
     AlgoConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig,
 )
 from relax_slurm.errors import ConfigError, EngineUnreachable
-from relax_slurm.launch.plan import RunPlan, save_plan
-from relax_slurm.rollout.engine_client import GenerateResult
+from relax_slurm.runtime.plan import RunPlan, save_plan
+from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.rollout import worker as worker_module
 from relax_slurm.rollout.multiturn import Episode

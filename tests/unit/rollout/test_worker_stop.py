@@ -23,7 +23,7 @@ from relax_slurm.config import save_config
 from relax_slurm.config.schema import (
     BrokerConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig,
 )
-from relax_slurm.launch.plan import RunPlan, save_plan
+from relax_slurm.runtime.plan import RunPlan, save_plan
 from relax_slurm.rollout.worker import STOP_GRACE_S
 from tests.helpers_tiny import (
     REPO_ROOT, child_env, free_port, start_engine, stop_process, wait_healthy,

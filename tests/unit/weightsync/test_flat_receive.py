@@ -46,7 +46,7 @@ def sender(port: int) -> None:
                 dist.broadcast(t, src=0, group=pg)
     sys.stdin.read()  # until the receiver has it all: a group torn down under a receive fails
     destroy_weight_update_group(pg)
-    os._exit(0)  # as the run's roles (launch/exit.py): gloo's threads abort a normal exit
+    os._exit(0)  # as the run's roles (runtime/exit.py): gloo's threads abort a normal exit
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,11 @@
-"""launch.plan: the ports the launcher hands out, and the roles a local plan holds."""
+"""runtime.plan: the ports the launcher hands out, and the roles a local plan holds."""
 
 import socket
 
 import pytest
 
 from relax_slurm.errors import ConfigError
-from relax_slurm.launch.plan import _ephemeral_range, free_port
+from relax_slurm.runtime.plan import _ephemeral_range, free_port
 
 
 def test_free_ports_avoid_the_ephemeral_range_and_are_bindable():

@@ -1,4 +1,4 @@
-"""launch.exit.exit_now: a role leaves at once, and leaves no helper process behind."""
+"""runtime.exit.exit_now: a role leaves at once, and leaves no helper process behind."""
 
 import subprocess
 import sys
@@ -10,7 +10,7 @@ from tests.conftest import REPO
 
 SCRIPT = """
 import multiprocessing as mp, sys
-from relax_slurm.launch.exit import exit_now
+from relax_slurm.runtime.exit import exit_now
 manager = mp.get_context("spawn").Manager()  # as megatron-core's checkpoint writer starts one
 queue = manager.Queue()
 open(sys.argv[1], "w").write(str(manager._process.pid))

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from relax_slurm.errors import EngineDown
-from relax_slurm.rollout.engine_client import wait_until_healthy
+from relax_slurm.engines.client import wait_until_healthy
 from tests.helpers_tiny import free_port
 
 

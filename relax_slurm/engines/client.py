@@ -20,7 +20,7 @@ import time
 import httpx
 
 from relax_slurm.errors import EngineAborted, EngineDown, EngineError, EngineUnreachable
-from relax_slurm.rollout import sglang_api
+from relax_slurm.engines import sglang_api
 
 # httpx logs every request at INFO: thousands of lines per step in a role's log
 logging.getLogger("httpx").setLevel(logging.WARNING)
