@@ -5,8 +5,9 @@ routes and JSON shapes of its entrypoints/http_server.py and managers/io_struct.
 weight-update session, the pause modes' treatment of the running batch and the version spans
 of its results, so a rollout worker or trainer cannot tell this server from `python -m
 sglang.launch_server`. Here: the engine (model, queue, generation thread, pause and weight
-control); the routes and CLI are in hf_server.py, request parsing in hf_requests.py, per-row
-sampling in hf_batch.py.
+control); its state in one object, hf_state.py, reported by `HFEngine.status()`; the routes
+and CLI are in hf_server.py, request parsing in hf_requests.py, per-row sampling in hf_batch.py,
+the teacher-forced forward and media tensors in hf_forward.py.
 
 Prefill log-probs (how a teacher scores a student's response): `return_logprob=true` with
 `logprob_start_len=k >= 0` adds `meta_info.input_token_logprobs`, one `[logprob, token_id, None]`
@@ -43,20 +44,20 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from concurrent.futures import Future
 from typing import Any, Optional
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from relax_slurm.data.processor import MediaLimits, MediaProcessor, concat_tensors
+from relax_slurm.data.processor import MediaLimits, MediaProcessor
 from relax_slurm.errors import WeightSyncError
-from relax_slurm.modeling import (auto_model_class, is_multimodal, media_token_ids,
-                                  mm_token_types)
+from relax_slurm.modeling import auto_model_class, is_multimodal, media_token_ids
 from relax_slurm.rollout import sglang_api
 from relax_slurm.rollout.hf_batch import BatchState, PendingRequest, Row, RowSampler, RowStopper
+from relax_slurm.rollout.hf_forward import input_logprobs, mm_kwargs
 from relax_slurm.rollout.hf_requests import BadRequest, NotServing, SamplingSpec
+from relax_slurm.rollout.hf_state import PARTIAL_WEIGHTS, EngineState
 from relax_slurm.routing.hooks import RoutingTrace
 from relax_slurm.routing.shape import encode_routed_experts, routing_shape_of
 from relax_slurm.weightsync.receiver import (WeightReceiver, load_named_tensors, model_checksums,
@@ -74,12 +75,6 @@ PREFILL_ONLY = {"type": "length", "length": 0}
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
 """SGLang's finish reasons of an aborted running and waiting request."""
-
-PARTIAL_WEIGHTS = ("the last weight update failed midway and left a mix of two versions: "
-                   "generation resumes after the next complete /update_weights_from_distributed")
-
-
-_KEEP_DTYPE = frozenset({"second_per_grid_ts"})  # media tensors not cast to the model's dtype
 
 
 class HFEngine:
@@ -118,20 +113,8 @@ class HFEngine:
         self.receiver = WeightReceiver(sync_timeout_s)
         self.sync_timeout_s = sync_timeout_s
         self.stats = {"num_batches": 0, "num_sequences": 0, "max_batch_seen": 0}
-        self._pending: deque[Row] = deque()
+        self.state = EngineState()  # changed under _cond (partial_weights: under _model_lock)
         self._cond = threading.Condition()
-        self._paused = False
-        self._interrupt: Optional[str] = None
-        """A pause's mode (or an abort_all's "abort") the batch in flight obeys: it stops after
-        its current token, and its unfinished rows are aborted or go back to the queue."""
-        self._session = False  # a weight-update session is open (/begin_weight_update)
-        self.partial_weights = False
-        self.released: set[str] = set()
-        """Memory regions let go by /release_memory_occupation (colocated placement); CPU
-        frees nothing, but generation is refused until resumed, as SGLang cannot generate
-        without its weights and KV cache."""
-        self._busy = False  # a batch was taken from the queue and is not delivered yet
-        self._running: list[Row] = []  # the rows of the generate call in flight
         self._stop = False
         self._model_lock = threading.Lock()  # held by a generate call or a weight update
         self._thread = threading.Thread(target=self._loop, name="hf-generate", daemon=True)
@@ -183,27 +166,27 @@ class HFEngine:
             else:
                 queued.append(row)
         with self._cond:
-            self._pending.extend(queued)
+            self.state.pending.extend(queued)
             self._cond.notify_all()
         return req.future
 
     def _next_batch(self) -> list[Row]:
         with self._cond:
-            if not self._pending or self._paused:
+            if not self.state.pending or self.state.paused:
                 self._cond.wait(timeout=0.5)
                 return []
             # dynamic batching: wait a little for more sequences to arrive
             deadline = time.monotonic() + self.batch_wait_s
-            while len(self._pending) < self.max_batch_size and not self._paused:
+            while len(self.state.pending) < self.max_batch_size and not self.state.paused:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(timeout=left)
-            if self._paused:
+            if self.state.paused:
                 return []
-            n = min(self.max_batch_size, len(self._pending))
-            self._busy = True
-            return [self._pending.popleft() for _ in range(n)]
+            n = min(self.max_batch_size, len(self.state.pending))
+            self.state.busy = True
+            return [self.state.pending.popleft() for _ in range(n)]
 
     def _loop(self) -> None:
         while not self._stop:
@@ -214,18 +197,18 @@ class HFEngine:
                 self._run_batch(rows)
             finally:
                 with self._cond:
-                    self._busy = False
-                    if not self._paused:  # an abort_all's interrupt ended with its batch
-                        self._interrupt = None
+                    self.state.busy = False
+                    if not self.state.paused:  # an abort_all's interrupt ended with its batch
+                        self.state.interrupt = None
                     self._cond.notify_all()
 
     def _interrupted(self) -> bool:
-        return self._interrupt is not None
+        return self.state.interrupt is not None
 
     def _run_batch(self, rows: list[Row]) -> None:
         with self._model_lock:  # a weight update waits for this batch to finish
             version = self.weight_version
-            if self.partial_weights:  # queued while an update that then failed held the lock
+            if self.state.partial_weights:  # queued while an update that then failed held the lock
                 for row in rows:
                     row.request.fail(NotServing(PARTIAL_WEIGHTS))
                 return
@@ -234,14 +217,15 @@ class HFEngine:
                 finishes = dict(zip(map(id, to_generate), self._generate(to_generate, version)
                                     if to_generate else []))
                 # once per row: a continued row computed them in its first batch
-                self._input_logprobs([r for r in rows if r.wants_input_logprobs
-                                      and r.input_logprobs is None])
+                input_logprobs(self.model, self.device, self.pad_id,
+                               [r for r in rows if r.wants_input_logprobs
+                                and r.input_logprobs is None], self.max_batch_size)
             except Exception as e:  # a bad batch fails its requests, not the server
                 log.exception("generate failed for a batch of %d", len(rows))
                 for row in rows:
                     row.request.fail(e)
                 return
-            mode = self._interrupt
+            mode = self.state.interrupt
         stopped = []
         for row in rows:
             finish = finishes.get(id(row), PREFILL_ONLY)
@@ -268,48 +252,8 @@ class HFEngine:
             for row in reversed(rows):
                 row.held_in_place = mode == "in_place"
                 row.retractions += 1
-                self._pending.appendleft(row)
+                self.state.pending.appendleft(row)
             self._cond.notify_all()
-
-    def _input_logprobs(self, rows: list[Row]) -> None:
-        """Each row's `input_logprobs`: log-probs of its input tokens from logprob_start_len on,
-        the first input token's being None; one teacher-forced forward per chunk of rows. At
-        temperature 1 whatever the request's temperature, as SGLang computes them (its prefill
-        path reads no sampling params): a teacher scores the same on both engines."""
-        for lo in range(0, len(rows), self.max_batch_size):
-            chunk = rows[lo:lo + self.max_batch_size]
-            width = max(len(r.input_ids) for r in chunk)
-            # right padding: real tokens keep positions 0..L-1 and never attend to the padding
-            input_ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)  # [B, L]
-            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for i, row in enumerate(chunk):
-                input_ids[i, :len(row.input_ids)] = torch.tensor(row.input_ids)
-                attention_mask[i, :len(row.input_ids)] = 1
-            input_ids = input_ids.to(self.device)
-            logits = self.model(input_ids=input_ids,
-                                attention_mask=attention_mask.to(self.device),
-                                use_cache=False,
-                                **self._mm_kwargs(chunk, input_ids)).logits  # [B, L, V]
-            for i, row in enumerate(chunk):
-                n = len(row.input_ids)
-                scores = logits[i, :n - 1].float()  # [L-1, V]
-                targets = input_ids[i, 1:n][:, None]
-                lps = (scores.gather(1, targets).squeeze(1) - torch.logsumexp(scores, -1))
-                row.input_logprobs = [None, *lps.tolist()][row.logprob_start_len:]
-
-    def _mm_kwargs(self, rows: list[Row], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The batch's media tensors: each row's, concatenated in row order (the order of their
-        pads in the flattened ids); pixels and features in the model's dtype (a video's seconds
-        per frame pair stay float32, as in the trainer: they scale positions); and the token
-        types M-RoPE models place media by (`relax_slurm.modeling.mm_token_types`)."""
-        per_row = [r.mm for r in rows if r.mm]
-        if not per_row:
-            return {}
-        dtype = next(self.model.parameters()).dtype
-        media = {k: (t.to(dtype) if t.is_floating_point() and k not in _KEEP_DTYPE else t
-                     ).to(self.device)
-                 for k, t in ((k, torch.from_numpy(v)) for k, v in concat_tensors(per_row).items())}
-        return {**media, **mm_token_types(self.model, input_ids, media)}
 
     @torch.no_grad()
     def _generate(self, rows: list[Row], version: str) -> list[Optional[dict]]:
@@ -323,21 +267,21 @@ class HFEngine:
         for i, ids in enumerate(inputs):
             input_ids[i, width - len(ids):] = torch.tensor(ids)
             attention_mask[i, width - len(ids):] = 1
-        state = BatchState(rows, self.eos_ids, self.tokenizer, self.device)
+        batch_state = BatchState(rows, self.eos_ids, self.tokenizer, self.device)
         input_ids = input_ids.to(self.device)
         trace = RoutingTrace(batch) if any(r.routed_start is not None for r in rows) else None
-        self._running = rows
+        self.state.running = rows
         try:
             with trace.record(self.model) if trace else contextlib.nullcontext():
                 self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask.to(self.device),
-                **self._mm_kwargs(rows, input_ids),
+                    input_ids=input_ids, attention_mask=attention_mask.to(self.device),
+                    **mm_kwargs(self.model, self.device, rows, input_ids),
                     max_new_tokens=max(r.spec.max_new_tokens - n for r, n in zip(rows, before)),
-                    logits_processor=LogitsProcessorList([RowSampler(state, self.banned_ids)]),
-                    stopping_criteria=StoppingCriteriaList([RowStopper(state,
+                    logits_processor=LogitsProcessorList([RowSampler(batch_state, self.banned_ids)]),
+                    stopping_criteria=StoppingCriteriaList([RowStopper(batch_state,
                                                                        self._interrupted)]))
         finally:
-            self._running = []
+            self.state.running = []
         self.stats["num_batches"] += 1
         self.stats["num_sequences"] += batch
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], batch)
@@ -350,7 +294,7 @@ class HFEngine:
             pads = [width - len(ids) for ids in inputs]
             for row, ids in zip(rows, trace.rows(self.routing.layers, lengths, pads)):
                 row.routed = ids
-        return state.finish
+        return batch_state.finish
 
     def _item(self, row: Row, finish: dict, version: Optional[str] = None) -> dict:
         """One response element in SGLang's shape; `version`: the weights serving now."""
@@ -387,11 +331,11 @@ class HFEngine:
         current token (its rows per `mode`, see _stop_rows); abort also ends the queued
         requests. Returns once no batch runs."""
         with self._cond:
-            self._paused = True
-            self._interrupt = mode
-            aborted = list(self._pending) if mode == "abort" else []
+            self.state.paused = True
+            self.state.interrupt = mode
+            aborted = list(self.state.pending) if mode == "abort" else []
             if aborted:
-                self._pending.clear()
+                self.state.pending.clear()
         self._abort_queued(aborted)
         self._wait_idle()
 
@@ -399,10 +343,10 @@ class HFEngine:
         """/abort_request with abort_all: every request ends with finish_reason abort (the
         batch in flight after its current token)."""
         with self._cond:
-            aborted = list(self._pending)
-            self._pending.clear()
-            if self._busy:
-                self._interrupt = "abort"
+            aborted = list(self.state.pending)
+            self.state.pending.clear()
+            if self.state.busy:
+                self.state.interrupt = "abort"
         self._abort_queued(aborted)
 
     def _abort_queued(self, rows: list[Row]) -> None:
@@ -413,41 +357,46 @@ class HFEngine:
         """/continue_generation: retracted and in-place rows continue first, on the weights
         served now."""
         with self._cond:
-            self._paused = False
-            self._interrupt = None
-            for row in self._pending:
+            self.state.paused = False
+            self.state.interrupt = None
+            for row in self.state.pending:
                 row.held_in_place = False
             self._cond.notify_all()
 
     def status(self) -> dict[str, Any]:
         """What /server_info reports of the engine's state."""
         with self._cond:
-            return {"paused": self._paused, "pause_mode": self._interrupt if self._paused else None,
-                    "queued_sequences": len(self._pending),
-                    "running_sequences": len(self._running),
-                    "running_tokens": sum(len(r.out_ids) for r in self._running),
-                    "held_in_place": sum(r.held_in_place for r in self._pending),
-                    "weight_update_session": self._session,
-                    "weight_update_groups": self.receiver.group_names(),
-                    "memory_released": sorted(self.released)}
+            return {**self.state.status(), "weight_update_groups": self.receiver.group_names()}
+
+    def check_serving(self) -> None:
+        """Refuse a /generate now (memory released: 400; weights left partial: 503)."""
+        with self._cond:
+            self.state.check_serving()
 
     def held_in_place(self) -> bool:
         """Requests paused in place (SGLang: still in the running batch)."""
         with self._cond:
-            return any(r.held_in_place for r in self._pending)
+            return self.state.held_in_place()
 
-    def idle_or_paused(self) -> bool:
-        """What SGLang asserts before releasing memory: nothing running (a paused engine's
-        queue does not count, its in-place batch does)."""
+    def release_memory(self, tags: list[str]) -> None:
+        """/release_memory_occupation: refused while generating, as SGLang asserts an idle
+        engine there (and its scheduler dies)."""
         with self._cond:
-            if self._paused:
-                return not any(r.held_in_place for r in self._pending)
-            return not self._busy and not self._pending
+            if not self.state.idle_or_paused():
+                raise BadRequest("the engine is generating: pause it first (/pause_generation "
+                                 "with mode retract or abort), SGLang asserts an idle engine "
+                                 "here")
+            self.state.released |= set(tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """/resume_memory_occupation; a paused engine stays paused, as SGLang's."""
+        with self._cond:
+            self.state.released -= set(tags)
 
     def _wait_idle(self) -> None:
         deadline = time.monotonic() + self.sync_timeout_s
         with self._cond:
-            while self._busy:
+            while self.state.busy:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"the batch in flight did not finish within "
@@ -458,17 +407,17 @@ class HFEngine:
         """/begin_weight_update: updates are refused outside a session, as in SGLang 0.5.21+
         (which has no owner or timeout for one either)."""
         with self._cond:
-            if self._session:
+            if self.state.session:
                 raise BadRequest("a weight-update session is already open; call "
                                  "end_weight_update() first")
-            self._session = True
+            self.state.session = True
 
     def end_session(self) -> None:
         with self._cond:
-            if not self._session:
+            if not self.state.session:
                 raise BadRequest("no weight-update session is open; call "
                                  "begin_weight_update() first")
-            self._session = False
+            self.state.session = False
 
     def update_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                        group_name: str, weight_version: Optional[str], flush_cache: bool,
@@ -478,7 +427,7 @@ class HFEngine:
         anything is received), and a flush with requests paused in place fails after the
         weights are loaded."""
         with self._cond:
-            if not self._session:
+            if not self.state.session:
                 raise BadRequest(sglang_api.OUT_OF_SESSION)
         if not self.receiver.has_group(group_name):
             raise BadRequest(f"no weight-update group {group_name!r}: call "
@@ -498,9 +447,9 @@ class HFEngine:
                 t_received = time.monotonic()
                 load_named_tensors(self.model, received, adopt=flattened)
             except BaseException:
-                self.partial_weights = True
+                self.state.partial_weights = True
                 raise
-            self.partial_weights = False
+            self.state.partial_weights = False
             if weight_version is not None:
                 self.weight_version = str(weight_version)
         finally:
@@ -512,6 +461,12 @@ class HFEngine:
                  t_end - t0, t_lock - t0, t_received - t_lock, t_end - t_received)
         if flush_cache and self.held_in_place():
             raise BadRequest(sglang_api.FLUSH_REFUSED)
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int,
+                   world_size: int, group_name: str, backend: str) -> None:
+        """/init_weights_update_group: join the trainer's group (blocks until it forms)."""
+        self.receiver.init_group(master_address, master_port, rank_offset, world_size,
+                                 group_name, backend)
 
     def destroy_group(self, group_name: str) -> bool:
         """/destroy_weights_update_group, once no update holds the model (one the trainer gave

@@ -38,7 +38,7 @@ from relax_slurm.errors import WeightSyncError
 from relax_slurm.launch.exit import exit_now
 from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.rollout import sglang_api
-from relax_slurm.rollout.hf_engine import KEEP_ALIVE_S, PARTIAL_WEIGHTS, HFEngine
+from relax_slurm.rollout.hf_engine import KEEP_ALIVE_S, HFEngine
 from relax_slurm.rollout.hf_requests import (BadRequest, NotServing, parse_generate_request,
                                              parse_media, parse_routing_request, process_media)
 
@@ -108,15 +108,21 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
                                               f"${sglang_api.API_KEY_ENV})"}, status_code=401)
             return await call_next(request)
 
+    _generation_routes(app, engine, request_timeout_s)
+    _info_routes(app, engine)
+    _weight_routes(app, engine)
+    _memory_routes(app, engine)
+    return app
+
+
+def _generation_routes(app: FastAPI, engine: HFEngine, request_timeout_s: float) -> None:
+    """/generate, pause and continue, abort."""
+
     @app.api_route("/generate", methods=["POST", "PUT"])
     @_json_errors
     async def generate(request: Request):
         body = await _body(request)
-        if engine.released:
-            raise BadRequest(f"memory {sorted(engine.released)} is released: call "
-                             "/resume_memory_occupation before /generate")
-        if engine.partial_weights:
-            raise NotServing(PARTIAL_WEIGHTS)
+        engine.check_serving()
         prompts, specs, flags, starts, is_batch = parse_generate_request(
             body, engine.tokenizer, engine.vocab_size)
         media = parse_media(body, len(prompts), is_batch)
@@ -126,6 +132,36 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
         future = engine.submit(prompts, specs, flags, starts, mm, routed_start)
         items = await asyncio.wait_for(asyncio.wrap_future(future), timeout=request_timeout_s)
         return JSONResponse(items if is_batch else items[0])
+
+    @app.post("/pause_generation")
+    @_json_errors
+    async def pause_generation(request: Request):
+        mode = (await _body(request)).get("mode", "abort")
+        if mode not in sglang_api.PAUSE_MODES:
+            raise BadRequest(f"Invalid mode: {mode!r}. Expected one of abort, retract, in_place")
+        await asyncio.to_thread(engine.pause, mode)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    @_json_errors
+    async def continue_generation(request: Request) -> JSONResponse:
+        sglang_api.check_body("/continue_generation", await _body(request))
+        engine.resume()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/abort_request")
+    @_json_errors
+    async def abort_request(request: Request):
+        b = await _body(request)
+        sglang_api.check_body("/abort_request", b)
+        # no request ids here: a single rid matches nothing, as an unknown rid in SGLang
+        if b.get("abort_all"):
+            engine.abort_all()
+        return Response(status_code=200)
+
+
+def _info_routes(app: FastAPI, engine: HFEngine) -> None:
+    """Health, model and server info (the engine's `status()`), checksums."""
 
     @app.get("/health")
     @app.get("/health_generate")
@@ -149,32 +185,21 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
                 "weight_version": engine.weight_version, **engine.status(),
                 "internal_states": [dict(engine.stats)]}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        return Response(content="Cache flushed.\n", status_code=200)  # no prefix cache to drop
+    @app.get("/weights_checksum")
+    async def weights_checksum() -> dict:
+        checksums = await asyncio.to_thread(engine.checksums)
+        return {"success": True, "weight_version": engine.weight_version, "checksums": checksums}
 
-    @app.post("/pause_generation")
-    @_json_errors
-    async def pause_generation(request: Request):
-        mode = (await _body(request)).get("mode", "abort")
-        if mode not in sglang_api.PAUSE_MODES:
-            raise BadRequest(f"Invalid mode: {mode!r}. Expected one of abort, retract, in_place")
-        await asyncio.to_thread(engine.pause, mode)
-        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
-    @app.post("/continue_generation")
-    @_json_errors
-    async def continue_generation(request: Request) -> JSONResponse:
-        sglang_api.check_body("/continue_generation", await _body(request))
-        engine.resume()
-        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+def _weight_routes(app: FastAPI, engine: HFEngine) -> None:
+    """The weight-sync group, the update session and the updates."""
 
     @app.post("/init_weights_update_group")
     @_json_errors
     async def init_weights_update_group(request: Request):
         b = await _body(request)
         sglang_api.check_body("/init_weights_update_group", b)
-        await asyncio.to_thread(engine.receiver.init_group, str(b["master_address"]),
+        await asyncio.to_thread(engine.init_group, str(b["master_address"]),
                                 int(b["master_port"]), int(b["rank_offset"]),
                                 int(b["world_size"]), b.get("group_name", "weight_update_group"),
                                 b.get("backend", "nccl"))
@@ -226,39 +251,27 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
             message += f" Weight version updated to {version}."
         return JSONResponse({"success": True, "message": message})
 
-    @app.post("/abort_request")
-    @_json_errors
-    async def abort_request(request: Request):
-        b = await _body(request)
-        sglang_api.check_body("/abort_request", b)
-        # no request ids here: a single rid matches nothing, as an unknown rid in SGLang
-        if b.get("abort_all"):
-            engine.abort_all()
-        return Response(status_code=200)
+
+def _memory_routes(app: FastAPI, engine: HFEngine) -> None:
+    """Colocated placement's memory release and resume, and the (no-op) cache flush."""
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        return Response(content="Cache flushed.\n", status_code=200)  # no prefix cache to drop
 
     @app.post("/release_memory_occupation")
     @_json_errors
     async def release_memory_occupation(request: Request):
         tags = _memory_tags(await _body(request), "/release_memory_occupation")
-        if not engine.idle_or_paused():  # SGLang asserts this, and its scheduler dies
-            raise BadRequest("the engine is generating: pause it first (/pause_generation "
-                             "with mode retract or abort), SGLang asserts an idle engine here")
-        engine.released |= set(tags)
+        engine.release_memory(tags)
         return JSONResponse({"success": True, "message": f"released {sorted(tags)}"})
 
     @app.post("/resume_memory_occupation")
     @_json_errors
     async def resume_memory_occupation(request: Request):
         tags = _memory_tags(await _body(request), "/resume_memory_occupation")
-        engine.released -= set(tags)  # a paused engine stays paused, as SGLang's
+        engine.resume_memory(tags)
         return JSONResponse({"success": True, "message": f"resumed {sorted(tags)}"})
-
-    @app.get("/weights_checksum")
-    async def weights_checksum() -> dict:
-        checksums = await asyncio.to_thread(engine.checksums)
-        return {"success": True, "weight_version": engine.weight_version, "checksums": checksums}
-
-    return app
 
 
 def main(argv: Optional[list[str]] = None) -> None:
