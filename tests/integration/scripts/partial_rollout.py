@@ -24,8 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # helpers_tiny
-from helpers_tiny import (free_port, script_args, start_engine, stop_process,  # noqa: E402
-                          wait_healthy)
+from helpers_tiny import free_port, perturbed, script_engine  # noqa: E402
 
 from relax_slurm.broker.state import BrokerState  # noqa: E402
 from relax_slurm.broker.wire import decode, encode  # noqa: E402
@@ -168,22 +167,9 @@ async def run(worker: RolloutWorker, client: EngineClient, url: str, named, new)
 
 
 def main() -> None:
-    model_dir, named, out_path = script_args()
-    g = torch.Generator().manual_seed(5)
-    new = [(n, t + 0.5 * torch.randn(t.shape, generator=g, dtype=t.dtype)) for n, t in named]
-    port, log = free_port(), out_path.with_suffix(".engine.log")
-    url = f"http://127.0.0.1:{port}"
-    engine = start_engine(model_dir, port, log)
-    client = EngineClient(url, timeout_s=300)
-    out: dict = {}
-    try:
-        wait_healthy(url, engine, 180, log)
-        worker = make_worker(model_dir, url, out_path.parent / "run")
-        out = asyncio.run(run(worker, client, url, named, new))
-    finally:
-        client.close()
-        stop_process(engine)
-        out_path.write_text(json.dumps(out))
+    with script_engine() as s:
+        worker = make_worker(s.model_dir, s.url, s.out_path.parent / "run")
+        s.out.update(asyncio.run(run(worker, s.client, s.url, s.named, perturbed(s.named, 5))))
 
 
 if __name__ == "__main__":
