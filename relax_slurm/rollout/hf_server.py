@@ -1,5 +1,5 @@
-"""The hf engine's HTTP server and its command line: SGLang's routes over an `HFEngine` (see
-hf_engine.py). `python -m relax_slurm.rollout.hf_engine` runs `main` here.
+"""The hf engine's HTTP server: SGLang's routes over an `HFEngine` (see hf_core.py); the
+command line that serves them is hf_engine.py (`python -m relax_slurm.rollout.hf_engine`).
 
   POST /generate                      text | input_ids (one or a batch), sampling_params,
                                       return_logprob, logprob_start_len, image_data,
@@ -19,26 +19,19 @@ hf_engine.py). `python -m relax_slurm.rollout.hf_engine` runs `main` here.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import json
 import logging
-from typing import Optional
 
-import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from relax_slurm.auth import bearer_matches
-from relax_slurm.config.schema import FLATTENED_BUCKET, DataConfig, default_of
-from relax_slurm.data.processor import MediaLimits
+from relax_slurm.config.schema import FLATTENED_BUCKET
 from relax_slurm.errors import WeightSyncError
-from relax_slurm.launch.exit import exit_now
-from relax_slurm.launch.heap import freeze_heap
 from relax_slurm.rollout import sglang_api
-from relax_slurm.rollout.hf_engine import KEEP_ALIVE_S, HFEngine
+from relax_slurm.rollout.hf_core import HFEngine
 from relax_slurm.rollout.hf_requests import (BadRequest, NotServing, parse_generate_request,
                                              parse_media, parse_routing_request, process_media)
 
@@ -272,64 +265,3 @@ def _memory_routes(app: FastAPI, engine: HFEngine) -> None:
         tags = _memory_tags(await _body(request), "/resume_memory_occupation")
         engine.resume_memory(tags)
         return JSONResponse({"success": True, "message": f"resumed {sorted(tags)}"})
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(description="transformers inference server with SGLang's API")
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--tokenizer-path", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-batch-size", type=int, default=1024)
-    p.add_argument("--batch-wait-ms", type=float, default=5.0)
-    p.add_argument("--torch-threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--request-timeout-s", type=float, default=600.0,
-                   help="longest a /generate call may wait for its batch")
-    p.add_argument("--weight-sync-timeout-s", type=float, default=300.0,
-                   help="timeout of group formation, broadcasts and waiting for the model lock")
-    # data.*'s media keys, same names and defaults (config/schema.py DataConfig)
-    data = functools.partial(default_of, DataConfig)
-    p.add_argument("--image-min-pixels", type=int, default=data("image_min_pixels"),
-                   help="multimodal: smallest image size in pixels (default: the processor's)")
-    p.add_argument("--image-max-pixels", type=int, default=data("image_max_pixels"),
-                   help="multimodal: largest image size in pixels (default: the processor's)")
-    p.add_argument("--audio-sampling-rate-hz", type=int, default=data("audio_sampling_rate_hz"))
-    p.add_argument("--video-fps", type=float, default=data("video_fps"),
-                   help="multimodal: frames kept per second of a video")
-    p.add_argument("--video-min-frames", type=int, default=data("video_min_frames"))
-    p.add_argument("--video-max-frames", type=int, default=data("video_max_frames"))
-    p.add_argument("--video-max-pixels", type=int, default=data("video_max_pixels"),
-                   help="multimodal: largest video frame in pixels (default: the image limit)")
-    p.add_argument("--enable-return-routed-experts", action="store_true",
-                   help="MoE models: answer return_routed_experts=true with "
-                        "meta_info.routed_experts (SGLang's flag)")
-    p.add_argument("--log-level", default="info")
-    args = p.parse_args(argv)
-    if args.max_batch_size < 1:
-        p.error("--max-batch-size must be >= 1")
-
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(args.torch_threads)
-    torch.manual_seed(args.seed)
-    engine = HFEngine(args.model_path, args.tokenizer_path, args.dtype, args.device,
-                      args.max_batch_size, args.batch_wait_ms, args.weight_version,
-                      args.weight_sync_timeout_s,
-                      MediaLimits.of(args),  # the flags carry data.*'s names
-                      return_routed_experts=args.enable_return_routed_experts)
-    freeze_heap()
-    engine.start()
-    log.info("serving %s on %s:%d (max batch %d, wait %.1f ms)", args.model_path, args.host,
-             args.port, args.max_batch_size, args.batch_wait_ms)
-    try:
-        app = build_app(engine, args.request_timeout_s, api_key=sglang_api.api_key())
-        uvicorn.run(app, host=args.host, port=args.port,
-                    log_level="warning", timeout_graceful_shutdown=5,
-                    timeout_keep_alive=KEEP_ALIVE_S)
-    finally:
-        engine.shutdown()
-    exit_now(0)  # uvicorn stopped and nothing is written: skip the interpreter's teardown

@@ -1,6 +1,6 @@
 """The hf engine's state in one object: the queue, the batch in flight, and the flags that decide
 what it does next (paused and how, a weight-update session, weights left partial by a failed
-update, memory released). No threads and no model here: `HFEngine` (hf_engine.py) changes it
+update, memory released). No threads and no model here: `HFEngine` (hf_core.py) changes it
 under its condition, and the server reads it only through `HFEngine.status()` and the
 engine's public methods.
 

@@ -13,7 +13,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from relax_slurm.rollout.hf_engine import HFEngine
+from relax_slurm.rollout.hf_core import HFEngine
 from relax_slurm.rollout.hf_server import build_app
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,7 +12,7 @@ from helpers_moe import LAYERS, MAX_NEW, PROMPTS, TOPK, bf16_routed_batch, make_
 from relax_slurm.errors import ConfigError
 from relax_slurm.rollout import sglang_api
 from relax_slurm.rollout.engine_client import parse_generate_item
-from relax_slurm.rollout.hf_engine import HFEngine
+from relax_slurm.rollout.hf_core import HFEngine
 from relax_slurm.rollout.hf_requests import parse_sampling_params
 from relax_slurm.rollout.sampling import sample_routing
 from relax_slurm.routing.hooks import RoutingStats, RoutingTrace, moe_routers, routing_replay
