@@ -271,7 +271,8 @@ class HFEngine:
                     input_ids=input_ids, attention_mask=attention_mask.to(self.device),
                     **mm_kwargs(self.model, self.device, rows, input_ids),
                     max_new_tokens=max(r.spec.max_new_tokens - n for r, n in zip(rows, before)),
-                    logits_processor=LogitsProcessorList([RowSampler(batch_state, self.banned_ids)]),
+                    logits_processor=LogitsProcessorList([RowSampler(batch_state,
+                                                                     self.banned_ids)]),
                     stopping_criteria=StoppingCriteriaList([RowStopper(batch_state,
                                                                        self._interrupted)]))
         finally:

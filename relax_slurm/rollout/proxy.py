@@ -281,7 +281,8 @@ class AgentProxy:
                              "context_length_exceeded")
         ids = ep.prompt_ids + ep.response_ids + between
         try:
-            [res] = await self.svc.router.engines[g.engine].generate([ids], [self._params(req, room)])
+            engine = self.svc.router.engines[g.engine]
+            [res] = await engine.generate([ids], [self._params(req, room)])
         except EngineError as e:
             raise ProxyError(502, f"the engine failed: {e}", "engine_error") from e
         if res.finish_reason == "abort":

@@ -11,12 +11,13 @@ hands each to the run's mode, which holds the services it needs (rollout/service
 the worker: single-turn (rollout/single_turn.py: `n_samples_per_prompt` responses from one
 engine, tasks started together sharing one batched request, rollout/coalesce.py) or
 environment episodes (rollout/episodes.py). Each scores its responses in the reward pool
-(worker processes with a timeout), asks the teacher engine for their log-probs when the run has
-one (on-policy distillation) and puts the group on the broker. The worker cannot tell an SGLang server from the hf engine: both
-speak the same HTTP protocol. A sequence a weight sync aborts (weight_sync.pause_mode=abort)
-is continued from its prefix on the new weights (rollout/partial.py, rollout.partial_rollout).
+(worker processes with a timeout), asks the teacher engine for their log-probs when the run
+has one (on-policy distillation) and puts the group on the broker. The worker cannot tell an
+SGLang server from the hf engine: both speak the same HTTP protocol. A sequence a weight sync
+aborts (weight_sync.pause_mode=abort) is continued from its prefix on the new weights
+(rollout/partial.py, rollout.partial_rollout).
 
-Data-side algorithm knobs applied by every mode (pure functions in relax_slurm/rewards/shaping.py):
+Data-side algorithm knobs applied by every mode (pure functions in rewards/shaping.py):
 - `algo.overlong_buffer_tokens`: the soft overlong penalty is added to each reward;
 - `algo.dynamic_sampling`: a group whose (penalised) rewards are all equal is not put on the
   broker; its credit is released, so the loop admits and samples another prompt instead.
