@@ -37,7 +37,7 @@ def bf16_routed_batch(moe_dir: Path, log_dir: Path):
     from relax_slurm.config.schema import AlgoConfig
     from relax_slurm.engines import sglang_api
     from relax_slurm.engines.client import AsyncEngineClient
-    from relax_slurm.rollout.worker import sample_routing
+    from relax_slurm.rollout.sampling import sample_routing
     from relax_slurm.routing.shape import routing_shape
     from relax_slurm.samples import Sample
     from relax_slurm.trainer.batch import collate, prepare_items

@@ -6,11 +6,14 @@ Everything here runs on CPU in a few seconds and needs no model hub.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -170,6 +173,52 @@ def script_args() -> tuple[Path, list, Path]:
     model_dir = Path(args.model_dir)
     return model_dir, list(load_file(str(model_dir / "model.safetensors")).items()), \
         Path(args.out)
+
+
+def perturbed(named: list, seed: int) -> list:
+    """Other weights of the same shapes: each tensor plus 0.5 x N(0, 1) noise drawn from `seed`."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [(n, t + 0.5 * torch.randn(t.shape, generator=g, dtype=t.dtype)) for n, t in named]
+
+
+@dataclass
+class ScriptEngine:
+    model_dir: Path
+    named: list
+    """The model's weights as (name, tensor), in file order."""
+    url: str
+    engine: subprocess.Popen
+    client: object
+    """An EngineClient of the engine (300 s timeout)."""
+    out: dict
+    """The script's findings, written to --out at the end."""
+    out_path: Path
+
+
+@contextlib.contextmanager
+def script_engine() -> Iterator[ScriptEngine]:
+    """For scripts run as `SCRIPT --model-dir D --out F` that drive one hf engine on D: the
+    engine, healthy, and a client; at the end, whatever happened, the client is closed, the
+    engine stopped and `out` written to F as JSON."""
+    import json
+
+    from relax_slurm.engines.client import EngineClient
+
+    model_dir, named, out_path = script_args()
+    port, log = free_port(), out_path.with_suffix(".engine.log")
+    url = f"http://127.0.0.1:{port}"
+    engine = start_engine(model_dir, port, log)
+    client = EngineClient(url, timeout_s=300)
+    found = ScriptEngine(model_dir, named, url, engine, client, {}, out_path)
+    try:
+        wait_healthy(url, engine, 180, log)
+        yield found
+    finally:
+        client.close()
+        stop_process(engine)
+        out_path.write_text(json.dumps(found.out))
 
 
 def run_script(name: str, tmp_path: Path) -> dict:

@@ -20,7 +20,7 @@ from relax_slurm.broker.elastic import Elastic
 from relax_slurm.broker.server import BrokerServer
 from relax_slurm.broker.spill import Spill, replay
 from relax_slurm.broker.state import BrokerState
-from relax_slurm.config import load_config
+from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import ConfigError, RelaxError
 from relax_slurm.runtime.plan import PLAN_FILE, load_plan
 
@@ -39,7 +39,7 @@ def _hostport(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m relax_slurm.broker", description=__doc__)
     parser.add_argument("--config", required=True, help="the run's config.yaml")
     parser.add_argument("--router", required=True, help="request socket, e.g. tcp://node1:5555")
@@ -53,7 +53,57 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay", action="store_true",
                         help="continue from the --spill file (a restart in place) instead of "
                              "starting it anew")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _state(args: argparse.Namespace, cfg: TrainConfig
+           ) -> tuple[BrokerState, Spill | None, list]:
+    """The broker's state (replayed from the spill, restored from a checkpoint, or new), its
+    spill file, and the answers a replay remembers for resent requests."""
+    # closed until the trainer's first set_version: engines must hold its weights first
+    state = BrokerState(cfg.algo.max_staleness, cfg.rollout.batch_size, open_admission=False)
+    spill, answers = None, []
+    if args.replay:
+        if args.spill is None:
+            raise ConfigError("--replay needs --spill FILE")
+        replayed = replay(args.spill)
+        if replayed.snapshot is not None:
+            state.load_snapshot(replayed.snapshot, list(replayed.queue.values()))
+            answers = replayed.answers
+        _log(f"broker: replayed {replayed.records} records of {args.spill} "
+             f"({replayed.torn_bytes} torn bytes cut): {state.counters()}")
+        spill = Spill(args.spill, cfg.broker.spill_fsync, cfg.broker.spill_compact_mb << 20,
+                      replayed)
+    elif args.restore:
+        counters = json.loads(open(args.restore).read())["extra_state"]["broker"]
+        state.restore(counters)
+        _log(f"broker: restored from {args.restore}: {counters}")
+    if spill is None and args.spill is not None:
+        spill = Spill(args.spill, cfg.broker.spill_fsync, cfg.broker.spill_compact_mb << 20)
+        spill.start(state)
+    return state, spill, answers
+
+
+def _elastic(args: argparse.Namespace, cfg: TrainConfig) -> tuple[Elastic, Path | None]:
+    """The engine list and the file it is kept in (see broker/elastic_routes.py)."""
+    # the engines of the launch (protected from scale-in); a broker started by hand without
+    # a plan beside its config starts with none (scale_out registers external ones)
+    run_dir = Path(args.config).resolve().parent
+    initial = load_plan(run_dir).engine_urls if (run_dir / PLAN_FILE).exists() else []
+    elastic = Elastic(initial, default_timeout_s=cfg.cluster.elastic_timeout_s,
+                      drain_timeout_s=cfg.cluster.elastic_drain_timeout_s,
+                      max_engines=cfg.cluster.elastic_max_engines)
+    # beside the spill file; a restart in place (--replay) continues from it
+    elastic_file = args.spill.parent / ELASTIC_FILE if args.spill is not None else None
+    if args.replay and elastic_file is not None and elastic_file.exists():
+        elastic.load(json.loads(elastic_file.read_text()))
+        _log(f"broker: elastic rollout state from {elastic_file}: "
+             f"routable={elastic.routable_urls()} op={elastic.current}")
+    return elastic, elastic_file
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         secret = run_secret()
         if secret is None:
@@ -61,40 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                               "clients only. relax-train sets it; by hand, export it (e.g. "
                               "`export RELAX_RUN_SECRET=$(cat RUN_DIR/secret)`)")
         cfg = load_config(args.config)
-        # closed until the trainer's first set_version: engines must hold its weights first
-        state = BrokerState(cfg.algo.max_staleness, cfg.rollout.batch_size, open_admission=False)
-        spill, answers = None, []
-        if args.replay:
-            if args.spill is None:
-                raise ConfigError("--replay needs --spill FILE")
-            replayed = replay(args.spill)
-            if replayed.snapshot is not None:
-                state.load_snapshot(replayed.snapshot, list(replayed.queue.values()))
-                answers = replayed.answers
-            _log(f"broker: replayed {replayed.records} records of {args.spill} "
-                 f"({replayed.torn_bytes} torn bytes cut): {state.counters()}")
-            spill = Spill(args.spill, cfg.broker.spill_fsync, cfg.broker.spill_compact_mb << 20,
-                          replayed)
-        elif args.restore:
-            counters = json.loads(open(args.restore).read())["extra_state"]["broker"]
-            state.restore(counters)
-            _log(f"broker: restored from {args.restore}: {counters}")
-        if spill is None and args.spill is not None:
-            spill = Spill(args.spill, cfg.broker.spill_fsync, cfg.broker.spill_compact_mb << 20)
-            spill.start(state)
-        # the engines of the launch (protected from scale-in); a broker started by hand without
-        # a plan beside its config starts with none (scale_out registers external ones)
-        run_dir = Path(args.config).resolve().parent
-        initial = load_plan(run_dir).engine_urls if (run_dir / PLAN_FILE).exists() else []
-        elastic = Elastic(initial, default_timeout_s=cfg.cluster.elastic_timeout_s,
-                          drain_timeout_s=cfg.cluster.elastic_drain_timeout_s,
-                          max_engines=cfg.cluster.elastic_max_engines)
-        # beside the spill file; a restart in place (--replay) continues from it
-        elastic_file = args.spill.parent / ELASTIC_FILE if args.spill is not None else None
-        if args.replay and elastic_file is not None and elastic_file.exists():
-            elastic.load(json.loads(elastic_file.read_text()))
-            _log(f"broker: elastic rollout state from {elastic_file}: "
-                 f"routable={elastic.routable_urls()} op={elastic.current}")
+        state, spill, answers = _state(args, cfg)
+        elastic, elastic_file = _elastic(args, cfg)
         server = BrokerServer(state, args.router, args.pub, secret=secret, elastic=elastic,
                               elastic_file=elastic_file,
                               admin=_hostport(args.admin) if args.admin else None,

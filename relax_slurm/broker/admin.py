@@ -64,6 +64,27 @@ class AdminServer:
         self._httpd.server_close()
 
 
+class _BadBody(ValueError):
+    """A POST body the admin routes refuse (400)."""
+
+
+def _json_body(content_length: str | None, rfile: Any) -> dict[str, Any]:
+    """A POST's JSON object, at most MAX_BODY_BYTES; _BadBody otherwise."""
+    try:
+        n = int(content_length or 0)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_BODY_BYTES:
+        raise _BadBody(f"Content-Length must be 0..{MAX_BODY_BYTES}")
+    try:
+        body = json.loads(rfile.read(n) or b"{}")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _BadBody(f"the body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise _BadBody("the body must be a JSON object")
+    return body
+
+
 def _handler(secret: str, status: Callable[[], dict[str, Any]],
              on_refused: Callable[[], None], route: Route) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
@@ -105,19 +126,9 @@ def _handler(secret: str, status: Callable[[], dict[str, Any]],
                 self._send(405, {"error": f"POST not allowed on {path}; try GET /status"})
                 return
             try:
-                n = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                n = -1
-            if not 0 <= n <= MAX_BODY_BYTES:
-                self._send(400, {"error": f"Content-Length must be 0..{MAX_BODY_BYTES}"})
-                return
-            try:
-                body = json.loads(self.rfile.read(n) or b"{}")
-            except (ValueError, UnicodeDecodeError) as e:
-                self._send(400, {"error": f"the body is not JSON: {e}"})
-                return
-            if not isinstance(body, dict):
-                self._send(400, {"error": "the body must be a JSON object"})
+                body = _json_body(self.headers.get("Content-Length"), self.rfile)
+            except _BadBody as e:
+                self._send(400, {"error": str(e)})
                 return
             self._send(*route("POST", path, body))
 

@@ -1,9 +1,11 @@
 """The broker process: a ROUTER socket for requests, a PUB socket for broadcasts.
 
 One thread, one poll loop. Requests that cannot be answered yet (`acquire` with no credit,
-`get_batch` with too few groups) are parked with a deadline and answered as soon as a later
-request changes the state, or at the deadline. The poll timeout is the time to the nearest
-deadline, capped so a stop request (signal) is seen quickly.
+`get_batch` with too few groups) are parked with a deadline (broker/parked.py) and answered as
+soon as a later request changes the state, or at the deadline. The poll timeout is the time to
+the nearest deadline, capped so a stop request (signal) is seen quickly. A resent request gets
+its earlier reply again (broker/resend.py); the engine list's operation and admin routes are
+broker/elastic_routes.py's.
 
 Every request must carry the run's secret in its `auth` field (see relax_slurm/auth.py); one
 without it or with a wrong one gets an `error` reply and is counted (`auth_refused`), and
@@ -14,15 +16,12 @@ nothing else happens. Inbound messages larger than `max_message_bytes` are dropp
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 import time
 import traceback
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,10 @@ import zmq
 
 from relax_slurm.auth import secret_matches
 from relax_slurm.broker.admin import AdminServer
-from relax_slurm.broker.elastic import Elastic, OpRefused
-from relax_slurm.broker.elastic_query import cancel_matching, list_ops
+from relax_slurm.broker.elastic import Elastic
+from relax_slurm.broker.elastic_routes import ElasticRoutes
+from relax_slurm.broker.parked import ParkedQueue
+from relax_slurm.broker.resend import AnswerCache
 from relax_slurm.broker.spill import Spill
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.broker.wire import decode, encode
@@ -43,18 +44,7 @@ _MAX_POLL_S = 0.2
 # long enough for the shutdown reply and broadcast to leave, short enough not to hang an exit
 _CLOSE_LINGER_MS = 500
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
-_ANSWERS_PER_CLIENT = 64  # a client resends only its latest requests
-_ANSWERED_CLIENTS = 1024
 _MAX_ROLES = 4096  # distinct heartbeat names kept (a bound on what a buggy client can add)
-
-
-@dataclass
-class _Parked:
-    identity: bytes
-    rid: Any
-    args: dict[str, Any]
-    start: float
-    deadline: float
 
 
 def _get(fields: dict[str, Any], name: str, kind: type, minimum: float | None = 0) -> Any:
@@ -90,28 +80,13 @@ class BrokerServer:
         self.state = state
         self.log = log
         # the engine list and scale operations (broker/elastic.py); admin HTTP /rollout/...
-        self.elastic = elastic if elastic is not None else Elastic([])
-        self._elastic_file = elastic_file  # its state, rewritten on every change
-        self._elastic_saved = ""
+        self.elastic = ElasticRoutes(elastic if elastic is not None else Elastic([]),
+                                     elastic_file, log)
         self._secret = secret
         self.auth_refused = 0
-        self._ctx = zmq.Context()
-        self.router = self._ctx.socket(zmq.ROUTER)
-        # a peer sending more than this in one message is disconnected by ZMQ: a bogus length
-        # can never make the broker allocate without bound
-        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self.pub = self._ctx.socket(zmq.PUB)
-        try:
-            self.router.bind(router_addr)
-            self.pub.bind(pub_addr)
-        except zmq.ZMQError as e:
-            self.close()
-            raise BrokerError(f"cannot bind broker sockets {router_addr} / {pub_addr}: {e}; "
-                              "pick free ports or another host address") from e
-        self.router_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.pub_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._acquires: list[_Parked] = []
-        self._batches: list[_Parked] = []
+        self._bind(router_addr, pub_addr, max_message_bytes)
+        self._acquires = ParkedQueue()
+        self._batches = ParkedQueue()
         self._heartbeats: dict[str, tuple[float, dict[str, Any]]] = {}
         # routing ids seen per holder name, and those of processes a rejoin replaced: a group a
         # dead worker had sent before its successor rejoined must not use the successor's credit
@@ -119,11 +94,11 @@ class BrokerServer:
         self._retired: set[bytes] = set()
         self._started = time.monotonic()
         self.spill = spill
-        # (identity -> rid -> reply frames) of the latest replies: a client that resends a
-        # request (its reply was lost, or the broker restarted) gets the same answer again
-        self._answers: OrderedDict[bytes, OrderedDict[Any, list[Any]]] = OrderedDict()
+        # the latest replies: a client that resends a request (its reply was lost, or the
+        # broker restarted) gets the same answer again
+        self._answers = AnswerCache()
         for identity, rid, fields, groups in answers:  # replayed from the spill
-            self._remember(identity, rid, encode("ok", {**fields, "rid": rid}, groups))
+            self._answers.remember(identity, rid, encode("ok", {**fields, "rid": rid}, groups))
         # held by the loop while it handles a request, and by the admin thread's status()
         self._lock = threading.Lock()
         self.admin: AdminServer | None = None
@@ -142,6 +117,23 @@ class BrokerServer:
             "heartbeat": self._heartbeat, "stats": self._stats, "shutdown": self._shutdown,
             "rejoin": self._rejoin, "engines": self._engines,
         }
+
+    def _bind(self, router_addr: str, pub_addr: str, max_message_bytes: int) -> None:
+        self._ctx = zmq.Context()
+        self.router = self._ctx.socket(zmq.ROUTER)
+        # a peer sending more than this in one message is disconnected by ZMQ: a bogus length
+        # can never make the broker allocate without bound
+        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self.pub = self._ctx.socket(zmq.PUB)
+        try:
+            self.router.bind(router_addr)
+            self.pub.bind(pub_addr)
+        except zmq.ZMQError as e:
+            self.close()
+            raise BrokerError(f"cannot bind broker sockets {router_addr} / {pub_addr}: {e}; "
+                              "pick free ports or another host address") from e
+        self.router_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.pub_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
 
     # ---- loop ----------------------------------------------------------------------------
     def stop(self) -> None:
@@ -164,7 +156,7 @@ class BrokerServer:
                             self._handle(frames)
                 with self._lock:
                     self._expire(time.monotonic())
-                    self._expire_elastic(time.monotonic())
+                    self.elastic.expire(time.monotonic())
         finally:
             self._refuse_parked("broker is shutting down")
             self.close()
@@ -181,7 +173,7 @@ class BrokerServer:
         self._ctx.term()
 
     def _poll_timeout_ms(self) -> int:
-        deadlines = [p.deadline for p in self._acquires + self._batches]
+        deadlines = self._acquires.deadlines() + self._batches.deadlines()
         wait = min([_MAX_POLL_S, *(d - time.monotonic() for d in deadlines)])
         return max(0, int(wait * 1000) + 1)
 
@@ -217,69 +209,48 @@ class BrokerServer:
             self.spill.record(self.state, (identity, rid), fields, groups)
         frames = encode(op, {**fields, "rid": rid}, groups)
         if rid is not None and op == "ok":
-            self._remember(identity, rid, frames)
+            self._answers.remember(identity, rid, frames)
         self.router.send_multipart([identity, *frames], copy=False)
-
-    # ---- resends -------------------------------------------------------------------------
-    def _remember(self, identity: bytes, rid: Any, frames: list[Any]) -> None:
-        per = self._answers.pop(identity, None) or OrderedDict()
-        self._answers[identity] = per  # most recent identity last
-        per[rid] = frames
-        while len(per) > _ANSWERS_PER_CLIENT:
-            per.popitem(last=False)
-        while len(self._answers) > _ANSWERED_CLIENTS:
-            self._answers.popitem(last=False)
 
     def _is_resend(self, identity: bytes, rid: Any) -> bool:
         """A request seen before: answer it again from memory, or wait if it is parked."""
-        if any(p.identity == identity and p.rid == rid for p in self._acquires + self._batches):
+        if self._acquires.holds(identity, rid) or self._batches.holds(identity, rid):
             return True
-        frames = self._answers.get(identity, {}).get(rid)
+        frames = self._answers.get(identity, rid)
         if frames is None:
             return False
         self.router.send_multipart([identity, *frames], copy=False)
         return True
 
     # ---- parked requests -----------------------------------------------------------------
-    def _park(self, queue: list[_Parked], identity: bytes, rid: Any, args: dict[str, Any],
-              wait_s: float) -> None:
-        now = time.monotonic()
-        queue.append(_Parked(identity, rid, args, now, now + wait_s))
-
     def _wake(self) -> None:
         """Answer parked requests the state can now satisfy, batches first (drops free credit)."""
         now = time.monotonic()
-        while self._batches:
-            p = self._batches[0]
+        while (p := self._batches.first()) is not None:
             result = self.state.take_batch(p.args["num_groups"], p.args["version"],
                                            p.args["min_groups"])
             if result is None:
                 break
-            self._batches.pop(0)
+            self._batches.pop_first()
             groups, stats = result
             stats["auth_refused"] = self.auth_refused
             self._reply(p.identity, p.rid, {"stats": stats, "wait_s": now - p.start}, groups)
-        while self._acquires:
-            p = self._acquires[0]
+        while (p := self._acquires.first()) is not None:
             granted = self.state.admit(p.args["max_n"], _holder(p.identity))
             if granted == 0:
                 break
-            self._acquires.pop(0)
+            self._acquires.pop_first()
             self._reply(p.identity, p.rid, {"granted": granted})
 
     def _expire(self, now: float) -> None:
-        for p in [p for p in self._acquires if p.deadline <= now]:
-            self._acquires.remove(p)
+        for p in self._acquires.expired(now):
             self._reply(p.identity, p.rid, {"granted": 0})
-        for p in [p for p in self._batches if p.deadline <= now]:
-            self._batches.remove(p)
+        for p in self._batches.expired(now):
             self._reply(p.identity, p.rid, {"timeout": True, "wait_s": now - p.start})
 
     def _refuse_parked(self, why: str) -> None:
-        for p in self._acquires + self._batches:
+        for p in self._acquires.take_all() + self._batches.take_all():
             self._reply(p.identity, p.rid, {"error": why, "shutdown": True}, op="error")
-        self._acquires.clear()
-        self._batches.clear()
 
     # ---- ops -----------------------------------------------------------------------------
     def _acquire(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
@@ -291,7 +262,7 @@ class BrokerServer:
         if granted or wait_s == 0:
             self._reply(identity, rid, {"granted": granted})
         else:
-            self._park(self._acquires, identity, rid, {"max_n": max_n}, wait_s)
+            self._acquires.park(identity, rid, {"max_n": max_n}, wait_s)
 
     def _put_group(self, identity: bytes, rid: Any, _: dict[str, Any],
                    groups: list[Group] | None) -> None:
@@ -330,7 +301,7 @@ class BrokerServer:
         elif wait_s == 0:
             self._reply(identity, rid, {"timeout": True, "wait_s": 0.0})
         else:
-            self._park(self._batches, identity, rid, args, wait_s)
+            self._batches.park(identity, rid, args, wait_s)
         self._wake()  # take_batch may have dropped stale groups, freeing credits
 
     def _set_version(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
@@ -375,93 +346,16 @@ class BrokerServer:
         self._heartbeats[role] = (time.monotonic(), info)
         self._reply(identity, rid, {})
 
-    # ---- elastic rollout (broker/elastic.py) ---------------------------------------------
+    # ---- elastic rollout (broker/elastic_routes.py) ----------------------------------------
     def _engines(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
-        """Trainer rank 0 and rollout workers poll the engine list with their heartbeats and
-        report what they did: `synced` (the trainer's cohort is exactly these URLs, holding the
-        current weights), `drained` (a worker routes nothing to these URLs any more)."""
-        el = self.elastic
-        before = el.membership
-        synced, drained = fields.get("synced"), fields.get("drained") or []
-        for name, value in (("synced", synced if synced is not None else []),
-                            ("drained", drained)):
-            if not isinstance(value, list) or not all(isinstance(u, str) for u in value):
-                raise BrokerError(f"engines: {name} must be a list of URLs, got {value!r}")
-        if synced is not None:
-            el.synced(synced)
-        for url in drained:
-            el.drained(url)
-        if el.membership != before:
-            self.log(f"broker: engines membership {el.membership}: "
-                     f"routable={el.routable_urls()} cohort={el.cohort_urls()}")
-        self._save_elastic()
-        self._reply(identity, rid, el.view())
-
-    def _save_elastic(self) -> None:
-        """Write the engine list and operations when they changed (atomic replace): a broker
-        restarted in place continues with them."""
-        if self._elastic_file is None:
-            return
-        text = json.dumps(self.elastic.to_dict())
-        if text == self._elastic_saved:
-            return
-        tmp = self._elastic_file.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(self._elastic_file)
-        self._elastic_saved = text
-
-    def _expire_elastic(self, now: float) -> None:
-        before = self.elastic.membership
-        self.elastic.expire(now)
-        if self.elastic.membership != before:
-            self.log(f"broker: elastic deadline passed: {self.elastic.view()['op']}")
-            self._save_elastic()
+        self._reply(identity, rid, self.elastic.engines_op(fields))
 
     def rollout_route(self, method: str, path: str, body: dict[str, Any]
                       ) -> tuple[int, dict[str, Any]]:
         """The admin HTTP's /rollout/... routes (see broker/admin.py): (status code, body)."""
-        parts = [p for p in path.split("?")[0].split("/") if p]
-        el, now = self.elastic, time.monotonic()
+        now = time.monotonic()
         with self._lock:
-            try:
-                if method == "GET" and parts == ["rollout", "engines"]:
-                    return 200, el.view()
-                if method == "GET" and len(parts) == 2 and parts[1] in ("scale_out", "scale_in"):
-                    return 200, list_ops(el, parts[1], body)  # body: the query's filters
-                if method == "GET" and len(parts) == 3 and parts[1] in ("scale_out", "scale_in",
-                                                                         "ops"):
-                    return 200, el.op(parts[2]).view()
-                if method == "POST" and parts == ["rollout", "scale_out"]:
-                    out = el.scale_out(body, now)
-                elif method == "POST" and parts == ["rollout", "scale_in"]:
-                    out = el.scale_in(body, now)
-                elif method == "POST" and parts == ["rollout", "scale_out_cancel"]:
-                    out = cancel_matching(el, body)
-                elif (method == "POST" and len(parts) == 4 and parts[1] == "scale_out"
-                      and parts[3] == "cancel"):
-                    out = el.cancel(parts[2])
-                elif method == "POST" and len(parts) == 4 and parts[1:4:2] == ["ops", "step"]:
-                    # the launcher moves a scale-out on (internal)
-                    op = el.launcher_step(parts[2], body.get("status"), body.get("urls"),
-                                          body.get("error"))
-                    out = op.view()
-                elif method == "POST" and parts == ["rollout", "engines", "stopped"]:
-                    el.stopped(str(body.get("url", "")))  # the launcher stopped it (internal)
-                    out = el.view()
-                elif method == "POST" and parts == ["rollout", "engines", "lost"]:
-                    # the launcher saw it go away without a scale-in (internal)
-                    el.lost(str(body.get("url", "")), str(body.get("why", "lost")))
-                    out = el.view()
-                else:
-                    return 404, {"error": f"no route {method} {path}; see docs/operations.md "
-                                          "(Elastic rollout)"}
-            except OpRefused as e:
-                return e.code, {"error": str(e)}
-            self._save_elastic()
-            self.log(f"broker: {method} {path} -> {out.get('status', '')} "
-                     f"membership={el.membership}")
-            created = parts[-1] in ("scale_out", "scale_in") and out.get("request_id")
-            return (202 if created else 200), out
+            return self.elastic.route(method, path, body, now)
 
     def _count_refused(self) -> None:
         with self._lock:

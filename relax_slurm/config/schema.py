@@ -935,7 +935,7 @@ class TrainConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
 
     def __post_init__(self) -> None:
-        # every sampling_seed is (seed << 40) + group * n + index (rollout/worker.py
+        # every sampling_seed is (seed << 40) + group * n + index (rollout/sampling.py
         # sample_seed), and SGLang refuses seeds outside int64
         _check(0 <= self.seed < SEED_LIMIT,
                f"seed={self.seed}: must be in [0, {SEED_LIMIT}) (it is shifted 40 bits into "

@@ -148,7 +148,8 @@ def read_prompts(cfg: DataConfig, tokenizer: Any) -> tuple[list[Prompt], int]:
     return prompts, filtered
 
 
-def _column(table: Any, key: str, option: str, path: Path) -> list[Any]:
+def table_column(table: Any, key: str, option: str, path: Path) -> list[Any]:
+    """The column `key` of a read table (DataError naming the config `option` if absent)."""
     if key not in table.column_names:
         raise DataError(
             f"{path}: no column {key!r} ({option}); the columns are {table.column_names}. "
@@ -162,13 +163,13 @@ def _column(table: Any, key: str, option: str, path: Path) -> list[Any]:
 def _table_prompts(
     table: Any, path: Path, cfg: DataConfig, tokenizer: Any
 ) -> tuple[list[Prompt], int]:
-    cells = _column(table, cfg.prompt_key, "data.prompt_key", path)
-    labels = _column(table, cfg.label_key, "data.label_key", path)
-    metas = (_column(table, cfg.metadata_key, "data.metadata_key", path)
+    cells = table_column(table, cfg.prompt_key, "data.prompt_key", path)
+    labels = table_column(table, cfg.label_key, "data.label_key", path)
+    metas = (table_column(table, cfg.metadata_key, "data.metadata_key", path)
              if cfg.metadata_key else [None] * len(cells))
-    ids = (_column(table, ID_COLUMN, "", path) if ID_COLUMN in table.column_names
+    ids = (table_column(table, ID_COLUMN, "", path) if ID_COLUMN in table.column_names
            else [None] * len(cells))
-    media_columns = {kind: _column(table, key, f"data.multimodal_keys.{kind}", path)
+    media_columns = {kind: table_column(table, key, f"data.multimodal_keys.{kind}", path)
                      for kind, key in cfg.multimodal_keys.items()}
     markers = media_markers(tokenizer, cfg) if media_columns else {}
     media: list[dict[str, list[MediaRef]]] = []

@@ -29,7 +29,7 @@ import numpy as np
 
 from relax_slurm.config.schema import DataConfig, SFTConfig
 from relax_slurm.data.chat import RAW_TEXT_SEPARATOR, Message, to_messages
-from relax_slurm.data.dataset import _column, read_table
+from relax_slurm.data.dataset import read_table, table_column
 from relax_slurm.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -107,9 +107,9 @@ def encode_example(tokenizer: Any, messages: list[Message], apply_chat_template:
 
 def _row_messages(table: Any, path: Path, data: DataConfig, sft: SFTConfig) -> list[Any]:
     if sft.messages_key:
-        return _column(table, sft.messages_key, "sft.messages_key", path)
-    prompts = _column(table, data.prompt_key, "data.prompt_key", path)
-    responses = _column(table, sft.response_key, "sft.response_key", path)
+        return table_column(table, sft.messages_key, "sft.messages_key", path)
+    prompts = table_column(table, data.prompt_key, "data.prompt_key", path)
+    responses = table_column(table, sft.response_key, "sft.response_key", path)
     out = []
     for row, (prompt, response) in enumerate(zip(prompts, responses)):
         if prompt is None or response is None:

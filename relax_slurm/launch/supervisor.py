@@ -158,6 +158,25 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
         progress.close()
 
 
+def _summary(run_dir: Path, cfg: TrainConfig, wall_s: float, extra: dict | None,
+             restarts: dict, final_status: dict | None) -> dict:
+    """Write summary.json from the metrics; RoleFailed if the trainer stopped short."""
+    rows = list(iter_metrics(run_dir / METRICS_FILE))
+    summary = summarize(rows, wall_s, cfg.algo.max_staleness) | (extra or {})
+    summary["restarts"] = restarts
+    if final_status is not None:
+        summary["samples_lost"] = samples_lost(final_status, rows, cfg.rollout.batch_size,
+                                               cfg.rollout.n_samples_per_prompt)
+    write_summary(run_dir, summary)
+    # by the last step logged, not the row count: a run resumed from another run's
+    # checkpoint (resume=PATH) logs only the steps after it in this run dir
+    reached = rows[-1]["step"] + 1 if rows else 0
+    if reached < cfg.trainer.total_steps:
+        raise RoleFailed(f"trainer exited after step {reached} of {cfg.trainer.total_steps}"
+                         f"; see {run_dir / 'logs' / 'trainer.log'}")
+    return summary
+
+
 def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap,
               started: float | None = None, extra: dict | None = None,
               engine_jobs: EngineJobs | None = None) -> dict:
@@ -197,19 +216,8 @@ def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap
                 scaler.close()
             hangs.close()
             procs.close()
-        rows = list(iter_metrics(run_dir / METRICS_FILE))
-        summary = summarize(rows, time.monotonic() - t0, cfg.algo.max_staleness) | (extra or {})
-        summary["restarts"] = in_place.counts() | (scaler.counts() if scaler else {})
-        if final_status is not None:
-            summary["samples_lost"] = samples_lost(final_status, rows, cfg.rollout.batch_size,
-                                                   cfg.rollout.n_samples_per_prompt)
-        write_summary(run_dir, summary)
-        # by the last step logged, not the row count: a run resumed from another run's
-        # checkpoint (resume=PATH) logs only the steps after it in this run dir
-        reached = rows[-1]["step"] + 1 if rows else 0
-        if reached < cfg.trainer.total_steps:
-            raise RoleFailed(f"trainer exited after step {reached} of {cfg.trainer.total_steps}"
-                             f"; see {run_dir / 'logs' / 'trainer.log'}")
+        summary = _summary(run_dir, cfg, time.monotonic() - t0, extra,
+                           in_place.counts() | (scaler.counts() if scaler else {}), final_status)
     except Preempted as e:
         notifier.send("preempted", str(e))
         raise

@@ -2,9 +2,10 @@
 
 The launcher starts the worker through this tiny module rather than `-m
 relax_slurm.rollout.worker` because of the reward pool: every process multiprocessing starts
-re-imports the parent's `__main__` module unless its name ends in `.__main__`, and the worker
-module imports torch, transformers and datasets, which would cost each reward worker (and each
-replacement of a killed one) seconds and hundreds of MB.
+re-imports the parent's `__main__` module unless its name ends in `.__main__`: each reward
+worker (and each replacement of a killed one) would import the whole worker and its
+dependencies again (it once pulled in torch, transformers and datasets: seconds and hundreds of
+MB each); this module imports only what it runs.
 """
 
 from relax_slurm.rollout.worker import main

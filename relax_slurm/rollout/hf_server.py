@@ -1,5 +1,5 @@
-"""The hf engine's HTTP server and its command line: SGLang's routes over an `HFEngine` (see
-hf_engine.py). `python -m relax_slurm.rollout.hf_engine` runs `main` here.
+"""The hf engine's HTTP server: SGLang's routes over an `HFEngine` (see hf_core.py); the
+command line that serves them is hf_engine.py (`python -m relax_slurm.rollout.hf_engine`).
 
   POST /generate                      text | input_ids (one or a batch), sampling_params,
                                       return_logprob, logprob_start_len, image_data,
@@ -19,26 +19,19 @@ hf_engine.py). `python -m relax_slurm.rollout.hf_engine` runs `main` here.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import json
 import logging
-from typing import Optional
 
-import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from relax_slurm.auth import bearer_matches
-from relax_slurm.config.schema import FLATTENED_BUCKET, DataConfig, default_of
-from relax_slurm.data.processor import MediaLimits
+from relax_slurm.config.schema import FLATTENED_BUCKET
 from relax_slurm.errors import WeightSyncError
-from relax_slurm.runtime.exit import exit_now
-from relax_slurm.runtime.heap import freeze_heap
 from relax_slurm.engines import sglang_api
-from relax_slurm.rollout.hf_engine import KEEP_ALIVE_S, PARTIAL_WEIGHTS, HFEngine
+from relax_slurm.rollout.hf_core import HFEngine
 from relax_slurm.rollout.hf_requests import (BadRequest, NotServing, parse_generate_request,
                                              parse_media, parse_routing_request, process_media)
 
@@ -108,15 +101,21 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
                                               f"${sglang_api.API_KEY_ENV})"}, status_code=401)
             return await call_next(request)
 
+    _generation_routes(app, engine, request_timeout_s)
+    _info_routes(app, engine)
+    _weight_routes(app, engine)
+    _memory_routes(app, engine)
+    return app
+
+
+def _generation_routes(app: FastAPI, engine: HFEngine, request_timeout_s: float) -> None:
+    """/generate, pause and continue, abort."""
+
     @app.api_route("/generate", methods=["POST", "PUT"])
     @_json_errors
     async def generate(request: Request):
         body = await _body(request)
-        if engine.released:
-            raise BadRequest(f"memory {sorted(engine.released)} is released: call "
-                             "/resume_memory_occupation before /generate")
-        if engine.partial_weights:
-            raise NotServing(PARTIAL_WEIGHTS)
+        engine.check_serving()
         prompts, specs, flags, starts, is_batch = parse_generate_request(
             body, engine.tokenizer, engine.vocab_size)
         media = parse_media(body, len(prompts), is_batch)
@@ -126,6 +125,36 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
         future = engine.submit(prompts, specs, flags, starts, mm, routed_start)
         items = await asyncio.wait_for(asyncio.wrap_future(future), timeout=request_timeout_s)
         return JSONResponse(items if is_batch else items[0])
+
+    @app.post("/pause_generation")
+    @_json_errors
+    async def pause_generation(request: Request):
+        mode = (await _body(request)).get("mode", "abort")
+        if mode not in sglang_api.PAUSE_MODES:
+            raise BadRequest(f"Invalid mode: {mode!r}. Expected one of abort, retract, in_place")
+        await asyncio.to_thread(engine.pause, mode)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    @_json_errors
+    async def continue_generation(request: Request) -> JSONResponse:
+        sglang_api.check_body("/continue_generation", await _body(request))
+        engine.resume()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/abort_request")
+    @_json_errors
+    async def abort_request(request: Request):
+        b = await _body(request)
+        sglang_api.check_body("/abort_request", b)
+        # no request ids here: a single rid matches nothing, as an unknown rid in SGLang
+        if b.get("abort_all"):
+            engine.abort_all()
+        return Response(status_code=200)
+
+
+def _info_routes(app: FastAPI, engine: HFEngine) -> None:
+    """Health, model and server info (the engine's `status()`), checksums."""
 
     @app.get("/health")
     @app.get("/health_generate")
@@ -149,32 +178,21 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
                 "weight_version": engine.weight_version, **engine.status(),
                 "internal_states": [dict(engine.stats)]}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        return Response(content="Cache flushed.\n", status_code=200)  # no prefix cache to drop
+    @app.get("/weights_checksum")
+    async def weights_checksum() -> dict:
+        checksums = await asyncio.to_thread(engine.checksums)
+        return {"success": True, "weight_version": engine.weight_version, "checksums": checksums}
 
-    @app.post("/pause_generation")
-    @_json_errors
-    async def pause_generation(request: Request):
-        mode = (await _body(request)).get("mode", "abort")
-        if mode not in sglang_api.PAUSE_MODES:
-            raise BadRequest(f"Invalid mode: {mode!r}. Expected one of abort, retract, in_place")
-        await asyncio.to_thread(engine.pause, mode)
-        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
-    @app.post("/continue_generation")
-    @_json_errors
-    async def continue_generation(request: Request) -> JSONResponse:
-        sglang_api.check_body("/continue_generation", await _body(request))
-        engine.resume()
-        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+def _weight_routes(app: FastAPI, engine: HFEngine) -> None:
+    """The weight-sync group, the update session and the updates."""
 
     @app.post("/init_weights_update_group")
     @_json_errors
     async def init_weights_update_group(request: Request):
         b = await _body(request)
         sglang_api.check_body("/init_weights_update_group", b)
-        await asyncio.to_thread(engine.receiver.init_group, str(b["master_address"]),
+        await asyncio.to_thread(engine.init_group, str(b["master_address"]),
                                 int(b["master_port"]), int(b["rank_offset"]),
                                 int(b["world_size"]), b.get("group_name", "weight_update_group"),
                                 b.get("backend", "nccl"))
@@ -226,97 +244,24 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
             message += f" Weight version updated to {version}."
         return JSONResponse({"success": True, "message": message})
 
-    @app.post("/abort_request")
-    @_json_errors
-    async def abort_request(request: Request):
-        b = await _body(request)
-        sglang_api.check_body("/abort_request", b)
-        # no request ids here: a single rid matches nothing, as an unknown rid in SGLang
-        if b.get("abort_all"):
-            engine.abort_all()
-        return Response(status_code=200)
+
+def _memory_routes(app: FastAPI, engine: HFEngine) -> None:
+    """Colocated placement's memory release and resume, and the (no-op) cache flush."""
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        return Response(content="Cache flushed.\n", status_code=200)  # no prefix cache to drop
 
     @app.post("/release_memory_occupation")
     @_json_errors
     async def release_memory_occupation(request: Request):
         tags = _memory_tags(await _body(request), "/release_memory_occupation")
-        if not engine.idle_or_paused():  # SGLang asserts this, and its scheduler dies
-            raise BadRequest("the engine is generating: pause it first (/pause_generation "
-                             "with mode retract or abort), SGLang asserts an idle engine here")
-        engine.released |= set(tags)
+        engine.release_memory(tags)
         return JSONResponse({"success": True, "message": f"released {sorted(tags)}"})
 
     @app.post("/resume_memory_occupation")
     @_json_errors
     async def resume_memory_occupation(request: Request):
         tags = _memory_tags(await _body(request), "/resume_memory_occupation")
-        engine.released -= set(tags)  # a paused engine stays paused, as SGLang's
+        engine.resume_memory(tags)
         return JSONResponse({"success": True, "message": f"resumed {sorted(tags)}"})
-
-    @app.get("/weights_checksum")
-    async def weights_checksum() -> dict:
-        checksums = await asyncio.to_thread(engine.checksums)
-        return {"success": True, "weight_version": engine.weight_version, "checksums": checksums}
-
-    return app
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(description="transformers inference server with SGLang's API")
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--tokenizer-path", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-batch-size", type=int, default=1024)
-    p.add_argument("--batch-wait-ms", type=float, default=5.0)
-    p.add_argument("--torch-threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--request-timeout-s", type=float, default=600.0,
-                   help="longest a /generate call may wait for its batch")
-    p.add_argument("--weight-sync-timeout-s", type=float, default=300.0,
-                   help="timeout of group formation, broadcasts and waiting for the model lock")
-    # data.*'s media keys, same names and defaults (config/schema.py DataConfig)
-    data = functools.partial(default_of, DataConfig)
-    p.add_argument("--image-min-pixels", type=int, default=data("image_min_pixels"),
-                   help="multimodal: smallest image size in pixels (default: the processor's)")
-    p.add_argument("--image-max-pixels", type=int, default=data("image_max_pixels"),
-                   help="multimodal: largest image size in pixels (default: the processor's)")
-    p.add_argument("--audio-sampling-rate-hz", type=int, default=data("audio_sampling_rate_hz"))
-    p.add_argument("--video-fps", type=float, default=data("video_fps"),
-                   help="multimodal: frames kept per second of a video")
-    p.add_argument("--video-min-frames", type=int, default=data("video_min_frames"))
-    p.add_argument("--video-max-frames", type=int, default=data("video_max_frames"))
-    p.add_argument("--video-max-pixels", type=int, default=data("video_max_pixels"),
-                   help="multimodal: largest video frame in pixels (default: the image limit)")
-    p.add_argument("--enable-return-routed-experts", action="store_true",
-                   help="MoE models: answer return_routed_experts=true with "
-                        "meta_info.routed_experts (SGLang's flag)")
-    p.add_argument("--log-level", default="info")
-    args = p.parse_args(argv)
-    if args.max_batch_size < 1:
-        p.error("--max-batch-size must be >= 1")
-
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(args.torch_threads)
-    torch.manual_seed(args.seed)
-    engine = HFEngine(args.model_path, args.tokenizer_path, args.dtype, args.device,
-                      args.max_batch_size, args.batch_wait_ms, args.weight_version,
-                      args.weight_sync_timeout_s,
-                      MediaLimits.of(args),  # the flags carry data.*'s names
-                      return_routed_experts=args.enable_return_routed_experts)
-    freeze_heap()
-    engine.start()
-    log.info("serving %s on %s:%d (max batch %d, wait %.1f ms)", args.model_path, args.host,
-             args.port, args.max_batch_size, args.batch_wait_ms)
-    try:
-        app = build_app(engine, args.request_timeout_s, api_key=sglang_api.api_key())
-        uvicorn.run(app, host=args.host, port=args.port,
-                    log_level="warning", timeout_graceful_shutdown=5,
-                    timeout_keep_alive=KEEP_ALIVE_S)
-    finally:
-        engine.shutdown()
-    exit_now(0)  # uvicorn stopped and nothing is written: skip the interpreter's teardown

@@ -46,6 +46,11 @@ class TurnLimits:
     max_new_tokens: int
     """Per model turn (rollout.max_new_tokens)."""
 
+    @classmethod
+    def of(cls, cfg: Any) -> TurnLimits:
+        """A run's bounds: env.max_turns, env.max_total_tokens, rollout.max_new_tokens."""
+        return cls(cfg.env.max_turns, cfg.env.max_total_tokens, cfg.rollout.max_new_tokens)
+
 
 @dataclass
 class Episode:

@@ -15,7 +15,7 @@ task); both are named by the agent in the URL. The first request of a new group 
 admission credit from the broker (the staleness bound, as the worker's prompts do); every
 session of a group goes to one engine (sticky: its prefix cache holds their histories). When
 all n sessions have a reward the group goes to the broker exactly like the worker's episodes
-(`RolloutWorker.put_episodes`: overlong penalty, dynamic sampling, `episode_sample`).
+(`RolloutServices.put_episodes`: overlong penalty, dynamic sampling, `episode_sample`).
 
 Token in, token out: the first request's messages (and `tools`) are rendered with the chat
 template into the session's prompt ids. Every later request repeats the conversation so far,
@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Any
 
 from relax_slurm.data.chat import render
 from relax_slurm.errors import BrokerShutdown, EngineError
-from relax_slurm.rollout.multiturn import Episode
+from relax_slurm.rollout.multiturn import Episode, ObservationRenderer, TurnLimits
 from relax_slurm.rollout.openai_chat import (
     ChatRequest, Message, ProxyError, new_messages, parse_chat_request,
 )
 
 if TYPE_CHECKING:
-    from relax_slurm.rollout.worker import RolloutWorker
+    from relax_slurm.rollout.services import RolloutServices
 
 log = logging.getLogger("relax_slurm.rollout.proxy")
 ACQUIRE_WAIT_S = 2.0
@@ -72,15 +72,17 @@ class GroupState:
 
 
 class AgentProxy:
-    """The proxy's sessions and groups, on the rollout worker's engines, broker and renderer."""
+    """The proxy's sessions and groups, on the rollout worker's engines and broker."""
 
-    def __init__(self, worker: RolloutWorker) -> None:
-        self.w, self.cfg = worker, worker.cfg
+    def __init__(self, svc: RolloutServices) -> None:
+        self.svc, self.cfg = svc, svc.cfg
+        self.renderer = ObservationRenderer(svc.tokenizer, self.cfg.data.apply_chat_template)
+        self.limits = TurnLimits.of(self.cfg)
         self.n = self.cfg.rollout.n_samples_per_prompt
         self.groups: dict[str, GroupState] = {}
         self.finished: set[str] = set()
         """Names of groups sent or dropped: reusing one is refused."""
-        self.load = [0] * len(worker.router.engines)  # open groups per engine
+        self.load = [0] * len(svc.router.engines)  # open groups per engine
         self.counts = {"groups_sent": 0, "groups_filtered": 0, "groups_dropped": 0}
         self.closing = asyncio.Event()
         """Set when the run is ending: new requests and requests parked for a credit get 503."""
@@ -132,7 +134,7 @@ class AgentProxy:
         if len(ended) < self.n:
             return {"group_complete": False, "sessions_ended": len(ended)}
         self._close(g)
-        sent = await self.w.put_episodes(
+        sent = await self.svc.put_episodes(
             group, g.gid, [x.episode for x in ended], [x.reward for x in ended], 0,
             {"t_start": g.t_start, "t_end": time.time(), "data_state": None,
              "agent_group": group})
@@ -170,7 +172,7 @@ class AgentProxy:
             engine = min(range(len(self.load)), key=self.load.__getitem__)
             self.load[engine] += 1
             g = self.groups[name] = GroupState(
-                name=name, gid=next(self.w.group_ids), engine=engine,
+                name=name, gid=next(self.svc.group_ids), engine=engine,
                 admission=asyncio.ensure_future(self._acquire()))
         try:
             await asyncio.shield(g.admission)
@@ -186,7 +188,7 @@ class AgentProxy:
         timeout_s = self.cfg.rollout.proxy_admission_timeout_s
         deadline = time.monotonic() + timeout_s
         try:
-            while not await self._unless_closing(self.w.broker.acquire(
+            while not await self._unless_closing(self.svc.broker.acquire(
                     1, wait_s=min(ACQUIRE_WAIT_S, max(0.0, deadline - time.monotonic())))):
                 if time.monotonic() >= deadline:
                     raise ProxyError(503, f"no admission credit for a new group within "
@@ -225,7 +227,7 @@ class AgentProxy:
         self._close(g)
         self.counts["groups_dropped"] += 1
         log.warning("dropped group %s (%s); its admission credit goes back", g.name, why)
-        await self.w.broker.release(1)
+        await self.svc.broker.release(1)
 
     async def reap_idle(self) -> None:
         """Drop groups idle for rollout.proxy_session_timeout_s (their agent is gone)."""
@@ -240,10 +242,10 @@ class AgentProxy:
     # ---- one turn ----------------------------------------------------------------------
 
     def _prompt_ids(self, req: ChatRequest) -> list[int]:
-        text = render(self.w.tokenizer, req.messages, self.cfg.data.apply_chat_template,
+        text = render(self.svc.tokenizer, req.messages, self.cfg.data.apply_chat_template,
                       tools=req.tools)
         add_special = not self.cfg.data.apply_chat_template  # as data/chat.py encodes
-        return list(self.w.tokenizer(text, add_special_tokens=add_special)["input_ids"])
+        return list(self.svc.tokenizer(text, add_special_tokens=add_special)["input_ids"])
 
     def _params(self, req: ChatRequest, room: int) -> dict[str, Any]:
         r = self.cfg.rollout
@@ -257,7 +259,7 @@ class AgentProxy:
         return params
 
     async def _turn(self, g: GroupState, s: Session, req: ChatRequest) -> dict[str, Any]:
-        limits = self.w.limits
+        limits = self.limits
         where = f"session {g.name}/{s.name}"
         if s.episode is None:
             ep, between = Episode(prompt_ids=self._prompt_ids(req)), []
@@ -268,7 +270,7 @@ class AgentProxy:
                 ep.end = "max_turns"
                 raise ProxyError(400, f"{where} has taken env.max_turns={limits.max_turns} "
                                       "model turns: end it with a reward", "max_turns_exceeded")
-            between = self.w.renderer.between_turns(s.last_output_ids, added)
+            between = self.renderer.between_turns(s.last_output_ids, added)
         room = ep.room(limits.max_total_tokens) - len(between)
         if room <= 0:
             if s.episode is not None:
@@ -279,7 +281,8 @@ class AgentProxy:
                              "context_length_exceeded")
         ids = ep.prompt_ids + ep.response_ids + between
         try:
-            [res] = await self.w.router.engines[g.engine].generate([ids], [self._params(req, room)])
+            engine = self.svc.router.engines[g.engine]
+            [res] = await engine.generate([ids], [self._params(req, room)])
         except EngineError as e:
             raise ProxyError(502, f"the engine failed: {e}", "engine_error") from e
         if res.finish_reason == "abort":
@@ -288,7 +291,7 @@ class AgentProxy:
         ep.add(between, model=False)
         ep.add_turn(res)
         ep.end = "done"  # a refused request before this one no longer ends the session
-        content = res.text if req.stop else self.w._decode(res.output_ids)
+        content = res.text if req.stop else self.svc.decode(res.output_ids)
         ep.last_turn_text = content
         s.episode = ep
         s.history = [*req.messages, {"role": "assistant", "content": content}]
@@ -303,7 +306,7 @@ class AgentProxy:
             "logprobs": None}
         if req.logprobs:
             choice["logprobs"] = {"content": [
-                {"token": self.w.tokenizer.decode([t]), "logprob": lp, "bytes": None,
+                {"token": self.svc.tokenizer.decode([t]), "logprob": lp, "bytes": None,
                  "top_logprobs": []} for t, lp in zip(res.output_ids, res.logprobs)]}
         n_out = len(res.output_ids)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator
+from typing import Any, Awaitable, Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -34,9 +34,6 @@ from relax_slurm.auth import bearer_matches, run_secret
 from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.rollout.openai_chat import ProxyError
 from relax_slurm.rollout.proxy import AgentProxy
-
-if TYPE_CHECKING:
-    from relax_slurm.rollout.worker import RolloutWorker
 
 log = logging.getLogger("relax_slurm.rollout.proxy")
 REAP_EVERY_S = 5.0
@@ -120,31 +117,28 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def _housekeeping(proxy: AgentProxy) -> None:
+async def _housekeeping(proxy: AgentProxy, role: str) -> None:
     """Drop idle groups, and heartbeat to the broker from this loop (the launcher's hang
     check: a beat means the proxy's event loop turns)."""
-    worker = proxy.w
-    beat = Pacer(worker.cfg.cluster.heartbeat_interval_s)
+    beat = Pacer(proxy.cfg.cluster.heartbeat_interval_s)
     while True:
         if beat.due():
-            await worker.broker.heartbeat(worker.role, **proxy.stats())
+            await proxy.svc.broker.heartbeat(role, **proxy.stats())
         await proxy.reap_idle()
         await asyncio.sleep(min(REAP_EVERY_S, beat.interval_s))
 
 
-async def serve_proxy(worker: RolloutWorker, host: str, port: int) -> None:
-    """Serve the proxy until `worker.stop` is set; a server that fails (e.g. the port is taken)
-    fails the worker."""
-    await worker.rejoin()  # a restarted worker frees its predecessor's credits (its sessions
-    # are gone with it) and continues its group ids
-    proxy = AgentProxy(worker)
+async def serve_proxy(proxy: AgentProxy, stop: asyncio.Event, role: str, host: str,
+                      port: int) -> None:
+    """Serve the proxy until `stop` is set, heartbeating as `role`; a server that fails (e.g.
+    the port is taken) fails the worker."""
     # requests still open at the end (parked for a credit, generating) get 5 s, then close
     server = _Server(uvicorn.Config(build_app(proxy, run_secret()), host=host, port=port,
                                    log_level="warning", lifespan="off",
                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     serving = asyncio.create_task(server.serve())
-    reaper = asyncio.create_task(_housekeeping(proxy))
-    stopping = asyncio.create_task(worker.stop.wait())
+    reaper = asyncio.create_task(_housekeeping(proxy, role))
+    stopping = asyncio.create_task(stop.wait())
     log.info("agent proxy serving at http://%s:%d/s/{group}/{name}/v1 (groups of %d sessions)",
              host, port, proxy.n)
     try:

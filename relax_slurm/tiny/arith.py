@@ -52,6 +52,31 @@ def write_splits(out: Path, task: str, rows: Callable[[int, random.Random, str],
     return paths
 
 
+def splits_parser(description: str) -> argparse.ArgumentParser:
+    """The options of every tiny task's command line: --out, --n-train, --n-test, --seed."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", required=True, help="directory to write the jsonl files")
+    parser.add_argument("--n-train", type=int, default=5000)
+    parser.add_argument("--n-test", type=int, default=500)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def parse_split_args(parser: argparse.ArgumentParser,
+                     argv: list[str] | None) -> argparse.Namespace:
+    """The parsed options, the split sizes checked."""
+    args = parser.parse_args(argv)
+    if args.n_train < 1 or args.n_test < 0:
+        parser.error("--n-train must be >= 1 and --n-test >= 0")
+    return args
+
+
+def report_splits(paths: list[Path], args: argparse.Namespace) -> int:
+    train, test = paths
+    print(f"wrote {train} ({args.n_train} rows) and {test} ({args.n_test} rows)")
+    return 0
+
+
 def prepare(out: Path, n_train: int = 5000, n_test: int = 500, seed: int = 0,
             max_operand: int = 4) -> list[Path]:
     """Write both splits under `out`; returns their paths (train first)."""
@@ -61,21 +86,14 @@ def prepare(out: Path, n_train: int = 5000, n_test: int = 500, seed: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory to write the jsonl files")
-    parser.add_argument("--n-train", type=int, default=5000)
-    parser.add_argument("--n-test", type=int, default=500)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = splits_parser(__doc__.splitlines()[0])
     parser.add_argument("--max-operand", type=int, default=4,
                         help="largest digit a and b take (0-9); 9 is the full table mod 10")
-    args = parser.parse_args(argv)
-    if args.n_train < 1 or args.n_test < 0:
-        parser.error("--n-train must be >= 1 and --n-test >= 0")
+    args = parse_split_args(parser, argv)
     if not 0 <= args.max_operand <= 9:
         parser.error(f"--max-operand must be a digit 0-9, got {args.max_operand}")
-    train, test = prepare(Path(args.out), args.n_train, args.n_test, args.seed, args.max_operand)
-    print(f"wrote {train} ({args.n_train} rows) and {test} ({args.n_test} rows)")
-    return 0
+    return report_splits(prepare(Path(args.out), args.n_train, args.n_test, args.seed,
+                                 args.max_operand), args)
 
 
 if __name__ == "__main__":

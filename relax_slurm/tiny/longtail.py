@@ -15,12 +15,11 @@ Standard library only.
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
 
-from relax_slurm.tiny.arith import write_splits
+from relax_slurm.tiny.arith import parse_split_args, report_splits, splits_parser, write_splits
 
 ALPHA = 1.2
 MAX_REPEAT = 30
@@ -51,24 +50,16 @@ def prepare(out: Path, n_train: int = 5000, n_test: int = 500, seed: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory to write the jsonl files")
-    parser.add_argument("--n-train", type=int, default=5000)
-    parser.add_argument("--n-test", type=int, default=500)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = splits_parser(__doc__.splitlines()[0])
     parser.add_argument("--alpha", type=float, default=ALPHA,
                         help="tail index of the repeat count: smaller is heavier")
     parser.add_argument("--max-repeat", type=int, default=MAX_REPEAT,
                         help="largest repeat count; keep it below rollout.max_new_tokens")
-    args = parser.parse_args(argv)
-    if args.n_train < 1 or args.n_test < 0:
-        parser.error("--n-train must be >= 1 and --n-test >= 0")
+    args = parse_split_args(parser, argv)
     if args.alpha <= 0 or args.max_repeat < 1:
         parser.error("--alpha must be > 0 and --max-repeat >= 1")
-    train, test = prepare(Path(args.out), args.n_train, args.n_test, args.seed, args.alpha,
-                          args.max_repeat)
-    print(f"wrote {train} ({args.n_train} rows) and {test} ({args.n_test} rows)")
-    return 0
+    return report_splits(prepare(Path(args.out), args.n_train, args.n_test, args.seed,
+                                 args.alpha, args.max_repeat), args)
 
 
 if __name__ == "__main__":

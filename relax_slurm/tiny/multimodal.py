@@ -26,7 +26,7 @@
   width 32 over 16 mel bins and 200 frames = 2 s) and a `Qwen2AudioProcessor` (Whisper
   feature extractor with chunk_length=2 s at 16 kHz), loadable with `AutoProcessor`.
 
-Both share the character tokenizer of relax_slurm/tiny/model.py plus the model's own special
+Both share the character tokenizer of relax_slurm/tiny/tokenizer.py plus the model's own special
 tokens (`<|vision_start|><|image_pad|><|vision_end|>`, `<|audio_bos|><|AUDIO|><|audio_eos|>`).
 """
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from relax_slurm.tiny.model import build_tokenizer, save_tokenizer
+from relax_slurm.tiny.tokenizer import build_tokenizer, save_tokenizer
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 AUDIO_TOKENS = ["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"]

@@ -24,8 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # helpers_tiny
-from helpers_tiny import (free_port, script_args, start_engine, stop_process,  # noqa: E402
-                          wait_healthy)
+from helpers_tiny import free_port, perturbed, script_engine  # noqa: E402
 
 from relax_slurm.broker.state import BrokerState  # noqa: E402
 from relax_slurm.broker.wire import decode, encode  # noqa: E402
@@ -35,7 +34,8 @@ from relax_slurm.config.schema import (  # noqa: E402
 from relax_slurm.runtime.plan import RunPlan, save_plan  # noqa: E402
 from relax_slurm.engines.client import EngineClient  # noqa: E402
 from relax_slurm.rollout.partial import resume_params  # noqa: E402
-from relax_slurm.rollout.worker import RolloutWorker, sample_seed  # noqa: E402
+from relax_slurm.rollout.sampling import sample_seed  # noqa: E402
+from relax_slurm.rollout.worker import RolloutWorker  # noqa: E402
 from relax_slurm.weightsync import WeightSender  # noqa: E402
 
 ROWS, MAX_NEW = 4, 300  # long enough that the sync lands mid-way (the model has 512 positions)
@@ -69,10 +69,10 @@ def make_worker(model_dir: Path, url: str, run_dir: Path) -> RolloutWorker:
     save_plan(RunPlan(broker_router="tcp://127.0.0.1:1", broker_pub="tcp://127.0.0.1:2",
                       engine_urls=[url]), run_dir)
     worker = RolloutWorker(cfg, run_dir)
-    worker.broker.close()
-    worker.broker = Collector()
+    worker.services.broker.close()
+    worker.services.broker = Collector()
     # the tiny random model samples EOS every ~16 tokens: make the generations long
-    worker.params["ignore_eos"] = True
+    worker.services.params["ignore_eos"] = True
     return worker
 
 
@@ -90,16 +90,16 @@ def sync_when_running(url: str, sender: WeightSender, weights, version: int,
 async def one_attempt(worker: RolloutWorker, client: EngineClient, url: str,
                       sender: WeightSender, weights, version: int, gid: int) -> dict:
     prompt = next(worker.dataset)
-    params = [{**worker.params, "sampling_seed": sample_seed(worker.cfg.seed, gid, i, ROWS)}
+    params = [{**worker.services.params, "sampling_seed": sample_seed(worker.cfg.seed, gid, i, ROWS)}
               for i in range(ROWS)]
     straight = client.generate([prompt.input_ids] * ROWS, params)  # the old weights, no sync
     done = threading.Event()
     sync = asyncio.create_task(asyncio.to_thread(sync_when_running, url, sender, weights,
                                                  version, done))
-    await worker.rollout_group(prompt, gid, {})
+    await worker.mode.rollout_group(prompt, gid, {})
     done.set()
     await sync
-    group = worker.broker.groups[-1]
+    group = worker.services.broker.groups[-1]
     found = {"spans": [s.version_spans for s in group],
              "versions": [[s.version_min, s.version] for s in group],
              "lengths": [[len(s.response_ids), len(s.rollout_logprobs)] for s in group],
@@ -152,7 +152,7 @@ async def run(worker: RolloutWorker, client: EngineClient, url: str, named, new)
     sender = WeightSender([url], "127.0.0.1", free_port(), "relax_test_partial", "gloo", 60, 512,
                           pause_mode="abort")
     sender.connect()
-    await worker.reward_pool.start()
+    await worker.services.reward_pool.start()
     try:
         for attempt in range(ATTEMPTS):  # each attempt syncs to the next version
             found = await one_attempt(worker, client, url, sender,
@@ -167,22 +167,9 @@ async def run(worker: RolloutWorker, client: EngineClient, url: str, named, new)
 
 
 def main() -> None:
-    model_dir, named, out_path = script_args()
-    g = torch.Generator().manual_seed(5)
-    new = [(n, t + 0.5 * torch.randn(t.shape, generator=g, dtype=t.dtype)) for n, t in named]
-    port, log = free_port(), out_path.with_suffix(".engine.log")
-    url = f"http://127.0.0.1:{port}"
-    engine = start_engine(model_dir, port, log)
-    client = EngineClient(url, timeout_s=300)
-    out: dict = {}
-    try:
-        wait_healthy(url, engine, 180, log)
-        worker = make_worker(model_dir, url, out_path.parent / "run")
-        out = asyncio.run(run(worker, client, url, named, new))
-    finally:
-        client.close()
-        stop_process(engine)
-        out_path.write_text(json.dumps(out))
+    with script_engine() as s:
+        worker = make_worker(s.model_dir, s.url, s.out_path.parent / "run")
+        s.out.update(asyncio.run(run(worker, s.client, s.url, s.named, perturbed(s.named, 5))))
 
 
 if __name__ == "__main__":

@@ -21,12 +21,10 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # helpers_tiny
-from helpers_tiny import (free_port, script_args, start_engine, stop_process,  # noqa: E402
-                          wait_healthy)
+from helpers_tiny import free_port, perturbed, script_engine  # noqa: E402
 
 from relax_slurm.errors import WeightSyncError  # noqa: E402
 from relax_slurm.engines.client import EngineClient  # noqa: E402
@@ -84,16 +82,9 @@ def spans(results: list) -> list:
 
 
 def main() -> None:
-    model_dir, named, out_path = script_args()
-    g = torch.Generator().manual_seed(5)
-    new = [(n, t + 0.5 * torch.randn(t.shape, generator=g, dtype=t.dtype)) for n, t in named]
-    port, log = free_port(), out_path.with_suffix(".engine.log")
-    url = f"http://127.0.0.1:{port}"
-    engine = start_engine(model_dir, port, log)
-    out: dict = {}
-    client = EngineClient(url, timeout_s=300)
-    try:
-        wait_healthy(url, engine, 180, log)
+    with script_engine() as eng:
+        named, url, client, out = eng.named, eng.url, eng.client, eng.out
+        new = perturbed(named, 5)
 
         # retract without an update: the same tokens as an uninterrupted run
         straight = client.generate([PROMPT] * ROWS, PARAMS)
@@ -157,10 +148,6 @@ def main() -> None:
         sender.send(named, version=last)  # the session the failure left open is recovered
         out["recovered_version"] = [client.weight_version(), str(last)]
         sender.close()
-    finally:
-        client.close()
-        stop_process(engine)
-        out_path.write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

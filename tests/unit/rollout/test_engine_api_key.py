@@ -7,7 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from relax_slurm.engines import sglang_api
-from relax_slurm.rollout.hf_engine import HFEngine
+from relax_slurm.rollout.hf_core import HFEngine
 from relax_slurm.rollout.hf_server import build_app
 
 pytestmark = pytest.mark.timeout(120)

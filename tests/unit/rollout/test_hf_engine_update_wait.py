@@ -3,7 +3,7 @@ midway, with 503: the worker tries again later): an engine restarted in place go
 re-queued groups while it received its first weights, answered 400 "failed midway" and so
 killed the rollout worker (seen on Slurm in tests/slurm/test_slurm_elastic.py and in a local
 chaos run). The update is held here as `update_weights` holds it: the model lock taken, and
-`partial_weights` set only if it fails."""
+`state.partial_weights` set only if it fails."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from relax_slurm.rollout.hf_engine import HFEngine
+from relax_slurm.rollout.hf_core import HFEngine
 from relax_slurm.rollout.hf_server import build_app
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,7 +34,7 @@ def held_update(engine: HFEngine, http: TestClient, fails: bool) -> tuple[int, s
         caller.start()
         time.sleep(1.0)
         ended = time.monotonic()
-        engine.partial_weights = fails
+        engine.state.partial_weights = fails
     caller.join(timeout=60)
     return result["status"], result["text"], result["t"] < ended
 

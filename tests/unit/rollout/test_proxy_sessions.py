@@ -83,15 +83,15 @@ def proxy(tmp_path, tiny_model_dir):
                   tmp_path)
         worker = RolloutWorker(cfg, tmp_path)
         assert worker.dataset is None  # proxy mode reads no data
-        worker.broker.close()
-        worker.broker = Broker(batch_size)
-        worker.router.engines = [Engine()]
+        worker.services.broker.close()
+        worker.services.broker = Broker(batch_size)
+        worker.services.router.engines = [Engine()]
         made.append(worker)
-        return AgentProxy(worker)
+        return worker.proxy()
 
     yield make
     for w in made:
-        w.reward_pool.close()
+        w.services.reward_pool.close()
 
 
 def run(coro):
@@ -102,7 +102,7 @@ def test_one_request_at_a_time_per_session(proxy):
     p = proxy()
 
     async def main():
-        p.w.router.engines[0].gate = gate = asyncio.Event()
+        p.svc.router.engines[0].gate = gate = asyncio.Event()
         first = asyncio.create_task(p.chat("g", "a", ASK))
         await asyncio.sleep(0.05)
         with pytest.raises(ProxyError, match="still answering") as e:
@@ -126,7 +126,7 @@ def test_the_admission_bound_and_idle_groups(proxy):
         assert e.value.status == 503 and "g1" not in p.groups
         await asyncio.sleep(0.3)  # g0 idles past rollout.proxy_session_timeout_s
         await p.reap_idle()
-        assert p.stats()["groups_dropped"] == 1 and p.w.broker.state.in_flight == 0
+        assert p.stats()["groups_dropped"] == 1 and p.svc.broker.state.in_flight == 0
         with pytest.raises(ProxyError, match="unknown session"):
             await p.end("g0", "a", 1.0)
         await p.chat("g1", "a", ASK)  # the credit came back
@@ -144,14 +144,14 @@ def test_dynamic_sampling_and_engine_failures(proxy):
         # equal rewards: no advantage to learn from; dropped and its credit given back
         assert await p.end("same", "b", 1.0) == {"group_complete": True, "sessions_ended": 2,
                                                  "sent": False}
-        assert p.w.broker.groups == [] and p.w.broker.state.in_flight == 0
+        assert p.svc.broker.groups == [] and p.svc.broker.state.in_flight == 0
         for name, reward in (("a", 0.0), ("b", 1.0)):
             await p.chat("mixed", name, ASK)
             await p.end("mixed", name, reward)
-        [group] = p.w.broker.groups
+        [group] = p.svc.broker.groups
         assert [s.reward for s in group] == [0.0, 1.0]
         assert group[0].metadata["filtered_groups"] == 1  # the dropped group is counted
-        p.w.router.engines[0].fail = True
+        p.svc.router.engines[0].fail = True
         with pytest.raises(ProxyError, match="boom") as e:
             await p.chat("broken", "a", ASK)
         assert e.value.status == 502

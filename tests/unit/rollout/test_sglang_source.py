@@ -134,7 +134,7 @@ def test_the_hf_engine_serves_the_same_routes(src):
 
 
 def test_answers_the_client_and_the_hf_engine_rely_on(src):
-    from relax_slurm.rollout.hf_engine import ABORTED, ABORTED_WAITING
+    from relax_slurm.rollout.hf_core import ABORTED, ABORTED_WAITING
     from relax_slurm.weightsync import sender
 
     # every string literal of the managers (implicit concatenations joined, as Python does)

@@ -24,7 +24,9 @@ from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.rollout import worker as worker_module
 from relax_slurm.rollout.multiturn import Episode
-from relax_slurm.rollout.worker import PendingCounts, RolloutWorker, shaped_rewards
+from relax_slurm.rollout.sampling import shaped_rewards
+from relax_slurm.rollout.services import PendingCounts
+from relax_slurm.rollout.worker import RolloutWorker
 
 EOS = 1  # helpers_tiny vocabulary: <pad>=0, <eos>=1, <unk>=2, digits from 3
 PROMPTS = ["1+1=", "2+2=", "3+3=", "4+4=", "5+5=", "6+6="]
@@ -111,7 +113,7 @@ class FakeBroker:
         self.heartbeats.append((role, info))
 
     async def engines(self, drained=()):  # a fixed engine set (elastic rollout: no change)
-        urls = [e.url for e in self.worker.router.engines]
+        urls = [e.url for e in self.worker.services.router.engines]
         return {"routable": urls, "engines": [{"url": u, "state": "active"} for u in urls]}
 
     def close(self):
@@ -177,14 +179,14 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(make_worker):
         worker = make_worker(dynamic_sampling=True)
         # 1+1= and 2+2= are all right / all wrong (filtered: credit released, next prompt
         # drawn); 3+3= and 4+4= are mixed; a "0" answer is a reward error scored 0
-        worker.router = LeastLoadedRouter([FakeEngine(worker.tokenizer, {
+        worker.services.router = LeastLoadedRouter([FakeEngine(worker.services.tokenizer, {
             "1+1=": ["2"] * 4, "2+2=": ["5", "0", "5", "5"],
             "3+3=": ["6", "6", "0", "1"], "4+4=": ["8", "1", "1", "1"],
             "5+5=": ["0"] * 4, "6+6=": ["2"] * 4})])
-        worker.broker.close()
-        worker.broker = FakeBroker(worker, stop_after=2)
+        worker.services.broker.close()
+        worker.services.broker = FakeBroker(worker, stop_after=2)
         await worker.run()
-        return worker.broker
+        return worker.services.broker
 
     broker = asyncio.run(main())
     assert broker.released == 2
@@ -206,16 +208,16 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(make_worker):
 def test_without_dynamic_sampling_every_group_is_sent_with_teacher_logprobs(make_worker):
     async def main():
         worker = make_worker(teacher=True)
-        worker.router = LeastLoadedRouter([FakeEngine(worker.tokenizer, {
+        worker.services.router = LeastLoadedRouter([FakeEngine(worker.services.tokenizer, {
             p: ["2", "12", "2", "2"] for p in PROMPTS})])
-        worker.teacher = FakeTeacher()
-        worker.broker.close()
-        worker.broker = FakeBroker(worker, stop_after=2)
+        worker.services.teacher = FakeTeacher()
+        worker.services.broker.close()
+        worker.services.broker = FakeBroker(worker, stop_after=2)
         await worker.run()
         return worker
 
     worker = asyncio.run(main())
-    broker = worker.broker
+    broker = worker.services.broker
     assert broker.released == 0 and len(broker.groups) == 2
     by_id = {g[0].prompt_id: g for g in broker.groups}
     assert sorted(by_id) == ["0", "1"]  # the first two prompts (no shuffle), uniform or not
@@ -228,7 +230,7 @@ def test_without_dynamic_sampling_every_group_is_sent_with_teacher_logprobs(make
             expected = -np.arange(P, P + R, dtype=np.float32) / 100
             np.testing.assert_allclose(s.teacher_logprobs, expected, rtol=1e-6)
     sent = [list(s.prompt_ids) + list(s.response_ids) for g in broker.groups for s in g]
-    assert sorted(worker.teacher.seen) == sorted(sent)
+    assert sorted(worker.services.teacher.seen) == sorted(sent)
 
 
 def test_a_teacher_path_without_a_teacher_engine_fails_at_start(make_worker, tmp_path):
@@ -239,12 +241,12 @@ def test_a_teacher_path_without_a_teacher_engine_fails_at_start(make_worker, tmp
         RolloutWorker(worker.cfg, tmp_path)
 
 
-def test_worker_doctests():
+def test_sampling_doctests():
     import doctest
 
-    from relax_slurm.rollout import worker
+    from relax_slurm.rollout import sampling
 
-    assert doctest.testmod(worker).failed == 0
+    assert doctest.testmod(sampling).failed == 0
 
 
 def test_multimodal_prompts_carry_processed_media(tmp_path, tiny_mm_assets):
@@ -269,15 +271,15 @@ def test_multimodal_prompts_carry_processed_media(tmp_path, tiny_mm_assets):
     async def main():
         worker = RolloutWorker(cfg, tmp_path)
         try:
-            pad = worker.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-            expanded = worker.tokenizer.decode(worker.dataset[0].input_ids).replace(
+            pad = worker.services.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+            expanded = worker.services.tokenizer.decode(worker.dataset[0].input_ids).replace(
                 "<|image_pad|>", "<|image_pad|>" * 4)
-            engine = FakeEngine(worker.tokenizer, {expanded: ["0", "1"]})
-            worker.router = LeastLoadedRouter([engine])
-            worker.broker.close()
-            worker.broker = FakeBroker(worker, stop_after=2)
+            engine = FakeEngine(worker.services.tokenizer, {expanded: ["0", "1"]})
+            worker.services.router = LeastLoadedRouter([engine])
+            worker.services.broker.close()
+            worker.services.broker = FakeBroker(worker, stop_after=2)
             await worker.run()
-            return worker.broker.groups, engine.media, pad
+            return worker.services.broker.groups, engine.media, pad
         finally:
             await worker.aclose()
 
@@ -316,15 +318,15 @@ def test_multimodal_samples_get_teacher_logprobs_of_the_expanded_prompt(tmp_path
     async def main():
         worker = RolloutWorker(cfg, tmp_path)
         try:
-            expanded = worker.tokenizer.decode(worker.dataset[0].input_ids).replace(
+            expanded = worker.services.tokenizer.decode(worker.dataset[0].input_ids).replace(
                 "<|image_pad|>", "<|image_pad|>" * 4)
-            engine = FakeEngine(worker.tokenizer, {expanded: ["0", "1"]})
-            worker.router = LeastLoadedRouter([engine])
-            worker.teacher = FakeTeacher()
-            worker.broker.close()
-            worker.broker = FakeBroker(worker, stop_after=1)
+            engine = FakeEngine(worker.services.tokenizer, {expanded: ["0", "1"]})
+            worker.services.router = LeastLoadedRouter([engine])
+            worker.services.teacher = FakeTeacher()
+            worker.services.broker.close()
+            worker.services.broker = FakeBroker(worker, stop_after=1)
             await worker.run()
-            return worker.broker.groups, engine.media, worker.teacher
+            return worker.services.broker.groups, engine.media, worker.services.teacher
         finally:
             await worker.aclose()
 
@@ -342,23 +344,23 @@ def test_multi_turn_episodes_get_teacher_logprobs_of_model_tokens_only(make_work
     scores prompt + the whole response; environment tokens (mask 0) get 0."""
     async def main():
         worker = make_worker(teacher=True)
-        worker.teacher = FakeTeacher()
-        worker.broker.close()
-        worker.broker = FakeBroker(worker, stop_after=1)
+        worker.services.teacher = FakeTeacher()
+        worker.services.broker.close()
+        worker.services.broker = FakeBroker(worker, stop_after=1)
         episodes = [Episode(prompt_ids=[5, 6, 7], response_ids=[8, 9, 10, 11, 12],
                             loss_mask=[1, 1, 0, 0, 1], logprobs=[-0.1] * 5, versions=[0]),
                     Episode(prompt_ids=[5, 6], response_ids=[8, 9, 10],
                             loss_mask=[1, 0, 1], logprobs=[-0.1] * 3, versions=[0])]
-        await worker.broker.acquire(1)  # the group's admission credit
-        await worker.put_episodes("p", 0, episodes, [1.0, 0.0], 0, {})
+        await worker.services.broker.acquire(1)  # the group's admission credit
+        await worker.services.put_episodes("p", 0, episodes, [1.0, 0.0], 0, {})
         return worker
 
     worker = asyncio.run(main())
-    [group] = worker.broker.groups
+    [group] = worker.services.broker.groups
     # sequence position t is scored -t / 100; the response starts at position P
     assert group[0].teacher_logprobs.tolist() == pytest.approx([-0.03, -0.04, 0.0, 0.0, -0.07])
     assert group[1].teacher_logprobs.tolist() == pytest.approx([-0.02, 0.0, -0.04])
-    assert worker.teacher.seen == [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 8, 9, 10]]
+    assert worker.services.teacher.seen == [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 8, 9, 10]]
 
 
 class FlakyEngine(FakeEngine):
@@ -380,10 +382,10 @@ def run_two_groups(make_worker, make_engine, partial_rollout: bool = True) -> Ro
     async def main():
         worker = make_worker()
         worker.cfg.rollout.partial_rollout = partial_rollout
-        engine = make_engine(worker.tokenizer, {p: ["2", "12", "2", "2"] for p in PROMPTS})
-        worker.router = LeastLoadedRouter([engine])
-        worker.broker.close()
-        worker.broker = FakeBroker(worker, stop_after=2)
+        engine = make_engine(worker.services.tokenizer, {p: ["2", "12", "2", "2"] for p in PROMPTS})
+        worker.services.router = LeastLoadedRouter([engine])
+        worker.services.broker.close()
+        worker.services.broker = FakeBroker(worker, stop_after=2)
         await worker.run()
         return worker
 
@@ -394,7 +396,7 @@ def test_groups_of_an_unreachable_engine_are_requeued_with_their_credit(make_wor
     monkeypatch.setattr(worker_module, "ENGINE_RETRY_S", 0.01)
 
     worker = run_two_groups(make_worker, lambda tok, answers: FlakyEngine(tok, answers, 2))
-    broker = worker.broker
+    broker = worker.services.broker
     assert worker.requeued_total == 2
     # the same two prompts (with their group ids), not the next ones; no credit released
     assert sorted(g[0].prompt_id for g in broker.groups) == ["0", "1"]
@@ -424,7 +426,7 @@ def test_aborted_groups_are_requeued_never_scored_and_spans_give_the_versions(ma
     """rollout.partial_rollout=false: an aborted group is generated again from scratch."""
     worker = run_two_groups(make_worker, lambda tok, answers: AbortingEngine(tok, answers, 2),
                             partial_rollout=False)
-    groups = worker.broker.groups
+    groups = worker.services.broker.groups
     assert worker.requeued_total == 2
     assert sorted(g[0].prompt_id for g in groups) == ["0", "1"]  # the same prompts, again
     samples = [s for g in groups for s in g]
@@ -432,7 +434,7 @@ def test_aborted_groups_are_requeued_never_scored_and_spans_give_the_versions(ma
     # tokens from versions 3 and 4: the staleness rule judges the oldest
     assert {(s.version_min, s.version) for s in samples} == {(3, 4)}
     assert all(s.version_spans == [[3, 0, 1], [4, 1, s.response_len]] for s in samples)
-    assert worker.broker.released == 0
+    assert worker.services.broker.released == 0
 
 
 def test_a_managed_judge_is_called_at_the_plan_url_and_waited_for(make_worker, tmp_path,
@@ -445,7 +447,7 @@ def test_a_managed_judge_is_called_at_the_plan_url_and_waited_for(make_worker, t
                       engine_urls=["http://127.0.0.1:3"], genrm_url=judge), tmp_path)
     managed = RolloutWorker(cfg, tmp_path)
     try:
-        assert managed.reward.cfg.genrm_url == judge  # what the reward processes call
+        assert managed.services.reward.cfg.genrm_url == judge  # what the reward processes call
         waited: list[list[str]] = []
         monkeypatch.setattr(worker_module, "wait_until_healthy",
                             lambda urls, timeout_s, **_: waited.append(list(urls)))

@@ -53,7 +53,7 @@ def start_worker(run_dir: Path, model_dir: Path, broker_router: str,
     log = (run_dir / "rollout.log").open("wb")
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "relax_slurm.rollout.worker", "--run-dir", str(run_dir)],
+            [sys.executable, "-m", "relax_slurm.rollout", "--run-dir", str(run_dir)],
             cwd=REPO_ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
     finally:

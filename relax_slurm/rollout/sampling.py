@@ -1,0 +1,100 @@
+"""What a rollout sample is made of, as pure functions: seeds and sampling parameters, shaped
+rewards, a response cut at media pads, the teacher's response log-probs, routed experts.
+
+Shared by the rollout modes (rollout/single_turn.py, rollout/episodes.py, the agent proxy);
+no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import numpy as np
+
+from relax_slurm.config import TrainConfig
+from relax_slurm.errors import ConfigError
+from relax_slurm.rewards.shaping import overlong_penalty
+from relax_slurm.engines import sglang_api
+from relax_slurm.engines.client import GenerateResult
+from relax_slurm.routing.shape import RoutingShape, decode_routed_experts
+
+
+def sample_seed(run_seed: int, group_id: int, index: int, n: int) -> int:
+    """SGLang `sampling_seed` of one sample: a pure function of (run seed, group, index), so a
+    resumed run draws exactly the tokens the uninterrupted run would have drawn."""
+    return (run_seed << 40) + group_id * n + index
+
+
+def sampling_params(cfg: TrainConfig) -> dict:
+    r = cfg.rollout
+    return {
+        "max_new_tokens": r.max_new_tokens,
+        "temperature": r.temperature,
+        "top_p": r.top_p,
+        "top_k": r.top_k,
+    }
+
+
+def seeded_params(params: dict, run_seed: int, group_id: int, n: int) -> list[dict]:
+    """The group's n per-sample parameters: `params` with each sample's own seed."""
+    return [{**params, "sampling_seed": sample_seed(run_seed, group_id, i, n)} for i in range(n)]
+
+
+def shaped_rewards(cfg: TrainConfig, rewards: list[float], lengths: list[int]) -> list[float]:
+    """Rewards with the soft overlong penalty added (algo.overlong_buffer_tokens, 0 = off)."""
+    a = cfg.algo
+    return [r + overlong_penalty(n, cfg.rollout.max_new_tokens, a.overlong_buffer_tokens,
+                                 a.overlong_penalty_factor)
+            for r, n in zip(rewards, lengths)]
+
+
+def cut_at_media_pads(res: GenerateResult, pad_ids: Iterable[int]) -> GenerateResult:
+    """A response cut before its first media pad token, finish reason "length" (the trainer's
+    forward would read a pad as a media slot). The hf engine never samples them; an SGLang
+    engine serving a barely trained model may.
+
+    >>> r = cut_at_media_pads(GenerateResult([5, 9, 6], [-1.0, -2.0, -3.0], "stop", "0"), [9])
+    >>> r.output_ids, r.logprobs, r.finish_reason
+    ([5], [-1.0], 'length')
+    """
+    pads = set(pad_ids)
+    cut = next((i for i, t in enumerate(res.output_ids) if t in pads), None)
+    if cut is None:
+        return res
+    return dataclasses.replace(res, output_ids=res.output_ids[:cut],
+                               logprobs=res.logprobs[:cut], finish_reason="length")
+
+
+def response_logprobs(prefill: list[float], prompt_len: int,
+                      mask: list[float] | None = None) -> np.ndarray:
+    """A prefill's log-probs of the response tokens, [R] float32: token t of the sequence is
+    predicted at position t - 1, so the response starts at prompt_len - 1; positions whose mask
+    is 0 (environment tokens of a multi-turn response) get 0.
+
+    >>> response_logprobs([-1.0, -2.0, -3.0, -4.0], 2, [1, 0, 1]).tolist()
+    [-2.0, 0.0, -4.0]
+    """
+    out = np.asarray(prefill[prompt_len - 1:], dtype=np.float32)
+    if mask is not None:
+        out[np.asarray(mask) == 0] = 0.0
+    return out
+
+
+def sample_routing(res: GenerateResult, prompt_len: int, shape: RoutingShape, *,
+                   required: bool) -> np.ndarray | None:
+    """A response's routed experts as a sample carries them (flat int16, one row per prompt +
+    response token but the last), or None when the engine sent none; `required`
+    (algo.routing_replay) makes that a ConfigError naming the engine flag."""
+    if res.routed_experts is None:
+        if required:
+            raise ConfigError(
+                "algo.routing_replay=true but the engine returned no meta_info.routed_experts: "
+                f"start SGLang with {sglang_api.ROUTED_EXPERTS_FLAG} (relax-train adds it to the "
+                "engines it starts for an MoE model.path; check externally started engines)")
+        return None
+    # decoded for every token generated; a response cut short here (at a media pad) drops the
+    # rows of the tokens it lost
+    generated = int(res.meta_info.get("completion_tokens", len(res.output_ids)))
+    ids = decode_routed_experts(res.routed_experts, shape, prompt_len + generated - 1)
+    return ids[:(prompt_len + len(res.output_ids) - 1) * shape.layers * shape.topk]

@@ -1,0 +1,218 @@
+"""What every rollout mode shares: the broker, the engines' router, the reward, the teacher, the
+group ids, and the tail of a group's way (overlong penalty, dynamic sampling, teacher log-probs,
+`put_group`).
+
+The rollout worker builds one `RolloutServices` and hands it to its mode (rollout/single_turn.py,
+rollout/episodes.py, or the agent proxy, rollout/proxy.py); none of them holds the worker, whose
+own part is the admission loop (rollout/worker.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from relax_slurm.broker.client import AsyncBrokerClient
+from relax_slurm.config import TrainConfig
+from relax_slurm.data import load_tokenizer
+from relax_slurm.errors import ConfigError
+from relax_slurm.runtime.plan import RunPlan
+from relax_slurm.rewards import RewardPool, build_reward
+from relax_slurm.rewards.shaping import is_informative_group
+from relax_slurm.engines import sglang_api
+from relax_slurm.rollout.coalesce import CoalescingEngine
+from relax_slurm.engines.client import AsyncEngineClient, GenerateResult
+from relax_slurm.rollout.multiturn import Episode, episode_sample
+from relax_slurm.rollout.router import LeastLoadedRouter
+from relax_slurm.rollout.sampling import (
+    response_logprobs, sample_routing, sampling_params, seeded_params, shaped_rewards,
+)
+from relax_slurm.routing.shape import RoutingShape, routing_shape
+
+log = logging.getLogger("relax_slurm.rollout")
+
+
+@dataclass
+class PendingCounts:
+    """Counts of groups that did not reach the broker, handed to the next group that does."""
+
+    reward_errors: int = 0
+    filtered_groups: int = 0
+
+    def take(self, reward_errors: int) -> dict[str, int]:
+        """This group's counts plus everything pending (then reset): its samples' metadata."""
+        out = {"reward_errors": self.reward_errors + reward_errors,
+               "filtered_groups": self.filtered_groups}
+        self.reward_errors = self.filtered_groups = 0
+        return out
+
+
+class GroupIds:
+    """Group ids unique across workers without coordination: start, start + n, start + 2n..."""
+
+    def __init__(self, start: int, num_workers: int) -> None:
+        self.first, self.num_workers = start, num_workers
+        self._ids = itertools.count(start, num_workers)
+
+    def __next__(self) -> int:
+        return next(self._ids)
+
+    def restart_at(self, start: int) -> None:
+        """Continue at `start` (a restarted worker, after its predecessor's newest group)."""
+        self._ids = itertools.count(start, self.num_workers)
+
+
+def grades_like_math(reward_name: str) -> bool:
+    """Whether the reward uses math-verify, worth pre-loading in the pool (seconds of SymPy
+    imports, which would otherwise count against the first call's timeout)."""
+    return any(k in reward_name for k in ("math", "dapo", "deepscaler", "openr1mm"))
+
+
+def check_same_tokenizer(tokenizer, teacher_path: str, model_path: str) -> None:
+    """The teacher is sent the student's token ids: it must read them as the same text."""
+    if load_tokenizer(teacher_path).get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(
+            f"algo.teacher_model_path={teacher_path} has another tokenizer than model.path="
+            f"{model_path}: on-policy distillation sends token ids, so the teacher needs the "
+            "same vocabulary")
+
+
+def make_engine(cfg: TrainConfig, url: str, routed_experts: bool) -> CoalescingEngine:
+    """An engine to route to (tasks started together share one batched request)."""
+    return CoalescingEngine(AsyncEngineClient(url, cfg.rollout.request_timeout_s,
+                                              routed_experts=routed_experts),
+                            cfg.rollout.groups_per_request)
+
+
+@dataclass
+class RolloutServices:
+    """The connections and shared steps of one rollout worker, whatever its mode."""
+
+    cfg: TrainConfig
+    tokenizer: Any
+    broker: AsyncBrokerClient
+    router: LeastLoadedRouter
+    reward: Any
+    reward_pool: RewardPool
+    teacher: AsyncEngineClient | None
+    routing: RoutingShape | None
+    """An MoE policy's engines report where they routed each token (routing replay)."""
+    worker_rank: int
+    group_ids: GroupIds
+    params: dict = field(default_factory=dict)
+    """Sampling parameters of every sample (rollout.*), before its seed."""
+    counts: PendingCounts = field(default_factory=PendingCounts)
+    warned_no_routing: bool = False
+
+    @classmethod
+    def build(cls, cfg: TrainConfig, plan: RunPlan, tokenizer, worker_rank: int,
+              group_ids: GroupIds) -> RolloutServices:
+        """Connect to what the plan names; a bad reward config or a teacher without its engine
+        fails here, at start (a managed judge's URL comes from the plan)."""
+        reward = build_reward(plan.reward_config(cfg.reward))
+        reward_pool = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s,
+                                 warm_up=grades_like_math(cfg.reward.name))
+        broker = AsyncBrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
+                                   identity=f"rollout{worker_rank}")
+        routing = routing_shape(cfg.model.path) if cfg.rollout.return_routed_experts else None
+        router = LeastLoadedRouter([make_engine(cfg, u, routing is not None)
+                                    for u in plan.engine_urls])
+        if cfg.algo.teacher_model_path and plan.teacher_url is None:
+            raise ConfigError(
+                f"algo.teacher_model_path={cfg.algo.teacher_model_path} is set but this run has "
+                "no teacher engine in its plan (relax-train starts one, locally and on Slurm): "
+                "start the run with relax-train, or unset it")
+        teacher = None
+        if plan.teacher_url:
+            check_same_tokenizer(tokenizer, cfg.algo.teacher_model_path, cfg.model.path)
+            teacher = AsyncEngineClient(plan.teacher_url, cfg.rollout.request_timeout_s)
+        return cls(cfg=cfg, tokenizer=tokenizer, broker=broker, router=router, reward=reward,
+                   reward_pool=reward_pool, teacher=teacher, routing=routing,
+                   worker_rank=worker_rank, group_ids=group_ids, params=sampling_params(cfg))
+
+    def engine(self, url: str) -> CoalescingEngine:
+        """An engine joining the router (elastic rollout)."""
+        return make_engine(self.cfg, url, self.routing is not None)
+
+    def group_params(self, gid: int) -> list[dict]:
+        """The n samples' parameters of group `gid`, each with its own seed."""
+        return seeded_params(self.params, self.cfg.seed, gid, self.cfg.rollout.n_samples_per_prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def routed_experts(self, prompt_ids: list[int], res: GenerateResult) -> np.ndarray | None:
+        """The sample's routed experts (None for a dense model, or, with a warning, from an
+        engine that does not report them while nothing needs them)."""
+        if self.routing is None:
+            return None
+        ids = sample_routing(res, len(prompt_ids), self.routing,
+                             required=self.cfg.algo.routing_replay)
+        if ids is None and not self.warned_no_routing:
+            log.warning("the engines return no routed experts (start SGLang with %s): no "
+                        "routing replay, no train/routing_mismatch_frac",
+                        sglang_api.ROUTED_EXPERTS_FLAG)
+            self.warned_no_routing = True
+        return ids
+
+    async def teacher_logprobs(self, prompt_ids: list[list[int]], responses: list[list[int]],
+                               masks: list[list[float]] | None = None,
+                               media: list[dict] | None = None) -> list[np.ndarray | None]:
+        """The teacher's log-prob of each response token given prompt + response so far, from
+        the prefill path of its /generate (with the prompt's media for multimodal samples);
+        [None] * n without a teacher. `masks`: multi-turn responses hold environment tokens
+        (mask 0), which the teacher scores too but which get 0 here: only model tokens train."""
+        if self.teacher is None:
+            return [None] * len(responses)
+        seqs = [list(p) + list(r) for p, r in zip(prompt_ids, responses)]
+        # at temperature 1: the teacher's own distribution
+        lps = await self.teacher.prefill_logprobs(seqs, media=media)
+        return [response_logprobs(lp, len(p), None if masks is None else masks[i])
+                for i, (lp, p) in enumerate(zip(lps, prompt_ids))]
+
+    async def counts_or_filter(self, rewards: list[float], errors: int) -> dict | None:
+        """The counts for this group's samples' metadata; None when dynamic sampling drops it
+        (all advantages would be 0: the credit goes back and the loop admits another prompt)."""
+        if self.cfg.algo.dynamic_sampling and not is_informative_group(rewards):
+            self.counts.filtered_groups += 1
+            self.counts.reward_errors += errors
+            await self.broker.release(1)
+            return None
+        return self.counts.take(errors)
+
+    async def put_episodes(self, prompt_id: str, gid: int, episodes: list[Episode],
+                           rewards: list[float], errors: int, metadata: dict) -> bool:
+        """Episodes scored `rewards` -> one group on the broker (after the overlong penalty and
+        dynamic sampling, which may drop it: False). Shared by the env-driven episodes and the
+        proxy's sessions."""
+        rewards = shaped_rewards(self.cfg, rewards, [len(e.response_ids) for e in episodes])
+        counts = await self.counts_or_filter(rewards, errors)
+        if counts is None:
+            return False
+        meta = {**metadata, "worker": self.worker_rank, **counts}
+        if self.teacher is not None and any(ep.images for ep in episodes):
+            raise ConfigError("on-policy distillation of episodes with image observations is "
+                              "not supported yet (the teacher would need their images): unset "
+                              "algo.teacher_model_path or use a text environment")
+        teacher = await self.teacher_logprobs([ep.prompt_ids for ep in episodes],
+                                              [ep.response_ids for ep in episodes],
+                                              masks=[ep.loss_mask for ep in episodes])
+        await self.broker.put_group([episode_sample(ep, prompt_id=prompt_id, group_id=gid,
+                                                    reward=r, metadata=meta, teacher_logprobs=lp)
+                                     for ep, r, lp in zip(episodes, rewards, teacher)])
+        return True
+
+    def engine_urls(self) -> list[str]:
+        """Every engine this worker calls (the teacher too), for the start-up health wait."""
+        return [e.url for e in self.router.engines] + ([self.teacher.url] if self.teacher else [])
+
+    async def aclose(self) -> None:
+        """Cancel the requests still open on the engines, then close every connection."""
+        for engine in [*self.router.engines, *([self.teacher] if self.teacher else [])]:
+            await engine.aclose()
+        self.reward_pool.close()
+        self.broker.close()

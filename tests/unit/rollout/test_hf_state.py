@@ -1,0 +1,55 @@
+"""The hf engine's state object: what /generate is refused for, when memory may be released,
+what /server_info reports (no model, no threads)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+
+from relax_slurm.rollout.hf_batch import PendingRequest, Row
+from relax_slurm.rollout.hf_requests import BadRequest, NotServing, SamplingSpec
+from relax_slurm.rollout.hf_state import EngineState
+
+
+def row(out_ids: list[int] = (), held: bool = False) -> Row:
+    r = Row([4, 5], SamplingSpec(), False, PendingRequest(Future(), [None], 1), 0)
+    r.out_ids = list(out_ids)
+    r.held_in_place = held
+    return r
+
+
+def test_generate_is_refused_while_memory_is_released_or_weights_are_partial():
+    state = EngineState()
+    state.check_serving()
+    state.released = {"weights"}
+    with pytest.raises(BadRequest, match="resume_memory_occupation"):
+        state.check_serving()
+    state.released = set()
+    state.partial_weights = True
+    with pytest.raises(NotServing, match="midway"):
+        state.check_serving()
+
+
+def test_idle_or_paused_counts_an_in_place_batch_as_running():
+    state = EngineState()
+    assert state.idle_or_paused()
+    state.pending.append(row())
+    assert not state.idle_or_paused()  # queued and not paused: it would run
+    state.paused = True
+    assert state.idle_or_paused()  # a paused queue does not count ...
+    state.pending.append(row(held=True))
+    assert not state.idle_or_paused() and state.held_in_place()  # ... its in-place rows do
+
+
+def test_status_reports_queue_batch_and_pause_mode():
+    state = EngineState(paused=True, interrupt="retract", session=True)
+    state.pending.extend([row(held=True), row()])
+    state.running = [row([7, 8, 9])]
+    assert state.status() == {
+        "paused": True, "pause_mode": "retract", "queued_sequences": 2, "running_sequences": 1,
+        "running_tokens": 3, "held_in_place": 1, "weight_update_session": True,
+        "memory_released": []}
+    state.paused = False  # an abort_all's interrupt is no pause mode
+    state.interrupt = "abort"
+    assert state.status()["pause_mode"] is None
