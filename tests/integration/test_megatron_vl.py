@@ -152,12 +152,34 @@ def test_vl_moe_export_is_the_file_in_either_layout(runs):
                                 "same_weights": True}
 
 
+def megatron_vl_run(run_dir: Path, model: Path, data: Path, steps: int, layout: str, *,
+                    timeout_s: float) -> None:
+    """`relax-train experiment=tiny_vl_cpu trainer=megatron` on two ranks (`layout`: TP or EP
+    = 2) on the colour task, its HF export at the end; every weight sync verified bit for bit
+    (the start and every step)."""
+    import subprocess
+
+    from tests.conftest import REPO, run_env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_vl_cpu",
+         f"run_dir={run_dir}", f"model.path={model}",
+         f"data.train_files=[{data / 'colors_train.jsonl'}]", "metrics.progress=false",
+         "trainer=megatron", layout, "trainer.nproc_per_node=2",
+         f"trainer.total_steps={steps}", f"trainer.save_hf_every={steps}",
+         "weight_sync.verify=true"],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout_s, env=run_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert log.count("weights verified bit for bit") == steps + 1
+
+
 @pytest.mark.timeout(900)
-def test_tiny_vl_moe_trains_at_ep2_syncs_and_converts(runs, tmp_path):
+def test_tiny_vl_moe_trains_at_ep2_syncs_and_converts(runs, vl_assets, tmp_path):
     """Two steps of the colour task with the tiny Qwen3-VL-MoE at EP=2 (~75 s on a loaded
-    2-core machine, with the data and the conversion): every weight sync into the hf engine verified bit for bit (the fused experts
-    under the file's names and layout), and the EP=2 dist-checkpoint converts (relax-convert,
-    one rank) to exactly the trainer's HF export."""
+    2-core machine, with the conversion): every weight sync into the hf engine verified bit
+    for bit (the fused experts under the file's names and layout), and the EP=2
+    dist-checkpoint converts (relax-convert, one rank) to exactly the trainer's HF export."""
     import subprocess
 
     import torch
@@ -165,22 +187,9 @@ def test_tiny_vl_moe_trains_at_ep2_syncs_and_converts(runs, tmp_path):
 
     from tests.conftest import REPO, run_env
 
-    data = tmp_path / "data"
-    subprocess.run([sys.executable, "tools/prepare_mm_data.py", "--out", str(data), "--task",
-                    "colors"], cwd=REPO, check=True, timeout=600, capture_output=True,
-                   env=run_env())
     run_dir, steps = tmp_path / "run", 2
-    proc = subprocess.run(
-        [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_vl_cpu",
-         f"run_dir={run_dir}", f"model.path={runs['vl3moe']}",
-         f"data.train_files=[{data / 'colors_train.jsonl'}]", "metrics.progress=false",
-         "trainer=megatron", "trainer.expert_parallel_size=2", "trainer.nproc_per_node=2",
-         f"trainer.total_steps={steps}", f"trainer.save_hf_every={steps}",
-         "weight_sync.verify=true"],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env=run_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    log = (run_dir / "logs" / "trainer.log").read_text()
-    assert log.count("weights verified bit for bit") == steps + 1  # the start and every step
+    megatron_vl_run(run_dir, runs["vl3moe"], vl_assets, steps, "trainer.expert_parallel_size=2",
+                    timeout_s=600)
     out = tmp_path / "converted"
     conv = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
                            str(run_dir), "--output", str(out), "--no-progress"], cwd=REPO,
@@ -233,19 +242,10 @@ def test_tiny_vl_learns_under_megatron_tp2_and_converts(vl_assets, tmp_path):
     from tests.conftest import REPO, run_env
 
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_vl_cpu",
-         f"run_dir={run_dir}", f"model.path={vl_assets / 'vl_model'}",
-         f"data.train_files=[{vl_assets / 'colors_train.jsonl'}]", "metrics.progress=false",
-         "trainer=megatron", "trainer.tensor_parallel_size=2", "trainer.nproc_per_node=2",
-         f"trainer.total_steps={E2E_STEPS}", f"trainer.save_hf_every={E2E_STEPS}",
-         "weight_sync.verify=true"],
-        cwd=REPO, capture_output=True, text=True, timeout=1200, env=run_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    megatron_vl_run(run_dir, vl_assets / "vl_model", vl_assets, E2E_STEPS,
+                    "trainer.tensor_parallel_size=2", timeout_s=1200)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == E2E_STEPS
-    log = (run_dir / "logs" / "trainer.log").read_text()
-    assert log.count("weights verified bit for bit") == E2E_STEPS + 1  # the start and every step
     assert summary["reward_first"] <= 0.3, summary
     assert summary["reward_last"] >= E2E_REWARD, summary
 

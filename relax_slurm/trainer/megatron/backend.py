@@ -61,7 +61,9 @@ class MegatronBackend:
 
         with torch.no_grad():
             load_named_tensors(self.ref_model, self.mm.named_hf_weights())
-        log.info("reference model refreshed from the policy after step %d", self.mm.steps_done)
+        if dist.get_rank() == 0:  # every rank refreshes its replica; one line says so
+            log.info("reference model refreshed from the policy after step %d",
+                     self.mm.steps_done)
 
     def eval_sums(self, block: MicroBatch) -> dict[str, float]:
         """Forward only (SFT validation): NLL sums of this rank's share (see
