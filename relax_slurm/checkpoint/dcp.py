@@ -225,18 +225,7 @@ def load_checkpoint(
         state["model"], state["optimizer"] = get_state_dict(model, optimizer)
     if not weights_only and scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
-    if reference is not None:
-        if meta.get("extra_state", {}).get("reference_saved"):
-            state["reference"] = reference.state_dict()  # DCP loads in place
-        else:
-            log.warning("%s holds no reference model (saved without algo.ref_update_interval): "
-                        "the reference stays model.path as loaded", path)
-    load_critic = critic is not None and meta.get("extra_state", {}).get("critic_saved")
-    if load_critic:
-        state["critic"], state["critic_optimizer"] = get_state_dict(*critic)
-    elif critic is not None:
-        log.warning("%s holds no critic (saved by a run without one): the critic starts "
-                    "fresh", path)
+    load_critic = _side_models(state, path, meta.get("extra_state", {}), reference, critic)
     group = dist.group.WORLD if dist.is_initialized() else None
     try:
         with quiet_single_process():
@@ -265,6 +254,26 @@ def load_checkpoint(
         log.warning("%s has no RNG state for rank %d (saved with world size %s); RNG not restored",
                     path, rank, meta.get("world_size"))
     return dict(meta.get("extra_state", {}), step=meta["step"])
+
+
+def _side_models(state: dict[str, Any], path: Path, saved: dict[str, Any],
+                 reference: nn.Module | None,
+                 critic: tuple[nn.Module, torch.optim.Optimizer] | None) -> bool:
+    """Add the reference's and the critic's entries to `state` where the checkpoint has them
+    (a warning where the run wants one it lacks); whether the critic is loaded."""
+    if reference is not None:
+        if saved.get("reference_saved"):
+            state["reference"] = reference.state_dict()  # DCP loads in place
+        else:
+            log.warning("%s holds no reference model (saved without algo.ref_update_interval): "
+                        "the reference stays model.path as loaded", path)
+    if critic is not None and saved.get("critic_saved"):
+        state["critic"], state["critic_optimizer"] = get_state_dict(*critic)
+        return True
+    if critic is not None:
+        log.warning("%s holds no critic (saved by a run without one): the critic starts "
+                    "fresh", path)
+    return False
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

@@ -145,9 +145,9 @@ class AlgoConfig:
     value_clip: Optional[float] = 0.2
     """algo=ppo: the value loss's clip range around the critic's values before the step
     (verl's cliprange_value); null: the plain 0.5 x (V - R)^2."""
-    critic_lr: float = 1e-5
-    """algo=ppo: the critic's AdamW learning rate (constant; betas and weight decay are
-    trainer.adam_beta1/2 and trainer.weight_decay, its gradient clipped at trainer.grad_clip)."""
+    critic_lr: Optional[float] = None
+    """algo=ppo: the critic's AdamW learning rate, constant; null: 5 x trainer.lr (betas, weight
+    decay and gradient clip are trainer.adam_beta1/2, weight_decay, grad_clip)."""
 
     def __post_init__(self) -> None:
         _check(self.name in ALGO_NAMES,
@@ -236,7 +236,8 @@ class AlgoConfig:
         _check(0 <= self.lam <= 1, f"algo.lam={self.lam}: must be in [0, 1]")
         _check(self.value_clip is None or self.value_clip > 0,
                f"algo.value_clip={self.value_clip}: must be > 0, or null (no clip)")
-        _check(self.critic_lr > 0, f"algo.critic_lr={self.critic_lr}: must be > 0")
+        _check(self.critic_lr is None or self.critic_lr > 0,
+               f"algo.critic_lr={self.critic_lr}: must be > 0, or null (5 x trainer.lr)")
         _check(not self.kl_coef or not self.uses_critic,
                f"algo.kl_coef={self.kl_coef} with algo={self.name} is not supported yet (the KL "
                "would have to enter the token rewards before GAE, which needs the policy's and "
