@@ -46,7 +46,9 @@ class ValueModel(nn.Module):
 
     def forward(self, **inputs: Tensor) -> Tensor:
         hidden = self.model(**inputs).last_hidden_state  # [B, T, H]
-        return self.value_head(hidden).squeeze(-1).float()
+        # a new tensor, not a view: FSDP2 warns that a view returned by its module would lose
+        # its pre-backward hook under an in-place op
+        return self.value_head(hidden).squeeze(-1).float().clone()
 
 
 class Critic:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from relax_slurm.algos.ppo import whiten
-from relax_slurm.checkpoint import find_latest, save_checkpoint
+from relax_slurm.checkpoint import dcp, find_latest, save_checkpoint
 from relax_slurm.config.schema import (
     AlgoConfig, ModelConfig, RolloutConfig, TrainConfig, TrainerConfig,
 )
@@ -25,6 +25,7 @@ CPU = torch.device("cpu")
 def one_rank():
     with single_process_group():
         yield
+    dcp._ckpt_group = None  # the cached checkpoint group lived in the group just destroyed
 
 
 def config(tiny_dir, **algo) -> TrainConfig:
