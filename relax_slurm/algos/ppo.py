@@ -5,7 +5,8 @@ tokens, and only those take part in the recursions: an untrained position (promp
 tokens, padding) is skipped, so the next trained token's value and advantage carry across it.
 
 - `gae`: delta_t = r_t + gamma * V_next - V_t, A_t = delta_t + gamma * lam * A_next, R_t = A_t + V_t.
-  The reward is the sample's score on its last trained token (`last_token_rewards`).
+  The reward is the sample's score on its last trained token, minus kl_coef x each token's KL
+  to the reference with the reward-side KL (`token_rewards`).
 - `whiten`: (A - mean) / sqrt(var + 1e-8) over every trained token of the batch (unbiased var,
   as verl's masked_whiten); `reduce` adds the moments across ranks.
 - `value_loss`: 0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2) per token.
@@ -41,6 +42,17 @@ def last_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
     pos = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
     last = torch.where(trained, pos, torch.full_like(pos, -1)).max(dim=1, keepdim=True).values
     return torch.where(trained & (pos == last), scores, torch.zeros_like(scores))
+
+
+def token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0
+                  ) -> Tensor:
+    """PPO's token rewards [N, T]: the score on each row's last trained token
+    (`last_token_rewards`), minus `kl_coef` x the per-token KL to the reference (`kl` [N, T],
+    algo.kl_coef, the reward-side KL) on every trained token."""
+    rewards = last_token_rewards(scores, mask)
+    if kl is None or not kl_coef:
+        return rewards
+    return rewards - kl_coef * torch.where(mask != 0, kl.detach(), torch.zeros_like(kl))
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
@@ -92,4 +104,5 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor,
     return 0.5 * torch.maximum(plain, clipped), (clipped > plain).to(values.dtype)
 
 
-register(Algorithm(name="ppo", advantages=score_passthrough, token_loss=ppo_clip_token_loss))
+register(Algorithm(name="ppo", advantages=score_passthrough, token_loss=ppo_clip_token_loss,
+                   kl_in_rewards=True))

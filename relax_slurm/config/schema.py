@@ -103,7 +103,8 @@ class AlgoConfig:
     kl_coef: float = 0.0
     """Reward-side KL (Relax's kl_coef): each token's advantage is lowered by kl_coef x the KL
     (kl_loss_type, of the sampling-time policy to the reference) summed from that token to the
-    end of its response; 0 disables. Not for rloo and reinforce_plus_plus_baseline (refused)."""
+    end of its response (algo=ppo: -kl_coef x KL in the token rewards, before GAE); 0 disables.
+    Not for rloo and reinforce_plus_plus_baseline (refused)."""
     ref_update_interval: Optional[int] = None
     """Replace the frozen reference model by the current policy every this many rollout batches
     (after the batch's update; Relax's ref_update_interval); null: the reference stays
@@ -238,11 +239,6 @@ class AlgoConfig:
                f"algo.value_clip={self.value_clip}: must be > 0, or null (no clip)")
         _check(self.critic_lr is None or self.critic_lr > 0,
                f"algo.critic_lr={self.critic_lr}: must be > 0, or null (5 x trainer.lr)")
-        _check(not self.kl_coef or not self.uses_critic,
-               f"algo.kl_coef={self.kl_coef} with algo={self.name} is not supported yet (the KL "
-               "would have to enter the token rewards before GAE, which needs the policy's and "
-               "the reference's log-probs before the critic's pass): set algo.kl_coef=0 and use "
-               "algo.kl_loss_coef (docs/algorithms.md#ppo-with-a-critic)")
 
 
 @dataclass(kw_only=True)

@@ -66,7 +66,7 @@ class TorchBackend:
 
         t = self.cfg.trainer
         if self.critic is not None:  # GAE advantages from the critic's values before its step
-            blocks = self.critic.prepare(blocks)
+            blocks = self.critic.prepare(blocks, self.model, self.ref_model)
         metrics = train_step(self.model, self.optimizer, self.scheduler, blocks, self.cfg.algo,
                              micro_batch_size=t.micro_batch_size, grad_clip=t.grad_clip,
                              temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,

@@ -1,7 +1,7 @@
 """The critic of algo=ppo: a value model beside the policy, owned by the torch backend.
 
     critic = Critic(cfg, device)              # model.path's transformer + a fresh scalar head
-    blocks = critic.prepare(blocks)           # values, GAE, whitened advantages, returns
+    blocks = critic.prepare(blocks, policy, ref)  # values, GAE, whitened advantages, returns
     ... the policy's train_step on those blocks ...
     metrics = critic.update(blocks, ...)      # the clipped value loss, one AdamW step each
 
@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from relax_slurm.algos.ppo import gae, last_token_rewards, value_loss, whiten
+from relax_slurm.algos.common import kl_penalty
+from relax_slurm.algos.ppo import gae, token_rewards, value_loss, whiten
 from relax_slurm.config import TrainConfig
 from relax_slurm.trainer.batch import MicroBatch
 
@@ -78,14 +79,35 @@ class Critic:
         return values
 
     @torch.no_grad()
-    def prepare(self, blocks: Iterable[tuple[MicroBatch, bool]]) -> Blocks:
+    def _reward_kl(self, block: MicroBatch, policy: nn.Module, ref: nn.Module) -> Tensor:
+        """Per-token KL of the sampling-time policy to the reference, [rows, T-1]
+        (algo.kl_loss_type; the policy's own log-probs before the step with
+        old_logprobs=recompute, the engine's with rollout), as the loss's reward-side KL."""
+        from relax_slurm.trainer.step import token_logprobs
+
+        algo, temp = self.cfg.algo, self.cfg.rollout.temperature
+        kl = torch.zeros_like(block.weights)
+        size = self.cfg.trainer.micro_batch_size
+        for lo in range(0, len(block), size):
+            mb = block.rows(lo, lo + size)
+            old = (mb.rollout_logp if algo.old_logprobs == "rollout"
+                   else token_logprobs(policy, mb, temp))
+            kl[lo:lo + len(mb), :mb.targets.shape[1]] = kl_penalty(
+                old, token_logprobs(ref, mb, temp), algo.kl_loss_type)
+        return kl
+
+    @torch.no_grad()
+    def prepare(self, blocks: Iterable[tuple[MicroBatch, bool]], policy: nn.Module,
+                ref: nn.Module | None) -> Blocks:
         """This rank's blocks with GAE advantages whitened over the whole batch (every rank's
         trained tokens: a collective), `old_values` and `returns`. The incoming advantages are
-        each sample's score on its trained tokens (algo=ppo's estimator passes it through)."""
+        each sample's score on its trained tokens (algo=ppo's estimator passes it through);
+        with algo.kl_coef the token rewards also carry the KL of `policy` to `ref`."""
         [(block, last)] = list(blocks)  # whole batches (streaming is refused for algo=ppo)
         values = self._block_values(block)
         mask = block.weights
-        rewards = last_token_rewards(block.advantages, mask)
+        kl = self._reward_kl(block, policy, ref) if self.cfg.algo.kl_coef else None
+        rewards = token_rewards(block.advantages, mask, kl, self.cfg.algo.kl_coef)
         adv, returns = gae(rewards, values, mask, self.cfg.algo.gamma, self.cfg.algo.lam)
         return [(dataclasses.replace(block, advantages=whiten(adv, mask, reduce=_all_reduce),
                                      old_values=values, returns=returns), last)]

@@ -77,3 +77,34 @@ def test_value_loss_by_hand():
     plain, none = value_loss(values, old, returns, value_clip=None)
     assert plain[0].tolist() == pytest.approx([0.125, 0.405, 0.125])
     assert none.sum().item() == 0
+
+
+def test_token_rewards_carry_the_reward_side_kl():
+    from relax_slurm.algos.ppo import token_rewards
+
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    scores = torch.ones(1, 4)
+    kl = torch.tensor([[5.0, 0.5, -1.0, 0.25]])  # position 0 (prompt) adds nothing
+    r = token_rewards(scores, mask, kl, kl_coef=0.1)
+    assert r[0].tolist() == pytest.approx([0.0, -0.05, 0.1, 1.0 - 0.025])
+    # gamma = lam = 1, V = 0: each token's advantage is the score minus kl_coef x its KL to go
+    adv, _ = gae(r, torch.zeros(1, 4), mask, 1.0, 1.0)
+    assert adv[0].tolist() == pytest.approx([0.0, 1 - 0.1 * (0.5 - 1.0 + 0.25),
+                                             1 - 0.1 * (-1.0 + 0.25), 1 - 0.1 * 0.25])
+    assert torch.equal(token_rewards(scores, mask, kl, kl_coef=0.0), token_rewards(scores, mask))
+
+
+def test_policy_loss_does_not_fold_the_kl_twice_for_ppo():
+    from relax_slurm.algos import policy_loss
+
+    logp = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -1.0]])
+    adv = torch.tensor([[1.0, 1.0]])
+    ppo, m = policy_loss("ppo", logp, logp, adv, torch.ones(1, 2), ref_logprobs=ref,
+                         kl_coef=0.1, kl_loss_type="k1")
+    plain, _ = policy_loss("ppo", logp, logp, adv, torch.ones(1, 2))
+    assert ppo.item() == plain.item()  # the KL is in ppo's token rewards already
+    assert m["reward_kl"].item() == pytest.approx(0.5 - 1.0)  # still logged
+    grpo, _ = policy_loss("grpo", logp, logp, adv, torch.ones(1, 2), ref_logprobs=ref,
+                          kl_coef=0.1, kl_loss_type="k1")
+    assert grpo.item() != plain.item()

@@ -48,12 +48,34 @@ def test_first_advantages_are_the_whitened_scores(tiny_dir):
     score, whitened over the batch's trained tokens; the returns are the score."""
     backend = TorchBackend(config(tiny_dir), CPU)
     block = batch(backend)
-    [(out, last)] = backend.critic.prepare([(block, True)])
+    [(out, last)] = backend.critic.prepare([(block, True)], backend.model, None)
     assert last and torch.equal(out.old_values, torch.zeros_like(block.weights))
     mask = block.weights != 0
     assert torch.equal(out.returns, torch.where(mask, block.advantages, 0.0))
     assert torch.allclose(out.advantages, whiten(block.advantages, mask), atol=1e-6)
     assert out.advantages[mask].mean().abs() < 1e-6
+
+
+def test_reward_side_kl_enters_the_returns(tiny_dir):
+    """algo.kl_coef: with V = 0 and gamma = lam = 1 each return is the score minus kl_coef x
+    the KL to go of the policy (before the step) to the reference."""
+    from relax_slurm.algos.common import kl_to_go
+    from relax_slurm.trainer.step import token_logprobs
+
+    backend = TorchBackend(config(tiny_dir, kl_coef=0.5, kl_loss_type="k1"), CPU)
+    with torch.no_grad():  # a reference away from the policy
+        for p in backend.ref_model.parameters():
+            p.mul_(1.5)
+    block = batch(backend)
+    [(out, _)] = backend.critic.prepare([(block, True)], backend.model, backend.ref_model)
+    with torch.no_grad():
+        to_go = kl_to_go(token_logprobs(backend.model, block, 1.0),
+                         token_logprobs(backend.ref_model, block, 1.0), block.weights, "k1")
+    mask = block.weights != 0
+    expected = torch.where(mask, block.advantages - 0.5 * to_go, 0.0)
+    assert to_go[mask].abs().max() > 0.01
+    assert torch.allclose(out.returns, expected, atol=1e-5)
+    assert "train/reward_kl" in backend.train_step([(batch(backend), True)])
 
 
 def test_the_critic_learns_the_returns(tiny_dir):
@@ -115,7 +137,6 @@ def test_a_checkpoint_without_critic_leaves_it_fresh(tiny_dir, tmp_path):
 @pytest.mark.parametrize("overrides,key", [
     ({"gamma": 1.5}, "algo.gamma"), ({"lam": -0.1}, "algo.lam"),
     ({"value_clip": 0.0}, "algo.value_clip"), ({"critic_lr": 0.0}, "algo.critic_lr"),
-    ({"kl_coef": 0.1}, "algo.kl_coef"),
 ])
 def test_bad_critic_knobs_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
