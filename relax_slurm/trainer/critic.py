@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from relax_slurm.algos.common import kl_penalty
 from relax_slurm.algos.ppo import gae, token_rewards, value_loss, whiten
 from relax_slurm.config import TrainConfig
+from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.batch import MicroBatch
 
 Blocks = list[tuple[MicroBatch, bool]]
@@ -35,6 +36,10 @@ class ValueModel(nn.Module):
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
+        if not isinstance(getattr(lm, "model", None), nn.Module):
+            raise ConfigError(f"algo=ppo builds its critic from {type(lm).__name__}'s decoder "
+                              "`.model`, which this class does not have: use a model whose "
+                              "causal LM keeps its decoder as `.model` (Qwen, Llama, Mistral, ...)")
         self.model = lm.model  # the decoder (FSDP2 shards model.layers, as for the policy)
         self.config = lm.config
         text = getattr(lm.config, "text_config", None) or lm.config
@@ -104,6 +109,7 @@ class Critic:
         each sample's score on its trained tokens (algo=ppo's estimator passes it through);
         with algo.kl_coef the token rewards also carry the KL of `policy` to `ref`."""
         [(block, last)] = list(blocks)  # whole batches (streaming is refused for algo=ppo)
+        self.model.train()  # the mode its update runs in (from_pretrained leaves eval)
         values = self._block_values(block)
         mask = block.weights
         kl = self._reward_kl(block, policy, ref) if self.cfg.algo.kl_coef else None

@@ -151,3 +151,18 @@ def test_ppo_is_refused_where_the_critic_is_not_built(tiny_dir):
         TrainConfig(run_dir="x", model=ModelConfig(path=str(tiny_dir)),
                     algo=AlgoConfig(name="ppo", max_staleness=1, loss_reduction="token_sum"),
                     trainer=TrainerConfig(streaming=True))
+
+
+def test_async_save_holds_the_critic(tiny_dir, tmp_path):
+    """trainer.async_save: the critic's tensors are staged with the policy's before the save
+    returns, so training on does not change what is written."""
+    backend = TorchBackend(config(tiny_dir), CPU)
+    backend.train_step([(batch(backend), True)])
+    saved = {k: v.clone() for k, v in backend.critic.model.state_dict().items()}
+    handle = backend.save(tmp_path, 1, {}, keep_last=1, async_save=True, hf_assets_src=None)
+    backend.train_step([(batch(backend, 1), True)])  # moves the critic while the write runs
+    handle.wait()
+    fresh = TorchBackend(config(tiny_dir), CPU)
+    fresh.load(find_latest(tmp_path))
+    for k, v in fresh.critic.model.state_dict().items():
+        assert torch.equal(v, saved[k]), k
