@@ -149,6 +149,9 @@ class AlgoConfig:
     critic_lr: Optional[float] = None
     """algo=ppo: the critic's AdamW learning rate, constant; null: 5 x trainer.lr (betas, weight
     decay and gradient clip are trainer.adam_beta1/2, weight_decay, grad_clip)."""
+    critic_warmup_steps: int = 0
+    """algo=ppo: the first this-many rollout batches train the critic alone (the policy's weights
+    and optimizer state stay; its lr schedule still counts them; verl's critic_warmup)."""
 
     def __post_init__(self) -> None:
         _check(self.name in ALGO_NAMES,
@@ -239,6 +242,11 @@ class AlgoConfig:
                f"algo.value_clip={self.value_clip}: must be > 0, or null (no clip)")
         _check(self.critic_lr is None or self.critic_lr > 0,
                f"algo.critic_lr={self.critic_lr}: must be > 0, or null (5 x trainer.lr)")
+        _check(self.critic_warmup_steps >= 0,
+               f"algo.critic_warmup_steps={self.critic_warmup_steps}: must be >= 0")
+        _check(not self.critic_warmup_steps or self.uses_critic,
+               f"algo.critic_warmup_steps={self.critic_warmup_steps} warms up a critic, which "
+               f"algo={self.name} does not train: unset it, or use algo=ppo")
 
 
 @dataclass(kw_only=True)

@@ -16,6 +16,7 @@ megatron-core (TP/PP/EP) built through megatron-bridge, with Megatron dist-check
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -67,10 +68,18 @@ class TorchBackend:
         t = self.cfg.trainer
         if self.critic is not None:  # GAE advantages from the critic's values before its step
             blocks = self.critic.prepare(blocks, self.model, self.ref_model)
-        metrics = train_step(self.model, self.optimizer, self.scheduler, blocks, self.cfg.algo,
-                             micro_batch_size=t.micro_batch_size, grad_clip=t.grad_clip,
-                             temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
-                             before_update=before_update, num_steps=t.num_steps_per_rollout)
+        if self.steps_done < self.cfg.algo.critic_warmup_steps:  # the critic learns alone
+            before_update()
+            with warnings.catch_warnings():  # deliberate: no policy optimizer step this batch
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+                self.scheduler.step()  # the schedule counts rollout batches, these included
+            metrics = {"train/critic_warmup": 1.0}
+        else:
+            metrics = train_step(
+                self.model, self.optimizer, self.scheduler, blocks, self.cfg.algo,
+                micro_batch_size=t.micro_batch_size, grad_clip=t.grad_clip,
+                temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
+                before_update=before_update, num_steps=t.num_steps_per_rollout)
         if self.critic is not None:
             metrics |= self.critic.update(blocks, t.num_steps_per_rollout)
         self.steps_done += 1

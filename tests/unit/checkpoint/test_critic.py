@@ -166,3 +166,20 @@ def test_async_save_holds_the_critic(tiny_dir, tmp_path):
     fresh.load(find_latest(tmp_path))
     for k, v in fresh.critic.model.state_dict().items():
         assert torch.equal(v, saved[k]), k
+
+
+def test_critic_warmup_leaves_the_policy_alone(tiny_dir):
+    backend = TorchBackend(config(tiny_dir, critic_warmup_steps=2), CPU)
+    start = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    critic_start = {k: v.clone() for k, v in backend.critic.model.state_dict().items()}
+    for seed in range(2):
+        out = backend.train_step([(batch(backend, seed), True)])
+        assert out["train/critic_warmup"] == 1.0 and "critic/vf_loss" in out
+    assert all(torch.equal(v, start[k]) for k, v in backend.model.state_dict().items())
+    assert not all(torch.equal(v, critic_start[k])
+                   for k, v in backend.critic.model.state_dict().items())
+    assert backend.scheduler.last_epoch == 2  # the lr schedule counted the warmup batches
+    assert "train/loss" in backend.train_step([(batch(backend, 2), True)])
+    assert not all(torch.equal(v, start[k]) for k, v in backend.model.state_dict().items())
+    with pytest.raises(ConfigError, match=r"algo\.critic_warmup_steps=2 .*algo=grpo"):
+        AlgoConfig(critic_warmup_steps=2)
