@@ -9,7 +9,9 @@ The trainer calls these with `algo.name` and never branches on it.
 """
 
 # importing a module registers its algorithms
-from relax_slurm.algos import cispo, dapo, grpo, gspo, opd, reinforce, rloo, sapo, sft  # noqa: F401
+from relax_slurm.algos import (  # noqa: F401
+    cispo, dapo, grpo, gspo, opd, ppo, reinforce, rloo, sapo, sft,
+)
 from relax_slurm.algos.common import (
     importance_weights, kl_penalty, opsm_keep, ppo_clip, truncated_is_weights,
 )

@@ -33,6 +33,9 @@ class Algorithm:
     token_loss: TokenLossFn
     needs_teacher: bool = False
     """Refuse to compute the loss without teacher log-probs (algo=opd)."""
+    kl_in_rewards: bool = False
+    """The advantages already hold the reward-side KL (algo=ppo: in the token rewards before
+    GAE), so `policy_loss` only logs it instead of folding it in."""
 
 
 _ALGOS: dict[str, Algorithm] = {}
@@ -92,7 +95,8 @@ def policy_loss(
     A_t <- A_t - opd_kl_coef * (old_logp_t - teacher_logp_t) (`common.distilled_advantages`; the
     task advantage dropped with `opd_only_reward`; logged as `opd_reverse_kl`). `kl_coef > 0`
     then folds the reward-side KL into them: A_t <- A_t - kl_coef * sum_{s >= t} kl_s, kl of
-    `old_logprobs` to `ref_logprobs` (`kl_loss_type`, `common.kl_to_go`; logged as `reward_kl`).
+    `old_logprobs` to `ref_logprobs` (`kl_loss_type`, `common.kl_to_go`; logged as `reward_kl`;
+    only logged for an algorithm whose advantages hold it already, `kl_in_rewards`).
     On top of the algorithm's per-token policy-gradient loss, in this order:
     - `rollout_logprobs`: importance weights against the engine (`common.importance_weights`,
       `tis_type` truncate or icepop, band `[tis_clip_low, tis_clip]`);
@@ -121,8 +125,9 @@ def policy_loss(
         if ref_logprobs is None:
             raise ValueError(f"algo.kl_coef={kl_coef} needs the reference model's log-probs: "
                              "pass ref_logprobs=[N, T] to policy_loss")
-        to_go = kl_to_go(old_logprobs, ref_logprobs, loss_mask, kl_loss_type)
-        advantages = advantages - kl_coef * to_go
+        if not algo.kl_in_rewards:
+            to_go = kl_to_go(old_logprobs, ref_logprobs, loss_mask, kl_loss_type)
+            advantages = advantages - kl_coef * to_go
         kl = kl_penalty(old_logprobs.detach(), ref_logprobs, kl_loss_type)
         extra["reward_kl"] = (kl * (loss_mask != 0).float()).sum()
     out = algo.token_loss(logprobs, old_logprobs, advantages, loss_mask, **params)

@@ -97,6 +97,7 @@ def save_checkpoint(
     async_save: bool = False,
     hf_assets_src: str | Path | None = None,
     reference: nn.Module | None = None,
+    critic: tuple[nn.Module, torch.optim.Optimizer] | None = None,
 ) -> SaveHandle:
     """Save model, optimizer, scheduler, RNG and `extra_state` as `ckpt_dir_root/step_<step>/`.
 
@@ -108,6 +109,8 @@ def save_checkpoint(
     async save is waited for first (only one is in flight). `reference`: a frozen reference model
     that is not `model.path` as loaded (algo.ref_update_interval refreshes it), saved under
     "reference" (a plain replica on every rank: DCP writes one copy) for an exact resume.
+    `critic`: algo=ppo's value model and its optimizer, saved under "critic" and
+    "critic_optimizer" (sharded like the policy's).
     """
     global _pending
     if keep_last < 1:
@@ -121,6 +124,8 @@ def save_checkpoint(
     extra = {**extra_state, "step": step}
     if reference is not None:
         extra["reference_saved"] = True
+    if critic is not None:
+        extra["critic_saved"] = True
     meta_text = meta_json(step, extra)  # fail before writing anything if not serialisable
     rank, _ = _rank_world()
     group = checkpoint_group()
@@ -138,6 +143,8 @@ def save_checkpoint(
         state["scheduler"] = scheduler.state_dict()
     if reference is not None:
         state["reference"] = reference.state_dict()
+    if critic is not None:
+        state["critic"], state["critic_optimizer"] = get_state_dict(*critic)
     writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, overwrite=True)
     kwargs = dict(storage_writer=writer, process_group=group, no_dist=group is None)
 
@@ -194,6 +201,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     scheduler: Any | None,
     reference: nn.Module | None = None,
+    critic: tuple[nn.Module, torch.optim.Optimizer] | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into `model` (and `optimizer`, `scheduler`, this rank's RNG).
 
@@ -201,7 +209,8 @@ def load_checkpoint(
     built. Returns the saved extra_state (with "step"). A weights-only checkpoint (from
     `relax-convert --to dcp`) loads the model and leaves optimizer and scheduler fresh.
     `reference`: loaded from the checkpoint's "reference" when it has one (saved with
-    `reference=`), else left as it is (with a warning).
+    `reference=`), else left as it is (with a warning). `critic` (model, optimizer): loaded
+    from the checkpoint's "critic" when it has one, else left fresh (with a warning).
     """
     path = Path(path)
     if not is_complete(path):
@@ -216,12 +225,7 @@ def load_checkpoint(
         state["model"], state["optimizer"] = get_state_dict(model, optimizer)
     if not weights_only and scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
-    if reference is not None:
-        if meta.get("extra_state", {}).get("reference_saved"):
-            state["reference"] = reference.state_dict()  # DCP loads in place
-        else:
-            log.warning("%s holds no reference model (saved without algo.ref_update_interval): "
-                        "the reference stays model.path as loaded", path)
+    load_critic = _side_models(state, path, meta.get("extra_state", {}), reference, critic)
     group = dist.group.WORLD if dist.is_initialized() else None
     try:
         with quiet_single_process():
@@ -237,6 +241,9 @@ def load_checkpoint(
                        optim_state_dict=state["optimizer"])
     else:
         set_model_state_dict(model, state["model"])
+    if load_critic:
+        set_state_dict(critic[0], critic[1], model_state_dict=state["critic"],
+                       optim_state_dict=state["critic_optimizer"])
     if "scheduler" in state:
         scheduler.load_state_dict(state["scheduler"])
     rank, _ = _rank_world()
@@ -247,6 +254,26 @@ def load_checkpoint(
         log.warning("%s has no RNG state for rank %d (saved with world size %s); RNG not restored",
                     path, rank, meta.get("world_size"))
     return dict(meta.get("extra_state", {}), step=meta["step"])
+
+
+def _side_models(state: dict[str, Any], path: Path, saved: dict[str, Any],
+                 reference: nn.Module | None,
+                 critic: tuple[nn.Module, torch.optim.Optimizer] | None) -> bool:
+    """Add the reference's and the critic's entries to `state` where the checkpoint has them
+    (a warning where the run wants one it lacks); whether the critic is loaded."""
+    if reference is not None:
+        if saved.get("reference_saved"):
+            state["reference"] = reference.state_dict()  # DCP loads in place
+        else:
+            log.warning("%s holds no reference model (saved without algo.ref_update_interval): "
+                        "the reference stays model.path as loaded", path)
+    if critic is not None and saved.get("critic_saved"):
+        state["critic"], state["critic_optimizer"] = get_state_dict(*critic)
+        return True
+    if critic is not None:
+        log.warning("%s holds no critic (saved by a run without one): the critic starts "
+                    "fresh", path)
+    return False
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

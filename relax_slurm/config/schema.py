@@ -46,7 +46,7 @@ SEED_LIMIT = 1 << 22
 SCHEDULES = ("constant", "cosine", "linear")
 """trainer.lr_schedule's choices (relax_slurm.trainer.schedule computes them)."""
 FLATTENED_BUCKET = "flattened_bucket"  # weight_sync.load_format: one broadcast per bucket
-ALGO_NAMES = ("cispo", "dapo", "grpo", "gspo", "opd", "reinforce_plus_plus",
+ALGO_NAMES = ("cispo", "dapo", "grpo", "gspo", "opd", "ppo", "reinforce_plus_plus",
               "reinforce_plus_plus_baseline", "rloo", "sapo")
 PPO_CLIP_ALGOS = frozenset(ALGO_NAMES) - {"cispo", "sapo"}
 """The estimators whose loss is PPO's clipped objective (where dual-clip has a place)."""
@@ -55,6 +55,8 @@ NO_REWARD_KL_ALGOS = frozenset({"rloo", "reinforce_plus_plus_baseline"})
 BATCH_WIDE_ADVANTAGE_ALGOS = frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline"})
 """The estimators whose advantages use the whole batch's rewards, not each group's alone (a
 streaming trainer computes advantages group by group as they arrive; see trainer/stream.py)."""
+CRITIC_ALGOS = frozenset({"ppo"})
+"""The estimators whose advantages come from a value model the trainer trains (GAE)."""
 SUPERVISED_ALGOS = ("sft",)
 """Algorithms that learn from a dataset's targets, not from rollouts: the launcher starts the
 trainer alone (no broker, engines or rollout worker) and it runs trainer/sft.py's loop."""
@@ -101,7 +103,8 @@ class AlgoConfig:
     kl_coef: float = 0.0
     """Reward-side KL (Relax's kl_coef): each token's advantage is lowered by kl_coef x the KL
     (kl_loss_type, of the sampling-time policy to the reference) summed from that token to the
-    end of its response; 0 disables. Not for rloo and reinforce_plus_plus_baseline (refused)."""
+    end of its response (algo=ppo: -kl_coef x KL in the token rewards, before GAE); 0 disables.
+    Not for rloo and reinforce_plus_plus_baseline (refused)."""
     ref_update_interval: Optional[int] = None
     """Replace the frozen reference model by the current policy every this many rollout batches
     (after the batch's update; Relax's ref_update_interval); null: the reference stays
@@ -137,6 +140,19 @@ class AlgoConfig:
     overlong_penalty_factor: float = 1.0
     """Penalty added to the reward of a response reaching rollout.max_new_tokens (scaled down
     linearly inside the buffer)."""
+    gamma: float = 1.0
+    """algo=ppo: discount of GAE per response token (1: the score counts fully at every token)."""
+    lam: float = 1.0
+    """algo=ppo: GAE's lambda (1: advantage = return - value; lower trusts the critic more)."""
+    value_clip: Optional[float] = 0.2
+    """algo=ppo: the value loss's clip range around the critic's values before the step
+    (verl's cliprange_value); null: the plain 0.5 x (V - R)^2."""
+    critic_lr: Optional[float] = None
+    """algo=ppo: the critic's AdamW learning rate, constant; null: 5 x trainer.lr (betas, weight
+    decay and gradient clip are trainer.adam_beta1/2, weight_decay, grad_clip)."""
+    critic_warmup_steps: int = 0
+    """algo=ppo: the first this-many rollout batches train the critic alone (the policy's weights
+    and optimizer state stay; its lr schedule still counts them; verl's critic_warmup)."""
 
     def __post_init__(self) -> None:
         _check(self.name in ALGO_NAMES,
@@ -213,6 +229,25 @@ class AlgoConfig:
                f"algo.overlong_buffer_tokens={self.overlong_buffer_tokens}: must be >= 0")
         _check(self.overlong_penalty_factor >= 0,
                f"algo.overlong_penalty_factor={self.overlong_penalty_factor}: must be >= 0")
+        self._check_critic()
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the trainer trains a value model beside the policy (algo=ppo)."""
+        return self.name in CRITIC_ALGOS
+
+    def _check_critic(self) -> None:
+        _check(0 <= self.gamma <= 1, f"algo.gamma={self.gamma}: must be in [0, 1]")
+        _check(0 <= self.lam <= 1, f"algo.lam={self.lam}: must be in [0, 1]")
+        _check(self.value_clip is None or self.value_clip > 0,
+               f"algo.value_clip={self.value_clip}: must be > 0, or null (no clip)")
+        _check(self.critic_lr is None or self.critic_lr > 0,
+               f"algo.critic_lr={self.critic_lr}: must be > 0, or null (5 x trainer.lr)")
+        _check(self.critic_warmup_steps >= 0,
+               f"algo.critic_warmup_steps={self.critic_warmup_steps}: must be >= 0")
+        _check(not self.critic_warmup_steps or self.uses_critic,
+               f"algo.critic_warmup_steps={self.critic_warmup_steps} warms up a critic, which "
+               f"algo={self.name} does not train: unset it, or use algo=ppo")
 
 
 @dataclass(kw_only=True)
@@ -995,6 +1030,10 @@ class TrainConfig:
                f"trainer.num_steps_per_rollout={steps} must divide the batch's "
                f"rollout.batch_size x rollout.n_samples_per_prompt = {samples} samples (equal "
                "mini-batches): change one of them")
+        _check(t.backend == "torch" or not self.algo.uses_critic,
+               f"algo={self.algo.name} with trainer=megatron is not supported yet: the critic "
+               "(value model) is a component of the torch backend only; use trainer=torch "
+               "(docs/algorithms.md#ppo-with-a-critic)")
         r = self.reward  # (the run plan fills genrm_url in for a managed judge: runtime/plan.py)
         _check(not (r.genrm_url and r.genrm_model_path),
                f"reward.genrm_url={r.genrm_url} and reward.genrm_model_path="
@@ -1019,6 +1058,9 @@ class TrainConfig:
                        "micro-batch count up front)")
         if self.algo.name in BATCH_WIDE_ADVANTAGE_ALGOS:
             out.append(f"algo={self.algo.name} (its advantages use the whole batch's rewards)")
+        if self.algo.uses_critic:
+            out.append(f"algo={self.algo.name} (its GAE advantages are whitened over the whole "
+                       "batch's tokens, from the critic's values before its update)")
         if self.trainer.num_steps_per_rollout > 1:
             out.append(f"trainer.num_steps_per_rollout={self.trainer.num_steps_per_rollout} "
                        "(the old log-probs of the whole batch are taken before its first "

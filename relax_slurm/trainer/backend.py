@@ -16,6 +16,7 @@ megatron-core (TP/PP/EP) built through megatron-bridge, with Megatron dist-check
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -49,6 +50,12 @@ class TorchBackend:
         # the KL loss's anchor: model.path as loaded, frozen (also on resume)
         self.ref_model = (load_reference_model(cfg.model, device)
                           if cfg.algo.uses_reference else None)
+        # algo=ppo: the value model, its own weights and optimizer (trainer/critic.py)
+        self.critic = None
+        if cfg.algo.uses_critic:
+            from relax_slurm.trainer.critic import Critic
+
+            self.critic = Critic(cfg, device)
         self.data_ranks = list(range(dist.get_world_size()))
         self.steps_done = 0  # rollout batches trained (a checkpoint's step after a resume)
 
@@ -59,10 +66,22 @@ class TorchBackend:
         from relax_slurm.trainer.model import refresh_reference
 
         t = self.cfg.trainer
-        metrics = train_step(self.model, self.optimizer, self.scheduler, blocks, self.cfg.algo,
-                             micro_batch_size=t.micro_batch_size, grad_clip=t.grad_clip,
-                             temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
-                             before_update=before_update, num_steps=t.num_steps_per_rollout)
+        if self.critic is not None:  # GAE advantages from the critic's values before its step
+            blocks = self.critic.prepare(blocks, self.model, self.ref_model)
+        if self.steps_done < self.cfg.algo.critic_warmup_steps:  # the critic learns alone
+            before_update()
+            with warnings.catch_warnings():  # deliberate: no policy optimizer step this batch
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+                self.scheduler.step()  # the schedule counts rollout batches, these included
+            metrics = {"train/critic_warmup": 1.0}
+        else:
+            metrics = train_step(
+                self.model, self.optimizer, self.scheduler, blocks, self.cfg.algo,
+                micro_batch_size=t.micro_batch_size, grad_clip=t.grad_clip,
+                temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
+                before_update=before_update, num_steps=t.num_steps_per_rollout)
+        if self.critic is not None:
+            metrics |= self.critic.update(blocks, t.num_steps_per_rollout)
         self.steps_done += 1
         if reference_due(self.steps_done, self.cfg.algo.ref_update_interval):
             refresh_reference(self.ref_model, self.model)
@@ -94,15 +113,21 @@ class TorchBackend:
 
         return save_checkpoint(root, step, self.model, self.optimizer, self.scheduler, extra,
                                keep_last=keep_last, async_save=async_save,
-                               hf_assets_src=hf_assets_src, reference=self._moving_reference())
+                               hf_assets_src=hf_assets_src, reference=self._moving_reference(),
+                               critic=self._critic_state())
 
     def load(self, path: Path) -> dict[str, Any]:
         from relax_slurm.checkpoint import load_checkpoint
 
         extra = load_checkpoint(path, self.model, self.optimizer, self.scheduler,
-                                reference=self._moving_reference())
+                                reference=self._moving_reference(),
+                                critic=self._critic_state())
         self.steps_done = extra["step"]
         return extra
+
+    def _critic_state(self):
+        """algo=ppo: the critic's (model, optimizer), checkpointed with the policy."""
+        return None if self.critic is None else (self.critic.model, self.critic.optimizer)
 
     def _moving_reference(self):
         """The reference model when it is not model.path as loaded (it is then checkpointed)."""

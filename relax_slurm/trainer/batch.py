@@ -116,6 +116,10 @@ class MicroBatch:
     """[B, T-1]: the policy's log-probs before the step's first optimizer step, set by the
     trainer when one rollout batch takes several (trainer.num_steps_per_rollout); None: the
     ratio's denominator is the micro-batch's own detached log-probs."""
+    old_values: Tensor | None = None
+    """[B, T-1]: the critic's values before its update (algo=ppo; set on each rank)."""
+    returns: Tensor | None = None
+    """[B, T-1]: the GAE returns the critic is trained on (algo=ppo; set on each rank)."""
     # prompt + response length of each row, on the host: cutting micro-batches to their longest
     # row then needs no device->host copy (a GPU sync) per micro-batch
     seq_lens: tuple[int, ...] = ()
@@ -154,8 +158,10 @@ class MicroBatch:
         )
 
 
-# [B, T-1] float fields; teacher_logp and old_logp last because they are optional
-_PER_POSITION = ("weights", "advantages", "rollout_logp", "teacher_logp", "old_logp")
+# [B, T-1] float fields; teacher_logp and the ones each rank computes last: they are optional
+_PER_POSITION = ("weights", "advantages", "rollout_logp", "teacher_logp", "old_logp",
+                 "old_values", "returns")
+_RANK_LOCAL = ("old_logp", "old_values", "returns")  # computed by each rank after the scatter
 
 
 def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroBatch:
@@ -256,9 +262,8 @@ def scatter_batch(batch: MicroBatch | None, device: torch.device,
         input_ids=input_ids,
         attention_mask=attention_mask,
         targets=input_ids[:, 1:],
-        # old_logp is computed by each rank after the scatter
         **{name: part(name, torch.float32, width - 1) for name in _PER_POSITION
-           if name not in ("teacher_logp", "old_logp") or (name == "teacher_logp" and teacher)},
+           if name not in ("teacher_logp", *_RANK_LOCAL) or (name == "teacher_logp" and teacher)},
         seq_lens=tuple(attention_mask.sum(1).tolist()),  # one device->host copy per step
         media=media,
         routed=part("routed", torch.int32, width, routed_per_token) if routed_per_token else None,

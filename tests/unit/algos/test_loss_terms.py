@@ -167,7 +167,7 @@ def test_each_algorithm_has_a_yaml(name):
 
 
 @pytest.mark.parametrize("overrides,key", [
-    ({"name": "ppo"}, "algo.name"),
+    ({"name": "trpo"}, "algo.name"),
     ({"tis_type": "bogus"}, "algo.tis_type"),
     ({"tis_type": "icepop", "tis_clip": None}, "algo.tis_type"),
     ({"tis_type": "icepop", "tis_clip": 2.0, "tis_clip_low": 3.0}, "algo.tis_clip_low"),
