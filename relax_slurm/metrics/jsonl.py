@@ -78,3 +78,17 @@ def iter_metrics(path: Path) -> Iterator[dict[str, Any]]:
                     yield json.loads(line)
                 except json.JSONDecodeError:
                     return  # a line being written right now; the next read gets it
+
+
+def truncate_metrics(run_dir: Path, start_step: int) -> None:
+    """On resume, forget steps logged after the checkpoint: they are trained again."""
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) < start_step]
+    # a new file put in place, not the old one rewritten: the launcher tails this file, and a
+    # rewrite that grew past its read offset before its next read looked like more rows
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in rows))
+    tmp.replace(path)

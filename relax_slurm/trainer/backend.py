@@ -63,7 +63,7 @@ class TorchBackend:
                    before_update: Callable[[], None] = lambda: None) -> dict[str, float]:
         from relax_slurm.trainer.step import train_step
 
-        from relax_slurm.trainer.model import refresh_reference
+        from relax_slurm.trainer.model import reference_due, refresh_reference
 
         t = self.cfg.trainer
         if self.critic is not None:  # GAE advantages from the critic's values before its step
@@ -91,7 +91,7 @@ class TorchBackend:
     def eval_sums(self, block: MicroBatch) -> dict[str, float]:
         """Forward only (SFT validation): this rank's summed NLL of its rows' trained tokens
         and their count. Collective under FSDP2: every rank calls it on an equal block."""
-        from relax_slurm.trainer.sft import nll_sums
+        from relax_slurm.trainer.step import nll_sums
 
         return nll_sums(self.model, block, self.cfg.trainer.micro_batch_size)
 
@@ -140,12 +140,6 @@ class TorchBackend:
 
     def close(self) -> None:
         pass
-
-
-def reference_due(steps_done: int, interval: int | None) -> bool:
-    """Whether the reference is refreshed after the `steps_done`-th rollout batch: every
-    `interval` batches (after batches interval, 2 x interval, ...); never when None."""
-    return interval is not None and steps_done % interval == 0
 
 
 def build_backend(cfg: TrainConfig, device: torch.device):

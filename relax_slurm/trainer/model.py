@@ -60,6 +60,12 @@ def refresh_reference(ref: nn.Module, model: nn.Module) -> None:
         params[name].copy_(t)
 
 
+def reference_due(steps_done: int, interval: int | None) -> bool:
+    """Whether the reference is refreshed after the `steps_done`-th rollout batch: every
+    `interval` batches (after batches interval, 2 x interval, ...); never when None."""
+    return interval is not None and steps_done % interval == 0
+
+
 def freeze_modules(model: nn.Module, prefixes: list[str]) -> int:
     """Stop training the parameters under these name prefixes (`trainer.freeze_modules`, e.g.
     the vision tower `model.visual`); they still go to the engines with every weight sync.

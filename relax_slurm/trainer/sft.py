@@ -39,7 +39,6 @@ from relax_slurm.metrics.fanout import open_sinks
 from relax_slurm.samples import Sample
 from relax_slurm.trainer.backend import build_backend
 from relax_slurm.trainer.batch import MicroBatch, TrainItem, collate, scatter_batch
-from relax_slurm.trainer.step import gather_logprobs, scaled_logits
 
 log = logging.getLogger("relax_slurm.trainer")
 # policy_loss sums that mean nothing without rollouts: "rollout log-probs" are zeros here
@@ -74,23 +73,6 @@ def scatter_rows(examples: list[SFTExample] | None, reduction: str, pad_id: int,
     if dist.get_rank() == 0:
         whole = collate(train_items(examples, reduction), pad_id, torch.device("cpu"))
     return scatter_batch(whole, device, data_ranks)
-
-
-@torch.no_grad()
-def nll_sums(model: torch.nn.Module, block: MicroBatch, micro_batch_size: int
-             ) -> dict[str, float]:
-    """Forward only: this rank's summed NLL over its rows' trained tokens and their count.
-    Every rank calls it with as many micro-batches (FSDP2 gathers weights per forward)."""
-    model.eval()
-    nll, tokens = 0.0, 0.0
-    for lo in range(0, len(block), micro_batch_size):
-        mb = block.rows(lo, lo + micro_batch_size)
-        mask = (mb.weights != 0).float()  # [B, T-1]
-        logp = gather_logprobs(scaled_logits(model, mb, 1.0), mb.targets)
-        nll -= float((logp * mask).sum())
-        tokens += float(mask.sum())
-    model.train()
-    return {"nll": nll, "tokens": tokens}
 
 
 class Validation:
@@ -164,7 +146,8 @@ def save_step(cfg: TrainConfig, backend, run_dir: Path, done: int, final: bool,
 def run_sft(cfg: TrainConfig, plan, run_dir: Path) -> int:
     """The SFT run on this rank: rows, then per step train, validate when due, checkpoint,
     log (rank 0). Returns the exit code (PREEMPT_EXIT_CODE after a preemption's checkpoint)."""
-    from relax_slurm.trainer.main import broadcast_flag, init_distributed, truncate_metrics
+    from relax_slurm.metrics.jsonl import truncate_metrics
+    from relax_slurm.trainer.ranks import broadcast_flag, init_distributed
 
     device = init_distributed(cfg)
     rank = dist.get_rank()

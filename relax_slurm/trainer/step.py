@@ -92,6 +92,23 @@ def micro_batch_loss(logits: Tensor, mb: MicroBatch, algo: AlgoConfig, params: d
     )
 
 
+@torch.no_grad()
+def nll_sums(model: torch.nn.Module, block: MicroBatch, micro_batch_size: int
+             ) -> dict[str, float]:
+    """Forward only: this rank's summed NLL over its rows' trained tokens and their count.
+    Every rank calls it with as many micro-batches (FSDP2 gathers weights per forward)."""
+    model.eval()
+    nll, tokens = 0.0, 0.0
+    for lo in range(0, len(block), micro_batch_size):
+        mb = block.rows(lo, lo + micro_batch_size)
+        mask = (mb.weights != 0).float()  # [B, T-1]
+        logp = gather_logprobs(scaled_logits(model, mb, 1.0), mb.targets)
+        nll -= float((logp * mask).sum())
+        tokens += float(mask.sum())
+    model.train()
+    return {"nll": nll, "tokens": tokens}
+
+
 def _policy_logits(model: nn.Module, mb: MicroBatch, algo: AlgoConfig, temperature: float,
                    routing: RoutingStats | None) -> Tensor:
     """The policy's scaled logits [B, T-1, V]; MoE rows with the rollout's routing are

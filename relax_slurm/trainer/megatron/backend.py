@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relax_slurm.config import TrainConfig
-from relax_slurm.trainer.backend import reference_due
+from relax_slurm.trainer.model import reference_due
 from relax_slurm.trainer.batch import MicroBatch
 from relax_slurm.trainer.megatron import checkpoint
 from relax_slurm.trainer.megatron.model import (

@@ -12,9 +12,9 @@ from relax_slurm.config.schema import (
     AlgoConfig, ModelConfig, RolloutConfig, TrainConfig, TrainerConfig,
 )
 from relax_slurm.errors import ConfigError
-from relax_slurm.trainer.backend import TorchBackend, reference_due
+from relax_slurm.trainer.backend import TorchBackend
 from relax_slurm.trainer.batch import collate, prepare_items
-from relax_slurm.trainer.model import refresh_reference, single_process_group
+from relax_slurm.trainer.model import reference_due, refresh_reference, single_process_group
 from tests.unit.trainer.test_step import groups
 
 

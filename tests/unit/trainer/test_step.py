@@ -13,7 +13,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from relax_slurm.config.schema import AlgoConfig, TrainerConfig
 from relax_slurm.samples import Sample
 from relax_slurm.trainer.batch import collate, prepare_items
-from relax_slurm.trainer.main import batch_metrics, staleness_histogram
+from relax_slurm.trainer.lead import batch_metrics, staleness_histogram
 from relax_slurm.trainer.model import build_optimizer, single_process_group
 from relax_slurm.trainer.step import (
     gather_logprobs, reduce_metrics, scaled_logits, token_entropy, train_step,
