@@ -76,16 +76,22 @@ class HangWatch:
         self._next = now + self.interval_s
         # engines first: a trainer or worker blocked on a hung engine (a weight push, a
         # request) falls silent too, but the engine is the one to restart
-        hung = None
+        hung, silent = None, False
         for name, url in self.engines.items():
             if self._ok(url + "/health"):
                 self._last_ok[name] = self._clock()
-            elif hung is None and self._clock() - self._last_ok[name] > self.timeout_s:
+                continue
+            silent = True
+            if hung is None and self._clock() - self._last_ok[name] > self.timeout_s:
                 hung = (name, f"has not answered /health for {self.timeout_s:.0f}s "
                               "(cluster.heartbeat_timeout_s)")
-        return hung or self._check_broker(now)
+        # ... and its last beat can predate the engine's last answer (it went into a push
+        # just before the engine froze): while an engine does not answer, no role is named
+        # for silence; the engine is, once silent for the timeout, and its restart gives
+        # the roles the timeout anew (`restarted`)
+        return hung or self._check_broker(now, roles=not silent)
 
-    def _check_broker(self, now: float) -> tuple[str, str] | None:
+    def _check_broker(self, now: float, roles: bool = True) -> tuple[str, str] | None:
         if self.admin_url is None:
             return None
         status = self.broker_status()
@@ -95,6 +101,8 @@ class HangWatch:
                                   "(cluster.heartbeat_timeout_s)")
             return None
         self._last_ok["broker"] = now
+        if not roles:
+            return None
         for role, info in status.get("roles", {}).items():
             age = float(info.get("heartbeat_age_s", 0.0))
             if age > self.timeout_s and not self._in_grace(role, now):

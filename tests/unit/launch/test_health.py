@@ -143,3 +143,23 @@ def test_a_hung_engine_is_named_before_the_roles_waiting_on_it(
             assert poll(watch, TIMEOUT_S - 0.5) is None
         finally:
             watch.close()
+
+
+def test_a_role_that_fell_silent_before_a_hung_engine_waits_for_the_engines_verdict(
+        start_broker: Callable[..., Broker]) -> None:
+    """The trainer's last beat can predate the engine's last /health answer (it went into a
+    weight push just before the engine froze; a clean-clone chaos run named the trainer hung
+    and failed): while an engine does not answer, the silent role is not named, the engine is
+    once silent for the timeout."""
+    broker = start_broker(admin=True)
+    dead_engine = f"http://127.0.0.1:{free_port()}"
+    with broker.client("trainer") as trainer:
+        trainer.heartbeat("trainer", step=1)  # then silent, as in a push to the engine
+        time.sleep(TIMEOUT_S / 2)  # the trainer's silence starts before the engine's
+        watch = HangWatch(broker.admin, SECRET, {"engine0": dead_engine}, INTERVAL_S, TIMEOUT_S)
+        try:
+            found = poll(watch, 2 * TIMEOUT_S)
+        finally:
+            watch.close()
+        assert found is not None and found[0] == "engine0", found
+
