@@ -13,10 +13,8 @@ from relax_slurm.data.sft import SFTExample
 from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.batch import collate, loss_params
 from relax_slurm.trainer.model import build_optimizer, single_process_group
-from relax_slurm.trainer.sft import (
-    check_length, nll_sums, padded, scatter_rows, train_items,
-)
-from relax_slurm.trainer.step import micro_batch_loss, train_step
+from relax_slurm.trainer.sft import check_length, padded, scatter_rows, train_items
+from relax_slurm.trainer.step import micro_batch_loss, nll_sums, train_step
 
 VOCAB = 16
 SFT = AlgoConfig(name="sft", tis_clip=None, loss_reduction="token_mean")
