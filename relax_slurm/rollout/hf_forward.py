@@ -29,6 +29,7 @@ def mm_kwargs(model, device: torch.device, rows: list[Row], input_ids: torch.Ten
     return {**media, **mm_token_types(model, input_ids, media)}
 
 
+@torch.no_grad()  # scores only: no autograd graph of the whole prefill
 def input_logprobs(model, device: torch.device, pad_id: int, rows: list[Row],
                    max_batch_size: int) -> None:
     """Each row's `input_logprobs`: log-probs of its input tokens from logprob_start_len on,

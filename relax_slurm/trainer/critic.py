@@ -127,8 +127,10 @@ class Critic:
         self.model.train()
         [(block, _)] = blocks
         world = dist.get_world_size()
-        sums = {"vf_loss": 0.0, "vf_clipped": 0.0, "values": 0.0, "returns": 0.0,
-                "tokens": 0.0}
+        # device tensors, read once in _reduce: no host sync per micro-batch (float64, so the
+        # sums are those of adding each micro-batch's float32 sum as a Python float)
+        zero = torch.zeros((), dtype=torch.float64, device=block.weights.device)
+        sums = dict.fromkeys(("vf_loss", "vf_clipped", "values", "returns", "tokens"), zero)
         norms = []
         for _, mini in mini_batches(block, num_steps):
             self.optimizer.zero_grad(set_to_none=True)
@@ -140,7 +142,7 @@ class Critic:
         return _reduce(sums) | {"critic/grad_norm": sum(norms) / len(norms),
                                 "critic/lr": self.lr}
 
-    def _accumulate(self, mini: MicroBatch, sums: dict[str, float], scale: float) -> None:
+    def _accumulate(self, mini: MicroBatch, sums: dict[str, Tensor], scale: float) -> None:
         size = self.cfg.trainer.micro_batch_size
         mbs = [mini.rows(lo, lo + size) for lo in range(0, len(mini), size)]
         for i, mb in enumerate(mbs):
@@ -153,11 +155,10 @@ class Critic:
                                            self.cfg.algo.value_clip)
                 (((loss * mb.weights).sum()) * scale).backward()
             m = (mb.weights != 0).float()
-            sums["vf_loss"] += float((loss.detach() * m).sum())
-            sums["vf_clipped"] += float((clipped * m).sum())
-            sums["values"] += float((mb.old_values * m).sum())
-            sums["returns"] += float((mb.returns * m).sum())
-            sums["tokens"] += float(m.sum())
+            for key, per_token in (("vf_loss", loss.detach()), ("vf_clipped", clipped),
+                                   ("values", mb.old_values), ("returns", mb.returns),
+                                   ("tokens", 1.0)):
+                sums[key] = sums[key] + (per_token * m).sum().double()
 
 
 def critic_lr(cfg: TrainConfig) -> float:
@@ -172,11 +173,11 @@ def _all_reduce(t: Tensor) -> Tensor:
     return t
 
 
-def _reduce(sums: dict[str, float]) -> dict[str, float]:
-    """Every rank's sums added, divided by the trained tokens."""
+def _reduce(sums: dict[str, Tensor]) -> dict[str, float]:
+    """Every rank's sums added (one all-reduce, one read to the host), divided by the trained
+    tokens."""
     keys = sorted(sums)
-    total = dict(zip(keys, _all_reduce(torch.tensor([sums[k] for k in keys],
-                                                    dtype=torch.float64)).tolist()))
+    total = dict(zip(keys, _all_reduce(torch.stack([sums[k] for k in keys])).tolist()))
     tokens = max(total["tokens"], 1.0)
     return {"critic/vf_loss": total["vf_loss"] / tokens,
             "critic/vf_clipfrac": total["vf_clipped"] / tokens,

@@ -174,29 +174,36 @@ def megatron_vl_run(run_dir: Path, model: Path, data: Path, steps: int, layout: 
     assert log.count("weights verified bit for bit") == steps + 1
 
 
+def convert_final(run_dir: Path, out: Path, steps: int) -> tuple[dict, dict]:
+    """relax-convert of the run's last dist-checkpoint into `out` (one rank); (the trainer's HF
+    export at `steps`, the converted tensors)."""
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from tests.conftest import REPO, run_env
+
+    conv = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
+                           str(run_dir), "--output", str(out), "--no-progress"], cwd=REPO,
+                          env=run_env(), capture_output=True, text=True, timeout=600)
+    assert conv.returncode == 0, conv.stdout[-3000:] + conv.stderr[-3000:]
+    return (load_file(str(run_dir / "hf" / f"step_{steps}" / "model.safetensors")),
+            load_file(str(out / "model.safetensors")))
+
+
 @pytest.mark.timeout(900)
 def test_tiny_vl_moe_trains_at_ep2_syncs_and_converts(runs, vl_assets, tmp_path):
     """Two steps of the colour task with the tiny Qwen3-VL-MoE at EP=2 (~75 s on a loaded
     2-core machine, with the conversion): every weight sync into the hf engine verified bit
     for bit (the fused experts under the file's names and layout), and the EP=2
     dist-checkpoint converts (relax-convert, one rank) to exactly the trainer's HF export."""
-    import subprocess
-
     import torch
     from safetensors.torch import load_file
-
-    from tests.conftest import REPO, run_env
 
     run_dir, steps = tmp_path / "run", 2
     megatron_vl_run(run_dir, runs["vl3moe"], vl_assets, steps, "trainer.expert_parallel_size=2",
                     timeout_s=600)
-    out = tmp_path / "converted"
-    conv = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
-                           str(run_dir), "--output", str(out), "--no-progress"], cwd=REPO,
-                          env=run_env(), capture_output=True, text=True, timeout=600)
-    assert conv.returncode == 0, conv.stdout[-3000:] + conv.stderr[-3000:]
-    exported = load_file(str(run_dir / "hf" / f"step_{steps}" / "model.safetensors"))
-    converted = load_file(str(out / "model.safetensors"))
+    exported, converted = convert_final(run_dir, tmp_path / "converted", steps)
     initial = load_file(str(runs["vl3moe"] / "model.safetensors"))
     assert sorted(converted) == sorted(exported) == sorted(initial)
     for k in exported:
@@ -232,14 +239,9 @@ def test_tiny_vl_learns_under_megatron_tp2_and_converts(vl_assets, tmp_path):
     sync is verified bit for bit (the hf engine receives the bridge's checkpoint-file names),
     and the final dist-checkpoint converts (relax-convert) to exactly the trainer's HF export,
     which transformers loads and generates from with an image."""
-    import subprocess
-
     import torch
     from PIL import Image
-    from safetensors.torch import load_file
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
-
-    from tests.conftest import REPO, run_env
 
     run_dir = tmp_path / "run"
     megatron_vl_run(run_dir, vl_assets / "vl_model", vl_assets, E2E_STEPS,
@@ -250,12 +252,7 @@ def test_tiny_vl_learns_under_megatron_tp2_and_converts(vl_assets, tmp_path):
     assert summary["reward_last"] >= E2E_REWARD, summary
 
     out = tmp_path / "converted"
-    conv = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
-                           str(run_dir), "--output", str(out), "--no-progress"], cwd=REPO,
-                          env=run_env(), capture_output=True, text=True, timeout=600)
-    assert conv.returncode == 0, conv.stdout[-3000:] + conv.stderr[-3000:]
-    exported = load_file(str(run_dir / "hf" / f"step_{E2E_STEPS}" / "model.safetensors"))
-    converted = load_file(str(out / "model.safetensors"))
+    exported, converted = convert_final(run_dir, out, E2E_STEPS)
     assert sorted(converted) == sorted(exported)
     for k in exported:
         assert torch.equal(converted[k], exported[k]), k

@@ -94,11 +94,7 @@ def _forward_backward(mm: MegatronModel, mbs: list[MicroBatch], algo: AlgoConfig
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
-        routed = (megatron_routing([chunk], mb.routed, mb.routed_valid(),
-                                   replay=algo.routing_replay, stats=routing)
-                  if mb.routed is not None else contextlib.nullcontext())
-        with routed:
-            output = _forward(mm, chunk, mb, cp, cp_rank)
+        output = _forward(mm, chunk, mb, cp, cp_rank, algo=algo, routing=routing)
 
         def loss_func(out):
             logits = _scaled_logits(mm, out, width, cp, temperature)
@@ -121,13 +117,19 @@ def _forward_backward(mm: MegatronModel, mbs: list[MicroBatch], algo: AlgoConfig
         micro_batch_size=len(mbs[0]), forward_only=False)
 
 
-def _forward(mm: MegatronModel, chunk, mb: MicroBatch, cp: int, cp_rank: int):
+def _forward(mm: MegatronModel, chunk, mb: MicroBatch, cp: int, cp_rank: int,
+             algo: AlgoConfig | None = None, routing: RoutingStats | None = None):
     """One chunk's output for a micro-batch (this rank's 2 sequence chunks under CP, GPU only:
-    context_parallel.py)."""
-    if cp > 1:
-        return mm.forward(chunk, *context_parallel.local_tokens(mb.input_ids, cp, cp_rank))
-    return mm.forward(chunk, mb.input_ids, attention_mask=mb.attention_mask,
-                      media=mb.media.kwargs() if mb.media is not None else None)
+    context_parallel.py). With `algo`, MoE rows carrying the rollout's routing are compared
+    with this chunk's routers into `routing` (and replayed when algo.routing_replay)."""
+    routed = (megatron_routing([chunk], mb.routed, mb.routed_valid(),
+                               replay=algo.routing_replay, stats=routing)
+              if algo is not None and mb.routed is not None else contextlib.nullcontext())
+    with routed:
+        if cp > 1:
+            return mm.forward(chunk, *context_parallel.local_tokens(mb.input_ids, cp, cp_rank))
+        return mm.forward(chunk, mb.input_ids, attention_mask=mb.attention_mask,
+                          media=mb.media.kwargs() if mb.media is not None else None)
 
 
 def _scaled_logits(mm: MegatronModel, out, width: int, cp: int, temperature: float):
@@ -158,11 +160,7 @@ def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, nu
 
         def forward_step(data_iterator, chunk):
             row, mb = next(data_iterator)
-            routed = (megatron_routing([chunk], mb.routed, mb.routed_valid(),
-                                       replay=algo.routing_replay, stats=RoutingStats())
-                      if mb.routed is not None else contextlib.nullcontext())
-            with routed:
-                output = _forward(mm, chunk, mb, cp, cp_rank)
+            output = _forward(mm, chunk, mb, cp, cp_rank, algo=algo, routing=RoutingStats())
 
             def loss_func(out):
                 logp = gather_logprobs(_scaled_logits(mm, out, width, cp, temperature),
