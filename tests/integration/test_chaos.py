@@ -3,9 +3,12 @@
 each of the broker, the rollout worker, an engine (one trainer rank) and a trainer rank (two
 ranks) is SIGKILLed, separately, a quarter into a run. Every run completes with every accepted
 sample trained or dropped as stale (`samples_lost: 0`), reports its restarts (summary.json,
-restarts.jsonl, roles.json), and ends with a reward within 0.1 of an undisturbed run of the same
-configuration (the mean of the last LAST_STEPS steps: the preset's seed spread is ~0.1, but a
-run and its disturbed twin share model, data and seeds). Restarts are in place for the broker
+restarts.jsonl, roles.json), and ends with a reward no more than REWARD_TOLERANCE below an
+undisturbed run of the same configuration (the mean of the last LAST_STEPS steps). Staleness-1
+runs are not deterministic (what each step trains depends on timing), so two runs of one
+configuration differ like two seeds: 0.838 undisturbed against 0.961 for a disturbed twin in
+one clean-clone run, which a two-sided bound of 0.1 failed on. A recovery that costs learning
+shows as a lower reward; a higher one is not a failure. Restarts are in place for the broker
 (from its spill file; its clients resend), the rollout worker (with its predecessor's credits
 and data position) and the engine (re-joining the weight sync through a new cohort; its groups
 in flight re-queued); a trainer rank's death restarts the run from its last checkpoint.
@@ -39,7 +42,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
 CHAOS = ("algo.max_staleness=1", "trainer.save_every=20")
 KILL_AT = 40  # metrics lines: step_40 is saved before line 41 (step index 40) is written
 LAST_STEPS = 10
-REWARD_TOLERANCE = 0.1
+REWARD_TOLERANCE = 0.2  # above the same-config spread measured (0.12), below a lost run
 
 
 def start(run_dir: Path, tiny: Path, *overrides: str) -> subprocess.Popen:
@@ -115,7 +118,7 @@ def assert_completed_like(run_dir: Path, undisturbed: float, restarts: dict) -> 
     assert summary["restarts"] == restarts, summary
     assert [r["step"] for r in metrics(run_dir)] == list(range(150))  # none missing or twice
     reward = final_reward(run_dir)
-    assert abs(reward - undisturbed) <= REWARD_TOLERANCE, (reward, undisturbed)
+    assert reward >= undisturbed - REWARD_TOLERANCE, (reward, undisturbed)
     return summary
 
 
