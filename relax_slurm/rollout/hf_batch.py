@@ -13,6 +13,7 @@ import torch
 from transformers import LogitsProcessor, StoppingCriteria
 
 from relax_slurm.rollout.hf_requests import GREEDY_EPS, SamplingSpec
+from relax_slurm.rollout.seeds import generator_seed
 
 
 @dataclass
@@ -117,7 +118,8 @@ class BatchState:
         # is in the batch or on the engine's history (exact resume relies on this)
         for r in rows:
             if r.spec.sampling_seed is not None and r.generator is None:
-                r.generator = torch.Generator(device=device).manual_seed(r.spec.sampling_seed)
+                r.generator = torch.Generator(device=device).manual_seed(
+                    generator_seed(r.spec.sampling_seed))
         self.generators = [r.generator for r in rows]
         self.last_scaled: Optional[torch.Tensor] = None  # [B, V] logits / temperature, this step
         self.last_lse: Optional[torch.Tensor] = None  # [B] their logsumexp

@@ -29,12 +29,12 @@ from typing import Any, Optional
 
 from relax_slurm.errors import EngineError
 from relax_slurm.engines.client import GenerateResult, raise_if_aborted
+from relax_slurm.rollout.seeds import mix64
 
 MAX_RESUMES = 16
 """Resumes of one request's sequences before they count as aborted for good (each resume needs
 another pause to land mid-way; a flood of them means something else aborts requests)."""
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
-_MASK64 = (1 << 64) - 1
 
 Generate = Callable[..., Awaitable[list[GenerateResult]]]
 
@@ -52,10 +52,7 @@ def derive_seed(seed: Optional[int], done: int) -> Optional[int]:
     """
     if seed is None or done == 0:
         return seed
-    z = (seed * 0x9E3779B97F4A7C15 + done) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1  # 63 bits: a non-negative int64
+    return mix64(seed * 0x9E3779B97F4A7C15 + done) >> 1  # 63 bits: a non-negative int64
 
 
 def resume_params(params: dict[str, Any], done: int) -> dict[str, Any]:

@@ -30,3 +30,22 @@ def test_edges_of_the_unit_interval_pick_possible_tokens():
 def test_rows_are_independent():
     logits = torch.tensor([[5.0, -math.inf], [-math.inf, 5.0]])
     assert inverse_cdf_sample(logits, torch.tensor([0.5, 0.5])).squeeze(1).tolist() == [0, 1]
+
+
+def test_the_run_seed_changes_the_draws():
+    """sample_seed puts the run seed in bits 40+, which torch's mt19937 would drop."""
+    from relax_slurm.rollout.seeds import generator_seed
+    from relax_slurm.rollout.sampling import sample_seed
+
+    def draws(seed: int) -> list[float]:
+        g = torch.Generator().manual_seed(generator_seed(seed))
+        return torch.rand(4, generator=g).tolist()
+
+    group, index, n = 7, 3, 16
+    runs = [draws(sample_seed(run, group, index, n)) for run in range(4)]
+    assert len({tuple(r) for r in runs}) == 4  # every run seed its own stream
+    assert generator_seed(sample_seed(0, group, index, n)) == group * n + index  # seed 0 as before
+    assert all(0 <= generator_seed(s) < 2 ** 32 for s in (2 ** 32, 2 ** 63 - 1, -1))
+    # folded seeds of one run stay distinct across its samples
+    assert len({generator_seed(sample_seed(1, g, i, n)) for g in range(64) for i in range(n)}) \
+        == 64 * n
