@@ -24,16 +24,19 @@ from common import Run, relax_train, spread
 PINNED = ("trainer.nproc_per_node=1", "cluster.rollout_cpus=[0]", "cluster.trainer_cpus=[1]",
           "trainer.torch_threads=1", "rollout.torch_threads=1")
 REWARD_THRESHOLD = 0.5
+TRL_THRESHOLD = 0.8  # the "time to reward 0.8", ours against TRL
 
 
 def run_modes(out: Path, model: Path, data: Path, *, steps: int, repeats: int,
               stalenesses: tuple[int, ...] = (0, 1, 2)) -> dict[int, list[Run]]:
     runs: dict[int, list[Run]] = {s: [] for s in stalenesses}
-    for rep in range(repeats):  # interleaved, so a drift of the machine hits every mode alike
+    # interleaved, so a drift of the machine hits every mode alike; repeat i runs with seed=i
+    # (its own rollout draws), so a reward figure spreads over seeds as TRL's does
+    for rep in range(repeats):
         for s in stalenesses:
             run = relax_train(out / f"staleness{s}_rep{rep}", model, data, *PINNED,
                               f"algo.max_staleness={s}", f"trainer.total_steps={steps}",
-                              f"trainer.lr_decay_steps={steps}")
+                              f"trainer.lr_decay_steps={steps}", f"seed={rep}")
             print(f"  max_staleness={s} rep {rep}: {run.samples_per_s():.0f} samples/s, "
                   f"final reward {run.final_reward():.3f}", flush=True)
             runs[s].append(run)
@@ -59,6 +62,7 @@ def summarize(runs: dict[int, list[Run]]) -> dict:
             "step_s": spread([r.median("perf/step_time_s") for r in rs]),
             "final_reward": spread([r.final_reward() for r in rs]),
             "time_to_reward_s": spread([r.time_to(REWARD_THRESHOLD) for r in rs]),
+            "time_to_0.8_s": spread([r.time_to(TRL_THRESHOLD) for r in rs]),
             "staleness_mean": spread([r.median("broker/staleness_mean") for r in rs]),
             "wall_s": spread([r.wall_s for r in rs]),
         }

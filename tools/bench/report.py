@@ -20,8 +20,10 @@ TARGETS = {
     "async_reward_delta": (-0.05, True, "final reward async - sync (mean of last 10 steps)"),
     "async_bound_ratio": (1.15, False, "async step / max(G, T) of the sync run"),
     "sync_bound_ratio": (1.03, False, "sync step / (G + train + weight sync)"),
-    "trl_speedup": (1.5, True, "samples/s ours async / TRL GRPOTrainer"),
+    "trl_speedup": (1.0, True, "samples/s ours async / TRL GRPOTrainer (at TRL's best lr)"),
     "trl_speedup_sync": (None, True, "samples/s ours sync / TRL GRPOTrainer"),
+    "trl_time_to_0.8_ratio": (1.0, True, "training s to reward 0.8 (5-step mean), TRL / ours "
+                                         "async, same seed (inf: TRL never gets there)"),
     "weight_sync_efficiency": (0.85, True, "raw broadcast time / full sync time, ~470 MB"),
     "weight_sync_efficiency_tiny": (None, True, "the same for the tiny model (0.3 MB)"),
     "weight_sync_efficiency_flattened": (None, True, "the same, ~470 MB, "
@@ -72,6 +74,7 @@ def _find(res: dict, key: str) -> dict:
              "sync_bound_ratio": ("async", "sync_bound_ratio"),
              "trl_speedup": ("trl", "ours_async_over_trl"),
              "trl_speedup_sync": ("trl", "ours_sync_over_trl"),
+             "trl_time_to_0.8_ratio": ("trl", "time_to_0.8_trl_over_ours_async"),
              "weight_sync_efficiency": ("weight_sync", "large", "efficiency"),
              "weight_sync_efficiency_tiny": ("weight_sync", "tiny", "efficiency"),
              "weight_sync_efficiency_flattened": ("weight_sync", "large",
@@ -120,11 +123,11 @@ def detail_tables(res: dict) -> list[str]:
     if "async" in res:
         out += ["", "### Async vs sync (per mode)", "",
                 "| max_staleness | samples/s | step s | final reward | s to reward 0.5 | "
-                "mean staleness | wall s |", "|---|---|---|---|---|---|---|"]
+                "s to reward 0.8 | mean staleness | wall s |", "|---|---|---|---|---|---|---|---|"]
         for s, m in res["async"]["modes"].items():
-            cells = [" / ".join(_spread(m[k])) for k in
+            cells = [" / ".join(_spread(m.get(k, {}))) for k in
                      ("samples_per_s", "step_s", "final_reward", "time_to_reward_s",
-                      "staleness_mean", "wall_s")]
+                      "time_to_0.8_s", "staleness_mean", "wall_s")]
             out.append(f"| {s} | " + " | ".join(cells) + " |")
         c = res["async"]["sync_components"]
         out += ["", "Sync run's components (median s per step): " + ", ".join(
@@ -132,9 +135,12 @@ def detail_tables(res: dict) -> list[str]:
     if "trl" in res:
         t = res["trl"]
         out += ["", "### TRL GRPOTrainer", "",
-                f"samples/s {' / '.join(_spread(t['samples_per_s']))}, final reward "
-                f"{' / '.join(_spread(t['final_reward']))}, s to reward 0.5 "
-                f"{' / '.join(_spread(t['time_to_reward_s']))} (min / median / max)."]
+                f"lr {t.get('lr')}; samples/s {' / '.join(_spread(t['samples_per_s']))}, "
+                f"final reward {' / '.join(_spread(t['final_reward']))}, s to reward 0.5 "
+                f"{' / '.join(_spread(t['time_to_reward_s']))}, s to reward 0.8 "
+                f"{' / '.join(_spread(t.get('time_to_0.8_s', {})))} (reached in "
+                f"{t.get('reached_0.8', '-')} of {t['samples_per_s'].get('n', '-')} runs) "
+                "(min / median / max)."]
     if "weight_sync" in res:
         out += ["", "### Weight sync", "",
                 "| state | MB | tensors | buckets | full sync GB/s | raw broadcast GB/s | "
@@ -183,7 +189,7 @@ def detail_tables(res: dict) -> list[str]:
                 "weight sync s | sync share | mean response len |",
                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         for mode, m in lt["modes"].items():
-            cells = [" / ".join(_spread(m[k])) for k in
+            cells = [" / ".join(_spread(m.get(k, {}))) for k in
                      ("samples_per_s", "step_s", "final_reward", "time_to_reward_s",
                       "trainer_wait_s", "gen_time_s", "train_time_s", "weight_sync_s",
                       "sync_share", "response_len_mean")]

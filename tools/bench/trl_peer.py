@@ -7,7 +7,7 @@ process keeps the other parts' numbers clean):
 
 Identical to our tiny_cpu preset: model, tokenizer, prompts (plain strings: our chat template
 renders a user message as its content, so the token ids are the same), 32 prompts x 16
-samples per step, 3 new tokens, temperature 1, the preset's lr (--lr) on a cosine to 0.1x over
+samples per step, 3 new tokens, temperature 1, an lr (--lr) on a cosine to 0.1x over
 the run, grad clip 1, no
 KL, PPO clip 0.2, group-normalised advantages, one optimizer step per batch, and the same
 reward (exact match, only when the model stopped itself). TRL is one process on both cores
@@ -30,7 +30,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--lr", type=float, required=True, help="experiment=tiny_cpu's trainer.lr")
+    ap.add_argument("--lr", type=float, required=True,
+                    help="its learning rate (run.py passes TRL's best on this task, TRL_LR)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="TRL's seed: data order and sampling (run.py: the repeat's index)")
     args = ap.parse_args()
 
     import torch
@@ -68,7 +71,7 @@ def main() -> None:
         temperature=1.0, learning_rate=args.lr, lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": 0.1}, warmup_steps=0, max_grad_norm=1.0,
         beta=0.0, epsilon=0.2, loss_type="grpo", scale_rewards="group", num_iterations=1,
-        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", seed=0,
+        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", seed=args.seed,
         dataloader_num_workers=0, disable_tqdm=True,
         gradient_checkpointing=False,  # ours does not checkpoint activations either
     )
