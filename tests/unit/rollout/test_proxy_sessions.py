@@ -31,7 +31,7 @@ class Engine:
         self.gate: asyncio.Event | None = None
         self.fail = False
 
-    async def generate(self, input_ids, params):
+    async def generate(self, input_ids, params, routed_start=0):
         if self.gate is not None:
             await self.gate.wait()
         if self.fail:
