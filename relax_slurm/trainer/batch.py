@@ -214,8 +214,9 @@ def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroB
 
 def collate_routed(items: list[TrainItem], width: int) -> Tensor | None:
     """The samples' routed experts as [B, width, layers x top-k] int32 (zeros past each row's
-    prompt + response - 1, NOT_ROUTED rows kept as -1), or None unless every sample carries them (a batch mixing MoE
-    samples with and without is one whose engines changed: trained without replay)."""
+    prompt + response - 1, NOT_ROUTED rows kept as -1), or None unless every sample carries
+    them (a batch mixing MoE samples with and without is one whose engines changed: trained
+    without replay)."""
     arrays = [it.sample.routed_experts for it in items]
     if not arrays or any(a is None for a in arrays):
         return None
