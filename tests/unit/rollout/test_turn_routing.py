@@ -177,3 +177,30 @@ def test_the_hf_engine_takes_a_start_up_to_each_inputs_length_as_sglang():
         with pytest.raises(BadRequest, match="routed_experts_start_len"):
             parse_routing_request({"return_routed_experts": True,
                                    "routed_experts_start_len": bad}, prompts)
+
+
+def test_a_shared_request_asks_from_its_calls_lowest_start():
+    """SGLang takes one routed_experts_start_len per request: the coalescer sends the lowest of
+    its calls', and each result says where its rows begin (TurnRouting keeps its own)."""
+    import asyncio
+
+    from relax_slurm.rollout.coalesce import CoalescingEngine
+
+    class Engine:
+        url = "http://fake"
+        sent: list = []
+
+        async def generate(self, input_ids, params, return_logprob=True, media=None,
+                           routed_start=0):
+            self.sent.append((len(input_ids), routed_start))
+            return [GenerateResult([1], [-1.0], "stop", "0", routed_start=routed_start)
+                    for _ in input_ids]
+
+    async def main():
+        engine = CoalescingEngine(Engine(), max_groups=4)
+        return await asyncio.gather(engine.generate([[1, 2, 3, 4, 5]], [{}], routed_start=5),
+                                    engine.generate([[1, 2, 3]], [{}], routed_start=3))
+
+    results = asyncio.run(main())
+    assert Engine.sent == [(2, 3)]
+    assert [r.routed_start for [r] in results] == [3, 3]
