@@ -68,7 +68,9 @@ class Sample:
     float32, or None without a teacher."""
     routed_experts: np.ndarray | None = None
     """MoE models: the expert ids the engine routed each token to, [(P + R - 1) x layers x
-    top-k] int16 flattened (relax_slurm.routing.shape), or None."""
+    top-k] int16 flattened (relax_slurm.routing.shape), or None. A position whose row is all -1
+    (NOT_ROUTED: a multi-turn sample's position no turn's report covered,
+    relax_slurm.routing.segments) is neither compared nor replayed."""
     mm_inputs: dict[str, np.ndarray] = field(default_factory=dict)
     """Processed media of the prompt, as the model's forward takes them (pixel_values [N, D],
     image_grid_thw [n, 3], input_features [n, mel, frames], ...); `prompt_ids` holds the

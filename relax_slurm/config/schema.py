@@ -1020,10 +1020,6 @@ class TrainConfig:
                "algo.routing_replay=true with trainer.context_parallel_size > 1 is not supported "
                "yet: the replayed routing is not split across context-parallel ranks "
                "(docs/algorithms.md#routing-replay)")
-        _check(not self.algo.routing_replay or (not self.env.name
-                                               and self.rollout.agent_mode == "env"),
-               "algo.routing_replay=true replays single-turn rollouts only so far: unset env.name "
-               "and use rollout.agent_mode=env")
         steps = t.num_steps_per_rollout
         samples = self.rollout.batch_size * self.rollout.n_samples_per_prompt
         _check(samples % steps == 0,

@@ -10,6 +10,7 @@ server's message.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -48,7 +49,10 @@ class GenerateResult:
     retract or in_place mode); empty when the server did not report them."""
     routed_experts: Optional[str] = None
     """meta_info.routed_experts (MoE models, asked with return_routed_experts): base64 int32
-    expert ids [prompt + output - 1, layers, top-k], decoded by relax_slurm.routing.shape."""
+    expert ids [prompt + output - 1 - routed_start, layers, top-k], decoded by
+    relax_slurm.routing.shape."""
+    routed_start: int = 0
+    """The position of routed_experts' first row: the request's routed_experts_start_len."""
 
     def versions(self) -> list[int]:
         """The policy versions whose weights sampled this sequence's tokens, oldest first (the
@@ -156,7 +160,7 @@ class _Base:
     def _generate_body(input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
                        return_logprob: bool, logprob_start_len: Optional[int] = None,
                        media: Optional[list[dict[str, list[str]]]] = None,
-                       routed_experts: bool = False) -> dict[str, Any]:
+                       routed_experts: bool = False, routed_start: int = 0) -> dict[str, Any]:
         body = {"input_ids": [list(map(int, ids)) for ids in input_ids],
                 "sampling_params": ([dict(p) for p in sampling_params]
                                     if isinstance(sampling_params, list)
@@ -164,8 +168,9 @@ class _Base:
                 "return_logprob": return_logprob}
         if logprob_start_len is not None:
             body["logprob_start_len"] = int(logprob_start_len)
-        if routed_experts:  # the whole sequence's: the trainer replays the prompt's too
-            body.update(return_routed_experts=True, routed_experts_start_len=0)
+        if routed_experts:  # from 0 the whole sequence's: the trainer replays the prompt's too;
+            # a later turn of a multi-turn sample asks for the positions no turn covered yet
+            body.update(return_routed_experts=True, routed_experts_start_len=int(routed_start))
         body.update(media_fields(media, len(input_ids)))
         return body
 
@@ -412,14 +417,18 @@ class AsyncEngineClient(_Base):
 
     async def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
                        return_logprob: bool = True, logprob_start_len: Optional[int] = None,
-                       media: Optional[list[dict[str, list[str]]]] = None
-                       ) -> list[GenerateResult]:
+                       media: Optional[list[dict[str, list[str]]]] = None,
+                       routed_start: int = 0) -> list[GenerateResult]:
+        """`routed_start`: SGLang's routed_experts_start_len (one for the request; at most each
+        input's length), recorded in each result's `routed_start`."""
         if not input_ids:
             return []
         body = self._generate_body(input_ids, sampling_params, return_logprob, logprob_start_len,
-                                   media, self.routed_experts)
+                                   media, self.routed_experts, routed_start)
         resp = await self._call("POST", "/generate", body)
-        return self._parse_generate(self._json("/generate", resp), len(input_ids))
+        results = self._parse_generate(self._json("/generate", resp), len(input_ids))
+        return [dataclasses.replace(r, routed_start=routed_start) if routed_start else r
+                for r in results]
 
     async def prefill_logprobs(self, input_ids: list[list[int]],
                                media: Optional[list[dict[str, list[str]]]] = None

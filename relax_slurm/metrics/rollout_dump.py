@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from relax_slurm.routing.segments import covered_positions
+
 DUMP_DIR = "rollouts"
 Decode = Callable[[list[int]], str]
 
@@ -21,9 +23,19 @@ def dump_rows(groups: Iterable[list], step: int, decode: Decode) -> list[dict[st
          "prompt": decode(s.prompt_ids.tolist()), "response": decode(s.response_ids.tolist()),
          "reward": float(s.reward), "version": int(s.version), "version_min": int(s.version_min),
          "version_spans": [list(span) for span in s.version_spans],
-         "finish_reason": s.finish_reason, "response_len": int(len(s.response_ids))}
+         "finish_reason": s.finish_reason, "prompt_len": int(len(s.prompt_ids)),
+         "response_len": int(len(s.response_ids)), "routed_positions": routed_positions(s)}
         for g in groups for s in g
     ]
+
+
+def routed_positions(sample: Any) -> int | None:
+    """How many of the sample's prompt + response - 1 positions carry the rollout's routing
+    (MoE models; a multi-turn sample's trailing observation has none), None without routing."""
+    if sample.routed_experts is None:
+        return None
+    return covered_positions(sample.routed_experts,
+                             len(sample.prompt_ids) + len(sample.response_ids) - 1)
 
 
 def dump_path(run_dir: Path, step: int) -> Path:

@@ -27,6 +27,7 @@ class _Call:
     params: list[dict[str, Any]]
     future: asyncio.Future
     media: list[dict[str, list[str]]] | None = None
+    routed_start: int = 0
 
 
 class CoalescingEngine:
@@ -47,16 +48,20 @@ class CoalescingEngine:
 
     async def generate(self, input_ids: list[list[int]],
                        sampling_params: dict[str, Any] | list[dict[str, Any]],
-                       media: list[dict[str, list[str]]] | None = None
-                       ) -> list[GenerateResult]:
+                       media: list[dict[str, list[str]]] | None = None,
+                       routed_start: int = 0) -> list[GenerateResult]:
         """The responses to `input_ids` (with log-probs), from a request shared with others;
-        `media`: per input {kind: [items]} (multimodal prompts)."""
+        `media`: per input {kind: [items]} (multimodal prompts); `routed_start`: the first
+        position whose routed experts are wanted (a shared request asks from its calls' lowest:
+        SGLang takes one routed_experts_start_len per request; each result's `routed_start`
+        says where its rows begin)."""
         params = (sampling_params if isinstance(sampling_params, list)
                   else [sampling_params] * len(input_ids))
         if self.max_groups == 1:
-            return await self.engine.generate(input_ids, params, return_logprob=True, media=media)
+            return await self.engine.generate(input_ids, params, return_logprob=True, media=media,
+                                              routed_start=routed_start)
         loop = asyncio.get_running_loop()
-        call = _Call(list(input_ids), list(params), loop.create_future(), media)
+        call = _Call(list(input_ids), list(params), loop.create_future(), media, routed_start)
         self._pending.append(call)
         if len(self._pending) >= self.max_groups:
             self._flush()
@@ -81,7 +86,8 @@ class CoalescingEngine:
         if any(c.media for c in calls):
             media = [m for c in calls for m in (c.media or [{}] * len(c.input_ids))]
         try:
-            results = await self.engine.generate(ids, params, return_logprob=True, media=media)
+            results = await self.engine.generate(ids, params, return_logprob=True, media=media,
+                                                 routed_start=min(c.routed_start for c in calls))
         except asyncio.CancelledError:
             for c in calls:
                 c.future.cancel()

@@ -30,8 +30,10 @@ class EnvEpisodes:
         t_start = time.time()
         params = self.svc.group_params(gid)
         async with self.svc.router.pick() as engine:
-            async def generate(ids: list[int], p: dict) -> GenerateResult:
-                [res] = raise_if_aborted(await engine.generate([ids], [p]), engine.url)
+            async def generate(ids: list[int], p: dict, routed_start: int) -> GenerateResult:
+                [res] = raise_if_aborted(await engine.generate([ids], [p],
+                                                               routed_start=routed_start),
+                                         engine.url)
                 return res
 
             episodes = await asyncio.gather(*(

@@ -31,9 +31,11 @@ from typing import Any, Awaitable, Callable
 from relax_slurm.envs.base import BaseEnv, EnvError, Message, StepResult
 from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.partial import version_record
+from relax_slurm.routing.segments import TurnRouting
 from relax_slurm.samples import Sample
 
-Generate = Callable[[list[int], dict[str, Any]], Awaitable[GenerateResult]]
+Generate = Callable[[list[int], dict[str, Any], int], Awaitable[GenerateResult]]
+"""(input ids, sampling params, routed_experts_start_len) -> the turn's result."""
 END_REASONS = ("done", "max_turns", "max_total_tokens")
 _PROBE_USER, _PROBE_MODEL = "relax-probe-user", "relax-probe-model"
 
@@ -74,6 +76,8 @@ class Episode:
     """[version, start, end] runs of response_ids the model sampled (Sample.version_spans)."""
     last_turn_text: str = ""
     """The last model turn as handed to the environment (the final answer)."""
+    routing: TurnRouting = field(default_factory=TurnRouting)
+    """MoE models: each turn's routed experts (relax_slurm.routing.segments)."""
 
     def add_images(self, messages: list[Message]) -> None:
         """Record the images the messages about to be appended carry (the multimodal hook)."""
@@ -97,8 +101,13 @@ class Episode:
         self.loss_mask += [1.0 if model else 0.0] * len(ids)
         self.logprobs += list(logprobs) if model else [0.0] * len(ids)
 
-    def add_turn(self, res: GenerateResult) -> None:
-        """A model turn as the engine sampled it: its ids (mask 1), log-probs and version."""
+    def add_turn(self, res: GenerateResult, input_ids: list[int] | None = None) -> None:
+        """A model turn as the engine sampled it from `input_ids` (default: the episode so
+        far): its ids (mask 1), log-probs, version and routed experts."""
+        input_ids = self.prompt_ids + self.response_ids if input_ids is None else input_ids
+        generated = int(res.meta_info.get("completion_tokens", len(res.output_ids)))
+        self.routing.add(input_ids, res.output_ids, generated, res.routed_start,
+                         res.routed_experts)
         self.version_spans += version_record(res, offset=len(self.response_ids))
         self.add(res.output_ids, model=True, logprobs=res.logprobs)
         self.turns += 1
@@ -235,8 +244,11 @@ async def run_episode(generate: Generate, env: BaseEnv, prompt: Any, prompt_ids:
                 turn_params["sampling_seed"] = turn_seed(params["sampling_seed"], ep.turns)
             if stop:
                 turn_params["stop"] = stop
-            res = await generate(ep.prompt_ids + ep.response_ids, turn_params)
-            ep.add_turn(res)
+            ids = ep.prompt_ids + ep.response_ids
+            # only the positions no earlier turn covered: each keeps the routing of the
+            # forward that processed it (relax_slurm.routing.segments)
+            res = await generate(ids, turn_params, ep.routing.start_for(ids))
+            ep.add_turn(res, ids)
             text = ep.last_turn_text = res.text if stop else decode(res.output_ids)
             step = _as_step(await _call(env.step(text)))
             ep.turn_rewards.append(float(step.reward))
@@ -260,14 +272,17 @@ async def run_episode(generate: Generate, env: BaseEnv, prompt: Any, prompt_ids:
 
 
 def episode_sample(ep: Episode, *, prompt_id: str, group_id: int, reward: float,
-                   metadata: dict[str, Any], teacher_logprobs: Any = None) -> Sample:
+                   metadata: dict[str, Any], teacher_logprobs: Any = None,
+                   routed_experts: Any = None) -> Sample:
     """The trainable sample of an episode: model tokens mask 1 with their rollout log-probs,
     the rest mask 0; stamped with the oldest and newest weight version of its turns.
-    `teacher_logprobs`: [R], on-policy distillation (0 at environment tokens)."""
+    `teacher_logprobs`: [R], on-policy distillation (0 at environment tokens);
+    `routed_experts`: its turns' routing (relax_slurm.routing.segments.sample_rows)."""
     return Sample(
         prompt_id=prompt_id, group_id=group_id, prompt_ids=ep.prompt_ids,
         response_ids=ep.response_ids, loss_mask=ep.loss_mask, rollout_logprobs=ep.logprobs,
-        teacher_logprobs=teacher_logprobs, reward=float(reward), version=max(ep.versions),
+        teacher_logprobs=teacher_logprobs, routed_experts=routed_experts,
+        reward=float(reward), version=max(ep.versions),
         version_min=min(ep.versions),
         version_spans=ep.version_spans,
         # a truncated episode counts as cut by length in rollout/truncated_frac

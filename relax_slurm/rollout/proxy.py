@@ -282,14 +282,16 @@ class AgentProxy:
         ids = ep.prompt_ids + ep.response_ids + between
         try:
             engine = self.svc.router.engines[g.engine]
-            [res] = await engine.generate([ids], [self._params(req, room)])
+            # routed experts of the positions no earlier turn covered (routing.segments)
+            [res] = await engine.generate([ids], [self._params(req, room)],
+                                          routed_start=ep.routing.start_for(ids))
         except EngineError as e:
             raise ProxyError(502, f"the engine failed: {e}", "engine_error") from e
         if res.finish_reason == "abort":
             raise ProxyError(503, "the engine aborted the generation (it is being updated or "
                                   "stopped): retry the request", "server_busy")
         ep.add(between, model=False)
-        ep.add_turn(res)
+        ep.add_turn(res, ids)
         ep.end = "done"  # a refused request before this one no longer ends the session
         content = res.text if req.stop else self.svc.decode(res.output_ids)
         ep.last_turn_text = content

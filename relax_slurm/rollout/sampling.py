@@ -81,6 +81,14 @@ def response_logprobs(prefill: list[float], prompt_len: int,
     return out
 
 
+def no_routing_error() -> ConfigError:
+    """What replay (algo.routing_replay) says of an engine that reports no routing."""
+    return ConfigError(
+        "algo.routing_replay=true but the engine returned no meta_info.routed_experts: "
+        f"start SGLang with {sglang_api.ROUTED_EXPERTS_FLAG} (relax-train adds it to the "
+        "engines it starts for an MoE model.path; check externally started engines)")
+
+
 def sample_routing(res: GenerateResult, prompt_len: int, shape: RoutingShape, *,
                    required: bool) -> np.ndarray | None:
     """A response's routed experts as a sample carries them (flat int16, one row per prompt +
@@ -88,10 +96,7 @@ def sample_routing(res: GenerateResult, prompt_len: int, shape: RoutingShape, *,
     (algo.routing_replay) makes that a ConfigError naming the engine flag."""
     if res.routed_experts is None:
         if required:
-            raise ConfigError(
-                "algo.routing_replay=true but the engine returned no meta_info.routed_experts: "
-                f"start SGLang with {sglang_api.ROUTED_EXPERTS_FLAG} (relax-train adds it to the "
-                "engines it starts for an MoE model.path; check externally started engines)")
+            raise no_routing_error()
         return None
     # decoded for every token generated; a response cut short here (at a media pad) drops the
     # rows of the tokens it lost

@@ -29,8 +29,10 @@ from relax_slurm.engines.client import AsyncEngineClient, GenerateResult
 from relax_slurm.rollout.multiturn import Episode, episode_sample
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.rollout.sampling import (
-    response_logprobs, sample_routing, sampling_params, seeded_params, shaped_rewards,
+    no_routing_error, response_logprobs, sample_routing, sampling_params, seeded_params,
+    shaped_rewards,
 )
+from relax_slurm.routing.segments import sample_rows
 from relax_slurm.routing.shape import RoutingShape, routing_shape
 
 log = logging.getLogger("relax_slurm.rollout")
@@ -152,12 +154,28 @@ class RolloutServices:
             return None
         ids = sample_routing(res, len(prompt_ids), self.routing,
                              required=self.cfg.algo.routing_replay)
-        if ids is None and not self.warned_no_routing:
+        if ids is None:
+            self._warn_no_routing()
+        return ids
+
+    def episode_routing(self, ep: Episode) -> np.ndarray | None:
+        """A multi-turn sample's routed experts, assembled from its turns' reports (positions
+        none covers are NOT_ROUTED: relax_slurm.routing.segments); None for a dense model."""
+        if self.routing is None:
+            return None
+        if ep.routing.missing and self.cfg.algo.routing_replay:
+            raise no_routing_error()  # an engine that ignores the flag, as for single-turn
+        ids = sample_rows(ep.routing, ep.prompt_ids + ep.response_ids, self.routing)
+        if ids is None:
+            self._warn_no_routing()
+        return ids
+
+    def _warn_no_routing(self) -> None:
+        if not self.warned_no_routing:
             log.warning("the engines return no routed experts (start SGLang with %s): no "
                         "routing replay, no train/routing_mismatch_frac",
                         sglang_api.ROUTED_EXPERTS_FLAG)
             self.warned_no_routing = True
-        return ids
 
     async def teacher_logprobs(self, prompt_ids: list[list[int]], responses: list[list[int]],
                                masks: list[list[float]] | None = None,
@@ -202,7 +220,8 @@ class RolloutServices:
                                               [ep.response_ids for ep in episodes],
                                               masks=[ep.loss_mask for ep in episodes])
         await self.broker.put_group([episode_sample(ep, prompt_id=prompt_id, group_id=gid,
-                                                    reward=r, metadata=meta, teacher_logprobs=lp)
+                                                    reward=r, metadata=meta, teacher_logprobs=lp,
+                                                    routed_experts=self.episode_routing(ep))
                                      for ep, r, lp in zip(episodes, rewards, teacher)])
         return True
 

@@ -84,7 +84,8 @@ def encode_routed_experts(ids: np.ndarray) -> str:
 
 def decode_routed_experts(text: str, shape: RoutingShape, tokens: int) -> np.ndarray:
     """An engine's meta_info.routed_experts as a sample's flat int16 array, checked against the
-    model's layout and the number of tokens it must cover (prompt + response - 1)."""
+    model's layout and the number of tokens it must cover (prompt + response - 1 -
+    routed_experts_start_len)."""
     try:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError, TypeError) as e:
@@ -96,7 +97,7 @@ def decode_routed_experts(text: str, shape: RoutingShape, tokens: int) -> np.nda
     got = shape.tokens(len(ids), "meta_info.routed_experts")
     if got != tokens:
         raise ValueError(f"meta_info.routed_experts covers {got} tokens, expected {tokens} "
-                         "(prompt + response - 1; routed_experts_start_len must be 0)")
+                         "(prompt + response - 1 - routed_experts_start_len)")
     if len(ids) and (ids.min() < 0 or ids.max() >= shape.experts):
         raise ValueError(f"meta_info.routed_experts holds expert ids outside 0..{shape.experts - 1}")
     return ids.astype(ROUTING_DTYPE)

@@ -130,10 +130,15 @@ class MicroBatch:
     (valid below each row's length - 1), when the samples carry them."""
 
     def routed_valid(self) -> Tensor:
-        """[B, T] bool: the positions `routed` covers (all but each row's last token)."""
+        """[B, T] bool: the positions `routed` covers: all but each row's last token, except
+        rows of NOT_ROUTED ids (-1: a multi-turn sample's positions no turn's report covered,
+        relax_slurm.routing.segments), which are neither compared nor replayed."""
         pos = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
         lens = torch.tensor(self.seq_lens, device=self.input_ids.device)
-        return pos[None, :] < (lens[:, None] - 1)
+        valid = pos[None, :] < (lens[:, None] - 1)
+        if self.routed is not None:  # a covered row holds expert ids >= 0 in its MoE layers
+            valid = valid & (self.routed >= 0).any(dim=-1)
+        return valid
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -209,8 +214,9 @@ def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroB
 
 def collate_routed(items: list[TrainItem], width: int) -> Tensor | None:
     """The samples' routed experts as [B, width, layers x top-k] int32 (zeros past each row's
-    prompt + response - 1), or None unless every sample carries them (a batch mixing MoE
-    samples with and without is one whose engines changed: trained without replay)."""
+    prompt + response - 1, NOT_ROUTED rows kept as -1), or None unless every sample carries
+    them (a batch mixing MoE samples with and without is one whose engines changed: trained
+    without replay)."""
     arrays = [it.sample.routed_experts for it in items]
     if not arrays or any(a is None for a in arrays):
         return None

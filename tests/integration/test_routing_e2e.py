@@ -5,12 +5,14 @@ carrying them through the broker, the trainer replaying them."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from relax_slurm.tiny.model import main as make_tiny_model
-from tests.conftest import NEEDS_MEGATRON, ONE_RANK, relax_train
+from tests.conftest import (NEEDS_MEGATRON, ONE_RANK, REPO, relax_train, run_env,
+                            tiny_command)
 
 TIMEOUT_S = 900
 MOE = ("algo.routing_replay=true",)
@@ -77,3 +79,26 @@ def test_tiny_moe_learns_under_megatron(tmp_path, moe_assets):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["reward_first"] <= 0.3 and summary["reward_last"] >= 0.25, summary
     assert "weights verified" in (tmp_path / "run" / "logs" / "trainer.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 100)
+def test_multi_turn_episodes_replay_their_routing(tmp_path, moe_assets):
+    """experiment=tiny_agent_cpu (env=arith_feedback, up to 3 turns) on the tiny MoE with
+    replay: every turn's report covers the positions no earlier turn did, so each trained
+    sample carries routing at every position (the episodes end on a model turn), and the
+    trainer's routers agree with it (float32 on both sides)."""
+    run_dir = tmp_path / "agent_moe"
+    cmd = tiny_command(run_dir, moe_assets, *MOE, "trainer.total_steps=3",
+                       "debug.dump_rollouts=true", "metrics.progress=false",
+                       experiment="tiny_agent_cpu")
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env=run_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["train/routing_mismatch_frac"] == 0.0 for r in rows)
+    assert any(r["rollout/turns_mean"] > 1 for r in rows)  # some episodes took several turns
+    samples = [json.loads(x) for f in sorted((run_dir / "rollouts").glob("*.jsonl"))
+               for x in f.read_text().splitlines()]
+    assert samples and all(s["routed_positions"] == s["prompt_len"] + s["response_len"] - 1
+                           for s in samples)

@@ -28,6 +28,6 @@ def test_one_line_per_sample_with_text_reward_and_versions(tmp_path):
     assert rows[2] == {"step": 7, "prompt_id": "p1", "group_id": 1, "prompt": "t1 t2",
                        "response": "t3 t4 t5", "reward": 0.5, "version": 2, "version_min": 1,
                        "version_spans": [[1, 0, 1], [2, 1, 3]], "finish_reason": "length",
-                       "response_len": 3}
+                       "prompt_len": 2, "response_len": 3, "routed_positions": None}
     write_dump(tmp_path, 7, groups[:1], decode)  # a resumed run trains step 7 again
     assert len(path.read_text().splitlines()) == 2

@@ -52,8 +52,8 @@ def episode(engine_url, tiny_assets, env, limits, prompt_ids=(3, 4, 5)):
     async def go():
         client = AsyncEngineClient(engine_url, timeout_s=60)
         try:
-            async def generate(ids, params):
-                [res] = await client.generate([ids], [params])
+            async def generate(ids, params, routed_start):
+                [res] = await client.generate([ids], [params], routed_start=routed_start)
                 seen.append((list(ids), params, list(res.output_ids)))
                 return res
             return await run_episode(generate, env, None, list(prompt_ids), renderer, limits,

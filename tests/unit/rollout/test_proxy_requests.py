@@ -91,7 +91,7 @@ def test_a_first_observation_from_reset_extends_the_prompt(tok):
     assert prompt == "=3+4*"
     sent = []
 
-    async def generate(input_ids, params):
+    async def generate(input_ids, params, routed_start):
         sent.append(list(input_ids))
         return GenerateResult(output_ids=ids(tok, "7") + [tok.eos_token_id], logprobs=[-1.0, -2.0],
                               finish_reason="stop", weight_version="3")

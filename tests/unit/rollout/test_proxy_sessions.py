@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from relax_slurm.broker.state import BrokerState
@@ -20,6 +21,7 @@ from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.openai_chat import ProxyError
 from relax_slurm.rollout.proxy import AgentProxy
 from relax_slurm.rollout.worker import RolloutWorker
+from relax_slurm.routing.shape import RoutingShape, encode_routed_experts
 
 ASK = {"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2}
 
@@ -30,14 +32,22 @@ class Engine:
     def __init__(self) -> None:
         self.gate: asyncio.Event | None = None
         self.fail = False
+        self.starts: list[int] = []
 
-    async def generate(self, input_ids, params):
+    async def generate(self, input_ids, params, routed_start=0):
         if self.gate is not None:
             await self.gate.wait()
         if self.fail:
             raise EngineError("engine http://x/generate: HTTP 500: boom")
+        self.starts.append(routed_start)
+        # an MoE engine's report (test_routed_experts_of_sessions): position p of the request
+        # with start s routed to experts (s % 8, p % 8) in its two layers
         return [GenerateResult(output_ids=[5, 1], logprobs=[-0.5, -0.1], finish_reason="stop",
-                               weight_version="0") for _ in input_ids]
+                               weight_version="0", routed_start=routed_start,
+                               routed_experts=encode_routed_experts(np.array(
+                                   [[routed_start % 8, p % 8]
+                                    for p in range(routed_start, len(ids) + 1)], np.int32)))
+                for ids in input_ids]
 
 
 class Broker:
@@ -179,3 +189,34 @@ def test_requests_parked_for_a_credit_end_with_the_run(proxy):
             await p.chat("g0", "a", ASK)
 
     run(main())
+
+
+def test_routed_experts_of_sessions(proxy):
+    """An MoE policy behind the proxy (its layout set by hand on the dense tiny model): each
+    turn asks for the positions earlier turns did not cover, and every trained sample carries
+    routing at all of its positions, each from the request that first processed it."""
+    p = proxy(batch_size=1, routing_replay=True)
+    p.svc.routing = RoutingShape(layers=2, topk=1, experts=8, moe_layers=(0, 1))
+    engine = p.svc.router.engines[0]
+
+    async def main():
+        for name in ("a", "b"):
+            first = await p.chat("g", name, ASK)
+            reply = first["choices"][0]["message"]["content"]
+            await p.chat("g", name, {"messages": [*ASK["messages"],
+                                                  {"role": "assistant", "content": reply},
+                                                  {"role": "user", "content": "again"}],
+                                     "max_tokens": 2})
+        for name in ("a", "b"):
+            await p.end("g", name, 1.0 if name == "a" else 0.0)
+
+    run(main())
+    [group] = p.svc.broker.groups
+    for sample in group:
+        prompt, n = len(sample.prompt_ids), len(sample.prompt_ids) + sample.response_len - 1
+        # turn 2 started at the first position turn 1 did not cover: its last output token
+        assert engine.starts[:2] == [0, prompt + 1]
+        rows = sample.routed_experts.reshape(n, 2).tolist()
+        assert rows == [[0, q % 8] for q in range(prompt + 1)] + [
+            [(prompt + 1) % 8, q % 8] for q in range(prompt + 1, n)]
+        engine.starts = engine.starts[2:]

@@ -49,7 +49,8 @@ class FakeEngine:
         self.tokenizer, self.answers = tokenizer, answers
         self.media: list = []
 
-    async def generate(self, input_ids, params, return_logprob=True, media=None):
+    async def generate(self, input_ids, params, return_logprob=True, media=None,
+                       routed_start=0):
         self.media.append(media)
         text = self.tokenizer.decode(input_ids[0])
         out = []
