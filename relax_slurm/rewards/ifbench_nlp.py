@@ -37,9 +37,9 @@ from relax_slurm.rewards.ifbench_checks import Check, compare, count_words
 EXTRA = 'pip install "relax-slurm[ifbench]" (nltk, langdetect, syllapy, emoji)'
 _DROP_PUNCT = str.maketrans("", "", string.punctuation)
 
-# NLTK's English stop words (the `stopwords` corpus, 179 entries in 2020-2023, more since, all of
-# the added ones contractions) without the entries holding an apostrophe: IFBench looks up the
-# `\w+` tokens of the text, which never hold one, so only these can ever match.
+# NLTK's English stop words (the `stopwords` corpus, its 179-word list) without the entries
+# holding an apostrophe ("don't", "should've", and any contraction a later data release adds):
+# IFBench looks up the `\w+` tokens of the text, which never hold one, so only these can match.
 STOP_WORDS = frozenset("""
 i me my myself we our ours ourselves you your yours yourself yourselves he him his himself she
 her hers herself it its itself they them their theirs themselves what which who whom this that
