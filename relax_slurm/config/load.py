@@ -20,7 +20,7 @@ from relax_slurm.config import schema
 from relax_slurm.config.value_types import type_error
 from relax_slurm.errors import ConfigError
 
-NON_SCHEMA_GROUPS = ("experiment",)
+NON_SCHEMA_GROUPS = ("experiment", "tuning")
 """Config groups that choose a preset rather than fill a section of TrainConfig."""
 # group name -> schema; each group's YAML files list `base_<group>` first in their defaults.
 GROUP_SCHEMAS = {

@@ -4,9 +4,9 @@ Each `check(text, **kwargs) -> bool` takes the keyword arguments of the IFBench 
 `build_description` (the dataset's `kwargs`). The checks follow IFBench's `check_following`
 line by line in what they count, including its quirks (`count:numbers` drops punctuation first;
 `format:line_indent` skips a blank line that follows another). The 25 classic IFEval ids are in
-`ifbench_classic`. IFBench's checkers that need NLTK's trained data (punkt sentence splitter,
-word tokenizer, POS tagger, stop words), langdetect, syllapy or emoji are not here:
-`ifbench.UNSUPPORTED` names them and what they need.
+`ifbench_classic`. IFBench's checkers that use NLTK (its sentence splitter, word tokenizer,
+stop words), langdetect, syllapy or emoji are in `ifbench_nlp` (the optional `ifbench` extra);
+the POS tagger's (`words:start_verb`) is in none: `ifbench.UNSUPPORTED`.
 """
 
 from __future__ import annotations

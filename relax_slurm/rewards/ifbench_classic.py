@@ -3,7 +3,7 @@
 The same contract as `ifbench_checks`: `check(text, **kwargs) -> bool` with the keyword
 arguments of IFBench's `build_description`, giving IFBench's verdicts. Keywords, forbidden words
 and section splitters are regular expressions, not escaped, as in IFEval. The five classic ids
-whose checker needs NLTK's trained data or langdetect are not here (`ifbench.UNSUPPORTED`).
+whose checker needs NLTK or langdetect are in `ifbench_nlp`.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ def test_no_extra_pulls_megatron_bridge_and_gpu_covers_cpu():
     assert extras["megatron_cpu"] <= extras["gpu"]
     assert {"transformer-engine", "sglang", "megatron-core"} <= extras["gpu"]
     assert extras["megatron_cpu"] <= extras["dev"]  # the tests run the megatron backend
+    assert extras["ifbench"] <= extras["dev"]  # and every ifbench checker
 
 
 def documented_commands() -> dict[str, list[str]]:

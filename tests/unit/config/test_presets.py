@@ -24,7 +24,7 @@ def _compose(overrides):
 
 def test_groups_are_the_documented_ones():
     assert set(GROUPS) == {"model", "algo", "rollout", "trainer", "data", "reward", "cluster",
-                           "env", "experiment"}
+                           "env", "experiment", "tuning"}
 
 
 @pytest.mark.parametrize("group,name", PRESETS, ids=[f"{g}={n}" for g, n in PRESETS])
@@ -283,3 +283,18 @@ def test_sft_refuses_the_rollout_knobs_it_has_no_data_for():
     with pytest.raises(ConfigError, match=r"unset data\.multimodal_keys"):
         to_train_config(_compose(["experiment=tiny_sft_cpu", "+data.multimodal_keys={image: i}"]))
     assert to_train_config(_compose(["experiment=tiny_sft_cpu", "trainer=megatron"])).supervised
+
+
+def test_ppo_presets_and_the_command_line_wins():
+    """algo=ppo brings four mini-batch steps per batch (conf/algo/trainer/ppo.yaml, composed
+    after the trainer group), the tiny task its PPO lr (conf/tuning/tiny_cpu_ppo.yaml); the
+    command line still wins, and other algorithms keep the preset's own lr."""
+    ppo = to_train_config(_compose(["experiment=tiny_cpu", "algo=ppo"]))
+    assert (ppo.trainer.num_steps_per_rollout, ppo.trainer.lr) == (4, 1e-3)
+    mine = to_train_config(_compose(["experiment=tiny_cpu", "algo=ppo", "trainer.lr=3e-3",
+                                     "trainer.num_steps_per_rollout=1"]))
+    assert (mine.trainer.num_steps_per_rollout, mine.trainer.lr) == (1, 3e-3)
+    grpo = to_train_config(_compose(["experiment=tiny_cpu", "algo=grpo"]))
+    assert (grpo.trainer.num_steps_per_rollout, grpo.trainer.lr) == (1, 2e-3)
+    bare = to_train_config(_compose(["algo=ppo"]))  # no experiment: no tuning file, still N=4
+    assert bare.trainer.num_steps_per_rollout == 4
