@@ -1,7 +1,7 @@
 """Algorithms by name: each is an advantage estimator plus a per-token policy loss.
 
 Adding an algorithm is one file that calls `register(...)` and one YAML under `conf/algo/`
-(and its name in `relax_slurm.config.schema.ALGO_NAMES`, which validates `algo.name` without
+(and its name in `relax_slurm.config.algo.ALGO_NAMES`, which validates `algo.name` without
 importing torch). The trainer only ever calls `compute_advantages` and `policy_loss` with
 `algo.name`, passing every `AlgoConfig` field as a keyword: each function takes the ones it
 needs and ignores the rest (`**_`).

@@ -14,7 +14,8 @@ import torch
 
 from relax_slurm.checkpoint.convert import write_hf_dir
 from relax_slurm.checkpoint.resume import CheckpointError
-from relax_slurm.config.schema import ModelConfig, TrainerConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.trainer.megatron import cpu_compat, vl
 from relax_slurm.trainer.model import single_process_group
 from relax_slurm.trainer.megatron.model import (
