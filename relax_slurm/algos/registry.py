@@ -112,14 +112,39 @@ def policy_loss(
     divide by `tokens`.
     """
     algo = get(name)
+    mask = (loss_mask != 0).float()
+    advantages, shaping = _shaped_advantages(
+        algo, advantages, old_logprobs, loss_mask, mask, ref_logprobs, teacher_logprobs,
+        kl_coef=kl_coef, kl_loss_type=kl_loss_type, opd_kl_coef=opd_kl_coef,
+        opd_only_reward=opd_only_reward)
+    token_loss, metrics = _algorithm_loss(algo, logprobs, old_logprobs, advantages, loss_mask,
+                                          mask, params)
+    metrics.update(shaping)
+    token_loss = _off_policy_corrected(
+        token_loss, metrics, logprobs, old_logprobs, rollout_logprobs, advantages, loss_mask,
+        mask, tis_clip=tis_clip, tis_type=tis_type, tis_clip_low=tis_clip_low,
+        opsm_delta=opsm_delta)
+    token_loss = _with_entropy_bonus(token_loss, metrics, entropy, entropy_coef, mask)
+    token_loss = _with_kl_loss(token_loss, metrics, logprobs, ref_logprobs, kl_loss_coef,
+                               kl_loss_type, mask)
+    return reductions.reduce(token_loss, loss_mask, reduction), metrics
+
+
+def _shaped_advantages(algo: Algorithm, advantages: Tensor, old_logprobs: Tensor,
+                       loss_mask: Tensor, mask: Tensor, ref_logprobs: Tensor | None,
+                       teacher_logprobs: Tensor | None, *, kl_coef: float, kl_loss_type: str,
+                       opd_kl_coef: float, opd_only_reward: bool
+                       ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The advantages with the teacher term and the reward-side KL folded in, and their
+    metric sums (`opd_reverse_kl`, `reward_kl`)."""
     extra: dict[str, Tensor] = {}
     if teacher_logprobs is None and algo.needs_teacher:
-        raise ValueError(f"algo={name} needs the teacher's log-probs: pass "
+        raise ValueError(f"algo={algo.name} needs the teacher's log-probs: pass "
                          "teacher_logprobs=[N, T] to policy_loss")
     if teacher_logprobs is not None:
         advantages = distilled_advantages(advantages, old_logprobs, teacher_logprobs,
                                           opd_kl_coef, opd_only_reward)
-        gap = (old_logprobs.detach() - teacher_logprobs) * (loss_mask != 0).float()
+        gap = (old_logprobs.detach() - teacher_logprobs) * mask
         extra["opd_reverse_kl"] = gap.sum()
     if kl_coef:
         if ref_logprobs is None:
@@ -129,13 +154,29 @@ def policy_loss(
             to_go = kl_to_go(old_logprobs, ref_logprobs, loss_mask, kl_loss_type)
             advantages = advantages - kl_coef * to_go
         kl = kl_penalty(old_logprobs.detach(), ref_logprobs, kl_loss_type)
-        extra["reward_kl"] = (kl * (loss_mask != 0).float()).sum()
+        extra["reward_kl"] = (kl * mask).sum()
+    return advantages, extra
+
+
+def _algorithm_loss(algo: Algorithm, logprobs: Tensor, old_logprobs: Tensor,
+                    advantages: Tensor, loss_mask: Tensor, mask: Tensor, params: dict
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The algorithm's own per-token loss and its metric sums (`clipped_tokens`, `tokens`, and
+    whatever it reports itself)."""
     out = algo.token_loss(logprobs, old_logprobs, advantages, loss_mask, **params)
     token_loss, clipped = out[0], out[1]
-    mask = (loss_mask != 0).float()
     metrics = {"clipped_tokens": (clipped * mask).sum().detach(), "tokens": mask.sum()}
     metrics.update(out[2] if len(out) > 2 else {})
-    metrics.update(extra)
+    return token_loss, metrics
+
+
+def _off_policy_corrected(token_loss: Tensor, metrics: dict[str, Tensor], logprobs: Tensor,
+                          old_logprobs: Tensor, rollout_logprobs: Tensor | None,
+                          advantages: Tensor, loss_mask: Tensor, mask: Tensor, *,
+                          tis_clip: float | None, tis_type: str, tis_clip_low: float | None,
+                          opsm_delta: float | None) -> Tensor:
+    """The loss weighted against the engine's log-probs (TIS or icepop), then with off-policy
+    sequences masked (OPSM); their metric sums go into `metrics`."""
     if rollout_logprobs is not None:
         w = importance_weights(old_logprobs, rollout_logprobs, tis_clip, tis_type, tis_clip_low)
         token_loss = token_loss * w
@@ -148,6 +189,12 @@ def policy_loss(
         keep = opsm_keep(logprobs, behaviour, advantages, loss_mask, opsm_delta)  # [N, 1]
         token_loss = token_loss * keep
         metrics["opsm_masked_tokens"] = ((1.0 - keep) * mask).sum()
+    return token_loss
+
+
+def _with_entropy_bonus(token_loss: Tensor, metrics: dict[str, Tensor], entropy: Tensor | None,
+                        entropy_coef: float, mask: Tensor) -> Tensor:
+    """The loss minus entropy_coef x entropy; the entropy's sum goes into `metrics`."""
     if entropy_coef:
         if entropy is None:
             raise ValueError(f"algo.entropy_coef={entropy_coef} needs the per-token entropy: "
@@ -155,6 +202,14 @@ def policy_loss(
         token_loss = token_loss - entropy_coef * entropy
     if entropy is not None:
         metrics["entropy"] = (entropy.detach() * mask).sum()
+    return token_loss
+
+
+def _with_kl_loss(token_loss: Tensor, metrics: dict[str, Tensor], logprobs: Tensor,
+                  ref_logprobs: Tensor | None, kl_loss_coef: float, kl_loss_type: str,
+                  mask: Tensor) -> Tensor:
+    """The loss plus kl_loss_coef x KL(policy || reference); the KL's sum goes into `metrics`
+    whenever there is a reference."""
     if kl_loss_coef:
         if ref_logprobs is None:
             raise ValueError(f"algo.kl_loss_coef={kl_loss_coef} needs the reference model's "
@@ -165,4 +220,4 @@ def policy_loss(
     elif ref_logprobs is not None:
         kl = kl_penalty(logprobs.detach(), ref_logprobs, kl_loss_type)
         metrics["kl_loss"] = (kl * mask).sum()
-    return reductions.reduce(token_loss, loss_mask, reduction), metrics
+    return token_loss
