@@ -65,28 +65,14 @@ def compute_advantages(name: str, rewards: Tensor, **params) -> Tensor:
 
 
 def policy_loss(
-    name: str,
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    rollout_logprobs: Tensor | None = None,
-    *,
-    reduction: str = "seq_mean_token_mean",
-    tis_clip: float | None = None,
-    tis_type: str = "truncate",
-    tis_clip_low: float | None = None,
-    opsm_delta: float | None = None,
-    entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    ref_logprobs: Tensor | None = None,
-    kl_loss_coef: float = 0.0,
-    kl_loss_type: str = "low_var_kl",
-    kl_coef: float = 0.0,
-    teacher_logprobs: Tensor | None = None,
-    opd_kl_coef: float = 1.0,
-    opd_only_reward: bool = False,
-    **params,
+    name: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
+    rollout_logprobs: Tensor | None = None, *, reduction: str = "seq_mean_token_mean",
+    tis_clip: float | None = None, tis_type: str = "truncate", tis_clip_low: float | None = None,
+    opsm_delta: float | None = None, entropy: Tensor | None = None, entropy_coef: float = 0.0,
+    ref_logprobs: Tensor | None = None, kl_loss_coef: float = 0.0,
+    kl_loss_type: str = "low_var_kl", kl_coef: float = 0.0,
+    teacher_logprobs: Tensor | None = None, opd_kl_coef: float = 1.0,
+    opd_only_reward: bool = False, **params,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The named algorithm's loss over token tensors shaped [N, T]; returns (loss, metrics).
 
