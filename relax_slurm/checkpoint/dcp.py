@@ -54,6 +54,7 @@ FORMAT_VERSION = 1
 SAVE_TIMEOUT = datetime.timedelta(minutes=30)
 HF_ASSETS = "hf"
 RNG_DIR = "rng"
+MODEL_KEY = "model."  # the state dict is {"model": ..., "optimizer": ...}: its keys' prefix
 
 _ckpt_group: dist.ProcessGroup | None = None  # gloo group of all ranks, for saves only
 _pending: SaveHandle | None = None  # the async save in flight (at most one)
@@ -432,7 +433,8 @@ def load_rng(path: Path) -> None:
 
 # ---- helpers --------------------------------------------------------------------------------
 def _write_hf_assets(model: nn.Module, src: str | Path | None, out: Path) -> None:
-    from relax_slurm.checkpoint.convert import copy_hf_assets, unwrap_model
+    from relax_slurm.checkpoint.architecture import unwrap_model
+    from relax_slurm.checkpoint.hf_files import copy_hf_assets
 
     config = getattr(unwrap_model(model), "config", None)
     if config is None and src is None:
