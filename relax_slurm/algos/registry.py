@@ -14,10 +14,10 @@ from typing import Callable
 
 from torch import Tensor
 
-from relax_slurm.algos import reduce as reductions
 from relax_slurm.algos.common import (
     distilled_advantages, importance_weights, kl_penalty, kl_to_go, opsm_keep,
 )
+from relax_slurm.algos.reduce import reduce as reduce_tokens
 
 # (rewards [B, G], **params) -> advantages [B, G]
 AdvantageFn = Callable[..., Tensor]
@@ -113,7 +113,7 @@ def policy_loss(
     token_loss = _with_entropy_bonus(token_loss, metrics, entropy, entropy_coef, mask)
     token_loss = _with_kl_loss(token_loss, metrics, logprobs, ref_logprobs, kl_loss_coef,
                                kl_loss_type, mask)
-    return reductions.reduce(token_loss, loss_mask, reduction), metrics
+    return reduce_tokens(token_loss, loss_mask, reduction), metrics
 
 
 def _shaped_advantages(algo: Algorithm, advantages: Tensor, old_logprobs: Tensor,
