@@ -18,9 +18,12 @@ import pytest
 from relax_slurm.auth import SECRET_ENV
 from relax_slurm.broker import BrokerClient
 from relax_slurm.config import save_config
-from relax_slurm.config.schema import (
-    AlgoConfig, BrokerConfig, DataConfig, ModelConfig, RolloutConfig, TrainConfig,
-)
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.broker import BrokerConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.rollout import RolloutConfig
+from relax_slurm.config.schema import TrainConfig
 from relax_slurm.samples import Group, Sample
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """Algorithms by name: each is an advantage estimator plus a per-token policy loss.
 
 Adding an algorithm is one file that calls `register(...)` and one YAML under `conf/algo/`
-(and its name in `relax_slurm.config.schema.ALGO_NAMES`, which validates `algo.name` without
+(and its name in `relax_slurm.config.algo.ALGO_NAMES`, which validates `algo.name` without
 importing torch). The trainer only ever calls `compute_advantages` and `policy_loss` with
 `algo.name`, passing every `AlgoConfig` field as a keyword: each function takes the ones it
 needs and ignores the rest (`**_`).
@@ -14,10 +14,10 @@ from typing import Callable
 
 from torch import Tensor
 
-from relax_slurm.algos import reduce as reductions
 from relax_slurm.algos.common import (
     distilled_advantages, importance_weights, kl_penalty, kl_to_go, opsm_keep,
 )
+from relax_slurm.algos.reduce import reduce as reduce_tokens
 
 # (rewards [B, G], **params) -> advantages [B, G]
 AdvantageFn = Callable[..., Tensor]
@@ -65,28 +65,14 @@ def compute_advantages(name: str, rewards: Tensor, **params) -> Tensor:
 
 
 def policy_loss(
-    name: str,
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    rollout_logprobs: Tensor | None = None,
-    *,
-    reduction: str = "seq_mean_token_mean",
-    tis_clip: float | None = None,
-    tis_type: str = "truncate",
-    tis_clip_low: float | None = None,
-    opsm_delta: float | None = None,
-    entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    ref_logprobs: Tensor | None = None,
-    kl_loss_coef: float = 0.0,
-    kl_loss_type: str = "low_var_kl",
-    kl_coef: float = 0.0,
-    teacher_logprobs: Tensor | None = None,
-    opd_kl_coef: float = 1.0,
-    opd_only_reward: bool = False,
-    **params,
+    name: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
+    rollout_logprobs: Tensor | None = None, *, reduction: str = "seq_mean_token_mean",
+    tis_clip: float | None = None, tis_type: str = "truncate", tis_clip_low: float | None = None,
+    opsm_delta: float | None = None, entropy: Tensor | None = None, entropy_coef: float = 0.0,
+    ref_logprobs: Tensor | None = None, kl_loss_coef: float = 0.0,
+    kl_loss_type: str = "low_var_kl", kl_coef: float = 0.0,
+    teacher_logprobs: Tensor | None = None, opd_kl_coef: float = 1.0,
+    opd_only_reward: bool = False, **params,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The named algorithm's loss over token tensors shaped [N, T]; returns (loss, metrics).
 
@@ -112,14 +98,39 @@ def policy_loss(
     divide by `tokens`.
     """
     algo = get(name)
+    mask = (loss_mask != 0).float()
+    advantages, shaping = _shaped_advantages(
+        algo, advantages, old_logprobs, loss_mask, mask, ref_logprobs, teacher_logprobs,
+        kl_coef=kl_coef, kl_loss_type=kl_loss_type, opd_kl_coef=opd_kl_coef,
+        opd_only_reward=opd_only_reward)
+    token_loss, metrics = _algorithm_loss(algo, logprobs, old_logprobs, advantages, loss_mask,
+                                          mask, params)
+    metrics.update(shaping)
+    token_loss = _off_policy_corrected(
+        token_loss, metrics, logprobs, old_logprobs, rollout_logprobs, advantages, loss_mask,
+        mask, tis_clip=tis_clip, tis_type=tis_type, tis_clip_low=tis_clip_low,
+        opsm_delta=opsm_delta)
+    token_loss = _with_entropy_bonus(token_loss, metrics, entropy, entropy_coef, mask)
+    token_loss = _with_kl_loss(token_loss, metrics, logprobs, ref_logprobs, kl_loss_coef,
+                               kl_loss_type, mask)
+    return reduce_tokens(token_loss, loss_mask, reduction), metrics
+
+
+def _shaped_advantages(algo: Algorithm, advantages: Tensor, old_logprobs: Tensor,
+                       loss_mask: Tensor, mask: Tensor, ref_logprobs: Tensor | None,
+                       teacher_logprobs: Tensor | None, *, kl_coef: float, kl_loss_type: str,
+                       opd_kl_coef: float, opd_only_reward: bool
+                       ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The advantages with the teacher term and the reward-side KL folded in, and their
+    metric sums (`opd_reverse_kl`, `reward_kl`)."""
     extra: dict[str, Tensor] = {}
     if teacher_logprobs is None and algo.needs_teacher:
-        raise ValueError(f"algo={name} needs the teacher's log-probs: pass "
+        raise ValueError(f"algo={algo.name} needs the teacher's log-probs: pass "
                          "teacher_logprobs=[N, T] to policy_loss")
     if teacher_logprobs is not None:
         advantages = distilled_advantages(advantages, old_logprobs, teacher_logprobs,
                                           opd_kl_coef, opd_only_reward)
-        gap = (old_logprobs.detach() - teacher_logprobs) * (loss_mask != 0).float()
+        gap = (old_logprobs.detach() - teacher_logprobs) * mask
         extra["opd_reverse_kl"] = gap.sum()
     if kl_coef:
         if ref_logprobs is None:
@@ -129,13 +140,29 @@ def policy_loss(
             to_go = kl_to_go(old_logprobs, ref_logprobs, loss_mask, kl_loss_type)
             advantages = advantages - kl_coef * to_go
         kl = kl_penalty(old_logprobs.detach(), ref_logprobs, kl_loss_type)
-        extra["reward_kl"] = (kl * (loss_mask != 0).float()).sum()
+        extra["reward_kl"] = (kl * mask).sum()
+    return advantages, extra
+
+
+def _algorithm_loss(algo: Algorithm, logprobs: Tensor, old_logprobs: Tensor,
+                    advantages: Tensor, loss_mask: Tensor, mask: Tensor, params: dict
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The algorithm's own per-token loss and its metric sums (`clipped_tokens`, `tokens`, and
+    whatever it reports itself)."""
     out = algo.token_loss(logprobs, old_logprobs, advantages, loss_mask, **params)
     token_loss, clipped = out[0], out[1]
-    mask = (loss_mask != 0).float()
     metrics = {"clipped_tokens": (clipped * mask).sum().detach(), "tokens": mask.sum()}
     metrics.update(out[2] if len(out) > 2 else {})
-    metrics.update(extra)
+    return token_loss, metrics
+
+
+def _off_policy_corrected(token_loss: Tensor, metrics: dict[str, Tensor], logprobs: Tensor,
+                          old_logprobs: Tensor, rollout_logprobs: Tensor | None,
+                          advantages: Tensor, loss_mask: Tensor, mask: Tensor, *,
+                          tis_clip: float | None, tis_type: str, tis_clip_low: float | None,
+                          opsm_delta: float | None) -> Tensor:
+    """The loss weighted against the engine's log-probs (TIS or icepop), then with off-policy
+    sequences masked (OPSM); their metric sums go into `metrics`."""
     if rollout_logprobs is not None:
         w = importance_weights(old_logprobs, rollout_logprobs, tis_clip, tis_type, tis_clip_low)
         token_loss = token_loss * w
@@ -148,6 +175,12 @@ def policy_loss(
         keep = opsm_keep(logprobs, behaviour, advantages, loss_mask, opsm_delta)  # [N, 1]
         token_loss = token_loss * keep
         metrics["opsm_masked_tokens"] = ((1.0 - keep) * mask).sum()
+    return token_loss
+
+
+def _with_entropy_bonus(token_loss: Tensor, metrics: dict[str, Tensor], entropy: Tensor | None,
+                        entropy_coef: float, mask: Tensor) -> Tensor:
+    """The loss minus entropy_coef x entropy; the entropy's sum goes into `metrics`."""
     if entropy_coef:
         if entropy is None:
             raise ValueError(f"algo.entropy_coef={entropy_coef} needs the per-token entropy: "
@@ -155,6 +188,14 @@ def policy_loss(
         token_loss = token_loss - entropy_coef * entropy
     if entropy is not None:
         metrics["entropy"] = (entropy.detach() * mask).sum()
+    return token_loss
+
+
+def _with_kl_loss(token_loss: Tensor, metrics: dict[str, Tensor], logprobs: Tensor,
+                  ref_logprobs: Tensor | None, kl_loss_coef: float, kl_loss_type: str,
+                  mask: Tensor) -> Tensor:
+    """The loss plus kl_loss_coef x KL(policy || reference); the KL's sum goes into `metrics`
+    whenever there is a reference."""
     if kl_loss_coef:
         if ref_logprobs is None:
             raise ValueError(f"algo.kl_loss_coef={kl_loss_coef} needs the reference model's "
@@ -165,4 +206,4 @@ def policy_loss(
     elif ref_logprobs is not None:
         kl = kl_penalty(logprobs.detach(), ref_logprobs, kl_loss_type)
         metrics["kl_loss"] = (kl * mask).sum()
-    return reductions.reduce(token_loss, loss_mask, reduction), metrics
+    return token_loss

@@ -16,7 +16,7 @@ from relax_slurm.checkpoint.resume import (
 _LAZY = {
     "save_checkpoint": "dcp", "load_checkpoint": "dcp", "wait_pending": "dcp",
     "read_meta": "dcp", "SaveHandle": "dcp",
-    "save_hf": "convert", "convert_checkpoint": "convert", "detect_format": "convert",
+    "save_hf": "export", "convert_checkpoint": "convert", "detect_format": "formats",
 }
 
 

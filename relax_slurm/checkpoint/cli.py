@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    from relax_slurm.checkpoint.convert import convert_checkpoint, detect_format
+    from relax_slurm.checkpoint.convert import convert_checkpoint
+    from relax_slurm.checkpoint.formats import detect_format
 
     try:
         fmt, src = detect_format(args.input)

@@ -54,6 +54,7 @@ FORMAT_VERSION = 1
 SAVE_TIMEOUT = datetime.timedelta(minutes=30)
 HF_ASSETS = "hf"
 RNG_DIR = "rng"
+MODEL_KEY = "model."  # the state dict is {"model": ..., "optimizer": ...}: its keys' prefix
 
 _ckpt_group: dist.ProcessGroup | None = None  # gloo group of all ranks, for saves only
 _pending: SaveHandle | None = None  # the async save in flight (at most one)
@@ -121,22 +122,53 @@ def save_checkpoint(
     root = Path(ckpt_dir_root)
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp"
+    # fail before writing anything if not serialisable
+    meta_text = meta_json(step, _saved_extra(extra_state, step, reference, critic))
+    rank, _ = _rank_world()
+    group = checkpoint_group()
+    if rank == 0:
+        _start_tmp_dir(root, tmp, model, hf_assets_src)
+    barrier(group)
+    save_rng(tmp / RNG_DIR / f"rank_{rank}.pt")
+    state = _state_to_save(model, optimizer, scheduler, reference, critic)
+    writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, overwrite=True)
+    kwargs = dict(storage_writer=writer, process_group=group, no_dist=group is None)
+
+    def commit() -> None:
+        commit_checkpoint(root, tmp, final, meta_text, keep_last)
+
+    if not async_save:
+        return _save_now(state, kwargs, step, tmp, final, rank, group, commit)
+    _pending = _save_in_background(state, kwargs, step, final, rank, commit)
+    return _pending
+
+
+def _saved_extra(extra_state: dict[str, Any], step: int, reference: nn.Module | None,
+                 critic: tuple | None) -> dict[str, Any]:
+    """What meta.json records beside the caller's extra state: the step, and which side models
+    the checkpoint holds."""
     extra = {**extra_state, "step": step}
     if reference is not None:
         extra["reference_saved"] = True
     if critic is not None:
         extra["critic_saved"] = True
-    meta_text = meta_json(step, extra)  # fail before writing anything if not serialisable
-    rank, _ = _rank_world()
-    group = checkpoint_group()
+    return extra
 
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(root)
-        tmp.mkdir()
-        _write_hf_assets(model, hf_assets_src, tmp / HF_ASSETS)
-    barrier(group)
-    save_rng(tmp / RNG_DIR / f"rank_{rank}.pt")
+
+def _start_tmp_dir(root: Path, tmp: Path, model: nn.Module,
+                   hf_assets_src: str | Path | None) -> None:
+    """Rank 0: a fresh `step_N.tmp` (leftovers of an interrupted save removed) holding the HF
+    assets; the checkpoint exists only once `commit_checkpoint` renames it."""
+    root.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(root)
+    tmp.mkdir()
+    _write_hf_assets(model, hf_assets_src, tmp / HF_ASSETS)
+
+
+def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None,
+                   reference: nn.Module | None,
+                   critic: tuple[nn.Module, torch.optim.Optimizer] | None) -> dict[str, Any]:
+    """The DCP state dict: model and optimizer, and scheduler, reference and critic when given."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     if scheduler is not None:
@@ -145,26 +177,30 @@ def save_checkpoint(
         state["reference"] = reference.state_dict()
     if critic is not None:
         state["critic"], state["critic_optimizer"] = get_state_dict(*critic)
-    writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, overwrite=True)
-    kwargs = dict(storage_writer=writer, process_group=group, no_dist=group is None)
+    return state
 
-    def commit() -> None:
-        commit_checkpoint(root, tmp, final, meta_text, keep_last)
 
-    if not async_save:
-        try:
-            with quiet_single_process():
-                dcp.save(state, **kwargs)
-        except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
-            raise CheckpointError(f"writing checkpoint step {step} to {tmp} failed: "
-                                  f"{_first_line(e)}") from e
-        if rank == 0:
-            commit()
-        barrier(group)  # every rank returns after the commit
-        done: Future = Future()
-        done.set_result(final)
-        return SaveHandle(step, final, done)
+def _save_now(state: dict[str, Any], kwargs: dict[str, Any], step: int, tmp: Path,
+              final: Path, rank: int, group: dist.ProcessGroup | None,
+              commit: Callable[[], None]) -> SaveHandle:
+    """Write, then rank 0 commits; every rank returns after the commit."""
+    try:
+        with quiet_single_process():
+            dcp.save(state, **kwargs)
+    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+        raise CheckpointError(f"writing checkpoint step {step} to {tmp} failed: "
+                              f"{_first_line(e)}") from e
+    if rank == 0:
+        commit()
+    barrier(group)  # every rank returns after the commit
+    done: Future = Future()
+    done.set_result(final)
+    return SaveHandle(step, final, done)
 
+
+def _save_in_background(state: dict[str, Any], kwargs: dict[str, Any], step: int, final: Path,
+                        rank: int, commit: Callable[[], None]) -> SaveHandle:
+    """Stage a CPU copy, write it from a background thread; rank 0 commits once it is written."""
     with quiet_single_process():
         upload = dcp.async_save(state, **kwargs)  # stages a CPU copy before returning
     if not isinstance(upload, Future):  # AsyncSaveResponse (when staging is itself async)
@@ -176,8 +212,7 @@ def save_checkpoint(
         pool.shutdown(wait=False)
     else:
         future = upload
-    _pending = SaveHandle(step, final, future)
-    return _pending
+    return SaveHandle(step, final, future)
 
 
 def set_pending(handle: SaveHandle) -> None:
@@ -398,7 +433,8 @@ def load_rng(path: Path) -> None:
 
 # ---- helpers --------------------------------------------------------------------------------
 def _write_hf_assets(model: nn.Module, src: str | Path | None, out: Path) -> None:
-    from relax_slurm.checkpoint.convert import copy_hf_assets, unwrap_model
+    from relax_slurm.checkpoint.architecture import unwrap_model
+    from relax_slurm.checkpoint.hf_files import copy_hf_assets
 
     config = getattr(unwrap_model(model), "config", None)
     if config is None and src is None:

@@ -16,7 +16,15 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from relax_slurm.config import schema
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.cluster import ClusterConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.env import EnvConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.reward import RewardConfig
+from relax_slurm.config.rollout import RolloutConfig
+from relax_slurm.config.schema import TrainConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.config.value_types import type_error
 from relax_slurm.errors import ConfigError
 
@@ -24,14 +32,14 @@ NON_SCHEMA_GROUPS = ("experiment", "tuning")
 """Config groups that choose a preset rather than fill a section of TrainConfig."""
 # group name -> schema; each group's YAML files list `base_<group>` first in their defaults.
 GROUP_SCHEMAS = {
-    "model": schema.ModelConfig,
-    "algo": schema.AlgoConfig,
-    "rollout": schema.RolloutConfig,
-    "trainer": schema.TrainerConfig,
-    "data": schema.DataConfig,
-    "reward": schema.RewardConfig,
-    "cluster": schema.ClusterConfig,
-    "env": schema.EnvConfig,
+    "model": ModelConfig,
+    "algo": AlgoConfig,
+    "rollout": RolloutConfig,
+    "trainer": TrainerConfig,
+    "data": DataConfig,
+    "reward": RewardConfig,
+    "cluster": ClusterConfig,
+    "env": EnvConfig,
 }
 
 
@@ -41,7 +49,7 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="base_train", node=schema.TrainConfig)
+    cs.store(name="base_train", node=TrainConfig)
     for group, node in GROUP_SCHEMAS.items():
         cs.store(group=group, name=f"base_{group}", node=node)
 
@@ -52,18 +60,19 @@ def _explain(e: OmegaConfBaseException) -> str:
     return f"{e.msg if hasattr(e, 'msg') else e}{where}"
 
 
-def _schema_class(ftype: object) -> type | None:
-    """The dataclass a field's (string) annotation names, or None for a leaf or a dict."""
-    sub = getattr(schema, ftype, None) if isinstance(ftype, str) else ftype
+def section_class(cls: type, name: str) -> type | None:
+    """The dataclass of field `name` of `cls` (its annotation resolved in the module that
+    defines `cls`), or None for a leaf or a dict."""
+    sub = typing.get_type_hints(cls)[name]
     return sub if dataclasses.is_dataclass(sub) else None
 
 
-def schema_keys(cls: type = schema.TrainConfig, prefix: str = "") -> list[str]:
+def schema_keys(cls: type = TrainConfig, prefix: str = "") -> list[str]:
     """Every settable dotted key of the schema (sections and leaves)."""
     out = []
     for f in dataclasses.fields(cls):
         out.append(prefix + f.name)
-        sub = _schema_class(f.type)
+        sub = section_class(cls, f.name)
         if sub is not None:
             out += schema_keys(sub, f"{prefix}{f.name}.")
     return out
@@ -79,7 +88,7 @@ def check_override_keys(overrides: Sequence[str]) -> None:
         if (arg.startswith(("-", "+", "~")) or "=" not in arg or key in NON_SCHEMA_GROUPS
                 or key.startswith("hydra.")):
             continue
-        cls, parts = schema.TrainConfig, key.split(".")
+        cls, parts = TrainConfig, key.split(".")
         for i, part in enumerate(parts):
             fields = {f.name: f for f in dataclasses.fields(cls)}
             if part not in fields:
@@ -89,7 +98,7 @@ def check_override_keys(overrides: Sequence[str]) -> None:
                 hint = f" Did you mean {' or '.join(close)}?" if close else ""
                 raise ConfigError(f"unknown config key {key!r} (in {arg!r}).{hint} Every key: "
                                   "`relax-train experiment=... --cfg job`, docs/configuration.md")
-            sub = _schema_class(fields[part].type)
+            sub = section_class(cls, part)
             if sub is None:  # a leaf, or a free-form dict (env.kwargs, data.multimodal_keys)
                 if i == len(parts) - 1:
                     for value in sweep_items(arg.split("=", 1)[1]):
@@ -142,32 +151,32 @@ def _unknown_keys(node: DictConfig, cls: type, prefix: str = "") -> list[str]:
         if key not in fields:
             unknown.append(f"{prefix}{key}")
             continue
-        sub = _schema_class(fields[key].type)
+        sub = section_class(cls, key)
         value = node._get_node(key)
         if sub is not None and isinstance(value, DictConfig):
             unknown += _unknown_keys(value, sub, f"{prefix}{key}.")
     return unknown
 
 
-def to_train_config(cfg: DictConfig) -> schema.TrainConfig:
+def to_train_config(cfg: DictConfig) -> TrainConfig:
     """Resolve, type-check and cross-check a composed config."""
-    unknown = _unknown_keys(cfg, schema.TrainConfig)
+    unknown = _unknown_keys(cfg, TrainConfig)
     if unknown:
         raise ConfigError(
             f"unknown config key(s): {', '.join(unknown)}; check the spelling against "
             "`relax-train --cfg job` or docs/configuration.md"
         )
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema.TrainConfig), cfg)
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
         OmegaConf.resolve(merged)
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(f"invalid config: {_explain(e)}") from e
-    assert isinstance(obj, schema.TrainConfig)
+    assert isinstance(obj, TrainConfig)
     return obj
 
 
-def save_config(cfg: schema.TrainConfig, path: str | Path) -> None:
+def save_config(cfg: TrainConfig, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -175,7 +184,7 @@ def save_config(cfg: schema.TrainConfig, path: str | Path) -> None:
     tmp.replace(path)
 
 
-def load_config(path: str | Path) -> schema.TrainConfig:
+def load_config(path: str | Path) -> TrainConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file; the launcher writes run_dir/config.yaml")

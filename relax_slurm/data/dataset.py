@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from relax_slurm.config.schema import DataConfig
+from relax_slurm.config.data import DataConfig
 from relax_slurm.data.chat import encode_batch, to_messages
 from relax_slurm.data.media import (MediaRef, add_placeholders, check_counts, check_image,
                                     replace_placeholders, row_media)

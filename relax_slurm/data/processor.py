@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from relax_slurm.config.schema import DataConfig, default_of
+from relax_slurm.config.check import default_of
+from relax_slurm.config.data import DataConfig
 from relax_slurm.data.media import MediaRef, load_audio, load_image
 from relax_slurm.data.video import VideoLimits, load_video
 from relax_slurm.errors import DataError

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from relax_slurm.config.schema import DataConfig, SFTConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.sft import SFTConfig
 from relax_slurm.data.chat import RAW_TEXT_SEPARATOR, Message, to_messages
 from relax_slurm.data.dataset import read_table, table_column
 from relax_slurm.errors import DataError

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from relax_slurm.config.schema import DataConfig
+from relax_slurm.config.data import DataConfig
 from relax_slurm.errors import DataError
 
 JSON_SUFFIXES = (".jsonl", ".json")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from relax_slurm.envs.base import BaseEnv, StepResult
-from relax_slurm.envs.registry import register_env
+from relax_slurm.envs.registration import register_env
 
 
 @register_env("arith_feedback")

@@ -1,4 +1,5 @@
-"""Environments by name: `@register_env("name")` on a class or factory, `env_factory(cfg)`.
+"""Environments by name (`@register_env("name")` on a class or factory, envs/registration.py),
+`env_factory(cfg)`.
 
 `env.name` in the config is a registered name (`names()`) or a dotted path
 `package.module:attr` to a `BaseEnv` subclass or to any callable returning an environment.
@@ -13,26 +14,12 @@ import inspect
 from typing import Any, Callable
 
 from relax_slurm.envs.base import BaseEnv, EnvError
-
-EnvFactory = Callable[..., BaseEnv]
-_REGISTRY: dict[str, EnvFactory] = {}
-
-
-def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
-    """Decorator adding an environment class or factory under `name`."""
-
-    def add(factory: EnvFactory) -> EnvFactory:
-        if name in _REGISTRY and _REGISTRY[name] is not factory:
-            raise ValueError(f"environment {name!r} is already registered by {_REGISTRY[name]!r}")
-        _REGISTRY[name] = factory
-        return factory
-
-    return add
+from relax_slurm.envs.registration import EnvFactory, registered, registered_names
 
 
 def names() -> list[str]:
     _load_builtins()
-    return sorted(_REGISTRY)
+    return registered_names()
 
 
 def _load_builtins() -> None:
@@ -43,8 +30,9 @@ def _load_builtins() -> None:
 def resolve(name: str) -> EnvFactory:
     """The factory of a registered name or of a `module:attr` path; EnvError names the fix."""
     _load_builtins()
-    if name in _REGISTRY:
-        return _REGISTRY[name]
+    factory = registered(name)
+    if factory is not None:
+        return factory
     if ":" not in name:
         raise EnvError(f"env.name={name!r}: not a registered environment ({', '.join(names())}) "
                        "nor a dotted path package.module:attr")

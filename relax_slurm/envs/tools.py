@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
 
 from relax_slurm.envs.base import BaseEnv, Message, StepResult
-from relax_slurm.envs.registry import register_env
+from relax_slurm.envs.registration import register_env
 from relax_slurm.envs.sandbox import run_python
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)

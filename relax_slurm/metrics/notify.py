@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from relax_slurm.config.schema import NotifyConfig
+from relax_slurm.config.reporting import NotifyConfig
 
 log = logging.getLogger("relax_slurm.notify")
 MAX_BODY_CHARS = 3000  # chat services truncate or reject longer messages; keep the log tail's end

@@ -12,7 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from relax_slurm.config.schema import TrainConfig, WandbConfig
+from relax_slurm.config.reporting import WandbConfig
+from relax_slurm.config.schema import TrainConfig
 from relax_slurm.metrics.optional import require
 
 ID_FILE = "wandb_id"

@@ -103,7 +103,7 @@ def get_reward_fn(name: str, cfg: Any = None) -> RewardFn:
         return _REGISTRY[name]
     if name in _FACTORIES:
         if cfg is None:
-            from relax_slurm.config.schema import RewardConfig
+            from relax_slurm.config.reward import RewardConfig
 
             cfg = RewardConfig(name=name)
         return _FACTORIES[name](cfg)

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 import uvicorn
 
-from relax_slurm.config.schema import DataConfig, default_of
+from relax_slurm.config.check import default_of
+from relax_slurm.config.data import DataConfig
 from relax_slurm.data.processor import MediaLimits
 from relax_slurm.runtime.exit import exit_now
 from relax_slurm.runtime.heap import freeze_heap
@@ -49,7 +50,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="longest a /generate call may wait for its batch")
     p.add_argument("--weight-sync-timeout-s", type=float, default=300.0,
                    help="timeout of group formation, broadcasts and waiting for the model lock")
-    # data.*'s media keys, same names and defaults (config/schema.py DataConfig)
+    # data.*'s media keys, same names and defaults (config/data.py DataConfig)
     data = functools.partial(default_of, DataConfig)
     p.add_argument("--image-min-pixels", type=int, default=data("image_min_pixels"),
                    help="multimodal: smallest image size in pixels (default: the processor's)")

@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from relax_slurm.auth import bearer_matches
-from relax_slurm.config.schema import FLATTENED_BUCKET
+from relax_slurm.config.weight_sync import FLATTENED_BUCKET
 from relax_slurm.errors import WeightSyncError
 from relax_slurm.engines import sglang_api
 from relax_slurm.rollout.hf_core import HFEngine

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relax_slurm.algos import compute_advantages, reduction_weights
-from relax_slurm.config.schema import AlgoConfig
+from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.samples import Group, Sample
 
 

@@ -14,7 +14,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from relax_slurm.config.schema import ModelConfig, TrainerConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.modeling import auto_model_class, checkpoint_views
 from relax_slurm.trainer.schedule import lr_factor

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from relax_slurm.config.schema import SCHEDULES  # the config validates the name: one list
+from relax_slurm.config.trainer import SCHEDULES  # the config validates the name: one list
 
 
 def lr_factor(step: int, *, total_steps: int, warmup_steps: int = 0,

@@ -146,57 +146,22 @@ def save_step(cfg: TrainConfig, backend, run_dir: Path, done: int, final: bool,
 def run_sft(cfg: TrainConfig, plan, run_dir: Path) -> int:
     """The SFT run on this rank: rows, then per step train, validate when due, checkpoint,
     log (rank 0). Returns the exit code (PREEMPT_EXIT_CODE after a preemption's checkpoint)."""
-    from relax_slurm.metrics.jsonl import truncate_metrics
-    from relax_slurm.trainer.ranks import broadcast_flag, init_distributed
+    from relax_slurm.trainer.ranks import init_distributed
 
     device = init_distributed(cfg)
     rank = dist.get_rank()
     torch.manual_seed(cfg.trainer.seed)
     backend = build_backend(cfg, device)
-    data_world = len(set(backend.data_ranks))
-    if cfg.sft.batch_size % data_world:
-        raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} does not split over "
-                          f"{data_world} data-parallel ranks: make it a multiple of {data_world}")
+    data_world = data_parallel_size(cfg, backend)
     rows, sampler, validation = open_rows(cfg, rank, data_world)
-    start_step = 0
-    if plan.resume_from:
-        extra = backend.load(plan.resume_from)
-        start_step = extra["step"]
-        if sampler is not None and "sft" in extra:
-            sampler.load_state_dict(extra["sft"])
-        log.info("resumed from %s at step %d", plan.resume_from, start_step)
+    start_step = resume(backend, plan.resume_from, sampler)
     freeze_heap()
-    sinks = None
-    if rank == 0:
-        truncate_metrics(run_dir, start_step)
-        sinks = open_sinks(cfg, run_dir)
+    sinks = open_metrics(cfg, run_dir, start_step) if rank == 0 else None
+    steps = SFTSteps(cfg, run_dir, backend, device, rank, rows, sampler, validation, sinks)
     try:
-        last_end = time.monotonic()
         for step in range(start_step, cfg.trainer.total_steps):
-            t0 = time.monotonic()
-            batch = [rows[i] for i in sampler.take(cfg.sft.batch_size)] if rank == 0 else None
-            block = scatter_rows(batch, cfg.algo.loss_reduction, backend.pad_id, device,
-                                 backend.data_ranks)
-            train = backend.train_step([(block, True)])
-            t1 = time.monotonic()
-            done = step + 1
-            evals = validation.score(backend, device) if validation.due(done) else {}
-            preempt = broadcast_flag(rank == 0 and preempt_requested(run_dir))
-            final = preempt or done == cfg.trainer.total_steps
-            t2 = time.monotonic()
-            save_step(cfg, backend, run_dir, done, final, sampler)
-            t3 = time.monotonic()
-            if rank == 0:
-                sinks.log(step, {k: v for k, v in train.items() if k not in _NOT_LOGGED}
-                          | evals | {"train/samples": len(batch),
-                                     "sft/epoch": sampler.epochs_done,
-                                     "perf/train_time_s": t1 - t0, "perf/eval_s": t2 - t1,
-                                     "perf/checkpoint_s": t3 - t2,
-                                     "perf/step_time_s": t3 - last_end,
-                                     "policy/version": done})
-            last_end = t3
-            if preempt:
-                log.info("preempted: checkpoint step_%d saved; exiting for requeue", done)
+            if steps.run(step):  # preempted after its checkpoint
+                log.info("preempted: checkpoint step_%d saved; exiting for requeue", step + 1)
                 wait_pending()
                 return PREEMPT_EXIT_CODE
         wait_pending()
@@ -206,3 +171,76 @@ def run_sft(cfg: TrainConfig, plan, run_dir: Path) -> int:
             sinks.close()
         backend.close()
         dist.destroy_process_group()
+
+
+def data_parallel_size(cfg: TrainConfig, backend) -> int:
+    """The backend's data-parallel ranks, which sft.batch_size must split over."""
+    data_world = len(set(backend.data_ranks))
+    if cfg.sft.batch_size % data_world:
+        raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} does not split over "
+                          f"{data_world} data-parallel ranks: make it a multiple of {data_world}")
+    return data_world
+
+
+def resume(backend, resume_from: str | None, sampler: EpochSampler | None) -> int:
+    """The step to start from: 0, or the checkpoint's, with the backend's state and the data
+    position loaded from it."""
+    if not resume_from:
+        return 0
+    extra = backend.load(resume_from)
+    if sampler is not None and "sft" in extra:
+        sampler.load_state_dict(extra["sft"])
+    log.info("resumed from %s at step %d", resume_from, extra["step"])
+    return extra["step"]
+
+
+def open_metrics(cfg: TrainConfig, run_dir: Path, start_step: int):
+    """Rank 0's metric sinks, metrics.jsonl cut back to the steps before start_step."""
+    from relax_slurm.metrics.jsonl import truncate_metrics
+
+    truncate_metrics(run_dir, start_step)
+    return open_sinks(cfg, run_dir)
+
+
+class SFTSteps:
+    """One SFT step on this rank: take rows (rank 0), scatter, train, validate when due,
+    checkpoint, log (rank 0)."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, backend, device: torch.device, rank: int,
+                 rows: list[SFTExample], sampler: EpochSampler | None, validation: Validation,
+                 sinks) -> None:
+        self.cfg, self.run_dir, self.backend, self.device, self.rank = (
+            cfg, run_dir, backend, device, rank)
+        self.rows, self.sampler, self.validation, self.sinks = rows, sampler, validation, sinks
+        self.last_end = time.monotonic()
+
+    def run(self, step: int) -> bool:
+        """Step `step` (0-based); whether the run was preempted (its checkpoint is saved)."""
+        from relax_slurm.trainer.ranks import broadcast_flag
+
+        cfg, backend, rank = self.cfg, self.backend, self.rank
+        t0 = time.monotonic()
+        batch = ([self.rows[i] for i in self.sampler.take(cfg.sft.batch_size)] if rank == 0
+                 else None)
+        block = scatter_rows(batch, cfg.algo.loss_reduction, backend.pad_id, self.device,
+                             backend.data_ranks)
+        train = backend.train_step([(block, True)])
+        t1 = time.monotonic()
+        done = step + 1
+        evals = (self.validation.score(backend, self.device) if self.validation.due(done)
+                 else {})
+        preempt = broadcast_flag(rank == 0 and preempt_requested(self.run_dir))
+        final = preempt or done == cfg.trainer.total_steps
+        t2 = time.monotonic()
+        save_step(cfg, backend, self.run_dir, done, final, self.sampler)
+        t3 = time.monotonic()
+        if rank == 0:
+            self.sinks.log(step, {k: v for k, v in train.items() if k not in _NOT_LOGGED}
+                           | evals | {"train/samples": len(batch),
+                                      "sft/epoch": self.sampler.epochs_done,
+                                      "perf/train_time_s": t1 - t0, "perf/eval_s": t2 - t1,
+                                      "perf/checkpoint_s": t3 - t2,
+                                      "perf/step_time_s": t3 - self.last_end,
+                                      "policy/version": done})
+        self.last_end = t3
+        return preempt

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from relax_slurm.algos import policy_loss
-from relax_slurm.config.schema import AlgoConfig
+from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.modeling import media_token_ids, mm_token_types
 from relax_slurm.routing.hooks import RoutingStats, routing_replay
 from relax_slurm.trainer.batch import MicroBatch, loss_params

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from relax_slurm.config.schema import AlgoConfig
+from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.samples import Group
 from relax_slurm.trainer.batch import MicroBatch, TrainItem, collate, prepare_items, scatter_batch
 

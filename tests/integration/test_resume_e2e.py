@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from relax_slurm.checkpoint.convert import dcp_to_hf
+from relax_slurm.checkpoint.from_dcp import dcp_to_hf
 from tests.conftest import REPO, relax_train
 
 TIMEOUT_S = 600

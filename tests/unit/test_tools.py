@@ -102,7 +102,7 @@ def test_build_model_is_seeded():
 def test_data_pipeline_reads_the_tool_output(tiny):
     from transformers import AutoTokenizer
 
-    from relax_slurm.config.schema import DataConfig
+    from relax_slurm.config.data import DataConfig
     from relax_slurm.data import PromptDataset
 
     tok = AutoTokenizer.from_pretrained(tiny / "model")

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from relax_slurm.checkpoint.convert import copy_hf_assets, write_hf_dir
+from relax_slurm.checkpoint.hf_files import copy_hf_assets, write_hf_dir
 from relax_slurm.checkpoint.dcp import (
     HF_ASSETS, RNG_DIR, SAVE_TIMEOUT, SaveHandle, barrier, checkpoint_group, commit_checkpoint,
     load_rng, meta_json, remove_leftovers, save_rng, set_pending, wait_pending,

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from relax_slurm.checkpoint.convert import write_hf_dir
+from relax_slurm.checkpoint.hf_files import write_hf_dir
 from relax_slurm.checkpoint.resume import CheckpointError
-from relax_slurm.config.schema import ModelConfig, TrainerConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.trainer.megatron import cpu_compat, vl
 from relax_slurm.trainer.model import single_process_group
 from relax_slurm.trainer.megatron.model import (
@@ -81,9 +82,8 @@ class _HFNames:
     def __init__(self, config) -> None:
         from megatron.bridge.models.hf_pretrained.state import StateDict
 
-        from relax_slurm.checkpoint.convert import (
-            _revert_weight_conversion, expected_tensors, meta_model,
-        )
+        from relax_slurm.checkpoint.architecture import expected_tensors, meta_model
+        from relax_slurm.checkpoint.hf_files import revert_weight_conversion
 
         model = meta_model(config)
         shapes, aliases = expected_tensors(model)
@@ -92,4 +92,4 @@ class _HFNames:
         self.config = config
         # the checkpoint-file names (transformers 5 fuses MoE experts in memory; the files and
         # the bridge keep one tensor per expert)
-        self.state = StateDict(_revert_weight_conversion(model, names))
+        self.state = StateDict(revert_weight_conversion(model, names))

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relax_slurm.config.schema import ModelConfig, TrainerConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.megatron import context_parallel, cpu_compat, vl
 from relax_slurm.trainer.schedule import lr_factor
@@ -140,45 +141,31 @@ class MegatronModel:
     """Model chunks (one per virtual pipeline stage), optimizer and the bridge they came from."""
 
     def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig) -> None:
-        bridge_mod = cpu_compat.import_bridge()
-        fix_sequential_experts()
-        from megatron.core.distributed import (
-            DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         self.cfg = cfg
         dtype = DTYPES[model_cfg.dtype]
-        if cpu_compat.needed() and dtype != torch.float32:
-            raise ConfigError(
-                f"trainer=megatron on CPU trains in float32 only (model.dtype={model_cfg.dtype}): "
-                "megatron-core's mixed-precision optimizer wraps CUDA tensors; set "
-                "model.dtype=float32 or use trainer=torch")
+        bridge_mod = cpu_compat.import_bridge()
+        fix_sequential_experts()
+        check_cpu_dtype(model_cfg.dtype, dtype)
         self.bridge = bridge_mod.AutoBridge.from_hf_pretrained(
             model_cfg.path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
         hf_config = self.bridge.hf_pretrained.config
         self.vl = vl.kind(hf_config)  # None: a text decoder
         if self.vl is not None:
-            if cfg.pipeline_parallel_size > 1 or cfg.context_parallel_size > 1:
-                raise ConfigError(
-                    "trainer=megatron with a vision-language model supports tensor "
-                    f"parallelism only (pipeline_parallel_size={cfg.pipeline_parallel_size}, "
-                    f"context_parallel_size={cfg.context_parallel_size}): set both to 1 "
-                    "(docs/backends.md#multimodal-models)")
+            check_vl_parallel(cfg)
             vl.apply()
         self.vocab_size = hf_config.get_text_config().vocab_size
-        if self.vocab_size % cfg.tensor_parallel_size:
-            raise ConfigError(
-                f"the model's vocab_size={self.vocab_size} does not split over "
-                f"trainer.tensor_parallel_size={cfg.tensor_parallel_size}: megatron-bridge loads "
-                "the embedding unpadded. Fix: a tensor_parallel_size dividing it, or pad the "
-                "checkpoint's vocabulary (config.json vocab_size and the embedding rows)")
+        check_vocab_split(self.vocab_size, cfg.tensor_parallel_size)
+        bare = self._bare_chunks(model_cfg, cfg, dtype)
+        self.chunks = ddp_chunks(bare, cfg.use_distributed_optimizer)
+        self.optimizer = megatron_optimizer(cfg, dtype, self.chunks)
+        self.steps_done = 0  # optimizer steps: the lr schedule's position
+
+    def _bare_chunks(self, model_cfg: ModelConfig, cfg: TrainerConfig, dtype: torch.dtype) -> list:
+        """The model's chunks (one per virtual pipeline stage) from the bridge, unwrapped, TP
+        parameters marked and `trainer.freeze_modules` frozen."""
         provider = build_provider(self.bridge, model_cfg, cfg)
-        ddp = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.use_distributed_optimizer)
-        # wrapped in Megatron DDP here rather than by the bridge, whose wrapper opens a CUDA
-        # side-stream (for CUDA graphs) that a CPU build cannot create
+        # wrapped in Megatron DDP by ddp_chunks rather than by the bridge, whose wrapper opens a
+        # CUDA side-stream (for CUDA graphs) that a CPU build cannot create
         bare = provider.provide_distributed_model(
             wrap_with_ddp=False, use_cpu_initialization=cpu_compat.needed(),
             data_parallel_random_init=False,
@@ -188,21 +175,7 @@ class MegatronModel:
         if cfg.freeze_modules:
             freeze(bare, [vl.hf_prefix_to_megatron(self.vl, p) if self.vl else p
                           for p in cfg.freeze_modules], cfg.freeze_modules)
-        self.chunks = [DistributedDataParallel(config=c.config, ddp_config=ddp, module=c,
-                                               disable_bucketing=i > 0)
-                       for i, c in enumerate(bare)]
-        config = self.chunks[0].config
-        # without it Megatron DDP never all-reduces the gradients over data-parallel ranks
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = [c.no_sync for c in self.chunks]
-        if len(self.chunks) == 1:
-            config.no_sync_func = config.no_sync_func[0]
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
-            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.grad_clip,
-            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
-            use_distributed_optimizer=cfg.use_distributed_optimizer), self.chunks)
-        self.steps_done = 0  # optimizer steps: the lr schedule's position
+        return bare
 
     # ---- lr schedule -------------------------------------------------------------------------
     def lr_now(self) -> float:
@@ -253,6 +226,65 @@ class MegatronModel:
     def train(self) -> None:
         for c in self.chunks:
             c.train()
+
+
+def check_cpu_dtype(name: str, dtype: torch.dtype) -> None:
+    if cpu_compat.needed() and dtype != torch.float32:
+        raise ConfigError(
+            f"trainer=megatron on CPU trains in float32 only (model.dtype={name}): "
+            "megatron-core's mixed-precision optimizer wraps CUDA tensors; set "
+            "model.dtype=float32 or use trainer=torch")
+
+
+def check_vl_parallel(cfg: TrainerConfig) -> None:
+    if cfg.pipeline_parallel_size > 1 or cfg.context_parallel_size > 1:
+        raise ConfigError(
+            "trainer=megatron with a vision-language model supports tensor "
+            f"parallelism only (pipeline_parallel_size={cfg.pipeline_parallel_size}, "
+            f"context_parallel_size={cfg.context_parallel_size}): set both to 1 "
+            "(docs/backends.md#multimodal-models)")
+
+
+def check_vocab_split(vocab_size: int, tensor_parallel_size: int) -> None:
+    if vocab_size % tensor_parallel_size:
+        raise ConfigError(
+            f"the model's vocab_size={vocab_size} does not split over "
+            f"trainer.tensor_parallel_size={tensor_parallel_size}: megatron-bridge loads "
+            "the embedding unpadded. Fix: a tensor_parallel_size dividing it, or pad the "
+            "checkpoint's vocabulary (config.json vocab_size and the embedding rows)")
+
+
+def ddp_chunks(bare: list, use_distributed_optimizer: bool) -> list:
+    """The chunks in Megatron DDP, with the model config's hooks that make the schedule
+    all-reduce gradients over data-parallel ranks."""
+    from megatron.core.distributed import (
+        DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
+    )
+
+    ddp = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer)
+    chunks = [DistributedDataParallel(config=c.config, ddp_config=ddp, module=c,
+                                      disable_bucketing=i > 0)
+              for i, c in enumerate(bare)]
+    config = chunks[0].config
+    # without it Megatron DDP never all-reduces the gradients over data-parallel ranks
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [c.no_sync for c in chunks]
+    if len(chunks) == 1:
+        config.no_sync_func = config.no_sync_func[0]
+    return chunks
+
+
+def megatron_optimizer(cfg: TrainerConfig, dtype: torch.dtype, chunks: list):
+    """Megatron's Adam over the chunks (trainer.lr, betas, weight decay, grad clip)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    return get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.grad_clip,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+        use_distributed_optimizer=cfg.use_distributed_optimizer), chunks)
 
 
 def freeze(chunks, prefixes: list[str], hf_prefixes: list[str]) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from relax_slurm.config.schema import AlgoConfig
+from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.batch import MicroBatch, loss_params
 from relax_slurm.trainer.megatron import context_parallel

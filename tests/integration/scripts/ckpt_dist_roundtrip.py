@@ -23,7 +23,8 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from relax_slurm.checkpoint import find_latest, load_checkpoint, save_checkpoint, wait_pending
-from relax_slurm.config.schema import ModelConfig, TrainerConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.runtime.exit import exit_now
 from relax_slurm.trainer.model import build_optimizer, load_hf_model, wrap_parallel
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from relax_slurm.config.schema import ModelConfig, TrainerConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.trainer.megatron import checkpoint
 from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel
 

@@ -30,7 +30,9 @@ from safetensors.torch import load_file, save_file
 
 from script_result import finish
 
-from relax_slurm.config.schema import AlgoConfig, ModelConfig, TrainerConfig
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.trainer.batch import MicroBatch
 from relax_slurm.trainer.megatron import checkpoint
 from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel

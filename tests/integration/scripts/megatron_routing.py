@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from script_result import finish
 
-from relax_slurm.config.schema import ModelConfig, TrainerConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.routing.hooks import RoutingStats
 from relax_slurm.trainer.batch import MicroBatch
 from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel

@@ -29,7 +29,8 @@ from safetensors.torch import load_file
 
 from script_result import finish
 
-from relax_slurm.config.schema import ModelConfig, TrainerConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel
 
 

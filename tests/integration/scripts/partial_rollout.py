@@ -28,9 +28,12 @@ from helpers_tiny import free_port, perturbed, script_engine  # noqa: E402
 
 from relax_slurm.broker.state import BrokerState  # noqa: E402
 from relax_slurm.broker.wire import decode, encode  # noqa: E402
-from relax_slurm.config.schema import (  # noqa: E402
-    DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig, WeightSyncConfig,
-)
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.reward import RewardConfig
+from relax_slurm.config.rollout import RolloutConfig
+from relax_slurm.config.schema import TrainConfig
+from relax_slurm.config.weight_sync import WeightSyncConfig
 from relax_slurm.runtime.plan import RunPlan, save_plan  # noqa: E402
 from relax_slurm.engines.client import EngineClient  # noqa: E402
 from relax_slurm.rollout.partial import resume_params  # noqa: E402

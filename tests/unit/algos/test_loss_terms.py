@@ -12,7 +12,7 @@ from relax_slurm.algos import (
     compute_advantages, importance_weights, kl_penalty, names, opsm_keep, policy_loss,
     reduction_weights,
 )
-from relax_slurm.config.schema import ALGO_NAMES, BATCH_WIDE_ADVANTAGE_ALGOS, AlgoConfig
+from relax_slurm.config.algo import ALGO_NAMES, BATCH_WIDE_ADVANTAGE_ALGOS, AlgoConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.batch import loss_params
 

@@ -5,7 +5,10 @@ import pytest
 import torch
 
 from relax_slurm.algos import policy_loss
-from relax_slurm.config.schema import AlgoConfig, ModelConfig, RolloutConfig, TrainConfig
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.rollout import RolloutConfig
+from relax_slurm.config.schema import TrainConfig
 from relax_slurm.errors import ConfigError
 
 OLD = torch.tensor([[-1.0, -2.0, -0.5]])

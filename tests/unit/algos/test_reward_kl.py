@@ -6,7 +6,7 @@ import torch
 
 from relax_slurm.algos import policy_loss
 from relax_slurm.algos.common import kl_to_go
-from relax_slurm.config.schema import NO_REWARD_KL_ALGOS, AlgoConfig
+from relax_slurm.config.algo import NO_REWARD_KL_ALGOS, AlgoConfig
 from relax_slurm.errors import ConfigError
 
 # one response of 3 tokens: k1 = old - ref = [0.5, -1.0, 0.0]

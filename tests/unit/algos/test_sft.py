@@ -9,7 +9,7 @@ import torch
 
 from relax_slurm.algos import compute_advantages, policy_loss, reduction_weights, sft
 from relax_slurm.trainer.batch import loss_params
-from relax_slurm.config.schema import AlgoConfig
+from relax_slurm.config.algo import AlgoConfig
 
 LOGP = torch.tensor([[-0.5, -2.0, -1.0], [-0.1, -3.0, -0.7]])
 MASK = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]])

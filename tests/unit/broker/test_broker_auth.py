@@ -20,7 +20,9 @@ from relax_slurm.auth import SECRET_ENV
 from relax_slurm.broker import BrokerClient
 from relax_slurm.broker.wire import decode, encode
 from relax_slurm.config import save_config
-from relax_slurm.config.schema import DataConfig, ModelConfig, TrainConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.schema import TrainConfig
 from relax_slurm.errors import BrokerError
 from tests.helpers_broker import REPO, SECRET, TIMEOUT_S, Broker, group
 

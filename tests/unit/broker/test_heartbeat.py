@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from relax_slurm.broker.heartbeat import Pacer
-from relax_slurm.config.schema import ClusterConfig
+from relax_slurm.config.cluster import ClusterConfig
 from relax_slurm.errors import ConfigError
 
 

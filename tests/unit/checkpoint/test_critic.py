@@ -9,9 +9,11 @@ import torch
 
 from relax_slurm.algos.ppo import whiten
 from relax_slurm.checkpoint import dcp, find_latest, save_checkpoint
-from relax_slurm.config.schema import (
-    AlgoConfig, ModelConfig, RolloutConfig, TrainConfig, TrainerConfig,
-)
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.rollout import RolloutConfig
+from relax_slurm.config.schema import TrainConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.backend import TorchBackend
 from relax_slurm.trainer.batch import collate, prepare_items

@@ -146,18 +146,18 @@ def test_every_default_passes_the_type_check():
     null for Optional keys) passes."""
     import dataclasses
 
-    from relax_slurm.config import schema
-    from relax_slurm.config.load import _schema_class, check_override_keys
+    from relax_slurm.config.load import check_override_keys, section_class
+    from relax_slurm.config.schema import TrainConfig
 
     def leaves(cls, prefix=""):
         for f in dataclasses.fields(cls):
-            sub = _schema_class(f.type)
+            sub = section_class(cls, f.name)
             if sub is not None:
                 yield from leaves(sub, f"{prefix}{f.name}.")
             elif isinstance(f.default, (bool, int, float)):
                 yield f"{prefix}{f.name}", f.default
     checked = [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-               for k, v in leaves(schema.TrainConfig)]
+               for k, v in leaves(TrainConfig)]
     assert len(checked) > 100
     check_override_keys(checked)
     check_override_keys(["trainer.lr_decay_steps=null", "trainer.lr=${trainer.min_lr_ratio}",
@@ -193,7 +193,7 @@ def test_bad_yaml_file_is_named(tmp_path):
 
 @pytest.mark.parametrize("staleness,want", [(0, "recompute"), (2, "rollout")])
 def test_old_logprobs_auto_follows_staleness(staleness, want):
-    from relax_slurm.config.schema import AlgoConfig
+    from relax_slurm.config.algo import AlgoConfig
 
     assert AlgoConfig(max_staleness=staleness).old_logprobs == want
     assert AlgoConfig(max_staleness=staleness, old_logprobs="recompute").old_logprobs == "recompute"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_slurm.config.schema import DataConfig
+from relax_slurm.config.data import DataConfig
 from relax_slurm.data import PromptDataset, chat, encode, to_messages
 from relax_slurm.data.chat import _as_ids
 from relax_slurm.errors import ConfigError, DataError

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from relax_slurm.config.schema import DataConfig
+from relax_slurm.config.data import DataConfig
 from relax_slurm.data import PromptDataset, media, processor
 from relax_slurm.data.media import MediaRef, from_engine, load_audio, wav_bytes
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, expand_pads

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from relax_slurm.config.schema import DataConfig, SFTConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.sft import SFTConfig
 from relax_slurm.data.sft import EpochSampler, conversation_pieces, encode_example, read_examples
 from relax_slurm.errors import DataError
 

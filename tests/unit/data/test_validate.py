@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from relax_slurm.config.schema import DataConfig
+from relax_slurm.config.data import DataConfig
 from relax_slurm.data.validate import check_data_files
 from relax_slurm.errors import DataError
 from tests.conftest import REPO, run_env

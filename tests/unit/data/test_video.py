@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 from transformers import AutoTokenizer
 
-from relax_slurm.config.schema import DataConfig
+from relax_slurm.config.data import DataConfig
 from relax_slurm.data import PromptDataset
 from relax_slurm.data.media import MediaRef
 from relax_slurm.data.processor import MediaLimits, MediaProcessor

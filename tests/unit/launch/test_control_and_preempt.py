@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from relax_slurm.config import TrainConfig
-from relax_slurm.config.schema import ClusterConfig, DataConfig, ModelConfig
+from relax_slurm.config.cluster import ClusterConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.model import ModelConfig
 from relax_slurm.errors import ConfigError, Preempted, RelaxError, RoleFailed
 from relax_slurm.runtime import control
 from relax_slurm.launch.processes import ProcessSet

@@ -19,7 +19,9 @@ from submitit.slurm.slurm import _make_sbatch_string
 
 from relax_slurm.auth import ensure_secret
 from relax_slurm.config import save_config
-from relax_slurm.config.schema import DataConfig, ModelConfig, TrainConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.schema import TrainConfig
 from relax_slurm.launch import engine_job as ej
 from relax_slurm.launch.slurm_env import without_job_env
 from tests.conftest import REPO

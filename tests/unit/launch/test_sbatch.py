@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_slurm.config.schema import ClusterConfig
+from relax_slurm.config.cluster import ClusterConfig
 from relax_slurm.launch import sbatch
 from relax_slurm.launch.submit import compose_config
 from tests.conftest import REPO

@@ -16,7 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from relax_slurm.config.schema import DataConfig, ModelConfig, TrainConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.schema import TrainConfig
 from relax_slurm.runtime.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.processes import ProcessSet
 from relax_slurm.launch.scale import Scaler

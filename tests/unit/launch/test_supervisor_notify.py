@@ -7,7 +7,9 @@ import sys
 import pytest
 
 from relax_slurm.config import TrainConfig
-from relax_slurm.config.schema import DataConfig, ModelConfig, NotifyConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.reporting import NotifyConfig
 from relax_slurm.errors import RoleFailed
 from relax_slurm.launch.roles import RoleSpec
 from relax_slurm.launch.supervisor import supervise

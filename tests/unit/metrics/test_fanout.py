@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from relax_slurm.config.schema import MetricsConfig, TrainConfig, WandbConfig
+from relax_slurm.config.reporting import MetricsConfig, WandbConfig
+from relax_slurm.config.schema import TrainConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.metrics.fanout import check_installed, open_sinks
 from relax_slurm.metrics.wandb_run import ID_FILE, run_id, wandb_mode

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from relax_slurm.config.schema import NotifyConfig
+from relax_slurm.config.reporting import NotifyConfig
 from relax_slurm.metrics.notify import Notifier, step_message
 from tests.json_receiver import json_receiver
 

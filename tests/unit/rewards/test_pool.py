@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from relax_slurm.config.schema import RewardConfig
+from relax_slurm.config.reward import RewardConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.rewards import RewardInput, RewardPool, build_reward
 

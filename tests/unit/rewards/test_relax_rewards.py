@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from relax_slurm.config.schema import RewardConfig
+from relax_slurm.config.reward import RewardConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.rewards import RewardError, RewardInput, build_reward, score
 from relax_slurm.rewards.dapo_genrm import DAPO_TEMPLATE, judge_prompt

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from relax_slurm.config.schema import RewardConfig, TrainConfig
+from relax_slurm.config.reward import RewardConfig
+from relax_slurm.config.schema import TrainConfig
 from relax_slurm.rewards import genrm as genrm_module
 from relax_slurm.errors import ConfigError
 from relax_slurm.runtime.plan import RunPlan, free_port

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from relax_slurm.config.schema import RewardConfig
+from relax_slurm.config.reward import RewardConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.rewards import (
     RewardError, RewardInput, Scorer, build_reward, get_reward_fn, names, register, score,

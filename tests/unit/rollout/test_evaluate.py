@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from relax_slurm.config.schema import EvalConfig
+from relax_slurm.config.evaluation import EvalConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.rollout.evaluate import EvalSchedule, eval_due, k_metrics
 

@@ -13,7 +13,9 @@ import torch
 from transformers import AutoTokenizer
 
 from helpers_tiny import free_port, start_engine, stop_process, wait_healthy
-from relax_slurm.config.schema import AlgoConfig, DataConfig, ModelConfig
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.model import ModelConfig
 from relax_slurm.data import PromptDataset
 from relax_slurm.data.processor import MediaProcessor
 from relax_slurm.errors import EngineError
@@ -139,7 +141,8 @@ def test_bad_media_requests(served, tiny_mm_assets: Path) -> None:
 
 
 def test_evaluator_sends_the_media(served, tiny_mm_assets: Path) -> None:
-    from relax_slurm.config.schema import EvalConfig, TrainConfig
+    from relax_slurm.config.evaluation import EvalConfig
+    from relax_slurm.config.schema import TrainConfig
     from relax_slurm.rollout.evaluate import Evaluator
 
     kind, model, client = served

@@ -21,9 +21,12 @@ from helpers_tiny import REPO_ROOT, child_env, free_port, start_engine, stop_pro
 from relax_slurm.auth import SECRET_ENV
 from relax_slurm.broker import BrokerClient
 from relax_slurm.config import save_config
-from relax_slurm.config.schema import (
-    AlgoConfig, DataConfig, EnvConfig, ModelConfig, RolloutConfig, TrainConfig,
-)
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.env import EnvConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.rollout import RolloutConfig
+from relax_slurm.config.schema import TrainConfig
 from relax_slurm.data import load_tokenizer
 from relax_slurm.runtime.plan import RunPlan, save_plan
 

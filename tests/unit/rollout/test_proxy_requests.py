@@ -112,7 +112,9 @@ def test_a_first_observation_without_the_chat_template_is_appended(tok):
 
 
 def test_proxy_mode_config_and_plan():
-    from relax_slurm.config.schema import EnvConfig, RolloutConfig, TrainConfig
+    from relax_slurm.config.env import EnvConfig
+    from relax_slurm.config.rollout import RolloutConfig
+    from relax_slurm.config.schema import TrainConfig
     from relax_slurm.errors import ConfigError
     from relax_slurm.launch.local import local_plan
     from relax_slurm.launch.roles import worker_spec

@@ -15,7 +15,7 @@ import torch
 
 from helpers_moe import make_moe_model
 from helpers_tiny import free_port, start_engine, stop_process, wait_healthy
-from relax_slurm.config.schema import AlgoConfig
+from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.data import load_tokenizer
 from relax_slurm.engines import sglang_api
 from relax_slurm.engines.client import AsyncEngineClient, raise_if_aborted

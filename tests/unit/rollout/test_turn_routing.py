@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from relax_slurm.config.schema import AlgoConfig
+from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.multiturn import Episode
 from relax_slurm.routing.segments import NOT_ROUTED, TurnRouting, covered_positions, sample_rows

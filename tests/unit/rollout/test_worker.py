@@ -15,9 +15,12 @@ import pytest
 
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.config import save_config
-from relax_slurm.config.schema import (
-    AlgoConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig,
-)
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.reward import RewardConfig
+from relax_slurm.config.rollout import RolloutConfig
+from relax_slurm.config.schema import TrainConfig
 from relax_slurm.errors import ConfigError, EngineUnreachable
 from relax_slurm.runtime.plan import RunPlan, save_plan
 from relax_slurm.engines.client import GenerateResult

@@ -20,9 +20,12 @@ import pytest
 import zmq
 
 from relax_slurm.config import save_config
-from relax_slurm.config.schema import (
-    BrokerConfig, DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig,
-)
+from relax_slurm.config.broker import BrokerConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.reward import RewardConfig
+from relax_slurm.config.rollout import RolloutConfig
+from relax_slurm.config.schema import TrainConfig
 from relax_slurm.runtime.plan import RunPlan, save_plan
 from relax_slurm.rollout.worker import STOP_GRACE_S
 from tests.helpers_tiny import (

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from relax_slurm.config.schema import AlgoConfig
+from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.samples import Sample
 from relax_slurm.trainer.batch import collate, prepare_items
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from relax_slurm.config.schema import AlgoConfig
+from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.samples import Sample
 from relax_slurm.trainer.batch import collate, prepare_items, scatter_batch
 
@@ -80,7 +80,7 @@ def test_freeze_modules_by_prefix_and_the_fix_for_a_typo() -> None:
 
     from relax_slurm.errors import ConfigError
     from relax_slurm.trainer.model import build_optimizer, freeze_modules
-    from relax_slurm.config.schema import TrainerConfig
+    from relax_slurm.config.trainer import TrainerConfig
 
     model = torch.nn.Module()
     model.model = torch.nn.Module()

@@ -35,7 +35,7 @@ def test_this_machine_refuses_cp_without_cuda():
 
 def test_megatron_backend_refuses_cp_on_cpu_at_start():
     pytest.importorskip("megatron.core")
-    from relax_slurm.config.schema import TrainerConfig
+    from relax_slurm.config.trainer import TrainerConfig
     from relax_slurm.errors import ConfigError
     from relax_slurm.trainer.megatron.model import init_model_parallel
 

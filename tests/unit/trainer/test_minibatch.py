@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from relax_slurm.algos import policy_loss
-from relax_slurm.config.schema import AlgoConfig, TrainerConfig
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.trainer.batch import collate, loss_params, prepare_items
 from relax_slurm.trainer.model import build_optimizer, single_process_group
 from relax_slurm.trainer.step import (
@@ -115,7 +116,9 @@ def test_rollout_logprobs_stay_the_denominator_with_old_logprobs_rollout():
 
 
 def test_the_trainer_refuses_mini_batches_that_do_not_split_over_ranks():
-    from relax_slurm.config.schema import ModelConfig, RolloutConfig, TrainConfig
+    from relax_slurm.config.model import ModelConfig
+    from relax_slurm.config.rollout import RolloutConfig
+    from relax_slurm.config.schema import TrainConfig
     from relax_slurm.errors import ConfigError
     from relax_slurm.trainer.main import check_batch_divides
 

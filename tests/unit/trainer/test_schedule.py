@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from relax_slurm.config.schema import TrainerConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.model import build_optimizer
 from relax_slurm.trainer.schedule import lr_factor

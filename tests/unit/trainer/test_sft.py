@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from relax_slurm.config.schema import AlgoConfig, TrainerConfig
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.data.sft import SFTExample
 from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.batch import collate, loss_params
@@ -88,7 +89,9 @@ def test_validation_rows_are_padded_with_rows_that_train_nothing():
 
 
 def test_more_steps_than_the_epochs_hold_is_refused():
-    from relax_slurm.config.schema import DataConfig, SFTConfig, TrainConfig
+    from relax_slurm.config.data import DataConfig
+    from relax_slurm.config.schema import TrainConfig
+    from relax_slurm.config.sft import SFTConfig
 
     cfg = TrainConfig(run_dir="r", algo=SFT, data=DataConfig(train_files=["x"], num_epochs=2),
                       sft=SFTConfig(batch_size=10), trainer=TrainerConfig(total_steps=5))

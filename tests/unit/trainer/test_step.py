@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from relax_slurm.config.schema import AlgoConfig, TrainerConfig
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.samples import Sample
 from relax_slurm.trainer.batch import collate, prepare_items
 from relax_slurm.trainer.lead import batch_metrics, staleness_histogram

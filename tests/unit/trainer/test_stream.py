@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from relax_slurm.config.schema import AlgoConfig, TrainerConfig
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.samples import Group, Sample
 from relax_slurm.trainer.model import build_optimizer, single_process_group
 from relax_slurm.trainer.step import train_step

@@ -1,0 +1,139 @@
+"""Hugging Face directories: safetensors shards (+ index), config.json, tokenizer and generation
+config, as transformers and SGLang load them; written and read here."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from relax_slurm.checkpoint.outputs import finish_output, natural_key, progress_bar, start_output
+
+log = logging.getLogger("relax_slurm.checkpoint")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+DEFAULT_SHARD_MB = 5000.0  # as transformers' max_shard_size="5GB"
+
+
+ASSET_PATTERNS = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "generation_config.json", "preprocessor_config.json",
+    "processor_config.json", "*.py",
+)
+
+
+def hf_weight_files(p: Path) -> list[Path]:
+    files = sorted(p.glob("*.safetensors"))
+    return files or sorted(p.glob("pytorch_model*.bin"))
+
+
+def write_hf_dir(tensors: dict[str, torch.Tensor], config, out_dir: str | Path,
+                 assets_src: str | Path | None, dtype: torch.dtype | None = None,
+                 names_model: nn.Module | None = None, progress: bool = False,
+                 shard_size_mb: float = DEFAULT_SHARD_MB, overwrite: bool = True) -> Path:
+    """Write `tensors` (HF names, aliases already removed) as a transformers/SGLang-loadable
+    directory: safetensors shards (+ index), config.json, tokenizer and generation config."""
+    out = Path(out_dir)
+    tmp = start_output(out, overwrite)
+    if names_model is not None:
+        tensors = revert_weight_conversion(names_model, tensors)
+    config = copy.deepcopy(config)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        set_config_dtype(config, dtype)
+    names = sorted(tensors, key=natural_key)
+    shards: list[list[str]] = [[]]
+    size, limit = 0, int(shard_size_mb * 2**20)
+    for name in names:
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    _write_shards(tensors, shards, tmp, progress)
+    config.save_pretrained(tmp)
+    if assets_src is not None:
+        copy_hf_assets(assets_src, tmp, include_config=False)
+    return finish_output(tmp, out)
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], shards: list[list[str]], tmp: Path,
+                  progress: bool) -> None:
+    from safetensors.torch import save_file
+
+    n = len(shards)
+    files = ["model.safetensors"] if n == 1 else [
+        f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map, total = {}, 0
+    bar = progress_bar(progress, len(tensors), "write safetensors")
+    for fname, shard in zip(files, shards):
+        part = {k: tensors[k].detach().contiguous().cpu() for k in shard}
+        save_file(part, str(tmp / fname), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in part.values())
+        weight_map.update({k: fname for k in shard})
+        bar.update(len(shard))
+    bar.close()
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_hf_assets(src: str | Path, dst: str | Path, include_config: bool = True) -> None:
+    """Tokenizer, generation config and remote code of a model dir (or hub id) into dst."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    if not src.is_dir():  # a hub id: let transformers fetch what it needs
+        from transformers import AutoTokenizer
+
+        try:
+            AutoTokenizer.from_pretrained(str(src)).save_pretrained(dst)
+        except Exception as e:  # conversion still useful without; say so
+            log.warning("could not copy the tokenizer of %s: %s", src, e)
+        return
+    patterns = ASSET_PATTERNS + (("config.json",) if include_config else ())
+    for pattern in patterns:
+        for f in src.glob(pattern):
+            if f.is_file():
+                shutil.copy2(f, dst / f.name)
+
+
+def set_config_dtype(config, dtype: torch.dtype) -> None:
+    config.dtype = dtype
+    if not isinstance(getattr(type(config), "torch_dtype", None), property):
+        config.torch_dtype = dtype  # transformers < 4.56 knows only this name
+
+
+def revert_weight_conversion(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict:
+    """transformers 5 may load weights under other names (fused MoE experts): undo that as
+    save_pretrained does, so the files keep the original layout. A no-op for dense models."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return tensors
+    return revert_weight_conversion(model, dict(tensors))
+
+
+def read_hf(src: Path, progress: bool) -> dict[str, torch.Tensor]:
+    files = hf_weight_files(src)
+    out: dict[str, torch.Tensor] = {}
+    bar = progress_bar(progress, len(files), "read safetensors", unit="file")
+    for f in files:
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt") as st:
+                out.update({k: st.get_tensor(k) for k in st.keys()})
+        else:
+            out.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+        bar.update(1)
+    bar.close()
+    return out

@@ -1,0 +1,167 @@
+"""`cluster`: where the roles run (local or Slurm), hang detection, restarts, elastic rollout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from relax_slurm.config.check import check
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    kind: str = "local"
+    """local (subprocesses on this machine) or slurm (an sbatch job; see docs/slurm.md)."""
+    step_timeout_s: float = 900.0
+    """A run with no new step for this long is failed as hung."""
+    trainer_cpus: Optional[list[int]] = None
+    """Pin trainer ranks to these CPU ids (local runs); null leaves it to the OS."""
+    rollout_cpus: Optional[list[int]] = None
+    """Pin engines and rollout workers to these CPU ids (local runs)."""
+    max_global_restarts: int = 0
+    """Local runs: when a role dies or hangs, stop every role and start the run again from its
+    latest checkpoint (trainer.save_every sets how much is redone), at most this many times."""
+    max_role_restarts: int = 3
+    """Restarts in place of one role that dies (the broker, from its spill file; see
+    operations.md) before its next death fails the run (or restarts it globally)."""
+    heartbeat_interval_s: float = 10.0
+    """Trainer and rollout worker heartbeat to the broker this often, from their main loops; the
+    launcher probes the broker's /status and the engines' /health as often."""
+    heartbeat_timeout_s: float = 600.0
+    """A role whose last heartbeat (or an engine whose last good /health, or a broker whose last
+    /status) is older than this is hung: the run fails naming it, or restarts
+    (cluster.max_global_restarts). Cover the longest step; 0 turns hang detection off."""
+
+    elastic_timeout_s: float = 600.0
+    """Elastic rollout: a scale_out without timeout_secs fails (and rolls back) after this long
+    (see docs/operations.md)."""
+    elastic_drain_timeout_s: float = 60.0
+    """Elastic rollout: a scale_in waits this long for the worker's requests in flight on the
+    leaving engines, then detaches them anyway (force=true does not wait)."""
+    elastic_max_engines: int = 8
+    """Elastic rollout: a num_replicas scale_out to more engines is refused (each is a process,
+    on Slurm a job, with its own copy of the model)."""
+    engine_job_partition: Optional[str] = None
+    """Slurm elastic rollout: --partition of the job each added engine runs in; null: the
+    rollout component's (rollout_partition, else partition)."""
+    engine_job_cpus: Optional[int] = None
+    """Slurm elastic rollout: --cpus-per-task of an engine job; null: cpus_per_task."""
+    engine_job_gpus: Optional[int] = None
+    """Slurm elastic rollout: --gpus-per-node of an engine job; null: rollout.engine_tp_size
+    when the rollout component has GPUs (rollout_gpus_per_node, else gpus_per_node), else 0."""
+    engine_job_time_min: Optional[int] = None
+    """Slurm elastic rollout: --time of an engine job, in minutes; null: time_limit_min."""
+    engine_job_mem_gb: Optional[int] = None
+    """Slurm elastic rollout: --mem of an engine job in GB; null: the partition's default."""
+
+    # ---- slurm: the allocation ------------------------------------------------------------
+    layout: str = "hetjob"
+    """hetjob (component 0: trainer + broker, component 1: engines + rollout worker) or
+    colocated (one plain allocation; rollout roles on the nodes after the trainer's, or on the
+    trainer's own nodes when rollout_nodes=0)."""
+    partition: Optional[str] = None
+    """--partition of the trainer component (and of the rollout one unless rollout_partition)."""
+    rollout_partition: Optional[str] = None
+    """--partition of the rollout component; null: same as partition."""
+    account: Optional[str] = None
+    """--account to charge; null: your default account."""
+    qos: Optional[str] = None
+    """--qos; null: the partition's default."""
+    time_limit_min: int = 60
+    """--time of each component, in minutes."""
+    trainer_nodes: int = 1
+    """Nodes running the torchrun trainer (one torchrun agent per node, c10d rendezvous)."""
+    rollout_nodes: int = 1
+    """Nodes running engines and the rollout worker; colocated layout: 0 shares the trainer's."""
+    gpus_per_node: int = 0
+    """--gpus-per-node of the trainer component (0: CPU only); match trainer.nproc_per_node."""
+    rollout_gpus_per_node: Optional[int] = None
+    """--gpus-per-node of the rollout component; null: same as gpus_per_node."""
+    cpus_per_task: int = 4
+    """--cpus-per-task; every component runs one task per node, so this is CPUs per node."""
+    mem_gb: Optional[int] = None
+    """--mem per node in GB; null: the partition's default; 0: all of the node's memory."""
+    job_name: str = "relax"
+    """--job-name; every role's srun step is named after the role."""
+
+    # ---- slurm: preemption and time limits ------------------------------------------------
+    requeue: bool = True
+    """--requeue: a preempted or time-limited job goes back to the queue and resumes."""
+    signal_lead_s: int = 120
+    """--signal=B:USR1@N: seconds before the time limit the driver is told to checkpoint and
+    requeue (Slurm may deliver it up to ~30 s late; keep it >= 60); 0: no signal."""
+    preempt_timeout_s: float = 60.0
+    """After that signal, how long the trainer may take to checkpoint and exit before the job is
+    requeued anyway (resuming from the previous checkpoint)."""
+
+    # ---- slurm: software on the nodes -----------------------------------------------------
+    python: Optional[str] = None
+    """Python of the driver and every role on the nodes; null: the one running relax-train."""
+    setup_lines: list[str] = field(default_factory=list)
+    """Shell lines run in the batch script before the driver (module load, source venv, ...)."""
+    container_image: Optional[str] = None
+    """pyxis/enroot image for every role's srun (--container-image); null: no container."""
+    container_mounts: list[str] = field(default_factory=list)
+    """--container-mounts entries (SRC:DST); the run directory and the working directory
+    must be visible inside."""
+    container_prefix: list[str] = field(default_factory=list)
+    """Words put before every role's command inside srun, e.g. [apptainer, exec, --nv,
+    image.sif]; the alternative to container_image for Apptainer/Singularity."""
+    container_python: str = "python"
+    """Python inside the container (used when container_image or container_prefix is set)."""
+    extra_sbatch_args: list[str] = field(default_factory=list)
+    """More sbatch options for every component, e.g. [--constraint=a100, --exclusive]."""
+    extra_srun_args: list[str] = field(default_factory=list)
+    """More srun options for every role's step, e.g. [--mpi=none, --cpu-bind=none]."""
+
+    # ---- slurm: submission ----------------------------------------------------------------
+    wait: bool = False
+    """relax-train blocks until the job ends (requeues included) and exits with its status."""
+    wait_poll_s: float = 10.0
+    """With wait=true, seconds between two looks at squeue."""
+    dry_run: bool = False
+    """relax-train prints the sbatch script and the srun lines, and submits nothing."""
+
+    def __post_init__(self) -> None:
+        check(self.kind in ("local", "slurm"), f"cluster.kind={self.kind!r}: use local or slurm")
+        check(self.layout in ("hetjob", "colocated"),
+               f"cluster.layout={self.layout!r}: use hetjob or colocated")
+        check(self.trainer_nodes >= 1, f"cluster.trainer_nodes={self.trainer_nodes}: >= 1")
+        min_rollout = 1 if self.layout == "hetjob" else 0
+        check(self.rollout_nodes >= min_rollout,
+               f"cluster.rollout_nodes={self.rollout_nodes}: must be >= {min_rollout} with "
+               f"cluster.layout={self.layout} (colocated may share the trainer's nodes with 0)")
+        check(self.time_limit_min >= 1, f"cluster.time_limit_min={self.time_limit_min}: >= 1")
+        check(self.gpus_per_node >= 0 and (self.rollout_gpus_per_node or 0) >= 0,
+               "cluster.gpus_per_node and cluster.rollout_gpus_per_node must be >= 0")
+        check(self.cpus_per_task >= 1, f"cluster.cpus_per_task={self.cpus_per_task}: >= 1")
+        check(self.mem_gb is None or self.mem_gb >= 0,
+               f"cluster.mem_gb={self.mem_gb}: must be >= 0 or null")
+        check(0 <= self.signal_lead_s < self.time_limit_min * 60,
+               f"cluster.signal_lead_s={self.signal_lead_s}: must be >= 0 and below "
+               f"cluster.time_limit_min={self.time_limit_min} minutes")
+        check(self.preempt_timeout_s > 0 and (
+                   self.signal_lead_s == 0 or self.preempt_timeout_s < self.signal_lead_s),
+               f"cluster.preempt_timeout_s={self.preempt_timeout_s}: must be > 0 and below "
+               f"cluster.signal_lead_s={self.signal_lead_s} so the requeue happens before the end")
+        check(not (self.container_image and self.container_prefix),
+               "cluster.container_image (pyxis) and cluster.container_prefix (apptainer) are "
+               "alternatives: set one of them")
+        check(self.wait_poll_s > 0, f"cluster.wait_poll_s={self.wait_poll_s}: must be > 0")
+        check(self.max_role_restarts >= 0,
+               f"cluster.max_role_restarts={self.max_role_restarts}: >= 0")
+        check(self.heartbeat_interval_s > 0 and (
+                   self.heartbeat_timeout_s == 0
+                   or self.heartbeat_timeout_s >= 2 * self.heartbeat_interval_s),
+               f"cluster.heartbeat_timeout_s={self.heartbeat_timeout_s}: must be 0 (off) or at "
+               f"least twice cluster.heartbeat_interval_s={self.heartbeat_interval_s} (> 0)")
+        check(self.elastic_timeout_s > 0 and self.elastic_drain_timeout_s > 0
+               and self.elastic_max_engines >= 1,
+               f"cluster.elastic_timeout_s={self.elastic_timeout_s} and cluster."
+               f"elastic_drain_timeout_s={self.elastic_drain_timeout_s} must be > 0, cluster."
+               f"elastic_max_engines={self.elastic_max_engines} >= 1")
+        for key in ("engine_job_cpus", "engine_job_time_min"):
+            value = getattr(self, key)
+            check(value is None or value >= 1, f"cluster.{key}={value}: >= 1 or null")
+        for key in ("engine_job_gpus", "engine_job_mem_gb"):
+            value = getattr(self, key)
+            check(value is None or value >= 0, f"cluster.{key}={value}: >= 0 or null")

@@ -1,0 +1,163 @@
+"""The checks across sections of a run's config, each named after what it guards and given
+only the sections it reads; `TrainConfig.__post_init__` runs them in order. Each refuses with
+the override that fixes it (ConfigError, through `check`)."""
+
+from __future__ import annotations
+
+from relax_slurm.config.algo import BATCH_WIDE_ADVANTAGE_ALGOS, AlgoConfig
+from relax_slurm.config.check import check
+from relax_slurm.config.cluster import ClusterConfig
+from relax_slurm.config.data import DataConfig
+from relax_slurm.config.env import EnvConfig
+from relax_slurm.config.reward import RewardConfig
+from relax_slurm.config.rollout import RolloutConfig
+from relax_slurm.config.trainer import TrainerConfig
+
+SEED_LIMIT = 1 << 22
+"""seed below this: its sampling seeds (seed << 40, plus up to 2**40 samples) stay in int64."""
+
+
+def check_seed(seed: int) -> None:
+    # every sampling_seed is (seed << 40) + group * n + index (rollout/sampling.py
+    # sample_seed), and SGLang refuses seeds outside int64
+    check(0 <= seed < SEED_LIMIT,
+          f"seed={seed}: must be in [0, {SEED_LIMIT}) (it is shifted 40 bits into "
+          "every sampling_seed, which engines take as a signed 64-bit integer)")
+
+
+def check_overlong_buffer(algo: AlgoConfig, rollout: RolloutConfig) -> None:
+    buffer, max_new = algo.overlong_buffer_tokens, rollout.max_new_tokens
+    check(buffer == 0 or buffer < max_new,
+          f"algo.overlong_buffer_tokens={buffer} must be below rollout.max_new_tokens="
+          f"{max_new} (the penalty ramps up over the last buffer tokens before the limit): "
+          "lower algo.overlong_buffer_tokens (about a fifth of max_new_tokens) or set it to 0")
+
+
+def check_rollout_mode(algo: AlgoConfig, rollout: RolloutConfig, env: EnvConfig) -> None:
+    """The worker's mode (env or proxy) and the colocated engines' sleep."""
+    check(rollout.agent_mode == "env" or not env.name,
+          "rollout.agent_mode=proxy: external agents play the environment's part; unset "
+          "env.name (env=none), or use rollout.agent_mode=env")
+    # shared GPUs: engines hold no memory while the trainer steps, so nothing may generate
+    # then; only the on-policy schedule (rollout, then train) guarantees that
+    check(not rollout.release_memory_during_train or algo.max_staleness == 0,
+          f"rollout.release_memory_during_train=true needs algo.max_staleness=0 (engines "
+          f"are asleep while the trainer steps; got {algo.max_staleness})")
+
+
+def check_parallel_layout(t: TrainerConfig, cluster: ClusterConfig) -> None:
+    """The trainer's ranks split into TP x PP x CP, and expert parallelism divides the rest."""
+    world = t.nproc_per_node * cluster.trainer_nodes
+    model_parallel = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
+    check(world % model_parallel == 0,
+          f"{world} trainer ranks (trainer.nproc_per_node x cluster.trainer_nodes) do not "
+          f"split into trainer.tensor_parallel_size={t.tensor_parallel_size} x "
+          f"pipeline_parallel_size={t.pipeline_parallel_size} x context_parallel_size="
+          f"{t.context_parallel_size}: change trainer.nproc_per_node or the parallel sizes")
+    data_parallel = world // model_parallel
+    check(data_parallel % t.expert_parallel_size == 0,
+          f"trainer.expert_parallel_size={t.expert_parallel_size} must divide the data-"
+          f"parallel size {data_parallel} (ranks / (TP x PP x CP)): change it or "
+          "trainer.nproc_per_node")
+
+
+def check_megatron_media(t: TrainerConfig, data: DataConfig) -> None:
+    # the megatron backend trains Qwen2.5-VL / Qwen3-VL (dense) on images, TP only; the
+    # architecture itself is checked when the model loads (trainer/megatron/vl.py)
+    mm_kinds = set(data.multimodal_keys) - {"image"}
+    check(t.backend != "megatron" or not mm_kinds,
+          f"trainer=megatron trains vision-language models on images only "
+          f"(data.multimodal_keys has {sorted(mm_kinds)}): use trainer=torch for video and "
+          "audio (docs/backends.md#multimodal-models)")
+    check(t.backend != "megatron" or not data.multimodal_keys
+          or (t.pipeline_parallel_size == 1 and t.context_parallel_size == 1),
+          "trainer=megatron with data.multimodal_keys supports tensor parallelism only: set "
+          "trainer.pipeline_parallel_size=1 and trainer.context_parallel_size=1 "
+          "(docs/backends.md#multimodal-models)")
+
+
+def check_routing_replay(algo: AlgoConfig, rollout: RolloutConfig, t: TrainerConfig) -> None:
+    check(not algo.routing_replay or rollout.return_routed_experts,
+          "algo.routing_replay=true replays the experts the engines report: set "
+          "rollout.return_routed_experts=true")
+    check(not algo.routing_replay or t.context_parallel_size == 1,
+          "algo.routing_replay=true with trainer.context_parallel_size > 1 is not supported "
+          "yet: the replayed routing is not split across context-parallel ranks "
+          "(docs/algorithms.md#routing-replay)")
+
+
+def check_mini_batches(t: TrainerConfig, rollout: RolloutConfig) -> None:
+    steps = t.num_steps_per_rollout
+    samples = rollout.batch_size * rollout.n_samples_per_prompt
+    check(samples % steps == 0,
+          f"trainer.num_steps_per_rollout={steps} must divide the batch's "
+          f"rollout.batch_size x rollout.n_samples_per_prompt = {samples} samples (equal "
+          "mini-batches): change one of them")
+
+
+def check_critic_backend(algo: AlgoConfig, t: TrainerConfig) -> None:
+    check(t.backend == "torch" or not algo.uses_critic,
+          f"algo={algo.name} with trainer=megatron is not supported yet: the critic "
+          "(value model) is a component of the torch backend only; use trainer=torch "
+          "(docs/algorithms.md#ppo-with-a-critic)")
+
+
+def check_judge(r: RewardConfig) -> None:
+    # (the run plan fills genrm_url in for a managed judge: runtime/plan.py)
+    check(not (r.genrm_url and r.genrm_model_path),
+          f"reward.genrm_url={r.genrm_url} and reward.genrm_model_path="
+          f"{r.genrm_model_path} are both set: set genrm_url for a judge you run, or "
+          "genrm_model_path for one relax-train serves, not both")
+
+
+def streaming_blockers(algo: AlgoConfig, t: TrainerConfig) -> list[str]:
+    """Why this run cannot train on groups as they arrive (empty: it can)."""
+    out = []
+    if algo.max_staleness < 1:
+        out.append("algo.max_staleness=0 (on-policy: the whole batch is generated with one "
+                   "version and sync runs stay bitwise reproducible)")
+    if t.backend != "torch":
+        out.append(f"trainer.backend={t.backend} (megatron's schedule reduces "
+                   "gradients at the end of every forward_backward call and needs the "
+                   "micro-batch count up front)")
+    if algo.name in BATCH_WIDE_ADVANTAGE_ALGOS:
+        out.append(f"algo={algo.name} (its advantages use the whole batch's rewards)")
+    if algo.uses_critic:
+        out.append(f"algo={algo.name} (its GAE advantages are whitened over the whole "
+                   "batch's tokens, from the critic's values before its update)")
+    if t.num_steps_per_rollout > 1:
+        out.append(f"trainer.num_steps_per_rollout={t.num_steps_per_rollout} "
+                   "(the old log-probs of the whole batch are taken before its first "
+                   "optimizer step)")
+    if algo.loss_reduction == "token_mean":
+        out.append("algo.loss_reduction=token_mean (its weights divide by the whole batch's "
+                   "token count)")
+    return out
+
+
+def check_streaming(algo: AlgoConfig, t: TrainerConfig) -> None:
+    blockers = streaming_blockers(algo, t)
+    check(not (t.streaming and blockers),
+          "trainer.streaming=true does not apply to this run: " + "; ".join(blockers)
+          + ". Set trainer.streaming=null (streams where it applies) or false")
+
+
+def supervised_problems(algo: AlgoConfig, rollout: RolloutConfig, data: DataConfig) -> list[str]:
+    """What an SFT run's config gets wrong (empty: nothing). Its loss goes through the shared
+    policy_loss with the rows' log-probs standing in for an engine's (there is none), so the
+    knobs that read those must be off."""
+    out = []
+    if algo.tis_clip is not None or algo.opsm_delta is not None:
+        out.append("algo=sft has no rollout log-probs to correct against: set "
+                   "algo.tis_clip=null and algo.opsm_delta=null")
+    if algo.old_logprobs == "rollout" or algo.max_staleness:
+        out.append("algo=sft trains on a dataset, not on rollouts: set "
+                   "algo.old_logprobs=auto and algo.max_staleness=0")
+    if rollout.temperature != 1.0:
+        out.append(f"algo=sft's NLL is of the model's own distribution, but "
+                   f"rollout.temperature={rollout.temperature} scales the trainer's "
+                   "logits: set rollout.temperature=1.0")
+    if data.multimodal_keys:
+        out.append("algo=sft reads text rows only (multimodal SFT is not implemented): "
+                   "unset data.multimodal_keys")
+    return out

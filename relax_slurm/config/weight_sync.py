@@ -1,0 +1,51 @@
+"""`weight_sync`: how the trainer pushes weights to the engines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from relax_slurm.config.check import check
+
+FLATTENED_BUCKET = "flattened_bucket"
+"""weight_sync.load_format: one broadcast per bucket."""
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    backend: str = "auto"
+    """auto (nccl with GPUs, gloo without), gloo or nccl."""
+    bucket_mb: int = 512
+    """Tensors are announced to engines in buckets of about this size."""
+    timeout_s: float = 300.0
+    verify: bool = False
+    """After every sync, compare engine and trainer weight checksums (tests, debugging)."""
+    overlap: bool = True
+    """Async runs (algo.max_staleness >= 1): push each version from a background thread while
+    the trainer checkpoints and takes, collates and trains on the next batch; only its
+    optimizer step waits for the push (trainer/overlap.py). On-policy runs push in line (the
+    worker waits for the new weights anyway)."""
+    load_format: Optional[str] = None
+    """null: one broadcast per tensor. flattened_bucket: one broadcast per bucket, its tensors'
+    bytes end to end (SGLang's load_format of the same name; the hf engine serves both).
+    Fewer collectives for models of many small tensors (MoE experts), at the price of one
+    bucket-sized buffer and a copy on the sender (an hf engine receives into its parameters;
+    see docs/weight_sync.md)."""
+    pause_mode: str = "retract"
+    """How engines pause while weights are sent (async runs, algo.max_staleness >= 1) and
+    before they release memory (colocated): retract (running requests go back to the queue,
+    keep their tokens and continue on the new weights; a sample then spans two versions, see
+    meta_info.weight_versions), abort (they end with finish_reason abort; the worker continues
+    them from their prefix, or with rollout.partial_rollout=false generates their groups
+    again) or in_place (refused by every supported SGLang: the sync's
+    cache flush cannot run beside requests paused in place). Checked against each engine's
+    version when the weight-sync group forms."""
+
+    def __post_init__(self) -> None:
+        check(self.backend in ("auto", "gloo", "nccl"),
+               f"weight_sync.backend={self.backend!r}: use auto, gloo or nccl")
+        check(self.pause_mode in ("abort", "retract", "in_place"),
+               f"weight_sync.pause_mode={self.pause_mode!r}: use retract, abort or in_place")
+        check(self.load_format in (None, FLATTENED_BUCKET),
+               f"weight_sync.load_format={self.load_format!r}: use null (one broadcast per "
+               f"tensor) or {FLATTENED_BUCKET}")
