@@ -243,7 +243,7 @@ def wait_for_job(job_id: str, run_dir: Path, poll_s: float) -> dict:
 def submit_run(cfg: TrainConfig) -> str | None:
     """Print the dry run, or write the run directory and submit its script: the job id, or
     None when nothing was submitted (a dry run, or a run complete already)."""
-    from relax_slurm.launch.local import check_inputs, say
+    from relax_slurm.launch.inputs import check_inputs, say
     from relax_slurm.launch.rerun import plan_rerun
 
     run_dir, workdir = Path(cfg.run_dir).resolve(), Path.cwd()

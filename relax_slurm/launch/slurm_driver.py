@@ -47,7 +47,7 @@ from relax_slurm.runtime.control import (
     PREEMPT_EXIT_CODE, clear_preempt, read_status, request_preempt, write_status,
 )
 from relax_slurm.launch.engine_job import EngineJobs
-from relax_slurm.launch.local import check_inputs, record_global_restart
+from relax_slurm.launch.inputs import check_inputs, record_global_restart
 from relax_slurm.launch.node_health import lost_nodes
 from relax_slurm.launch.restart import record_restart
 from relax_slurm.runtime.plan import RunPlan, free_port, save_plan

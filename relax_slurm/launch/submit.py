@@ -146,7 +146,7 @@ def submit(cfg: TrainConfig | Sequence[str]) -> Any:
     resume_with_changes=true, as by relax-train (launch/rerun.py)."""
     if not isinstance(cfg, TrainConfig):
         cfg = compose_config(slurm_overrides(list(cfg)))
-    from relax_slurm.launch.local import check_inputs, say
+    from relax_slurm.launch.inputs import check_inputs, say
     from relax_slurm.launch.rerun import plan_rerun
 
     run_dir, workdir = Path(cfg.run_dir).resolve(), Path.cwd()
