@@ -358,7 +358,7 @@ def compose_run_dir(overrides: list[str], alloc: SlurmAllocation) -> Path | None
     from relax_slurm.launch.rerun import plan_rerun
 
     from relax_slurm.config import save_config
-    from relax_slurm.launch.submit import compose_config, slurm_overrides
+    from relax_slurm.launch.compose import compose_config, slurm_overrides
 
     cfg = compose_config(slurm_overrides(overrides, default_run_dir=f"runs/slurm-{alloc.job_id}"))
     run_dir = Path(cfg.run_dir).resolve()

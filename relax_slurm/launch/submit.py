@@ -26,32 +26,12 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from relax_slurm.config import TrainConfig, save_config, to_train_config
+from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.errors import ConfigError, Preempted
+from relax_slurm.launch.compose import compose_config, slurm_overrides
 from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, read_status
 
 SUBMITIT_DIR = "submitit"
-
-
-def compose_config(overrides: Sequence[str]) -> TrainConfig:
-    """The TrainConfig `relax-train OVERRIDES...` would run (Hydra's compose API, no output dir)."""
-    from hydra import compose, initialize_config_dir
-
-    from relax_slurm.config import register_configs
-    from relax_slurm.launch.cli import CONF_DIR
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return to_train_config(compose("train", overrides=list(overrides)))
-
-
-def slurm_overrides(overrides: Sequence[str], default_run_dir: str | None = None) -> list[str]:
-    """Overrides for a Slurm run: `cluster=slurm` unless a cluster is chosen, and `run_dir`
-    unless one is given."""
-    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    return [*([] if "cluster" in keys else ["cluster=slurm"]), *overrides,
-            *([] if "run_dir" in keys or default_run_dir is None
-              else [f"run_dir={default_run_dir}"])]
 
 
 def run_in_allocation(run_dir: str) -> dict:
