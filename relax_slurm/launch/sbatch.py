@@ -24,8 +24,9 @@ from pathlib import Path
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.config.schema import ClusterConfig
 from relax_slurm.errors import ConfigError, RelaxError
-from relax_slurm.runtime.control import read_status
 from relax_slurm.launch.slurm_env import SlurmAllocation
+from relax_slurm.launch.slurm_options import component_options
+from relax_slurm.runtime.control import read_status
 
 SCRIPT_NAME = "job.sbatch"
 SBATCH_TIMEOUT_S = 120
@@ -48,25 +49,6 @@ def fill(template: str, **values: str) -> str:
     out = re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], template)
     assert "{{" not in out, out
     return out
-
-
-def component_options(c: ClusterConfig, group: int) -> list[str]:
-    """sbatch options of one het component (or of the whole job when colocated)."""
-    if group == 0:
-        nodes = c.trainer_nodes + (c.rollout_nodes if c.layout == "colocated" else 0)
-        gpus, partition = c.gpus_per_node, c.partition
-    else:
-        nodes = c.rollout_nodes
-        gpus = c.gpus_per_node if c.rollout_gpus_per_node is None else c.rollout_gpus_per_node
-        partition = c.rollout_partition or c.partition
-    opts = [f"--partition={partition}"] if partition else []
-    opts += [f"--account={c.account}"] if c.account else []
-    opts += [f"--qos={c.qos}"] if c.qos else []
-    opts += [f"--time={c.time_limit_min}", f"--nodes={nodes}", "--ntasks-per-node=1",
-             f"--cpus-per-task={c.cpus_per_task}"]
-    opts += [f"--gpus-per-node={gpus}"] if gpus else []
-    opts += [f"--mem={c.mem_gb}G" if c.mem_gb else "--mem=0"] if c.mem_gb is not None else []
-    return opts + list(c.extra_sbatch_args)
 
 
 def sbatch_lines(c: ClusterConfig, output: str) -> list[str]:

@@ -41,7 +41,6 @@ from pathlib import Path
 
 from relax_slurm.checkpoint import find_latest, resume_for_attempt
 from relax_slurm.config import TrainConfig, load_config
-from relax_slurm.config.schema import ClusterConfig
 from relax_slurm.errors import ConfigError, NodesLost, Preempted, RelaxError, RoleFailed
 from relax_slurm.runtime.control import (
     PREEMPT_EXIT_CODE, clear_preempt, read_status, request_preempt, write_status,
@@ -53,6 +52,7 @@ from relax_slurm.launch.restart import record_restart
 from relax_slurm.runtime.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.roles import RoleSpec, run_specs
 from relax_slurm.launch.slurm_env import SlurmAllocation, read_allocation
+from relax_slurm.launch.slurm_options import container_srun_args, in_container
 from relax_slurm.launch.supervisor import Wrap, supervise
 
 log = logging.getLogger("relax_slurm.slurm")
@@ -122,26 +122,6 @@ def role_specs(cfg: TrainConfig, plan: RunPlan, layout: Layout, run_dir: Path) -
     specs = run_specs(cfg, plan, run_dir, layout.rollout_hosts[0], list(layout.trainer_hosts))
     # CPU pinning is for local runs: here it would pin the srun client, not the role
     return [dataclasses.replace(s, cpus=None) for s in specs]
-
-
-def container_srun_args(c: ClusterConfig, workdir: str) -> list[str]:
-    """srun options of a step in the run's pyxis container (cluster.container_image), or []."""
-    if not c.container_image:
-        return []
-    args = [f"--container-image={c.container_image}", f"--container-workdir={workdir}"]
-    if c.container_mounts:
-        args.append(f"--container-mounts={','.join(c.container_mounts)}")
-    return args
-
-
-def in_container(c: ClusterConfig, command: list[str]) -> list[str]:
-    """A role's command as run inside the container (cluster.container_prefix before it, the
-    container's Python for ours); unchanged without a container."""
-    if not (c.container_image or c.container_prefix):
-        return list(command)
-    if command and command[0] == sys.executable:
-        command = [c.container_python, *command[1:]]
-    return [*c.container_prefix, *command]
 
 
 def srun_wrap(cfg: TrainConfig, layout: Layout, workdir: str) -> Wrap:

@@ -29,6 +29,8 @@ from typing import Any, Sequence
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.errors import ConfigError, Preempted
 from relax_slurm.launch.compose import compose_config, slurm_overrides
+from relax_slurm.launch.slurm_options import component_options, sbatch_params
+from relax_slurm.launch.submitit_jobs import job_classes
 from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, read_status
 
 SUBMITIT_DIR = "submitit"
@@ -50,22 +52,8 @@ def run_in_allocation(run_dir: str) -> dict:
         raise SystemExit(PREEMPT_EXIT_CODE) from e
 
 
-def sbatch_params(args: Sequence[str]) -> dict[str, Any]:
-    """["--constraint=a100", "--exclusive"] -> {"constraint": "a100", "exclusive": True}."""
-    out: dict[str, Any] = {}
-    for arg in args:
-        if not arg.startswith("--"):
-            raise ConfigError(f"cluster.extra_sbatch_args: {arg!r}: use the long form "
-                              "--option=value with submit()")
-        key, eq, value = arg[2:].partition("=")
-        out[key] = value if eq else True
-    return out
-
-
 def executor_parameters(cfg: TrainConfig, workdir: Path) -> dict[str, Any]:
     """submitit SlurmExecutor parameters for the run's het job (or plain job when colocated)."""
-    from relax_slurm.launch.sbatch import component_options
-
     c = cfg.cluster
     extra = sbatch_params(c.extra_sbatch_args)
     extra["requeue" if c.requeue else "no-requeue"] = True
@@ -89,33 +77,6 @@ def executor_parameters(cfg: TrainConfig, workdir: Path) -> dict[str, Any]:
         setup = ["#SBATCH hetjob", *(f"#SBATCH {o}" for o in component_options(c, 1))]
     params["setup"] = [*setup, f"cd {shlex.quote(str(workdir))}", *c.setup_lines]
     return params
-
-
-def job_classes():
-    """submitit's Slurm executor and job, made to read het jobs' sacct rows (`<id>+<k>`)."""
-    from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
-
-    class HetInfoWatcher(SlurmInfoWatcher):
-        def read_info(self, string: bytes | str) -> dict[str, dict[str, str]]:
-            text = string.decode() if isinstance(string, bytes) else string
-            rows = []
-            for line in text.splitlines():
-                job_id, sep, rest = line.partition("|")
-                if "+" in job_id:  # component rows: the job's state is component 0's
-                    base, _, comp = job_id.partition("+")
-                    if comp != "0":
-                        continue
-                    line = base + sep + rest
-                rows.append(line)
-            return super().read_info("\n".join(rows))
-
-    class RelaxJob(SlurmJob):
-        watcher = HetInfoWatcher(delay_s=60)
-
-    class RelaxExecutor(SlurmExecutor):
-        job_class = RelaxJob
-
-    return RelaxExecutor
 
 
 def submit(cfg: TrainConfig | Sequence[str]) -> Any:
