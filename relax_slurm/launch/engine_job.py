@@ -37,10 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax_slurm.config import TrainConfig
+from relax_slurm.auth import read_secret
+from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import EngineError
+from relax_slurm.launch.processes import child_setup
+from relax_slurm.launch.roles import child_env, engine_spec
+from relax_slurm.launch.slurm_env import node_name, read_allocation, without_job_env
 from relax_slurm.launch.slurm_options import container_srun_args, in_container, sbatch_params
 from relax_slurm.launch.submitit_jobs import job_classes
+from relax_slurm.runtime.plan import free_port
 
 log = logging.getLogger(__name__)
 ENGINES_DIR = "engines"
@@ -102,8 +107,6 @@ def job_parameters(cfg: TrainConfig, name: str, workdir: Path) -> dict[str, Any]
 def _submit_env() -> Iterator[None]:
     """sbatch from inside the run's job: without that job's SLURM_* variables (see
     slurm_env.without_job_env); restored afterwards."""
-    from relax_slurm.launch.slurm_env import without_job_env
-
     saved = dict(os.environ)
     try:
         os.environ.clear()
@@ -217,13 +220,6 @@ def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
     the run's job `parent_job` has left the queue, or the engine exits (0 or SIGTERM); an
     engine that dies otherwise is restarted in place (same URL), up to
     cluster.max_role_restarts times. Returns the engine's last exit code."""
-    from relax_slurm.auth import read_secret
-    from relax_slurm.config import load_config
-    from relax_slurm.runtime.plan import free_port
-    from relax_slurm.launch.roles import engine_spec
-    from relax_slurm.launch.slurm_env import node_name, read_allocation
-    from relax_slurm.launch.supervisor import child_env
-
     run = Path(run_dir)
     cfg = load_config(run / "config.yaml")
     host = node_name()
@@ -284,8 +280,6 @@ def job_argv(cfg: TrainConfig, name: str, argv: list[str], workdir: str) -> list
 
 
 def _start(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    from relax_slurm.launch.processes import child_setup
-
     with log_path.open("ab") as f:
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True,

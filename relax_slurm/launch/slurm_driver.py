@@ -50,10 +50,10 @@ from relax_slurm.launch.inputs import check_inputs, record_global_restart
 from relax_slurm.launch.node_health import lost_nodes
 from relax_slurm.launch.restart import record_restart
 from relax_slurm.runtime.plan import RunPlan, free_port, save_plan
-from relax_slurm.launch.roles import RoleSpec, run_specs
+from relax_slurm.launch.roles import RoleSpec, Wrap, run_specs
 from relax_slurm.launch.slurm_env import SlurmAllocation, read_allocation
 from relax_slurm.launch.slurm_options import container_srun_args, in_container
-from relax_slurm.launch.supervisor import Wrap, supervise
+from relax_slurm.launch.supervisor import supervise
 
 log = logging.getLogger("relax_slurm.slurm")
 ANY_HOST = "0.0.0.0"

@@ -7,12 +7,10 @@ in how a role's command is wrapped (as is, or in `srun --het-group=K ...`).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
-from typing import Callable
 
-from relax_slurm.auth import SECRET_ENV, ensure_secret
+from relax_slurm.auth import ensure_secret
 from relax_slurm.checkpoint.resume import parse_step
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineDown, Preempted, RoleFailed, RoleHung
@@ -24,32 +22,15 @@ from relax_slurm.runtime.plan import PLAN_FILE, load_plan
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.restart import InPlace, write_roles
 from relax_slurm.launch.scale import Scaler
-from relax_slurm.launch.roles import RoleSpec
+from relax_slurm.launch.roles import RoleSpec, Wrap, child_env
 from relax_slurm.metrics.fanout import check_installed
 from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsTail, iter_metrics
 from relax_slurm.metrics.notify import Notifier
 from relax_slurm.metrics.progress import Progress
 from relax_slurm.metrics.summary import samples_lost, summarize, write_summary
 from relax_slurm.engines.client import wait_until_healthy
-from relax_slurm.engines.sglang_api import API_KEY_ENV
 
 POLL_S = 0.5
-Wrap = Callable[[RoleSpec], list[str]]
-
-
-def child_env(cfg: TrainConfig, secret: str) -> dict[str, str]:
-    """The roles' environment: the launcher's, plus the run's secret (the broker's auth token
-    and, unless the user set RELAX_ENGINE_API_KEY, the engines' API key too)."""
-    env = dict(os.environ)
-    env[SECRET_ENV] = secret
-    env.setdefault(API_KEY_ENV, secret)
-    env.update({
-        "PYTHONUNBUFFERED": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",  # everything is local; never wait on a hub
-        "OMP_NUM_THREADS": str(max(cfg.trainer.torch_threads, cfg.rollout.torch_threads)),
-    })
-    return env
 
 
 def wait_healthy(procs: ProcessSet, pending: dict[str, Role], timeout_s: float) -> None:
