@@ -269,7 +269,7 @@ def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
 
 def job_argv(cfg: TrainConfig, name: str, argv: list[str], workdir: str) -> list[str]:
     """The engine's command in its job: in the run's container when it has one, as the run's
-    own roles are (slurm_driver.srun_wrap). pyxis works through srun, so the engine is then a
+    own roles are (placement.srun_wrap). pyxis works through srun, so the engine is then a
     step of its job; an Apptainer prefix (cluster.container_prefix) needs none."""
     c = cfg.cluster
     command = in_container(c, argv)

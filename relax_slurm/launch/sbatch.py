@@ -24,6 +24,7 @@ from pathlib import Path
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.config.schema import ClusterConfig
 from relax_slurm.errors import ConfigError, RelaxError
+from relax_slurm.launch.placement import make_layout, role_specs, slurm_plan, srun_wrap
 from relax_slurm.launch.slurm_env import SlurmAllocation
 from relax_slurm.launch.slurm_options import component_options
 from relax_slurm.runtime.control import read_status
@@ -139,12 +140,10 @@ def example_allocation(c: ClusterConfig) -> SlurmAllocation:
 
 
 def srun_lines(cfg: TrainConfig, run_dir: Path, workdir: Path) -> list[str]:
-    from relax_slurm.launch import slurm_driver as drv
-
-    layout = drv.make_layout(cfg, example_allocation(job_cluster(cfg)))
-    plan = drv.slurm_plan(cfg, layout)
-    wrap = drv.srun_wrap(cfg, layout, str(workdir))
-    return [shlex.join(wrap(s)) for s in drv.role_specs(cfg, plan, layout, run_dir)]
+    layout = make_layout(cfg, example_allocation(job_cluster(cfg)))
+    plan = slurm_plan(cfg, layout)
+    wrap = srun_wrap(cfg, layout, str(workdir))
+    return [shlex.join(wrap(s)) for s in role_specs(cfg, plan, layout, run_dir)]
 
 
 def dry_run_text(cfg: TrainConfig, run_dir: Path, workdir: Path) -> str:
