@@ -15,7 +15,7 @@ from relax_slurm.checkpoint import find_latest
 from relax_slurm.config import TrainConfig
 from relax_slurm.data.validate import check_data_files
 from relax_slurm.errors import ConfigError, RoleFailed
-from relax_slurm.launch.restart import record_restart
+from relax_slurm.launch.records import record_restart
 from relax_slurm.routing.shape import routing_shape
 
 

@@ -21,7 +21,8 @@ from relax_slurm.launch.health import HangWatch
 from relax_slurm.launch.interrupt import STOP
 from relax_slurm.runtime.plan import PLAN_FILE, load_plan
 from relax_slurm.launch.processes import ProcessSet, Role
-from relax_slurm.launch.restart import InPlace, write_roles
+from relax_slurm.launch.records import write_roles
+from relax_slurm.launch.restart import InPlace
 from relax_slurm.launch.scale import Scaler
 from relax_slurm.launch.roles import RoleSpec, Wrap, child_env
 from relax_slurm.metrics.fanout import check_installed
