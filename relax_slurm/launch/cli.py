@@ -21,18 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 from relax_slurm.config import register_configs, to_train_config
 from relax_slurm.config.load import check_override_keys
 from relax_slurm.errors import ConfigError, Preempted, RelaxError
+from relax_slurm.launch.compose import CONF_DIR
 from relax_slurm.launch.help import HELP_FLAGS, help_text
 from relax_slurm.launch.interrupt import STOP, kept_message
 from relax_slurm.launch.sweep import Sweep, fixed_keys, in_multirun, is_multirun, point_name
 from relax_slurm.tiny.assets import ensure_tiny_assets
 
 SWEEP = Sweep()  # the points of `relax-train -m`, in the order Hydra runs them
-
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-"""The Hydra configs: package data of an installed relax_slurm, and in a source checkout the
-symlink relax_slurm/conf -> conf/ (the repository keeps them at its top). A user's own
-configs are added with Hydra's --config-dir DIR (docs/configuration.md)."""
-
 
 def discard_if_unused(run_dir: Path) -> None:
     """Hydra makes run_dir (and its .hydra/) before the config is validated: a run refused

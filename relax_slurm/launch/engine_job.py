@@ -9,7 +9,7 @@ job, submitted through submitit from the driver (launch/scale.py calls `EngineJo
     scancel (scale-in after drain, rollback, the         -> `cancel`; the run's end cancels
       run's end) stops it                                   every job it submitted
 
-The engine is the same program as the launch's engines (`roles._engine_spec`: hf engine or
+The engine is the same program as the launch's engines (`roles.engine_spec`: hf engine or
 SGLang server), in the run's container if it has one (`job_argv`), bound to its node's Slurm
 name, with the run's secret as its API key (read from
 RUN_DIR/secret in the job, never on a command line). Its log is RUN_DIR/logs/<name>.log, as for
@@ -37,8 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax_slurm.config import TrainConfig
+from relax_slurm.auth import read_secret
+from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import EngineError
+from relax_slurm.launch.processes import child_setup
+from relax_slurm.launch.roles import child_env, engine_spec
+from relax_slurm.launch.slurm_env import node_name, read_allocation, without_job_env
+from relax_slurm.launch.slurm_options import container_srun_args, in_container, sbatch_params
+from relax_slurm.launch.submitit_jobs import job_classes
+from relax_slurm.runtime.plan import free_port
 
 log = logging.getLogger(__name__)
 ENGINES_DIR = "engines"
@@ -74,8 +81,6 @@ def read_url(run_dir: Path, name: str, job_id: str) -> str | None:
 
 def job_parameters(cfg: TrainConfig, name: str, workdir: Path) -> dict[str, Any]:
     """submitit SlurmExecutor parameters of one engine job (cluster.engine_job_*)."""
-    from relax_slurm.launch.submit import sbatch_params
-
     c = cfg.cluster
     rollout_gpus = c.gpus_per_node if c.rollout_gpus_per_node is None else c.rollout_gpus_per_node
     gpus = c.engine_job_gpus if c.engine_job_gpus is not None else (
@@ -102,8 +107,6 @@ def job_parameters(cfg: TrainConfig, name: str, workdir: Path) -> dict[str, Any]
 def _submit_env() -> Iterator[None]:
     """sbatch from inside the run's job: without that job's SLURM_* variables (see
     slurm_env.without_job_env); restored afterwards."""
-    from relax_slurm.launch.slurm_env import without_job_env
-
     saved = dict(os.environ)
     try:
         os.environ.clear()
@@ -137,8 +140,6 @@ class EngineJobs:
         self._checked = 0.0
 
     def submit(self, name: str, seed: int) -> EngineJob:
-        from relax_slurm.launch.submit import job_classes
-
         python = self.cfg.cluster.python or sys.executable
         try:
             executor = job_classes()(folder=self.run_dir / SUBMITIT_SUBDIR,
@@ -219,13 +220,6 @@ def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
     the run's job `parent_job` has left the queue, or the engine exits (0 or SIGTERM); an
     engine that dies otherwise is restarted in place (same URL), up to
     cluster.max_role_restarts times. Returns the engine's last exit code."""
-    from relax_slurm.auth import read_secret
-    from relax_slurm.config import load_config
-    from relax_slurm.runtime.plan import free_port
-    from relax_slurm.launch.roles import engine_spec
-    from relax_slurm.launch.slurm_env import node_name, read_allocation
-    from relax_slurm.launch.supervisor import child_env
-
     run = Path(run_dir)
     cfg = load_config(run / "config.yaml")
     host = node_name()
@@ -275,10 +269,8 @@ def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
 
 def job_argv(cfg: TrainConfig, name: str, argv: list[str], workdir: str) -> list[str]:
     """The engine's command in its job: in the run's container when it has one, as the run's
-    own roles are (slurm_driver.srun_wrap). pyxis works through srun, so the engine is then a
+    own roles are (placement.srun_wrap). pyxis works through srun, so the engine is then a
     step of its job; an Apptainer prefix (cluster.container_prefix) needs none."""
-    from relax_slurm.launch.slurm_driver import container_srun_args, in_container
-
     c = cfg.cluster
     command = in_container(c, argv)
     if not c.container_image:
@@ -288,8 +280,6 @@ def job_argv(cfg: TrainConfig, name: str, argv: list[str], workdir: str) -> list
 
 
 def _start(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    from relax_slurm.launch.processes import child_setup
-
     with log_path.open("ab") as f:
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True,

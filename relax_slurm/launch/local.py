@@ -13,71 +13,21 @@ summary.json (`global_restarts`).
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
-from relax_slurm.checkpoint import find_latest, resume_for_attempt
+from relax_slurm.checkpoint import resume_for_attempt
 from relax_slurm.config import TrainConfig, save_config
-from relax_slurm.data.validate import check_data_files
-from relax_slurm.errors import ConfigError, RoleFailed
-from relax_slurm.runtime.control import clear_preempt
+from relax_slurm.errors import RoleFailed
+from relax_slurm.launch.inputs import check_inputs, record_global_restart, say
 from relax_slurm.launch.interrupt import STOP
-from relax_slurm.runtime.plan import RunPlan, free_port, save_plan
 from relax_slurm.launch.rerun import plan_rerun
-from relax_slurm.launch.restart import record_restart
 from relax_slurm.launch.roles import run_specs
 from relax_slurm.launch.supervisor import supervise
-from relax_slurm.routing.shape import routing_shape
+from relax_slurm.runtime.control import clear_preempt
+from relax_slurm.runtime.plan import RunPlan, free_port, save_plan
 
 LOCALHOST = "127.0.0.1"
-
-
-def check_inputs(cfg: TrainConfig) -> None:
-    model = Path(cfg.model.path)
-    if not (model / "config.json").is_file():
-        raise ConfigError(
-            f"model.path={cfg.model.path}: no config.json there. Point model.path at a Hugging "
-            "Face model directory, or build the tiny demo model with "
-            "`python tools/make_tiny_model.py --out tiny/model`"
-        )
-    for key, files in (("data.train_files", cfg.data.train_files),
-                       ("sft.val_files", cfg.sft.val_files if cfg.supervised else [])):
-        for f in files:
-            if not Path(f).exists():
-                raise ConfigError(
-                    f"{key}: {f} does not exist. For the demo data run "
-                    "`python tools/prepare_data.py --out tiny`"
-                )
-    check_teacher(cfg)
-    check_judge(cfg)
-    if cfg.algo.routing_replay and routing_shape(cfg.model.path) is None:
-        raise ConfigError(f"algo.routing_replay=true: model.path={cfg.model.path} is not a "
-                          "mixture-of-experts model (its config.json names no experts); "
-                          "unset it for a dense model")
-    # proxy mode reads no prompts; SFT rows are checked as the trainer reads them
-    if cfg.rollout.agent_mode == "env" and not cfg.supervised:
-        check_data_files(cfg.data, cfg.eval.datasets if cfg.eval.every else [])
-
-
-def check_teacher(cfg: TrainConfig) -> None:
-    teacher = cfg.algo.teacher_model_path
-    if cfg.algo.name == "opd" and not teacher:
-        raise ConfigError(
-            "algo=opd needs a teacher: set algo.teacher_model_path=DIR (a Hugging Face model "
-            "directory with the same tokenizer as model.path); relax-train serves it on one "
-            "more hf engine (role `teacher`)"
-        )
-    if teacher and not (Path(teacher) / "config.json").is_file():
-        raise ConfigError(f"algo.teacher_model_path={teacher}: no config.json there. Point it "
-                          "at a Hugging Face model directory")
-
-
-def check_judge(cfg: TrainConfig) -> None:
-    judge = cfg.reward.genrm_model_path
-    if judge and not (Path(judge) / "config.json").is_file():
-        raise ConfigError(f"reward.genrm_model_path={judge}: no config.json there. Point it at a "
-                          "Hugging Face model directory, or reward.genrm_url at a judge you run")
 
 
 def local_plan(cfg: TrainConfig) -> RunPlan:
@@ -121,21 +71,6 @@ def run_attempt(cfg: TrainConfig, attempt: int, started: float) -> dict:
     specs = run_specs(cfg, plan, run_dir, LOCALHOST, [LOCALHOST])
     return supervise(specs, cfg, run_dir, wrap=lambda spec: spec.argv, started=started,
                      extra={"global_restarts": attempt})
-
-
-def record_global_restart(run_dir: Path, attempt: int, cap: int, cause: RoleFailed) -> None:
-    resumes = find_latest(run_dir)
-    row = {"attempt": attempt, "kind": "global", "cause": str(cause).splitlines()[0],
-           "resumes_from": str(resumes) if resumes else None}
-    record_restart(run_dir, row)
-    # the launcher's own voice, like its errors (Hydra owns the logging config here)
-    print(f"relax-train: global restart {attempt} of {cap} ({row['cause']}), from "
-          f"{row['resumes_from'] or 'the start'}", file=sys.stderr, flush=True)
-
-
-def say(text: str | None) -> None:
-    if text:
-        print(f"relax-train: {text}", file=sys.stderr, flush=True)
 
 
 def run_local(cfg: TrainConfig) -> dict | None:

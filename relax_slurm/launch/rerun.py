@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from relax_slurm.checkpoint.resume import parse_step, resolve_resume
 from relax_slurm.config import TrainConfig
-from relax_slurm.config.schema import SUPERVISED_ALGOS
+from relax_slurm.config.algo import SUPERVISED_ALGOS
 from relax_slurm.errors import ConfigError
 
 HISTORY_FILE = "config_history.jsonl"

@@ -12,35 +12,19 @@ same way. Each restart is a line in RUN_DIR/restarts.jsonl (`role`,
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from relax_slurm.launch.processes import ProcessSet, Role
-from relax_slurm.launch.roles import RoleSpec
-
-RESTARTS_FILE = "restarts.jsonl"
-
-
-def write_roles(procs: ProcessSet, run_dir: Path) -> None:
-    path = run_dir / "roles.json"
-    tmp = path.with_suffix(".tmp")
-    rows = [r.info() for r in procs.roles] + list(procs.outside.values())
-    tmp.write_text(json.dumps(rows, indent=2))
-    tmp.replace(path)  # readers see the old file or the new one
-
-
-def record_restart(run_dir: Path, row: dict) -> None:
-    with (run_dir / RESTARTS_FILE).open("a") as f:
-        f.write(json.dumps({"time": time.time(), **row}) + "\n")
+from relax_slurm.launch.records import record_restart, write_roles
+from relax_slurm.launch.roles import RoleSpec, Wrap
 
 
 class InPlace:
     def __init__(self, procs: ProcessSet, specs: list[RoleSpec],
-                 wrap: Callable[[RoleSpec], list[str]], run_dir: Path, cap: int,
+                 wrap: Wrap, run_dir: Path, cap: int,
                  on_restart: Callable[[str], None] = lambda name: None) -> None:
         self.procs = procs
         self.on_restart = on_restart

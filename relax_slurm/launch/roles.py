@@ -1,4 +1,5 @@
-"""What to run for each role of a run: pure functions from (config, plan) to command lines.
+"""What to run for each role of a run: pure functions from (config, plan) to command lines,
+and the environment every role runs in (`child_env`).
 
 The same specs serve the local runner (run as they are) and the Slurm driver (each prefixed
 with `srun --het-group=K ...` for the nodes it goes to), so both launch identical programs.
@@ -6,14 +7,18 @@ with `srun --het-group=K ...` for the nodes it goes to), so both launch identica
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from relax_slurm.auth import SECRET_ENV
 from relax_slurm.config import TrainConfig
 from relax_slurm.runtime.plan import RunPlan
 from relax_slurm.engines import sglang_api
+from relax_slurm.engines.sglang_api import API_KEY_ENV
 from relax_slurm.routing.shape import routing_shape
 
 TRAINER_GROUP, ROLLOUT_GROUP = 0, 1
@@ -34,6 +39,25 @@ class RoleSpec:
     """Poll this engine URL's /health before starting later roles."""
     restart_argv: list[str] | None = None
     """How to start it again in place after it died (None: its death ends the attempt)."""
+
+
+Wrap = Callable[[RoleSpec], list[str]]
+"""How a launcher runs a spec's command: as it is (local), or inside `srun ...` (Slurm)."""
+
+
+def child_env(cfg: TrainConfig, secret: str) -> dict[str, str]:
+    """The roles' environment: the launcher's, plus the run's secret (the broker's auth token
+    and, unless the user set RELAX_ENGINE_API_KEY, the engines' API key too)."""
+    env = dict(os.environ)
+    env[SECRET_ENV] = secret
+    env.setdefault(API_KEY_ENV, secret)
+    env.update({
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",  # everything is local; never wait on a hub
+        "OMP_NUM_THREADS": str(max(cfg.trainer.torch_threads, cfg.rollout.torch_threads)),
+    })
+    return env
 
 
 def _hostport(url: str) -> tuple[str, int]:

@@ -22,10 +22,12 @@ import time
 from pathlib import Path
 
 from relax_slurm.config import TrainConfig, save_config
-from relax_slurm.config.schema import ClusterConfig
+from relax_slurm.config.cluster import ClusterConfig
 from relax_slurm.errors import ConfigError, RelaxError
-from relax_slurm.runtime.control import read_status
+from relax_slurm.launch.placement import make_layout, role_specs, slurm_plan, srun_wrap
 from relax_slurm.launch.slurm_env import SlurmAllocation
+from relax_slurm.launch.slurm_options import component_options
+from relax_slurm.runtime.control import read_status
 
 SCRIPT_NAME = "job.sbatch"
 SBATCH_TIMEOUT_S = 120
@@ -48,25 +50,6 @@ def fill(template: str, **values: str) -> str:
     out = re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], template)
     assert "{{" not in out, out
     return out
-
-
-def component_options(c: ClusterConfig, group: int) -> list[str]:
-    """sbatch options of one het component (or of the whole job when colocated)."""
-    if group == 0:
-        nodes = c.trainer_nodes + (c.rollout_nodes if c.layout == "colocated" else 0)
-        gpus, partition = c.gpus_per_node, c.partition
-    else:
-        nodes = c.rollout_nodes
-        gpus = c.gpus_per_node if c.rollout_gpus_per_node is None else c.rollout_gpus_per_node
-        partition = c.rollout_partition or c.partition
-    opts = [f"--partition={partition}"] if partition else []
-    opts += [f"--account={c.account}"] if c.account else []
-    opts += [f"--qos={c.qos}"] if c.qos else []
-    opts += [f"--time={c.time_limit_min}", f"--nodes={nodes}", "--ntasks-per-node=1",
-             f"--cpus-per-task={c.cpus_per_task}"]
-    opts += [f"--gpus-per-node={gpus}"] if gpus else []
-    opts += [f"--mem={c.mem_gb}G" if c.mem_gb else "--mem=0"] if c.mem_gb is not None else []
-    return opts + list(c.extra_sbatch_args)
 
 
 def sbatch_lines(c: ClusterConfig, output: str) -> list[str]:
@@ -157,12 +140,10 @@ def example_allocation(c: ClusterConfig) -> SlurmAllocation:
 
 
 def srun_lines(cfg: TrainConfig, run_dir: Path, workdir: Path) -> list[str]:
-    from relax_slurm.launch import slurm_driver as drv
-
-    layout = drv.make_layout(cfg, example_allocation(job_cluster(cfg)))
-    plan = drv.slurm_plan(cfg, layout)
-    wrap = drv.srun_wrap(cfg, layout, str(workdir))
-    return [shlex.join(wrap(s)) for s in drv.role_specs(cfg, plan, layout, run_dir)]
+    layout = make_layout(cfg, example_allocation(job_cluster(cfg)))
+    plan = slurm_plan(cfg, layout)
+    wrap = srun_wrap(cfg, layout, str(workdir))
+    return [shlex.join(wrap(s)) for s in role_specs(cfg, plan, layout, run_dir)]
 
 
 def dry_run_text(cfg: TrainConfig, run_dir: Path, workdir: Path) -> str:
@@ -243,7 +224,7 @@ def wait_for_job(job_id: str, run_dir: Path, poll_s: float) -> dict:
 def submit_run(cfg: TrainConfig) -> str | None:
     """Print the dry run, or write the run directory and submit its script: the job id, or
     None when nothing was submitted (a dry run, or a run complete already)."""
-    from relax_slurm.launch.local import check_inputs, say
+    from relax_slurm.launch.inputs import check_inputs, say
     from relax_slurm.launch.rerun import plan_rerun
 
     run_dir, workdir = Path(cfg.run_dir).resolve(), Path.cwd()

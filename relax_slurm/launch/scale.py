@@ -45,7 +45,8 @@ from relax_slurm.errors import EngineError
 from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.runtime.plan import free_port
 from relax_slurm.launch.processes import ProcessSet, Role
-from relax_slurm.launch.restart import InPlace, record_restart, write_roles
+from relax_slurm.launch.records import record_restart, write_roles
+from relax_slurm.launch.restart import InPlace
 from relax_slurm.launch.roles import engine_spec, engines_rejoin
 from relax_slurm.engines.client import EngineClient
 

@@ -25,7 +25,6 @@ with `run_dir` defaulting to `runs/slurm-<job id>` so that a requeued attempt fi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import logging
@@ -36,131 +35,26 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from relax_slurm.checkpoint import find_latest, resume_for_attempt
 from relax_slurm.config import TrainConfig, load_config
-from relax_slurm.config.schema import ClusterConfig
-from relax_slurm.errors import ConfigError, NodesLost, Preempted, RelaxError, RoleFailed
+from relax_slurm.errors import NodesLost, Preempted, RelaxError, RoleFailed
 from relax_slurm.runtime.control import (
     PREEMPT_EXIT_CODE, clear_preempt, read_status, request_preempt, write_status,
 )
 from relax_slurm.launch.engine_job import EngineJobs
-from relax_slurm.launch.local import check_inputs, record_global_restart
+from relax_slurm.launch.inputs import check_inputs, record_global_restart
 from relax_slurm.launch.node_health import lost_nodes
-from relax_slurm.launch.restart import record_restart
-from relax_slurm.runtime.plan import RunPlan, free_port, save_plan
-from relax_slurm.launch.roles import RoleSpec, run_specs
+from relax_slurm.launch.records import record_restart
+from relax_slurm.runtime.plan import save_plan
+from relax_slurm.launch.placement import Layout, make_layout, role_specs, slurm_plan, srun_wrap
+from relax_slurm.launch.roles import RoleSpec, Wrap
 from relax_slurm.launch.slurm_env import SlurmAllocation, read_allocation
-from relax_slurm.launch.supervisor import Wrap, supervise
+from relax_slurm.launch.supervisor import supervise
 
 log = logging.getLogger("relax_slurm.slurm")
-ANY_HOST = "0.0.0.0"
 REQUEUE_TIMEOUT_S = 60
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Which nodes run what. `het`: steps name their component with --het-group."""
-
-    trainer_hosts: tuple[str, ...]
-    rollout_hosts: tuple[str, ...]
-    het: bool
-
-
-def make_layout(cfg: TrainConfig, alloc: SlurmAllocation) -> Layout:
-    """hetjob: component 0 trains, component 1 rolls out. colocated: one node list, trainer on
-    the first cluster.trainer_nodes nodes, rollout on the rest (or on the trainer's nodes)."""
-    if alloc.is_het:
-        if len(alloc.het_groups) != 2:
-            raise ConfigError(
-                f"the job has {len(alloc.het_groups)} het components; relax-slurm expects 2 "
-                "(0: trainer + broker, 1: rollout). Use sbatch/train_hetjob.sbatch or "
-                "cluster.layout=colocated for a plain job")
-        return Layout(trainer_hosts=alloc.het_groups[0], rollout_hosts=alloc.het_groups[1],
-                      het=True)
-    nodes = alloc.het_groups[0]
-    t = cfg.cluster.trainer_nodes
-    if len(nodes) < t:
-        raise ConfigError(
-            f"the allocation has {len(nodes)} node(s) but cluster.trainer_nodes={t}; request "
-            f"more nodes or lower cluster.trainer_nodes")
-    return Layout(trainer_hosts=nodes[:t], rollout_hosts=nodes[t:] or nodes, het=False)
-
-
-def slurm_plan(cfg: TrainConfig, layout: Layout) -> RunPlan:
-    """Addresses by node name. Ports are ones free on this node now: nodes of one job are
-    alike, and a role that cannot bind fails loudly and names its port."""
-    if cfg.supervised:  # SFT: the trainer alone, rendezvous on its first node
-        return RunPlan(broker_router="", broker_pub="", trainer_master_port=free_port(ANY_HOST))
-    head, rollout = layout.trainer_hosts[0], layout.rollout_hosts
-    n = cfg.rollout.num_engines
-    teacher = int(bool(cfg.algo.teacher_model_path))
-    return RunPlan(
-        broker_router=f"tcp://{head}:{free_port(ANY_HOST)}",
-        broker_pub=f"tcp://{head}:{free_port(ANY_HOST)}",
-        broker_admin=f"http://{head}:{free_port(ANY_HOST)}",
-        engine_urls=[f"http://{rollout[i % len(rollout)]}:{free_port(ANY_HOST)}"
-                     for i in range(n)],
-        # on-policy distillation's teacher engine: next in the round robin after the engines
-        teacher_url=(f"http://{rollout[n % len(rollout)]}:{free_port(ANY_HOST)}"
-                     if cfg.algo.teacher_model_path else None),
-        # the managed judge (reward.genrm_model_path): next after the teacher
-        genrm_url=(f"http://{rollout[(n + teacher) % len(rollout)]}:{free_port(ANY_HOST)}"
-                   if cfg.reward.genrm_model_path else None),
-        # the rollout worker runs on the first rollout node
-        proxy_url=(f"http://{rollout[0]}:{cfg.rollout.proxy_port or free_port(ANY_HOST)}"
-                   if cfg.rollout.agent_mode == "proxy" else None),
-        weight_sync_host="",  # wherever trainer rank 0 lands (the trainer resolves it)
-        weight_sync_port=free_port(ANY_HOST),
-        trainer_master_port=free_port(ANY_HOST),
-    )
-
-
-def role_specs(cfg: TrainConfig, plan: RunPlan, layout: Layout, run_dir: Path) -> list[RoleSpec]:
-    specs = run_specs(cfg, plan, run_dir, layout.rollout_hosts[0], list(layout.trainer_hosts))
-    # CPU pinning is for local runs: here it would pin the srun client, not the role
-    return [dataclasses.replace(s, cpus=None) for s in specs]
-
-
-def container_srun_args(c: ClusterConfig, workdir: str) -> list[str]:
-    """srun options of a step in the run's pyxis container (cluster.container_image), or []."""
-    if not c.container_image:
-        return []
-    args = [f"--container-image={c.container_image}", f"--container-workdir={workdir}"]
-    if c.container_mounts:
-        args.append(f"--container-mounts={','.join(c.container_mounts)}")
-    return args
-
-
-def in_container(c: ClusterConfig, command: list[str]) -> list[str]:
-    """A role's command as run inside the container (cluster.container_prefix before it, the
-    container's Python for ours); unchanged without a container."""
-    if not (c.container_image or c.container_prefix):
-        return list(command)
-    if command and command[0] == sys.executable:
-        command = [c.container_python, *command[1:]]
-    return [*c.container_prefix, *command]
-
-
-def srun_wrap(cfg: TrainConfig, layout: Layout, workdir: str) -> Wrap:
-    """spec -> `srun ... argv` for its nodes (all trainer nodes for the trainer)."""
-    c = cfg.cluster
-
-    def wrap(spec: RoleSpec) -> list[str]:
-        hosts = layout.trainer_hosts if spec.name == "trainer" else (spec.host,)
-        n = len(hosts)
-        argv = ["srun"]
-        if layout.het:
-            argv.append(f"--het-group={spec.het_group}")
-        argv += [f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
-                 f"--nodelist={','.join(hosts)}", "--overlap", f"--job-name={spec.name}",
-                 "--kill-on-bad-exit=1"]
-        argv += container_srun_args(c, workdir) + c.extra_srun_args
-        return [*argv, *in_container(c, spec.argv)]
-
-    return wrap
 
 
 def requeue(job_id: str) -> None:
@@ -358,7 +252,7 @@ def compose_run_dir(overrides: list[str], alloc: SlurmAllocation) -> Path | None
     from relax_slurm.launch.rerun import plan_rerun
 
     from relax_slurm.config import save_config
-    from relax_slurm.launch.submit import compose_config, slurm_overrides
+    from relax_slurm.launch.compose import compose_config, slurm_overrides
 
     cfg = compose_config(slurm_overrides(overrides, default_run_dir=f"runs/slurm-{alloc.job_id}"))
     run_dir = Path(cfg.run_dir).resolve()

@@ -26,32 +26,14 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from relax_slurm.config import TrainConfig, save_config, to_train_config
+from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.errors import ConfigError, Preempted
+from relax_slurm.launch.compose import compose_config, slurm_overrides
+from relax_slurm.launch.slurm_options import component_options, sbatch_params
+from relax_slurm.launch.submitit_jobs import job_classes
 from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, read_status
 
 SUBMITIT_DIR = "submitit"
-
-
-def compose_config(overrides: Sequence[str]) -> TrainConfig:
-    """The TrainConfig `relax-train OVERRIDES...` would run (Hydra's compose API, no output dir)."""
-    from hydra import compose, initialize_config_dir
-
-    from relax_slurm.config import register_configs
-    from relax_slurm.launch.cli import CONF_DIR
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return to_train_config(compose("train", overrides=list(overrides)))
-
-
-def slurm_overrides(overrides: Sequence[str], default_run_dir: str | None = None) -> list[str]:
-    """Overrides for a Slurm run: `cluster=slurm` unless a cluster is chosen, and `run_dir`
-    unless one is given."""
-    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    return [*([] if "cluster" in keys else ["cluster=slurm"]), *overrides,
-            *([] if "run_dir" in keys or default_run_dir is None
-              else [f"run_dir={default_run_dir}"])]
 
 
 def run_in_allocation(run_dir: str) -> dict:
@@ -70,22 +52,8 @@ def run_in_allocation(run_dir: str) -> dict:
         raise SystemExit(PREEMPT_EXIT_CODE) from e
 
 
-def sbatch_params(args: Sequence[str]) -> dict[str, Any]:
-    """["--constraint=a100", "--exclusive"] -> {"constraint": "a100", "exclusive": True}."""
-    out: dict[str, Any] = {}
-    for arg in args:
-        if not arg.startswith("--"):
-            raise ConfigError(f"cluster.extra_sbatch_args: {arg!r}: use the long form "
-                              "--option=value with submit()")
-        key, eq, value = arg[2:].partition("=")
-        out[key] = value if eq else True
-    return out
-
-
 def executor_parameters(cfg: TrainConfig, workdir: Path) -> dict[str, Any]:
     """submitit SlurmExecutor parameters for the run's het job (or plain job when colocated)."""
-    from relax_slurm.launch.sbatch import component_options
-
     c = cfg.cluster
     extra = sbatch_params(c.extra_sbatch_args)
     extra["requeue" if c.requeue else "no-requeue"] = True
@@ -111,33 +79,6 @@ def executor_parameters(cfg: TrainConfig, workdir: Path) -> dict[str, Any]:
     return params
 
 
-def job_classes():
-    """submitit's Slurm executor and job, made to read het jobs' sacct rows (`<id>+<k>`)."""
-    from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
-
-    class HetInfoWatcher(SlurmInfoWatcher):
-        def read_info(self, string: bytes | str) -> dict[str, dict[str, str]]:
-            text = string.decode() if isinstance(string, bytes) else string
-            rows = []
-            for line in text.splitlines():
-                job_id, sep, rest = line.partition("|")
-                if "+" in job_id:  # component rows: the job's state is component 0's
-                    base, _, comp = job_id.partition("+")
-                    if comp != "0":
-                        continue
-                    line = base + sep + rest
-                rows.append(line)
-            return super().read_info("\n".join(rows))
-
-    class RelaxJob(SlurmJob):
-        watcher = HetInfoWatcher(delay_s=60)
-
-    class RelaxExecutor(SlurmExecutor):
-        job_class = RelaxJob
-
-    return RelaxExecutor
-
-
 def submit(cfg: TrainConfig | Sequence[str]) -> Any:
     """Submit a run (a TrainConfig, or Hydra overrides as for relax-train) as a Slurm job through
     submitit; returns the `submitit.Job`, whose `result()` is the run's summary, or None when
@@ -146,7 +87,7 @@ def submit(cfg: TrainConfig | Sequence[str]) -> Any:
     resume_with_changes=true, as by relax-train (launch/rerun.py)."""
     if not isinstance(cfg, TrainConfig):
         cfg = compose_config(slurm_overrides(list(cfg)))
-    from relax_slurm.launch.local import check_inputs, say
+    from relax_slurm.launch.inputs import check_inputs, say
     from relax_slurm.launch.rerun import plan_rerun
 
     run_dir, workdir = Path(cfg.run_dir).resolve(), Path.cwd()

@@ -1,18 +1,17 @@
-"""Start the roles of a run, watch them, and always tear them down.
+"""Start the roles of a run, watch them, and always tear them down: the `Supervisor`.
 
 Shared by the local runner and the Slurm driver: they differ only in the plan (addresses) and
-in how a role's command is wrapped (as is, or in `srun --het-group=K ...`).
+in how a role's command is wrapped (as is, or in `srun --het-group=K ...`). The steps of an
+attempt are functions here (`start`, `watch`); the `Supervisor` holds what they share.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
-from typing import Callable
 
-from relax_slurm.auth import SECRET_ENV, ensure_secret
+from relax_slurm.auth import ensure_secret
 from relax_slurm.checkpoint.resume import parse_step
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineDown, Preempted, RoleFailed, RoleHung
@@ -22,34 +21,18 @@ from relax_slurm.launch.health import HangWatch
 from relax_slurm.launch.interrupt import STOP
 from relax_slurm.runtime.plan import PLAN_FILE, load_plan
 from relax_slurm.launch.processes import ProcessSet, Role
-from relax_slurm.launch.restart import InPlace, write_roles
+from relax_slurm.launch.records import write_roles
+from relax_slurm.launch.restart import InPlace
 from relax_slurm.launch.scale import Scaler
-from relax_slurm.launch.roles import RoleSpec
+from relax_slurm.launch.roles import RoleSpec, Wrap, child_env
 from relax_slurm.metrics.fanout import check_installed
 from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsTail, iter_metrics
 from relax_slurm.metrics.notify import Notifier
 from relax_slurm.metrics.progress import Progress
 from relax_slurm.metrics.summary import samples_lost, summarize, write_summary
 from relax_slurm.engines.client import wait_until_healthy
-from relax_slurm.engines.sglang_api import API_KEY_ENV
 
 POLL_S = 0.5
-Wrap = Callable[[RoleSpec], list[str]]
-
-
-def child_env(cfg: TrainConfig, secret: str) -> dict[str, str]:
-    """The roles' environment: the launcher's, plus the run's secret (the broker's auth token
-    and, unless the user set RELAX_ENGINE_API_KEY, the engines' API key too)."""
-    env = dict(os.environ)
-    env[SECRET_ENV] = secret
-    env.setdefault(API_KEY_ENV, secret)
-    env.update({
-        "PYTHONUNBUFFERED": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",  # everything is local; never wait on a hub
-        "OMP_NUM_THREADS": str(max(cfg.trainer.torch_threads, cfg.rollout.torch_threads)),
-    })
-    return env
 
 
 def wait_healthy(procs: ProcessSet, pending: dict[str, Role], timeout_s: float) -> None:
@@ -177,53 +160,92 @@ def _summary(run_dir: Path, cfg: TrainConfig, wall_s: float, extra: dict | None,
     return summary
 
 
+class Supervisor:
+    """One attempt of a run: its roles' processes and the parts that look after them, made
+    together and torn down together.
+
+        summary = Supervisor(specs, cfg, run_dir, wrap).run()
+
+    The parts: the processes (launch/processes.py), the hang watch (heartbeats and /health,
+    launch/health.py), in-place restarts (launch/restart.py), elastic rollout's engines
+    (launch/scale.py; on Slurm through `engine_jobs`, launch/engine_job.py) and the
+    notifications. `run` (once) starts every role, watches them to the trainer's end (`watch`), tears
+    everything down whatever happened, writes summary.json and notifies; `restarts` counts the
+    restarts it made, by role. Nothing else is public: a launcher chooses the roles (`specs`)
+    and how to run a command (`wrap`), the supervisor does the rest the same way everywhere."""
+
+    def __init__(self, specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap,
+                 engine_jobs: EngineJobs | None = None) -> None:
+        check_installed(cfg)  # a missing tensorboard/wandb fails now, not after engines load
+        self.specs, self.cfg, self.run_dir, self.wrap = specs, cfg, run_dir, wrap
+        self.notifier = Notifier(cfg.notify, run_dir.name)
+        secret = ensure_secret(run_dir)
+        self.procs = ProcessSet(run_dir / "logs", child_env(cfg, secret))
+        admin = load_plan(run_dir).broker_admin if (run_dir / PLAN_FILE).exists() else None
+        self.hangs = HangWatch(admin, secret,
+                               {spec.name: spec.health_url for spec in specs if spec.health_url},
+                               cfg.cluster.heartbeat_interval_s, cfg.cluster.heartbeat_timeout_s)
+        self.in_place = InPlace(self.procs, specs, wrap, run_dir, cfg.cluster.max_role_restarts,
+                                on_restart=self.hangs.restarted)
+        # elastic rollout's process side (launch/scale.py)
+        self.scaler = (Scaler(self.procs, cfg, run_dir, admin, secret, wrap,
+                              in_place=self.in_place, jobs=engine_jobs) if admin else None)
+
+    def run(self, started: float | None = None, extra: dict | None = None) -> dict:
+        """Run the roles to the end; write roles.json and summary.json; return the summary.
+
+        summary.json is written once, also for a failed run: `wall_s` counts from `started` (a
+        monotonic time; default now, a restarted run passes its first attempt's) and `extra` is
+        merged in (the launcher's own records: global restarts, the Slurm allocation)."""
+        t0 = time.monotonic() if started is None else started
+        try:
+            final_status = self._run_roles()
+            summary = _summary(self.run_dir, self.cfg, time.monotonic() - t0, extra,
+                               self.restarts(), final_status)
+        except Preempted as e:
+            self.notifier.send("preempted", str(e))
+            raise
+        except BaseException as e:
+            # RoleFailed names the failing role and ends with its log tail
+            self.notifier.send("crashed", f"{type(e).__name__}: {e}")
+            raise
+        self.notifier.send("finished", json.dumps(summary, indent=1))
+        return summary
+
+    def restarts(self) -> dict[str, int]:
+        """Restarts by role: in place, and of engine jobs' engines (replaced, inside a job)."""
+        return self.in_place.counts() | (self.scaler.counts() if self.scaler else {})
+
+    def _run_roles(self) -> dict | None:
+        """Start every role, watch them until the trainer is done, always tear down; the
+        broker's last status (None without a broker)."""
+        try:
+            trainer = start(self.procs, self.specs, self.cfg, self.wrap)
+            STOP.arm(self.run_dir)  # a first Ctrl-C now checkpoints (launch/interrupt.py)
+            write_roles(self.procs, self.run_dir)
+            self.notifier.send("started", f"{self.cfg.trainer.total_steps} steps, run dir "
+                                          f"{self.run_dir}")
+            watch(self.procs, trainer, self.cfg, self.run_dir, self.notifier, self.hangs,
+                  self.in_place, self.scaler)
+            return self.hangs.broker_status()  # the trainer is done; the broker still up
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        STOP.disarm()
+        if self.scaler is not None:
+            self.scaler.close()
+        self.hangs.close()
+        self.procs.close()
+
+
 def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap,
               started: float | None = None, extra: dict | None = None,
               engine_jobs: EngineJobs | None = None) -> dict:
-    """Run the roles to the end; write roles.json and summary.json; return the summary.
+    """`Supervisor(specs, cfg, run_dir, wrap, engine_jobs).run(started, extra)`: what the local
+    runner and the Slurm driver call for each attempt.
 
     `engine_jobs` (the Slurm driver's): elastic scale-outs submit engines as Slurm jobs there.
-
-    summary.json is written once, also for a failed run: `wall_s` counts from `started` (a
-    monotonic time; default now, a restarted run passes its first attempt's) and `extra` is
-    merged in (the launcher's own records: global restarts, the Slurm allocation)."""
+    `wall_s` counts from `started`, default now (before the supervisor's parts are made)."""
     t0 = time.monotonic() if started is None else started
-    check_installed(cfg)  # a missing tensorboard/wandb fails now, not after engines load
-    notifier = Notifier(cfg.notify, run_dir.name)
-    secret = ensure_secret(run_dir)
-    procs = ProcessSet(run_dir / "logs", child_env(cfg, secret))
-    admin = load_plan(run_dir).broker_admin if (run_dir / PLAN_FILE).exists() else None
-    hangs = HangWatch(admin, secret,
-                      {spec.name: spec.health_url for spec in specs if spec.health_url},
-                      cfg.cluster.heartbeat_interval_s, cfg.cluster.heartbeat_timeout_s)
-    in_place = InPlace(procs, specs, wrap, run_dir, cfg.cluster.max_role_restarts,
-                       on_restart=hangs.restarted)
-    # elastic rollout's process side (launch/scale.py)
-    scaler = (Scaler(procs, cfg, run_dir, admin, secret, wrap, in_place=in_place,
-                     jobs=engine_jobs) if admin else None)
-    final_status = None
-    try:
-        try:
-            trainer = start(procs, specs, cfg, wrap)
-            STOP.arm(run_dir)  # a first Ctrl-C now checkpoints (launch/interrupt.py)
-            write_roles(procs, run_dir)
-            notifier.send("started", f"{cfg.trainer.total_steps} steps, run dir {run_dir}")
-            watch(procs, trainer, cfg, run_dir, notifier, hangs, in_place, scaler)
-            final_status = hangs.broker_status()  # the trainer is done; the broker still up
-        finally:
-            STOP.disarm()
-            if scaler is not None:
-                scaler.close()
-            hangs.close()
-            procs.close()
-        summary = _summary(run_dir, cfg, time.monotonic() - t0, extra,
-                           in_place.counts() | (scaler.counts() if scaler else {}), final_status)
-    except Preempted as e:
-        notifier.send("preempted", str(e))
-        raise
-    except BaseException as e:
-        # RoleFailed names the failing role and ends with its log tail
-        notifier.send("crashed", f"{type(e).__name__}: {e}")
-        raise
-    notifier.send("finished", json.dumps(summary, indent=1))
-    return summary
+    return Supervisor(specs, cfg, run_dir, wrap, engine_jobs).run(started=t0, extra=extra)

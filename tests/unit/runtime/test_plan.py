@@ -35,7 +35,8 @@ def test_one_process_never_hands_out_a_port_twice():
 
 
 def test_a_local_run_plans_and_specs_the_managed_judge(tmp_path):
-    from relax_slurm.launch.local import check_judge, local_plan
+    from relax_slurm.launch.inputs import check_judge
+    from relax_slurm.launch.local import local_plan
     from relax_slurm.launch.roles import engine_specs, genrm_specs
     from relax_slurm.launch.submit import compose_config
 

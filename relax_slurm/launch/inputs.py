@@ -1,0 +1,81 @@
+"""What every launcher checks and says before and between attempts, whatever it runs on: the
+run's inputs exist (`check_inputs`, before anything starts or is queued), its one-line notices
+(`say`), and a global restart recorded in RUN_DIR/restarts.jsonl (`record_global_restart`).
+
+Used by the local runner (launch/local.py), the Slurm driver (launch/slurm_driver.py), the
+sbatch submission (launch/sbatch.py) and `relax_slurm.submit` (launch/submit.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from relax_slurm.checkpoint import find_latest
+from relax_slurm.config import TrainConfig
+from relax_slurm.data.validate import check_data_files
+from relax_slurm.errors import ConfigError, RoleFailed
+from relax_slurm.launch.records import record_restart
+from relax_slurm.routing.shape import routing_shape
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    model = Path(cfg.model.path)
+    if not (model / "config.json").is_file():
+        raise ConfigError(
+            f"model.path={cfg.model.path}: no config.json there. Point model.path at a Hugging "
+            "Face model directory, or build the tiny demo model with "
+            "`python tools/make_tiny_model.py --out tiny/model`"
+        )
+    for key, files in (("data.train_files", cfg.data.train_files),
+                       ("sft.val_files", cfg.sft.val_files if cfg.supervised else [])):
+        for f in files:
+            if not Path(f).exists():
+                raise ConfigError(
+                    f"{key}: {f} does not exist. For the demo data run "
+                    "`python tools/prepare_data.py --out tiny`"
+                )
+    check_teacher(cfg)
+    check_judge(cfg)
+    if cfg.algo.routing_replay and routing_shape(cfg.model.path) is None:
+        raise ConfigError(f"algo.routing_replay=true: model.path={cfg.model.path} is not a "
+                          "mixture-of-experts model (its config.json names no experts); "
+                          "unset it for a dense model")
+    # proxy mode reads no prompts; SFT rows are checked as the trainer reads them
+    if cfg.rollout.agent_mode == "env" and not cfg.supervised:
+        check_data_files(cfg.data, cfg.eval.datasets if cfg.eval.every else [])
+
+
+def check_teacher(cfg: TrainConfig) -> None:
+    teacher = cfg.algo.teacher_model_path
+    if cfg.algo.name == "opd" and not teacher:
+        raise ConfigError(
+            "algo=opd needs a teacher: set algo.teacher_model_path=DIR (a Hugging Face model "
+            "directory with the same tokenizer as model.path); relax-train serves it on one "
+            "more hf engine (role `teacher`)"
+        )
+    if teacher and not (Path(teacher) / "config.json").is_file():
+        raise ConfigError(f"algo.teacher_model_path={teacher}: no config.json there. Point it "
+                          "at a Hugging Face model directory")
+
+
+def check_judge(cfg: TrainConfig) -> None:
+    judge = cfg.reward.genrm_model_path
+    if judge and not (Path(judge) / "config.json").is_file():
+        raise ConfigError(f"reward.genrm_model_path={judge}: no config.json there. Point it at a "
+                          "Hugging Face model directory, or reward.genrm_url at a judge you run")
+
+
+def record_global_restart(run_dir: Path, attempt: int, cap: int, cause: RoleFailed) -> None:
+    resumes = find_latest(run_dir)
+    row = {"attempt": attempt, "kind": "global", "cause": str(cause).splitlines()[0],
+           "resumes_from": str(resumes) if resumes else None}
+    record_restart(run_dir, row)
+    # the launcher's own voice, like its errors (Hydra owns the logging config here)
+    print(f"relax-train: global restart {attempt} of {cap} ({row['cause']}), from "
+          f"{row['resumes_from'] or 'the start'}", file=sys.stderr, flush=True)
+
+
+def say(text: str | None) -> None:
+    if text:
+        print(f"relax-train: {text}", file=sys.stderr, flush=True)
