@@ -5,16 +5,12 @@
     build_reward(cfg.reward) -> the run's picklable reward (honours metadata.rm_type)
     RewardPool(max_workers, timeout_s): rewards in worker processes with a timeout
 
-Importing this package registers the built-in rewards, one module each: exact_match, math,
+Importing this package registers the built-in rewards (`built_in.py`), one module each: exact_match, math,
 dapo, deepscaler, multiple_choice and gpqa, openr1mm, geo3k, f1, ifeval, ifbench, prefix_match,
 remote, genrm, dapo-genrm.
 """
 
-# importing a module registers its rewards
-from relax_slurm.rewards import (  # noqa: F401
-    dapo, dapo_genrm, deepscaler, exact_match, f1, genrm, geo3k, ifbench, ifeval, math,
-    multiple_choice, openr1mm, prefix_match, remote,
-)
+from relax_slurm.rewards import built_in  # noqa: F401  (registers them)
 from relax_slurm.rewards.pool import RewardPool
 from relax_slurm.rewards.registry import (
     RewardError,

@@ -71,7 +71,7 @@ def _worker_main(conn: Connection, warm_up: bool, sys_path: list[str]) -> None:
     or (kind, message); or one ("resend" | "config_error", ...) for the whole message."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
     sys.path[:] = sys_path  # the fork server's path dates from its start; custom rewards move
-    import relax_slurm.rewards  # noqa: F401  (registers the built-in rewards)
+    import relax_slurm.rewards.built_in  # noqa: F401  (registers the built-in rewards)
     from relax_slurm.rewards.registry import Scorer
 
     if warm_up:  # seconds of SymPy imports belong to start-up, not to a timed first call
@@ -322,7 +322,7 @@ class RewardPool:
         except (asyncio.TimeoutError, _WorkerDied) as e:
             self._discard(worker)
             raise RelaxError(f"a reward worker did not start within {STARTUP_TIMEOUT_S}s: {e}. "
-                             "Run `python -c 'import relax_slurm.rewards'` to see why") from e
+                             "Run `python -c 'import relax_slurm.rewards.built_in'` to see why") from e
         return worker
 
     def _fail(self, worker: _Worker | None, message: str) -> tuple[float, bool]:
