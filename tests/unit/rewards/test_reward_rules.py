@@ -216,7 +216,25 @@ def test_server_rewards_need_their_url(name, key):
     ({"timeout_s": 0.0}, "reward.timeout_s"),
     ({"genrm_parser": "stars"}, "reward.genrm_parser"),
     ({"name": "genrm", "timeout_s": 10.0}, "reward.timeout_s"),
+    ({"name": "genrm", "num_workers": 0, "timeout_s": 200.0}, "reward.num_workers"),
+    ({"name": "remote", "num_workers": 0}, "reward.num_workers"),
 ])
 def test_bad_reward_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         RewardConfig(**overrides)
+
+
+@pytest.mark.parametrize("name,workers", [("exact_match", 0), ("prefix_match", 0), ("math", 4),
+                                          ("genrm", 4), ("f1", 4)])
+def test_num_workers_null_scores_pure_rules_inline_and_the_rest_in_workers(name, workers):
+    # inline for the microsecond rules only: a judge called on the worker's event loop would
+    # stall every generation for the length of each call
+    assert RewardConfig(name=name, timeout_s=200.0).num_workers == workers
+    assert RewardConfig(name=name, timeout_s=200.0, num_workers=2).num_workers == 2
+
+
+def test_the_inline_rewards_are_registered_rule_rewards():
+    from relax_slurm.config.reward import INLINE_REWARDS, SERVICE_REWARDS
+    from relax_slurm.rewards.registry import names
+
+    assert set(INLINE_REWARDS) | set(SERVICE_REWARDS) <= set(names())
