@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from relax_slurm.sample_meta import SampleMeta
+
 # Fields that travel as raw buffers (zero-copy frames on the wire), with their dtypes.
 ARRAY_FIELDS: dict[str, np.dtype] = {
     "prompt_ids": np.dtype(np.int64),
@@ -62,7 +64,9 @@ class Sample:
     multimodal: dict[str, Any] = field(default_factory=dict)
     """References to multimodal inputs (msgpack-able); empty for text."""
     metadata: dict[str, Any] = field(default_factory=dict)
-    """Free-form, msgpack-able: label, data source, per-turn info, ..."""
+    """What the rollout worker stamps (its rank, the data position, counts, times, a multi-turn
+    episode's turns): a msgpack map of `SampleMeta`'s keys (relax_slurm/sample_meta.py), which
+    builds and reads it; empty on a sample no worker produced."""
     teacher_logprobs: np.ndarray | None = None
     """Log-probs of `response_ids` under the teacher engine (on-policy distillation), [R]
     float32, or None without a teacher."""
@@ -145,14 +149,15 @@ def note_position(positions: dict[str, dict[str, Any]], group: Group) -> None:
     """Per worker rank (`positions`, updated in place): the data position after its newest
     group so far (the largest group id), where a restarted worker continues. The broker keeps
     it over accepted groups, the trainer over trained ones (its checkpoints'), both with this
-    rule: a straggler arriving after a newer group never moves a position back."""
-    meta = group[0].metadata
-    if "data_state" not in meta:
+    rule: a straggler arriving after a newer group never moves a position back. A group no
+    worker stamped (empty metadata) has no position."""
+    meta = SampleMeta.of(group[0])
+    if meta is None:
         return
-    rank = str(meta.get("worker", 0))
+    rank = str(meta.worker)
     known = positions.get(rank)
     if known is None or group[0].group_id + 1 > known["next_group_id"]:
-        positions[rank] = {"data_state": meta["data_state"],
+        positions[rank] = {"data_state": meta.data_state,
                            "next_group_id": group[0].group_id + 1}
 
 

@@ -24,6 +24,7 @@ from collections import Counter, deque
 from typing import Any
 
 from relax_slurm.errors import BrokerError
+from relax_slurm.sample_meta import MetadataError
 from relax_slurm.samples import Group, group_version_min, note_position
 
 COUNTER_NAMES = ("version", "accepted", "dropped", "consumed", "in_flight", "released")
@@ -78,10 +79,13 @@ class BrokerState:
             raise BrokerError("put_group with an empty group; send at least one sample")
         if self.in_flight < 1:
             raise BrokerError("put_group without a credit: call acquire before generating")
+        try:  # first: a group whose metadata breaks the contract changes nothing
+            note_position(self.positions, group)
+        except MetadataError as e:
+            raise BrokerError(f"put_group: {e}") from e
         self.in_flight -= 1
         self._give_back(holder, 1)
         self.accepted += 1
-        note_position(self.positions, group)
         if self._is_stale(group, self.version):
             # too old for any trainer at >= self.version: drop now so its credit frees at once
             self.dropped += 1

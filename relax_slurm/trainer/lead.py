@@ -25,6 +25,7 @@ from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
 from relax_slurm.runtime.control import preempt_requested
 from relax_slurm.runtime.plan import free_port
+from relax_slurm.sample_meta import SampleMeta
 from relax_slurm.samples import Group, note_position
 from relax_slurm.trainer.overlap import BackgroundPush
 from relax_slurm.trainer.stream import GroupStream
@@ -67,23 +68,25 @@ def staleness_histogram(stats: dict, max_staleness: int) -> dict[str, float]:
 
 def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
     samples = [s for g in groups for s in g]
+    metas = [m for m in map(SampleMeta.of, samples) if m is not None]  # (none: no worker's)
     # per group (the same on each of its samples), including groups the worker did not send
-    counts = [g[0].metadata for g in groups]
-    starts = [s.metadata.get("t_start") for s in samples if "t_start" in s.metadata]
-    ends = [s.metadata.get("t_end") for s in samples if "t_end" in s.metadata]
+    counts = [m for m in map(SampleMeta.of, (g[0] for g in groups)) if m is not None]
+    starts = [m.t_start for m in metas if m.t_start is not None]
+    ends = [m.t_end for m in metas if m.t_end is not None]
     n = len(samples)
     # multi-turn runs: model turns per episode, and episodes cut by env.max_turns or
     # env.max_total_tokens rather than ended by the environment
-    turns = [s.metadata["turns"] for s in samples if "turns" in s.metadata]
-    cut = [s.metadata.get("episode_end", "done") != "done" for s in samples if "turns" in s.metadata]
+    episodes = [m for m in metas if m.turns is not None]
+    turns = [m.turns for m in episodes]
+    cut = [(m.episode_end or "done") != "done" for m in episodes]
     return {
         "rollout/reward_mean": sum(s.reward for s in samples) / n,
         "rollout/response_len_mean": sum(s.response_len for s in samples) / n,
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
         # samples whose tokens come from more than one policy version (a sync mid-generation)
         "rollout/multi_version_frac": sum(s.multi_version for s in samples) / n,
-        "rollout/reward_errors": sum(int(c.get("reward_errors", 0)) for c in counts),
-        "rollout/filtered_groups": sum(int(c.get("filtered_groups", 0)) for c in counts),
+        "rollout/reward_errors": sum(c.reward_errors for c in counts),
+        "rollout/filtered_groups": sum(c.filtered_groups for c in counts),
         "broker/staleness_max": stats.get("staleness_max", 0),
         "broker/staleness_mean": stats.get("staleness_mean", 0.0),
         "broker/queue_depth": stats.get("queue_depth", 0),

@@ -156,7 +156,7 @@ def test_batch_metrics_count_reward_errors_and_filtered_groups():
     gs = groups()
     for g, (errors, filtered) in zip(gs, [(2, 1), (1, 3)]):
         for s in g:
-            s.metadata.update(reward_errors=errors, filtered_groups=filtered)
+            s.metadata.update(worker=0, reward_errors=errors, filtered_groups=filtered)
     out = batch_metrics(gs, {})
     assert out["rollout/reward_errors"] == 3 and out["rollout/filtered_groups"] == 4
     assert batch_metrics(groups(), {})["rollout/reward_errors"] == 0  # older workers: absent
