@@ -9,8 +9,8 @@ which names an unknown or missing key, or a value of the wrong type, in its erro
 
     key              set by                                  read by
     worker           every mode: the worker's rank           broker and trainer (data positions)
-    data_state       every mode: the dataset position after  broker and trainer (data positions,
-                     the group's prompt (None: the proxy)    samples.note_position)
+    data_state       every mode: the dataset position after  broker and trainer (data positions:
+                     the group's prompt (None: the proxy)    data_position.py)
     reward_errors    every mode: rewards that failed         trainer metrics
     filtered_groups  every mode: groups dynamic sampling     trainer metrics
                      dropped since the last group sent

@@ -16,8 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from relax_slurm.sample_meta import SampleMeta
-
 # Fields that travel as raw buffers (zero-copy frames on the wire), with their dtypes.
 ARRAY_FIELDS: dict[str, np.dtype] = {
     "prompt_ids": np.dtype(np.int64),
@@ -143,22 +141,6 @@ def check_spans(spans: Any, n: int, version_min: int, version: int, where: str
 
 
 Group = list[Sample]
-
-
-def note_position(positions: dict[str, dict[str, Any]], group: Group) -> None:
-    """Per worker rank (`positions`, updated in place): the data position after its newest
-    group so far (the largest group id), where a restarted worker continues. The broker keeps
-    it over accepted groups, the trainer over trained ones (its checkpoints'), both with this
-    rule: a straggler arriving after a newer group never moves a position back. A group no
-    worker stamped (empty metadata) has no position."""
-    meta = SampleMeta.of(group[0])
-    if meta is None:
-        return
-    rank = str(meta.worker)
-    known = positions.get(rank)
-    if known is None or group[0].group_id + 1 > known["next_group_id"]:
-        positions[rank] = {"data_state": meta.data_state,
-                           "next_group_id": group[0].group_id + 1}
 
 
 def group_version_min(group: Group) -> int:

@@ -330,8 +330,9 @@ class BrokerServer:
         if reclaimed:
             self.log(f"broker: {_holder(identity)} rejoined; {reclaimed} credits of its "
                      "predecessor came back")
+        position = self.state.positions.get(rank)
         self._reply(identity, rid, {"reclaimed": reclaimed,
-                                    "position": self.state.positions.get(str(rank))})
+                                    "position": None if position is None else position.to_dict()})
         self._wake()
 
     def _heartbeat(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:

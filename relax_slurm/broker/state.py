@@ -24,8 +24,9 @@ from collections import Counter, deque
 from typing import Any
 
 from relax_slurm.errors import BrokerError
+from relax_slurm.data_position import Positions
 from relax_slurm.sample_meta import MetadataError
-from relax_slurm.samples import Group, group_version_min, note_position
+from relax_slurm.samples import Group, group_version_min
 
 COUNTER_NAMES = ("version", "accepted", "dropped", "consumed", "in_flight", "released")
 
@@ -48,7 +49,7 @@ class BrokerState:
         # back what its dead predecessor held (`reclaim`); and per worker rank the data position
         # after its newest accepted group, where a restarted worker continues
         self.holders: dict[str, int] = {}
-        self.positions: dict[str, dict[str, Any]] = {}
+        self.positions = Positions()
         # A run's broker starts closed: nothing is generated until the trainer has pushed its
         # weights to the engines and announced that version (fresh start or resume alike).
         self.open = open_admission
@@ -80,7 +81,7 @@ class BrokerState:
         if self.in_flight < 1:
             raise BrokerError("put_group without a credit: call acquire before generating")
         try:  # first: a group whose metadata breaks the contract changes nothing
-            note_position(self.positions, group)
+            self.positions.note(group)
         except MetadataError as e:
             raise BrokerError(f"put_group: {e}") from e
         self.in_flight -= 1
@@ -182,7 +183,7 @@ class BrokerState:
         """Every counter and the admission flag: with the queued groups, the whole state (what
         the spill file records; see spill.py)."""
         return {**{k: getattr(self, k) for k in COUNTER_NAMES}, "open": self.open,
-                "holders": dict(self.holders), "positions": dict(self.positions)}
+                "holders": dict(self.holders), "positions": self.positions.to_dict()}
 
     def load_snapshot(self, snap: dict[str, Any], queue: list[Group]) -> None:
         """Continue exactly where a broker that recorded `snap` and `queue` stopped (a restart in
@@ -195,5 +196,5 @@ class BrokerState:
             setattr(self, k, int(snap[k]))
         self.open = bool(snap["open"])
         self.holders = {str(k): int(v) for k, v in snap.get("holders", {}).items()}
-        self.positions = dict(snap.get("positions", {}))
+        self.positions = Positions.from_dict(snap.get("positions", {}), "snapshot positions")
         self.queue = deque(queue)

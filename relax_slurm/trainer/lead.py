@@ -17,6 +17,7 @@ from pathlib import Path
 from relax_slurm.broker.client import BrokerClient
 from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig
+from relax_slurm.data_position import CHECKPOINT_KEY, Positions
 from relax_slurm.engines.client import wait_until_healthy
 from relax_slurm.errors import BrokerError, BrokerTimeout
 from relax_slurm.metrics.fanout import open_sinks
@@ -26,7 +27,7 @@ from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
 from relax_slurm.runtime.control import preempt_requested
 from relax_slurm.runtime.plan import free_port
 from relax_slurm.sample_meta import SampleMeta
-from relax_slurm.samples import Group, note_position
+from relax_slurm.samples import Group
 from relax_slurm.trainer.overlap import BackgroundPush
 from relax_slurm.trainer.stream import GroupStream
 from relax_slurm.weightsync import WeightSender
@@ -327,11 +328,11 @@ class RankZero:
             self.engines_sleep()
         return self.stream
 
-    def note_positions(self, rollout_states: dict) -> None:
+    def note_positions(self, positions: Positions) -> None:
         """The trained batch's groups move each worker's data position (what a resume reads)."""
         self.groups, self.stats = self.stream.batch()
         for g in self.groups:
-            note_position(rollout_states, g)
+            positions.note(g)
 
     def push(self, weights: list, version: int) -> dict:
         """The new weights to the engines: beside what follows in an async run with overlap
@@ -345,8 +346,9 @@ class RankZero:
     def preempt_requested(self) -> bool:
         return preempt_requested(self.run_dir)
 
-    def checkpoint_extra(self, rollout_states: dict, version: int) -> dict:
-        return {"rollout": rollout_states, "broker": broker_counters(self.broker, version)}
+    def checkpoint_extra(self, positions: Positions, version: int) -> dict:
+        return {CHECKPOINT_KEY: positions.to_dict(),
+                "broker": broker_counters(self.broker, version)}
 
     def finish_step(self, step: int, train: dict, clock: StepClock, sync: dict) -> None:
         """The step's metrics row; with overlap it waits for the push (settle), else the
@@ -386,7 +388,7 @@ class Peer:
     def settle(self) -> None:
         pass
 
-    def note_positions(self, rollout_states: dict) -> None:
+    def note_positions(self, positions: Positions) -> None:
         pass
 
     def push(self, weights: list, version: int) -> dict:
@@ -395,8 +397,8 @@ class Peer:
     def preempt_requested(self) -> bool:
         return False  # rank 0 reads the request; broadcast_flag tells every rank
 
-    def checkpoint_extra(self, rollout_states: dict, version: int) -> dict:
-        return {"rollout": rollout_states, "broker": {}}
+    def checkpoint_extra(self, positions: Positions, version: int) -> dict:
+        return {CHECKPOINT_KEY: positions.to_dict(), "broker": {}}
 
     def finish_step(self, step: int, train: dict, clock: StepClock, sync: dict) -> None:
         pass
