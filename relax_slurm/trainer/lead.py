@@ -103,8 +103,8 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
 def broker_counters(broker: BrokerClient, version: int) -> dict:
     """What a restarted broker needs: its counters as of `version` (queued groups are not kept)."""
     stats = broker.stats()
-    return {"version": version, "dropped": stats.get("dropped", 0),
-            "consumed": stats.get("consumed", 0), "released": stats.get("released", 0)}
+    return {"version": version, "dropped": stats.dropped, "consumed": stats.consumed,
+            "released": stats.released}
 
 
 @dataclass
