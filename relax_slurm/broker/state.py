@@ -25,7 +25,7 @@ from typing import Any
 
 from relax_slurm.errors import BrokerError
 from relax_slurm.data_position import Positions
-from relax_slurm.sample_meta import MetadataError
+from relax_slurm.sample_meta import MetadataError, SampleMeta
 from relax_slurm.samples import Group, group_version_min
 
 COUNTER_NAMES = ("version", "accepted", "dropped", "consumed", "in_flight", "released")
@@ -81,6 +81,8 @@ class BrokerState:
         if self.in_flight < 1:
             raise BrokerError("put_group without a credit: call acquire before generating")
         try:  # first: a group whose metadata breaks the contract changes nothing
+            for s in group[1:]:
+                SampleMeta.of(s)
             self.positions.note(group)
         except MetadataError as e:
             raise BrokerError(f"put_group: {e}") from e

@@ -71,6 +71,8 @@ def test_the_broker_refuses_a_group_breaking_the_contract_and_changes_nothing() 
     assert state.admit(1) == 1
     with pytest.raises(BrokerError, match="sample p/3 metadata: unknown key"):
         state.accept([sample({"worker": 0, "wrker": 1})])
+    with pytest.raises(BrokerError, match=r"missing key\(s\) \['worker'\]"):  # any sample
+        state.accept([sample({"worker": 0}), sample({"data_state": None})])
     assert state.in_flight == 1 and state.accepted == 0 and not state.positions
 
 
