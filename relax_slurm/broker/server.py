@@ -234,8 +234,9 @@ class BrokerServer:
                 break
             self._batches.pop_first()
             groups, stats = result
-            stats["auth_refused"] = self.auth_refused
-            self._reply(p.identity, p.rid, {"stats": stats, "wait_s": now - p.start}, groups)
+            stats.auth_refused = self.auth_refused
+            self._reply(p.identity, p.rid, {"stats": stats.to_dict(), "wait_s": now - p.start},
+                        groups)
         while (p := self._acquires.first()) is not None:
             granted = self.state.admit(p.args["max_n"], _holder(p.identity))
             if granted == 0:
@@ -297,8 +298,8 @@ class BrokerServer:
                                            args["min_groups"])
         if result is not None:
             groups, stats = result
-            stats["auth_refused"] = self.auth_refused
-            self._reply(identity, rid, {"stats": stats, "wait_s": 0.0}, groups)
+            stats.auth_refused = self.auth_refused
+            self._reply(identity, rid, {"stats": stats.to_dict(), "wait_s": 0.0}, groups)
         elif wait_s == 0:
             self._reply(identity, rid, {"timeout": True, "wait_s": 0.0})
         else:

@@ -24,6 +24,7 @@ from collections import Counter, deque
 from typing import Any
 
 from relax_slurm.errors import BrokerError
+from relax_slurm.broker.stats import BatchStats
 from relax_slurm.data_position import Positions
 from relax_slurm.sample_meta import MetadataError, SampleMeta
 from relax_slurm.samples import Group, group_version_min
@@ -124,7 +125,7 @@ class BrokerState:
         return n
 
     def take_batch(self, num_groups: int, trainer_version: int, min_groups: int | None = None
-                   ) -> tuple[list[Group], dict[str, Any]] | None:
+                   ) -> tuple[list[Group], BatchStats] | None:
         """The oldest fresh groups with staleness stats, or None (keep waiting): `num_groups`
         of them, or as many as are queued once there are `min_groups` (a streaming trainer
         takes a step's groups as they arrive; see trainer/stream.py)."""
@@ -139,16 +140,16 @@ class BrokerState:
         groups = [self.queue.popleft() for _ in range(taken)]
         self.consumed += taken
         staleness = [trainer_version - s.version_min for g in groups for s in g]
-        stats = {
-            "staleness_max": max(staleness),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_hist": dict(sorted(Counter(staleness).items())),
-            "queue_depth": len(self.queue),
-            "dropped_stale": self.dropped,
-            "accepted": self.accepted,
-            "consumed": self.consumed,
-            "in_flight": self.in_flight,
-        }
+        stats = BatchStats(
+            staleness_max=max(staleness),
+            staleness_mean=sum(staleness) / len(staleness),
+            staleness_hist=dict(sorted(Counter(staleness).items())),
+            queue_depth=len(self.queue),
+            dropped_stale=self.dropped,
+            accepted=self.accepted,
+            consumed=self.consumed,
+            in_flight=self.in_flight,
+        )
         return groups, stats
 
     def set_version(self, version: int) -> int:

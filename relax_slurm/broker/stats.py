@@ -1,4 +1,5 @@
-"""The broker's reports, typed on both sides: what the `stats` request answers (`BrokerStats`,
+"""The broker's reports, typed on both sides: what `get_batch` hands over with its groups
+(`BatchStats`, read by the trainer's metrics), what the `stats` request answers (`BrokerStats`,
 read by the trainer for its checkpoints' counters) and what the admin HTTP's `GET /status`
 answers (`BrokerStatus`, read by the launcher's hang watch and for the run's summary.json, and
 by operators: `relax-ctl status`).
@@ -11,15 +12,16 @@ Pure: no sockets, no zmq, so the launcher imports it without the broker's server
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from relax_slurm.errors import BrokerError
 
 
-def checked_fields(cls: type, d: Any, where: str) -> dict[str, Any]:
+def checked_fields(cls: type, d: Any, where: str, optional: tuple[str, ...] | None = None
+                   ) -> dict[str, Any]:
     """`d`'s items if its keys are `cls`'s fields: BrokerError naming an unknown key or a
-    missing one without a default."""
+    missing one (one without a default, or, given `optional`, one not in it)."""
     if not isinstance(d, dict):
         raise BrokerError(f"{where}: expected a map, got {type(d).__name__}")
     names = {f.name for f in fields(cls)}
@@ -28,11 +30,57 @@ def checked_fields(cls: type, d: Any, where: str) -> dict[str, Any]:
         raise BrokerError(f"{where}: unknown key(s) {unknown}; {cls.__name__} has "
                           f"{sorted(names)} (relax_slurm/broker/stats.py)")
     required = [f.name for f in fields(cls)
-                if f.default is MISSING and f.default_factory is MISSING]
+                if (f.default is MISSING and f.default_factory is MISSING
+                    if optional is None else f.name not in optional)]
     missing = [k for k in required if k not in d]
     if missing:
         raise BrokerError(f"{where}: missing key(s) {missing} of {cls.__name__}")
     return dict(d)
+
+
+@dataclass(kw_only=True)
+class BatchStats:
+    """What `get_batch` hands over with its groups: their samples' staleness (versions behind
+    the trainer: the largest, the mean, the count per value) and the counters after the take;
+    the server adds `auth_refused` (requests refused for a wrong secret), the client `wait_s`
+    (how long the request waited). All 0 for no batch."""
+
+    staleness_max: int = 0
+    staleness_mean: float = 0.0
+    staleness_hist: dict[int, int] = field(default_factory=dict)
+    queue_depth: int = 0
+    dropped_stale: int = 0
+    accepted: int = 0
+    consumed: int = 0
+    in_flight: int = 0
+    auth_refused: int = 0
+    wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.staleness_hist = {int(k): int(v) for k, v in self.staleness_hist.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "get_batch's stats") -> BatchStats:
+        return cls(**checked_fields(cls, d, where, optional=("auth_refused", "wait_s")))
+
+    @classmethod
+    def merge(cls, parts: list[BatchStats]) -> BatchStats:
+        """Several takes of one step as one batch's: staleness over every sample taken, the
+        counters as of the last take, the waits summed."""
+        if not parts:
+            return cls()
+        hist: dict[int, int] = {}
+        for p in parts:
+            for k, v in p.staleness_hist.items():
+                hist[k] = hist.get(k, 0) + v
+        n = sum(hist.values())
+        return replace(parts[-1], staleness_max=max(p.staleness_max for p in parts),
+                       staleness_mean=sum(k * v for k, v in hist.items()) / n if n else 0.0,
+                       staleness_hist=dict(sorted(hist.items())),
+                       wait_s=sum(p.wait_s for p in parts))
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relax_slurm.broker.client import BrokerClient
+from relax_slurm.broker.stats import BatchStats
 from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig
 from relax_slurm.data_position import CHECKPOINT_KEY, Positions
@@ -41,7 +42,7 @@ FOLLOW_S = 2.0  # how often a re-forming cohort asks the broker for its engine s
 
 def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int, num_groups: int,
                  min_groups: int, beat: Callable[[], None] = lambda: None
-                 ) -> tuple[list[Group], dict]:
+                 ) -> tuple[list[Group], BatchStats]:
     """`num_groups` groups, or whatever is queued once `min_groups` are, polling every POLL_S
     (each turn also heartbeats: waiting is progress)."""
     deadline = time.monotonic() + cfg.trainer.get_batch_timeout_s
@@ -58,16 +59,16 @@ def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int, num_group
     )
 
 
-def staleness_histogram(stats: dict, max_staleness: int) -> dict[str, float]:
+def staleness_histogram(stats: BatchStats, max_staleness: int) -> dict[str, float]:
     """The broker's per-batch staleness counts as shares 0..max_staleness: every key on every
     step, so relax-plot can stack them into a histogram over time."""
-    counts = {int(k): v for k, v in stats.get("staleness_hist", {}).items()}
+    counts = stats.staleness_hist
     total = sum(counts.values()) or 1
     return {f"broker/staleness_hist/{k}": counts.get(k, 0) / total
             for k in range(max_staleness + 1)}
 
 
-def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
+def batch_metrics(groups: list[Group], stats: BatchStats) -> dict[str, float]:
     samples = [s for g in groups for s in g]
     metas = [m for m in map(SampleMeta.of, samples) if m is not None]  # (none: no worker's)
     # per group (the same on each of its samples), including groups the worker did not send
@@ -88,12 +89,12 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
         "rollout/multi_version_frac": sum(s.multi_version for s in samples) / n,
         "rollout/reward_errors": sum(c.reward_errors for c in counts),
         "rollout/filtered_groups": sum(c.filtered_groups for c in counts),
-        "broker/staleness_max": stats.get("staleness_max", 0),
-        "broker/staleness_mean": stats.get("staleness_mean", 0.0),
-        "broker/queue_depth": stats.get("queue_depth", 0),
-        "broker/dropped_stale": stats.get("dropped_stale", 0),
-        "broker/auth_refused": stats.get("auth_refused", 0),
-        "broker/dropped_stale_samples": stats.get("dropped_stale", 0) * len(groups[0]),
+        "broker/staleness_max": stats.staleness_max,
+        "broker/staleness_mean": stats.staleness_mean,
+        "broker/queue_depth": stats.queue_depth,
+        "broker/dropped_stale": stats.dropped_stale,
+        "broker/auth_refused": stats.auth_refused,
+        "broker/dropped_stale_samples": stats.dropped_stale * len(groups[0]),
         "perf/gen_time_s": (max(ends) - min(starts)) if starts and ends else 0.0,
         "train/samples": n,
     } | ({"rollout/turns_mean": sum(turns) / len(turns),
@@ -129,7 +130,7 @@ class StepClock:
         self.last_end = self.saved
 
 
-def step_row(groups: list[Group], stats: dict, train: dict, stream: GroupStream,
+def step_row(groups: list[Group], stats: BatchStats, train: dict, stream: GroupStream,
              clock: StepClock, settle_wait_s: float, version: int, max_staleness: int) -> dict:
     """One step's metrics row, but the weight push's (logged once the push is in)."""
     step_s = clock.saved - clock.last_end
@@ -157,7 +158,7 @@ class RankZero:
         self.block_rows = data_world * cfg.trainer.micro_batch_size  # one streamed block
         self.stream: GroupStream | None = None
         self.groups: list[Group] = []
-        self.stats: dict = {}
+        self.stats = BatchStats()
         self.broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
                                    identity="trainer")
         # the weight push's own socket: an overlapped push talks to the broker from its thread
@@ -316,7 +317,7 @@ class RankZero:
         here, before the engines free their memory for the trainer."""
         cfg = self.cfg
 
-        def take(n: int, least: int) -> tuple[list[Group], dict]:
+        def take(n: int, least: int) -> tuple[list[Group], BatchStats]:
             return fetch_groups(self.broker, cfg, step, n, least,
                                 lambda: self.heartbeat(step, local_weights))
         self.settle_wait_s = 0.0

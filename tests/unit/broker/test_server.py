@@ -72,8 +72,8 @@ def test_every_op_errors_and_a_killed_broker(start_broker: Callable[..., Broker]
                    [(s.prompt_id, s.reward, s.metadata) for s in b]
             for sa, sb in zip(a, b):
                 np.testing.assert_array_equal(sa.rollout_logprobs, sb.rollout_logprobs)
-        assert stats["staleness_hist"] == {0: 5} and stats["consumed"] == 2
-        assert stats["wait_s"] == 0.0
+        assert stats.staleness_hist == {0: 5} and stats.consumed == 2
+        assert stats.wait_s == 0.0
         trainer.set_version(1)
         s = trainer.stats().to_dict()
         assert {k: s[k] for k in ("version", "accepted", "consumed", "in_flight", "released",
@@ -117,7 +117,7 @@ def test_parked_requests_wake_and_expire(start_broker: Callable[..., Broker]) ->
         worker.put_group(group(1))
         th.join(15)
         groups, stats = results["batch"]  # type: ignore[misc]
-        assert groups[0][0].group_id == 1 and stats["wait_s"] > 0
+        assert groups[0][0].group_id == 1 and stats.wait_s > 0
 
 
         # a parked acquire is answered by set_version (the budget grows by batch_size)

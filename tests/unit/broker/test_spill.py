@@ -45,7 +45,7 @@ def test_spill_replays_the_state_and_compacts(tmp_path: Path) -> None:
         state.accept(group(gid))
         spill.record(state, (b"w", 2 + gid), {})
     taken, stats = state.take_batch(2, 0)
-    spill.record(state, (b"t", 1), {"stats": stats}, taken)
+    spill.record(state, (b"t", 1), {"stats": stats.to_dict()}, taken)
     before = path.stat().st_size
     for v in range(1, 30):  # grows the file past compact_bytes: rewritten as one snapshot
         state.set_version(v)
@@ -69,7 +69,7 @@ def test_replay_keeps_answers_and_queue(tmp_path: Path) -> None:
         state.accept(group(gid))
         spill.record(state, (b"w", 2 + gid), {})
     taken, stats = state.take_batch(2, 0)
-    spill.record(state, (b"t", 9), {"stats": stats}, taken)
+    spill.record(state, (b"t", 9), {"stats": stats.to_dict()}, taken)
     with open(path, "ab") as f:
         f.write(b"RSP1\x00\x01")  # a torn record
     got = replay(path)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from relax_slurm.broker.state import BrokerState
-from relax_slurm.broker.stats import BrokerStats, BrokerStatus, Counters
+from relax_slurm.broker.stats import BatchStats, BrokerStats, BrokerStatus, Counters
 from relax_slurm.errors import BrokerError
 
 
@@ -58,3 +58,18 @@ def test_a_missing_key_is_named() -> None:
         BrokerStatus.from_dict(d)
     with pytest.raises(BrokerError, match="expected a map"):
         BrokerStatus.from_dict(["not", "a", "map"])
+
+
+def test_batch_stats_round_trip_and_name_a_missing_key() -> None:
+    got = BatchStats(staleness_max=2, staleness_mean=1.5, staleness_hist={1: 2, 2: 2},
+                     queue_depth=3, dropped_stale=1, accepted=9, consumed=4, in_flight=2,
+                     auth_refused=1, wait_s=0.25)
+    assert BatchStats.from_dict(got.to_dict()) == got
+    # a reply recorded before the client added wait_s (a spill file's answer) still reads
+    old = {k: v for k, v in got.to_dict().items() if k != "wait_s"}
+    assert BatchStats.from_dict(old).wait_s == 0.0
+    del old["consumed"]
+    with pytest.raises(BrokerError, match=r"get_batch's stats: missing key\(s\) \['consumed'\]"):
+        BatchStats.from_dict(old)
+    with pytest.raises(BrokerError, match=r"unknown key\(s\) \['stalenes_max'\]"):
+        BatchStats.from_dict({**got.to_dict(), "stalenes_max": 2})
