@@ -62,7 +62,9 @@ class Sample:
     multimodal: dict[str, Any] = field(default_factory=dict)
     """References to multimodal inputs (msgpack-able); empty for text."""
     metadata: dict[str, Any] = field(default_factory=dict)
-    """Free-form, msgpack-able: label, data source, per-turn info, ..."""
+    """What the rollout worker stamps (its rank, the data position, counts, times, a multi-turn
+    episode's turns): a msgpack map of `SampleMeta`'s keys (relax_slurm/sample_meta.py), which
+    builds and reads it; empty on a sample no worker produced."""
     teacher_logprobs: np.ndarray | None = None
     """Log-probs of `response_ids` under the teacher engine (on-policy distillation), [R]
     float32, or None without a teacher."""
@@ -139,21 +141,6 @@ def check_spans(spans: Any, n: int, version_min: int, version: int, where: str
 
 
 Group = list[Sample]
-
-
-def note_position(positions: dict[str, dict[str, Any]], group: Group) -> None:
-    """Per worker rank (`positions`, updated in place): the data position after its newest
-    group so far (the largest group id), where a restarted worker continues. The broker keeps
-    it over accepted groups, the trainer over trained ones (its checkpoints'), both with this
-    rule: a straggler arriving after a newer group never moves a position back."""
-    meta = group[0].metadata
-    if "data_state" not in meta:
-        return
-    rank = str(meta.get("worker", 0))
-    known = positions.get(rank)
-    if known is None or group[0].group_id + 1 > known["next_group_id"]:
-        positions[rank] = {"data_state": meta["data_state"],
-                           "next_group_id": group[0].group_id + 1}
 
 
 def group_version_min(group: Group) -> int:

@@ -47,7 +47,7 @@ def group(gid: int, version: int = 0, n: int = 2) -> Group:
     return [Sample(prompt_id=f"p{gid}", group_id=gid, prompt_ids=np.arange(3),
                    response_ids=np.arange(i + 1), loss_mask=np.ones(i + 1),
                    rollout_logprobs=-np.ones(i + 1), reward=float(i), version=version,
-                   version_min=version, metadata={"i": i}) for i in range(n)]
+                   version_min=version) for i in range(n)]
 
 
 SECRET = "test-run-secret"

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from relax_slurm.auth import bearer_matches
+from relax_slurm.broker.stats import BrokerStatus
 from relax_slurm.errors import BrokerError
 
 REQUEST_TIMEOUT_S = 10.0
@@ -38,7 +39,7 @@ def _no_rollout(method: str, path: str, body: dict[str, Any]) -> tuple[int, dict
 
 class AdminServer:
     def __init__(self, host: str, port: int, secret: str,
-                 status: Callable[[], dict[str, Any]], on_refused: Callable[[], None],
+                 status: Callable[[], BrokerStatus], on_refused: Callable[[], None],
                  route: Route = _no_rollout) -> None:
         handler = _handler(secret, status, on_refused, route)
         try:
@@ -85,7 +86,7 @@ def _json_body(content_length: str | None, rfile: Any) -> dict[str, Any]:
     return body
 
 
-def _handler(secret: str, status: Callable[[], dict[str, Any]],
+def _handler(secret: str, status: Callable[[], BrokerStatus],
              on_refused: Callable[[], None], route: Route) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = REQUEST_TIMEOUT_S  # socket timeout of each connection
@@ -116,7 +117,7 @@ def _handler(secret: str, status: Callable[[], dict[str, Any]],
             elif path != "/status":
                 self._send(404, {"error": f"no route {self.path}; try GET /status"})
             else:
-                self._send(200, status())
+                self._send(200, status().to_dict())
 
         def do_POST(self) -> None:  # noqa: N802
             if not self._authorized():

@@ -26,11 +26,12 @@ import zmq
 import zmq.asyncio
 
 from relax_slurm.auth import run_secret
+from relax_slurm.broker.stats import BatchStats, BrokerStats
 from relax_slurm.broker.wire import decode, encode
 from relax_slurm.errors import BrokerError, BrokerShutdown, BrokerTimeout
 from relax_slurm.samples import Group
 
-Batch = tuple[list[Group], dict[str, Any]]
+Batch = tuple[list[Group], BatchStats]
 RESEND_S = 2.0
 _RESEND_MAX_S = 8.0
 
@@ -69,8 +70,8 @@ def _timeout(op: str, addr: str, after_s: float) -> BrokerTimeout:
 def _batch(fields: dict[str, Any], groups: list[Group] | None) -> Batch | None:
     if fields.get("timeout"):
         return None
-    stats = dict(fields["stats"])
-    stats["wait_s"] = fields["wait_s"]
+    stats = BatchStats.from_dict(fields["stats"])
+    stats.wait_s = fields["wait_s"]
     return groups or [], stats
 
 
@@ -160,10 +161,10 @@ class BrokerClient:
         fields.pop("rid", None)
         return fields
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> BrokerStats:
         fields, _ = self._call("stats", {})
         fields.pop("rid", None)
-        return fields
+        return BrokerStats.from_dict(fields)
 
     def shutdown(self) -> None:
         self._call("shutdown", {})
@@ -287,10 +288,10 @@ class AsyncBrokerClient:
     async def heartbeat(self, role: str, **info: Any) -> None:
         await self._call("heartbeat", {"role": role, "info": info})
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> BrokerStats:
         fields, _ = await self._call("stats", {})
         fields.pop("rid", None)
-        return fields
+        return BrokerStats.from_dict(fields)
 
     async def shutdown(self) -> None:
         await self._call("shutdown", {})

@@ -36,6 +36,7 @@ from relax_slurm.broker.parked import ParkedQueue
 from relax_slurm.broker.resend import AnswerCache
 from relax_slurm.broker.spill import Spill
 from relax_slurm.broker.state import BrokerState
+from relax_slurm.broker.stats import BrokerStats, BrokerStatus, Counters
 from relax_slurm.broker.wire import decode, encode
 from relax_slurm.errors import BrokerError
 from relax_slurm.samples import Group
@@ -233,8 +234,9 @@ class BrokerServer:
                 break
             self._batches.pop_first()
             groups, stats = result
-            stats["auth_refused"] = self.auth_refused
-            self._reply(p.identity, p.rid, {"stats": stats, "wait_s": now - p.start}, groups)
+            stats.auth_refused = self.auth_refused
+            self._reply(p.identity, p.rid, {"stats": stats.to_dict(), "wait_s": now - p.start},
+                        groups)
         while (p := self._acquires.first()) is not None:
             granted = self.state.admit(p.args["max_n"], _holder(p.identity))
             if granted == 0:
@@ -296,8 +298,8 @@ class BrokerServer:
                                            args["min_groups"])
         if result is not None:
             groups, stats = result
-            stats["auth_refused"] = self.auth_refused
-            self._reply(identity, rid, {"stats": stats, "wait_s": 0.0}, groups)
+            stats.auth_refused = self.auth_refused
+            self._reply(identity, rid, {"stats": stats.to_dict(), "wait_s": 0.0}, groups)
         elif wait_s == 0:
             self._reply(identity, rid, {"timeout": True, "wait_s": 0.0})
         else:
@@ -330,8 +332,9 @@ class BrokerServer:
         if reclaimed:
             self.log(f"broker: {_holder(identity)} rejoined; {reclaimed} credits of its "
                      "predecessor came back")
+        position = self.state.positions.get(rank)
         self._reply(identity, rid, {"reclaimed": reclaimed,
-                                    "position": self.state.positions.get(str(rank))})
+                                    "position": None if position is None else position.to_dict()})
         self._wake()
 
     def _heartbeat(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
@@ -361,35 +364,34 @@ class BrokerServer:
         with self._lock:
             self.auth_refused += 1
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> BrokerStatus:
         """The run as the broker sees it (admin GET /status): one consistent snapshot."""
         with self._lock:
             now = time.monotonic()
-            c = self.state.counters()
-            return {
-                "version": c["version"], "queue_depth": c["queue_depth"],
-                "in_flight": c["in_flight"], "counters": c,
-                "max_staleness": self.state.max_staleness, "batch_size": self.state.batch_size,
-                "admission_open": self.state.open,
-                "parked_acquires": len(self._acquires), "parked_get_batch": len(self._batches),
-                "auth_refused": self.auth_refused, "uptime_s": now - self._started,
-                "pid": os.getpid(),
-                "engines": self.elastic.view(),
-                "roles": {role: {"heartbeat_age_s": now - t, **info}
-                          for role, (t, info) in sorted(self._heartbeats.items())},
-            }
+            c = Counters(**self.state.counters())
+            return BrokerStatus(
+                version=c.version, queue_depth=c.queue_depth, in_flight=c.in_flight, counters=c,
+                max_staleness=self.state.max_staleness, batch_size=self.state.batch_size,
+                admission_open=self.state.open,
+                parked_acquires=len(self._acquires), parked_get_batch=len(self._batches),
+                auth_refused=self.auth_refused, uptime_s=now - self._started,
+                pid=os.getpid(),
+                engines=self.elastic.view(),
+                roles={role: {"heartbeat_age_s": now - t, **info}
+                       for role, (t, info) in sorted(self._heartbeats.items())},
+            )
 
     def _stats(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
         now = time.monotonic()
-        self._reply(identity, rid, {
+        self._reply(identity, rid, BrokerStats(
             **self.state.counters(),
-            "max_staleness": self.state.max_staleness,
-            "batch_size": self.state.batch_size,
-            "parked_acquires": len(self._acquires),
-            "parked_get_batch": len(self._batches),
-            "auth_refused": self.auth_refused,
-            "heartbeat_age_s": {role: now - t for role, (t, _) in self._heartbeats.items()},
-        })
+            max_staleness=self.state.max_staleness,
+            batch_size=self.state.batch_size,
+            parked_acquires=len(self._acquires),
+            parked_get_batch=len(self._batches),
+            auth_refused=self.auth_refused,
+            heartbeat_age_s={role: now - t for role, (t, _) in self._heartbeats.items()},
+        ).to_dict())
 
     def _shutdown(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
         self.pub.send_multipart(publish_frames("shutdown", {}))

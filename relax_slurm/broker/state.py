@@ -24,7 +24,10 @@ from collections import Counter, deque
 from typing import Any
 
 from relax_slurm.errors import BrokerError
-from relax_slurm.samples import Group, group_version_min, note_position
+from relax_slurm.broker.stats import BatchStats
+from relax_slurm.data_position import Positions
+from relax_slurm.sample_meta import MetadataError, SampleMeta
+from relax_slurm.samples import Group, group_version_min
 
 COUNTER_NAMES = ("version", "accepted", "dropped", "consumed", "in_flight", "released")
 
@@ -47,7 +50,7 @@ class BrokerState:
         # back what its dead predecessor held (`reclaim`); and per worker rank the data position
         # after its newest accepted group, where a restarted worker continues
         self.holders: dict[str, int] = {}
-        self.positions: dict[str, dict[str, Any]] = {}
+        self.positions = Positions()
         # A run's broker starts closed: nothing is generated until the trainer has pushed its
         # weights to the engines and announced that version (fresh start or resume alike).
         self.open = open_admission
@@ -78,10 +81,15 @@ class BrokerState:
             raise BrokerError("put_group with an empty group; send at least one sample")
         if self.in_flight < 1:
             raise BrokerError("put_group without a credit: call acquire before generating")
+        try:  # first: a group whose metadata breaks the contract changes nothing
+            for s in group[1:]:
+                SampleMeta.of(s)
+            self.positions.note(group)
+        except MetadataError as e:
+            raise BrokerError(f"put_group: {e}") from e
         self.in_flight -= 1
         self._give_back(holder, 1)
         self.accepted += 1
-        note_position(self.positions, group)
         if self._is_stale(group, self.version):
             # too old for any trainer at >= self.version: drop now so its credit frees at once
             self.dropped += 1
@@ -117,7 +125,7 @@ class BrokerState:
         return n
 
     def take_batch(self, num_groups: int, trainer_version: int, min_groups: int | None = None
-                   ) -> tuple[list[Group], dict[str, Any]] | None:
+                   ) -> tuple[list[Group], BatchStats] | None:
         """The oldest fresh groups with staleness stats, or None (keep waiting): `num_groups`
         of them, or as many as are queued once there are `min_groups` (a streaming trainer
         takes a step's groups as they arrive; see trainer/stream.py)."""
@@ -132,16 +140,16 @@ class BrokerState:
         groups = [self.queue.popleft() for _ in range(taken)]
         self.consumed += taken
         staleness = [trainer_version - s.version_min for g in groups for s in g]
-        stats = {
-            "staleness_max": max(staleness),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_hist": dict(sorted(Counter(staleness).items())),
-            "queue_depth": len(self.queue),
-            "dropped_stale": self.dropped,
-            "accepted": self.accepted,
-            "consumed": self.consumed,
-            "in_flight": self.in_flight,
-        }
+        stats = BatchStats(
+            staleness_max=max(staleness),
+            staleness_mean=sum(staleness) / len(staleness),
+            staleness_hist=dict(sorted(Counter(staleness).items())),
+            queue_depth=len(self.queue),
+            dropped_stale=self.dropped,
+            accepted=self.accepted,
+            consumed=self.consumed,
+            in_flight=self.in_flight,
+        )
         return groups, stats
 
     def set_version(self, version: int) -> int:
@@ -178,7 +186,7 @@ class BrokerState:
         """Every counter and the admission flag: with the queued groups, the whole state (what
         the spill file records; see spill.py)."""
         return {**{k: getattr(self, k) for k in COUNTER_NAMES}, "open": self.open,
-                "holders": dict(self.holders), "positions": dict(self.positions)}
+                "holders": dict(self.holders), "positions": self.positions.to_dict()}
 
     def load_snapshot(self, snap: dict[str, Any], queue: list[Group]) -> None:
         """Continue exactly where a broker that recorded `snap` and `queue` stopped (a restart in
@@ -191,5 +199,5 @@ class BrokerState:
             setattr(self, k, int(snap[k]))
         self.open = bool(snap["open"])
         self.holders = {str(k): int(v) for k, v in snap.get("holders", {}).items()}
-        self.positions = dict(snap.get("positions", {}))
+        self.positions = Positions.from_dict(snap.get("positions", {}), "snapshot positions")
         self.queue = deque(queue)

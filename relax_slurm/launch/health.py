@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 import httpx
 
+from relax_slurm.broker.stats import BrokerStatus
+
 PROBE_TIMEOUT_S = 5.0
 
 
@@ -103,23 +105,24 @@ class HangWatch:
         self._last_ok["broker"] = now
         if not roles:
             return None
-        for role, info in status.get("roles", {}).items():
-            age = float(info.get("heartbeat_age_s", 0.0))
+        for role, age in status.heartbeat_ages().items():
             if age > self.timeout_s and not self._in_grace(role, now):
                 return (role, f"sent no heartbeat for {age:.0f}s > cluster.heartbeat_timeout_s="
                               f"{self.timeout_s:.0f}s (hung: alive, but its main loop makes no "
                               "progress)")
         return None
 
-    def broker_status(self) -> dict | None:
-        """The broker's /status now, or None."""
+    def broker_status(self) -> BrokerStatus | None:
+        """The broker's /status now, or None (no answer); BrokerError if it answers something
+        else than a BrokerStatus (broker/stats.py), naming the key."""
         if self.admin_url is None:
             return None
         try:
             r = self._admin.get(self.admin_url + "/status")
-            return r.json() if r.status_code == 200 else None
+            body = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
+        return None if body is None else BrokerStatus.from_dict(body)
 
     def _ok(self, url: str) -> bool:
         try:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from relax_slurm.auth import ensure_secret
+from relax_slurm.broker.stats import BrokerStatus
 from relax_slurm.checkpoint.resume import parse_step
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineDown, Preempted, RoleFailed, RoleHung
@@ -142,13 +143,14 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
 
 
 def _summary(run_dir: Path, cfg: TrainConfig, wall_s: float, extra: dict | None,
-             restarts: dict, final_status: dict | None) -> dict:
+             restarts: dict, final_status: BrokerStatus | None) -> dict:
     """Write summary.json from the metrics; RoleFailed if the trainer stopped short."""
     rows = list(iter_metrics(run_dir / METRICS_FILE))
     summary = summarize(rows, wall_s, cfg.algo.max_staleness) | (extra or {})
     summary["restarts"] = restarts
     if final_status is not None:
-        summary["samples_lost"] = samples_lost(final_status, rows, cfg.rollout.batch_size,
+        summary["samples_lost"] = samples_lost(final_status.counters.to_dict(), rows,
+                                               cfg.rollout.batch_size,
                                                cfg.rollout.n_samples_per_prompt)
     write_summary(run_dir, summary)
     # by the last step logged, not the row count: a run resumed from another run's
@@ -216,7 +218,7 @@ class Supervisor:
         """Restarts by role: in place, and of engine jobs' engines (replaced, inside a job)."""
         return self.in_place.counts() | (self.scaler.counts() if self.scaler else {})
 
-    def _run_roles(self) -> dict | None:
+    def _run_roles(self) -> BrokerStatus | None:
         """Start every role, watch them until the trainer is done, always tear down; the
         broker's last status (None without a broker)."""
         try:

@@ -38,14 +38,14 @@ def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> Path:
     return path
 
 
-def samples_lost(broker: dict[str, Any], rows: list[dict[str, Any]], batch_size: int,
+def samples_lost(counters: dict[str, int], rows: list[dict[str, Any]], batch_size: int,
                  samples_per_group: int) -> int:
     """Samples the broker accepted that were neither trained, nor dropped as stale, nor still
     queued at the end: accepted - trained - dropped_stale - queued, from the broker's final
-    counters (groups; `broker` is its /status) and the trainer's rows. Steps before the first
+    counters (groups; `counters` as its /status has them) and the trainer's rows. Steps before the first
     logged one (a run resumed from another run's checkpoint) count as trained: the broker's
     restored counters include them."""
-    c = broker["counters"]
+    c = counters
     trained = sum(r.get("train/samples", 0) for r in rows) / samples_per_group
     if rows:
         trained += rows[0]["step"] * batch_size

@@ -25,13 +25,14 @@ agent instead of an environment.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
 from relax_slurm.envs.base import BaseEnv, EnvError, Message, StepResult
 from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.partial import version_record
 from relax_slurm.routing.segments import TurnRouting
+from relax_slurm.sample_meta import SampleMeta
 from relax_slurm.samples import Sample
 
 Generate = Callable[[list[int], dict[str, Any], int], Awaitable[GenerateResult]]
@@ -272,7 +273,7 @@ async def run_episode(generate: Generate, env: BaseEnv, prompt: Any, prompt_ids:
 
 
 def episode_sample(ep: Episode, *, prompt_id: str, group_id: int, reward: float,
-                   metadata: dict[str, Any], teacher_logprobs: Any = None,
+                   metadata: SampleMeta, teacher_logprobs: Any = None,
                    routed_experts: Any = None) -> Sample:
     """The trainable sample of an episode: model tokens mask 1 with their rollout log-probs,
     the rest mask 0; stamped with the oldest and newest weight version of its turns.
@@ -288,5 +289,5 @@ def episode_sample(ep: Episode, *, prompt_id: str, group_id: int, reward: float,
         # a truncated episode counts as cut by length in rollout/truncated_frac
         finish_reason="length" if ep.truncated else ep.finish_reason,
         multimodal={"observation_images": ep.images} if ep.images else {},
-        metadata={"turns": ep.turns, "episode_end": ep.end, **metadata},
+        metadata=replace(metadata, turns=ep.turns, episode_end=ep.end).to_dict(),
     )

@@ -34,6 +34,7 @@ from relax_slurm.rollout.sampling import (
 )
 from relax_slurm.routing.segments import sample_rows
 from relax_slurm.routing.shape import RoutingShape, routing_shape
+from relax_slurm.sample_meta import SampleMeta
 
 log = logging.getLogger("relax_slurm.rollout")
 
@@ -203,15 +204,18 @@ class RolloutServices:
         return self.counts.take(errors)
 
     async def put_episodes(self, prompt_id: str, gid: int, episodes: list[Episode],
-                           rewards: list[float], errors: int, metadata: dict) -> bool:
+                           rewards: list[float], errors: int, metadata: dict[str, Any]
+                           ) -> bool:
         """Episodes scored `rewards` -> one group on the broker (after the overlong penalty and
         dynamic sampling, which may drop it: False). Shared by the env-driven episodes and the
-        proxy's sessions."""
+        proxy's sessions. `metadata`: the `SampleMeta` fields the mode knows (t_start, t_end,
+        data_state, agent_group); the worker's rank and the counts are added here."""
         rewards = shaped_rewards(self.cfg, rewards, [len(e.response_ids) for e in episodes])
         counts = await self.counts_or_filter(rewards, errors)
         if counts is None:
             return False
-        meta = {**metadata, "worker": self.worker_rank, **counts}
+        # a misspelt key of `metadata` is a TypeError here, not a silent extra key on the wire
+        meta = SampleMeta(**metadata, worker=self.worker_rank, **counts)
         if self.teacher is not None and any(ep.images for ep in episodes):
             raise ConfigError("on-policy distillation of episodes with image observations is "
                               "not supported yet (the teacher would need their images): unset "

@@ -20,6 +20,7 @@ from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.partial import generate_resuming, version_record
 from relax_slurm.rollout.sampling import cut_at_media_pads, shaped_rewards
 from relax_slurm.rollout.services import RolloutServices
+from relax_slurm.sample_meta import SampleMeta
 from relax_slurm.samples import Group, Sample
 
 
@@ -84,14 +85,14 @@ class SingleTurn:
         counts = await svc.counts_or_filter(rewards, errors)
         if counts is None:
             return
-        meta = {"t_start": t_start, "t_end": t_end, "worker": svc.worker_rank,
-                "data_state": data_state, **counts}
+        meta = SampleMeta(t_start=t_start, t_end=t_end, worker=svc.worker_rank,
+                          data_state=data_state, **counts)
         group: Group = [self.sample(prompt, gid, processed, res, reward, teacher_lp, meta)
                         for res, reward, teacher_lp in zip(results, rewards, teacher)]
         await svc.broker.put_group(group)
 
     def sample(self, prompt: Prompt, gid: int, processed: Processed, res: GenerateResult,
-               reward: float, teacher_lp, metadata: dict) -> Sample:
+               reward: float, teacher_lp, metadata: SampleMeta) -> Sample:
         # tokens from several versions when a sync paused the engine mid-way (retract, or
         # abort and resumed): the staleness rule judges the oldest
         spans = version_record(res)
@@ -105,7 +106,7 @@ class SingleTurn:
             mm_inputs=processed.tensors,  # one dict: the group's samples share its arrays
             reward=float(reward), version=max(versions), version_min=min(versions),
             version_spans=spans, finish_reason=res.finish_reason,
-            metadata=dict(metadata))
+            metadata=metadata.to_dict())
 
     def close(self) -> None:
         if self.media_pool is not None:

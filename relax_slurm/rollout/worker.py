@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import signal
 from collections import deque
@@ -38,6 +37,7 @@ from urllib.parse import urlparse
 
 from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig, load_config
+from relax_slurm.data_position import DataPosition, resume_position
 from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.errors import BrokerShutdown, ConfigError, EngineAborted, EngineUnreachable
 from relax_slurm.runtime.exit import exit_now
@@ -57,15 +57,6 @@ STOP_GRACE_S = 8.0  # after SIGTERM: more than the proxy's own shutdown grace (5
 # the launcher's before it SIGKILLs (launch/processes.py TERM_GRACE_S, 10 s)
 
 
-def resume_state(resume_from: str | None, worker_rank: int) -> tuple[dict | None, int]:
-    """Data position and next group id saved in a checkpoint's meta.json (JSON, no torch)."""
-    if not resume_from:
-        return None, worker_rank
-    extra = json.loads((Path(resume_from) / "meta.json").read_text())["extra_state"]
-    rollout = extra.get("rollout", {}).get(str(worker_rank), {})
-    return rollout.get("data_state"), int(rollout.get("next_group_id", worker_rank))
-
-
 class RolloutWorker:
     """The admission loop: credits from the broker -> one task per prompt, run by `self.mode`
     (SingleTurn or EnvEpisodes; None with rollout.agent_mode=proxy, whose AgentProxy
@@ -82,10 +73,12 @@ class RolloutWorker:
         # the proxy's sessions come from external agents, not from the dataset
         self.dataset = (PromptDataset(cfg.data, tokenizer) if cfg.rollout.agent_mode == "env"
                         else None)
-        data_state, first_group_id = resume_state(plan.resume_from, worker_rank)
-        if data_state is not None and self.dataset is not None:
-            self.dataset.load_state_dict(data_state)
-            log.info("resumed data position %s, next group id %d", data_state, first_group_id)
+        pos = resume_position(plan.resume_from, worker_rank)
+        if pos is not None and pos.data_state is not None and self.dataset is not None:
+            self.dataset.load_state_dict(pos.data_state)
+            log.info("resumed data position %s, next group id %d", pos.data_state,
+                     pos.next_group_id)
+        first_group_id = worker_rank if pos is None else pos.next_group_id
         self.services = RolloutServices.build(cfg, plan, tokenizer, worker_rank,
                                               GroupIds(first_group_id, num_workers))
         self.judge_url = plan.genrm_url  # the managed judge (genrm rewards), waited for
@@ -155,13 +148,14 @@ class RolloutWorker:
         its predecessor held and continues after that one's newest accepted group; a first
         start finds nothing to take over."""
         joined = await self.services.broker.rejoin(self.worker_rank)
-        pos = joined.get("position")
-        if pos and pos["next_group_id"] > self.services.group_ids.first:
+        pos = (None if joined.get("position") is None
+               else DataPosition.from_dict(joined["position"], "the broker's rejoin position"))
+        if pos is not None and pos.next_group_id > self.services.group_ids.first:
             if self.dataset is not None:  # proxy mode has no data position
-                self.dataset.load_state_dict(pos["data_state"])
-            self.services.group_ids.restart_at(pos["next_group_id"])
+                self.dataset.load_state_dict(pos.data_state)
+            self.services.group_ids.restart_at(pos.next_group_id)
             log.info("rejoined: %d credits reclaimed; continuing at data position %s, group "
-                     "id %d", joined["reclaimed"], pos["data_state"], pos["next_group_id"])
+                     "id %d", joined["reclaimed"], pos.data_state, pos.next_group_id)
 
     def requests_per_engine(self) -> dict[str, int]:
         router = self.services.router

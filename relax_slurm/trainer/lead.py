@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relax_slurm.broker.client import BrokerClient
+from relax_slurm.broker.stats import BatchStats
 from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig
+from relax_slurm.data_position import CHECKPOINT_KEY, Positions
 from relax_slurm.engines.client import wait_until_healthy
 from relax_slurm.errors import BrokerError, BrokerTimeout
 from relax_slurm.metrics.fanout import open_sinks
@@ -25,7 +27,8 @@ from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
 from relax_slurm.runtime.control import preempt_requested
 from relax_slurm.runtime.plan import free_port
-from relax_slurm.samples import Group, note_position
+from relax_slurm.sample_meta import SampleMeta
+from relax_slurm.samples import Group
 from relax_slurm.trainer.overlap import BackgroundPush
 from relax_slurm.trainer.stream import GroupStream
 from relax_slurm.weightsync import WeightSender
@@ -39,7 +42,7 @@ FOLLOW_S = 2.0  # how often a re-forming cohort asks the broker for its engine s
 
 def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int, num_groups: int,
                  min_groups: int, beat: Callable[[], None] = lambda: None
-                 ) -> tuple[list[Group], dict]:
+                 ) -> tuple[list[Group], BatchStats]:
     """`num_groups` groups, or whatever is queued once `min_groups` are, polling every POLL_S
     (each turn also heartbeats: waiting is progress)."""
     deadline = time.monotonic() + cfg.trainer.get_batch_timeout_s
@@ -56,40 +59,42 @@ def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int, num_group
     )
 
 
-def staleness_histogram(stats: dict, max_staleness: int) -> dict[str, float]:
+def staleness_histogram(stats: BatchStats, max_staleness: int) -> dict[str, float]:
     """The broker's per-batch staleness counts as shares 0..max_staleness: every key on every
     step, so relax-plot can stack them into a histogram over time."""
-    counts = {int(k): v for k, v in stats.get("staleness_hist", {}).items()}
+    counts = stats.staleness_hist
     total = sum(counts.values()) or 1
     return {f"broker/staleness_hist/{k}": counts.get(k, 0) / total
             for k in range(max_staleness + 1)}
 
 
-def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
+def batch_metrics(groups: list[Group], stats: BatchStats) -> dict[str, float]:
     samples = [s for g in groups for s in g]
+    metas = [m for m in map(SampleMeta.of, samples) if m is not None]  # (none: no worker's)
     # per group (the same on each of its samples), including groups the worker did not send
-    counts = [g[0].metadata for g in groups]
-    starts = [s.metadata.get("t_start") for s in samples if "t_start" in s.metadata]
-    ends = [s.metadata.get("t_end") for s in samples if "t_end" in s.metadata]
+    counts = [m for m in map(SampleMeta.of, (g[0] for g in groups)) if m is not None]
+    starts = [m.t_start for m in metas if m.t_start is not None]
+    ends = [m.t_end for m in metas if m.t_end is not None]
     n = len(samples)
     # multi-turn runs: model turns per episode, and episodes cut by env.max_turns or
     # env.max_total_tokens rather than ended by the environment
-    turns = [s.metadata["turns"] for s in samples if "turns" in s.metadata]
-    cut = [s.metadata.get("episode_end", "done") != "done" for s in samples if "turns" in s.metadata]
+    episodes = [m for m in metas if m.turns is not None]
+    turns = [m.turns for m in episodes]
+    cut = [(m.episode_end or "done") != "done" for m in episodes]
     return {
         "rollout/reward_mean": sum(s.reward for s in samples) / n,
         "rollout/response_len_mean": sum(s.response_len for s in samples) / n,
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
         # samples whose tokens come from more than one policy version (a sync mid-generation)
         "rollout/multi_version_frac": sum(s.multi_version for s in samples) / n,
-        "rollout/reward_errors": sum(int(c.get("reward_errors", 0)) for c in counts),
-        "rollout/filtered_groups": sum(int(c.get("filtered_groups", 0)) for c in counts),
-        "broker/staleness_max": stats.get("staleness_max", 0),
-        "broker/staleness_mean": stats.get("staleness_mean", 0.0),
-        "broker/queue_depth": stats.get("queue_depth", 0),
-        "broker/dropped_stale": stats.get("dropped_stale", 0),
-        "broker/auth_refused": stats.get("auth_refused", 0),
-        "broker/dropped_stale_samples": stats.get("dropped_stale", 0) * len(groups[0]),
+        "rollout/reward_errors": sum(c.reward_errors for c in counts),
+        "rollout/filtered_groups": sum(c.filtered_groups for c in counts),
+        "broker/staleness_max": stats.staleness_max,
+        "broker/staleness_mean": stats.staleness_mean,
+        "broker/queue_depth": stats.queue_depth,
+        "broker/dropped_stale": stats.dropped_stale,
+        "broker/auth_refused": stats.auth_refused,
+        "broker/dropped_stale_samples": stats.dropped_stale * len(groups[0]),
         "perf/gen_time_s": (max(ends) - min(starts)) if starts and ends else 0.0,
         "train/samples": n,
     } | ({"rollout/turns_mean": sum(turns) / len(turns),
@@ -99,8 +104,8 @@ def batch_metrics(groups: list[Group], stats: dict) -> dict[str, float]:
 def broker_counters(broker: BrokerClient, version: int) -> dict:
     """What a restarted broker needs: its counters as of `version` (queued groups are not kept)."""
     stats = broker.stats()
-    return {"version": version, "dropped": stats.get("dropped", 0),
-            "consumed": stats.get("consumed", 0), "released": stats.get("released", 0)}
+    return {"version": version, "dropped": stats.dropped, "consumed": stats.consumed,
+            "released": stats.released}
 
 
 @dataclass
@@ -125,7 +130,7 @@ class StepClock:
         self.last_end = self.saved
 
 
-def step_row(groups: list[Group], stats: dict, train: dict, stream: GroupStream,
+def step_row(groups: list[Group], stats: BatchStats, train: dict, stream: GroupStream,
              clock: StepClock, settle_wait_s: float, version: int, max_staleness: int) -> dict:
     """One step's metrics row, but the weight push's (logged once the push is in)."""
     step_s = clock.saved - clock.last_end
@@ -153,7 +158,7 @@ class RankZero:
         self.block_rows = data_world * cfg.trainer.micro_batch_size  # one streamed block
         self.stream: GroupStream | None = None
         self.groups: list[Group] = []
-        self.stats: dict = {}
+        self.stats = BatchStats()
         self.broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
                                    identity="trainer")
         # the weight push's own socket: an overlapped push talks to the broker from its thread
@@ -312,7 +317,7 @@ class RankZero:
         here, before the engines free their memory for the trainer."""
         cfg = self.cfg
 
-        def take(n: int, least: int) -> tuple[list[Group], dict]:
+        def take(n: int, least: int) -> tuple[list[Group], BatchStats]:
             return fetch_groups(self.broker, cfg, step, n, least,
                                 lambda: self.heartbeat(step, local_weights))
         self.settle_wait_s = 0.0
@@ -324,11 +329,11 @@ class RankZero:
             self.engines_sleep()
         return self.stream
 
-    def note_positions(self, rollout_states: dict) -> None:
+    def note_positions(self, positions: Positions) -> None:
         """The trained batch's groups move each worker's data position (what a resume reads)."""
         self.groups, self.stats = self.stream.batch()
         for g in self.groups:
-            note_position(rollout_states, g)
+            positions.note(g)
 
     def push(self, weights: list, version: int) -> dict:
         """The new weights to the engines: beside what follows in an async run with overlap
@@ -342,8 +347,9 @@ class RankZero:
     def preempt_requested(self) -> bool:
         return preempt_requested(self.run_dir)
 
-    def checkpoint_extra(self, rollout_states: dict, version: int) -> dict:
-        return {"rollout": rollout_states, "broker": broker_counters(self.broker, version)}
+    def checkpoint_extra(self, positions: Positions, version: int) -> dict:
+        return {CHECKPOINT_KEY: positions.to_dict(),
+                "broker": broker_counters(self.broker, version)}
 
     def finish_step(self, step: int, train: dict, clock: StepClock, sync: dict) -> None:
         """The step's metrics row; with overlap it waits for the push (settle), else the
@@ -383,7 +389,7 @@ class Peer:
     def settle(self) -> None:
         pass
 
-    def note_positions(self, rollout_states: dict) -> None:
+    def note_positions(self, positions: Positions) -> None:
         pass
 
     def push(self, weights: list, version: int) -> dict:
@@ -392,8 +398,8 @@ class Peer:
     def preempt_requested(self) -> bool:
         return False  # rank 0 reads the request; broadcast_flag tells every rank
 
-    def checkpoint_extra(self, rollout_states: dict, version: int) -> dict:
-        return {"rollout": rollout_states, "broker": {}}
+    def checkpoint_extra(self, positions: Positions, version: int) -> dict:
+        return {CHECKPOINT_KEY: positions.to_dict(), "broker": {}}
 
     def finish_step(self, step: int, train: dict, clock: StepClock, sync: dict) -> None:
         pass

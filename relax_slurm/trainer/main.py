@@ -19,6 +19,7 @@ import torch.distributed as dist
 from relax_slurm.checkpoint import checkpoints_dir
 from relax_slurm.checkpoint.dcp import wait_pending
 from relax_slurm.config import TrainConfig, load_config
+from relax_slurm.data_position import Positions, checkpoint_positions
 from relax_slurm.errors import ConfigError
 from relax_slurm.runtime.control import PREEMPT_EXIT_CODE
 from relax_slurm.runtime.exit import exit_now
@@ -74,7 +75,7 @@ class Checkpointer:
 
 
 def train_loop(cfg: TrainConfig, backend, lead: RankZero | Peer, saver: Checkpointer,
-               start_step: int, rollout_states: dict, device: torch.device) -> int:
+               start_step: int, positions: Positions, device: torch.device) -> int:
     """The steps from `start_step` to trainer.total_steps; the exit code (PREEMPT_EXIT_CODE
     when a preemption cut it short, after its checkpoint)."""
     lead.start(list(backend.named_hf_weights()), start_step)
@@ -88,14 +89,14 @@ def train_loop(cfg: TrainConfig, backend, lead: RankZero | Peer, saver: Checkpoi
         train = backend.train_step(step_blocks(stream, backend.pad_id, device, backend.data_ranks),
                                    before_update=lead.settle)
         clock.mark("trained")
-        lead.note_positions(rollout_states)
+        lead.note_positions(positions)
         done = step + 1
         # the export is a collective under FSDP2 and megatron (gathered over TP/PP)
         sync = lead.push(list(backend.named_hf_weights()), done)
         clock.mark("synced")
         preempt = broadcast_flag(lead.preempt_requested())
         saver.maybe_save(done, final=preempt or done == cfg.trainer.total_steps,
-                         extra=lambda: lead.checkpoint_extra(rollout_states, done))
+                         extra=lambda: lead.checkpoint_extra(positions, done))
         clock.mark("saved")
         lead.finish_step(step, train, clock, sync)
         clock.end()
@@ -131,7 +132,7 @@ def run(run_dir: Path) -> int:
             else Peer())
     try:
         return train_loop(cfg, backend, lead, Checkpointer(backend, cfg, run_dir), start_step,
-                          extra.get("rollout", {}), device)
+                          checkpoint_positions(extra), device)
     finally:
         lead.close()
         backend.close()

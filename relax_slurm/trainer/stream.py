@@ -18,31 +18,18 @@ as before.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from relax_slurm.broker.stats import BatchStats
 from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.samples import Group
 from relax_slurm.trainer.batch import MicroBatch, TrainItem, collate, prepare_items, scatter_batch
 
 # take(num_groups, min_groups) -> (groups, stats); blocks until min_groups are queued
-Take = Callable[[int, int], tuple[list[Group], dict]]
-
-
-def merge_stats(parts: list[dict]) -> dict:
-    """The broker stats of one step's takes as one batch's: staleness over every sample taken,
-    counters as of the last take."""
-    hist: Counter = Counter()
-    for p in parts:
-        hist.update({int(k): v for k, v in p.get("staleness_hist", {}).items()})
-    n = sum(hist.values())
-    return {**parts[-1],
-            "staleness_max": max((p.get("staleness_max", 0) for p in parts), default=0),
-            "staleness_mean": sum(k * v for k, v in hist.items()) / n if n else 0.0,
-            "staleness_hist": dict(sorted(hist.items()))}
+Take = Callable[[int, int], tuple[list[Group], BatchStats]]
 
 
 class GroupStream:
@@ -55,7 +42,7 @@ class GroupStream:
         self.block_rows = block_rows
         self.streaming = streaming
         self.groups: list[Group] = []
-        self.stats: list[dict] = []
+        self.stats: list[BatchStats] = []
         self.pending: list[TrainItem] = []
         self.blocks = 0
         self.wait_s = 0.0
@@ -102,9 +89,9 @@ class GroupStream:
                 return block, False
             self._take_more()
 
-    def batch(self) -> tuple[list[Group], dict]:
+    def batch(self) -> tuple[list[Group], BatchStats]:
         """Every group trained this step (by group id) and the broker stats of the step."""
-        return sorted(self.groups, key=lambda g: g[0].group_id), merge_stats(self.stats)
+        return sorted(self.groups, key=lambda g: g[0].group_id), BatchStats.merge(self.stats)
 
 
 def step_blocks(stream: GroupStream | None, pad_id: int, device: torch.device,

@@ -72,10 +72,10 @@ def test_every_op_errors_and_a_killed_broker(start_broker: Callable[..., Broker]
                    [(s.prompt_id, s.reward, s.metadata) for s in b]
             for sa, sb in zip(a, b):
                 np.testing.assert_array_equal(sa.rollout_logprobs, sb.rollout_logprobs)
-        assert stats["staleness_hist"] == {0: 5} and stats["consumed"] == 2
-        assert stats["wait_s"] == 0.0
+        assert stats.staleness_hist == {0: 5} and stats.consumed == 2
+        assert stats.wait_s == 0.0
         trainer.set_version(1)
-        s = trainer.stats()
+        s = trainer.stats().to_dict()
         assert {k: s[k] for k in ("version", "accepted", "consumed", "in_flight", "released",
                                   "queue_depth", "dropped")} == {
             "version": 1, "accepted": 2, "consumed": 2, "in_flight": 0, "released": 2,
@@ -88,7 +88,7 @@ def test_every_op_errors_and_a_killed_broker(start_broker: Callable[..., Broker]
         with pytest.raises(BrokerError, match="without a credit"):
             worker.put_group(group(3))
         send_malformed(broker.router)
-        assert trainer.stats()["version"] == 1  # still serving
+        assert trainer.stats().version == 1  # still serving
     assert "broker: version 1" in broker.log.read_text()
     broker.proc.kill()
     broker.proc.wait(10)
@@ -113,11 +113,11 @@ def test_parked_requests_wake_and_expire(start_broker: Callable[..., Broker]) ->
                 results["batch"] = c.get_batch(1, 0, wait_s=10)
         th = threading.Thread(target=get)
         th.start()
-        wait_for(lambda: trainer.stats()["parked_get_batch"] == 1)
+        wait_for(lambda: trainer.stats().parked_get_batch == 1)
         worker.put_group(group(1))
         th.join(15)
         groups, stats = results["batch"]  # type: ignore[misc]
-        assert groups[0][0].group_id == 1 and stats["wait_s"] > 0
+        assert groups[0][0].group_id == 1 and stats.wait_s > 0
 
 
         # a parked acquire is answered by set_version (the budget grows by batch_size)
@@ -126,7 +126,7 @@ def test_parked_requests_wake_and_expire(start_broker: Callable[..., Broker]) ->
                 results["granted"] = c.acquire(3, wait_s=10)
         th = threading.Thread(target=acquire)
         th.start()
-        wait_for(lambda: trainer.stats()["parked_acquires"] == 1)
+        wait_for(lambda: trainer.stats().parked_acquires == 1)
         trainer.set_version(1)
         th.join(15)
         assert results["granted"] == 1
@@ -150,9 +150,9 @@ def test_a_streaming_take(start_broker: Callable[..., Broker]) -> None:
                 results["some"] = c.get_batch(3, 0, wait_s=10, min_groups=2)
         th = threading.Thread(target=take_some)
         th.start()
-        wait_for(lambda: trainer.stats()["parked_get_batch"] == 1)
+        wait_for(lambda: trainer.stats().parked_get_batch == 1)
         worker.put_group(group(2))
-        assert trainer.stats()["parked_get_batch"] == 1  # one of two: still parked
+        assert trainer.stats().parked_get_batch == 1  # one of two: still parked
         worker.put_group(group(3))
         th.join(15)
         groups, _ = results["some"]  # type: ignore[misc]
@@ -198,12 +198,12 @@ def test_async_concurrency_and_shutdown(start_broker: Callable[..., Broker]) -> 
             batch = await trainer.get_batch(50, 0, wait_s=20)
             assert batch is not None
             assert len({g[0].group_id for g in batch[0]}) == 50
-            assert (await trainer.stats())["parked_acquires"] == 10
+            assert (await trainer.stats()).parked_acquires == 10
             version = 1
             await trainer.set_version(1)
             await asyncio.wait_for(asyncio.gather(*tasks), 20)
             assert await trainer.get_batch(50, 1) is None  # only ten queued
-            assert (await trainer.stats())["queue_depth"] == 10
+            assert (await trainer.stats()).queue_depth == 10
     asyncio.run(main())
     check_shutdown_broadcast(broker)
 
@@ -224,7 +224,7 @@ def test_a_parked_request_learns_of_shutdown(start_broker: Callable[..., Broker]
     t.start()
     with broker.client() as c:  # the acquire is parked once the broker reports it
         deadline = time.monotonic() + 10
-        while c.stats()["parked_acquires"] == 0:
+        while c.stats().parked_acquires == 0:
             assert time.monotonic() < deadline
             time.sleep(0.05)
     broker.proc.send_signal(signal.SIGTERM)

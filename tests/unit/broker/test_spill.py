@@ -45,7 +45,7 @@ def test_spill_replays_the_state_and_compacts(tmp_path: Path) -> None:
         state.accept(group(gid))
         spill.record(state, (b"w", 2 + gid), {})
     taken, stats = state.take_batch(2, 0)
-    spill.record(state, (b"t", 1), {"stats": stats}, taken)
+    spill.record(state, (b"t", 1), {"stats": stats.to_dict()}, taken)
     before = path.stat().st_size
     for v in range(1, 30):  # grows the file past compact_bytes: rewritten as one snapshot
         state.set_version(v)
@@ -69,7 +69,7 @@ def test_replay_keeps_answers_and_queue(tmp_path: Path) -> None:
         state.accept(group(gid))
         spill.record(state, (b"w", 2 + gid), {})
     taken, stats = state.take_batch(2, 0)
-    spill.record(state, (b"t", 9), {"stats": stats}, taken)
+    spill.record(state, (b"t", 9), {"stats": stats.to_dict()}, taken)
     with open(path, "ab") as f:
         f.write(b"RSP1\x00\x01")  # a torn record
     got = replay(path)
@@ -118,19 +118,19 @@ def test_a_killed_broker_restarts_in_place(start_broker: Callable[..., Broker],
         again = start_broker(max_staleness=1, batch_size=2,
                              extra_args=("--spill", str(spill), "--replay"), **addrs)
         assert "torn bytes cut" in again.log.read_text()
-        s = worker.stats()
+        s = worker.stats().to_dict()
         assert {k: s[k] for k in ("version", "accepted", "consumed", "in_flight", "dropped")} == {
             "version": 0, "accepted": 3, "consumed": 2, "in_flight": 1, "dropped": 0}
         # the raw client's reply was "lost": its resend is answered again, not applied twice
         raw.send_multipart(encode("put_group", {"rid": 7, "auth": SECRET}, [group(3)]))
         assert raw.poll(int(TIMEOUT_S * 1000))
         op, fields, _ = decode(raw.recv_multipart())
-        assert op == "ok" and fields["rid"] == 7 and worker.stats()["accepted"] == 3
+        assert op == "ok" and fields["rid"] == 7 and worker.stats().accepted == 3
         worker.put_group(group(4))  # the credit it held before the kill still counts
         thread.join(30)
         assert late and late[0] is not None
         assert [g[0].group_id for g in late[0][0]] == [3, 4]
-        assert worker.stats()["queue_depth"] == 0
+        assert worker.stats().queue_depth == 0
     raw.close()
 
 
@@ -155,7 +155,7 @@ def test_async_requests_ride_out_a_broker_restart(start_broker: Callable[..., Br
             await asyncio.sleep(0.5)
             start_broker(max_staleness=0, batch_size=2, extra_args=(*args, "--replay"), **addrs)
             await asyncio.gather(*puts)
-            return await ac.stats()
+            return (await ac.stats()).to_dict()
 
     s = asyncio.run(worker())
     assert (s["accepted"], s["in_flight"], s["queue_depth"]) == (2, 0, 2)
@@ -175,7 +175,7 @@ def test_a_rejoin_retires_the_dead_workers_late_puts(start_broker: Callable[...,
         with pytest.raises(BrokerError, match="replaced"):
             dead.put_group(group(2))  # sent before it died, read after the rejoin
         successor.put_group(group(3))
-        s = trainer.stats()
+        s = trainer.stats().to_dict()
         assert (s["accepted"], s["in_flight"]) == (2, 2)
 
 

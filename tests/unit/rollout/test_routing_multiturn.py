@@ -26,6 +26,7 @@ from relax_slurm.rollout.multiturn import (ObservationRenderer, TurnLimits, epis
 from relax_slurm.routing.hooks import RoutingStats, RoutingTrace, routing_replay
 from relax_slurm.routing.segments import covered_positions, sample_rows
 from relax_slurm.routing.shape import routing_shape
+from relax_slurm.sample_meta import SampleMeta
 from relax_slurm.trainer.batch import collate, prepare_items
 from relax_slurm.trainer.step import scaled_logits
 
@@ -119,7 +120,7 @@ def test_the_trainer_agrees_with_the_episodes_routing_and_replays_it(moe_episode
     moe_dir, episodes, _ = moe_episodes
     shape = routing_shape(moe_dir)
     samples = [episode_sample(ep, prompt_id=str(i % 2), group_id=i % 2, reward=ep.reward(),
-                              metadata={}, routed_experts=sample_rows(
+                              metadata=SampleMeta(worker=0), routed_experts=sample_rows(
                                   ep.routing, ep.prompt_ids + ep.response_ids, shape))
                for i, ep in enumerate(episodes)]
     groups = [[s for s in samples if s.group_id == g] for g in (0, 1)]

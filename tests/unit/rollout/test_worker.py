@@ -111,7 +111,8 @@ class FakeBroker:
 
     async def rejoin(self, rank):
         return {"reclaimed": self.state.reclaim(f"rollout{rank}"),
-                "position": self.state.positions.get(str(rank))}
+                "position": (None if self.state.positions.get(rank) is None
+                             else self.state.positions.get(rank).to_dict())}
 
     async def heartbeat(self, role, **info):
         self.heartbeats.append((role, info))

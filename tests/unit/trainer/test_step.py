@@ -14,6 +14,7 @@ from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.samples import Sample
 from relax_slurm.trainer.batch import collate, prepare_items
+from relax_slurm.broker.stats import BatchStats
 from relax_slurm.trainer.lead import batch_metrics, staleness_histogram
 from relax_slurm.trainer.model import build_optimizer, single_process_group
 from relax_slurm.trainer.step import (
@@ -156,16 +157,16 @@ def test_batch_metrics_count_reward_errors_and_filtered_groups():
     gs = groups()
     for g, (errors, filtered) in zip(gs, [(2, 1), (1, 3)]):
         for s in g:
-            s.metadata.update(reward_errors=errors, filtered_groups=filtered)
-    out = batch_metrics(gs, {})
+            s.metadata.update(worker=0, reward_errors=errors, filtered_groups=filtered)
+    out = batch_metrics(gs, BatchStats())
     assert out["rollout/reward_errors"] == 3 and out["rollout/filtered_groups"] == 4
-    assert batch_metrics(groups(), {})["rollout/reward_errors"] == 0  # older workers: absent
+    assert batch_metrics(groups(), BatchStats())["rollout/reward_errors"] == 0  # no worker's
 
 
 def test_staleness_histogram_has_every_bucket_as_a_share():
     # msgpack may hand the broker's int keys back as ints or (from JSON) as strings
-    stats = {"staleness_hist": {0: 24, "2": 8}}
+    stats = BatchStats(staleness_hist={0: 24, "2": 8})  # (a key as a string: normalised)
     assert staleness_histogram(stats, 2) == {"broker/staleness_hist/0": 0.75,
                                              "broker/staleness_hist/1": 0.0,
                                              "broker/staleness_hist/2": 0.25}
-    assert staleness_histogram({}, 0) == {"broker/staleness_hist/0": 0.0}
+    assert staleness_histogram(BatchStats(), 0) == {"broker/staleness_hist/0": 0.0}

@@ -20,7 +20,8 @@ from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.samples import Group, Sample
 from relax_slurm.trainer.model import build_optimizer, single_process_group
 from relax_slurm.trainer.step import train_step
-from relax_slurm.trainer.stream import GroupStream, merge_stats, step_blocks
+from relax_slurm.broker.stats import BatchStats
+from relax_slurm.trainer.stream import GroupStream, step_blocks
 
 VOCAB, N = 16, 4
 
@@ -61,12 +62,12 @@ class Arrivals:
         self.queue, self.per_take = list(groups), per_take
         self.calls: list[tuple[int, int]] = []
 
-    def __call__(self, num_groups: int, min_groups: int) -> tuple[list[Group], dict]:
+    def __call__(self, num_groups: int, min_groups: int) -> tuple[list[Group], BatchStats]:
         self.calls.append((num_groups, min_groups))
         n = max(min_groups, min(self.per_take, num_groups))
         got, self.queue = self.queue[:n], self.queue[n:]
         stale = {0: len(got) * N}
-        return got, {"staleness_hist": stale, "staleness_max": 0, "queue_depth": len(self.queue)}
+        return got, BatchStats(staleness_hist=stale, staleness_max=0, queue_depth=len(self.queue))
 
 
 def train(groups: list[Group], streaming: bool, per_take: int, algo: AlgoConfig,
@@ -105,7 +106,7 @@ def test_streamed_groups_give_the_whole_batch_update_bit_for_bit(reduction):
     gw, sw = s_whole.batch()
     gs, ss = s_stream.batch()
     assert [g[0].group_id for g in gw] == [g[0].group_id for g in gs] == [0, 1, 2, 3]
-    assert sw["staleness_hist"] == ss["staleness_hist"] == {0: 16}
+    assert sw.staleness_hist == ss.staleness_hist == {0: 16}
 
 
 def test_blocks_are_cut_at_whole_micro_batches_and_the_last_is_flagged():
@@ -135,11 +136,11 @@ def test_a_group_of_the_wrong_size_is_refused():
 
 
 def test_merged_stats_of_several_takes():
-    merged = merge_stats([
-        {"staleness_hist": {0: 4, 1: 4}, "staleness_max": 1, "queue_depth": 3, "consumed": 2},
-        {"staleness_hist": {"1": 2, "2": 6}, "staleness_max": 2, "queue_depth": 0, "consumed": 4},
+    merged = BatchStats.merge([
+        BatchStats(staleness_hist={0: 4, 1: 4}, staleness_max=1, queue_depth=3, consumed=2),
+        BatchStats(staleness_hist={1: 2, 2: 6}, staleness_max=2, queue_depth=0, consumed=4),
     ])
-    assert merged["staleness_hist"] == {0: 4, 1: 6, 2: 6}
-    assert merged["staleness_max"] == 2
-    assert merged["staleness_mean"] == pytest.approx((6 + 12) / 16)  # (1*6 + 2*6) / 16
-    assert (merged["queue_depth"], merged["consumed"]) == (0, 4)  # as of the last take
+    assert merged.staleness_hist == {0: 4, 1: 6, 2: 6}
+    assert merged.staleness_max == 2
+    assert merged.staleness_mean == pytest.approx((6 + 12) / 16)  # (1*6 + 2*6) / 16
+    assert (merged.queue_depth, merged.consumed) == (0, 4)  # as of the last take

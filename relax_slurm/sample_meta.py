@@ -1,0 +1,101 @@
+"""The typed contract of `Sample.metadata`: the keys the rollout worker stamps on each sample and
+the broker and trainer read.
+
+On the wire (broker/wire.py) and in the broker's spill file the metadata stays a msgpack map
+with string keys, as before; `SampleMeta` is how every role builds and reads it, so a key cannot
+be misspelt on one side only: the worker builds a `SampleMeta` (a misspelt field is a
+TypeError) and writes `to_dict()`; the broker and the trainer read `SampleMeta.of(sample)`,
+which names an unknown or missing key, or a value of the wrong type, in its error.
+
+    key              set by                                  read by
+    worker           every mode: the worker's rank           broker and trainer (data positions)
+    data_state       every mode: the dataset position after  broker and trainer (data positions:
+                     the group's prompt (None: the proxy)    data_position.py)
+    reward_errors    every mode: rewards that failed         trainer metrics
+    filtered_groups  every mode: groups dynamic sampling     trainer metrics
+                     dropped since the last group sent
+    t_start, t_end   every mode: the group's generation      trainer metrics (perf/gen_time_s)
+    turns            multi-turn: model turns of the episode  trainer metrics
+    episode_end      multi-turn: why the episode ended       trainer metrics
+    agent_group      agent proxy: the group's name           (logs, rollout dumps)
+
+A sample with empty metadata (`{}`) was stamped by no worker (test fixtures, the SFT trainer's
+rows): `SampleMeta.of` gives None, and it carries no data position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# per key: the types its value may have (bool is refused where an int is expected)
+_TYPES: dict[str, tuple[type, ...]] = {
+    "worker": (int,), "data_state": (dict, type(None)), "reward_errors": (int,),
+    "filtered_groups": (int,), "t_start": (int, float, type(None)),
+    "t_end": (int, float, type(None)), "turns": (int, type(None)),
+    "episode_end": (str, type(None)), "agent_group": (str, type(None)),
+}
+_REQUIRED = ("worker",)
+# written even when None (a proxy's data_state None still marks a data position)
+_ALWAYS = ("worker", "data_state", "reward_errors", "filtered_groups")
+
+
+class MetadataError(ValueError):
+    """Sample metadata that breaks the contract: names the key."""
+
+
+@dataclass(kw_only=True)
+class SampleMeta:
+    """What a rollout worker stamps on each sample of a group (see the module docstring)."""
+
+    worker: int
+    data_state: dict[str, Any] | None = None
+    reward_errors: int = 0
+    filtered_groups: int = 0
+    t_start: float | None = None
+    t_end: float | None = None
+    turns: int | None = None
+    episode_end: str | None = None
+    agent_group: str | None = None
+
+    def __post_init__(self) -> None:
+        for key, value in asdict(self).items():
+            _check_type(key, value, "SampleMeta")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: a msgpack map; optional keys left at None are not written."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k in _ALWAYS}
+
+    @classmethod
+    def from_dict(cls, meta: dict[str, Any], where: str = "sample metadata") -> SampleMeta:
+        """Inverse of `to_dict`; MetadataError naming an unknown or missing key or a value of
+        the wrong type."""
+        if not isinstance(meta, dict):
+            raise MetadataError(f"{where}: expected a map, got {type(meta).__name__}")
+        unknown = sorted(map(str, set(meta) - set(_TYPES)))
+        if unknown:
+            raise MetadataError(f"{where}: unknown key(s) {unknown}; the keys are "
+                                f"{sorted(_TYPES)} (relax_slurm/sample_meta.py)")
+        missing = [k for k in _REQUIRED if k not in meta]
+        if missing:
+            raise MetadataError(f"{where}: missing key(s) {missing} (every rollout worker "
+                                "stamps them)")
+        for key, value in meta.items():
+            _check_type(key, value, where)
+        return cls(**meta)
+
+    @classmethod
+    def of(cls, sample: Any) -> SampleMeta | None:
+        """The sample's metadata, or None when no worker stamped it (empty)."""
+        if not sample.metadata:
+            return None
+        return cls.from_dict(sample.metadata, f"sample {sample.prompt_id}/{sample.group_id} "
+                                              "metadata")
+
+
+def _check_type(key: str, value: Any, where: str) -> None:
+    types = _TYPES[key]
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        names = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+        raise MetadataError(f"{where}: key {key!r} must be {names}, got {value!r}")
+
