@@ -7,6 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 INTERNAL_PREFIX = "base_"
+# groups an algorithm preset pulls in (conf/algo/NAME.yaml's defaults), not a user's choice:
+# algo_trainer/NAME.yaml is what algo=NAME sets of the trainer
+PULLED_IN_GROUPS = ("algo_trainer",)
 HELP_FLAGS = ("--help", "-h")
 
 HEADER = """relax-train: RL post-training on Slurm or one machine (docs/quickstart.md)
@@ -30,7 +33,8 @@ def group_options(conf_dir: Path, overrides: list[str]) -> tuple[dict[str, list[
         loader = GlobalHydra.instance().config_loader()
         groups = {g: sorted(o for o in loader.get_group_options(g)
                             if not o.startswith(INTERNAL_PREFIX))
-                  for g in sorted(loader.list_groups("")) if g != "hydra"}
+                  for g in sorted(loader.list_groups(""))
+                  if g != "hydra" and g not in PULLED_IN_GROUPS}
         cfg = compose(config_name="train", overrides=overrides)
     return groups, OmegaConf.to_yaml(cfg)
 

@@ -231,6 +231,21 @@ def collate_routed(items: list[TrainItem], width: int) -> Tensor | None:
     return out
 
 
+def mini_batch_order(rows: int, blocks: int, num_steps: int) -> list[int]:
+    """The order to lay a whole batch's rows out in before `scatter_batch` hands `blocks` data
+    ranks equal contiguous blocks that each cut theirs into `num_steps` contiguous mini-batches
+    (trainer.num_steps_per_rollout): rank d's k-th piece is then share d of the batch's k-th
+    contiguous slice, so mini-batch k holds the same rows on any number of ranks as on one (a
+    two-rank step is the one-rank step, up to the order of float sums). Identity for one rank
+    or one step, and where the rows do not split (the trainer refuses those)."""
+    if blocks == 1 or num_steps == 1 or rows % (blocks * num_steps):
+        return list(range(rows))
+    size = rows // num_steps  # one mini-batch, over every rank
+    share = size // blocks
+    return [k * size + d * share + j
+            for d in range(blocks) for k in range(num_steps) for j in range(share)]
+
+
 def scatter_batch(batch: MicroBatch | None, device: torch.device,
                   data_ranks: list[int] | None = None) -> MicroBatch:
     """Rank 0 holds the whole collated batch (on the CPU); every rank gets its equal block of

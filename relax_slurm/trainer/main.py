@@ -86,8 +86,9 @@ def train_loop(cfg: TrainConfig, backend, lead: RankZero | Peer, saver: Checkpoi
         clock.begin()
         stream = lead.open_stream(step, local_weights)
         # an overlapped push of the previous version ends before the weights change
-        train = backend.train_step(step_blocks(stream, backend.pad_id, device, backend.data_ranks),
-                                   before_update=lead.settle)
+        blocks = step_blocks(stream, backend.pad_id, device, backend.data_ranks,
+                             cfg.trainer.num_steps_per_rollout)
+        train = backend.train_step(blocks, before_update=lead.settle)
         clock.mark("trained")
         lead.note_positions(positions)
         done = step + 1

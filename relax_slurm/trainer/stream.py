@@ -26,7 +26,9 @@ import torch.distributed as dist
 from relax_slurm.broker.stats import BatchStats
 from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.samples import Group
-from relax_slurm.trainer.batch import MicroBatch, TrainItem, collate, prepare_items, scatter_batch
+from relax_slurm.trainer.batch import (
+    MicroBatch, TrainItem, collate, mini_batch_order, prepare_items, scatter_batch,
+)
 
 # take(num_groups, min_groups) -> (groups, stats); blocks until min_groups are queued
 Take = Callable[[int, int], tuple[list[Group], BatchStats]]
@@ -95,14 +97,18 @@ class GroupStream:
 
 
 def step_blocks(stream: GroupStream | None, pad_id: int, device: torch.device,
-                data_ranks: list[int]) -> Iterator[tuple[MicroBatch, bool]]:
+                data_ranks: list[int], num_steps: int = 1) -> Iterator[tuple[MicroBatch, bool]]:
     """Every rank: (its rows of the next block, last?) until the step's last block. Rank 0
-    passes its stream and collates; the others pass None. Collective per block."""
+    passes its stream and collates; the others pass None. Collective per block. `num_steps`
+    (trainer.num_steps_per_rollout, whole batches only): the rows are laid out so that each
+    mini-batch is the same slice of the batch on any number of data ranks
+    (`mini_batch_order`)."""
     while True:
         whole, last = None, False
         if dist.get_rank() == 0:
             items, last = stream.next_block()
-            whole = collate(items, pad_id, torch.device("cpu"))
+            order = mini_batch_order(len(items), len(set(data_ranks)), num_steps)
+            whole = collate([items[i] for i in order], pad_id, torch.device("cpu"))
         block = scatter_batch(whole, device, data_ranks)
         flag = torch.tensor([int(last)], device=device)
         dist.broadcast(flag, src=0)

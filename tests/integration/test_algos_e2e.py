@@ -154,7 +154,7 @@ PPO_STEPS = 100  # reward first >= 0.8 at step 44 / 64 / 45 for three tiny model
 def test_ppo_with_a_critic_learns_the_tiny_task(tmp_path, tiny_assets):
     """`experiment=tiny_cpu algo=ppo` as a user types it: a value model trained beside the
     policy, GAE advantages, the presets' four PPO mini-batch steps per rollout batch and the tiny
-    task's PPO lr 1e-3 (critic 5e-3; conf/algo/trainer/ppo.yaml, conf/tuning/tiny_cpu_ppo.yaml;
+    task's PPO lr 1e-3 (critic 5e-3; conf/algo_trainer/ppo.yaml, conf/tuning/tiny_cpu_ppo.yaml;
     docs/algorithms.md#ppo-with-a-critic): the issue's claim, reward from <= 0.3 to >= 0.8.
     Over steps 97-99 measured 0.95 / 0.87 / 0.95 for model seeds 0 / 1 / 2 (the test's is seed
     0): 0.8 sits 0.07 below the worst seed, 0.15 below this one."""

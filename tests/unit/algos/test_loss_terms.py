@@ -159,9 +159,9 @@ def test_batch_wide_estimators_are_the_ones_listed(name):
 @pytest.mark.parametrize("name", ALGO_NAMES)
 def test_each_algorithm_has_a_yaml(name):
     data = yaml.safe_load((CONF_ALGO / f"{name}.yaml").read_text())
-    # an algorithm may also bring trainer settings it needs (conf/algo/trainer/NAME.yaml)
+    # an algorithm may also bring trainer settings it needs (conf/algo_trainer/NAME.yaml)
     assert data["name"] == name and data["defaults"][0] == "base_algo"
-    assert data["defaults"][1:] in ([], [f"/algo/trainer/{name}"])
+    assert data["defaults"][1:] in ([], [f"/algo_trainer/{name}"])
     cfg = AlgoConfig(**{k: v for k, v in data.items() if k != "defaults"})
     if name == "dapo":
         assert cfg.eps_clip_high == 0.28 and cfg.loss_reduction == "token_mean"

@@ -9,9 +9,13 @@ from hydra.errors import ConfigCompositionException
 
 from relax_slurm.config import load_config, register_configs, save_config, to_train_config
 from relax_slurm.errors import ConfigError
+from relax_slurm.launch.help import PULLED_IN_GROUPS
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
-GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+# groups an algorithm preset pulls in (conf/algo/NAME.yaml's defaults), never chosen on the
+# command line: algo_trainer/NAME.yaml is what algo=NAME sets of the trainer
+PULLED_IN = set(PULLED_IN_GROUPS)
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name not in PULLED_IN)
 PRESETS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
 
 register_configs()
@@ -25,6 +29,17 @@ def _compose(overrides):
 def test_groups_are_the_documented_ones():
     assert set(GROUPS) == {"model", "algo", "rollout", "trainer", "data", "reward", "cluster",
                            "env", "experiment", "tuning"}
+    assert {p.name for p in CONF.iterdir() if p.is_dir()} == set(GROUPS) | PULLED_IN
+
+
+def test_algo_trainer_files_are_pulled_in_by_their_algorithm_only():
+    """conf/algo_trainer/NAME.yaml belongs to algo=NAME (its defaults name it), and the algo
+    group offers no `trainer/...` entry: `algo=trainer/ppo` is not an algorithm."""
+    for f in sorted((CONF / "algo_trainer").glob("*.yaml")):
+        assert f"/algo_trainer/{f.stem}" in (CONF / "algo" / f.name).read_text(), f.name
+    assert not [p for p in (CONF / "algo").iterdir() if p.is_dir()]
+    with pytest.raises(ConfigCompositionException, match="algo"):
+        _compose(["algo=trainer/ppo"])
 
 
 @pytest.mark.parametrize("group,name", PRESETS, ids=[f"{g}={n}" for g, n in PRESETS])
@@ -180,6 +195,8 @@ def test_help_lists_choices_without_the_internal_schemas():
     lines = dict(line.split(": ", 1) for line in groups.splitlines()
                  if line.split(":")[0] in ("algo", "experiment", "trainer"))
     assert "grpo" in lines["algo"] and "tiny_cpu" in lines["experiment"], proc.stdout[:2000]
+    # algo=ppo's trainer settings are neither an algorithm nor a group to choose
+    assert "trainer/" not in lines["algo"] and "algo_trainer" not in groups
     assert lines["trainer"] == "megatron, torch"
     assert "total_steps: 150" in proc.stdout  # the config composed with the overrides given
 
@@ -286,7 +303,7 @@ def test_sft_refuses_the_rollout_knobs_it_has_no_data_for():
 
 
 def test_ppo_presets_and_the_command_line_wins():
-    """algo=ppo brings four mini-batch steps per batch (conf/algo/trainer/ppo.yaml, composed
+    """algo=ppo brings four mini-batch steps per batch (conf/algo_trainer/ppo.yaml, composed
     after the trainer group), the tiny task its PPO lr (conf/tuning/tiny_cpu_ppo.yaml); the
     command line still wins, and other algorithms keep the preset's own lr."""
     ppo = to_train_config(_compose(["experiment=tiny_cpu", "algo=ppo"]))
