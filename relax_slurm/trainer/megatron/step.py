@@ -113,7 +113,7 @@ def _forward_backward(mm: MegatronModel, mbs: list[MicroBatch], algo: AlgoConfig
     get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(mbs), model=mm.chunks,
         num_microbatches=n,
-        seq_length=context_parallel.padded_length(width, cp) if cp > 1 else width,
+        seq_length=mm.seq_length(width, cp),
         micro_batch_size=len(mbs[0]), forward_only=False)
 
 
@@ -137,7 +137,8 @@ def _scaled_logits(mm: MegatronModel, out, width: int, cp: int, temperature: flo
     logits = mm.full_logits(out)
     if cp > 1:
         logits = context_parallel.gather_sequence(logits, width)
-    return logits[:, :-1].float() / temperature
+    # [:, :width]: a no-op but under sequence parallelism (rows padded to a multiple of TP)
+    return logits[:, :width - 1].float() / temperature
 
 
 def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, num_steps: int,
@@ -174,7 +175,7 @@ def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, nu
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(list(zip(starts, mbs))),
                 model=mm.chunks, num_microbatches=len(mbs),
-                seq_length=context_parallel.padded_length(width, cp) if cp > 1 else width,
+                seq_length=mm.seq_length(width, cp),
                 micro_batch_size=len(mbs[0]), forward_only=True)
     return dataclasses.replace(batch, old_logp=old)
 
@@ -225,7 +226,7 @@ def eval_sums(mm: MegatronModel, batch: MicroBatch, *, micro_batch_size: int
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(mbs), model=mm.chunks,
                 num_microbatches=len(mbs),
-                seq_length=context_parallel.padded_length(width, cp) if cp > 1 else width,
+                seq_length=mm.seq_length(width, cp),
                 micro_batch_size=len(mbs[0]), forward_only=True)
     finally:
         mm.train()
