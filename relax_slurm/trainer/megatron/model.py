@@ -224,8 +224,8 @@ class MegatronModel:
         transformer-engine's attention applies the causal mask across the CP ring. A
         vision-language model takes the rows' media (`MicroBatch.media.kwargs()`) and their
         [B, T] padding mask (its M-RoPE positions skip padding)."""
-        if self.vl is None and positions is None:
-            input_ids = self._pad_for_sequence_parallel(input_ids)
+        if positions is None:
+            input_ids, attention_mask = self._pad_for_sequence_parallel(input_ids, attention_mask)
         B, T = input_ids.shape
         if self.vl is not None:  # text-only rows too: M-RoPE's 3-D positions
             return vl.forward(self.vl, chunk, input_ids, attention_mask, media or {})
@@ -239,21 +239,24 @@ class MegatronModel:
         """The sequence length each micro-batch of `width` tokens is run at."""
         if cp > 1:
             return context_parallel.padded_length(width, cp)
-        if self.sequence_parallel and self.vl is None:
+        if self.sequence_parallel:
             return -(-width // self.cfg.tensor_parallel_size) * self.cfg.tensor_parallel_size
         return width
 
-    def _pad_for_sequence_parallel(self, input_ids: Tensor) -> Tensor:
-        """Rows right-padded (token 0, after every real token: the causal mask keeps them out)
-        to a multiple of TP: sequence parallelism splits the sequence over the TP ranks
-        (megatron-core mappings.py _split_along_first_dim asserts it divides). GPU only,
-        unverified (the local layers run on CPU refuse sequence parallelism); callers cut the
-        logits back to the rows' width."""
+    def _pad_for_sequence_parallel(self, input_ids: Tensor, attention_mask: Tensor | None
+                                   ) -> tuple[Tensor, Tensor | None]:
+        """Rows right-padded (token 0, mask 0, after every real token: the causal mask keeps
+        them out) to a multiple of TP: sequence parallelism splits the sequence over the TP
+        ranks (megatron-core mappings.py _split_along_first_dim asserts it divides; the bridge's
+        Qwen3-VL model does not pad either). GPU only, unverified (the local layers run on CPU
+        refuse sequence parallelism); callers cut the logits back to the rows' width."""
         B, T = input_ids.shape
-        padded = self.seq_length(T, 1)
-        if padded == T:
-            return input_ids
-        return torch.cat([input_ids, input_ids.new_zeros(B, padded - T)], dim=1)
+        extra = self.seq_length(T, 1) - T
+        if extra == 0:
+            return input_ids, attention_mask
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(B, extra)], 1)
+        return torch.cat([input_ids, input_ids.new_zeros(B, extra)], dim=1), attention_mask
 
     def full_logits(self, output: Tensor) -> Tensor:
         """Vocab-parallel logits -> the HF vocabulary's logits [B, T, V] (padding dropped)."""
