@@ -137,7 +137,7 @@ def _scaled_logits(mm: MegatronModel, out, width: int, cp: int, temperature: flo
     logits = mm.full_logits(out)
     if cp > 1:
         logits = context_parallel.gather_sequence(logits, width)
-    # [:, :width]: a no-op but under sequence parallelism (rows padded to a multiple of TP)
+    # :width - 1, not :-1: under sequence parallelism the rows were padded to a multiple of TP
     return logits[:, :width - 1].float() / temperature
 
 
