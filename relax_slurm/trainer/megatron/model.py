@@ -75,11 +75,7 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
     """The bridge's model provider for the HF model, with our parallel sizes and dtype."""
     dtype = DTYPES[model_cfg.dtype]
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    provider.tensor_model_parallel_size = cfg.tensor_parallel_size
-    provider.pipeline_model_parallel_size = cfg.pipeline_parallel_size
-    provider.context_parallel_size = cfg.context_parallel_size
-    provider.expert_model_parallel_size = cfg.expert_parallel_size
-    provider.sequence_parallel = False
+    set_parallel_sizes(provider, cfg)
     provider.params_dtype = dtype
     provider.pipeline_dtype = dtype
     provider.autocast_dtype = dtype
@@ -124,6 +120,32 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
     return provider
 
 
+def set_parallel_sizes(provider, cfg: TrainerConfig) -> None:
+    """Our TP/PP/CP/EP sizes on the bridge's provider, and sequence parallelism where
+    megatron-core requires it: on for an MoE model at TP > 1, off otherwise.
+
+    megatron-core 0.16's MoELayer.forward raises ValueError in training when the attention's
+    TP group has more than one rank and `sequence_parallel` is off (moe_layer.py:379; its
+    ModelParallelConfig.__post_init__ only warns for EP > 1 with TP > 1): an error in the first
+    training step, not a silent wrong result. So a GPU preset with MoE at TP=2
+    (qwen3_30b_a3b_dapo, qwen3_vl_30b_a3b_openr1) needs it on; the bridge's Qwen3-VL-MoE
+    provider turns it on in its finalize anyway (qwen3_vl_provider.py:247-250). Dense models
+    keep it off: the path CI runs (torch's LayerNorm in megatron-core's local layers refuses
+    it, torch_norm.py:32). The rollout's routing is refused with it at config validation
+    (cross_checks.check_routing_replay) and at run time (routing.py)."""
+    provider.tensor_model_parallel_size = cfg.tensor_parallel_size
+    provider.pipeline_model_parallel_size = cfg.pipeline_parallel_size
+    provider.context_parallel_size = cfg.context_parallel_size
+    provider.expert_model_parallel_size = cfg.expert_parallel_size
+    provider.sequence_parallel = needs_sequence_parallel(
+        getattr(provider, "num_moe_experts", None), cfg.tensor_parallel_size)
+
+
+def needs_sequence_parallel(num_moe_experts: int | None, tensor_parallel_size: int) -> bool:
+    """megatron-core trains MoE layers under TP only with sequence parallelism (above)."""
+    return bool(num_moe_experts) and tensor_parallel_size > 1
+
+
 def rope_theta(hf_config) -> float | None:
     """The model's RoPE base. megatron-bridge 0.3.1 maps the HF field `rope_theta`
     (conversion/model_bridge.py CONFIG_MAPPING), which transformers 5 moved into
@@ -142,6 +164,7 @@ class MegatronModel:
 
     def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig) -> None:
         self.cfg = cfg
+        self.sequence_parallel = False  # build_provider's decision, once the chunks are built
         dtype = DTYPES[model_cfg.dtype]
         bridge_mod = cpu_compat.import_bridge()
         fix_sequential_experts()
@@ -164,6 +187,7 @@ class MegatronModel:
         """The model's chunks (one per virtual pipeline stage) from the bridge, unwrapped, TP
         parameters marked and `trainer.freeze_modules` frozen."""
         provider = build_provider(self.bridge, model_cfg, cfg)
+        self.sequence_parallel = bool(provider.sequence_parallel)
         # wrapped in Megatron DDP by ddp_chunks rather than by the bridge, whose wrapper opens a
         # CUDA side-stream (for CUDA graphs) that a CPU build cannot create
         bare = provider.provide_distributed_model(
@@ -200,6 +224,8 @@ class MegatronModel:
         transformer-engine's attention applies the causal mask across the CP ring. A
         vision-language model takes the rows' media (`MicroBatch.media.kwargs()`) and their
         [B, T] padding mask (its M-RoPE positions skip padding)."""
+        if positions is None:
+            input_ids, attention_mask = self._pad_for_sequence_parallel(input_ids, attention_mask)
         B, T = input_ids.shape
         if self.vl is not None:  # text-only rows too: M-RoPE's 3-D positions
             return vl.forward(self.vl, chunk, input_ids, attention_mask, media or {})
@@ -208,6 +234,29 @@ class MegatronModel:
         pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
         mask = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).triu(1).view(1, 1, T, T)
         return chunk(input_ids, pos, mask)
+
+    def seq_length(self, width: int, cp: int) -> int:
+        """The sequence length each micro-batch of `width` tokens is run at."""
+        if cp > 1:
+            return context_parallel.padded_length(width, cp)
+        if self.sequence_parallel:
+            return -(-width // self.cfg.tensor_parallel_size) * self.cfg.tensor_parallel_size
+        return width
+
+    def _pad_for_sequence_parallel(self, input_ids: Tensor, attention_mask: Tensor | None
+                                   ) -> tuple[Tensor, Tensor | None]:
+        """Rows right-padded (token 0, mask 0, after every real token: the causal mask keeps
+        them out) to a multiple of TP: sequence parallelism splits the sequence over the TP
+        ranks (megatron-core mappings.py _split_along_first_dim asserts it divides; the bridge's
+        Qwen3-VL model does not pad either). GPU only, unverified (the local layers run on CPU
+        refuse sequence parallelism); callers cut the logits back to the rows' width."""
+        B, T = input_ids.shape
+        extra = self.seq_length(T, 1) - T
+        if extra == 0:
+            return input_ids, attention_mask
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(B, extra)], 1)
+        return torch.cat([input_ids, input_ids.new_zeros(B, extra)], dim=1), attention_mask
 
     def full_logits(self, output: Tensor) -> Tensor:
         """Vocab-parallel logits -> the HF vocabulary's logits [B, T, V] (padding dropped)."""

@@ -97,7 +97,8 @@ def _forward_backward(mm: MegatronModel, mbs: list[MicroBatch], algo: AlgoConfig
         output = _forward(mm, chunk, mb, cp, cp_rank, algo=algo, routing=routing)
 
         def loss_func(out):
-            logits = _scaled_logits(mm, out, width, cp, temperature)
+            logits = _scaled_logits(mm, out, width, cp, temperature,
+                                    mb.input_ids.shape[1])
             loss, metrics = micro_batch_loss(logits, mb, algo, params,
                                              reference_logprobs(ref_model, mb, temperature))
             if counted:
@@ -113,7 +114,7 @@ def _forward_backward(mm: MegatronModel, mbs: list[MicroBatch], algo: AlgoConfig
     get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(mbs), model=mm.chunks,
         num_microbatches=n,
-        seq_length=context_parallel.padded_length(width, cp) if cp > 1 else width,
+        seq_length=mm.seq_length(width, cp),
         micro_batch_size=len(mbs[0]), forward_only=False)
 
 
@@ -132,12 +133,16 @@ def _forward(mm: MegatronModel, chunk, mb: MicroBatch, cp: int, cp_rank: int,
                           media=mb.media.kwargs() if mb.media is not None else None)
 
 
-def _scaled_logits(mm: MegatronModel, out, width: int, cp: int, temperature: float):
+def _scaled_logits(mm: MegatronModel, out, width: int, cp: int, temperature: float,
+                   tokens: int):
     """Full-vocabulary logits predicting each next token, / temperature, [B, T-1, V]."""
     logits = mm.full_logits(out)
     if cp > 1:
         logits = context_parallel.gather_sequence(logits, width)
-    return logits[:, :-1].float() / temperature
+        return logits[:, :-1].float() / temperature
+    # the micro-batch's own width (micro-batches are trimmed, narrower than `width`): under
+    # sequence parallelism its rows were padded to a multiple of TP (MegatronModel.forward)
+    return logits[:, :tokens - 1].float() / temperature
 
 
 def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, num_steps: int,
@@ -163,8 +168,9 @@ def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, nu
             output = _forward(mm, chunk, mb, cp, cp_rank, algo=algo, routing=RoutingStats())
 
             def loss_func(out):
-                logp = gather_logprobs(_scaled_logits(mm, out, width, cp, temperature),
-                                       mb.targets)
+                logits = _scaled_logits(mm, out, width, cp, temperature,
+                                        mb.input_ids.shape[1])
+                logp = gather_logprobs(logits, mb.targets)
                 old[row:row + len(mb), :logp.shape[1]] = logp
                 return logp.new_zeros(()), {}
 
@@ -174,7 +180,7 @@ def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, nu
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(list(zip(starts, mbs))),
                 model=mm.chunks, num_microbatches=len(mbs),
-                seq_length=context_parallel.padded_length(width, cp) if cp > 1 else width,
+                seq_length=mm.seq_length(width, cp),
                 micro_batch_size=len(mbs[0]), forward_only=True)
     return dataclasses.replace(batch, old_logp=old)
 
@@ -209,7 +215,8 @@ def eval_sums(mm: MegatronModel, batch: MicroBatch, *, micro_batch_size: int
         output = _forward(mm, chunk, mb, cp, cp_rank)
 
         def loss_func(out):
-            logp = gather_logprobs(_scaled_logits(mm, out, width, cp, 1.0), mb.targets)  # [B, T-1]
+            logp = gather_logprobs(_scaled_logits(mm, out, width, cp, 1.0, mb.input_ids.shape[1]),
+                                   mb.targets)  # [B, T-1]
             mask = (mb.weights != 0).float()
             if counted:
                 sums["nll"] -= float((logp * mask).sum())
@@ -225,7 +232,7 @@ def eval_sums(mm: MegatronModel, batch: MicroBatch, *, micro_batch_size: int
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(mbs), model=mm.chunks,
                 num_microbatches=len(mbs),
-                seq_length=context_parallel.padded_length(width, cp) if cp > 1 else width,
+                seq_length=mm.seq_length(width, cp),
                 micro_batch_size=len(mbs[0]), forward_only=True)
     finally:
         mm.train()

@@ -315,3 +315,22 @@ def test_ppo_presets_and_the_command_line_wins():
     assert (grpo.trainer.num_steps_per_rollout, grpo.trainer.lr) == (1, 2e-3)
     bare = to_train_config(_compose(["algo=ppo"]))  # no experiment: no tuning file, still N=4
     assert bare.trainer.num_steps_per_rollout == 4
+
+
+def test_megatron_routing_replay_needs_tensor_parallel_size_1():
+    """An MoE model at TP > 1 trains with sequence parallelism (megatron-core requires it),
+    whose per-rank sequence slices the replay does not map (docs/backends.md)."""
+    replay = ["experiment=tiny_moe_cpu", "trainer=megatron", "algo.routing_replay=true"]
+    with pytest.raises(ConfigError, match="trainer.tensor_parallel_size=2: an MoE model under "
+                                          "TP > 1 trains with sequence parallelism"):
+        to_train_config(_compose([*replay, "trainer.nproc_per_node=2",
+                                  "trainer.tensor_parallel_size=2"]))
+    assert to_train_config(_compose([*replay, "trainer.nproc_per_node=2",
+                                     "trainer.expert_parallel_size=2"])).algo.routing_replay
+    # the comparison alone (on by default) is not refused: dense models ignore it
+    assert to_train_config(_compose(["experiment=tiny_moe_cpu", "trainer=megatron",
+                                     "trainer.nproc_per_node=2",
+                                     "trainer.tensor_parallel_size=2"])
+                           ).rollout.return_routed_experts
+    # trainer=torch has no tensor parallelism of this kind
+    assert to_train_config(_compose(replay[:1] + replay[2:])).algo.routing_replay

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2AudioConfig, Qwen3VLMoeConfig
+from transformers import Qwen2AudioConfig, Qwen3OmniMoeConfig, Qwen3VLMoeConfig
 
 from relax_slurm.errors import ConfigError
 from relax_slurm.launch.submit import compose_config
@@ -39,6 +39,11 @@ def test_refused_with_the_fix(overrides, words):
 def test_unsupported_architectures_name_the_reason():
     with pytest.raises(ConfigError, match="no Qwen2-Audio bridge"):
         vl.kind(Qwen2AudioConfig())
+    # megatron-bridge 0.3.1 has no qwen3_omni module; the message says what to use instead and
+    # where the page lists what a bridge would need
+    with pytest.raises(ConfigError, match=r"no Qwen3-Omni bridge .* Fix: trainer=torch "
+                                          r"trainer.strategy=fsdp2 .*docs/backends.md#multimodal"):
+        vl.kind(Qwen3OmniMoeConfig())
     assert vl.kind(Qwen3VLMoeConfig()) == vl.QWEN3_MOE  # its experts: vl_moe.py
 
 
