@@ -63,7 +63,7 @@ class RoleFailed(RelaxError):
 
 class RoleHung(RoleFailed):
     """A role stopped heartbeating (or an engine stopped answering /health, or the broker its
-    /status) for cluster.heartbeat_timeout_s: alive, maybe, but making no progress."""
+    /status) for cluster.restart.heartbeat_timeout_s: alive, maybe, but making no progress."""
 
 
 class Preempted(RelaxError):

@@ -90,9 +90,9 @@ def _elastic(args: argparse.Namespace, cfg: TrainConfig) -> tuple[Elastic, Path 
     # a plan beside its config starts with none (scale_out registers external ones)
     run_dir = Path(args.config).resolve().parent
     initial = load_plan(run_dir).engine_urls if (run_dir / PLAN_FILE).exists() else []
-    elastic = Elastic(initial, default_timeout_s=cfg.cluster.elastic_timeout_s,
-                      drain_timeout_s=cfg.cluster.elastic_drain_timeout_s,
-                      max_engines=cfg.cluster.elastic_max_engines)
+    elastic = Elastic(initial, default_timeout_s=cfg.cluster.elastic.timeout_s,
+                      drain_timeout_s=cfg.cluster.elastic.drain_timeout_s,
+                      max_engines=cfg.cluster.elastic.max_engines)
     # beside the spill file; a restart in place (--replay) continues from it
     elastic_file = args.spill.parent / ELASTIC_FILE if args.spill is not None else None
     if args.replay and elastic_file is not None and elastic_file.exists():

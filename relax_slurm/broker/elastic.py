@@ -200,7 +200,7 @@ class Elastic:
         if n is not None:
             have = len(self.serving())
             if n > self.max_engines:
-                raise OpRefused(400, f"num_replicas={n} is above cluster.elastic_max_engines="
+                raise OpRefused(400, f"num_replicas={n} is above cluster.elastic.max_engines="
                                      f"{self.max_engines}; raise it at launch if the nodes "
                                      "hold more")
             if n <= have:

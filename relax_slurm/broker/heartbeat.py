@@ -3,7 +3,7 @@
 Roles heartbeat from their main loop (the trainer's step and batch-wait loop, the rollout
 worker's dispatch loop), never from a thread of their own: a thread keeps beating while the
 loop is stuck, so it would prove the process exists, not that it makes progress. The launcher
-treats a role whose last beat is older than `cluster.heartbeat_timeout_s` as hung
+treats a role whose last beat is older than `cluster.restart.heartbeat_timeout_s` as hung
 (relax_slurm/launch/health.py).
 """
 

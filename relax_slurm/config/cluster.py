@@ -7,20 +7,16 @@ from typing import Optional
 
 from relax_slurm.config.check import check
 
+
 @dataclass(kw_only=True)
-class ClusterConfig:
-    kind: str = "local"
-    """local (subprocesses on this machine) or slurm (an sbatch job; see docs/slurm.md)."""
-    step_timeout_s: float = 900.0
-    """A run with no new step for this long is failed as hung."""
-    trainer_cpus: Optional[list[int]] = None
-    """Pin trainer ranks to these CPU ids (local runs); null leaves it to the OS."""
-    rollout_cpus: Optional[list[int]] = None
-    """Pin engines and rollout workers to these CPU ids (local runs)."""
-    max_global_restarts: int = 0
-    """Local runs: when a role dies or hangs, stop every role and start the run again from its
-    latest checkpoint (trainer.save_every sets how much is redone), at most this many times."""
-    max_role_restarts: int = 3
+class RestartConfig:
+    """`cluster.restart`: hang detection (heartbeats, step timeout) and what a failure restarts."""
+
+    max_global: int = 0
+    """When a role dies or hangs, stop every role and start the run again from its latest
+    checkpoint (trainer.save_every sets how much is redone), at most this many times (on Slurm:
+    per allocation, as new srun steps)."""
+    max_per_role: int = 3
     """Restarts in place of one role that dies (the broker, from its spill file; see
     operations.md) before its next death fails the run (or restarts it globally)."""
     heartbeat_interval_s: float = 10.0
@@ -29,29 +25,100 @@ class ClusterConfig:
     heartbeat_timeout_s: float = 600.0
     """A role whose last heartbeat (or an engine whose last good /health, or a broker whose last
     /status) is older than this is hung: the run fails naming it, or restarts
-    (cluster.max_global_restarts). Cover the longest step; 0 turns hang detection off."""
+    (cluster.restart.max_global). Cover the longest step; 0 turns hang detection off."""
+    step_timeout_s: float = 900.0
+    """A run with no new step for this long is failed as hung."""
 
-    elastic_timeout_s: float = 600.0
-    """Elastic rollout: a scale_out without timeout_secs fails (and rolls back) after this long
-    (see docs/operations.md)."""
-    elastic_drain_timeout_s: float = 60.0
-    """Elastic rollout: a scale_in waits this long for the worker's requests in flight on the
-    leaving engines, then detaches them anyway (force=true does not wait)."""
-    elastic_max_engines: int = 8
-    """Elastic rollout: a num_replicas scale_out to more engines is refused (each is a process,
-    on Slurm a job, with its own copy of the model)."""
-    engine_job_partition: Optional[str] = None
-    """Slurm elastic rollout: --partition of the job each added engine runs in; null: the
-    rollout component's (rollout_partition, else partition)."""
-    engine_job_cpus: Optional[int] = None
-    """Slurm elastic rollout: --cpus-per-task of an engine job; null: cpus_per_task."""
-    engine_job_gpus: Optional[int] = None
-    """Slurm elastic rollout: --gpus-per-node of an engine job; null: rollout.engine_tp_size
-    when the rollout component has GPUs (rollout_gpus_per_node, else gpus_per_node), else 0."""
-    engine_job_time_min: Optional[int] = None
-    """Slurm elastic rollout: --time of an engine job, in minutes; null: time_limit_min."""
-    engine_job_mem_gb: Optional[int] = None
-    """Slurm elastic rollout: --mem of an engine job in GB; null: the partition's default."""
+    def __post_init__(self) -> None:
+        check(self.max_global >= 0, f"cluster.restart.max_global={self.max_global}: >= 0")
+        check(self.max_per_role >= 0,
+              f"cluster.restart.max_per_role={self.max_per_role}: >= 0")
+        check(self.heartbeat_interval_s > 0 and (
+                  self.heartbeat_timeout_s == 0
+                  or self.heartbeat_timeout_s >= 2 * self.heartbeat_interval_s),
+              f"cluster.restart.heartbeat_timeout_s={self.heartbeat_timeout_s}: must be 0 (off) "
+              f"or at least twice cluster.restart.heartbeat_interval_s="
+              f"{self.heartbeat_interval_s} (> 0)")
+        check(self.step_timeout_s > 0,
+              f"cluster.restart.step_timeout_s={self.step_timeout_s}: must be > 0")
+
+
+@dataclass(kw_only=True)
+class ElasticConfig:
+    """`cluster.elastic`: adding and removing engines while the run goes (docs/operations.md)."""
+
+    timeout_s: float = 600.0
+    """A scale_out without timeout_secs fails (and rolls back) after this long."""
+    drain_timeout_s: float = 60.0
+    """A scale_in waits this long for the worker's requests in flight on the leaving engines,
+    then detaches them anyway (force=true does not wait)."""
+    max_engines: int = 8
+    """A num_replicas scale_out to more engines is refused (each is a process, on Slurm a job,
+    with its own copy of the model)."""
+    job_partition: Optional[str] = None
+    """Slurm: --partition of the job each added engine runs in; null: the rollout component's
+    (cluster.rollout_partition, else cluster.partition)."""
+    job_cpus: Optional[int] = None
+    """Slurm: --cpus-per-task of an engine job; null: cluster.cpus_per_task."""
+    job_gpus: Optional[int] = None
+    """Slurm: --gpus-per-node of an engine job; null: rollout.engine_tp_size when the rollout
+    component has GPUs (cluster.rollout_gpus_per_node, else cluster.gpus_per_node), else 0."""
+    job_time_min: Optional[int] = None
+    """Slurm: --time of an engine job, in minutes; null: cluster.time_limit_min."""
+    job_mem_gb: Optional[int] = None
+    """Slurm: --mem of an engine job in GB; null: the partition's default."""
+
+    def __post_init__(self) -> None:
+        check(self.timeout_s > 0 and self.drain_timeout_s > 0 and self.max_engines >= 1,
+              f"cluster.elastic.timeout_s={self.timeout_s} and cluster.elastic.drain_timeout_s="
+              f"{self.drain_timeout_s} must be > 0, cluster.elastic.max_engines="
+              f"{self.max_engines} >= 1")
+        for key in ("job_cpus", "job_time_min"):
+            value = getattr(self, key)
+            check(value is None or value >= 1, f"cluster.elastic.{key}={value}: >= 1 or null")
+        for key in ("job_gpus", "job_mem_gb"):
+            value = getattr(self, key)
+            check(value is None or value >= 0, f"cluster.elastic.{key}={value}: >= 0 or null")
+
+
+@dataclass(kw_only=True)
+class ContainerConfig:
+    """`cluster.container`: the container every role runs in on Slurm (pyxis or Apptainer)."""
+
+    image: Optional[str] = None
+    """pyxis/enroot image for every role's srun (--container-image); null: no container."""
+    mounts: list[str] = field(default_factory=list)
+    """--container-mounts entries (SRC:DST); the run directory and the working directory
+    must be visible inside."""
+    prefix: list[str] = field(default_factory=list)
+    """Words put before every role's command inside srun, e.g. [apptainer, exec, --nv,
+    image.sif]; the alternative to image for Apptainer/Singularity."""
+    python: str = "python"
+    """Python inside the container (used when image or prefix is set)."""
+
+    def __post_init__(self) -> None:
+        check(not (self.image and self.prefix),
+              "cluster.container.image (pyxis) and cluster.container.prefix (apptainer) are "
+              "alternatives: set one of them")
+        check(not (self.mounts and not self.image),
+              "cluster.container.mounts is pyxis's --container-mounts: it needs "
+              "cluster.container.image (with an Apptainer prefix put --bind in the prefix)")
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    kind: str = "local"
+    """local (subprocesses on this machine) or slurm (an sbatch job; see docs/slurm.md)."""
+    trainer_cpus: Optional[list[int]] = None
+    """Pin trainer ranks to these CPU ids (local runs); null leaves it to the OS."""
+    rollout_cpus: Optional[list[int]] = None
+    """Pin engines and rollout workers to these CPU ids (local runs)."""
+    restart: RestartConfig = field(default_factory=RestartConfig)
+    """Hang detection and restarts (cluster.restart.*)."""
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    """Elastic rollout: engines added and removed while the run goes (cluster.elastic.*)."""
+    container: ContainerConfig = field(default_factory=ContainerConfig)
+    """Slurm: the container every role runs in (cluster.container.*)."""
 
     # ---- slurm: the allocation ------------------------------------------------------------
     layout: str = "hetjob"
@@ -98,16 +165,6 @@ class ClusterConfig:
     """Python of the driver and every role on the nodes; null: the one running relax-train."""
     setup_lines: list[str] = field(default_factory=list)
     """Shell lines run in the batch script before the driver (module load, source venv, ...)."""
-    container_image: Optional[str] = None
-    """pyxis/enroot image for every role's srun (--container-image); null: no container."""
-    container_mounts: list[str] = field(default_factory=list)
-    """--container-mounts entries (SRC:DST); the run directory and the working directory
-    must be visible inside."""
-    container_prefix: list[str] = field(default_factory=list)
-    """Words put before every role's command inside srun, e.g. [apptainer, exec, --nv,
-    image.sif]; the alternative to container_image for Apptainer/Singularity."""
-    container_python: str = "python"
-    """Python inside the container (used when container_image or container_prefix is set)."""
     extra_sbatch_args: list[str] = field(default_factory=list)
     """More sbatch options for every component, e.g. [--constraint=a100, --exclusive]."""
     extra_srun_args: list[str] = field(default_factory=list)
@@ -143,25 +200,8 @@ class ClusterConfig:
                    self.signal_lead_s == 0 or self.preempt_timeout_s < self.signal_lead_s),
                f"cluster.preempt_timeout_s={self.preempt_timeout_s}: must be > 0 and below "
                f"cluster.signal_lead_s={self.signal_lead_s} so the requeue happens before the end")
-        check(not (self.container_image and self.container_prefix),
-               "cluster.container_image (pyxis) and cluster.container_prefix (apptainer) are "
-               "alternatives: set one of them")
         check(self.wait_poll_s > 0, f"cluster.wait_poll_s={self.wait_poll_s}: must be > 0")
-        check(self.max_role_restarts >= 0,
-               f"cluster.max_role_restarts={self.max_role_restarts}: >= 0")
-        check(self.heartbeat_interval_s > 0 and (
-                   self.heartbeat_timeout_s == 0
-                   or self.heartbeat_timeout_s >= 2 * self.heartbeat_interval_s),
-               f"cluster.heartbeat_timeout_s={self.heartbeat_timeout_s}: must be 0 (off) or at "
-               f"least twice cluster.heartbeat_interval_s={self.heartbeat_interval_s} (> 0)")
-        check(self.elastic_timeout_s > 0 and self.elastic_drain_timeout_s > 0
-               and self.elastic_max_engines >= 1,
-               f"cluster.elastic_timeout_s={self.elastic_timeout_s} and cluster."
-               f"elastic_drain_timeout_s={self.elastic_drain_timeout_s} must be > 0, cluster."
-               f"elastic_max_engines={self.elastic_max_engines} >= 1")
-        for key in ("engine_job_cpus", "engine_job_time_min"):
-            value = getattr(self, key)
-            check(value is None or value >= 1, f"cluster.{key}={value}: >= 1 or null")
-        for key in ("engine_job_gpus", "engine_job_mem_gb"):
-            value = getattr(self, key)
-            check(value is None or value >= 0, f"cluster.{key}={value}: >= 0 or null")
+        for arg in self.extra_sbatch_args:  # submitit takes them as parameters: elastic
+            # engine jobs and relax_slurm.submit would fail on a short one only when used
+            check(arg.startswith("--"), f"cluster.extra_sbatch_args: {arg!r}: use the long "
+                  "form --option=value (engine jobs and relax_slurm.submit pass them to submitit)")

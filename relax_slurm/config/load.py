@@ -21,6 +21,7 @@ from relax_slurm.config.cluster import ClusterConfig
 from relax_slurm.config.data import DataConfig
 from relax_slurm.config.env import EnvConfig
 from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.moved import MOVED_KEYS, move_old_keys, moved_message
 from relax_slurm.config.reward import RewardConfig
 from relax_slurm.config.rollout import RolloutConfig
 from relax_slurm.config.schema import TrainConfig
@@ -88,6 +89,9 @@ def check_override_keys(overrides: Sequence[str]) -> None:
         if (arg.startswith(("-", "+", "~")) or "=" not in arg or key in NON_SCHEMA_GROUPS
                 or key.startswith("hydra.")):
             continue
+        if moved_message(key):
+            raise ConfigError(f"{moved_message(key)} (in {arg!r}): write "
+                              f"{arg.replace(key, MOVED_KEYS[key], 1)}")
         cls, parts = TrainConfig, key.split(".")
         for i, part in enumerate(parts):
             fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -161,6 +165,9 @@ def _unknown_keys(node: DictConfig, cls: type, prefix: str = "") -> list[str]:
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """Resolve, type-check and cross-check a composed config."""
     unknown = _unknown_keys(cfg, TrainConfig)
+    moved = [m for m in map(moved_message, unknown) if m]
+    if moved:
+        raise ConfigError(f"moved config key(s): {'; '.join(moved)} (docs/configuration.md)")
     if unknown:
         raise ConfigError(
             f"unknown config key(s): {', '.join(unknown)}; check the spelling against "
@@ -192,4 +199,6 @@ def load_config(path: str | Path) -> TrainConfig:
         raw = OmegaConf.load(path)
     except Exception as e:
         raise ConfigError(f"{path}: cannot parse YAML: {e}") from e
+    if isinstance(raw, DictConfig):
+        move_old_keys(raw)  # written by an older relax-slurm (a run resumed or rerun)
     return to_train_config(raw)

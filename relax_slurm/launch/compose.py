@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from relax_slurm.config import TrainConfig, register_configs, to_train_config
+from relax_slurm.config.load import check_override_keys
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 """The Hydra configs: package data of an installed relax_slurm, and in a source checkout the
@@ -20,6 +21,7 @@ def compose_config(overrides: Sequence[str]) -> TrainConfig:
     """The TrainConfig `relax-train OVERRIDES...` would run (Hydra's compose API, no output dir)."""
     from hydra import compose, initialize_config_dir
 
+    check_override_keys(overrides)  # an unknown or moved key named, before Hydra's advice
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return to_train_config(compose("train", overrides=list(overrides)))

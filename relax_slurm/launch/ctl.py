@@ -142,7 +142,7 @@ def parser() -> argparse.ArgumentParser:
         if name == "scale-out":
             s.add_argument("--timeout-secs", type=float, default=None,
                            help="fail and roll back after this long (default "
-                                "cluster.elastic_timeout_s)")
+                                "cluster.elastic.timeout_s)")
         else:
             s.add_argument("--force", action="store_true", help="do not wait for the drain")
             s.add_argument("--dry-run", action="store_true", help="only say what would go")

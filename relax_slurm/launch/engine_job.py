@@ -16,7 +16,7 @@ RUN_DIR/secret in the job, never on a command line). Its log is RUN_DIR/logs/<na
 the launch's engines; submitit's own files are under RUN_DIR/submitit/engines.
 
 An engine that dies in its job is restarted there in place (same URL), up to
-cluster.max_role_restarts times. An engine job also ends by itself when the run's job has left
+cluster.restart.max_per_role times. An engine job also ends by itself when the run's job has left
 the queue (polled every PARENT_POLL_S with squeue): a driver killed outright (no `finally`)
 leaves no engine job running until its time limit.
 """
@@ -83,19 +83,19 @@ def job_parameters(cfg: TrainConfig, name: str, workdir: Path) -> dict[str, Any]
     """submitit SlurmExecutor parameters of one engine job (cluster.engine_job_*)."""
     c = cfg.cluster
     rollout_gpus = c.gpus_per_node if c.rollout_gpus_per_node is None else c.rollout_gpus_per_node
-    gpus = c.engine_job_gpus if c.engine_job_gpus is not None else (
+    gpus = c.elastic.job_gpus if c.elastic.job_gpus is not None else (
         cfg.rollout.engine_tp_size if rollout_gpus else 0)
     extra = sbatch_params(c.extra_sbatch_args)
     extra["no-requeue"] = True  # a preempted engine job is not resumed: the run goes on
     params: dict[str, Any] = dict(
-        job_name=f"{c.job_name}-{name}", time=c.engine_job_time_min or c.time_limit_min,
-        nodes=1, ntasks_per_node=1, cpus_per_task=c.engine_job_cpus or c.cpus_per_task,
+        job_name=f"{c.job_name}-{name}", time=c.elastic.job_time_min or c.time_limit_min,
+        nodes=1, ntasks_per_node=1, cpus_per_task=c.elastic.job_cpus or c.cpus_per_task,
         use_srun=False, stderr_to_stdout=True, additional_parameters=extra,
         setup=[f"cd {shlex.quote(str(workdir))}", *c.setup_lines],
     )
-    partition = c.engine_job_partition or c.rollout_partition or c.partition
-    mem = None if c.engine_job_mem_gb is None else (
-        f"{c.engine_job_mem_gb}G" if c.engine_job_mem_gb else "0")
+    partition = c.elastic.job_partition or c.rollout_partition or c.partition
+    mem = None if c.elastic.job_mem_gb is None else (
+        f"{c.elastic.job_mem_gb}G" if c.elastic.job_mem_gb else "0")
     for key, value in (("partition", partition), ("account", c.account), ("qos", c.qos),
                        ("gpus_per_node", gpus or None), ("mem", mem)):
         if value is not None:
@@ -219,7 +219,7 @@ def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
     """The engine job's function: run engine `name` on this node until the job is cancelled,
     the run's job `parent_job` has left the queue, or the engine exits (0 or SIGTERM); an
     engine that dies otherwise is restarted in place (same URL), up to
-    cluster.max_role_restarts times. Returns the engine's last exit code."""
+    cluster.restart.max_per_role times. Returns the engine's last exit code."""
     run = Path(run_dir)
     cfg = load_config(run / "config.yaml")
     host = node_name()
@@ -252,12 +252,12 @@ def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
                     print(f"the run's job {parent_job} has ended; stopping {name}", flush=True)
                     return 0
                 continue
-            cap = cfg.cluster.max_role_restarts
+            cap = cfg.cluster.restart.max_per_role
             if cancelled or rc in (0, -signal.SIGTERM) or restarts >= cap:
                 return rc
             restarts += 1
             print(f"{name} exited with code {rc}; restarted in place ({restarts} of "
-                  f"cluster.max_role_restarts={cfg.cluster.max_role_restarts})", flush=True)
+                  f"cluster.restart.max_per_role={cfg.cluster.restart.max_per_role})", flush=True)
             with log_path.open("ab") as f:
                 f.write(f"\n--- engine job {job_id}: restarting {name} in place ---\n".encode())
             proc = _start(argv, env, log_path)
@@ -270,10 +270,10 @@ def serve(run_dir: str, name: str, seed: int, parent_job: str) -> int:
 def job_argv(cfg: TrainConfig, name: str, argv: list[str], workdir: str) -> list[str]:
     """The engine's command in its job: in the run's container when it has one, as the run's
     own roles are (placement.srun_wrap). pyxis works through srun, so the engine is then a
-    step of its job; an Apptainer prefix (cluster.container_prefix) needs none."""
+    step of its job; an Apptainer prefix (cluster.container.prefix) needs none."""
     c = cfg.cluster
     command = in_container(c, argv)
-    if not c.container_image:
+    if not c.container.image:
         return command
     return ["srun", "--nodes=1", "--ntasks=1", f"--job-name={name}", "--kill-on-bad-exit=1",
             *container_srun_args(c, workdir), *c.extra_srun_args, *command]

@@ -1,13 +1,13 @@
 """Hang detection for the launcher: a role that is alive but makes no progress.
 
 The trainer and the rollout worker heartbeat to the broker from their main loops (every
-`cluster.heartbeat_interval_s`), so a heartbeat means "my loop turned", not just "my process
+`cluster.restart.heartbeat_interval_s`), so a heartbeat means "my loop turned", not just "my process
 exists". Every interval the launcher reads the broker's admin `GET /status` and probes each
 engine's `/health`; `check()` names the first of them silent for longer than
-`cluster.heartbeat_timeout_s`:
+`cluster.restart.heartbeat_timeout_s`:
 
 - a role whose last heartbeat is older than that (a role that never heartbeat yet is still
-  starting: `cluster.step_timeout_s` covers a run that never gets going);
+  starting: `cluster.restart.step_timeout_s` covers a run that never gets going);
 - the broker, when /status has not answered for that long;
 - an engine, when /health has not answered 200 for that long (SGLang serves /health too, so
   engines need no heartbeat code of their own).
@@ -15,7 +15,7 @@ engine's `/health`; `check()` names the first of them silent for longer than
 The supervisor restarts the role it names in place when it may (broker, rollout worker,
 engines: launch/restart.py), like a dead one; otherwise (the trainer, or restarts used up) it
 raises `RoleHung`, which ends the attempt like a dead role (and is followed by a global restart
-when `cluster.max_global_restarts` allows).
+when `cluster.restart.max_global` allows).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class HangWatch:
             silent = True
             if hung is None and self._clock() - self._last_ok[name] > self.timeout_s:
                 hung = (name, f"has not answered /health for {self.timeout_s:.0f}s "
-                              "(cluster.heartbeat_timeout_s)")
+                              "(cluster.restart.heartbeat_timeout_s)")
         # ... and its last beat can predate the engine's last answer (it went into a push
         # just before the engine froze): while an engine does not answer, no role is named
         # for silence; the engine is, once silent for the timeout, and its restart gives
@@ -100,14 +100,14 @@ class HangWatch:
         if status is None:
             if now - self._last_ok["broker"] > self.timeout_s:
                 return ("broker", f"has not answered GET /status for {self.timeout_s:.0f}s "
-                                  "(cluster.heartbeat_timeout_s)")
+                                  "(cluster.restart.heartbeat_timeout_s)")
             return None
         self._last_ok["broker"] = now
         if not roles:
             return None
         for role, age in status.heartbeat_ages().items():
             if age > self.timeout_s and not self._in_grace(role, now):
-                return (role, f"sent no heartbeat for {age:.0f}s > cluster.heartbeat_timeout_s="
+                return (role, f"sent no heartbeat for {age:.0f}s > cluster.restart.heartbeat_timeout_s="
                               f"{self.timeout_s:.0f}s (hung: alive, but its main loop makes no "
                               "progress)")
         return None

@@ -2,10 +2,10 @@
 
 Roles: broker, engines, the teacher engine and the judge engine (`genrm`) if any, rollout worker, torchrun trainer, all
 started at once (the worker and trainer wait for the engines' /health). The run ends
-when the trainer exits 0; any other exit, or no new step for `cluster.step_timeout_s`, fails
+when the trainer exits 0; any other exit, or no new step for `cluster.restart.step_timeout_s`, fails
 it naming the role and its log. Every child is stopped in `finally`, Ctrl-C included.
 
-With `cluster.max_global_restarts > 0` a failed attempt is followed by a global restart: every
+With `cluster.restart.max_global > 0` a failed attempt is followed by a global restart: every
 role anew (fresh ports), the trainer from the latest checkpoint in the run directory, the
 broker at that version. Each restart is recorded in RUN_DIR/restarts.jsonl and counted in
 summary.json (`global_restarts`).
@@ -74,7 +74,7 @@ def run_attempt(cfg: TrainConfig, attempt: int, started: float) -> dict:
 
 
 def run_local(cfg: TrainConfig) -> dict | None:
-    """Run to the end, restarting globally after a failure up to cluster.max_global_restarts;
+    """Run to the end, restarting globally after a failure up to cluster.restart.max_global;
     returns the summary, None for a run already complete (nothing started, summary.json
     kept). Raises RoleFailed/ConfigError with the cause."""
     check_inputs(cfg)
@@ -83,7 +83,7 @@ def run_local(cfg: TrainConfig) -> dict | None:
     if rerun.complete:
         return None
     t0 = time.monotonic()
-    cap = cfg.cluster.max_global_restarts
+    cap = cfg.cluster.restart.max_global
     attempt = 0
     while True:
         try:
@@ -94,7 +94,7 @@ def run_local(cfg: TrainConfig) -> dict | None:
                 raise
             if attempt >= cap:
                 if cap:
-                    raise RoleFailed(f"{e}\n(gave up after cluster.max_global_restarts={cap} "
+                    raise RoleFailed(f"{e}\n(gave up after cluster.restart.max_global={cap} "
                                      "global restarts; see restarts.jsonl)") from e
                 raise
             attempt += 1

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from relax_slurm.checkpoint.resume import parse_step, resolve_resume
 from relax_slurm.config import TrainConfig
 from relax_slurm.config.algo import SUPERVISED_ALGOS
+from relax_slurm.config.moved import move_old_keys
 from relax_slurm.errors import ConfigError
 
 HISTORY_FILE = "config_history.jsonl"
@@ -164,7 +165,10 @@ def plan_rerun(cfg: TrainConfig, run_dir: Path) -> Rerun:
     changes: dict[str, tuple[Any, Any]] = {}
     ref = _reference_config(run_dir, resume) if resume is not None else None
     if ref is not None:
-        old = OmegaConf.to_container(OmegaConf.load(ref), resolve=True)
+        saved = OmegaConf.load(ref)
+        if isinstance(saved, DictConfig):
+            move_old_keys(saved)  # written by an older relax-slurm: compare key by key
+        old = OmegaConf.to_container(saved, resolve=True)
         changes = {k: v for k, v in config_changes(old, new).items() if k not in LAUNCH_ONLY}
         check_warm_start(changes, resume)
         check_changes(changes, step, cfg.resume_with_changes)

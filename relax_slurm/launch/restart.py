@@ -6,8 +6,8 @@ had not answered), the rollout worker and the engines (see docs/operations.md). 
 alive but silent (no heartbeat, no /health: launch/health.py) is killed and started again the
 same way. Each restart is a line in RUN_DIR/restarts.jsonl (`role`,
 `kind: in_place`, `restart`, `cause`) and `roles.json` is rewritten with the new pid; past
-`cluster.max_role_restarts` restarts of one role its next death fails the attempt as before
-(then `cluster.max_global_restarts` decides).
+`cluster.restart.max_per_role` restarts of one role its next death fails the attempt as before
+(then `cluster.restart.max_global` decides).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class InPlace:
                                       "restart": role.restarts, "cause": cause})
         write_roles(self.procs, self.run_dir)
         print(f"relax-train: {role.name} {cause}; restarted in place ({role.restarts} of "
-              f"cluster.max_role_restarts={self.cap})", file=sys.stderr, flush=True)
+              f"cluster.restart.max_per_role={self.cap})", file=sys.stderr, flush=True)
 
     def counts(self) -> dict[str, int]:
         return dict(self.restarted)

@@ -25,7 +25,7 @@ before, as soon as no other operation runs. Each is a `replaced` row in restarts
 engine restarted inside its job an `in_job` row; both count in summary.json's `restarts`.
 
 An external engine (registered by URL) that does not answer /health for
-cluster.heartbeat_timeout_s is reported lost too (a `lost` row), and not replaced: the run did
+cluster.restart.heartbeat_timeout_s is reported lost too (a `lost` row), and not replaced: the run did
 not start it and cannot start another.
 """
 
@@ -73,7 +73,7 @@ class Scaler:
         self.restarted: dict[str, int] = {}  # engine job name -> restarts (replaced, in job)
         self._in_job_seen: dict[str, int] = {}  # engine job name -> in-job restarts recorded
         self._silent_since: dict[str, float] = {}  # external engine url -> first failed probe
-        lost_after = cfg.cluster.heartbeat_timeout_s
+        lost_after = cfg.cluster.restart.heartbeat_timeout_s
         self._probe = Pacer(min(EXTERNAL_PROBE_S, lost_after / 2)) if lost_after else None
 
     def close(self) -> None:
@@ -224,14 +224,14 @@ class Scaler:
 
     def _watch_external(self, view: dict[str, Any]) -> None:
         """External engines in service that have not answered /health for
-        cluster.heartbeat_timeout_s (asked every EXTERNAL_PROBE_S at most) are reported lost."""
+        cluster.restart.heartbeat_timeout_s (asked every EXTERNAL_PROBE_S at most) are reported lost."""
         external = {e["url"]: e for e in view["engines"]
                     if e["origin"] == "external" and e["state"] in ("active", "draining")}
         for url in [u for u in self._silent_since if u not in external]:
             del self._silent_since[url]
         if self._probe is None or not external or not self._probe.due():
             return
-        lost_after = self.cfg.cluster.heartbeat_timeout_s
+        lost_after = self.cfg.cluster.restart.heartbeat_timeout_s
         for url, e in external.items():
             if _healthy(url):
                 self._silent_since.pop(url, None)
@@ -241,7 +241,7 @@ class Scaler:
             if silent < lost_after:
                 continue
             why = (f"no answer to /health for {silent:.0f}s "
-                   f"(cluster.heartbeat_timeout_s={lost_after:g})")
+                   f"(cluster.restart.heartbeat_timeout_s={lost_after:g})")
             self._post("/rollout/engines/lost", {"url": url, "why": why})
             del self._silent_since[url]
             record_restart(self.run_dir, {"role": e["name"], "kind": "lost", "restart": 0,
@@ -271,7 +271,7 @@ class Scaler:
                            json={"num_replicas": serving + self.replacing})
         if r.status_code == 409:
             return  # an operation started meanwhile: after it
-        if r.status_code >= 400:  # e.g. above cluster.elastic_max_engines: asked once only
+        if r.status_code >= 400:  # e.g. above cluster.elastic.max_engines: asked once only
             self._say(f"the {self.replacing} engine(s) lost with their jobs are not replaced: "
                       f"POST /rollout/scale_out: HTTP {r.status_code}: {r.text[:300]}")
         else:

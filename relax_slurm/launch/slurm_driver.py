@@ -170,12 +170,12 @@ def check_nodes(run_dir: Path, info: dict, failure: RoleFailed) -> None:
 def run_attempts(cfg: TrainConfig, alloc: SlurmAllocation, run_dir: Path,
                  status: Callable[..., None]) -> dict:
     """Supervise the roles to the end. A failure the supervisor cannot mend in place (a dead or
-    hung trainer, a role out of cluster.max_role_restarts) stops every step and starts every
+    hung trainer, a role out of cluster.restart.max_per_role) stops every step and starts every
     role again as new srun steps, from the latest checkpoint, up to
-    cluster.max_global_restarts times in this allocation (as the local runner does,
+    cluster.restart.max_global times in this allocation (as the local runner does,
     launch/local.py). If a node of the allocation was lost, NodesLost instead: drive()
     requeues the job, as for Preempted, which is not a failure either."""
-    cap, started = cfg.cluster.max_global_restarts, time.monotonic()
+    cap, started = cfg.cluster.restart.max_global, time.monotonic()
     restart = 0
     while True:
         specs, wrap, info = prepare(cfg, alloc, run_dir, restart)
@@ -188,7 +188,7 @@ def run_attempts(cfg: TrainConfig, alloc: SlurmAllocation, run_dir: Path,
             check_nodes(run_dir, info, e)  # NodesLost: requeue rather than restart here
             if restart >= cap:
                 if cap:
-                    raise RoleFailed(f"{e}\n(gave up after cluster.max_global_restarts={cap} "
+                    raise RoleFailed(f"{e}\n(gave up after cluster.restart.max_global={cap} "
                                      "global restarts; see restarts.jsonl)") from e
                 raise
             restart += 1

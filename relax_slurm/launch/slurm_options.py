@@ -48,20 +48,20 @@ def sbatch_params(args: Sequence[str]) -> dict[str, Any]:
 
 
 def container_srun_args(c: ClusterConfig, workdir: str) -> list[str]:
-    """srun options of a step in the run's pyxis container (cluster.container_image), or []."""
-    if not c.container_image:
+    """srun options of a step in the run's pyxis container (cluster.container.image), or []."""
+    if not c.container.image:
         return []
-    args = [f"--container-image={c.container_image}", f"--container-workdir={workdir}"]
-    if c.container_mounts:
-        args.append(f"--container-mounts={','.join(c.container_mounts)}")
+    args = [f"--container-image={c.container.image}", f"--container-workdir={workdir}"]
+    if c.container.mounts:
+        args.append(f"--container-mounts={','.join(c.container.mounts)}")
     return args
 
 
 def in_container(c: ClusterConfig, command: list[str]) -> list[str]:
-    """A role's command as run inside the container (cluster.container_prefix before it, the
+    """A role's command as run inside the container (cluster.container.prefix before it, the
     container's Python for ours); unchanged without a container."""
-    if not (c.container_image or c.container_prefix):
+    if not (c.container.image or c.container.prefix):
         return list(command)
     if command and command[0] == sys.executable:
-        command = [c.container_python, *command[1:]]
-    return [*c.container_prefix, *command]
+        command = [c.container.python, *command[1:]]
+    return [*c.container.prefix, *command]

@@ -133,9 +133,9 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
             # a silent role that may restart in place does (a hung trainer cannot: global)
             if stuck is not None and (in_place is None or not in_place.restart_hung(*stuck)):
                 raise hung(procs, *stuck)
-            if time.monotonic() - last_step_t > cfg.cluster.step_timeout_s:
+            if time.monotonic() - last_step_t > cfg.cluster.restart.step_timeout_s:
                 raise trainer.failure(
-                    f"made no step for cluster.step_timeout_s={cfg.cluster.step_timeout_s}s "
+                    f"made no step for cluster.restart.step_timeout_s={cfg.cluster.restart.step_timeout_s}s "
                     "(hung?); see also logs/rollout.log and logs/engine*.log")
             time.sleep(POLL_S)
     finally:
@@ -186,8 +186,8 @@ class Supervisor:
         admin = load_plan(run_dir).broker_admin if (run_dir / PLAN_FILE).exists() else None
         self.hangs = HangWatch(admin, secret,
                                {spec.name: spec.health_url for spec in specs if spec.health_url},
-                               cfg.cluster.heartbeat_interval_s, cfg.cluster.heartbeat_timeout_s)
-        self.in_place = InPlace(self.procs, specs, wrap, run_dir, cfg.cluster.max_role_restarts,
+                               cfg.cluster.restart.heartbeat_interval_s, cfg.cluster.restart.heartbeat_timeout_s)
+        self.in_place = InPlace(self.procs, specs, wrap, run_dir, cfg.cluster.restart.max_per_role,
                                 on_restart=self.hangs.restarted)
         # elastic rollout's process side (launch/scale.py)
         self.scaler = (Scaler(self.procs, cfg, run_dir, admin, secret, wrap,

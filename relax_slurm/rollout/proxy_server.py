@@ -120,7 +120,7 @@ class _Server(uvicorn.Server):
 async def _housekeeping(proxy: AgentProxy, role: str) -> None:
     """Drop idle groups, and heartbeat to the broker from this loop (the launcher's hang
     check: a beat means the proxy's event loop turns)."""
-    beat = Pacer(proxy.cfg.cluster.heartbeat_interval_s)
+    beat = Pacer(proxy.cfg.cluster.restart.heartbeat_interval_s)
     while True:
         if beat.due():
             await proxy.svc.broker.heartbeat(role, **proxy.stats())

@@ -189,7 +189,7 @@ class RolloutWorker:
         broker = self.services.broker
         await self.services.reward_pool.start()  # a reward worker that cannot start fails now
         await self.rejoin()
-        beat = Pacer(self.cfg.cluster.heartbeat_interval_s)
+        beat = Pacer(self.cfg.cluster.restart.heartbeat_interval_s)
         while not self.stop.is_set():
             if beat.due():  # from this loop, not a thread: a beat means the loop turns
                 await broker.heartbeat(self.role, groups_in_flight=len(self.tasks),

@@ -48,7 +48,7 @@ def fetch_groups(broker: BrokerClient, cfg: TrainConfig, version: int, num_group
     deadline = time.monotonic() + cfg.trainer.get_batch_timeout_s
     while time.monotonic() < deadline:
         beat()
-        wait = min(POLL_S, cfg.cluster.heartbeat_interval_s,
+        wait = min(POLL_S, cfg.cluster.restart.heartbeat_interval_s,
                    max(deadline - time.monotonic(), 0.1))
         got = broker.get_batch(num_groups, version, wait_s=wait, min_groups=min_groups)
         if got is not None:
@@ -184,10 +184,10 @@ class RankZero:
         self.cohort = Cohort(plan.engine_urls, WEIGHT_GROUP, plan.weight_sync_port, make_sender,
                              new_port=lambda: free_port(sync_host),
                              # an engine that stopped answering is restarted by the launcher
-                             # (or reported lost) once silent for heartbeat_timeout_s, and the
+                             # (or reported lost) once silent for cluster.restart.heartbeat_timeout_s, and the
                              # new one loads within startup_timeout_s: wait for both
                              startup_timeout_s=(cfg.rollout.startup_timeout_s
-                                                + cfg.cluster.heartbeat_timeout_s),
+                                                + cfg.cluster.restart.heartbeat_timeout_s),
                              waiting=self.heartbeat_waiting, follow=self.broker_cohort)
         self.follow_pacer = Pacer(FOLLOW_S)
         # every role starts at once: the engines may still be loading their models
@@ -206,7 +206,7 @@ class RankZero:
         self.verify = cfg.weight_sync.verify
         self.num_engines = len(plan.engine_urls)
         self.release_memory = cfg.rollout.release_memory_during_train
-        self.pacer = Pacer(cfg.cluster.heartbeat_interval_s)
+        self.pacer = Pacer(cfg.cluster.restart.heartbeat_interval_s)
 
     @property
     def sender(self) -> WeightSender:

@@ -186,7 +186,7 @@ def test_a_killed_trainer_rank_restarts_the_run_from_its_checkpoint(tmp_path, ti
         return int(ranks[-1])
 
     err, _ = kill_mid_run(run_dir, tiny_assets, last_rank, "trainer.nproc_per_node=2", *CHAOS,
-                          "cluster.max_global_restarts=1", at=KILL_AT + 1)
+                          "cluster.restart.max_global=1", at=KILL_AT + 1)
     assert "global restart 1 of 1" in err
     summary = assert_completed_like(run_dir, undisturbed, {})
     assert summary["global_restarts"] == 1
@@ -211,7 +211,7 @@ def test_a_frozen_worker_and_a_frozen_engine_are_restarted_in_place(tmp_path, ti
     The launcher names each hung, kills it and starts it again; nothing is lost."""
     run_dir, steps = tmp_path / "run", 12
     proc = start(run_dir, tiny_assets, ONE_RANK, f"trainer.total_steps={steps}",
-                 "cluster.heartbeat_interval_s=2", "cluster.heartbeat_timeout_s=15")
+                 "cluster.restart.heartbeat_interval_s=2", "cluster.restart.heartbeat_timeout_s=15")
     try:
         wait_steps(proc, run_dir, 3)
         os.kill(role(run_dir, "rollout")["pid"], signal.SIGSTOP)
@@ -248,8 +248,8 @@ def test_a_frozen_trainer_is_named_hung_and_the_run_restarts(tmp_path, tiny_asse
     # busy machine), which the rows below then show
     err, _ = kill_mid_run(run_dir, tiny_assets, trainer_rank, ONE_RANK,
                           f"trainer.total_steps={steps}", "trainer.save_every=2",
-                          "cluster.max_global_restarts=2", "cluster.heartbeat_interval_s=2",
-                          "cluster.heartbeat_timeout_s=15", at=3, sig=signal.SIGSTOP)
+                          "cluster.restart.max_global=2", "cluster.restart.heartbeat_interval_s=2",
+                          "cluster.restart.heartbeat_timeout_s=15", at=3, sig=signal.SIGSTOP)
     rows = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()]
     assert rows and all(r["kind"] == "global" for r in rows)
     assert "role 'trainer' sent no heartbeat" in rows[-1]["cause"], rows

@@ -92,8 +92,8 @@ def test_scale_out_1_to_3_then_drain_in_then_cancel(tmp_path, tiny_assets):
     run_dir, steps = tmp_path / "run", 200
     # a step's batch in 8 requests, so that every engine gets a share of each step
     proc = start(run_dir, tiny_assets, ONE_RANK, f"trainer.total_steps={steps}",
-                 "rollout.groups_per_request=4", "cluster.heartbeat_interval_s=1",
-                 "cluster.elastic_drain_timeout_s=120")
+                 "rollout.groups_per_request=4", "cluster.restart.heartbeat_interval_s=1",
+                 "cluster.elastic.drain_timeout_s=120")
     try:
         wait_steps(proc, run_dir, 2)
         admin = Admin(run_dir)

@@ -24,7 +24,7 @@ def _default_sigint() -> None:
 
 def start_run(run_dir: Path, tiny: Path) -> subprocess.Popen:
     # no restarts in place: a dead role ends the run (what these tests are about)
-    cmd = tiny_command(run_dir, tiny, "trainer.total_steps=100000", "cluster.max_role_restarts=0")
+    cmd = tiny_command(run_dir, tiny, "trainer.total_steps=100000", "cluster.restart.max_per_role=0")
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=run_env(), preexec_fn=_default_sigint)
 

@@ -83,8 +83,8 @@ def test_scale_out_submits_an_engine_job_then_drains_and_cancels_it(tmp_path, ti
     env = job_env(slurm_env)
     cmd = slurm_command(tiny_assets, run_dir, STEPS, name, "metrics.progress=false",
                         "rollout.groups_per_request=8",  # several requests a step: both engines
-                        "cluster.heartbeat_interval_s=1", "cluster.elastic_drain_timeout_s=120",
-                        "cluster.engine_job_cpus=2", "cluster.engine_job_time_min=20")
+                        "cluster.restart.heartbeat_interval_s=1", "cluster.elastic.drain_timeout_s=120",
+                        "cluster.elastic.job_cpus=2", "cluster.elastic.job_time_min=20")
     why = lambda: diagnose(run_dir)  # noqa: E731
     with running(cmd, env, name) as proc:
         wait_until(lambda: len(read_rows(run_dir)) >= 2 or proc.poll() is not None, 600,

@@ -1,6 +1,6 @@
 """A global restart inside a Slurm allocation: a trainer rank SIGKILLed mid-run (what a crashed
 rank or a GPU error does) stops every step of the het job; the driver starts every role again
-as new srun steps from the latest checkpoint (cluster.max_global_restarts=1), and the run
+as new srun steps from the latest checkpoint (cluster.restart.max_global=1), and the run
 completes with every step logged once and no accepted sample lost. The same failure on a
 drained node requeues the job onto other nodes instead."""
 
@@ -51,7 +51,7 @@ def test_a_killed_trainer_rank_restarts_every_role_as_new_srun_steps(tmp_path, t
     run_dir, name = tmp_path / "run", f"relax-test-{uuid.uuid4().hex[:8]}"
     env = job_env(slurm_env)
     cmd = slurm_command(tiny_assets, run_dir, STEPS, name, "metrics.progress=false",
-                        f"trainer.save_every={SAVE_EVERY}", "cluster.max_global_restarts=1")
+                        f"trainer.save_every={SAVE_EVERY}", "cluster.restart.max_global=1")
     why = lambda: diagnose(run_dir)  # noqa: E731
     with running(cmd, env, name) as proc:
         wait_until(lambda: len(read_rows(run_dir)) >= KILL_AFTER or proc.poll() is not None,
@@ -88,11 +88,11 @@ def test_a_failure_on_a_drained_node_requeues_the_job_onto_other_nodes(tmp_path,
                                                                       slurm_env):
     """The same failure while a node of the job is drained (as a failed health check drains
     it): restarting there would fail again, so the driver requeues the job instead (although
-    max_global_restarts allows a restart); Slurm starts it on the other nodes, and it resumes."""
+    restart.max_global allows a restart); Slurm starts it on the other nodes, and it resumes."""
     run_dir, name = tmp_path / "run", f"relax-test-{uuid.uuid4().hex[:8]}"
     env = job_env(slurm_env)
     cmd = slurm_command(tiny_assets, run_dir, STEPS, name, "metrics.progress=false",
-                        f"trainer.save_every={SAVE_EVERY}", "cluster.max_global_restarts=1")
+                        f"trainer.save_every={SAVE_EVERY}", "cluster.restart.max_global=1")
     why = lambda: diagnose(run_dir)  # noqa: E731
     node = None
     with running(cmd, env, name) as proc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from relax_slurm.broker.heartbeat import Pacer
-from relax_slurm.config.cluster import ClusterConfig
+from relax_slurm.config.cluster import RestartConfig
 from relax_slurm.errors import ConfigError
 
 
@@ -20,7 +20,7 @@ def test_pacer_is_due_at_once_then_once_per_interval() -> None:
 
 
 def test_timeout_must_leave_room_for_two_beats() -> None:
-    ClusterConfig(heartbeat_interval_s=5, heartbeat_timeout_s=10)
-    ClusterConfig(heartbeat_interval_s=5, heartbeat_timeout_s=0)  # off
-    with pytest.raises(ConfigError, match="cluster.heartbeat_timeout_s=9"):
-        ClusterConfig(heartbeat_interval_s=5, heartbeat_timeout_s=9)
+    RestartConfig(heartbeat_interval_s=5, heartbeat_timeout_s=10)
+    RestartConfig(heartbeat_interval_s=5, heartbeat_timeout_s=0)  # off
+    with pytest.raises(ConfigError, match="cluster.restart.heartbeat_timeout_s=9"):
+        RestartConfig(heartbeat_interval_s=5, heartbeat_timeout_s=9)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from relax_slurm.config import TrainConfig
-from relax_slurm.config.cluster import ClusterConfig
+from relax_slurm.config.cluster import ClusterConfig, ContainerConfig
 from relax_slurm.config.data import DataConfig
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.errors import ConfigError, Preempted, RelaxError, RoleFailed
@@ -72,12 +72,19 @@ def test_other_exits_are_failures(tmp_path):
     (dict(trainer_nodes=0), "cluster.trainer_nodes"),
     (dict(time_limit_min=1, signal_lead_s=120), "cluster.signal_lead_s"),
     (dict(signal_lead_s=60, preempt_timeout_s=90), "cluster.preempt_timeout_s"),
-    (dict(container_image="a", container_prefix=["apptainer"]), "cluster.container_image"),
+    (dict(extra_sbatch_args=["-C", "a100"]), "cluster.extra_sbatch_args"),
     (dict(cpus_per_task=0), "cluster.cpus_per_task"),
 ])
 def test_cluster_config_checks_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         ClusterConfig(kind="slurm", **kwargs)
+
+
+def test_container_checks_name_the_key():
+    with pytest.raises(ConfigError, match=r"cluster\.container\.image \(pyxis\)"):
+        ContainerConfig(image="a", prefix=["apptainer"])
+    with pytest.raises(ConfigError, match=r"cluster\.container\.mounts"):
+        ContainerConfig(mounts=["/data:/data"], prefix=["apptainer"])
 
 
 def test_colocated_may_share_nodes():

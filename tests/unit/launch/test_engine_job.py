@@ -41,8 +41,8 @@ def script(*overrides: str, name: str = "engine3") -> str:
 def test_engine_job_script_matches_golden():
     text = script("cluster.partition=cpu", "cluster.rollout_partition=gpu", "cluster.account=p1",
                   "cluster.gpus_per_node=8", "rollout.engine=sglang", "rollout.engine_tp_size=2",
-                  "cluster.engine_job_cpus=16", "cluster.engine_job_time_min=90",
-                  "cluster.engine_job_mem_gb=64", "cluster.job_name=grpo",
+                  "cluster.elastic.job_cpus=16", "cluster.elastic.job_time_min=90",
+                  "cluster.elastic.job_mem_gb=64", "cluster.job_name=grpo",
                   "cluster.setup_lines=[source venv/bin/activate]")
     check_golden("engine_job.sbatch", text)
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # valid shell
@@ -56,22 +56,22 @@ def test_engine_job_resources_default_to_the_rollout_component():
         assert f"#SBATCH {want}" in lines, want
     assert not any("gpus" in l or "--mem" in l for l in lines)  # CPU run: none asked
     assert "srun" not in "\n".join(lines)  # the function runs in the batch step
-    engine_partition = script("cluster.partition=cpu", "cluster.engine_job_partition=spot")
+    engine_partition = script("cluster.partition=cpu", "cluster.elastic.job_partition=spot")
     assert "#SBATCH --partition=spot" in engine_partition.splitlines()
 
 
 def test_the_engine_runs_in_the_runs_container():
     argv = [sys.executable, "-m", "relax_slurm.rollout.hf_engine", "--port", "5"]
     assert ej.job_argv(cfg_for(), "engine3", argv, "/w") == argv  # no container
-    pyxis = ej.job_argv(cfg_for("cluster.container_image=img.sqsh", "cluster.container_python=py3",
-                                "cluster.container_mounts=[/data:/data]",
+    pyxis = ej.job_argv(cfg_for("cluster.container.image=img.sqsh", "cluster.container.python=py3",
+                                "cluster.container.mounts=[/data:/data]",
                                 "cluster.extra_srun_args=[--overlap]"), "engine3", argv, "/w")
     # a step of the engine job, in the image, with the container's Python
     assert pyxis == ["srun", "--nodes=1", "--ntasks=1", "--job-name=engine3",
                      "--kill-on-bad-exit=1", "--container-image=img.sqsh",
                      "--container-workdir=/w", "--container-mounts=/data:/data", "--overlap",
                      "py3", *argv[1:]]
-    apptainer = ej.job_argv(cfg_for("cluster.container_prefix=[apptainer,exec,--nv,img.sif]"),
+    apptainer = ej.job_argv(cfg_for("cluster.container.prefix=[apptainer,exec,--nv,img.sif]"),
                             "engine3", argv, "/w")
     assert apptainer == ["apptainer", "exec", "--nv", "img.sif", "python", *argv[1:]]
 
@@ -100,8 +100,8 @@ def test_engine_job_function_serves_restarts_in_place_and_stops(tmp_path, tiny_a
     Its engine runs through the run's container prefix (here `env`, which marks it)."""
     cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path=str(tiny_assets / "model")),
                       data=DataConfig(train_files=["x"]))
-    cfg.cluster.container_prefix = ["env", "RELAX_TEST_CONTAINER=1"]
-    cfg.cluster.container_python = sys.executable
+    cfg.cluster.container.prefix = ["env", "RELAX_TEST_CONTAINER=1"]
+    cfg.cluster.container.python = sys.executable
     save_config(cfg, tmp_path / "config.yaml")
     ensure_secret(tmp_path)
     (tmp_path / "logs").mkdir()

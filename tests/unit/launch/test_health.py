@@ -62,7 +62,7 @@ def test_silent_roles_engines_and_broker_are_named(start_broker: Callable[..., B
     try:
         assert poll(watch, TIMEOUT_S - 0.5) is None  # silent, but not for long enough yet
         assert poll(watch, 2 * TIMEOUT_S) == (
-            "engine1", "has not answered /health for 2s (cluster.heartbeat_timeout_s)")
+            "engine1", "has not answered /health for 2s (cluster.restart.heartbeat_timeout_s)")
     finally:
         watch.close()
 

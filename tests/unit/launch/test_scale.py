@@ -75,10 +75,11 @@ class External:
 @pytest.fixture
 def external(start_broker: Callable[..., Broker], tmp_path: Path, tiny_assets: Path
              ) -> Iterator[Callable[..., External]]:
-    """external(**cluster): the set-up above, with these `cluster.*` values; stopped after."""
+    """external(**restart): the set-up above, with these `cluster.restart.*` values; stopped
+    after."""
     made: list[External] = []
 
-    def make(**cluster: object) -> External:
+    def make(**restart: object) -> External:
         save_plan(RunPlan(broker_router="tcp://x:1", broker_pub="tcp://x:2",
                           engine_urls=[INITIAL]), tmp_path)
         broker = start_broker(admin=True)
@@ -86,8 +87,8 @@ def external(start_broker: Callable[..., Broker], tmp_path: Path, tiny_assets: P
         engine = start_engine(tiny_assets / "model", port, log)
         cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path="x"),
                           data=DataConfig(train_files=["x"]))
-        for key, value in cluster.items():
-            setattr(cfg.cluster, key, value)
+        for key, value in restart.items():
+            setattr(cfg.cluster.restart, key, value)
         (tmp_path / "logs").mkdir(exist_ok=True)
         procs = ProcessSet(tmp_path / "logs", {})
         made.append(External(broker, f"http://127.0.0.1:{port}", engine, log, procs,

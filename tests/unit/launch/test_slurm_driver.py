@@ -101,16 +101,16 @@ def test_srun_lines_of_a_plain_job_have_no_het_group():
 
 
 def test_containers_pyxis_and_prefix():
-    lines, _ = _srun_lines(cfg_for("cluster.container_image=img.sqsh",
-                                   "cluster.container_mounts=[/data:/data]",
-                                   "cluster.container_python=python3"), HET)
+    lines, _ = _srun_lines(cfg_for("cluster.container.image=img.sqsh",
+                                   "cluster.container.mounts=[/data:/data]",
+                                   "cluster.container.python=python3"), HET)
     broker = lines["broker"]
     assert "--container-image=img.sqsh" in broker and "--container-mounts=/data:/data" in broker
     assert "--container-workdir=/work" in broker
     cmd = broker.index("-m") - 1  # the role's command follows srun's options
     assert broker[cmd:cmd + 3] == ["python3", "-m", "relax_slurm.broker"]
     assert all(a.startswith("--") for a in broker[1:cmd])
-    lines, _ = _srun_lines(cfg_for("cluster.container_prefix=[apptainer,exec,--nv,img.sif]"), HET)
+    lines, _ = _srun_lines(cfg_for("cluster.container.prefix=[apptainer,exec,--nv,img.sif]"), HET)
     tail = lines["engine0"][lines["engine0"].index("--kill-on-bad-exit=1") + 1:]
     assert tail[:5] == ["apptainer", "exec", "--nv", "img.sif", "python"]
 
