@@ -147,7 +147,7 @@ def staleness_rule(group, newest: int) -> dict:
         taken = state.take_batch(1, trainer_version)
         out[str(trainer_version)] = {
             "taken": taken is not None, "dropped": state.counters()["dropped"],
-            "staleness_max": taken[1]["staleness_max"] if taken else None}
+            "staleness_max": taken[1].staleness_max if taken else None}
     return out
 
 
