@@ -1,7 +1,7 @@
 """Elastic rollout on Slurm: each engine a `num_replicas` scale-out adds runs as its own Slurm
 job, submitted through submitit from the driver (launch/scale.py calls `EngineJobs`).
 
-    engine job (one node, cluster.engine_job_*)           the driver (Scaler, every 0.5 s)
+    engine job (one node, cluster.elastic.job_*)           the driver (Scaler, every 0.5 s)
     serve(): picks a free port on its node, writes        submit -> op stays PENDING while the
       RUN_DIR/engines/<name>.json {url, job_id, ...}        job waits in the queue and starts
       (atomically), runs the engine server, waits        url file there -> CREATING (urls),
@@ -80,7 +80,7 @@ def read_url(run_dir: Path, name: str, job_id: str) -> str | None:
 
 
 def job_parameters(cfg: TrainConfig, name: str, workdir: Path) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters of one engine job (cluster.engine_job_*)."""
+    """submitit SlurmExecutor parameters of one engine job (cluster.elastic.job_*)."""
     c = cfg.cluster
     rollout_gpus = c.gpus_per_node if c.rollout_gpus_per_node is None else c.rollout_gpus_per_node
     gpus = c.elastic.job_gpus if c.elastic.job_gpus is not None else (
