@@ -59,7 +59,9 @@ class SampleMeta:
     agent_group: str | None = None
 
     def __post_init__(self) -> None:
-        for key, value in asdict(self).items():
+        # vars, not asdict (which deep-copies data_state): this runs for every sample the
+        # broker accepts and the trainer reads
+        for key, value in vars(self).items():
             _check_type(key, value, "SampleMeta")
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,9 +82,10 @@ class SampleMeta:
         if missing:
             raise MetadataError(f"{where}: missing key(s) {missing} (every rollout worker "
                                 "stamps them)")
-        for key, value in meta.items():
-            _check_type(key, value, where)
-        return cls(**meta)
+        try:  # __post_init__ checks each value's type
+            return cls(**meta)
+        except MetadataError as e:
+            raise MetadataError(str(e).replace("SampleMeta", where, 1)) from None
 
     @classmethod
     def of(cls, sample: Any) -> SampleMeta | None:
