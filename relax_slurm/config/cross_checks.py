@@ -62,13 +62,14 @@ def check_parallel_layout(t: TrainerConfig, cluster: ClusterConfig) -> None:
 
 
 def check_megatron_media(t: TrainerConfig, data: DataConfig) -> None:
-    # the megatron backend trains Qwen2.5-VL / Qwen3-VL (dense) on images, TP only; the
-    # architecture itself is checked when the model loads (trainer/megatron/vl.py)
-    mm_kinds = set(data.multimodal_keys) - {"image"}
+    # the megatron backend trains Qwen2.5-VL (images, video) and Qwen3-VL (images), TP only;
+    # the architecture, and video for Qwen3-VL, are checked when the model loads
+    # (trainer/megatron/vl.py: kind, check_media)
+    mm_kinds = set(data.multimodal_keys) - {"image", "video"}
     check(t.backend != "megatron" or not mm_kinds,
-          f"trainer=megatron trains vision-language models on images only "
-          f"(data.multimodal_keys has {sorted(mm_kinds)}): use trainer=torch for video and "
-          "audio (docs/backends.md#multimodal-models)")
+          f"trainer=megatron trains vision-language models on images and video only "
+          f"(data.multimodal_keys has {sorted(mm_kinds)}): use trainer=torch for audio "
+          "(docs/backends.md#multimodal-models)")
     check(t.backend != "megatron" or not data.multimodal_keys
           or (t.pipeline_parallel_size == 1 and t.context_parallel_size == 1),
           "trainer=megatron with data.multimodal_keys supports tensor parallelism only: set "

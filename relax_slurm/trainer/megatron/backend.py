@@ -13,7 +13,7 @@ from torch import Tensor
 from relax_slurm.config import TrainConfig
 from relax_slurm.trainer.model import reference_due
 from relax_slurm.trainer.batch import MicroBatch
-from relax_slurm.trainer.megatron import checkpoint
+from relax_slurm.trainer.megatron import checkpoint, vl
 from relax_slurm.trainer.megatron.model import (
     MegatronModel, data_ranks, destroy_model_parallel, init_model_parallel,
 )
@@ -29,6 +29,8 @@ class MegatronBackend:
         self.cfg = cfg
         init_model_parallel(cfg.trainer)
         self.mm = MegatronModel(cfg.model, cfg.trainer)
+        if self.mm.vl is not None:  # before step 1: the model's kind is known only now
+            vl.check_media(self.mm.vl, cfg.data.multimodal_keys)
         # multimodal configs keep it in the text config (transformers 5)
         pad = self.mm.bridge.hf_pretrained.config.get_text_config().pad_token_id
         self.pad_id = pad if pad is not None else 0

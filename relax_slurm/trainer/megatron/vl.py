@@ -105,33 +105,49 @@ def _qwen25_forward() -> None:
     """qwen_vl/modeling_qwen25_vl.py Qwen25VLModel.forward calls transformers 4's
     `get_image_features` (transformers 5 returns a ModelOutput), the old `get_rope_index`
     signature (transformers 5 takes `mm_token_type_ids` second) and a
-    `get_vision_position_ids` it never binds. The same computation with transformers 5's API:
-    image features (the vision tower's pooler_output) placed at the image tokens, M-RoPE
-    positions from transformers' own get_rope_index, then megatron's language model."""
+    `get_vision_position_ids` it never binds, and drops videos. The same computation with
+    transformers 5's API, as its Qwen2_5_VLModel.forward does it: image and video features (the
+    one vision tower's pooler_output) placed at the image and video tokens, M-RoPE positions
+    (videos spaced in time by `second_per_grid_ts`) from transformers' own get_rope_index, then
+    megatron's language model."""
     from megatron.bridge.models.qwen_vl.modeling_qwen25_vl import Qwen25VLModel
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, pixel_values=None,
-                image_grid_thw=None, mm_token_type_ids=None, pad_mask=None, **_):
+                image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
+                second_per_grid_ts=None, mm_token_type_ids=None, pad_mask=None, **_):
         emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [T,B,H]
-        if pixel_values is not None:
-            image = self.visual(pixel_values, grid_thw=image_grid_thw).pooler_output
+        placed = [(pixels, grid, token) for pixels, grid, token in (
+            (pixel_values, image_grid_thw, self.config.image_token_id),
+            (pixel_values_videos, video_grid_thw, self.config.video_token_id))
+            if pixels is not None]
+        if placed:
             emb = emb.transpose(0, 1).clone()
-            emb[input_ids == self.config.image_token_id] = image.to(emb.dtype)
+            for pixels, grid, token in placed:
+                features = self.visual(pixels, grid_thw=grid).pooler_output
+                emb[input_ids == token] = features.to(emb.dtype)
             emb = emb.transpose(0, 1).contiguous()
         if position_ids is None:
             shim = types.SimpleNamespace(config=self.config)
             shim.get_vision_position_ids = types.MethodType(
                 Qwen2_5_VLModel.get_vision_position_ids, shim)
             if mm_token_type_ids is None:
-                mm_token_type_ids = (input_ids == self.config.image_token_id).long()
+                mm_token_type_ids = token_types(self.config, input_ids)
             position_ids, _ = Qwen2_5_VLModel.get_rope_index(
-                shim, input_ids, mm_token_type_ids, image_grid_thw, None,
-                attention_mask=pad_mask)
+                shim, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw,
+                second_per_grid_ts, attention_mask=pad_mask)
         return self.language_model(input_ids=None, position_ids=position_ids,
                                    attention_mask=attention_mask, decoder_input=emb)
 
     Qwen25VLModel.forward = forward
+
+
+def token_types(config, input_ids: Tensor) -> Tensor:
+    """transformers' `mm_token_type_ids` for Qwen2.5-VL rows: 0 text, 1 image, 2 video token."""
+    types_ = torch.zeros_like(input_ids)
+    types_[input_ids == config.image_token_id] = 1
+    types_[input_ids == config.video_token_id] = 2
+    return types_
 
 
 def _qwen3_vision_tuple() -> None:
@@ -210,21 +226,43 @@ def qwen3_rope_index(spatial_merge_size: int, image_token_id: int, input_ids: Te
                              attention_mask=attention_mask)
 
 
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def media_keys(model_kind: str) -> tuple[str, ...]:
+    """The media tensors a VL kind's megatron forward takes: Qwen2.5-VL images and videos,
+    Qwen3-VL (dense, MoE) images only (the bridge's Qwen3-VL model asserts no video)."""
+    return IMAGE_KEYS + VIDEO_KEYS if model_kind == QWEN25 else IMAGE_KEYS
+
+
+def check_media(model_kind: str, media_kinds) -> None:
+    """ConfigError when the run's `data.multimodal_keys` has media this model's megatron
+    forward does not take."""
+    if "video" in set(media_kinds) and model_kind != QWEN25:
+        raise ConfigError(
+            f"trainer=megatron trains {model_kind} on images only: megatron-bridge 0.3.1's "
+            "Qwen3-VL model asserts `pixel_values_videos is None` (\"not support video now\"). "
+            "Fix: drop video from data.multimodal_keys, train a Qwen2.5-VL model, or use "
+            "trainer=torch (docs/backends.md#multimodal-models)")
+
+
 def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | None,
             media: dict[str, Tensor]) -> Tensor:
     """One VL chunk's vocab-parallel logits [B, T, V/TP] for right-padded rows with media."""
     T = input_ids.shape[1]
-    kw = {k: media[k] for k in ("pixel_values", "image_grid_thw") if k in media}
-    unknown = set(media) - {"pixel_values", "image_grid_thw"}
+    known = media_keys(model_kind)
+    unknown = set(media) - set(known)
     if unknown:
-        raise ConfigError(f"trainer=megatron trains images only; the batch has "
-                          f"{sorted(unknown)} (video or audio). Fix: trainer=torch "
+        raise ConfigError(f"trainer=megatron cannot feed {sorted(unknown)} to {model_kind} "
+                          "(video into Qwen3-VL, or audio). Fix: trainer=torch "
                           "(docs/backends.md#multimodal-models)")
+    kw = {k: media[k] for k in known if k in media}
     if model_kind == QWEN25:
         pad = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).triu(1)
         return chunk(input_ids=input_ids, attention_mask=causal.view(1, 1, T, T),
-                     mm_token_type_ids=(input_ids == chunk_config(chunk).image_token_id).long(),
+                     mm_token_type_ids=token_types(chunk_config(chunk), input_ids),
                      pad_mask=pad, **kw)
     # Qwen3-VL: its model computes the M-RoPE positions itself (_qwen3_rope_index); a 4-D
     # mask breaks its utils.py:113-129, and none means the layers' causal mask (right-padded)

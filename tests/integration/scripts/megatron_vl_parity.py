@@ -3,7 +3,8 @@
 A tiny Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE under trainer=megatron on gloo
 (relax_slurm/trainer/megatron/vl.py, vl_moe.py); rank 0 writes DIR/result.json with, against
 the transformers model on two right-padded rows with images of different sizes:
-- the largest logit difference on the rows' tokens (MegatronModel.forward with the media),
+- the largest logit difference on the rows' tokens (MegatronModel.forward with the media;
+  for Qwen2.5-VL a video too, placed and positioned in time by M-RoPE),
 - the largest vision-tower gradient difference of a fixed random linear function of the logits
   (the patch embedding and the first block's qkv), each with the reference's scale,
 - for the MoE: the gradients of every expert this rank holds (fc1 = transformers' fused
@@ -31,10 +32,13 @@ from script_result import finish
 
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.trainer import TrainerConfig
+from relax_slurm.trainer.megatron import vl
 from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel
 
 
 def inputs(path: str):
+    """Two right-padded rows with images of different sizes; for Qwen2.5-VL the second row
+    also has a video after its image (trainer=megatron takes video for Qwen2.5-VL only)."""
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
     proc, tok = AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path)
@@ -48,10 +52,30 @@ def inputs(path: str):
     S, E, I = cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id
     txt = tok("ab cd", add_special_tokens=False)["input_ids"]
     rows = [txt + [S] + [I] * n[0] + [E] + txt, txt[:2] + [S] + [I] * n[1] + [E] + txt + txt]
+    media = {"pixel_values": pv, "image_grid_thw": thw}
+    if cfg.model_type == "qwen2_5_vl":
+        media.update(video(cfg.vision_config))
+        rows[1] += [S] + [cfg.video_token_id] * video_tokens(media) + [E] + txt
     T, pad = max(map(len, rows)), tok.pad_token_id or 0
     ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
-    return ids, mask, {"pixel_values": pv, "image_grid_thw": thw}, I
+    return ids, mask, media
+
+
+def video(vision) -> dict:
+    """A video as the processor lays it out: 4 frames of 56x56 -> (t, h, w) = (2, 4, 4)
+    patches of channels x temporal_patch_size x patch_size^2 values, 0.5 s per temporal patch
+    (random values: both models take the same tensors)."""
+    t, h, w = 2, 4, 4
+    dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    g = torch.Generator().manual_seed(7)
+    return {"pixel_values_videos": torch.randn(t * h * w, dim, generator=g),
+            "video_grid_thw": torch.tensor([[t, h, w]]),
+            "second_per_grid_ts": torch.tensor([0.5])}
+
+
+def video_tokens(media: dict) -> int:
+    return int(media["video_grid_thw"].prod()) // 4  # after the 2x2 merge
 
 
 def main() -> None:
@@ -81,8 +105,8 @@ def main() -> None:
 
     hf = AutoModelForImageTextToText.from_pretrained(args.model_dir, dtype=torch.float32)
     result["hf_param_names"] = sorted(n for n, _ in hf.named_parameters())
-    ids, mask, media, image_id = inputs(args.model_dir)
-    mm_types = (ids == image_id).long()
+    ids, mask, media = inputs(args.model_dir)
+    mm_types = vl.token_types(hf.config, ids)  # 1 image, 2 video: transformers' M-RoPE input
     chunk = mm.chunks[0]
     valid = mask.bool()
 

@@ -27,13 +27,32 @@ def test_images_with_tensor_parallelism_compose():
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (("+data.multimodal_keys.video=videos",), "images only"),
+    (("+data.multimodal_keys.audio=audios",), "images and video only"),
     (("trainer.pipeline_parallel_size=2", "trainer.nproc_per_node=2"), "tensor parallelism only"),
 ])
 def test_refused_with_the_fix(overrides, words):
     with pytest.raises(Exception) as e:
         compose(*overrides)
     assert words in str(e.value) and "docs/backends.md#multimodal-models" in str(e.value)
+
+
+def test_video_composes_and_only_qwen25_vl_takes_it():
+    """Video passes the config (the model's kind is known when it loads); Qwen2.5-VL's megatron
+    forward takes the video tensors, Qwen3-VL's is refused at load, naming the fix."""
+    cfg = compose("+data.multimodal_keys.video=videos")
+    assert "video" in cfg.data.multimodal_keys
+    vl.check_media(vl.QWEN25, cfg.data.multimodal_keys)
+    assert set(vl.VIDEO_KEYS) <= set(vl.media_keys(vl.QWEN25))
+    for kind in (vl.QWEN3, vl.QWEN3_MOE):
+        with pytest.raises(ConfigError, match=r"images only.*docs/backends.md#multimodal"):
+            vl.check_media(kind, cfg.data.multimodal_keys)
+        vl.check_media(kind, ["image"])
+
+
+def test_qwen25_token_types():
+    config = type("C", (), {"image_token_id": 7, "video_token_id": 8})()
+    ids = torch.tensor([[1, 7, 7, 2, 8, 8, 8, 0]])
+    assert vl.token_types(config, ids).tolist() == [[0, 1, 1, 0, 2, 2, 2, 0]]
 
 
 def test_unsupported_architectures_name_the_reason():
