@@ -19,6 +19,7 @@ from torch import Tensor
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.errors import ConfigError
+from relax_slurm.modeling import media_token_ids
 from relax_slurm.trainer.megatron import context_parallel, cpu_compat, vl
 from relax_slurm.trainer.schedule import lr_factor
 
@@ -173,6 +174,9 @@ class MegatronModel:
             model_cfg.path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
         hf_config = self.bridge.hf_pretrained.config
         self.vl = vl.kind(hf_config)  # None: a text decoder
+        # media pad tokens, which the engines never sample: out of the policy's softmax, as
+        # under trainer=torch (modeling.media_token_ids; empty for text models)
+        self.banned_ids = list(media_token_ids(hf_config))
         if self.vl is not None:
             check_vl_parallel(cfg)
             vl.apply()

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from relax_slurm.config.algo import AlgoConfig
@@ -135,14 +136,21 @@ def _forward(mm: MegatronModel, chunk, mb: MicroBatch, cp: int, cp_rank: int,
 
 def _scaled_logits(mm: MegatronModel, out, width: int, cp: int, temperature: float,
                    tokens: int):
-    """Full-vocabulary logits predicting each next token, / temperature, [B, T-1, V]."""
+    """Full-vocabulary logits predicting each next token, / temperature, [B, T-1, V]. A
+    multimodal model's media pad tokens get the lowest logit, as the engine never samples them
+    (trainer.step.scaled_logits does the same under trainer=torch: without it the policy's
+    softmax is not the engine's, ~0.1 apart in log-prob on the tiny VL model)."""
     logits = mm.full_logits(out)
     if cp > 1:
         logits = context_parallel.gather_sequence(logits, width)
-        return logits[:, :-1].float() / temperature
-    # the micro-batch's own width (micro-batches are trimmed, narrower than `width`): under
-    # sequence parallelism its rows were padded to a multiple of TP (MegatronModel.forward)
-    return logits[:, :tokens - 1].float() / temperature
+        scaled = logits[:, :-1].float() / temperature
+    else:
+        # the micro-batch's own width (micro-batches are trimmed, narrower than `width`): under
+        # sequence parallelism its rows were padded to a multiple of TP (MegatronModel.forward)
+        scaled = logits[:, :tokens - 1].float() / temperature
+    if mm.banned_ids:
+        scaled[..., mm.banned_ids] = torch.finfo(scaled.dtype).min
+    return scaled
 
 
 def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, num_steps: int,
