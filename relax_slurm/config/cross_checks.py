@@ -81,20 +81,15 @@ def check_routing_replay(algo: AlgoConfig, rollout: RolloutConfig, t: TrainerCon
     check(not algo.routing_replay or rollout.return_routed_experts,
           "algo.routing_replay=true replays the experts the engines report: set "
           "rollout.return_routed_experts=true")
+    # megatron's routers under context parallelism see each CP rank's chunks of the sequence:
+    # trainer/megatron/routing.py maps them, but CP runs only with transformer-engine on GPUs
+    # and that replay is untested there. (Sequence parallelism, an MoE model at TP > 1, is
+    # mapped and tested.)
     check(not algo.routing_replay or t.context_parallel_size == 1,
           "algo.routing_replay=true with trainer.context_parallel_size > 1 is not supported "
-          "yet: the replayed routing is not split across context-parallel ranks "
-          "(docs/algorithms.md#routing-replay)")
-    # replay is for MoE models, which megatron-core trains under TP > 1 only with sequence
-    # parallelism (build_provider turns it on), whose per-TP-rank sequence slices the replay
-    # does not map (trainer/megatron/routing.py). Not for return_routed_experts alone: it is on
-    # by default and ignored for dense models, which this config cannot tell from MoE ones
-    check(t.backend != "megatron" or t.tensor_parallel_size == 1 or not algo.routing_replay,
-          f"algo.routing_replay=true with trainer=megatron and trainer.tensor_parallel_size="
-          f"{t.tensor_parallel_size}: an MoE model under TP > 1 trains with sequence "
-          "parallelism, which the routing replay does not support. Fix: "
-          "trainer.tensor_parallel_size=1 with the experts over trainer.expert_parallel_size, "
-          "or algo.routing_replay=false (docs/backends.md#moe-and-sequence-parallelism)")
+          "yet: its replay across context-parallel ranks is untested. Fix: "
+          "trainer.context_parallel_size=1 (tensor and expert parallelism replay) "
+          "or algo.routing_replay=false (docs/algorithms.md#routing-replay)")
 
 
 def check_mini_batches(t: TrainerConfig, rollout: RolloutConfig) -> None:

@@ -20,6 +20,12 @@ CUDA is available. What it does and why:
   Adam is megatron-core's fallback without TE/Apex): "step" is left as it is; and the loader
   hands every parameter one shared "step" tensor, which Adam would increment once per
   parameter: each gets its own copy.
+- sequence parallelism (megatron-core trains MoE layers at TP > 1 only with it): the local
+  layers' torch norm asserts it off (torch_norm.py:32), though a norm is per token and so
+  exact on each TP rank's slice of the sequence. What the TP ranks' slices still need is their
+  norm weights' gradients summed over the TP group, which finalize_model_grads does for
+  parameters tagged `sequence_parallel` (as transformer-engine's norms and the MoE router tag
+  theirs): the norm is built with the flag off in a copy of the config, then tagged.
 - megatron-bridge imports `transformer_engine` and `triton` at module level, and neither
   installs on CPU: stub modules are registered, *after* every megatron.core module was
   imported, so megatron.core still sees `HAVE_TE=False` and builds its local (non-TE) layers.
@@ -178,6 +184,30 @@ def _distributed_optimizer_on_cpu() -> None:
     DistributedOptimizer.load_state_dict = load_state_dict
 
 
+def _sequence_parallel_torch_norm() -> None:
+    """WrappedTorchNorm under sequence parallelism (the module docstring says why)."""
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+    if getattr(original, "_relax_sequence_parallel", False):
+        return
+
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True  # its gradient summed over the TP group
+        return norm
+
+    __new__._relax_sequence_parallel = True
+    WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
 def activate(seed: int) -> bool:
     """Apply the megatron-core shims (after `initialize_model_parallel`); False with a GPU.
 
@@ -203,6 +233,7 @@ def activate(seed: int) -> bool:
             setattr(moe_utils, name, None)
 
     mopt.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    _sequence_parallel_torch_norm()
     _distributed_optimizer_on_cpu()
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.Tensor.cuda = lambda self, *a, **k: self

@@ -107,16 +107,23 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
         if getattr(provider, "num_moe_experts", None):
             # the alltoall dispatcher copies token counts on a CUDA side-stream
             provider.moe_token_dispatcher_type = "allgather"
-            if cfg.tensor_parallel_size > 1:
+            multimodal = hf_config.get_text_config() is not hf_config
+            if cfg.tensor_parallel_size > 1 and multimodal:
                 raise ConfigError(
-                    f"trainer=megatron on CPU: an MoE model with tensor_parallel_size="
-                    f"{cfg.tensor_parallel_size}; megatron-core trains MoE layers under TP only "
-                    "with sequence parallelism (moe_layer.py), which its local layers (no "
-                    "transformer-engine) refuse. Fix: trainer.tensor_parallel_size=1 and "
-                    "trainer.expert_parallel_size to split the experts (docs/backends.md)")
+                    f"trainer=megatron on CPU: a vision-language MoE model with "
+                    f"tensor_parallel_size={cfg.tensor_parallel_size}; megatron-core trains MoE "
+                    "layers under TP only with sequence parallelism, which runs on CPU for text "
+                    "MoE models but is untested through the bridge's VL model. Fix: "
+                    "trainer.tensor_parallel_size=1 and trainer.expert_parallel_size to split "
+                    "the experts (docs/backends.md#multimodal-models)")
     if getattr(provider, "num_moe_experts", None):
         # a RouterReplay per router (idle unless routing replay hands it the rollout's experts)
         provider.moe_enable_routing_replay = True
+        # megatron-bridge's Qwen3-MoE bridge hard-codes the load-balancing loss's weight at 1e-3
+        # (qwen3_moe_bridge.py:58, Qwen's released value): the checkpoint's own, as trainer=torch
+        coef = getattr(hf_config.get_text_config(), "router_aux_loss_coef", None)
+        if coef is not None:
+            provider.moe_aux_loss_coeff = float(coef)
     provider.finalize()
     return provider
 
@@ -131,9 +138,8 @@ def set_parallel_sizes(provider, cfg: TrainerConfig) -> None:
     training step, not a silent wrong result. So a GPU preset with MoE at TP=2
     (qwen3_30b_a3b_dapo, qwen3_vl_30b_a3b_openr1) needs it on; the bridge's Qwen3-VL-MoE
     provider turns it on in its finalize anyway (qwen3_vl_provider.py:247-250). Dense models
-    keep it off: the path CI runs (torch's LayerNorm in megatron-core's local layers refuses
-    it, torch_norm.py:32). The rollout's routing is refused with it at config validation
-    (cross_checks.check_routing_replay) and at run time (routing.py)."""
+    keep it off (nothing requires it; on CPU the local layers' torch norms take it only through
+    cpu_compat). Routing replay maps each TP rank's slice of the sequence (routing.py)."""
     provider.tensor_model_parallel_size = cfg.tensor_parallel_size
     provider.pipeline_model_parallel_size = cfg.pipeline_parallel_size
     provider.context_parallel_size = cfg.context_parallel_size
@@ -252,8 +258,7 @@ class MegatronModel:
         """Rows right-padded (token 0, mask 0, after every real token: the causal mask keeps
         them out) to a multiple of TP: sequence parallelism splits the sequence over the TP
         ranks (megatron-core mappings.py _split_along_first_dim asserts it divides; the bridge's
-        Qwen3-VL model does not pad either). GPU only, unverified (the local layers run on CPU
-        refuse sequence parallelism); callers cut the logits back to the rows' width."""
+        Qwen3-VL model does not pad either); callers cut the logits back to the rows' width."""
         B, T = input_ids.shape
         extra = self.seq_length(T, 1) - T
         if extra == 0:

@@ -50,10 +50,12 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
     if num_steps > 1 and algo.old_logprobs == "recompute":
         batch = with_old_logprobs(mm, batch, algo, num_steps, micro_batch_size, temperature)
     cp_rank = ps.get_context_parallel_rank()
-    # MoE samples with the rollout's routing: every stage's routers compare (TP rank 0 counts:
-    # its peers route the same tokens), and replay when asked
-    routing = (RoutingStats() if batch.routed is not None
-               and ps.get_tensor_model_parallel_rank() == 0 and cp_rank == 0 else None)
+    # MoE samples with the rollout's routing: every stage's routers compare, and replay when
+    # asked. Each rank counts the tokens its routers see: under sequence (context) parallelism
+    # every TP (CP) rank its own slice of the sequence; without it TP peers route the same
+    # tokens and rank 0 counts. reduce_metrics sums over all ranks: the whole batch's figure
+    counts = mm.sequence_parallel or ps.get_tensor_model_parallel_rank() == 0
+    routing = RoutingStats() if batch.routed is not None and counts else None
     sums: dict[str, float] = {"loss": 0.0}
     norms, skipped = [], 0.0
     for k, (_, mini) in enumerate(mini_batches(batch, num_steps)):

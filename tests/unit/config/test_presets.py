@@ -317,20 +317,20 @@ def test_ppo_presets_and_the_command_line_wins():
     assert bare.trainer.num_steps_per_rollout == 4
 
 
-def test_megatron_routing_replay_needs_tensor_parallel_size_1():
-    """An MoE model at TP > 1 trains with sequence parallelism (megatron-core requires it),
-    whose per-rank sequence slices the replay does not map (docs/backends.md)."""
+def test_megatron_routing_replay_under_tensor_parallelism_but_not_context_parallelism():
+    """An MoE model at TP > 1 trains with sequence parallelism, whose per-rank slices the
+    replay maps (trainer/megatron/routing.py); context parallelism's replay is refused, naming
+    the fix."""
     replay = ["experiment=tiny_moe_cpu", "trainer=megatron", "algo.routing_replay=true"]
-    with pytest.raises(ConfigError, match="trainer.tensor_parallel_size=2: an MoE model under "
-                                          "TP > 1 trains with sequence parallelism"):
+    for parallel in ("trainer.tensor_parallel_size=2", "trainer.expert_parallel_size=2"):
+        assert to_train_config(_compose([*replay, "trainer.nproc_per_node=2",
+                                         parallel])).algo.routing_replay
+    with pytest.raises(ConfigError, match="trainer.context_parallel_size > 1 is not supported "
+                                          "yet.*Fix: trainer.context_parallel_size=1"):
         to_train_config(_compose([*replay, "trainer.nproc_per_node=2",
-                                  "trainer.tensor_parallel_size=2"]))
-    assert to_train_config(_compose([*replay, "trainer.nproc_per_node=2",
-                                     "trainer.expert_parallel_size=2"])).algo.routing_replay
-    # the comparison alone (on by default) is not refused: dense models ignore it
+                                  "trainer.context_parallel_size=2"]))
+    # the comparison alone (on by default) is not refused under CP
     assert to_train_config(_compose(["experiment=tiny_moe_cpu", "trainer=megatron",
                                      "trainer.nproc_per_node=2",
-                                     "trainer.tensor_parallel_size=2"])
+                                     "trainer.context_parallel_size=2"])
                            ).rollout.return_routed_experts
-    # trainer=torch has no tensor parallelism of this kind
-    assert to_train_config(_compose(replay[:1] + replay[2:])).algo.routing_replay
