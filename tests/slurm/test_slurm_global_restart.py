@@ -40,7 +40,8 @@ def trainer_rank_pid(run_dir: Path) -> int | None:
         except OSError:
             continue
         if (argv[-3:-1] == ["relax_slurm.trainer", "--run-dir"] and argv[-1] == str(run_dir)
-                and "torch.distributed.run" not in argv and not argv[0].endswith("srun")):
+                and "relax_slurm.runtime.torchrun" not in argv  # the agent
+                and not argv[0].endswith("srun")):
             return int(proc.name)
     return None
 
