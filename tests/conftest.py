@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -42,15 +43,22 @@ def relax_train(run_dir: Path, tiny: Path, *overrides: str, timeout_s: float = 9
                           text=True, timeout=timeout_s, env=run_env())
 
 
+def run_tool(script: str, *args: str) -> None:
+    """`python tools/SCRIPT ARGS` in this process: the script's own `main` (each of
+    tools/make_tiny_model.py, prepare_data.py, prepare_mm_data.py is `sys.exit(main(argv))` of
+    the relax_slurm.tiny module it imports). A Python of its own would import torch and
+    transformers again: ~5 CPU-s a model, against ~0.5 s here, for the same bytes (the builds
+    are seeded; checked with cmp). tests/unit/test_tools.py runs the scripts as a user does."""
+    main = runpy.run_path(str(REPO / "tools" / script))["main"]
+    assert main(list(args)) == 0, (script, args)
+
+
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> Path:
     """`tools/make_tiny_model.py` + `tools/prepare_data.py` output: DIR/model, DIR/arith_*.jsonl."""
     out = tmp_path_factory.mktemp("tiny")
-    for cmd in (["tools/make_tiny_model.py", "--out", str(out / "model")],
-                ["tools/prepare_data.py", "--out", str(out)]):
-        # generous: seconds when idle, but a loaded 2-core machine has taken over 120 s
-        subprocess.run([sys.executable, *cmd], cwd=REPO, check=True, timeout=600,
-                       capture_output=True)
+    run_tool("make_tiny_model.py", "--out", str(out / "model"))
+    run_tool("prepare_data.py", "--out", str(out))
     return out
 
 
@@ -61,12 +69,8 @@ def tiny_mm_assets(tmp_path_factory) -> Path:
     (Qwen2-Audio), DIR/colors_*.jsonl + DIR/colors/*.png, DIR/change_*.jsonl + DIR/change/*.mp4,
     DIR/tones_*.jsonl + DIR/tones/*.wav."""
     out = tmp_path_factory.mktemp("tiny_mm")
-    for cmd in (["tools/make_tiny_model.py", "--out", str(out / "vl_model"), "--kind", "vl"],
-                ["tools/make_tiny_model.py", "--out", str(out / "vl3_model"), "--kind", "vl3"],
-                ["tools/make_tiny_model.py", "--out", str(out / "audio_model"), "--kind", "audio"],
-                ["tools/prepare_mm_data.py", "--out", str(out), "--task", "colors"],
-                ["tools/prepare_mm_data.py", "--out", str(out), "--task", "change"],
-                ["tools/prepare_mm_data.py", "--out", str(out), "--task", "tones"]):
-        subprocess.run([sys.executable, *cmd], cwd=REPO, check=True, timeout=600,
-                       capture_output=True)
+    for kind in ("vl", "vl3", "audio"):
+        run_tool("make_tiny_model.py", "--out", str(out / f"{kind}_model"), "--kind", kind)
+    for task in ("colors", "change", "tones"):
+        run_tool("prepare_mm_data.py", "--out", str(out), "--task", task)
     return out

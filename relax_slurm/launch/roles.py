@@ -246,11 +246,12 @@ def worker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, host: str) -> Ro
 
 
 def trainer_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, hosts: list[str]) -> RoleSpec:
-    """torchrun with c10d rendezvous on the first trainer host."""
+    """torchrun with c10d rendezvous on the first trainer host (runtime/torchrun.py: torchrun
+    that skips its interpreter's teardown after its ranks finished)."""
     return RoleSpec(
         name="trainer", het_group=TRAINER_GROUP, host=hosts[0], cpus=cfg.cluster.trainer_cpus,
         ports={"rdzv": plan.trainer_master_port, "weight_sync": plan.weight_sync_port},
-        argv=[sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}",
+        argv=[sys.executable, "-m", "relax_slurm.runtime.torchrun", f"--nnodes={len(hosts)}",
               f"--nproc-per-node={cfg.trainer.nproc_per_node}", "--rdzv-backend=c10d",
               f"--rdzv-endpoint={hosts[0]}:{plan.trainer_master_port}",
               # torchrun polls its workers every 0.1 s by default: a fifth of a core on a small

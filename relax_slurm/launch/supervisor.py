@@ -7,7 +7,9 @@ attempt are functions here (`start`, `watch`); the `Supervisor` holds what they 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -137,7 +139,10 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
                 raise trainer.failure(
                     f"made no step for cluster.restart.step_timeout_s={cfg.cluster.restart.step_timeout_s}s "
                     "(hung?); see also logs/rollout.log and logs/engine*.log")
-            time.sleep(POLL_S)
+            # the poll's pause, cut short when the trainer exits: every run ends with it, and
+            # a plain sleep kept each one waiting ~POLL_S / 2 more for its summary
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                trainer.proc.wait(timeout=POLL_S)
     finally:
         progress.close()
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ONE_RANK, REPO, relax_train
+from tests.conftest import ONE_RANK, relax_train, run_tool
 
 RUN_TIMEOUT_S = 900
 TEACHER_SHARPNESS = 6.0
@@ -64,8 +63,7 @@ def make_teacher(tiny: Path, out: Path) -> Path:
     to distill. Scaling the teacher's final norm sharpens its logits (same preferences, ~0.8 nats
     from the student), which the student can then be seen to approach.
     """
-    subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(out), "--seed", "1"],
-                   cwd=REPO, check=True, timeout=600, capture_output=True)
+    run_tool("make_tiny_model.py", "--out", str(out), "--seed", "1")
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -220,17 +220,10 @@ E2E_REWARD = 0.6
 
 
 @pytest.fixture(scope="module")
-def vl_assets(tmp_path_factory) -> Path:
-    import subprocess
-
-    from tests.conftest import REPO
-
-    out = tmp_path_factory.mktemp("vl_assets")
-    for cmd in (["tools/make_tiny_model.py", "--out", str(out / "vl_model"), "--kind", "vl"],
-                ["tools/prepare_mm_data.py", "--out", str(out), "--task", "colors"]):
-        subprocess.run([sys.executable, *cmd], cwd=REPO, check=True, timeout=600,
-                       capture_output=True)
-    return out
+def vl_assets(tiny_mm_assets) -> Path:
+    """The session's multimodal assets (tests/conftest.py): DIR/vl_model and the colour task,
+    built once for this module and test_multimodal_e2e.py."""
+    return tiny_mm_assets
 
 
 @pytest.mark.timeout(1500)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import NEEDS_MEGATRON, REPO, run_env
+from tests.conftest import NEEDS_MEGATRON, REPO, run_env, run_tool
 
 VL_STEPS = 20  # one rank: reward ~0.001 -> ~0.31 by step 20 (measured; ~0.93 by step 60)
 AUDIO_STEPS = 3  # the entropy bonus moves the weights even while every reward is still 0
@@ -124,8 +124,7 @@ def make_vl_teacher(out: Path) -> Path:
     """Another tiny Qwen2.5-VL (seed 1, same tokenizer and processor), its language model's
     final norm scaled so that it predicts sharply: something to distill (see
     test_algos_e2e.make_teacher)."""
-    subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(out), "--kind", "vl",
-                    "--seed", "1"], cwd=REPO, check=True, timeout=600, capture_output=True)
+    run_tool("make_tiny_model.py", "--out", str(out), "--kind", "vl", "--seed", "1")
     import torch
 
     from relax_slurm.modeling import auto_model_class

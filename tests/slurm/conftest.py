@@ -8,6 +8,14 @@ session (then it is left as found) or RELAX_SLURM_KEEP=1.
 
 Skipped (with the reason) only where up.sh cannot work at all: Slurm not installed and no way
 to install it (not root, or no apt-get). Anywhere else a failed bring-up fails the tests.
+
+While the session runs, a thread touches the partition every NUDGE_EVERY_S (`scontrol update
+PartitionName=debug State=UP`, a no-op): only the backfill scheduler starts het jobs, and it
+runs only after some job, node or partition changed. A requeued het job may start
+`cred_expire` + 1 s (11 s) after its requeue, but on this otherwise idle cluster nothing changes
+then until the next priority recalculation (PriorityCalcPeriod, a minute): the preempted and
+drained-node tests waited 36-55 s more for it. A busy cluster changes all the time; the thread
+makes this one behave so (the requeue path itself is the same).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -28,6 +37,7 @@ DOWN_TIMEOUT_S = 180
 # what every `slurm` test's timeout mark adds for the session's bring-up, which pytest-timeout
 # counts against the first test that asks for the cluster (tiny_assets included)
 SETUP_ALLOWANCE_S = UP_TIMEOUT_S + 300
+NUDGE_EVERY_S = 2.0  # backfill then runs within ~NUDGE_EVERY_S + bf_interval of a job's start time
 
 
 def _ping(env: dict[str, str]) -> bool:
@@ -56,6 +66,16 @@ def _cannot_install(env: dict[str, str]) -> str | None:
     return None
 
 
+def _nudge_scheduler(env: dict[str, str], stop: threading.Event) -> None:
+    """Touch the partition every NUDGE_EVERY_S until `stop` (see the module's docstring)."""
+    while not stop.wait(NUDGE_EVERY_S):
+        try:
+            subprocess.run(["scontrol", "update", "PartitionName=debug", "State=UP"], env=env,
+                           capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # a busy slurmctld: the next touch, or the minute's recalculation, will do
+
+
 @pytest.fixture(scope="session")
 def slurm_env():
     """Environment (PATH with sbin, SLURM_CONF) under which sbatch/squeue/sacct reach the test
@@ -78,9 +98,15 @@ def slurm_env():
                     f"{_tail(r.stdout + r.stderr, 40)}")
     saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PATH")}
     os.environ.update(SLURM_CONF=env["SLURM_CONF"], PATH=env["PATH"])
+    stop = threading.Event()
+    nudge = threading.Thread(target=_nudge_scheduler, args=(env, stop), daemon=True,
+                             name="slurm-nudge")
+    nudge.start()
     try:
         yield env
     finally:
+        stop.set()
+        nudge.join(timeout=35)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -40,7 +40,8 @@ def trainer_rank_pid(run_dir: Path) -> int | None:
         except OSError:
             continue
         if (argv[-3:-1] == ["relax_slurm.trainer", "--run-dir"] and argv[-1] == str(run_dir)
-                and "torch.distributed.run" not in argv and not argv[0].endswith("srun")):
+                and "relax_slurm.runtime.torchrun" not in argv  # the agent
+                and not argv[0].endswith("srun")):
             return int(proc.name)
     return None
 
@@ -107,7 +108,7 @@ def test_a_failure_on_a_drained_node_requeues_the_job_onto_other_nodes(tmp_path,
             pid = trainer_rank_pid(run_dir)
             assert pid is not None, why()
             os.kill(pid, signal.SIGKILL)
-            # the drain holds until the requeued job has started elsewhere (~70 s here)
+            # the drain holds until the requeued job has started elsewhere (~11 s here)
             wait_until(lambda: (read_status(run_dir) or {}).get("attempt") == 1
                        or proc.poll() is not None, 600, "the requeued attempt", why=why)
         finally:

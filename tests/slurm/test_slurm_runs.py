@@ -220,8 +220,8 @@ def test_preempted_run_requeues_and_resumes(tmp_path, tiny_assets, slurm_env):
         k = parse_step(ckpt)
         assert SIGNAL_AFTER <= k < PREEMPT_STEPS, (k, why())
         assert [row["step"] for row in first] == list(range(k)), why()
-        # the requeued attempt: same job id, SLURM_RESTART_COUNT=1 (restarts 10-70 s later
-        # on this cluster, see tools/slurm/slurm.conf.in)
+        # the requeued attempt: same job id, SLURM_RESTART_COUNT=1 (restarts ~11 s later
+        # on this cluster while conftest.py nudges its scheduler; see tools/slurm/slurm.conf.in)
         wait_until(lambda: not in_queue(env, job_id), 900, "the requeued attempt to finish",
                    poll_s=2, why=why)
     finally:
