@@ -25,11 +25,12 @@ from torch import Tensor
 
 from relax_slurm.algos.grpo import ppo_clip_token_loss
 from relax_slurm.algos.registry import Algorithm, register
+from relax_slurm.config.algo_params import NoParams
 
 WHITEN_EPS = 1e-8
 
 
-def score_passthrough(rewards: Tensor, **_: object) -> Tensor:
+def score_passthrough(rewards: Tensor, p: NoParams) -> Tensor:
     """The sample's score, [B, G]: PPO's advantages come from the critic (GAE), per token."""
     return rewards.clone()
 
