@@ -196,7 +196,7 @@ class Operations:
     # ---- reports and the end ---------------------------------------------------------------
     def stats(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:
         self._reply(identity, rid, BrokerStats(
-            **self.state.counters(),
+            counters=Counters(**self.state.counters()),
             max_staleness=self.state.max_staleness,
             batch_size=self.state.batch_size,
             parked_acquires=len(self.acquires),
@@ -207,9 +207,8 @@ class Operations:
 
     def status(self, now: float, started: float) -> BrokerStatus:
         """The run as the broker sees it at `now` (admin GET /status); up since `started`."""
-        c = Counters(**self.state.counters())
         return BrokerStatus(
-            version=c.version, queue_depth=c.queue_depth, in_flight=c.in_flight, counters=c,
+            counters=Counters(**self.state.counters()),
             max_staleness=self.state.max_staleness, batch_size=self.state.batch_size,
             admission_open=self.state.open,
             parked_acquires=len(self.acquires), parked_get_batch=len(self.batches),

@@ -103,9 +103,9 @@ def batch_metrics(groups: list[Group], stats: BatchStats) -> dict[str, float]:
 
 def broker_counters(broker: BrokerClient, version: int) -> dict:
     """What a restarted broker needs: its counters as of `version` (queued groups are not kept)."""
-    stats = broker.stats()
-    return {"version": version, "dropped": stats.dropped, "consumed": stats.consumed,
-            "released": stats.released}
+    c = broker.stats().counters
+    return {"version": version, "dropped": c.dropped, "consumed": c.consumed,
+            "released": c.released}
 
 
 @dataclass

@@ -87,7 +87,7 @@ def test_a_rejoin_retires_the_predecessor_and_takes_back_its_credits():
         loop.call("put_group", W1, 3, groups=[group(0)])
     loop.call("stats", T, 4)
     stats = BrokerStats.from_dict(loop.replies[-1][2])
-    assert stats.in_flight == 0 and stats.auth_refused == 5
+    assert stats.counters.in_flight == 0 and stats.auth_refused == 5
 
 
 def test_status_and_shutdown():
