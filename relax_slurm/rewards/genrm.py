@@ -145,7 +145,7 @@ class GenRM:
         return PARSERS[self.parser](self.judge(render(self.template, inp)), self.max_score)
 
 
-@register_factory("genrm")
+@register_factory("genrm", service=True)
 def make_genrm(cfg: Any) -> GenRM:
     if not cfg.genrm_url:
         raise ConfigError(f"reward=genrm needs a judge engine: {NO_JUDGE}")

@@ -1,6 +1,6 @@
 """Rewards in worker processes, with a concurrency cap and a per-call timeout.
 
-    pool = RewardPool(max_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    pool = RewardPool(max_workers=reward_workers(cfg.reward), timeout_s=cfg.reward.timeout_s)
     scored = await pool.score_many(build_reward(cfg.reward), inputs)  # [(value, error), ...]
     value, error = await pool.score(build_reward(cfg.reward), inp)  # one input
 
