@@ -6,9 +6,9 @@
     RewardPool(max_workers, timeout_s): rewards in worker processes with a timeout
     reward_workers(cfg.reward) -> reward.num_workers resolved by the reward's declared traits
 
-Importing this package registers the built-in rewards (`built_in.py`), one module each: exact_match, math,
-dapo, deepscaler, multiple_choice and gpqa, openr1mm, geo3k, f1, ifeval, ifbench, prefix_match,
-remote, genrm, dapo-genrm.
+Importing this package registers the built-in rewards (`built_in.py`), one module each:
+exact_match, math, dapo, deepscaler, multiple_choice and gpqa, openr1mm, geo3k, f1, ifeval,
+ifbench, prefix_match, remote, genrm, dapo-genrm.
 """
 
 from relax_slurm.rewards import built_in  # noqa: F401  (registers them)

@@ -322,7 +322,8 @@ class RewardPool:
         except (asyncio.TimeoutError, _WorkerDied) as e:
             self._discard(worker)
             raise RelaxError(f"a reward worker did not start within {STARTUP_TIMEOUT_S}s: {e}. "
-                             "Run `python -c 'import relax_slurm.rewards.built_in'` to see why") from e
+                             "Run `python -c 'import relax_slurm.rewards.built_in'` to see "
+                             "why") from e
         return worker
 
     def _fail(self, worker: _Worker | None, message: str) -> tuple[float, bool]:
