@@ -16,16 +16,15 @@ from torch import Tensor
 
 from relax_slurm.algos.grpo import group_advantages
 from relax_slurm.algos.registry import Algorithm, register
+from relax_slurm.config.algo_params import CispoParams
 
 
-def clipped_is_token_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor | None = None, *,
-    eps_clip: float = 1.0, eps_clip_high: float | None = None, **_: object,
-) -> tuple[Tensor, Tensor]:
+def clipped_is_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor,
+                          loss_mask: Tensor | None, p: CispoParams) -> tuple[Tensor, Tensor]:
     """Per-token CISPO loss and a 0/1 map of where the weight was clipped."""
-    high = eps_clip if eps_clip_high is None else eps_clip_high
+    high = p.eps_clip if p.eps_clip_high is None else p.eps_clip_high
     ratio = torch.exp(logp - old_logp).detach()
-    weight = ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    weight = ratio.clamp(1.0 - p.eps_clip, 1.0 + high)
     return -weight * advantages * logp, (weight != ratio).float()
 
 

@@ -4,7 +4,8 @@ Token tensors are [N, T] (N samples, T positions); `mask != 0` marks the trained
 tokens, and only those take part in the recursions: an untrained position (prompt, environment
 tokens, padding) is skipped, so the next trained token's value and advantage carry across it.
 
-- `gae`: delta_t = r_t + gamma * V_next - V_t, A_t = delta_t + gamma * lam * A_next, R_t = A_t + V_t.
+- `gae`: delta_t = r_t + gamma * V_next - V_t, A_t = delta_t + gamma * lam * A_next,
+  R_t = A_t + V_t.
   The reward is the sample's score on its last trained token, minus kl_coef x each token's KL
   to the reference with the reward-side KL (`token_rewards`).
 - `whiten`: (A - mean) / sqrt(var + 1e-8) over every trained token of the batch (unbiased var,
@@ -25,11 +26,12 @@ from torch import Tensor
 
 from relax_slurm.algos.grpo import ppo_clip_token_loss
 from relax_slurm.algos.registry import Algorithm, register
+from relax_slurm.config.algo_params import NoParams
 
 WHITEN_EPS = 1e-8
 
 
-def score_passthrough(rewards: Tensor, **_: object) -> Tensor:
+def score_passthrough(rewards: Tensor, p: NoParams) -> Tensor:
     """The sample's score, [B, G]: PPO's advantages come from the critic (GAE), per token."""
     return rewards.clone()
 

@@ -2,15 +2,17 @@
 
 Adding an algorithm is one file that calls `register(...)` and one YAML under `conf/algo/`
 (and its name in `relax_slurm.config.algo.ALGO_NAMES`, which validates `algo.name` without
-importing torch). The trainer only ever calls `compute_advantages` and `policy_loss` with
-`algo.name`, passing every `AlgoConfig` field as a keyword: each function takes the ones it
-needs and ignores the rest (`**_`).
+importing torch, with the types of its parameters in `relax_slurm.config.algo_params.PARAMS_OF`).
+The trainer only ever calls `compute_advantages` and `policy_loss` with `algo.name`, passing
+every `AlgoConfig` field as a keyword; they hand the algorithm's functions its typed
+parameters (`estimator_params`: a wrong type names the `algo.*` field, and the `algo` section
+builds the same objects when it is validated, so a run never gets that far with one).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Callable
 
 from torch import Tensor
 
@@ -18,12 +20,17 @@ from relax_slurm.algos.common import (
     distilled_advantages, importance_weights, kl_penalty, kl_to_go, opsm_keep,
 )
 from relax_slurm.algos.reduce import reduce as reduce_tokens
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.algo_params import EstimatorParams, estimator_params
 
-# (rewards [B, G], **params) -> advantages [B, G]
-AdvantageFn = Callable[..., Tensor]
-# (logp, old_logp, advantages, loss_mask, **params) -> (token loss [N, T], clipped 0/1 [N, T])
-# or (token loss, clipped, metrics): extra mask-weighted metric sums such as opd_reverse_kl
+# (rewards [B, G], its typed parameters) -> advantages [B, G]
+AdvantageFn = Callable[[Tensor, Any], Tensor]
+# (logp, old_logp, advantages, loss_mask, its typed parameters) -> (token loss [N, T],
+# clipped 0/1 [N, T]) or (token loss, clipped, metrics): extra mask-weighted metric sums such
+# as opd_reverse_kl
 TokenLossFn = Callable[..., tuple]
+# what a direct call leaves out takes the algo section's default
+ALGO_DEFAULTS = {f.name: f.default for f in fields(AlgoConfig) if f.default is not MISSING}
 
 
 @dataclass(frozen=True)
@@ -59,9 +66,15 @@ def get(name: str) -> Algorithm:
         raise KeyError(f"unknown algorithm {name!r}; choose one of {names()}") from None
 
 
+def typed_params(name: str, params: dict[str, Any]) -> EstimatorParams:
+    """The named algorithm's typed parameters from keywords (every `algo.*` field, or a few:
+    the others at their defaults); ConfigError naming a field of the wrong type."""
+    return estimator_params(name, {**ALGO_DEFAULTS, **params})
+
+
 def compute_advantages(name: str, rewards: Tensor, **params) -> Tensor:
     """Advantages [B, G] for B prompts x G samples each, by the named algorithm's estimator."""
-    return get(name).advantages(rewards, **params)
+    return get(name).advantages(rewards, typed_params(name, params).advantages)
 
 
 def policy_loss(
@@ -104,7 +117,7 @@ def policy_loss(
         kl_coef=kl_coef, kl_loss_type=kl_loss_type, opd_kl_coef=opd_kl_coef,
         opd_only_reward=opd_only_reward)
     token_loss, metrics = _algorithm_loss(algo, logprobs, old_logprobs, advantages, loss_mask,
-                                          mask, params)
+                                          mask, typed_params(name, params).loss)
     metrics.update(shaping)
     token_loss = _off_policy_corrected(
         token_loss, metrics, logprobs, old_logprobs, rollout_logprobs, advantages, loss_mask,
@@ -145,11 +158,11 @@ def _shaped_advantages(algo: Algorithm, advantages: Tensor, old_logprobs: Tensor
 
 
 def _algorithm_loss(algo: Algorithm, logprobs: Tensor, old_logprobs: Tensor,
-                    advantages: Tensor, loss_mask: Tensor, mask: Tensor, params: dict
+                    advantages: Tensor, loss_mask: Tensor, mask: Tensor, params: Any
                     ) -> tuple[Tensor, dict[str, Tensor]]:
     """The algorithm's own per-token loss and its metric sums (`clipped_tokens`, `tokens`, and
     whatever it reports itself)."""
-    out = algo.token_loss(logprobs, old_logprobs, advantages, loss_mask, **params)
+    out = algo.token_loss(logprobs, old_logprobs, advantages, loss_mask, params)
     token_loss, clipped = out[0], out[1]
     metrics = {"clipped_tokens": (clipped * mask).sum().detach(), "tokens": mask.sum()}
     metrics.update(out[2] if len(out) > 2 else {})

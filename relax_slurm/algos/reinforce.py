@@ -16,6 +16,7 @@ from torch import Tensor
 
 from relax_slurm.algos.grpo import ADV_EPS, ppo_clip_token_loss
 from relax_slurm.algos.registry import Algorithm, register
+from relax_slurm.config.algo_params import NoParams
 
 
 def _batch_std(x: Tensor) -> Tensor:
@@ -23,12 +24,12 @@ def _batch_std(x: Tensor) -> Tensor:
     return x.std() if x.numel() > 1 else torch.zeros((), dtype=x.dtype)
 
 
-def batch_whitened_advantages(rewards: Tensor, **_: object) -> Tensor:
+def batch_whitened_advantages(rewards: Tensor, p: NoParams) -> Tensor:
     """(r - batch mean) / (batch std + 1e-6) over all B*G rewards, [B, G]."""
     return (rewards - rewards.mean()) / (_batch_std(rewards) + ADV_EPS)
 
 
-def group_baseline_advantages(rewards: Tensor, **_: object) -> Tensor:
+def group_baseline_advantages(rewards: Tensor, p: NoParams) -> Tensor:
     """(r - group mean) / (batch std of the centred rewards + 1e-6), [B, G]."""
     centred = rewards - rewards.mean(dim=-1, keepdim=True)
     return centred / (_batch_std(centred) + ADV_EPS)

@@ -10,9 +10,10 @@ from torch import Tensor
 
 from relax_slurm.algos.grpo import ppo_clip_token_loss
 from relax_slurm.algos.registry import Algorithm, register
+from relax_slurm.config.algo_params import NoParams
 
 
-def leave_one_out_advantages(rewards: Tensor, **_: object) -> Tensor:
+def leave_one_out_advantages(rewards: Tensor, p: NoParams) -> Tensor:
     """r_i minus the mean of the other G-1 rewards of its group, [B, G]; needs G >= 2."""
     g = rewards.shape[-1]
     if g < 2:

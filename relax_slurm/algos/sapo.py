@@ -13,16 +13,15 @@ from torch import Tensor
 
 from relax_slurm.algos.grpo import group_advantages
 from relax_slurm.algos.registry import Algorithm, register
+from relax_slurm.config.algo_params import SapoParams
 
 
-def soft_gate_token_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor | None = None, *,
-    tau_pos: float = 1.0, tau_neg: float = 1.05, **_: object,
-) -> tuple[Tensor, Tensor]:
+def soft_gate_token_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor,
+                         loss_mask: Tensor | None, p: SapoParams) -> tuple[Tensor, Tensor]:
     """Per-token loss -f(r) * A with tau = tau_pos where A > 0, else tau_neg; nothing is clipped."""
     ratio = torch.exp(logp - old_logp)
-    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos),
-                      torch.full_like(ratio, tau_neg))
+    tau = torch.where(advantages > 0, torch.full_like(ratio, p.tau_pos),
+                      torch.full_like(ratio, p.tau_neg))
     gate = (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
     return -gate * advantages, torch.zeros_like(ratio)
 

@@ -14,15 +14,16 @@ import torch
 from torch import Tensor
 
 from relax_slurm.algos.registry import Algorithm, register
+from relax_slurm.config.algo_params import NoParams
 
 
-def sft_advantages(rewards: Tensor, **_) -> Tensor:
+def sft_advantages(rewards: Tensor, p: NoParams) -> Tensor:
     """Every row counts fully: 1 for each of [B, G] (SFT has no reward to centre)."""
     return torch.ones_like(rewards)
 
 
 def nll_token_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
-                   **_) -> tuple[Tensor, Tensor]:
+                   p: NoParams = NoParams()) -> tuple[Tensor, Tensor]:
     """Per-token NLL, [N, T], and the 0/1 clip map (all 0: nothing is clipped).
 
     >>> loss, clipped = nll_token_loss(torch.tensor([[-0.5, -2.0]]), None, None, None)

@@ -18,24 +18,36 @@ from typing import Any
 from relax_slurm.errors import BrokerError
 
 
+def required_keys(cls: type) -> list[str]:
+    """`cls`'s fields without a default."""
+    return [f.name for f in fields(cls)
+            if f.default is MISSING and f.default_factory is MISSING]
+
+
+def check_keys(d: Any, where: str, owner: str, names: list[str], required: list[str]
+               ) -> dict[str, Any]:
+    """`d`'s items if its keys are among `names` and include `required`: BrokerError naming an
+    unknown key or a missing one (of `owner`, the type read)."""
+    if not isinstance(d, dict):
+        raise BrokerError(f"{where}: expected a map, got {type(d).__name__}")
+    unknown = sorted(map(str, set(d) - set(names)))
+    if unknown:
+        raise BrokerError(f"{where}: unknown key(s) {unknown}; {owner} has "
+                          f"{sorted(names)} (relax_slurm/broker/stats.py)")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise BrokerError(f"{where}: missing key(s) {missing} of {owner}")
+    return dict(d)
+
+
 def checked_fields(cls: type, d: Any, where: str, optional: tuple[str, ...] | None = None
                    ) -> dict[str, Any]:
     """`d`'s items if its keys are `cls`'s fields: BrokerError naming an unknown key or a
     missing one (one without a default, or, given `optional`, one not in it)."""
-    if not isinstance(d, dict):
-        raise BrokerError(f"{where}: expected a map, got {type(d).__name__}")
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(map(str, set(d) - names))
-    if unknown:
-        raise BrokerError(f"{where}: unknown key(s) {unknown}; {cls.__name__} has "
-                          f"{sorted(names)} (relax_slurm/broker/stats.py)")
-    required = [f.name for f in fields(cls)
-                if (f.default is MISSING and f.default_factory is MISSING
-                    if optional is None else f.name not in optional)]
-    missing = [k for k in required if k not in d]
-    if missing:
-        raise BrokerError(f"{where}: missing key(s) {missing} of {cls.__name__}")
-    return dict(d)
+    names = [f.name for f in fields(cls)]
+    required = (required_keys(cls) if optional is None
+                else [k for k in names if k not in optional])
+    return check_keys(d, where, cls.__name__, names, required)
 
 
 @dataclass(kw_only=True)
@@ -103,18 +115,18 @@ class Counters:
         return cls(**checked_fields(cls, d, where))
 
 
+COUNTER_KEYS = tuple(f.name for f in fields(Counters))
+# what /status repeats of the counters at its top level (its JSON's keys since the first)
+STATUS_TOP_COUNTERS = ("version", "queue_depth", "in_flight")
+
+
 @dataclass(kw_only=True)
 class BrokerStats:
     """The `stats` request's answer: the counters, the admission budget's terms, the parked
-    requests, refused requests and each role's heartbeat age (seconds)."""
+    requests, refused requests and each role's heartbeat age (seconds). On the wire the
+    counters' keys stand beside the others (one flat map, as before this type)."""
 
-    version: int
-    accepted: int
-    dropped: int
-    consumed: int
-    in_flight: int
-    released: int
-    queue_depth: int
+    counters: Counters
     max_staleness: int
     batch_size: int
     parked_acquires: int
@@ -123,26 +135,25 @@ class BrokerStats:
     heartbeat_age_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        return {**d.pop("counters"), **d}
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "the broker's stats") -> BrokerStats:
-        return cls(**checked_fields(cls, d, where))
-
-    @property
-    def counters(self) -> Counters:
-        return Counters(**{f.name: getattr(self, f.name) for f in fields(Counters)})
+        own = [f.name for f in fields(cls) if f.name != "counters"]
+        required = [*COUNTER_KEYS, *(k for k in required_keys(cls) if k != "counters")]
+        items = check_keys(d, where, cls.__name__, [*COUNTER_KEYS, *own], required)
+        counters = Counters(**{k: items.pop(k) for k in COUNTER_KEYS})
+        return cls(counters=counters, **items)
 
 
 @dataclass(kw_only=True)
 class BrokerStatus:
     """`GET /status`: the run as the broker sees it, one consistent snapshot. `engines` is the
     elastic engine list's view (broker/elastic.py); `roles` per role its heartbeat's age
-    (`heartbeat_age_s`) and the info it sent with it."""
+    (`heartbeat_age_s`) and the info it sent with it. Its JSON also repeats the counters'
+    `version`, `queue_depth` and `in_flight` at the top level (read from `counters`)."""
 
-    version: int
-    queue_depth: int
-    in_flight: int
     counters: Counters
     max_staleness: int
     batch_size: int
@@ -156,11 +167,16 @@ class BrokerStatus:
     roles: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)  # (counters too: asdict recurses)
+        top = {k: getattr(self.counters, k) for k in STATUS_TOP_COUNTERS}
+        return {**top, **asdict(self)}  # (counters too: asdict recurses)
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "the broker's /status") -> BrokerStatus:
-        items = checked_fields(cls, d, where)
+        names = [*STATUS_TOP_COUNTERS, *(f.name for f in fields(cls))]
+        items = check_keys(d, where, cls.__name__, names,
+                           [*STATUS_TOP_COUNTERS, *required_keys(cls)])
+        for k in STATUS_TOP_COUNTERS:  # the same values as in counters
+            del items[k]
         items["counters"] = Counters.from_dict(items["counters"], f"{where} counters")
         return cls(**items)
 

@@ -103,9 +103,10 @@ def save_checkpoint(
     """Save model, optimizer, scheduler, RNG and `extra_state` as `ckpt_dir_root/step_<step>/`.
 
     Every rank calls this. `extra_state` must be JSON-serialisable; rank 0's is written (other
-    ranks may pass {}) and every rank gets it back from `load_checkpoint` (with "step" added). `hf_assets_src` is the HF model directory the run
-    started from: its tokenizer and generation config are copied into the checkpoint so that
-    `relax-convert` needs nothing else. With `async_save`, tensors are copied to CPU memory
+    ranks may pass {}) and every rank gets it back from `load_checkpoint` (with "step" added).
+    `hf_assets_src` is the HF model directory the run started from: its tokenizer and
+    generation config are copied into the checkpoint so that `relax-convert` needs nothing
+    else. With `async_save`, tensors are copied to CPU memory
     before this returns and written in a background thread while training goes on; a previous
     async save is waited for first (only one is in flight). `reference`: a frozen reference model
     that is not `model.path` as loaded (algo.ref_update_interval refreshes it), saved under

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from relax_slurm.config.algo_params import EstimatorParams, estimator_params
 from relax_slurm.config.check import check
 
 # Names registered in relax_slurm.algos (checked against its registry by a unit test), kept here
@@ -146,6 +147,11 @@ class AlgoConfig:
         check(self.tis_clip is None or self.tis_clip > 0,
                f"algo.tis_clip={self.tis_clip}: must be > 0 or null")
         self._check_terms()
+        self.estimator_params()  # a parameter its functions read, of the wrong type: named now
+
+    def estimator_params(self) -> EstimatorParams:
+        """algo.name's parameters, typed (relax_slurm/config/algo_params.py)."""
+        return estimator_params(self.name, self)
 
     @property
     def uses_reference(self) -> bool:

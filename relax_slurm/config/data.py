@@ -33,8 +33,9 @@ class DataConfig:
     <image>, <video> and <audio> placeholders take the row's items in order
     (docs/multimodal.md)."""
     add_missing_placeholders: bool = False
-    """A row whose prompt has no <image>/<video>/<audio> placeholder for its items gets one per item at
-    the start of its first user message (datasets that keep the image beside the text)."""
+    """A row whose prompt has no <image>/<video>/<audio> placeholder for its items gets one per
+    item at the start of its first user message (datasets that keep the image beside the
+    text)."""
     image_min_pixels: Optional[int] = None
     """Images smaller than this many pixels are upscaled; null: the image processor's own."""
     image_max_pixels: Optional[int] = None

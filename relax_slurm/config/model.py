@@ -11,7 +11,8 @@ from relax_slurm.config.check import check
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str = MISSING
-    """A Hugging Face model directory (config.json, weights, tokenizer), read with from_pretrained."""
+    """A Hugging Face model directory (config.json, weights, tokenizer), read with
+    from_pretrained."""
     dtype: str = "float32"
     """Parameter dtype for trainer and engines: float32, bfloat16 or float16."""
     trust_remote_code: bool = False

@@ -1,4 +1,5 @@
-"""`metrics`, `notify`, `debug`: what a run reports (progress, TensorBoard, wandb, notifications, dumped rollouts)."""
+"""`metrics`, `notify`, `debug`: what a run reports (progress, TensorBoard, wandb,
+notifications, dumped rollouts)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ class MetricsConfig:
     """Progress bar on a terminal, plain lines otherwise."""
     log_every: int = 1
     tensorboard: bool = False
-    """Also write TensorBoard event files to run_dir/tensorboard (needs `pip install tensorboard`)."""
+    """Also write TensorBoard event files to run_dir/tensorboard (needs `pip install
+    tensorboard`)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 

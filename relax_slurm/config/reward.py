@@ -7,14 +7,6 @@ from typing import Optional
 
 from relax_slurm.config.check import check
 
-# pure rules that take microseconds a response: scored in the rollout worker's process unless
-# reward.num_workers says otherwise (the pool's pickling and pipe round trips cost ~50 us a
-# response, ~30 ms a step of the tiny task against ~1 ms inline)
-INLINE_REWARDS = ("exact_match", "prefix_match")
-# rewards that wait on a service (HTTP): scored inline they would stall the rollout worker's
-# event loop, and with it all generation, for every call
-SERVICE_REWARDS = ("remote", "genrm", "dapo-genrm", "dapo_rule_genrm")
-
 
 @dataclass(kw_only=True)
 class RewardConfig:
@@ -24,8 +16,10 @@ class RewardConfig:
     num_workers: Optional[int] = None
     """Reward worker processes per rollout worker (the concurrency cap); 0 scores in the rollout
     worker's own process: no timeout and no isolation, no per-response IPC either (for pure,
-    fast rule rewards). null: 0 for exact_match and prefix_match, else 4. Refused as 0 for
-    rewards that call a service (remote, genrm, dapo-genrm, dapo_rule_genrm)."""
+    fast rule rewards). null: 0 for the rewards registered inline (exact_match,
+    prefix_match), else 4. Refused as 0 for rewards registered as calling a service (remote,
+    genrm, dapo-genrm, dapo_rule_genrm). Resolved by relax_slurm.rewards.reward_workers, where
+    the rewards are registered (the config does not import them)."""
     timeout_s: float = 60.0
     """Per-response time limit; a reward that takes longer scores 0 and counts as an error."""
     remote_url: Optional[str] = None
@@ -57,13 +51,9 @@ class RewardConfig:
     """genrm: timeout of one judge call."""
 
     def __post_init__(self) -> None:
-        if self.num_workers is None:
-            self.num_workers = 0 if self.name in INLINE_REWARDS else 4
-        check(self.num_workers > 0 or self.name not in SERVICE_REWARDS,
-              f"reward.num_workers=0 with reward.name={self.name}: it waits on a service for "
-              "every call, which inline would stall all generation; set reward.num_workers=4")
-        check(self.num_workers >= 0, f"reward.num_workers={self.num_workers}: must be >= 0 "
-               "(0: score in the rollout worker's process)")
+        check(self.num_workers is None or self.num_workers >= 0,
+              f"reward.num_workers={self.num_workers}: must be >= 0 (0: score in the rollout "
+              "worker's process), or null")
         check(self.timeout_s > 0, f"reward.timeout_s={self.timeout_s}: must be > 0")
         check(self.remote_max_retries >= 0,
                f"reward.remote_max_retries={self.remote_max_retries}: must be >= 0")

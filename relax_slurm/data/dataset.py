@@ -220,7 +220,8 @@ def media_markers(tokenizer: Any, cfg: DataConfig) -> dict[str, str]:
         raise ConfigError(
             f"data.multimodal_keys has {missing} but the tokenizer has no tokens for them (it "
             "needs e.g. <|vision_start|><|image_pad|><|vision_end|> or "
-            "<|audio_bos|><|AUDIO|><|audio_eos|>, <|video_pad|> for videos). Fix: use the multimodal model's tokenizer")
+            "<|audio_bos|><|AUDIO|><|audio_eos|>, <|video_pad|> for videos). Fix: use the "
+            "multimodal model's tokenizer")
     return {k: "".join(found[k]) for k in cfg.multimodal_keys}
 
 

@@ -32,4 +32,5 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     cls = getattr(transformers, name, None) if name and not trust_remote_code else None
     if cls is not None:
         return cls.from_pretrained(str(path))
-    return transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    return transformers.AutoTokenizer.from_pretrained(str(path),
+                                                      trust_remote_code=trust_remote_code)

@@ -26,6 +26,8 @@ from relax_slurm.engines import sglang_api
 # httpx logs every request at INFO: thousands of lines per step in a role's log
 logging.getLogger("httpx").setLevel(logging.WARNING)
 STALE_CONNECTION_RETRIES = 2
+# SGLang's sampling_params: one map for every input, or one per input
+SamplingParams = dict[str, Any] | list[dict[str, Any]]
 
 
 @dataclass
@@ -157,7 +159,7 @@ class _Base:
         return cls(f"engine {self.url}{route}: {type(e).__name__}: {e}")
 
     @staticmethod
-    def _generate_body(input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
+    def _generate_body(input_ids: list[list[int]], sampling_params: SamplingParams,
                        return_logprob: bool, logprob_start_len: Optional[int] = None,
                        media: Optional[list[dict[str, list[str]]]] = None,
                        routed_experts: bool = False, routed_start: int = 0) -> dict[str, Any]:
@@ -254,7 +256,7 @@ class EngineClient(_Base):
         version = self.model_info().get("weight_version")
         return None if version is None else str(version)
 
-    def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
+    def generate(self, input_ids: list[list[int]], sampling_params: SamplingParams,
                  return_logprob: bool = True,
                  media: Optional[list[dict[str, list[str]]]] = None) -> list[GenerateResult]:
         """One batch request; results in the order of input_ids. `media`: per input
@@ -415,7 +417,7 @@ class AsyncEngineClient(_Base):
             raise self._error("/health", e) from e
         return self._healthy(resp)
 
-    async def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]],
+    async def generate(self, input_ids: list[list[int]], sampling_params: SamplingParams,
                        return_logprob: bool = True, logprob_start_len: Optional[int] = None,
                        media: Optional[list[dict[str, list[str]]]] = None,
                        routed_start: int = 0) -> list[GenerateResult]:

@@ -221,8 +221,8 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
     """`python -m sglang.launch_server ...` for one engine (flags of SGLang 0.5.x server_args).
 
     --base-gpu-id places engines that share a node (with each other or the trainer) on
-    disjoint GPUs. --enable-memory-saver is what makes /release_memory_occupation free GPU memory (colocated
-    placement); --weight-version starts the version at 0 like the hf engine.
+    disjoint GPUs. --enable-memory-saver is what makes /release_memory_occupation free GPU
+    memory (colocated placement); --weight-version starts the version at 0 like the hf engine.
     --enable-deterministic-inference (rollout.deterministic): without it SGLang ignores
     `sampling_params.sampling_seed`, so a resumed run would not draw the same tokens.
     --enable-return-routed-experts (MoE models, rollout.return_routed_experts): without it a

@@ -137,7 +137,8 @@ def _finish_sweep() -> int:
     return SWEEP.exit_code()
 
 
-USAGE = """usage: relax-train experiment=NAME [key=value ...]     (Hydra overrides; --help lists all)
+USAGE = """usage: relax-train experiment=NAME [key=value ...]     \
+(Hydra overrides; --help lists all)
 
   relax-train experiment=tiny_cpu run_dir=runs/tiny      the embedded CPU default (builds its
                                                          tiny model and data on first use)

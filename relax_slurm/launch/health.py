@@ -107,8 +107,9 @@ class HangWatch:
             return None
         for role, age in status.heartbeat_ages().items():
             if age > self.timeout_s and not self._in_grace(role, now):
-                return (role, f"sent no heartbeat for {age:.0f}s > cluster.restart.heartbeat_timeout_s="
-                              f"{self.timeout_s:.0f}s (hung: alive, but its main loop makes no "
+                return (role, f"sent no heartbeat for {age:.0f}s > "
+                              f"cluster.restart.heartbeat_timeout_s={self.timeout_s:.0f}s "
+                              "(hung: alive, but its main loop makes no "
                               "progress)")
         return None
 

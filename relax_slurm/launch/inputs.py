@@ -37,6 +37,10 @@ def check_inputs(cfg: TrainConfig) -> None:
                 )
     check_teacher(cfg)
     check_judge(cfg)
+    if not cfg.supervised:  # the reward's declared traits (rewards/registry.py) settle it
+        from relax_slurm.rewards import reward_workers
+
+        reward_workers(cfg.reward)
     if cfg.algo.routing_replay and routing_shape(cfg.model.path) is None:
         raise ConfigError(f"algo.routing_replay=true: model.path={cfg.model.path} is not a "
                           "mixture-of-experts model (its config.json names no experts); "

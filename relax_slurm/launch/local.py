@@ -1,9 +1,10 @@
 """The local runner (cluster=local): every role a subprocess of this one on this machine.
 
-Roles: broker, engines, the teacher engine and the judge engine (`genrm`) if any, rollout worker, torchrun trainer, all
-started at once (the worker and trainer wait for the engines' /health). The run ends
-when the trainer exits 0; any other exit, or no new step for `cluster.restart.step_timeout_s`, fails
-it naming the role and its log. Every child is stopped in `finally`, Ctrl-C included.
+Roles: broker, engines, the teacher engine and the judge engine (`genrm`) if any, rollout
+worker, torchrun trainer, all started at once (the worker and trainer wait for the engines'
+/health). The run ends when the trainer exits 0; any other exit, or no new step for
+`cluster.restart.step_timeout_s`, fails it naming the role and its log. Every child is
+stopped in `finally`, Ctrl-C included.
 
 With `cluster.restart.max_global > 0` a failed attempt is followed by a global restart: every
 role anew (fresh ports), the trainer from the latest checkpoint in the run directory, the

@@ -70,7 +70,9 @@ def free_on_resume(key: str) -> bool:
 
 
 def fmt(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, (list, dict, str)) or value is None else str(value)
+    if isinstance(value, (list, dict, str)) or value is None:
+        return json.dumps(value)
+    return str(value)
 
 
 def describe(changes: dict[str, tuple[Any, Any]]) -> str:

@@ -25,8 +25,8 @@ before, as soon as no other operation runs. Each is a `replaced` row in restarts
 engine restarted inside its job an `in_job` row; both count in summary.json's `restarts`.
 
 An external engine (registered by URL) that does not answer /health for
-cluster.restart.heartbeat_timeout_s is reported lost too (a `lost` row), and not replaced: the run did
-not start it and cannot start another.
+cluster.restart.heartbeat_timeout_s is reported lost too (a `lost` row), and not replaced: the
+run did not start it and cannot start another.
 """
 
 from __future__ import annotations
@@ -224,7 +224,8 @@ class Scaler:
 
     def _watch_external(self, view: dict[str, Any]) -> None:
         """External engines in service that have not answered /health for
-        cluster.restart.heartbeat_timeout_s (asked every EXTERNAL_PROBE_S at most) are reported lost."""
+        cluster.restart.heartbeat_timeout_s (asked every EXTERNAL_PROBE_S at most) are reported
+        lost."""
         external = {e["url"]: e for e in view["engines"]
                     if e["origin"] == "external" and e["state"] in ("active", "draining")}
         for url in [u for u in self._silent_since if u not in external]:

@@ -137,7 +137,8 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
                 raise hung(procs, *stuck)
             if time.monotonic() - last_step_t > cfg.cluster.restart.step_timeout_s:
                 raise trainer.failure(
-                    f"made no step for cluster.restart.step_timeout_s={cfg.cluster.restart.step_timeout_s}s "
+                    "made no step for cluster.restart.step_timeout_s="
+                    f"{cfg.cluster.restart.step_timeout_s}s "
                     "(hung?); see also logs/rollout.log and logs/engine*.log")
             # the poll's pause, cut short when the trainer exits: every run ends with it, and
             # a plain sleep kept each one waiting ~POLL_S / 2 more for its summary
@@ -176,10 +177,11 @@ class Supervisor:
     The parts: the processes (launch/processes.py), the hang watch (heartbeats and /health,
     launch/health.py), in-place restarts (launch/restart.py), elastic rollout's engines
     (launch/scale.py; on Slurm through `engine_jobs`, launch/engine_job.py) and the
-    notifications. `run` (once) starts every role, watches them to the trainer's end (`watch`), tears
-    everything down whatever happened, writes summary.json and notifies; `restarts` counts the
-    restarts it made, by role. Nothing else is public: a launcher chooses the roles (`specs`)
-    and how to run a command (`wrap`), the supervisor does the rest the same way everywhere."""
+    notifications. `run` (once) starts every role, watches them to the trainer's end
+    (`watch`), tears everything down whatever happened, writes summary.json and notifies;
+    `restarts` counts the restarts it made, by role. Nothing else is public: a launcher chooses
+    the roles (`specs`) and how to run a command (`wrap`), the supervisor does the rest the
+    same way everywhere."""
 
     def __init__(self, specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap,
                  engine_jobs: EngineJobs | None = None) -> None:
@@ -191,7 +193,8 @@ class Supervisor:
         admin = load_plan(run_dir).broker_admin if (run_dir / PLAN_FILE).exists() else None
         self.hangs = HangWatch(admin, secret,
                                {spec.name: spec.health_url for spec in specs if spec.health_url},
-                               cfg.cluster.restart.heartbeat_interval_s, cfg.cluster.restart.heartbeat_timeout_s)
+                               cfg.cluster.restart.heartbeat_interval_s,
+                               cfg.cluster.restart.heartbeat_timeout_s)
         self.in_place = InPlace(self.procs, specs, wrap, run_dir, cfg.cluster.restart.max_per_role,
                                 on_restart=self.hangs.restarted)
         # elastic rollout's process side (launch/scale.py)

@@ -25,7 +25,8 @@ def summarize(rows: list[dict[str, Any]], wall_s: float, max_staleness: int) -> 
         "reward_first": _mean(rewards[:EDGE_STEPS]),
         "reward_last": _mean(rewards[-EDGE_STEPS:]),
         "samples_trained": int(sum(r.get("train/samples", 0) for r in rows)),
-        "samples_dropped_stale": int(rows[-1].get("broker/dropped_stale_samples", 0)) if rows else 0,
+        "samples_dropped_stale": (int(rows[-1].get("broker/dropped_stale_samples", 0))
+                                  if rows else 0),
         "staleness_max_seen": max(stale) if stale else 0,
         "wall_s": round(wall_s, 3),
         "max_staleness": max_staleness,
@@ -42,9 +43,9 @@ def samples_lost(counters: dict[str, int], rows: list[dict[str, Any]], batch_siz
                  samples_per_group: int) -> int:
     """Samples the broker accepted that were neither trained, nor dropped as stale, nor still
     queued at the end: accepted - trained - dropped_stale - queued, from the broker's final
-    counters (groups; `counters` as its /status has them) and the trainer's rows. Steps before the first
-    logged one (a run resumed from another run's checkpoint) count as trained: the broker's
-    restored counters include them."""
+    counters (groups; `counters` as its /status has them) and the trainer's rows. Steps before
+    the first logged one (a run resumed from another run's checkpoint) count as trained: the
+    broker's restored counters include them."""
     c = counters
     trained = sum(r.get("train/samples", 0) for r in rows) / samples_per_group
     if rows:

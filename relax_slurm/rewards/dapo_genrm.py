@@ -96,11 +96,11 @@ def _make(cfg: Any, name: str, rule_first: bool) -> DapoGenRM:
     return DapoGenRM(judge, template=cfg.genrm_template or DAPO_TEMPLATE, rule_first=rule_first)
 
 
-@register_factory("dapo-genrm")
+@register_factory("dapo-genrm", service=True)
 def make_dapo_genrm(cfg: Any) -> DapoGenRM:
     return _make(cfg, "dapo-genrm", rule_first=False)
 
 
-@register_factory("dapo_rule_genrm")
+@register_factory("dapo_rule_genrm", service=True)
 def make_dapo_rule_genrm(cfg: Any) -> DapoGenRM:
     return _make(cfg, "dapo_rule_genrm", rule_first=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from relax_slurm.rewards.registry import RewardInput, register
 
 
-@register("exact_match")
+@register("exact_match", inline=True)
 def exact_match(inp: RewardInput) -> float:
     """1.0 iff the response ended with EOS (finish_reason 'stop') and equals the label.
 

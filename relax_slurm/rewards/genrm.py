@@ -111,7 +111,8 @@ class EngineJudge:
                 resp = httpx.post(f"{self.url}/generate",
                                   headers=auth_headers() if self.managed else {},
                                   timeout=max(deadline - time.monotonic(), 1.0),
-                                  json={"text": prompt_text, "sampling_params": self.sampling_params})
+                                  json={"text": prompt_text,
+                                        "sampling_params": self.sampling_params})
                 break
             except JUDGE_GONE as e:
                 # nothing listens, or the judge dropped the call as it died: a judge restarting
@@ -121,7 +122,8 @@ class EngineJudge:
                     raise RewardError(f"genrm judge {self.url}/generate: {e}") from e
                 time.sleep(CONNECT_RETRY_S)
             except httpx.HTTPError as e:
-                raise RewardError(f"genrm judge {self.url}/generate: {type(e).__name__}: {e}") from e
+                raise RewardError(f"genrm judge {self.url}/generate: "
+                                  f"{type(e).__name__}: {e}") from e
         if resp.status_code >= 400:
             raise RewardError(f"genrm judge {self.url}/generate: HTTP {resp.status_code}: "
                               f"{resp.text[:200]}")
@@ -145,7 +147,7 @@ class GenRM:
         return PARSERS[self.parser](self.judge(render(self.template, inp)), self.max_score)
 
 
-@register_factory("genrm")
+@register_factory("genrm", service=True)
 def make_genrm(cfg: Any) -> GenRM:
     if not cfg.genrm_url:
         raise ConfigError(f"reward=genrm needs a judge engine: {NO_JUDGE}")

@@ -14,8 +14,8 @@ IFBench registers 83 ids: the 25 of IFEval and 58 of its own. Their checks are i
 kind whose checker needs NLTK, langdetect, syllapy or emoji: the `ifbench` extra; NLTK's trained
 sentence splitter is replaced by untrained Punkt there). The one id whose checker needs trained
 data with no stand-in (NLTK's POS tagger) is in `UNSUPPORTED` with what it needs. A row with
-such an id, an id IFBench does not have, or without `instruction_id_list` raises (a reward error scored 0), so
-that no row is graded on part of its instructions.
+such an id, an id IFBench does not have, or without `instruction_id_list` raises (a reward
+error scored 0), so that no row is graded on part of its instructions.
 """
 
 from __future__ import annotations

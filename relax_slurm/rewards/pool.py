@@ -1,6 +1,6 @@
 """Rewards in worker processes, with a concurrency cap and a per-call timeout.
 
-    pool = RewardPool(max_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    pool = RewardPool(max_workers=reward_workers(cfg.reward), timeout_s=cfg.reward.timeout_s)
     scored = await pool.score_many(build_reward(cfg.reward), inputs)  # [(value, error), ...]
     value, error = await pool.score(build_reward(cfg.reward), inp)  # one input
 
@@ -322,7 +322,8 @@ class RewardPool:
         except (asyncio.TimeoutError, _WorkerDied) as e:
             self._discard(worker)
             raise RelaxError(f"a reward worker did not start within {STARTUP_TIMEOUT_S}s: {e}. "
-                             "Run `python -c 'import relax_slurm.rewards.built_in'` to see why") from e
+                             "Run `python -c 'import relax_slurm.rewards.built_in'` to see "
+                             "why") from e
         return worker
 
     def _fail(self, worker: _Worker | None, message: str) -> tuple[float, bool]:

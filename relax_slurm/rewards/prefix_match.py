@@ -5,7 +5,7 @@ from __future__ import annotations
 from relax_slurm.rewards.registry import RewardInput, register
 
 
-@register("prefix_match")
+@register("prefix_match", inline=True)
 def prefix_match(inp: RewardInput) -> float:
     """Common prefix of response and label / the longer of the two; 0 when truncated.
 

@@ -3,6 +3,10 @@ r"""Rewards by name: `@register("name")` on a function, `get_reward_fn(name)` to
 A reward is a plain callable `fn(inp: RewardInput) -> float`: strings in, a number out, no I/O
 (except `remote` and `genrm`, which call a server). A reward that needs settings (a URL) is
 registered as a factory `make(cfg: RewardConfig) -> RewardFn` with `@register_factory`.
+How a reward is scored is declared where it is registered and read by `reward_workers`, which
+resolves `reward.num_workers` (the launcher checks it before anything starts): `inline=True`, a
+pure rule of microseconds, scored in the rollout worker's process by default; `service=True`, a
+reward that waits on a server, never scored there (it would stall all generation).
 A name is:
 - a registered reward or factory (`names()`);
 - `boxed_<name>`: grades only the content of the response's last `\boxed{}` with `<name>`
@@ -52,31 +56,84 @@ RewardFactory = Callable[[Any], RewardFn]
 
 _REGISTRY: dict[str, RewardFn] = {}
 _FACTORIES: dict[str, RewardFactory] = {}
+# reward.num_workers when null: the worker pool's size, or 0 (the worker's own process)
+DEFAULT_WORKERS = 4
 
 
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator adding a reward under `name`; names are unique."""
+@dataclass(frozen=True)
+class Traits:
+    """How a reward is scored, declared with `register`/`register_factory`."""
+
+    inline: bool = False
+    """A pure rule of microseconds a response: scored in the rollout worker's own process
+    unless reward.num_workers says otherwise (the pool's pickling and pipe round trips cost
+    ~50 us a response, ~30 ms a step of the tiny task against ~1 ms inline)."""
+    service: bool = False
+    """Waits on a service (HTTP) for every response: scored inline it would stall the rollout
+    worker's event loop, and with it all generation, for every call."""
+
+
+_TRAITS: dict[str, Traits] = {}
+
+
+def _add_traits(name: str, inline: bool, service: bool) -> None:
+    if inline and service:
+        raise ValueError(f"reward {name!r}: inline (a microsecond rule) and service (waits on "
+                         "a server) exclude each other")
+    _TRAITS[name] = Traits(inline=inline, service=service)
+
+
+def register(name: str, *, inline: bool = False, service: bool = False
+             ) -> Callable[[RewardFn], RewardFn]:
+    """Decorator adding a reward under `name`; names are unique. `inline`, `service`: see
+    `Traits`."""
 
     def add(fn: RewardFn) -> RewardFn:
         if (name in _REGISTRY and _REGISTRY[name] is not fn) or name in _FACTORIES:
             raise ValueError(f"reward {name!r} is already registered by "
                              f"{_REGISTRY.get(name) or _FACTORIES[name]!r}")
+        _add_traits(name, inline, service)
         _REGISTRY[name] = fn
         return fn
 
     return add
 
 
-def register_factory(name: str) -> Callable[[RewardFactory], RewardFactory]:
-    """Decorator adding a reward built from the reward config: `make(cfg) -> RewardFn`."""
+def register_factory(name: str, *, service: bool = False
+                     ) -> Callable[[RewardFactory], RewardFactory]:
+    """Decorator adding a reward built from the reward config: `make(cfg) -> RewardFn`;
+    `service`: see `Traits`."""
 
     def add(make: RewardFactory) -> RewardFactory:
         if name in _REGISTRY or (name in _FACTORIES and _FACTORIES[name] is not make):
             raise ValueError(f"reward {name!r} is already registered")
+        _add_traits(name, False, service)
         _FACTORIES[name] = make
         return make
 
     return add
+
+
+def traits(name: str) -> Traits:
+    """A reward name's traits: a registered one's, `boxed_<name>`'s those of `<name>` (the box
+    is cut out in microseconds), a dotted path's none (nothing is known of it)."""
+    if name.startswith(BOXED_PREFIX) and name not in _TRAITS:
+        return traits(name[len(BOXED_PREFIX):])
+    return _TRAITS.get(name, Traits())
+
+
+def reward_workers(cfg: Any) -> int:
+    """reward.num_workers resolved: null is 0 for an inline reward, else DEFAULT_WORKERS;
+    ConfigError for 0 with a reward that waits on a service."""
+    t = traits(cfg.name)
+    workers = cfg.num_workers
+    if workers is None:
+        workers = 0 if t.inline else DEFAULT_WORKERS
+    if workers == 0 and t.service:
+        raise ConfigError(f"reward.num_workers=0 with reward.name={cfg.name}: it waits on a "
+                          "service for every call, which inline would stall all generation; "
+                          f"set reward.num_workers={DEFAULT_WORKERS}")
+    return workers
 
 
 def names() -> list[str]:

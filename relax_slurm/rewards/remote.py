@@ -84,7 +84,7 @@ class RemoteReward:
                           f"last: {problem}")
 
 
-@register_factory("remote")
+@register_factory("remote", service=True)
 def make_remote(cfg: Any) -> RemoteReward:
     if not cfg.remote_url:
         raise ConfigError("reward=remote needs the server's address: set "

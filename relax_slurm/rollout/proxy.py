@@ -275,8 +275,9 @@ class AgentProxy:
         if room <= 0:
             if s.episode is not None:
                 ep.end = "max_total_tokens"
+            total = ep.total_tokens + len(between)
             raise ProxyError(400, f"{where} would pass env.max_total_tokens="
-                                  f"{limits.max_total_tokens} tokens ({ep.total_tokens + len(between)} "
+                                  f"{limits.max_total_tokens} tokens ({total} "
                                   "with the new messages): end it with a reward",
                              "context_length_exceeded")
         ids = ep.prompt_ids + ep.response_ids + between

@@ -21,7 +21,7 @@ from relax_slurm.config import TrainConfig
 from relax_slurm.data import load_tokenizer
 from relax_slurm.errors import ConfigError
 from relax_slurm.runtime.plan import RunPlan
-from relax_slurm.rewards import RewardPool, build_reward
+from relax_slurm.rewards import RewardPool, build_reward, reward_workers
 from relax_slurm.rewards.shaping import is_informative_group
 from relax_slurm.engines import sglang_api
 from relax_slurm.rollout.coalesce import CoalescingEngine
@@ -117,7 +117,7 @@ class RolloutServices:
         """Connect to what the plan names; a bad reward config or a teacher without its engine
         fails here, at start (a managed judge's URL comes from the plan)."""
         reward = build_reward(plan.reward_config(cfg.reward))
-        reward_pool = RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s,
+        reward_pool = RewardPool(reward_workers(cfg.reward), cfg.reward.timeout_s,
                                  warm_up=grades_like_math(cfg.reward.name))
         broker = AsyncBrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
                                    identity=f"rollout{worker_rank}")

@@ -99,5 +99,6 @@ def decode_routed_experts(text: str, shape: RoutingShape, tokens: int) -> np.nda
         raise ValueError(f"meta_info.routed_experts covers {got} tokens, expected {tokens} "
                          "(prompt + response - 1 - routed_experts_start_len)")
     if len(ids) and (ids.min() < 0 or ids.max() >= shape.experts):
-        raise ValueError(f"meta_info.routed_experts holds expert ids outside 0..{shape.experts - 1}")
+        raise ValueError("meta_info.routed_experts holds expert ids outside "
+                         f"0..{shape.experts - 1}")
     return ids.astype(ROUTING_DTYPE)

@@ -122,6 +122,7 @@ def load_plan(run_dir: str | Path) -> RunPlan:
     try:
         return RunPlan(**json.loads(path.read_text()))
     except FileNotFoundError as e:
-        raise ConfigError(f"{path} is missing: roles are started by relax-train, which writes it") from e
+        raise ConfigError(f"{path} is missing: roles are started by relax-train, which "
+                          "writes it") from e
     except (TypeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path} is not a valid run plan: {e}") from e

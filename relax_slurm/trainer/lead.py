@@ -103,9 +103,9 @@ def batch_metrics(groups: list[Group], stats: BatchStats) -> dict[str, float]:
 
 def broker_counters(broker: BrokerClient, version: int) -> dict:
     """What a restarted broker needs: its counters as of `version` (queued groups are not kept)."""
-    stats = broker.stats()
-    return {"version": version, "dropped": stats.dropped, "consumed": stats.consumed,
-            "released": stats.released}
+    c = broker.stats().counters
+    return {"version": version, "dropped": c.dropped, "consumed": c.consumed,
+            "released": c.released}
 
 
 @dataclass
@@ -184,8 +184,9 @@ class RankZero:
         self.cohort = Cohort(plan.engine_urls, WEIGHT_GROUP, plan.weight_sync_port, make_sender,
                              new_port=lambda: free_port(sync_host),
                              # an engine that stopped answering is restarted by the launcher
-                             # (or reported lost) once silent for cluster.restart.heartbeat_timeout_s, and the
-                             # new one loads within startup_timeout_s: wait for both
+                             # (or reported lost) once silent for
+                             # cluster.restart.heartbeat_timeout_s, and the new one loads
+                             # within startup_timeout_s: wait for both
                              startup_timeout_s=(cfg.rollout.startup_timeout_s
                                                 + cfg.cluster.restart.heartbeat_timeout_s),
                              waiting=self.heartbeat_waiting, follow=self.broker_cohort)

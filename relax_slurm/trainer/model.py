@@ -127,8 +127,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def build_optimizer(model: nn.Module, cfg: TrainerConfig):
     opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay,
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+        weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(
         lr_factor, total_steps=cfg.lr_decay_steps or cfg.total_steps,

@@ -1,12 +1,14 @@
-"""One optimizer step on this rank's block of the batch: log-probs, the algorithm's loss, backward, clip, step.
+"""One optimizer step on this rank's block of the batch: log-probs, the algorithm's loss,
+backward, clip, step.
 
 Per micro-batch the policy forward gives the log-probs of the sampled tokens and, from the same
 logits, the per-token entropy (with gradient only when `algo.entropy_coef > 0`); a frozen
 reference model adds `ref_logprobs` when `algo.kl_loss_coef > 0` or `algo.kl_coef > 0`;
 teacher log-probs come with the samples (on-policy distillation, any estimator). With
 `trainer.num_steps_per_rollout > 1` the rows are cut into mini-batches, one optimizer step each,
-after one forward without gradient for the old log-probs. Everything goes to `algos.policy_loss`, whose metric sums
-are added over micro-batches and ranks and divided by the number of trained tokens.
+after one forward without gradient for the old log-probs. Everything goes to
+`algos.policy_loss`, whose metric sums are added over micro-batches and ranks and divided by the
+number of trained tokens.
 """
 
 from __future__ import annotations

@@ -183,8 +183,9 @@ class WeightSender:
              version: Optional[str | int] = None, flush_cache: bool = True) -> dict[str, Any]:
         """Broadcast every tensor; engines load them and report `version` as weight_version.
 
-        Returns stats: bytes, seconds, num_buckets, broadcasts. Raises WeightSyncError on any failure; the
-        group is then unusable (close() this sender, connect a new one on a new port).
+        Returns stats: bytes, seconds, num_buckets, broadcasts. Raises WeightSyncError on any
+        failure; the group is then unusable (close() this sender, connect a new one on a new
+        port).
         """
         if self._pg is None:
             raise WeightSyncError("send() before connect(): form the group first")

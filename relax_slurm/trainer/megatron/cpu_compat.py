@@ -300,11 +300,13 @@ def _stub_module(name: str) -> types.ModuleType:
 _TE_MODULES = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.common",
                "transformer_engine.common.recipe", "transformer_engine.pytorch.module",
                "transformer_engine.pytorch.float8_tensor", "transformer_engine.pytorch.tensor",
-               "transformer_engine.pytorch.distributed", "transformer_engine.pytorch.cpp_extensions")
+               "transformer_engine.pytorch.distributed",
+               "transformer_engine.pytorch.cpp_extensions")
 
 
 def _preimport_megatron_core() -> None:
-    """Import megatron.core's modules while transformer_engine is absent: they bind HAVE_TE=False."""
+    """Import megatron.core's modules while transformer_engine is absent: they bind
+    HAVE_TE=False."""
     import megatron.core as mc
 
     for info in pkgutil.walk_packages(mc.__path__, "megatron.core."):

@@ -214,7 +214,8 @@ class MegatronModel:
     # ---- lr schedule -------------------------------------------------------------------------
     def lr_now(self) -> float:
         cfg = self.cfg
-        return cfg.lr * lr_factor(self.steps_done, total_steps=cfg.lr_decay_steps or cfg.total_steps,
+        return cfg.lr * lr_factor(self.steps_done,
+                                  total_steps=cfg.lr_decay_steps or cfg.total_steps,
                                   warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule,
                                   min_lr_ratio=cfg.min_lr_ratio)
 

@@ -88,7 +88,7 @@ def test_every_op_errors_and_a_killed_broker(start_broker: Callable[..., Broker]
         with pytest.raises(BrokerError, match="without a credit"):
             worker.put_group(group(3))
         send_malformed(broker.router)
-        assert trainer.stats().version == 1  # still serving
+        assert trainer.stats().counters.version == 1  # still serving
     assert "broker: version 1" in broker.log.read_text()
     broker.proc.kill()
     broker.proc.wait(10)
@@ -203,7 +203,7 @@ def test_async_concurrency_and_shutdown(start_broker: Callable[..., Broker]) -> 
             await trainer.set_version(1)
             await asyncio.wait_for(asyncio.gather(*tasks), 20)
             assert await trainer.get_batch(50, 1) is None  # only ten queued
-            assert (await trainer.stats()).queue_depth == 10
+            assert (await trainer.stats()).counters.queue_depth == 10
     asyncio.run(main())
     check_shutdown_broadcast(broker)
 

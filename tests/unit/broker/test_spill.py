@@ -125,12 +125,12 @@ def test_a_killed_broker_restarts_in_place(start_broker: Callable[..., Broker],
         raw.send_multipart(encode("put_group", {"rid": 7, "auth": SECRET}, [group(3)]))
         assert raw.poll(int(TIMEOUT_S * 1000))
         op, fields, _ = decode(raw.recv_multipart())
-        assert op == "ok" and fields["rid"] == 7 and worker.stats().accepted == 3
+        assert op == "ok" and fields["rid"] == 7 and worker.stats().counters.accepted == 3
         worker.put_group(group(4))  # the credit it held before the kill still counts
         thread.join(30)
         assert late and late[0] is not None
         assert [g[0].group_id for g in late[0][0]] == [3, 4]
-        assert worker.stats().queue_depth == 0
+        assert worker.stats().counters.queue_depth == 0
     raw.close()
 
 

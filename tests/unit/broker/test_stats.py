@@ -17,14 +17,12 @@ def counters() -> Counters:
 
 
 def stats() -> BrokerStats:
-    return BrokerStats(**counters().to_dict(), max_staleness=1, batch_size=2, parked_acquires=0,
+    return BrokerStats(counters=counters(), max_staleness=1, batch_size=2, parked_acquires=0,
                        parked_get_batch=1, auth_refused=3, heartbeat_age_s={"trainer": 0.5})
 
 
 def status() -> BrokerStatus:
-    c = counters()
-    return BrokerStatus(version=c.version, queue_depth=c.queue_depth, in_flight=c.in_flight,
-                        counters=c, max_staleness=1, batch_size=2, admission_open=True,
+    return BrokerStatus(counters=counters(), max_staleness=1, batch_size=2, admission_open=True,
                         parked_acquires=0, parked_get_batch=0, auth_refused=0, uptime_s=1.5,
                         pid=123, engines={"version": 1, "engines": []},
                         roles={"trainer": {"heartbeat_age_s": 2.0, "step": 3}})
@@ -36,6 +34,24 @@ def test_round_trips() -> None:
     # /status travels as JSON
     assert BrokerStatus.from_dict(json.loads(json.dumps(status().to_dict()))) == status()
     assert status().heartbeat_ages() == {"trainer": 2.0}
+
+
+def test_the_json_is_the_flat_map_readers_scrape() -> None:
+    """The counters are one type nested in both reports; their JSON keeps its keys of before:
+    `stats` flat, /status with three counters repeated at its top level."""
+    assert list(stats().to_dict()) == [
+        "version", "accepted", "dropped", "consumed", "in_flight", "released", "queue_depth",
+        "max_staleness", "batch_size", "parked_acquires", "parked_get_batch", "auth_refused",
+        "heartbeat_age_s"]
+    d = status().to_dict()
+    assert list(d) == ["version", "queue_depth", "in_flight", "counters", "max_staleness",
+                       "batch_size", "admission_open", "parked_acquires", "parked_get_batch",
+                       "auth_refused", "uptime_s", "pid", "engines", "roles"]
+    assert (d["version"], d["counters"]["accepted"]) == (0, 0)
+    assert stats().to_dict()["released"] == stats().counters.released
+    del d["queue_depth"]
+    with pytest.raises(BrokerError, match=r"missing key\(s\) \['queue_depth'\] of BrokerStatus"):
+        BrokerStatus.from_dict(d)
 
 
 def test_the_state_machine_counts_what_the_counters_type_has() -> None:

@@ -89,4 +89,5 @@ def test_container_checks_name_the_key():
 
 def test_colocated_may_share_nodes():
     assert ClusterConfig(kind="slurm", layout="colocated", rollout_nodes=0).rollout_nodes == 0
-    assert ClusterConfig(signal_lead_s=0, preempt_timeout_s=1000).signal_lead_s == 0
+    no_signal = ClusterConfig(kind="slurm", signal_lead_s=0, preempt_timeout_s=1000)
+    assert no_signal.signal_lead_s == 0

@@ -100,6 +100,7 @@ def test_engine_job_function_serves_restarts_in_place_and_stops(tmp_path, tiny_a
     Its engine runs through the run's container prefix (here `env`, which marks it)."""
     cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path=str(tiny_assets / "model")),
                       data=DataConfig(train_files=["x"]))
+    cfg.cluster.kind = "slurm"  # engine jobs are Slurm's (its container keys need it)
     cfg.cluster.container.prefix = ["env", "RELAX_TEST_CONTAINER=1"]
     cfg.cluster.container.python = sys.executable
     save_config(cfg, tmp_path / "config.yaml")

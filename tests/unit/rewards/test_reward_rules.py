@@ -12,7 +12,8 @@ import yaml
 from relax_slurm.config.reward import RewardConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.rewards import (
-    RewardError, RewardInput, Scorer, build_reward, get_reward_fn, names, register, score,
+    RewardError, RewardInput, Scorer, build_reward, get_reward_fn, names, register,
+    reward_workers, score, traits,
 )
 from relax_slurm.rewards import registry
 from relax_slurm.rewards.extract import last_boxed
@@ -216,8 +217,6 @@ def test_server_rewards_need_their_url(name, key):
     ({"timeout_s": 0.0}, "reward.timeout_s"),
     ({"genrm_parser": "stars"}, "reward.genrm_parser"),
     ({"name": "genrm", "timeout_s": 10.0}, "reward.timeout_s"),
-    ({"name": "genrm", "num_workers": 0, "timeout_s": 200.0}, "reward.num_workers"),
-    ({"name": "remote", "num_workers": 0}, "reward.num_workers"),
 ])
 def test_bad_reward_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -225,16 +224,29 @@ def test_bad_reward_config_names_the_key(overrides, key):
 
 
 @pytest.mark.parametrize("name,workers", [("exact_match", 0), ("prefix_match", 0), ("math", 4),
-                                          ("genrm", 4), ("f1", 4)])
+                                          ("genrm", 4), ("f1", 4), ("boxed_exact_match", 0),
+                                          ("my_package.my_module:my_reward", 4)])
 def test_num_workers_null_scores_pure_rules_inline_and_the_rest_in_workers(name, workers):
     # inline for the microsecond rules only: a judge called on the worker's event loop would
     # stall every generation for the length of each call
-    assert RewardConfig(name=name, timeout_s=200.0).num_workers == workers
-    assert RewardConfig(name=name, timeout_s=200.0, num_workers=2).num_workers == 2
+    assert reward_workers(RewardConfig(name=name, timeout_s=200.0)) == workers
+    assert reward_workers(RewardConfig(name=name, timeout_s=200.0, num_workers=2)) == 2
 
 
-def test_the_inline_rewards_are_registered_rule_rewards():
-    from relax_slurm.config.reward import INLINE_REWARDS, SERVICE_REWARDS
-    from relax_slurm.rewards.registry import names
+@pytest.mark.parametrize("name", ["remote", "genrm", "dapo-genrm", "dapo_rule_genrm",
+                                  "boxed_genrm"])
+def test_a_reward_that_waits_on_a_service_is_never_scored_inline(name):
+    with pytest.raises(ConfigError, match=rf"reward\.num_workers=0 with reward\.name={name}: "
+                                          "it waits on a service"):
+        reward_workers(RewardConfig(name=name, num_workers=0, timeout_s=200.0))
 
-    assert set(INLINE_REWARDS) | set(SERVICE_REWARDS) <= set(names())
+
+def test_how_a_reward_is_scored_is_declared_where_it_is_registered():
+    declared = {n: traits(n) for n in names()}
+    assert {n for n, t in declared.items() if t.inline} == {"exact_match", "prefix_match"}
+    assert {n for n, t in declared.items() if t.service} == {
+        "remote", "genrm", "dapo-genrm", "dapo_rule_genrm"}
+    assert traits("no.such:reward") == registry.Traits()
+    with pytest.raises(ValueError, match="exclude each other"):
+        registry.register("both_ways", inline=True, service=True)(lambda inp: 0.0)
+    assert "both_ways" not in names()

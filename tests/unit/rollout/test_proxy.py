@@ -214,9 +214,9 @@ def check_errors(client, proxy, broker):
     r = chat(client, f"{proxy}/s/errs/z", first, 4)
     assert r.status_code == 409 and "n_samples_per_prompt" in r.json()["error"]["message"]
     assert client.post(f"{url}/reward", json={"reward": "high"}).status_code == 400
-    before = broker.stats().in_flight
+    before = broker.stats().counters.in_flight
     assert client.delete(url).status_code == 200
-    assert broker.stats().in_flight == before - 1
+    assert broker.stats().counters.in_flight == before - 1
     r = chat(client, f"{proxy}/s/errs/y", first, 3)
     assert r.status_code == 409 and "already sent or dropped" in r.json()["error"]["message"]
     assert client.get(f"{proxy}/stats").json()["groups_dropped"] == 1
