@@ -10,7 +10,7 @@ tensors gathered across TP/PP/EP, on every rank.
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -162,14 +162,18 @@ def rope_theta(hf_config) -> float | None:
 class MegatronModel:
     """Model chunks (one per virtual pipeline stage), optimizer and the bridge they came from."""
 
-    def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig) -> None:
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig, *, bridge=None,
+                 adapt: Callable[[list], None] | None = None) -> None:
+        """`bridge`: one already built for model.path (the critic shares the policy's);
+        `adapt`: changes the bare chunks before the DDP wrapping and the optimizer see them
+        (the critic's value head in place of the LM head: megatron/critic.py)."""
         self.cfg = cfg
         self.sequence_parallel = False  # build_provider's decision, once the chunks are built
         dtype = DTYPES[model_cfg.dtype]
         bridge_mod = cpu_compat.import_bridge()
         fix_sequential_experts()
         check_cpu_dtype(model_cfg.dtype, dtype)
-        self.bridge = bridge_mod.AutoBridge.from_hf_pretrained(
+        self.bridge = bridge or bridge_mod.AutoBridge.from_hf_pretrained(
             model_cfg.path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
         hf_config = self.bridge.hf_pretrained.config
         self.vl = vl.kind(hf_config)  # None: a text decoder
@@ -179,6 +183,8 @@ class MegatronModel:
         self.vocab_size = hf_config.get_text_config().vocab_size
         check_vocab_split(self.vocab_size, cfg.tensor_parallel_size)
         bare = self._bare_chunks(model_cfg, cfg, dtype)
+        if adapt is not None:
+            adapt(bare)
         self.chunks = ddp_chunks(bare, cfg.use_distributed_optimizer)
         self.optimizer = megatron_optimizer(cfg, dtype, self.chunks)
         self.steps_done = 0  # optimizer steps: the lr schedule's position
