@@ -1,6 +1,6 @@
 """algo=ppo's critic under trainer=megatron (relax_slurm/trainer/megatron/critic.py) on
-CPU/gloo: its values and value-loss gradient at TP=2 equal TP=1's, and TP=1's equal the torch
-critic's (trainer/critic.py) on the same trunk weights, head and batch
+CPU/gloo: its values and value-loss gradient at TP=2 and at DP=2 equal TP=1's, and TP=1's
+equal the torch critic's (trainer/critic.py) on the same trunk weights, head and batch
 (tests/integration/scripts/megatron_critic_parity.py, one torchrun per layout)."""
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("megatron_critic")
     model = run_tiny_model_tool(root / "model")
     out = {}
-    for name, tp, flags in (("tp1", 1, ["--torch"]), ("tp2", 2, [])):
+    for name, ranks, tp, flags in (("tp1", 1, 1, ["--torch"]), ("tp2", 2, 2, []),
+                                   ("dp2", 2, 1, [])):
         log = root / f"{name}.log"
         rc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                         "--nproc-per-node", str(tp), str(SCRIPT), "--model-dir", str(model),
+                         "--nproc-per-node", str(ranks), str(SCRIPT), "--model-dir", str(model),
                          "--tp", str(tp), "--out", str(root / name), *flags], log, 600)
         assert rc == 0, log.read_text()[-6000:]
         out[name] = root / name
@@ -89,7 +90,20 @@ def test_megatron_critic_at_tp2_equals_tp1(runs):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["tp1", "tp2"])
+def test_megatron_critic_at_dp2_equals_one_rank(runs):
+    """DP=2, each rank with half the rows: the whitening's moments summed over the
+    data-parallel group and the gradients averaged by Megatron DDP give the one-rank values,
+    advantages and gradients (and the metrics summed over ranks the one-rank metrics)."""
+    compare(runs["dp2"], runs["tp1"], "values.pt", "grads.safetensors")
+    m1, m2 = (json.loads((runs[n] / "result.json").read_text())["metrics"]
+              for n in ("tp1", "dp2"))
+    for key in ("critic/vf_loss", "critic/values_mean", "critic/returns_mean",
+                "critic/grad_norm"):
+        assert m2[key] == pytest.approx(m1[key], rel=REL), key
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["tp1", "tp2", "dp2"])
 def test_megatron_critic_resumes_exactly_from_its_dist_checkpoint(runs, name):
     """The critic (model and Adam state, TP-sharded at TP=2) is in the policy's
     dist-checkpoint: loaded back, its values are the saved ones, and the next whole step

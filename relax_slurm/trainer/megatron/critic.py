@@ -55,8 +55,9 @@ class ValueHead(nn.Linear):
     the head's own gradients, partial per rank, are all-reduced over TP by megatron's
     finalize_model_grads (the `sequence_parallel` tag, as its layer norms')."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool) -> None:
-        super().__init__(hidden_size, 1, dtype=dtype)
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 sequence_parallel: bool) -> None:
+        super().__init__(hidden_size, 1, dtype=dtype, device=device)
         with torch.no_grad():  # V = 0 until trained; no RNG drawn (runs stay reproducible)
             self.weight.zero_()
             self.bias.zero_()
@@ -81,7 +82,9 @@ def attach_value_heads(chunks: list) -> None:
     for chunk in chunks:
         gpt = getattr(chunk, "module", chunk)  # Float16Module around it in bf16 / fp16
         config = gpt.config
-        gpt.output_layer = ValueHead(config.hidden_size, config.params_dtype,
+        # on the trunk's device (GPU: the provider has moved the chunk there already)
+        device = next(gpt.parameters()).device
+        gpt.output_layer = ValueHead(config.hidden_size, config.params_dtype, device,
                                      bool(config.sequence_parallel))
         gpt.share_embeddings_and_output_weights = False
 

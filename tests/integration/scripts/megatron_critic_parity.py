@@ -1,7 +1,8 @@
 """torchrun --nproc-per-node N megatron_critic_parity.py --model-dir D --tp T --out DIR [--torch]
 
 algo=ppo's megatron critic (relax_slurm/trainer/megatron/critic.py) on gloo: builds the
-megatron backend with its critic on the tiny HF model at TP=T, gives the value head fixed
+megatron backend with its critic on the tiny HF model at TP=T (DP = N / T: each data-parallel
+rank takes its share of the rows), gives the value head fixed
 non-zero weights (a zero head would make every value 0 and hide the trunk), and on a fixed
 batch of right-padded rows of different lengths (rank 0 writes DIR/result.json and tensors):
 - `prepare` (the critic's values, GAE, whitening): DIR/values.pt (old_values, returns,
@@ -83,7 +84,13 @@ def megatron_side(args, result: dict) -> None:
     with torch.no_grad():
         gpt.output_layer.weight.copy_(w)
         gpt.output_layer.bias.copy_(b)
-    block = batch(critic.mm.vocab_size)  # TP peers hold the same rows (DP = 1 here)
+    from megatron.core import parallel_state as ps
+
+    # each data-parallel rank its share of the rows (TP peers the same ones), as the trainer
+    # scatters them; the weights keep summing to 1 over the whole batch
+    whole = batch(critic.mm.vocab_size)
+    dp, per = ps.get_data_parallel_world_size(), len(whole) // ps.get_data_parallel_world_size()
+    block = whole.rows(ps.get_data_parallel_rank() * per, (ps.get_data_parallel_rank() + 1) * per)
     [(out, _)] = critic.prepare([(block, True)], None)
 
     def grads_into_weights():
@@ -109,13 +116,23 @@ def megatron_side(args, result: dict) -> None:
         for p in gpt.parameters():
             p.copy_(saved[id(p)])
     result["resume"] = resume_check(backend, block, args)
+    values = {k: gather_rows(getattr(out, k), dp)
+              for k in ("old_values", "returns", "advantages", "weights")}
     if dist.get_rank() == 0:
         args.out.mkdir(parents=True, exist_ok=True)
-        torch.save({"old_values": out.old_values, "returns": out.returns,
-                    "advantages": out.advantages, "weights": out.weights},
-                   args.out / "values.pt")
+        torch.save(values, args.out / "values.pt")
         save_file(grads | head, str(args.out / "grads.safetensors"))
     backend.close()
+
+
+def gather_rows(t: torch.Tensor, dp: int) -> torch.Tensor:
+    """Every data-parallel rank's rows, in rank order (each share is as wide as the batch:
+    every share of batch() holds a 12-token row)."""
+    from megatron.core import parallel_state as ps
+
+    parts = [torch.empty_like(t) for _ in range(dp)]
+    dist.all_gather(parts, t.contiguous(), group=ps.get_data_parallel_group())
+    return torch.cat(parts)
 
 
 def resume_check(backend, block: MicroBatch, args) -> dict:
