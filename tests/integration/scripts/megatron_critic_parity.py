@@ -40,7 +40,8 @@ MICRO = 4  # micro-batches of 4 and 2 rows: the schedule's last one is narrower
 
 def batch(vocab: int) -> MicroBatch:
     """6 rows, right-padded to 12 tokens (lengths 12, 9, 7, 12, 5, 10), the second half of each
-    row trained, each row's score (0 or 1) on its trained tokens."""
+    row trained, each row's score (0 or 1) on its trained tokens; two rows hold the pad token
+    among their real ones."""
     g = torch.Generator().manual_seed(0)
     lens = (12, 9, 7, 12, 5, 10)
     width = max(lens)
@@ -51,6 +52,10 @@ def batch(vocab: int) -> MicroBatch:
         ids[r, n:] = 0
         mask[r, :n] = 1
         weights[r, n // 2:n - 1] = 1.0
+    # the pad token (0) sampled inside two rows, as the tiny policy does: HF's embedding
+    # (padding_idx) sends it no gradient, and the megatron model must not either (its row is
+    # zero in the checkpoint: an RMS norm of it has a ~1/sqrt(eps) gradient)
+    ids[0, 3] = ids[3, 8] = 0
     weights /= weights.sum()
     scores = (torch.arange(len(lens)) % 2).float()[:, None].expand(-1, width - 1)
     return MicroBatch(input_ids=ids, attention_mask=mask, targets=ids[:, 1:], weights=weights,
