@@ -148,9 +148,13 @@ def test_bad_critic_knobs_name_the_key(overrides, key):
 
 
 def test_ppo_is_refused_where_the_critic_is_not_built(tiny_dir):
-    with pytest.raises(ConfigError, match=r"algo=ppo with trainer=megatron .*algorithms.md"):
+    # the megatron critic: TP/DP/EP, not pipeline stages (test_presets.py checks CP too)
+    with pytest.raises(ConfigError, match=r"algo=ppo with trainer=megatron and trainer."
+                                          r"pipeline_parallel_size=2: .*algorithms.md"):
         TrainConfig(run_dir="x", model=ModelConfig(path=str(tiny_dir)),
-                    algo=AlgoConfig(name="ppo"), trainer=TrainerConfig(backend="megatron"))
+                    algo=AlgoConfig(name="ppo"),
+                    trainer=TrainerConfig(backend="megatron", pipeline_parallel_size=2,
+                                          nproc_per_node=2))
     with pytest.raises(ConfigError, match=r"streaming=true .*algo=ppo .*whitened"):
         TrainConfig(run_dir="x", model=ModelConfig(path=str(tiny_dir)),
                     algo=AlgoConfig(name="ppo", max_staleness=1, loss_reduction="token_sum"),
