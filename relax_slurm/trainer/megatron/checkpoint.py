@@ -91,9 +91,8 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
     `async_save`, returns once a forked process holds a snapshot of the state and writes it
     (megatron-core's async dist-checkpointing); the commit happens when the handle is waited
     for, on every rank (the next save, the end of the run: `dcp.wait_pending()`).
-    `reference`: a reference model that is not model.path as loaded (algo.ref_update_interval),
-    a replica on every rank: rank 0 writes it, synchronously, to REFERENCE. `critic`: algo=ppo's
-    value model and optimizer, in the same dist-checkpoint (CRITIC)."""
+    `reference` (algo.ref_update_interval, a replica on every rank): rank 0 writes it, sync,
+    to REFERENCE. `critic`: algo=ppo's, in the same dist-checkpoint (CRITIC)."""
     from concurrent.futures import Future
 
     from megatron.core import dist_checkpointing
@@ -104,11 +103,9 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp"
-    extra = {**extra_state, "step": step, "lr_steps_done": mm.steps_done,
-             **({"reference_saved": True} if reference is not None else {}),
-             **({"critic_saved": True} if critic is not None else {})}
-    meta = json.loads(meta_json(step, extra))
-    meta_text = json.dumps({**meta, "backend": BACKEND}, indent=2)
+    meta_text = _meta_text(step, {**extra_state, "step": step, "lr_steps_done": mm.steps_done,
+                                  "reference_saved": reference is not None,
+                                  "critic_saved": critic is not None})
     rank = dist.get_rank()
     group = checkpoint_group()
     if rank == 0:
@@ -146,6 +143,13 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
     handle = SaveHandle(step, final, done, _finalize=lambda: _finalize_all(queue))
     set_pending(handle)
     return handle
+
+
+def _meta_text(step: int, extra: dict[str, Any]) -> str:
+    """meta.json's text: the shared fields, "backend", and the flags of what side models the
+    checkpoint holds only where true (as before they existed)."""
+    extra = {k: v for k, v in extra.items() if k not in ("reference_saved", "critic_saved") or v}
+    return json.dumps({**json.loads(meta_json(step, extra)), "backend": BACKEND}, indent=2)
 
 
 _QUEUE = None  # megatron-core's AsyncCallsQueue, one per process
