@@ -102,10 +102,16 @@ def check_mini_batches(t: TrainerConfig, rollout: RolloutConfig) -> None:
 
 
 def check_critic_backend(algo: AlgoConfig, t: TrainerConfig) -> None:
-    check(t.backend == "torch" or not algo.uses_critic,
-          f"algo={algo.name} with trainer=megatron is not supported yet: the critic "
-          "(value model) is a component of the torch backend only; use trainer=torch "
-          "(docs/algorithms.md#ppo-with-a-critic)")
+    """The megatron critic runs under TP, DP and EP; its values would exist on the last
+    pipeline stage only, and under CP in sequence chunks (trainer/megatron/critic.py)."""
+    if t.backend != "megatron" or not algo.uses_critic:
+        return
+    for key, size in (("pipeline_parallel_size", t.pipeline_parallel_size),
+                      ("context_parallel_size", t.context_parallel_size)):
+        check(size == 1,
+              f"algo={algo.name} with trainer=megatron and trainer.{key}={size}: the megatron "
+              "critic runs under tensor, data and expert parallelism only; set "
+              f"trainer.{key}=1 (docs/algorithms.md#ppo-with-a-critic)")
 
 
 def check_judge(r: RewardConfig) -> None:

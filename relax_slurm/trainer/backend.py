@@ -66,27 +66,39 @@ class TorchBackend:
         from relax_slurm.trainer.model import reference_due, refresh_reference
 
         t = self.cfg.trainer
-        if self.critic is not None:  # GAE advantages from the critic's values before its step
-            blocks = self.critic.prepare(blocks, self.model, self.ref_model)
-        if self.steps_done < self.cfg.algo.critic_warmup_steps:  # the critic learns alone
-            before_update()
-            with warnings.catch_warnings():  # deliberate: no policy optimizer step this batch
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
-                self.scheduler.step()  # the schedule counts rollout batches, these included
-            metrics = {"train/critic_warmup": 1.0}
-        else:
-            metrics = train_step(
+
+        def policy_step(blocks) -> dict[str, float]:
+            return train_step(
                 self.model, self.optimizer, self.scheduler, blocks, self.cfg.algo,
                 micro_batch_size=t.micro_batch_size, grad_clip=t.grad_clip,
                 temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
                 before_update=before_update, num_steps=t.num_steps_per_rollout)
-        if self.critic is not None:
-            metrics |= self.critic.update(blocks, t.num_steps_per_rollout)
+
+        if self.critic is None:
+            metrics = policy_step(blocks)
+        else:  # GAE advantages from the critic's values before its step (critic_step.py)
+            from relax_slurm.trainer.critic import reward_kl
+            from relax_slurm.trainer.critic_step import train_with_critic
+
+            kl = (reward_kl(self.cfg, self.model, self.ref_model) if self.cfg.algo.kl_coef
+                  else None)
+            metrics = train_with_critic(
+                self.critic, blocks, kl, policy_step=policy_step,
+                warming_up=self.steps_done < self.cfg.algo.critic_warmup_steps,
+                skip_policy=lambda: self._skip_policy(before_update),
+                num_steps=t.num_steps_per_rollout)
         self.steps_done += 1
         if reference_due(self.steps_done, self.cfg.algo.ref_update_interval):
             refresh_reference(self.ref_model, self.model)
             log.info("reference model refreshed from the policy after step %d", self.steps_done)
         return metrics
+
+    def _skip_policy(self, before_update: Callable[[], None]) -> None:
+        """A critic warmup batch: no policy step, but its lr schedule counts the batch."""
+        before_update()
+        with warnings.catch_warnings():  # deliberate: no policy optimizer step this batch
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+            self.scheduler.step()
 
     def eval_sums(self, block: MicroBatch) -> dict[str, float]:
         """Forward only (SFT validation): this rank's summed NLL of its rows' trained tokens

@@ -1,7 +1,7 @@
-"""The critic of algo=ppo: a value model beside the policy, owned by the torch backend.
+"""The critic of algo=ppo on the torch backend: a value model beside the policy.
 
     critic = Critic(cfg, device)              # model.path's transformer + a fresh scalar head
-    blocks = critic.prepare(blocks, policy, ref)  # values, GAE, whitened advantages, returns
+    blocks = critic.prepare(blocks, reward_kl)  # values, GAE, whitened advantages, returns
     ... the policy's train_step on those blocks ...
     metrics = critic.update(blocks, ...)      # the clipped value loss, one AdamW step each
 
@@ -9,13 +9,13 @@ Its weights are its own (model.path's decoder loaded once more, the LM head drop
 value head initialised to 0, so the first values are 0 and nothing draws from the RNG), under
 the same DDP / FSDP2 wrapping as the policy, with its own optimizer (`algo.critic_lr`,
 constant). `prepare` runs before the policy's step: the values are the critic's before its
-update, as the advantages and the value clip need. The math is `relax_slurm.algos.ppo`.
+update, as the advantages and the value clip need. The order of a step and the GAE are shared
+with the megatron critic (trainer/critic_step.py); the math is `relax_slurm.algos.ppo`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -23,12 +23,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from relax_slurm.algos.common import kl_penalty
-from relax_slurm.algos.ppo import gae, token_rewards, value_loss, whiten
+from relax_slurm.algos.ppo import value_loss
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.batch import MicroBatch
-
-Blocks = list[tuple[MicroBatch, bool]]
+from relax_slurm.trainer.critic_step import (
+    Blocks, RewardKL, add_sums, critic_lr, reduce_sums, with_gae, zero_sums,
+)
 
 
 class ValueModel(nn.Module):
@@ -84,39 +85,16 @@ class Critic:
         return values
 
     @torch.no_grad()
-    def _reward_kl(self, block: MicroBatch, policy: nn.Module, ref: nn.Module) -> Tensor:
-        """Per-token KL of the sampling-time policy to the reference, [rows, T-1]
-        (algo.kl_loss_type; the policy's own log-probs before the step with
-        old_logprobs=recompute, the engine's with rollout), as the loss's reward-side KL."""
-        from relax_slurm.trainer.step import token_logprobs
-
-        algo, temp = self.cfg.algo, self.cfg.rollout.temperature
-        kl = torch.zeros_like(block.weights)
-        size = self.cfg.trainer.micro_batch_size
-        for lo in range(0, len(block), size):
-            mb = block.rows(lo, lo + size)
-            old = (mb.rollout_logp if algo.old_logprobs == "rollout"
-                   else token_logprobs(policy, mb, temp))
-            kl[lo:lo + len(mb), :mb.targets.shape[1]] = kl_penalty(
-                old, token_logprobs(ref, mb, temp), algo.kl_loss_type)
-        return kl
-
-    @torch.no_grad()
-    def prepare(self, blocks: Iterable[tuple[MicroBatch, bool]], policy: nn.Module,
-                ref: nn.Module | None) -> Blocks:
+    def prepare(self, blocks: Iterable[tuple[MicroBatch, bool]],
+                reward_kl: RewardKL | None) -> Blocks:
         """This rank's blocks with GAE advantages whitened over the whole batch (every rank's
-        trained tokens: a collective), `old_values` and `returns`. The incoming advantages are
-        each sample's score on its trained tokens (algo=ppo's estimator passes it through);
-        with algo.kl_coef the token rewards also carry the KL of `policy` to `ref`."""
+        trained tokens: a collective), `old_values` and `returns` (critic_step.with_gae);
+        `reward_kl` (algo.kl_coef) gives the token rewards' KL."""
         [(block, last)] = list(blocks)  # whole batches (streaming is refused for algo=ppo)
         self.model.train()  # the mode its update runs in (from_pretrained leaves eval)
         values = self._block_values(block)
-        mask = block.weights
-        kl = self._reward_kl(block, policy, ref) if self.cfg.algo.kl_coef else None
-        rewards = token_rewards(block.advantages, mask, kl, self.cfg.algo.kl_coef)
-        adv, returns = gae(rewards, values, mask, self.cfg.algo.gamma, self.cfg.algo.lam)
-        return [(dataclasses.replace(block, advantages=whiten(adv, mask, reduce=_all_reduce),
-                                     old_values=values, returns=returns), last)]
+        kl = reward_kl(block) if reward_kl is not None else None
+        return [(with_gae(block, values, kl, self.cfg.algo, _all_reduce), last)]
 
     def update(self, blocks: Blocks, num_steps: int) -> dict[str, float]:
         """The clipped value loss over this rank's rows (weighted like the policy's loss: the
@@ -127,10 +105,9 @@ class Critic:
         self.model.train()
         [(block, _)] = blocks
         world = dist.get_world_size()
-        # device tensors, read once in _reduce: no host sync per micro-batch (float64, so the
+        # device tensors, read once in reduce_sums: no host sync per micro-batch (float64, so the
         # sums are those of adding each micro-batch's float32 sum as a Python float)
-        zero = torch.zeros((), dtype=torch.float64, device=block.weights.device)
-        sums = dict.fromkeys(("vf_loss", "vf_clipped", "values", "returns", "tokens"), zero)
+        sums = zero_sums(block.weights.device)
         norms = []
         for _, mini in mini_batches(block, num_steps):
             self.optimizer.zero_grad(set_to_none=True)
@@ -139,7 +116,7 @@ class Critic:
                                                   self.cfg.trainer.grad_clip)
             norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
             self.optimizer.step()
-        return _reduce(sums) | {"critic/grad_norm": sum(norms) / len(norms),
+        return reduce_sums(sums) | {"critic/grad_norm": sum(norms) / len(norms),
                                 "critic/lr": self.lr}
 
     def _accumulate(self, mini: MicroBatch, sums: dict[str, Tensor], scale: float) -> None:
@@ -154,32 +131,32 @@ class Critic:
                 loss, clipped = value_loss(values, mb.old_values, mb.returns,
                                            self.cfg.algo.value_clip)
                 (((loss * mb.weights).sum()) * scale).backward()
-            m = (mb.weights != 0).float()
-            for key, per_token in (("vf_loss", loss.detach()), ("vf_clipped", clipped),
-                                   ("values", mb.old_values), ("returns", mb.returns),
-                                   ("tokens", 1.0)):
-                sums[key] = sums[key] + (per_token * m).sum().double()
+            add_sums(sums, loss, clipped, mb)
 
 
-def critic_lr(cfg: TrainConfig) -> float:
-    """algo.critic_lr, or 5 x trainer.lr: the value head regresses returns from a fresh start
-    (tiny task, four PPO steps per batch: 1x trailed, reward 0.63 at step 100; 10x was noisy,
-    0.80; 5x 0.93)."""
-    return cfg.algo.critic_lr if cfg.algo.critic_lr is not None else 5 * cfg.trainer.lr
+def reward_kl(cfg: TrainConfig, policy: nn.Module, ref: nn.Module) -> RewardKL:
+    """Per-token KL of the sampling-time policy to the reference, [rows, T-1]
+    (algo.kl_loss_type; the policy's own log-probs before the step with
+    old_logprobs=recompute, the engine's with rollout), as the loss's reward-side KL."""
+    from relax_slurm.trainer.step import token_logprobs
+
+    algo, temp = cfg.algo, cfg.rollout.temperature
+
+    @torch.no_grad()
+    def block_kl(block: MicroBatch) -> Tensor:
+        kl = torch.zeros_like(block.weights)
+        size = cfg.trainer.micro_batch_size
+        for lo in range(0, len(block), size):
+            mb = block.rows(lo, lo + size)
+            old = (mb.rollout_logp if algo.old_logprobs == "rollout"
+                   else token_logprobs(policy, mb, temp))
+            kl[lo:lo + len(mb), :mb.targets.shape[1]] = kl_penalty(
+                old, token_logprobs(ref, mb, temp), algo.kl_loss_type)
+        return kl
+
+    return block_kl
 
 
 def _all_reduce(t: Tensor) -> Tensor:
     dist.all_reduce(t)
     return t
-
-
-def _reduce(sums: dict[str, Tensor]) -> dict[str, float]:
-    """Every rank's sums added (one all-reduce, one read to the host), divided by the trained
-    tokens."""
-    keys = sorted(sums)
-    total = dict(zip(keys, _all_reduce(torch.stack([sums[k] for k in keys])).tolist()))
-    tokens = max(total["tokens"], 1.0)
-    return {"critic/vf_loss": total["vf_loss"] / tokens,
-            "critic/vf_clipfrac": total["vf_clipped"] / tokens,
-            "critic/values_mean": total["values"] / tokens,
-            "critic/returns_mean": total["returns"] / tokens}

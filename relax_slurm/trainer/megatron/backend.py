@@ -40,20 +40,49 @@ class MegatronBackend:
             from relax_slurm.trainer.model import load_reference_model
 
             self.ref_model = load_reference_model(cfg.model, device)
+        # algo=ppo: the value model, its own weights and optimizer (megatron/critic.py)
+        self.critic = None
+        if cfg.algo.uses_critic:
+            from relax_slurm.trainer.megatron.critic import MegatronCritic
+
+            self.critic = MegatronCritic(cfg, self.mm.bridge)
         self.data_ranks = data_ranks()
 
     def train_step(self, blocks: Iterable[tuple[MicroBatch, bool]],
                    before_update: Callable[[], None] = lambda: None) -> dict[str, float]:
         """Whole batches only (one block): see TrainConfig.streaming_blockers for why."""
         [(batch, _)] = list(blocks)
-        metrics = train_step(self.mm, batch, self.cfg.algo,
-                             micro_batch_size=self.cfg.trainer.micro_batch_size,
-                             temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
-                             before_update=before_update,
-                             num_steps=self.cfg.trainer.num_steps_per_rollout)
+        t = self.cfg.trainer
+
+        def policy_step(blocks) -> dict[str, float]:
+            [(batch, _)] = blocks
+            return train_step(self.mm, batch, self.cfg.algo,
+                              micro_batch_size=t.micro_batch_size,
+                              temperature=self.cfg.rollout.temperature,
+                              ref_model=self.ref_model, before_update=before_update,
+                              num_steps=t.num_steps_per_rollout)
+
+        if self.critic is None:
+            metrics = policy_step([(batch, True)])
+        else:  # GAE advantages from the critic's values before its step (critic_step.py)
+            from relax_slurm.trainer.critic_step import train_with_critic
+            from relax_slurm.trainer.megatron.critic import reward_kl
+
+            kl = (reward_kl(self.cfg, self.mm, self.ref_model) if self.cfg.algo.kl_coef
+                  else None)
+            metrics = train_with_critic(
+                self.critic, [(batch, True)], kl, policy_step=policy_step,
+                warming_up=self.mm.steps_done < self.cfg.algo.critic_warmup_steps,
+                skip_policy=lambda: self._skip_policy(before_update),
+                num_steps=t.num_steps_per_rollout)
         if reference_due(self.mm.steps_done, self.cfg.algo.ref_update_interval):
             self.refresh_reference()
         return metrics
+
+    def _skip_policy(self, before_update: Callable[[], None]) -> None:
+        """A critic warmup batch: no policy step, but its lr schedule counts the batch."""
+        before_update()
+        self.mm.steps_done += 1
 
     def refresh_reference(self) -> None:
         """The policy's weights into the transformers reference (algo.ref_update_interval):
@@ -93,10 +122,15 @@ class MegatronBackend:
              async_save: bool, hf_assets_src: str | None):
         return checkpoint.save(root, step, self.mm, extra, keep_last=keep_last,
                                hf_assets_src=hf_assets_src, async_save=async_save,
-                               reference=self._moving_reference())
+                               reference=self._moving_reference(), critic=self._critic())
 
     def load(self, path: Path) -> dict[str, Any]:
-        return checkpoint.load(path, self.mm, reference=self._moving_reference())
+        return checkpoint.load(path, self.mm, reference=self._moving_reference(),
+                               critic=self._critic())
+
+    def _critic(self) -> MegatronModel | None:
+        """algo=ppo: the critic's model and optimizer, checkpointed with the policy."""
+        return None if self.critic is None else self.critic.mm
 
     def _moving_reference(self):
         """The reference model when it is not model.path as loaded (it is then checkpointed)."""

@@ -3,7 +3,8 @@
     RUN_DIR/checkpoints/step_<N>/
         .metadata, __*.distcp, metadata.json, common.pt   Megatron dist-checkpoint: model and
                                                           optimizer, sharded by TP/PP/EP, which
-                                                          reshards on load (other sizes)
+                                                          reshards on load (other sizes); with
+                                                          algo=ppo also the critic's (CRITIC)
         rng/rank_<r>.pt                                   RNG states of rank r
         reference.pt                                      the reference model, when
                                                           algo.ref_update_interval moves it
@@ -48,10 +49,29 @@ REFERENCE = "reference.pt"  # the moving reference model (algo.ref_update_interv
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def sharded_state_dict(mm: MegatronModel, loading: bool = False) -> dict:
+CRITIC = "critic."
+"""algo=ppo: the critic's tensors are keyed as the policy's with this prefix in the same
+dist-checkpoint ("critic.decoder.layers...", "critic.output_layer.weight" its value head;
+its optimizer's "optimizer.state.exp_avg.critic...."); in the loaded state dict they sit under
+"critic" and "critic_optimizer", as the torch backend's DCP keeps them."""
+
+
+def sharded_state_dict(mm: MegatronModel, loading: bool = False,
+                       critic: MegatronModel | None = None) -> dict:
     model_sd = model_sharded_state_dict(mm.chunks)
-    return {**model_sd, "optimizer": mm.optimizer.sharded_state_dict(
+    state = {**model_sd, "optimizer": mm.optimizer.sharded_state_dict(
         model_sd, is_loading=loading, metadata=OPTIMIZER_METADATA)}
+    if critic is not None:
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
+        [(_, critic_sd)] = model_sharded_state_dict(critic.chunks).items()  # PP is refused
+        # the checkpoint's keys prefixed, the state dict's own left as the module's (so it
+        # loads back with load_state_dict); the optimizer keys its state by the model's keys
+        replace_prefix_for_sharding(critic_sd, "", CRITIC)
+        state["critic"] = critic_sd
+        state["critic_optimizer"] = critic.optimizer.sharded_state_dict(
+            critic_sd, is_loading=loading, metadata=OPTIMIZER_METADATA)
+    return state
 
 
 def model_sharded_state_dict(chunks) -> dict:
@@ -65,13 +85,14 @@ def model_sharded_state_dict(chunks) -> dict:
 
 def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], *,
          keep_last: int, hf_assets_src: str | None, async_save: bool = False,
-         reference: nn.Module | None = None) -> SaveHandle:
+         reference: nn.Module | None = None, critic: MegatronModel | None = None
+         ) -> SaveHandle:
     """Every rank calls this. Synchronous: returns once the checkpoint is committed. With
     `async_save`, returns once a forked process holds a snapshot of the state and writes it
     (megatron-core's async dist-checkpointing); the commit happens when the handle is waited
     for, on every rank (the next save, the end of the run: `dcp.wait_pending()`).
-    `reference`: a reference model that is not model.path as loaded (algo.ref_update_interval),
-    a replica on every rank: rank 0 writes it, synchronously, to REFERENCE."""
+    `reference` (algo.ref_update_interval, a replica on every rank): rank 0 writes it, sync,
+    to REFERENCE. `critic`: algo=ppo's, in the same dist-checkpoint (CRITIC)."""
     from concurrent.futures import Future
 
     from megatron.core import dist_checkpointing
@@ -82,10 +103,9 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp"
-    extra = {**extra_state, "step": step, "lr_steps_done": mm.steps_done,
-             **({"reference_saved": True} if reference is not None else {})}
-    meta = json.loads(meta_json(step, extra))
-    meta_text = json.dumps({**meta, "backend": BACKEND}, indent=2)
+    meta_text = _meta_text(step, {**extra_state, "step": step, "lr_steps_done": mm.steps_done,
+                                  "reference_saved": reference is not None,
+                                  "critic_saved": critic is not None})
     rank = dist.get_rank()
     group = checkpoint_group()
     if rank == 0:
@@ -109,7 +129,7 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
         done.set_result(final)
 
     try:
-        request = dist_checkpointing.save(sharded_state_dict(mm), str(tmp),
+        request = dist_checkpointing.save(sharded_state_dict(mm, critic=critic), str(tmp),
                                           async_sharded_save=async_save)
     except Exception as e:
         raise CheckpointError(f"writing Megatron checkpoint step {step} to {tmp} failed: {e}"
@@ -123,6 +143,13 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
     handle = SaveHandle(step, final, done, _finalize=lambda: _finalize_all(queue))
     set_pending(handle)
     return handle
+
+
+def _meta_text(step: int, extra: dict[str, Any]) -> str:
+    """meta.json's text: the shared fields, "backend", and the flags of what side models the
+    checkpoint holds only where true (as before they existed)."""
+    extra = {k: v for k, v in extra.items() if k not in ("reference_saved", "critic_saved") or v}
+    return json.dumps({**json.loads(meta_json(step, extra)), "backend": BACKEND}, indent=2)
 
 
 _QUEUE = None  # megatron-core's AsyncCallsQueue, one per process
@@ -154,9 +181,11 @@ def _finalize_all(queue, timeout_s: float = SAVE_TIMEOUT.total_seconds()) -> Non
         time.sleep(0.05)
 
 
-def load(path: Path, mm: MegatronModel, reference: nn.Module | None = None) -> dict[str, Any]:
+def load(path: Path, mm: MegatronModel, reference: nn.Module | None = None,
+         critic: MegatronModel | None = None) -> dict[str, Any]:
     """Load model, optimizer, lr position and this rank's RNG; returns extra_state (+ "step").
-    `reference`: loaded from REFERENCE when the checkpoint has one, else left as it is."""
+    `reference`: loaded from REFERENCE when the checkpoint has one, else left as it is; likewise
+    `critic` (model and optimizer) from its CRITIC keys."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -168,11 +197,19 @@ def load(path: Path, mm: MegatronModel, reference: nn.Module | None = None) -> d
             f"{path} was written by the torch backend (DCP), not trainer=megatron: resume it "
             "with trainer=torch, or convert it (relax-convert --to hf) and start a megatron run "
             "from the HF directory (model.path=..., resume=none)")
-    state = dist_checkpointing.load(sharded_state_dict(mm, loading=True), str(path))
+    extra = meta.get("extra_state", {})
+    if critic is not None and not extra.get("critic_saved"):
+        log.warning("%s holds no critic (saved by a run without one): the critic starts "
+                    "fresh", path)
+        critic = None
+    state = dist_checkpointing.load(sharded_state_dict(mm, loading=True, critic=critic),
+                                    str(path))
     for i, chunk in enumerate(mm.chunks):
         chunk.module.load_state_dict(state["model" if len(mm.chunks) == 1 else f"model{i}"])
     mm.optimizer.load_state_dict(state["optimizer"])
-    extra = meta.get("extra_state", {})
+    if critic is not None:
+        critic.chunks[0].module.load_state_dict(state["critic"])
+        critic.optimizer.load_state_dict(state["critic_optimizer"])
     mm.steps_done = int(extra.get("lr_steps_done", meta["step"]))
     rng = path / RNG_DIR / f"rank_{dist.get_rank()}.pt"
     if rng.is_file():

@@ -10,7 +10,7 @@ tensors gathered across TP/PP/EP, on every rank.
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -169,14 +169,18 @@ def rope_theta(hf_config) -> float | None:
 class MegatronModel:
     """Model chunks (one per virtual pipeline stage), optimizer and the bridge they came from."""
 
-    def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig) -> None:
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainerConfig, *, bridge=None,
+                 adapt: Callable[[list], None] | None = None) -> None:
+        """`bridge`: one already built for model.path (the critic shares the policy's);
+        `adapt`: changes the bare chunks before the DDP wrapping and the optimizer see them
+        (the critic's value head in place of the LM head: megatron/critic.py)."""
         self.cfg = cfg
         self.sequence_parallel = False  # build_provider's decision, once the chunks are built
         dtype = DTYPES[model_cfg.dtype]
         bridge_mod = cpu_compat.import_bridge()
         fix_sequential_experts()
         check_cpu_dtype(model_cfg.dtype, dtype)
-        self.bridge = bridge_mod.AutoBridge.from_hf_pretrained(
+        self.bridge = bridge or bridge_mod.AutoBridge.from_hf_pretrained(
             model_cfg.path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code)
         hf_config = self.bridge.hf_pretrained.config
         self.vl = vl.kind(hf_config)  # None: a text decoder
@@ -189,6 +193,9 @@ class MegatronModel:
         self.vocab_size = hf_config.get_text_config().vocab_size
         check_vocab_split(self.vocab_size, cfg.tensor_parallel_size)
         bare = self._bare_chunks(model_cfg, cfg, dtype)
+        skip_padding_embedding_grads(bare, hf_config.get_text_config().pad_token_id)
+        if adapt is not None:
+            adapt(bare)
         self.chunks = ddp_chunks(bare, cfg.use_distributed_optimizer)
         self.optimizer = megatron_optimizer(cfg, dtype, self.chunks)
         self.steps_done = 0  # optimizer steps: the lr schedule's position
@@ -407,6 +414,39 @@ def fix_sequential_experts() -> None:
 
     gather_from_ep_ranks._relax_sequential = True
     pm.MegatronParamMapping.gather_from_ep_ranks = gather_from_ep_ranks
+
+
+def skip_padding_embedding_grads(chunks: list, pad_id: int | None) -> None:
+    """The input embedding's gradient skips positions holding the pad token, as the HF model's
+    `nn.Embedding(padding_idx=pad_token_id)` does (the torch backend, the engines' model).
+
+    megatron-core's VocabParallelEmbedding has no padding_idx. The pad token is also a token a
+    policy can sample (the tiny model does, inside its responses), and its embedding row is
+    zero in HF checkpoints (padding_idx rows are initialised so): an RMS norm of a zero vector
+    has a gradient of ~1/sqrt(eps), so on the tiny task's first batch that one row's gradient
+    had norm 4.6 against 0.13 for the whole rest of the model, and grad_clip=1 shrank every
+    real gradient 37x (measured; the torch backend's gradients were the rest exactly). The
+    tied output layer's use of the row still gets its gradient, as under HF."""
+    if pad_id is None:
+        return
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    def hook(module, inputs, output):
+        if not output.requires_grad:
+            return
+        keep = (inputs[0] != pad_id).to(output.dtype)  # [B, S]
+        if output.shape[:2] != keep.shape:  # sequence parallel: [S/TP, B, H], GPU only
+            from megatron.core import parallel_state as ps
+
+            keep = keep.t().chunk(ps.get_tensor_model_parallel_world_size())[
+                ps.get_tensor_model_parallel_rank()]
+        keep = keep.unsqueeze(-1)
+        output.register_hook(lambda grad: grad * keep)
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, VocabParallelEmbedding):
+                module.register_forward_hook(hook)
 
 
 def mark_tensor_parallel(module) -> None:

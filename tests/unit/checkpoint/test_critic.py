@@ -17,6 +17,7 @@ from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.backend import TorchBackend
 from relax_slurm.trainer.batch import collate, prepare_items
+from relax_slurm.trainer.critic import reward_kl
 from relax_slurm.trainer.model import single_process_group
 from tests.unit.trainer.test_step import groups
 
@@ -50,7 +51,7 @@ def test_first_advantages_are_the_whitened_scores(tiny_dir):
     score, whitened over the batch's trained tokens; the returns are the score."""
     backend = TorchBackend(config(tiny_dir), CPU)
     block = batch(backend)
-    [(out, last)] = backend.critic.prepare([(block, True)], backend.model, None)
+    [(out, last)] = backend.critic.prepare([(block, True)], None)
     assert last and torch.equal(out.old_values, torch.zeros_like(block.weights))
     mask = block.weights != 0
     assert torch.equal(out.returns, torch.where(mask, block.advantages, 0.0))
@@ -69,7 +70,8 @@ def test_reward_side_kl_enters_the_returns(tiny_dir):
         for p in backend.ref_model.parameters():
             p.mul_(1.5)
     block = batch(backend)
-    [(out, _)] = backend.critic.prepare([(block, True)], backend.model, backend.ref_model)
+    [(out, _)] = backend.critic.prepare(
+        [(block, True)], reward_kl(backend.cfg, backend.model, backend.ref_model))
     with torch.no_grad():
         to_go = kl_to_go(token_logprobs(backend.model, block, 1.0),
                          token_logprobs(backend.ref_model, block, 1.0), block.weights, "k1")
@@ -146,9 +148,13 @@ def test_bad_critic_knobs_name_the_key(overrides, key):
 
 
 def test_ppo_is_refused_where_the_critic_is_not_built(tiny_dir):
-    with pytest.raises(ConfigError, match=r"algo=ppo with trainer=megatron .*algorithms.md"):
+    # the megatron critic: TP/DP/EP, not pipeline stages (test_presets.py checks CP too)
+    with pytest.raises(ConfigError, match=r"algo=ppo with trainer=megatron and trainer."
+                                          r"pipeline_parallel_size=2: .*algorithms.md"):
         TrainConfig(run_dir="x", model=ModelConfig(path=str(tiny_dir)),
-                    algo=AlgoConfig(name="ppo"), trainer=TrainerConfig(backend="megatron"))
+                    algo=AlgoConfig(name="ppo"),
+                    trainer=TrainerConfig(backend="megatron", pipeline_parallel_size=2,
+                                          nproc_per_node=2))
     with pytest.raises(ConfigError, match=r"streaming=true .*algo=ppo .*whitened"):
         TrainConfig(run_dir="x", model=ModelConfig(path=str(tiny_dir)),
                     algo=AlgoConfig(name="ppo", max_staleness=1, loss_reduction="token_sum"),

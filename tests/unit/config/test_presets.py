@@ -317,6 +317,19 @@ def test_ppo_presets_and_the_command_line_wins():
     assert bare.trainer.num_steps_per_rollout == 4
 
 
+def test_ppo_under_megatron_takes_tensor_parallelism_and_refuses_pipelines():
+    """The megatron critic runs under TP/DP/EP; PP and CP are refused naming the key to set
+    (trainer/megatron/critic.py: its values would exist on the last stage / in CP chunks)."""
+    ppo = ["experiment=tiny_cpu", "algo=ppo", "trainer=megatron", "trainer.nproc_per_node=2"]
+    cfg = to_train_config(_compose([*ppo, "trainer.tensor_parallel_size=2"]))
+    assert (cfg.algo.uses_critic, cfg.trainer.tensor_parallel_size) == (True, 2)
+    for key in ("pipeline_parallel_size", "context_parallel_size"):
+        with pytest.raises(ConfigError, match=f"trainer.{key}=2: the megatron critic runs "
+                                              "under tensor, data and expert parallelism only; "
+                                              f"set trainer.{key}=1"):
+            to_train_config(_compose([*ppo, f"trainer.{key}=2"]))
+
+
 def test_megatron_routing_replay_under_tensor_parallelism_but_not_context_parallelism():
     """An MoE model at TP > 1 trains with sequence parallelism, whose per-rank slices the
     replay maps (trainer/megatron/routing.py); context parallelism's replay is refused, naming
