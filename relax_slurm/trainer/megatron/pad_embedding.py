@@ -39,10 +39,13 @@ class _NoGradToRow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight: torch.Tensor, row: int) -> torch.Tensor:
         ctx.row = row
+        ctx.set_materialize_grads(False)  # no gradient in (an unused lookup): none out
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:
+            return None, None
         # in place: the lookup's backward made this tensor for this one input (a dense
         # [V/TP, H] gradient; a copy would double the embedding's peak gradient memory)
         grad[ctx.row] = 0
