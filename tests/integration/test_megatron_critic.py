@@ -64,6 +64,19 @@ def compare(a: Path, b: Path, b_values: str, b_grads: str) -> None:
         close(ga[k], gb[k], k)
 
 
+def metrics(run: Path) -> dict:
+    """`update`'s metrics in one layout's run."""
+    return json.loads((run / "result.json").read_text())["metrics"]
+
+
+def assert_same_metrics(got: Path, want: Path) -> None:
+    """Two layouts' `update` metrics: the same loss, values, returns and grad norm."""
+    m_got, m_want = metrics(got), metrics(want)
+    for key in ("critic/vf_loss", "critic/values_mean", "critic/returns_mean",
+                "critic/grad_norm"):
+        assert m_got[key] == pytest.approx(m_want[key], rel=REL), key
+
+
 @pytest.mark.timeout(900)
 def test_megatron_critic_matches_the_torch_critic(runs):
     """The same trunk weights and head: the values (hence GAE and whitening) and the value
@@ -71,8 +84,7 @@ def test_megatron_critic_matches_the_torch_critic(runs):
     compare(runs["tp1"], runs["tp1"], "torch_values.pt", "torch_grads.safetensors")
     torch_grads = load_file(str(runs["tp1"] / "torch_grads.safetensors"))
     torch_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in torch_grads.values())).item()
-    metrics = json.loads((runs["tp1"] / "result.json").read_text())["metrics"]
-    assert metrics["critic/grad_norm"] == pytest.approx(torch_norm, rel=REL)
+    assert metrics(runs["tp1"])["critic/grad_norm"] == pytest.approx(torch_norm, rel=REL)
 
 
 @pytest.mark.timeout(900)
@@ -81,12 +93,8 @@ def test_megatron_critic_at_tp2_equals_tp1(runs):
     same gradients, gathered under HF names, and the same loss and grad norm (the norm counts
     the head once: it is a TP replica, not a shard)."""
     compare(runs["tp2"], runs["tp1"], "values.pt", "grads.safetensors")
-    m1, m2 = (json.loads((runs[n] / "result.json").read_text())["metrics"]
-              for n in ("tp1", "tp2"))
-    for key in ("critic/vf_loss", "critic/values_mean", "critic/returns_mean",
-                "critic/grad_norm"):
-        assert m2[key] == pytest.approx(m1[key], rel=REL), key
-    assert m1["critic/grad_norm"] > 0
+    assert_same_metrics(runs["tp2"], runs["tp1"])
+    assert metrics(runs["tp1"])["critic/grad_norm"] > 0
 
 
 @pytest.mark.timeout(900)
@@ -95,11 +103,7 @@ def test_megatron_critic_at_dp2_equals_one_rank(runs):
     data-parallel group and the gradients averaged by Megatron DDP give the one-rank values,
     advantages and gradients (and the metrics summed over ranks the one-rank metrics)."""
     compare(runs["dp2"], runs["tp1"], "values.pt", "grads.safetensors")
-    m1, m2 = (json.loads((runs[n] / "result.json").read_text())["metrics"]
-              for n in ("tp1", "dp2"))
-    for key in ("critic/vf_loss", "critic/values_mean", "critic/returns_mean",
-                "critic/grad_norm"):
-        assert m2[key] == pytest.approx(m1[key], rel=REL), key
+    assert_same_metrics(runs["dp2"], runs["tp1"])
 
 
 @pytest.mark.timeout(900)

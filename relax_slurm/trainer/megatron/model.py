@@ -21,6 +21,7 @@ from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.modeling import media_token_ids
 from relax_slurm.trainer.megatron import context_parallel, cpu_compat, vl
+from relax_slurm.trainer.megatron.pad_embedding import skip_padding_embedding_grads
 from relax_slurm.trainer.schedule import lr_factor
 
 log = logging.getLogger("relax_slurm.trainer.megatron")
@@ -414,39 +415,6 @@ def fix_sequential_experts() -> None:
 
     gather_from_ep_ranks._relax_sequential = True
     pm.MegatronParamMapping.gather_from_ep_ranks = gather_from_ep_ranks
-
-
-def skip_padding_embedding_grads(chunks: list, pad_id: int | None) -> None:
-    """The input embedding's gradient skips positions holding the pad token, as the HF model's
-    `nn.Embedding(padding_idx=pad_token_id)` does (the torch backend, the engines' model).
-
-    megatron-core's VocabParallelEmbedding has no padding_idx. The pad token is also a token a
-    policy can sample (the tiny model does, inside its responses), and its embedding row is
-    zero in HF checkpoints (padding_idx rows are initialised so): an RMS norm of a zero vector
-    has a gradient of ~1/sqrt(eps), so on the tiny task's first batch that one row's gradient
-    had norm 4.6 against 0.13 for the whole rest of the model, and grad_clip=1 shrank every
-    real gradient 37x (measured; the torch backend's gradients were the rest exactly). The
-    tied output layer's use of the row still gets its gradient, as under HF."""
-    if pad_id is None:
-        return
-    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
-
-    def hook(module, inputs, output):
-        if not output.requires_grad:
-            return
-        keep = (inputs[0] != pad_id).to(output.dtype)  # [B, S]
-        if output.shape[:2] != keep.shape:  # sequence parallel: [S/TP, B, H], GPU only
-            from megatron.core import parallel_state as ps
-
-            keep = keep.t().chunk(ps.get_tensor_model_parallel_world_size())[
-                ps.get_tensor_model_parallel_rank()]
-        keep = keep.unsqueeze(-1)
-        output.register_hook(lambda grad: grad * keep)
-
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, VocabParallelEmbedding):
-                module.register_forward_hook(hook)
 
 
 def mark_tensor_parallel(module) -> None:

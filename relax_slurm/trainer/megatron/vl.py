@@ -117,15 +117,14 @@ def _qwen25_forward() -> None:
                 image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
                 second_per_grid_ts=None, mm_token_type_ids=None, pad_mask=None, **_):
         emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [T,B,H]
-        placed = [(pixels, grid, token) for pixels, grid, token in (
-            (pixel_values, image_grid_thw, self.config.image_token_id),
-            (pixel_values_videos, video_grid_thw, self.config.video_token_id))
-            if pixels is not None]
-        if placed:
-            emb = emb.transpose(0, 1).clone()
-            for pixels, grid, token in placed:
-                features = self.visual(pixels, grid_thw=grid).pooler_output
-                emb[input_ids == token] = features.to(emb.dtype)
+        if pixel_values is not None or pixel_values_videos is not None:
+            emb = emb.transpose(0, 1).clone()  # [B,T,H], indexed by the tokens' [B,T] mask
+            if pixel_values is not None:
+                features = self.visual(pixel_values, grid_thw=image_grid_thw).pooler_output
+                emb[input_ids == self.config.image_token_id] = features.to(emb.dtype)
+            if pixel_values_videos is not None:
+                features = self.visual(pixel_values_videos, grid_thw=video_grid_thw).pooler_output
+                emb[input_ids == self.config.video_token_id] = features.to(emb.dtype)
             emb = emb.transpose(0, 1).contiguous()
         if position_ids is None:
             shim = types.SimpleNamespace(config=self.config)

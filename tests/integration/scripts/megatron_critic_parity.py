@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from grad_capture import grads_into_weights
 from script_result import finish
 
 from relax_slurm.algos.ppo import value_loss
@@ -98,17 +99,9 @@ def megatron_side(args, result: dict) -> None:
     block = whole.rows(ps.get_data_parallel_rank() * per, (ps.get_data_parallel_rank() + 1) * per)
     [(out, _)] = critic.prepare([(block, True)], None)
 
-    def grads_into_weights():
-        critic.mm.optimizer.prepare_grads()  # main_grad -> .grad, where the norm reads them
-        norm = critic.mm.optimizer.get_grad_norm()
-        with torch.no_grad():
-            for p in gpt.parameters():
-                p.copy_(p.main_grad)
-        return True, norm, 0
-
     saved = {id(p): p.detach().clone() for p in gpt.parameters()}
-    real_step, critic.mm.optimizer.step = critic.mm.optimizer.step, grads_into_weights
-    result["metrics"] = critic.update([(out, True)], 1)
+    with grads_into_weights(critic.mm, norm=True):  # the norm the metrics report
+        result["metrics"] = critic.update([(out, True)], 1)
     head = {"value_head.weight": gpt.output_layer.weight.detach().clone(),
             "value_head.bias": gpt.output_layer.bias.detach().clone()}
     # the bridge exports the trunk under HF names (gathered over TP); the head, which has no HF
@@ -116,7 +109,6 @@ def megatron_side(args, result: dict) -> None:
     gpt.output_layer, real_head = torch.nn.Identity(), gpt.output_layer
     grads = {k: v.clone() for k, v in critic.mm.named_hf_weights()}
     gpt.output_layer = real_head
-    critic.mm.optimizer.step = real_step
     with torch.no_grad():
         for p in gpt.parameters():
             p.copy_(saved[id(p)])

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from grad_capture import grads_into_weights
 from script_result import finish
 
 from relax_slurm.config.algo import AlgoConfig
@@ -143,18 +144,11 @@ def main() -> None:
     # gradients of one forward/backward, read through the bridge under HF names: the
     # optimizer step is replaced for this one call by a copy of each main_grad into its weight
     saved = {id(p): p.detach().clone() for c in mm.chunks for p in c.module.parameters()}
-    step_fn = mm.optimizer.step
-
-    def grads_into_weights():
-        with torch.no_grad():
-            for c in mm.chunks:
-                for p in c.module.parameters():
-                    p.copy_(p.main_grad)
-        return True, 0.0, 0
-    mm.optimizer.step = grads_into_weights
-    train_step(mm, mine, AlgoConfig(), micro_batch_size=cfg.micro_batch_size, temperature=1.0)
+    with grads_into_weights(mm):
+        train_step(mm, mine, AlgoConfig(), micro_batch_size=cfg.micro_batch_size,
+                   temperature=1.0)
     grads = {k: v.clone() for k, v in mm.named_hf_weights()}  # exports may alias the weights
-    mm.optimizer.step, mm.steps_done = step_fn, 0
+    mm.steps_done = 0
     with torch.no_grad():
         for c in mm.chunks:
             for p in c.module.parameters():

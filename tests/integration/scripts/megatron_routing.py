@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from grad_capture import grads_into_weights
 from script_result import finish
 
 from relax_slurm.config.algo import AlgoConfig
@@ -100,18 +101,9 @@ def replayed_step(mm: MegatronModel, mb: MicroBatch, out: Path) -> dict:
     """One training step with replay whose optimizer step is, for this call, a copy of each
     gradient into its weight: the gradients are then read through the bridge under HF names
     (rank 0 writes them); the step's metrics are returned."""
-    step_fn = mm.optimizer.step
-
-    def grads_into_weights():
-        with torch.no_grad():
-            for c in mm.chunks:
-                for p in c.module.parameters():
-                    p.copy_(p.main_grad)
-        return True, 0.0, 0
-    mm.optimizer.step = grads_into_weights
-    metrics = train_step(mm, mb, AlgoConfig(routing_replay=True), micro_batch_size=32,
-                         temperature=1.0)
-    mm.optimizer.step = step_fn
+    with grads_into_weights(mm):
+        metrics = train_step(mm, mb, AlgoConfig(routing_replay=True), micro_batch_size=32,
+                             temperature=1.0)
     grads = {k: v.clone() for k, v in mm.named_hf_weights()}
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
