@@ -160,6 +160,8 @@ class RankZero:
         self.stream: GroupStream | None = None
         self.groups: list[Group] = []
         self.stats = BatchStats.empty()
+        # the advantages' typed parameters, once per run (the config is validated and fixed)
+        self.estimator_params = cfg.algo.estimator_params()
         self.broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
                                    identity="trainer")
         # the weight push's own socket: an overlapped push talks to the broker from its thread
@@ -325,7 +327,7 @@ class RankZero:
         self.settle_wait_s = 0.0
         self.stream = GroupStream(take, cfg.algo, cfg.rollout.batch_size,
                                   cfg.rollout.n_samples_per_prompt, block_rows=self.block_rows,
-                                  streaming=cfg.streams)
+                                  streaming=cfg.streams, params=self.estimator_params)
         if not cfg.streams:  # whole batches: every group in before engines sleep
             self.stream.fill()
             self.engines_sleep()
