@@ -1,8 +1,11 @@
 """Advantages and losses (pure torch, no I/O), by name.
 
-    compute_advantages(name, rewards[B, G], **params) -> Tensor[B, G]
+    compute_advantages(name, rewards[B, G], params) -> Tensor[B, G]
     policy_loss(name, logprobs, old_logprobs, advantages, loss_mask, rollout_logprobs=None,
-                **params) -> (loss, metrics)
+                params=..., **loss knobs) -> (loss, metrics)
+
+`params` is the algorithm's typed parameters (`AlgoConfig.estimator_params()`); a direct call
+may give the `algo.*` fields they are built from as keywords instead.
     names() -> list of registered algorithms
 
 The trainer calls these with `algo.name` and never branches on it.

@@ -3,10 +3,12 @@
 Adding an algorithm is one file that calls `register(...)` and one YAML under `conf/algo/`
 (and its name in `relax_slurm.config.algo.ALGO_NAMES`, which validates `algo.name` without
 importing torch, with the types of its parameters in `relax_slurm.config.algo_params.PARAMS_OF`).
-The trainer only ever calls `compute_advantages` and `policy_loss` with `algo.name`, passing
-every `AlgoConfig` field as a keyword; they hand the algorithm's functions its typed
-parameters (`estimator_params`: a wrong type names the `algo.*` field, and the `algo` section
-builds the same objects when it is validated, so a run never gets that far with one).
+The trainer only ever calls `compute_advantages` and `policy_loss` with `algo.name` and the
+algorithm's typed parameters, built once from the validated `algo` section
+(`AlgoConfig.estimator_params()`, `params=`), plus `policy_loss`'s own knobs as keywords.
+Tests and tools may pass the estimator's parameters as keywords instead (`algo.*` names, the
+others at the section's defaults); they are typed per call then (`estimator_params`: a wrong
+type names the `algo.*` field).
 """
 
 from __future__ import annotations
@@ -66,15 +68,25 @@ def get(name: str) -> Algorithm:
         raise KeyError(f"unknown algorithm {name!r}; choose one of {names()}") from None
 
 
-def typed_params(name: str, params: dict[str, Any]) -> EstimatorParams:
-    """The named algorithm's typed parameters from keywords (every `algo.*` field, or a few:
-    the others at their defaults); ConfigError naming a field of the wrong type."""
-    return estimator_params(name, {**ALGO_DEFAULTS, **params})
+def typed_params(name: str, params: EstimatorParams | None, knobs: dict[str, Any]
+                 ) -> EstimatorParams:
+    """`params` as given (the trainer's, built once), or the named algorithm's typed
+    parameters from keywords (every `algo.*` field, or a few: the others at their defaults);
+    ConfigError naming a field of the wrong type. Both at once is a mistake: keywords would
+    be silently ignored."""
+    if params is None:
+        return estimator_params(name, {**ALGO_DEFAULTS, **knobs})
+    if knobs:
+        raise TypeError(f"algo={name}: pass the estimator's parameters typed (params=) or as "
+                        f"keywords, not both (got params and {sorted(knobs)})")
+    return params
 
 
-def compute_advantages(name: str, rewards: Tensor, **params) -> Tensor:
-    """Advantages [B, G] for B prompts x G samples each, by the named algorithm's estimator."""
-    return get(name).advantages(rewards, typed_params(name, params).advantages)
+def compute_advantages(name: str, rewards: Tensor, params: EstimatorParams | None = None,
+                       **knobs) -> Tensor:
+    """Advantages [B, G] for B prompts x G samples each, by the named algorithm's estimator;
+    `params` its typed parameters, or `knobs` the `algo.*` fields they are built from."""
+    return get(name).advantages(rewards, typed_params(name, params, knobs).advantages)
 
 
 def policy_loss(
@@ -85,9 +97,11 @@ def policy_loss(
     ref_logprobs: Tensor | None = None, kl_loss_coef: float = 0.0,
     kl_loss_type: str = "low_var_kl", kl_coef: float = 0.0,
     teacher_logprobs: Tensor | None = None, opd_kl_coef: float = 1.0,
-    opd_only_reward: bool = False, **params,
+    opd_only_reward: bool = False, params: EstimatorParams | None = None, **knobs,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The named algorithm's loss over token tensors shaped [N, T]; returns (loss, metrics).
+    `params`: the algorithm's typed parameters (`AlgoConfig.estimator_params()`), or `knobs`
+    the `algo.*` fields they are built from (`typed_params`).
 
     `advantages` are per token (a sample's advantage broadcast over its tokens). Teacher
     log-probs (on-policy distillation, any estimator) first fold the teacher term into them,
@@ -117,7 +131,7 @@ def policy_loss(
         kl_coef=kl_coef, kl_loss_type=kl_loss_type, opd_kl_coef=opd_kl_coef,
         opd_only_reward=opd_only_reward)
     token_loss, metrics = _algorithm_loss(algo, logprobs, old_logprobs, advantages, loss_mask,
-                                          mask, typed_params(name, params).loss)
+                                          mask, typed_params(name, params, knobs).loss)
     metrics.update(shaping)
     token_loss = _off_policy_corrected(
         token_loss, metrics, logprobs, old_logprobs, rollout_logprobs, advantages, loss_mask,

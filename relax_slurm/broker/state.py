@@ -24,7 +24,7 @@ from collections import Counter, deque
 from typing import Any
 
 from relax_slurm.errors import BrokerError
-from relax_slurm.broker.stats import BatchStats
+from relax_slurm.broker.stats import BatchStats, Counters
 from relax_slurm.data_position import Positions
 from relax_slurm.sample_meta import MetadataError, SampleMeta
 from relax_slurm.samples import Group, group_version_min
@@ -144,11 +144,7 @@ class BrokerState:
             staleness_max=max(staleness),
             staleness_mean=sum(staleness) / len(staleness),
             staleness_hist=dict(sorted(Counter(staleness).items())),
-            queue_depth=len(self.queue),
-            dropped_stale=self.dropped,
-            accepted=self.accepted,
-            consumed=self.consumed,
-            in_flight=self.in_flight,
+            counters=Counters(**self.counters()),
         )
         return groups, stats
 

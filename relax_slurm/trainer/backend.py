@@ -40,6 +40,8 @@ class TorchBackend:
         )
 
         self.cfg = cfg
+        # the loss's typed parameters, once per run (the config is validated and fixed)
+        self.estimator_params = cfg.algo.estimator_params()
         raw = load_hf_model(cfg.model, device)
         if cfg.trainer.freeze_modules:
             log.info("froze %d parameters under %s",
@@ -72,7 +74,8 @@ class TorchBackend:
                 self.model, self.optimizer, self.scheduler, blocks, self.cfg.algo,
                 micro_batch_size=t.micro_batch_size, grad_clip=t.grad_clip,
                 temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
-                before_update=before_update, num_steps=t.num_steps_per_rollout)
+                before_update=before_update, num_steps=t.num_steps_per_rollout,
+                params=self.estimator_params)
 
         if self.critic is None:
             metrics = policy_step(blocks)

@@ -8,7 +8,6 @@ step cuts its block into micro-batches with `MicroBatch.rows`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from torch import Tensor
 
 from relax_slurm.algos import compute_advantages, reduction_weights
 from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.algo_params import EstimatorParams
 from relax_slurm.samples import Group, Sample
 
 
@@ -32,29 +32,30 @@ class TrainItem:
     """Per response token loss weight (reduction folded in), [R] float32."""
 
 
-def algo_params(algo: AlgoConfig) -> dict:
-    """The algorithm's knobs as keyword arguments (each function takes the ones it needs)."""
-    params = dataclasses.asdict(algo)
-    params.pop("name")
-    return params
+# the `algo.*` fields `policy_loss` takes as keywords of its own (the estimator's parameters
+# go typed, as `params`; the reduction is folded into the per-token weights over the whole
+# batch and old_logprobs picks the ratio's denominator, so neither goes in);
+# tests/unit/trainer/test_batch.py keeps this list equal to policy_loss's signature
+LOSS_KNOBS = ("tis_clip", "tis_type", "tis_clip_low", "opsm_delta", "entropy_coef",
+              "kl_loss_coef", "kl_loss_type", "kl_coef", "opd_kl_coef", "opd_only_reward")
 
 
-def loss_params(algo: AlgoConfig) -> dict:
-    """`algo_params` for `policy_loss`: without the knobs the trainer applies itself (the
-    reduction is folded into the per-token weights over the whole batch; old_logprobs picks
-    the ratio's denominator)."""
-    params = algo_params(algo)
-    params.pop("loss_reduction")
-    params.pop("old_logprobs")
-    return params
+def loss_params(algo: AlgoConfig, params: EstimatorParams | None = None) -> dict:
+    """`policy_loss`'s keywords for `algo`: its knobs and the estimator's typed `params`
+    (the caller's, built once per run; built here without)."""
+    return {**{k: getattr(algo, k) for k in LOSS_KNOBS},
+            "params": algo.estimator_params() if params is None else params}
 
 
-def prepare_items(groups: list[Group], algo: AlgoConfig, batch_samples: int | None = None
-                  ) -> list[TrainItem]:
+def prepare_items(groups: list[Group], algo: AlgoConfig, batch_samples: int | None = None,
+                  params: EstimatorParams | None = None) -> list[TrainItem]:
     """The groups' samples with advantages and loss weights; `batch_samples`: the step's
-    sample count when `groups` are only part of its batch (streaming, trainer/stream.py)."""
+    sample count when `groups` are only part of its batch (streaming, trainer/stream.py);
+    `params`: `algo.estimator_params()` when the caller keeps it (built here without)."""
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32)  # [B, G]
-    adv = compute_advantages(algo.name, rewards, **algo_params(algo)).flatten()  # [B*G]
+    if params is None:
+        params = algo.estimator_params()
+    adv = compute_advantages(algo.name, rewards, params).flatten()  # [B*G]
     reduction = algo.loss_reduction
     samples = [s for g in groups for s in g]
     masks = [torch.from_numpy(s.loss_mask) for s in samples]

@@ -91,10 +91,11 @@ def batch_metrics(groups: list[Group], stats: BatchStats) -> dict[str, float]:
         "rollout/filtered_groups": sum(c.filtered_groups for c in counts),
         "broker/staleness_max": stats.staleness_max,
         "broker/staleness_mean": stats.staleness_mean,
-        "broker/queue_depth": stats.queue_depth,
-        "broker/dropped_stale": stats.dropped_stale,
+        "broker/queue_depth": stats.counters.queue_depth,
+        # groups dropped as stale so far (the metric's name since the first)
+        "broker/dropped_stale": stats.counters.dropped,
         "broker/auth_refused": stats.auth_refused,
-        "broker/dropped_stale_samples": stats.dropped_stale * len(groups[0]),
+        "broker/dropped_stale_samples": stats.counters.dropped * len(groups[0]),
         "perf/gen_time_s": (max(ends) - min(starts)) if starts and ends else 0.0,
         "train/samples": n,
     } | ({"rollout/turns_mean": sum(turns) / len(turns),
@@ -158,7 +159,9 @@ class RankZero:
         self.block_rows = data_world * cfg.trainer.micro_batch_size  # one streamed block
         self.stream: GroupStream | None = None
         self.groups: list[Group] = []
-        self.stats = BatchStats()
+        self.stats = BatchStats.empty()
+        # the advantages' typed parameters, once per run (the config is validated and fixed)
+        self.estimator_params = cfg.algo.estimator_params()
         self.broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
                                    identity="trainer")
         # the weight push's own socket: an overlapped push talks to the broker from its thread
@@ -324,7 +327,7 @@ class RankZero:
         self.settle_wait_s = 0.0
         self.stream = GroupStream(take, cfg.algo, cfg.rollout.batch_size,
                                   cfg.rollout.n_samples_per_prompt, block_rows=self.block_rows,
-                                  streaming=cfg.streams)
+                                  streaming=cfg.streams, params=self.estimator_params)
         if not cfg.streams:  # whole batches: every group in before engines sleep
             self.stream.fill()
             self.engines_sleep()

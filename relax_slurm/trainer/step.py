@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from relax_slurm.algos import policy_loss
 from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.algo_params import EstimatorParams
 from relax_slurm.modeling import media_token_ids, mm_token_types
 from relax_slurm.routing.hooks import RoutingStats, routing_replay
 from relax_slurm.trainer.batch import MicroBatch, loss_params
@@ -71,11 +72,11 @@ def reference_logprobs(ref_model: nn.Module | None, mb: MicroBatch, temperature:
     return None if ref_model is None else token_logprobs(ref_model, mb, temperature)
 
 
-def micro_batch_loss(logits: Tensor, mb: MicroBatch, algo: AlgoConfig, params: dict,
+def micro_batch_loss(logits: Tensor, mb: MicroBatch, algo: AlgoConfig, loss_kwargs: dict,
                      ref_logp: Tensor | None) -> tuple[Tensor, dict]:
     """The algorithm's loss (a weighted sum: summed over micro-batches and ranks it is the
     batch's loss) and its metric sums, from the temperature-scaled logits [B, T-1, V]. Shared
-    by every trainer backend."""
+    by every trainer backend. `loss_kwargs`: `batch.loss_params(algo, ...)`, built per step."""
     logp = gather_logprobs(logits, mb.targets)
     # the bonus needs the entropy's gradient; otherwise it is only logged
     entropy = token_entropy(logits if algo.entropy_coef else logits.detach())
@@ -90,7 +91,7 @@ def micro_batch_loss(logits: Tensor, mb: MicroBatch, algo: AlgoConfig, params: d
     return policy_loss(
         algo.name, logp, old, mb.advantages, mb.weights, mb.rollout_logp,
         reduction="weighted_sum", entropy=entropy, ref_logprobs=ref_logp,
-        teacher_logprobs=mb.teacher_logp, **params,
+        teacher_logprobs=mb.teacher_logp, **loss_kwargs,
     )
 
 
@@ -127,7 +128,7 @@ def _micro_batches(block: MicroBatch, size: int) -> list[MicroBatch]:
 
 
 def _accumulate(model: nn.Module, blocks: Iterable[tuple[MicroBatch, bool]], algo: AlgoConfig,
-                params: dict, sums: dict, *, micro_batch_size: int, temperature: float,
+                loss_kwargs: dict, sums: dict, *, micro_batch_size: int, temperature: float,
                 ref_model: nn.Module | None, scale: float, routing: list) -> None:
     """Forward/backward over the blocks' micro-batches, gradients accumulating; metric sums
     added to `sums`. `scale`: the loss's factor in the backward (the data ranks, times the
@@ -144,7 +145,7 @@ def _accumulate(model: nn.Module, blocks: Iterable[tuple[MicroBatch, bool]], alg
             with sync:
                 logits = _policy_logits(model, mb, algo, temperature,
                                         routing[0] if routing else None)  # [B, T-1, V]
-                loss, metrics = micro_batch_loss(logits, mb, algo, params,
+                loss, metrics = micro_batch_loss(logits, mb, algo, loss_kwargs,
                                                  reference_logprobs(ref_model, mb, temperature))
                 # weights sum to 1 over the whole batch across ranks; DDP averages over ranks
                 (loss * scale).backward()
@@ -191,6 +192,7 @@ def train_step(
     ref_model: nn.Module | None = None,
     before_update: Callable[[], None] = lambda: None,
     num_steps: int = 1,
+    params: EstimatorParams | None = None,
 ) -> dict[str, float]:
     """`blocks`: this rank's rows of the step's batch, one block or several as groups arrive
     (trainer/stream.py), the last one flagged; gradients accumulate over all of them.
@@ -201,13 +203,14 @@ def train_step(
     that many mini-batches, one optimizer step each, the ratio's "old" log-probs computed once
     before the first. The lr schedule advances once per batch; the metrics are one row: sums
     over every mini-batch (`train/loss` the mean of the mini-batches' losses, `train/grad_norm`
-    the mean of their norms)."""
+    the mean of their norms). `params`: `algo.estimator_params()`, the backend's (built once
+    per run; here without)."""
     model.train()
     world = dist.get_world_size()
-    params = loss_params(algo)
+    loss_kwargs = loss_params(algo, params)
     sums: dict[str, float] = {"loss": 0.0}
     routing: list[RoutingStats] = []
-    run = functools.partial(_accumulate, model, algo=algo, params=params, sums=sums,
+    run = functools.partial(_accumulate, model, algo=algo, loss_kwargs=loss_kwargs, sums=sums,
                             micro_batch_size=micro_batch_size, temperature=temperature,
                             ref_model=ref_model, routing=routing)
     if num_steps == 1:

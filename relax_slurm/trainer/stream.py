@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from relax_slurm.broker.stats import BatchStats
 from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.algo_params import EstimatorParams
 from relax_slurm.samples import Group
 from relax_slurm.trainer.batch import (
     MicroBatch, TrainItem, collate, mini_batch_order, prepare_items, scatter_batch,
@@ -38,8 +39,11 @@ class GroupStream:
     """Rank 0: one step's groups from the broker, cut into blocks of rows for every rank."""
 
     def __init__(self, take: Take, algo: AlgoConfig, num_groups: int, samples_per_group: int,
-                 block_rows: int, streaming: bool) -> None:
+                 block_rows: int, streaming: bool, params: EstimatorParams | None = None
+                 ) -> None:
         self.take, self.algo = take, algo
+        # the estimator's typed parameters: the lead's, built once per run
+        self.params = algo.estimator_params() if params is None else params
         self.num_groups, self.samples_per_group = num_groups, samples_per_group
         self.block_rows = block_rows
         self.streaming = streaming
@@ -67,7 +71,8 @@ class GroupStream:
         groups = sorted(groups, key=lambda g: g[0].group_id)  # arrival order is timing
         self.groups.extend(groups)
         self.stats.append(stats)
-        self.pending.extend(prepare_items(groups, self.algo, self.batch_samples))
+        self.pending.extend(prepare_items(groups, self.algo, self.batch_samples,
+                                          self.params))
 
     def fill(self) -> None:
         """Take every group of the step now (whole-batch mode: before engines release memory)."""

@@ -27,6 +27,8 @@ class MegatronBackend:
 
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         self.cfg = cfg
+        # the loss's typed parameters, once per run (the config is validated and fixed)
+        self.estimator_params = cfg.algo.estimator_params()
         init_model_parallel(cfg.trainer)
         self.mm = MegatronModel(cfg.model, cfg.trainer)
         if self.mm.vl is not None:  # before step 1: the model's kind is known only now
@@ -60,7 +62,8 @@ class MegatronBackend:
                               micro_batch_size=t.micro_batch_size,
                               temperature=self.cfg.rollout.temperature,
                               ref_model=self.ref_model, before_update=before_update,
-                              num_steps=t.num_steps_per_rollout)
+                              num_steps=t.num_steps_per_rollout,
+                              params=self.estimator_params)
 
         if self.critic is None:
             metrics = policy_step([(batch, True)])

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.algo_params import EstimatorParams
 from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.batch import MicroBatch, loss_params
 from relax_slurm.trainer.megatron import context_parallel
@@ -36,12 +37,13 @@ def micro_batches(batch: MicroBatch, size: int, pipelined: bool) -> list[MicroBa
 def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_batch_size: int,
                temperature: float, ref_model=None,
                before_update: Callable[[], None] = lambda: None,
-               num_steps: int = 1) -> dict[str, float]:
+               num_steps: int = 1, params: EstimatorParams | None = None) -> dict[str, float]:
     """One rollout batch: `num_steps` optimizer steps (trainer.num_steps_per_rollout), one per
     contiguous mini-batch of this rank's rows, as the torch backend's `trainer.step.train_step`:
     the ratio's "old" log-probs computed once before the first (forward only, in the same
     micro-batches), the lr set once per batch, the metrics one row (sums over the mini-batches,
-    `train/grad_norm` their mean)."""
+    `train/grad_norm` their mean). `params`: `algo.estimator_params()`, the backend's (built
+    once per run; here without)."""
     from megatron.core import parallel_state as ps
 
     mm.train()
@@ -66,7 +68,8 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
         # each mini-batch's weights sum to 1 / num_steps of the batch's: x num_steps makes it
         # a whole step's loss
         _forward_backward(mm, mbs, algo, temperature, ref_model, routing, sums,
-                          scale=num_steps, width=batch.input_ids.shape[1])
+                          scale=num_steps, width=batch.input_ids.shape[1],
+                          loss_kwargs=loss_params(algo, params))
         if k == 0:
             before_update()  # an overlapped push of the previous weights is done reading them
         ok, grad_norm, _ = mm.optimizer.step()
@@ -82,14 +85,14 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
 
 def _forward_backward(mm: MegatronModel, mbs: list[MicroBatch], algo: AlgoConfig,
                       temperature: float, ref_model, routing: RoutingStats | None,
-                      sums: dict[str, float], *, scale: int, width: int) -> None:
+                      sums: dict[str, float], *, scale: int, width: int, loss_kwargs: dict
+                      ) -> None:
     """Megatron's schedule over the micro-batches, gradients accumulating; the metric sums of
     one rank per data-parallel block (last stage, TP rank 0, CP rank 0) added to `sums`."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     n, dp = len(mbs), ps.get_data_parallel_world_size()
-    params = loss_params(algo)
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     # (CP ranks each compute the whole loss from the gathered logits: one counts)
     counted = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
@@ -102,7 +105,7 @@ def _forward_backward(mm: MegatronModel, mbs: list[MicroBatch], algo: AlgoConfig
         def loss_func(out):
             logits = _scaled_logits(mm, out, width, cp, temperature,
                                     mb.input_ids.shape[1])
-            loss, metrics = micro_batch_loss(logits, mb, algo, params,
+            loss, metrics = micro_batch_loss(logits, mb, algo, loss_kwargs,
                                              reference_logprobs(ref_model, mb, temperature))
             if counted:
                 sums["loss"] += loss.item()

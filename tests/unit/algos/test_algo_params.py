@@ -55,6 +55,28 @@ def test_direct_calls_take_keywords_typed_the_same_way():
                     torch.ones(1, 2), tau_pos="hot")
 
 
+def test_the_trainers_typed_params_give_what_keywords_give_and_refuse_both():
+    """The trainer builds `estimator_params()` once and passes it; a direct call's keywords
+    build the same object per call, so either gives the same numbers."""
+    r = torch.tensor([[1.0, 0.0, 0.5], [0.2, 0.2, 0.9]])
+    logp, old = torch.tensor([[-1.0, -0.5, -2.0]]), torch.tensor([[-1.2, -0.1, -2.0]])
+    adv, mask = torch.tensor([[1.0, -1.0, 2.0]]), torch.ones(1, 3)
+    for name in names():
+        cfg = AlgoConfig(name=name, std_normalize=False, eps_clip=0.1, tau_pos=2.0)
+        p = cfg.estimator_params()
+        knobs = {"std_normalize": False, "eps_clip": 0.1, "tau_pos": 2.0}
+        assert torch.equal(compute_advantages(name, r, p),
+                           compute_advantages(name, r, **knobs)), name
+        teacher = {"teacher_logprobs": old - 0.3} if name == "opd" else {}
+        typed, _ = policy_loss(name, logp, old, adv, mask, params=p, **teacher)
+        keyed, _ = policy_loss(name, logp, old, adv, mask, **knobs, **teacher)
+        assert torch.equal(typed, keyed), name
+    with pytest.raises(TypeError, match=r"not both \(got params and \['eps_clip'\]\)"):
+        policy_loss("grpo", logp, old, adv, mask, params=p, eps_clip=0.3)
+    with pytest.raises(TypeError, match="not both"):
+        compute_advantages("grpo", r, AlgoConfig().estimator_params(), std_normalize=False)
+
+
 def test_params_are_the_section_values():
     cfg = AlgoConfig(name="gspo", eps_clip=3e-4, eps_clip_high=4e-4)
     assert cfg.estimator_params().loss == ClipParams(eps_clip=3e-4, eps_clip_high=4e-4)

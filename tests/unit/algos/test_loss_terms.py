@@ -208,8 +208,8 @@ def test_dual_clip_goes_through_policy_loss_and_the_config():
     logp = torch.log(torch.tensor([[5.0]]))
     old, adv, mask = torch.zeros(1, 1), torch.tensor([[-1.0]]), torch.ones(1, 1)
     for name in ("grpo", "gspo", "dapo"):
-        loss, _ = policy_loss(name, logp, old, adv, mask, **{**loss_params(
-            AlgoConfig(name=name, eps_clip_c=3.0)), "eps_clip": 0.2, "eps_clip_high": 0.2})
+        loss, _ = policy_loss(name, logp, old, adv, mask, **loss_params(
+            AlgoConfig(name=name, eps_clip_c=3.0, eps_clip=0.2, eps_clip_high=0.2)))
         assert loss.item() == pytest.approx(3.0), name
     for name in ("cispo", "sapo"):
         with pytest.raises(ConfigError, match="dual-clip"):

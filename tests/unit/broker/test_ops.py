@@ -54,7 +54,8 @@ def test_a_parked_get_batch_is_answered_by_the_put_that_fills_it_then_acquires_w
     loop.call("put_group", W1, 4, groups=[group(0)])
     assert [(r[0], r[1]) for r in loop.replies[1:]] == [(W1, 4), (T, 3)]
     stats = BatchStats.from_dict(loop.replies[-1][2]["stats"])
-    assert stats.auth_refused == 5 and stats.consumed == 1 and len(loop.replies[-1][3]) == 1
+    assert stats.auth_refused == 5 and stats.counters.consumed == 1
+    assert len(loop.replies[-1][3]) == 1
     loop.call("set_version", T, 5, version=1)  # a new credit: the parked acquire gets it
     assert loop.published == [("version", {"version": 1})]
     # set_version answers, then wakes the acquire

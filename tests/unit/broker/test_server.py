@@ -72,7 +72,7 @@ def test_every_op_errors_and_a_killed_broker(start_broker: Callable[..., Broker]
                    [(s.prompt_id, s.reward, s.metadata) for s in b]
             for sa, sb in zip(a, b):
                 np.testing.assert_array_equal(sa.rollout_logprobs, sb.rollout_logprobs)
-        assert stats.staleness_hist == {0: 5} and stats.consumed == 2
+        assert stats.staleness_hist == {0: 5} and stats.counters.consumed == 2
         assert stats.wait_s == 0.0
         trainer.set_version(1)
         s = trainer.stats().to_dict()

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from relax_slurm.broker.state import BrokerState
-from relax_slurm.broker.stats import BatchStats
+from relax_slurm.broker.stats import BatchStats, Counters
 from relax_slurm.errors import BrokerError
 from relax_slurm.samples import Group, Sample
 
@@ -58,8 +58,8 @@ def test_take_batch_waits_and_reports_stats() -> None:
     groups, stats = st_.take_batch(2, 1)  # type: ignore[misc]
     assert [g[0].group_id for g in groups] == [1, 2]  # FIFO
     assert stats == BatchStats(staleness_max=1, staleness_mean=1.0, staleness_hist={1: 4},
-                               queue_depth=1, dropped_stale=0, accepted=3, consumed=2,
-                               in_flight=0)
+                               counters=Counters(version=1, accepted=3, dropped=0, consumed=2,
+                                                 in_flight=0, released=0, queue_depth=1))
 
 
 def test_drop_rule_drops_whole_groups_and_frees_credit() -> None:
@@ -234,11 +234,11 @@ def test_partial_take_for_a_streaming_trainer() -> None:
     for gid in (1, 2, 3):
         st_.accept(group(0, gid=gid))
     groups, stats = st_.take_batch(4, 0, min_groups=1)  # type: ignore[misc]
-    assert [g[0].group_id for g in groups] == [1, 2, 3] and stats.consumed == 3
+    assert [g[0].group_id for g in groups] == [1, 2, 3] and stats.counters.consumed == 3
     assert st_.take_batch(1, 0, min_groups=1) is None
     st_.accept(group(0, gid=4))
     groups, stats = st_.take_batch(1, 0, min_groups=1)  # type: ignore[misc]
-    assert [g[0].group_id for g in groups] == [4] and stats.queue_depth == 0
+    assert [g[0].group_id for g in groups] == [4] and stats.counters.queue_depth == 0
     assert st_.counters()["consumed"] == 4
     for bad in (0, 5):
         with pytest.raises(BrokerError, match="min_groups"):

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass, field
 
 import pytest
 
 from relax_slurm.broker.state import BrokerState
+from relax_slurm.broker.flat import FLAT, flat_fields, from_flat, to_flat
 from relax_slurm.broker.stats import BatchStats, BrokerStats, BrokerStatus, Counters
 from relax_slurm.errors import BrokerError
 
@@ -78,14 +81,79 @@ def test_a_missing_key_is_named() -> None:
 
 def test_batch_stats_round_trip_and_name_a_missing_key() -> None:
     got = BatchStats(staleness_max=2, staleness_mean=1.5, staleness_hist={1: 2, 2: 2},
-                     queue_depth=3, dropped_stale=1, accepted=9, consumed=4, in_flight=2,
-                     auth_refused=1, wait_s=0.25)
+                     counters=counters(), auth_refused=1, wait_s=0.25)
     assert BatchStats.from_dict(got.to_dict()) == got
-    # a reply recorded before the client added wait_s (a spill file's answer) still reads
-    old = {k: v for k, v in got.to_dict().items() if k != "wait_s"}
-    assert BatchStats.from_dict(old).wait_s == 0.0
-    del old["consumed"]
+    # the counters stand beside the staleness on the wire, as in the `stats` answer
+    assert list(got.to_dict()) == [
+        "staleness_max", "staleness_mean", "staleness_hist", "version", "accepted", "dropped",
+        "consumed", "in_flight", "released", "queue_depth", "auth_refused", "wait_s"]
+    # what the server and the client add is optional: the state machine's own take reads
+    bare = {k: v for k, v in got.to_dict().items() if k not in ("auth_refused", "wait_s")}
+    assert BatchStats.from_dict(bare) == dataclasses.replace(got, auth_refused=0, wait_s=0.0)
+    del bare["consumed"]
     with pytest.raises(BrokerError, match=r"get_batch's stats: missing key\(s\) \['consumed'\]"):
-        BatchStats.from_dict(old)
+        BatchStats.from_dict(bare)
     with pytest.raises(BrokerError, match=r"unknown key\(s\) \['stalenes_max'\]"):
         BatchStats.from_dict({**got.to_dict(), "stalenes_max": 2})
+    # the name of before: the trainer logs counters.dropped as broker/dropped_stale
+    with pytest.raises(BrokerError, match=r"unknown key\(s\) \['dropped_stale'\]"):
+        BatchStats.from_dict({**got.to_dict(), "dropped_stale": 0})
+
+
+def test_no_batch_is_every_number_zero() -> None:
+    assert BatchStats.merge([]) == BatchStats.empty()
+    assert all(v in (0, {}) for v in BatchStats.empty().to_dict().values())
+    assert BatchStats.from_dict(BatchStats.empty().to_dict()) == BatchStats.empty()
+
+
+# ---- the helper every report uses (broker/flat.py) -------------------------------------------
+
+@dataclass(kw_only=True)
+class Inner:
+    a: int
+    b: int = 0
+
+
+@dataclass(kw_only=True)
+class Outer:
+    x: int
+    inner: Inner = field(metadata=FLAT)
+    boxed: Inner
+    y: dict[str, int] = field(default_factory=dict)
+
+
+def test_flat_fields_expand_a_flat_field_in_place_and_say_which_keys_are_required() -> None:
+    assert flat_fields(Outer) == {"x": True, "a": True, "b": False, "boxed": True, "y": False}
+    assert flat_fields(Counters) == dict.fromkeys(
+        ["version", "accepted", "dropped", "consumed", "in_flight", "released", "queue_depth"],
+        True)
+
+
+def test_to_flat_and_from_flat_are_inverse_and_copy_plain_values() -> None:
+    obj = Outer(x=1, inner=Inner(a=2, b=3), boxed=Inner(a=4), y={"k": 5})
+    d = to_flat(obj)
+    assert d == {"x": 1, "a": 2, "b": 3, "boxed": {"a": 4, "b": 0}, "y": {"k": 5}}
+    assert d["y"] is not obj.y  # (as asdict: the map sent is not the object's own)
+    assert from_flat(Outer, d, "here") == obj
+    # defaults fill what a map leaves out, in a flat field too
+    assert from_flat(Outer, {"x": 1, "a": 2, "boxed": {"a": 4}}, "here") == Outer(
+        x=1, inner=Inner(a=2), boxed=Inner(a=4))
+
+
+def test_from_flat_names_the_key_and_the_type() -> None:
+    good = {"x": 1, "a": 2, "boxed": {"a": 4}}
+    with pytest.raises(BrokerError, match=r"here: missing key\(s\) \['a'\] of Outer"):
+        from_flat(Outer, {"x": 1, "boxed": {"a": 4}}, "here")
+    with pytest.raises(BrokerError, match=r"here boxed: missing key\(s\) \['a'\] of Inner"):
+        from_flat(Outer, {**good, "boxed": {}}, "here")
+    with pytest.raises(BrokerError, match=r"here boxed: unknown key\(s\) \['c'\]; Inner has"):
+        from_flat(Outer, {**good, "boxed": {"a": 4, "c": 0}}, "here")
+    with pytest.raises(BrokerError, match=r"here: unknown key\(s\) \['z'\]; Outer has"):
+        from_flat(Outer, {**good, "z": 0}, "here")
+    with pytest.raises(BrokerError, match="here boxed: expected a map, got int"):
+        from_flat(Outer, {**good, "boxed": 4}, "here")
+    # derived keys: required, checked, not read
+    assert from_flat(Outer, {**good, "top": 9}, "here", derived=("top",)) == from_flat(
+        Outer, good, "here")
+    with pytest.raises(BrokerError, match=r"missing key\(s\) \['top'\] of Outer"):
+        from_flat(Outer, good, "here", derived=("top",))

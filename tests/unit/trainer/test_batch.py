@@ -1,12 +1,30 @@
 """Batch preparation: advantages per group, weights over the whole batch, token alignment."""
 
+import dataclasses
+import inspect
+
 import numpy as np
 import pytest
 import torch
 
 from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.samples import Sample
-from relax_slurm.trainer.batch import collate, prepare_items
+from relax_slurm.algos import policy_loss
+from relax_slurm.trainer.batch import LOSS_KNOBS, collate, loss_params, prepare_items
+
+
+def test_the_loss_knobs_are_the_algo_fields_policy_loss_takes_itself():
+    """The trainer passes policy_loss these `algo.*` fields as keywords and the estimator's
+    typed parameters as `params`: a knob added to one and not the other fails here."""
+    own = {n for n, p in inspect.signature(policy_loss).parameters.items()
+           if p.kind is p.KEYWORD_ONLY and n not in ("reduction", "params")}
+    fields = {f.name for f in dataclasses.fields(AlgoConfig)}
+    assert set(LOSS_KNOBS) == own & fields
+    cfg = AlgoConfig(name="sapo", tau_neg=2.0, entropy_coef=0.1)
+    kwargs = loss_params(cfg)
+    assert kwargs["params"] == cfg.estimator_params() and kwargs["entropy_coef"] == 0.1
+    mine = cfg.estimator_params()
+    assert loss_params(cfg, mine)["params"] is mine
 
 
 def _sample(gid, prompt, response, reward, mask=None):

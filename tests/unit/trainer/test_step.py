@@ -4,6 +4,7 @@ metric policy_loss returns, reduced per trained token."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -158,15 +159,16 @@ def test_batch_metrics_count_reward_errors_and_filtered_groups():
     for g, (errors, filtered) in zip(gs, [(2, 1), (1, 3)]):
         for s in g:
             s.metadata.update(worker=0, reward_errors=errors, filtered_groups=filtered)
-    out = batch_metrics(gs, BatchStats())
+    out = batch_metrics(gs, BatchStats.empty())
     assert out["rollout/reward_errors"] == 3 and out["rollout/filtered_groups"] == 4
-    assert batch_metrics(groups(), BatchStats())["rollout/reward_errors"] == 0  # no worker's
+    assert batch_metrics(groups(), BatchStats.empty())["rollout/reward_errors"] == 0  # no worker's
 
 
 def test_staleness_histogram_has_every_bucket_as_a_share():
     # msgpack may hand the broker's int keys back as ints or (from JSON) as strings
-    stats = BatchStats(staleness_hist={0: 24, "2": 8})  # (a key as a string: normalised)
+    # (a key as a string: normalised)
+    stats = dataclasses.replace(BatchStats.empty(), staleness_hist={0: 24, "2": 8})
     assert staleness_histogram(stats, 2) == {"broker/staleness_hist/0": 0.75,
                                              "broker/staleness_hist/1": 0.0,
                                              "broker/staleness_hist/2": 0.25}
-    assert staleness_histogram(BatchStats(), 0) == {"broker/staleness_hist/0": 0.0}
+    assert staleness_histogram(BatchStats.empty(), 0) == {"broker/staleness_hist/0": 0.0}

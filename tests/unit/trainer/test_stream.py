@@ -9,6 +9,7 @@ stats of several takes merge into one batch's.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.samples import Group, Sample
 from relax_slurm.trainer.model import build_optimizer, single_process_group
 from relax_slurm.trainer.step import train_step
-from relax_slurm.broker.stats import BatchStats
+from relax_slurm.broker.stats import BatchStats, Counters
 from relax_slurm.trainer.stream import GroupStream, step_blocks
 
 VOCAB, N = 16, 4
@@ -55,6 +56,12 @@ def make_groups(n_groups: int = 4) -> list[Group]:
     return out
 
 
+def taken(hist: dict[int, int], most: int, **counters: int) -> BatchStats:
+    """A take's stats: its staleness counts and largest value, the named counters (others 0)."""
+    return BatchStats(staleness_hist=hist, staleness_max=most, staleness_mean=0.0,
+                      counters=dataclasses.replace(Counters.zero(), **counters))
+
+
 class Arrivals:
     """The broker's side of a stream: groups become available `per_take` at a time."""
 
@@ -67,7 +74,7 @@ class Arrivals:
         n = max(min_groups, min(self.per_take, num_groups))
         got, self.queue = self.queue[:n], self.queue[n:]
         stale = {0: len(got) * N}
-        return got, BatchStats(staleness_hist=stale, staleness_max=0, queue_depth=len(self.queue))
+        return got, taken(stale, 0, queue_depth=len(self.queue))
 
 
 def train(groups: list[Group], streaming: bool, per_take: int, algo: AlgoConfig,
@@ -137,10 +144,10 @@ def test_a_group_of_the_wrong_size_is_refused():
 
 def test_merged_stats_of_several_takes():
     merged = BatchStats.merge([
-        BatchStats(staleness_hist={0: 4, 1: 4}, staleness_max=1, queue_depth=3, consumed=2),
-        BatchStats(staleness_hist={1: 2, 2: 6}, staleness_max=2, queue_depth=0, consumed=4),
+        taken({0: 4, 1: 4}, 1, queue_depth=3, consumed=2),
+        taken({1: 2, 2: 6}, 2, queue_depth=0, consumed=4),
     ])
     assert merged.staleness_hist == {0: 4, 1: 6, 2: 6}
     assert merged.staleness_max == 2
     assert merged.staleness_mean == pytest.approx((6 + 12) / 16)  # (1*6 + 2*6) / 16
-    assert (merged.queue_depth, merged.consumed) == (0, 4)  # as of the last take
+    assert (merged.counters.queue_depth, merged.counters.consumed) == (0, 4)  # the last take's
