@@ -103,8 +103,8 @@ def test_megatron_trainer_learns_with_verified_sync(tmp_path, tiny_assets, tp):
 
 
 
-# reward 0.003 -> a 3-step mean >= 0.8 first at steps 60-62 (0.85 at 62-64), last 3 of 70: 0.81
-# (model seed 0, one rank; docs/algorithms.md#under-trainermegatron): 70 keeps a 0.05 margin
+# reward ~0 -> a 10-step mean >= 0.6 first over steps 32-41 to 42-51, 0.75-0.81 at best by
+# step 70 (seeds 0-3, one rank; docs/algorithms.md#under-trainermegatron): ~20 steps' margin
 PPO_STEPS = 70
 PPO_RESUMED = 2  # the last steps again from the checkpoint before them
 
@@ -113,12 +113,18 @@ PPO_RESUMED = 2  # the last steps again from the checkpoint before them
 def test_megatron_ppo_learns_and_resumes_its_critic_exactly(tmp_path, tiny_assets):
     """`experiment=tiny_cpu algo=ppo trainer=megatron` as a user types it (one rank): the
     megatron critic (trainer/megatron/critic.py), GAE advantages and the preset's four PPO
-    mini-batch steps per batch learn the tiny task: reward from <= 0.3 to a 3-step mean >= 0.8
-    (test_algos_e2e.py's claim for trainer=torch, there on the last 3 of 100 steps; this run
-    plateaus noisier, 0.6-0.92 a step after step 60, so the test asks for a window, not the
-    last one); then the last PPO_RESUMED steps again from the run's own checkpoint before
-    them repeat exactly: rewards, the policy's loss and every critic metric (the critic and its
-    Adam state came back from the dist-checkpoint)."""
+    mini-batch steps per batch learn the tiny task, and the critic learns the returns; then the
+    last PPO_RESUMED steps again from the run's own checkpoint before them repeat exactly:
+    rewards, the policy's loss and every critic metric (the critic and its Adam state came back
+    from the dist-checkpoint).
+
+    The bounds hold over seeds, not one trajectory: another CPU's float32 sums change which
+    tokens are sampled, which is a different seed's run. Measured over seeds 0-3 (70 steps):
+    reward 0.00-0.02 at the first step, best 10-step mean 0.75-0.81 (first >= 0.6 over steps
+    32-41 to 42-51); the critic's mean value over the last 10 steps 0.53-0.81 (0.00-0.03 over
+    the first 10), within 0.05-0.10 of the mean return. Not asked: seed 0's 3-step peak of
+    0.85 (0.77-0.81 for seeds 1-3), or a falling value loss (it rises with the returns' spread
+    as the policy learns, and fell by half on seeds 0 and 2 only)."""
     common = ("trainer=megatron", ONE_RANK, "algo=ppo", "metrics.progress=false",
               f"trainer.total_steps={PPO_STEPS}",
               f"trainer.save_every={PPO_STEPS - PPO_RESUMED}")
@@ -129,11 +135,13 @@ def test_megatron_ppo_learns_and_resumes_its_critic_exactly(tmp_path, tiny_asset
     assert summary["steps"] == PPO_STEPS and summary["reward_first"] <= 0.3, summary
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     reward = [r["rollout/reward_mean"] for r in rows]
-    best = max(sum(reward[i:i + 3]) / 3 for i in range(len(reward) - 2))
-    assert best >= 0.8, reward
-    early = sum(r["critic/vf_loss"] for r in rows[20:30]) / 10
-    late = sum(r["critic/vf_loss"] for r in rows[-10:]) / 10
-    assert late < early / 2, (early, late)  # the critic learned the returns (0.083 -> 0.021)
+    best = max(sum(reward[i:i + 10]) / 10 for i in range(len(reward) - 9))
+    assert best >= 0.6, reward
+    values = [r["critic/values_mean"] for r in rows]
+    gap = [abs(r["critic/values_mean"] - r["critic/returns_mean"]) for r in rows]
+    # a critic that learned nothing stays near 0 while the returns rise to ~0.7
+    assert sum(values[:10]) / 10 < 0.1 and sum(values[-10:]) / 10 >= 0.4, values
+    assert sum(gap[-10:]) / 10 < 0.2, gap
 
     resumed = tmp_path / "resumed"
     ckpt = run_dir / "checkpoints" / f"step_{PPO_STEPS - PPO_RESUMED}"
