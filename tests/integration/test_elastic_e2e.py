@@ -44,7 +44,7 @@ class Admin:
             if op["status"] in ("ACTIVE", "COMPLETED", "FAILED", "CANCELLED"):
                 return op
             assert proc.poll() is None and time.monotonic() < deadline, op
-            time.sleep(0.5)
+            time.sleep(0.2)
 
 
 def engine_version(url: str, secret: str) -> int:
@@ -60,43 +60,46 @@ def wait_requests(admin: Admin, proc, urls: list[str], n: int = 2) -> None:
     while min(admin.get("/status")["roles"]["rollout"].get(
             "requests_per_engine", {}).get(url, 0) for url in urls) < n:
         assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
-def external_engine_joins_and_leaves(admin: Admin, proc, model: Path, secret: str,
-                                     tmp_path: Path) -> None:
-    """An engine started outside the run (with the run's secret as its API key), registered by
-    URL: it gets the trainer's weights and generates for the run; scaled in, the run forgets it
-    and leaves it running (not its process)."""
-    port = free_port()
-    url, log = f"http://127.0.0.1:{port}", tmp_path / "external.log"
-    engine = start_engine(model, port, log, api_key=secret)
-    try:
-        wait_healthy(url, engine, OP_WAIT_S, log)
-        r = admin.post("/rollout/scale_out", {"engine_urls": [url]})
-        assert r.status_code == 202, r.text
-        op = admin.wait(r.json()["request_id"], proc)
-        assert op["status"] == "ACTIVE" and op["mode"] == "external", op
-        assert engine_version(url, secret) >= 1  # the trainer's weights, not model.path's
-        wait_requests(admin, proc, [url])
-        r = admin.post("/rollout/scale_in", {"engine_urls": [url]})
-        assert r.status_code == 202, r.text
-        assert admin.wait(r.json()["request_id"], proc)["status"] == "COMPLETED"
-        assert url not in [e["url"] for e in admin.get("/rollout/engines")["engines"]]
-        assert engine.poll() is None
-    finally:
-        stop_process(engine)
+def external_engine_joins_and_leaves(admin: Admin, proc, engine, url: str, secret: str,
+                                     log: Path) -> None:
+    """An engine started outside the run (`engine` at `url`, with the run's secret as its API
+    key), registered by URL: it gets the trainer's weights and generates for the run; scaled
+    in, the run forgets it and leaves it running (not its process)."""
+    wait_healthy(url, engine, OP_WAIT_S, log)
+    r = admin.post("/rollout/scale_out", {"engine_urls": [url]})
+    assert r.status_code == 202, r.text
+    op = admin.wait(r.json()["request_id"], proc)
+    assert op["status"] == "ACTIVE" and op["mode"] == "external", op
+    assert engine_version(url, secret) >= 1  # the trainer's weights, not model.path's
+    wait_requests(admin, proc, [url])
+    r = admin.post("/rollout/scale_in", {"engine_urls": [url]})
+    assert r.status_code == 202, r.text
+    assert admin.wait(r.json()["request_id"], proc)["status"] == "COMPLETED"
+    assert url not in [e["url"] for e in admin.get("/rollout/engines")["engines"]]
+    assert engine.poll() is None
 
 
 def test_scale_out_1_to_3_then_drain_in_then_cancel(tmp_path, tiny_assets):
-    run_dir, steps = tmp_path / "run", 200
+    # the last operation (the external engine scaled in) ends near step 49 (48-49 at a load of
+    # 5-9 on 2 cores, the external engine loading during the scale-out): 100 steps leave it 2x
+    run_dir, steps = tmp_path / "run", 100
     # a step's batch in 8 requests, so that every engine gets a share of each step
     proc = start(run_dir, tiny_assets, ONE_RANK, f"trainer.total_steps={steps}",
                  "rollout.groups_per_request=4", "cluster.restart.heartbeat_interval_s=1",
                  "cluster.elastic.drain_timeout_s=120")
+    engine = None
     try:
         wait_steps(proc, run_dir, 2)
         admin = Admin(run_dir)
+        secret = (run_dir / "secret").read_text().strip()
+        # the external engine (the last operation) loads while the ones before it run, rather
+        # than after them with the run's steps going on meanwhile
+        port = free_port()
+        external, log = f"http://127.0.0.1:{port}", tmp_path / "external.log"
+        engine = start_engine(tiny_assets / "model", port, log, api_key=secret)
         [first] = json.loads((run_dir / "plan.json").read_text())["engine_urls"]
         # scale out 1 -> 3: accepted, one at a time, the trainer syncs them, the worker routes
         r = admin.post("/rollout/scale_out", {"num_replicas": 3, "timeout_secs": OP_WAIT_S})
@@ -111,7 +114,6 @@ def test_scale_out_1_to_3_then_drain_in_then_cancel(tmp_path, tiny_assets):
         new = op["urls"]
         assert len(new) == 2
         # it serves the trainer's weights (not model.path's version 0) from its first request
-        secret = (run_dir / "secret").read_text().strip()
         for url in new:
             assert engine_version(url, secret) >= max(version_at_request, 1)
         assert admin.get("/rollout/engines")["routable"] == [first, *new]
@@ -135,11 +137,12 @@ def test_scale_out_1_to_3_then_drain_in_then_cancel(tmp_path, tiny_assets):
         deadline = time.monotonic() + 60
         while len(admin.get("/rollout/engines")["engines"]) > 1:
             assert time.monotonic() < deadline
-            time.sleep(0.5)
-        external_engine_joins_and_leaves(admin, proc, tiny_assets / "model", secret, tmp_path)
+            time.sleep(0.2)
+        external_engine_joins_and_leaves(admin, proc, engine, external, secret, log)
         _, err = finish(proc)
     finally:
         stop(proc)
+        stop_process(engine)
     assert "elastic rollout" in err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["samples_lost"] == 0, summary

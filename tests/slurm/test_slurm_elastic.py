@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from relax_slurm.launch.ctl import admin_get
 from tests.conftest import REPO
 from tests.slurm.conftest import SETUP_ALLOWANCE_S
 from tests.slurm.test_slurm_runs import (
@@ -34,7 +35,10 @@ from tests.slurm.test_slurm_runs import (
 
 pytestmark = pytest.mark.slurm
 
-STEPS = 300  # the last operation (the cancel) ends near step 150 here (0.3-0.7 s a step)
+# the last operation (the cancel) ends at step 77-102 (measured at loads 2-15 on 2 cores: 77,
+# 83, 85, 94, 102; near step 150 before conftest.py's partition nudge started engine jobs
+# within ~2 s): 210 steps leave 2x over the latest
+STEPS = 210
 RUN_TIMEOUT_S = 900
 OP_TIMEOUT_S = 300
 
@@ -45,6 +49,14 @@ def ctl(env: dict, run_dir: Path, *args: str) -> dict:
                        timeout=OP_TIMEOUT_S + 60)
     assert r.returncode == 0, r.stdout + r.stderr + "\n" + diagnose(run_dir)
     return json.loads(r.stdout)
+
+
+def requests_on(run_dir: Path, url: str) -> int:
+    """The rollout worker's requests to the engine at `url` so far, from the broker's admin
+    GET /status (what `relax-ctl status` prints), read in this process: a poll that starts no
+    Python of its own."""
+    return admin_get(run_dir, "/status", 10)["roles"]["rollout"].get(
+        "requests_per_engine", {}).get(url, 0)
 
 
 def engine_jobs(env: dict, run_job_name: str) -> list[str]:
@@ -107,9 +119,8 @@ def test_scale_out_submits_an_engine_job_then_drains_and_cancels_it(tmp_path, ti
             "Authorization": f"Bearer {secret}"}).json()["weight_version"])
         assert version >= max(version_at_request, 1)
         # and generates for the run
-        wait_until(lambda: ctl(env, run_dir, "status")["roles"]["rollout"].get(
-            "requests_per_engine", {}).get(new, 0) >= 2 or proc.poll() is not None,
-            OP_TIMEOUT_S, "requests on the new engine", why=why)
+        wait_until(lambda: requests_on(run_dir, new) >= 2 or proc.poll() is not None,
+                   OP_TIMEOUT_S, "requests on the new engine", poll_s=0.5, why=why)
         assert proc.poll() is None, why()
         roles = {r["name"]: r for r in json.loads((run_dir / "roles.json").read_text())}
         assert roles["engine1"]["kind"] == "slurm_job" and roles["engine1"]["url"] == new
@@ -126,17 +137,16 @@ def test_scale_out_submits_an_engine_job_then_drains_and_cancels_it(tmp_path, ti
                    "replaces it" in driver_log.read_text(), OP_TIMEOUT_S, "the loss", why=why)
 
         def replaced() -> list[str] | None:
-            routable = ctl(env, run_dir, "engines")["routable"]
+            routable = admin_get(run_dir, "/rollout/engines", 10)["routable"]
             return routable if len(routable) == 2 and new not in routable else None
         new = next(u for u in wait_until(replaced, OP_TIMEOUT_S, "a replacement engine",
-                                         why=why) if u != first)
+                                         poll_s=0.5, why=why) if u != first)
         roles = {r["name"]: r for r in json.loads((run_dir / "roles.json").read_text())}
         assert "engine1" not in roles and roles["engine2"]["url"] == new, roles
         job_id = roles["engine2"]["job_id"]
         assert job_id != lost_job and in_queue(env, job_id)
-        wait_until(lambda: ctl(env, run_dir, "status")["roles"]["rollout"].get(
-            "requests_per_engine", {}).get(new, 0) >= 2 or proc.poll() is not None,
-            OP_TIMEOUT_S, "requests on the replacement", why=why)
+        wait_until(lambda: requests_on(run_dir, new) >= 2 or proc.poll() is not None,
+                   OP_TIMEOUT_S, "requests on the replacement", poll_s=0.5, why=why)
         assert proc.poll() is None, why()
         # scale in to 1: drained, then its job cancelled
         op = ctl(env, run_dir, "scale-in", "--num-replicas", "1", "--wait")
