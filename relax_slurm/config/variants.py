@@ -9,6 +9,7 @@ belongs to, before they do.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,8 +49,13 @@ def class_keys(cls: type, prefix: str = "") -> list[str]:
 
 def cluster_kinds(key: str) -> list[str]:
     """The cluster kinds whose schema has dotted `key` (cluster.partition: [slurm])."""
-    return [kind for kind, cls in CLUSTER_VARIANTS.items()
-            if key in class_keys(cls, "cluster.")]
+    return [kind for kind in CLUSTER_VARIANTS if key in _cluster_keys(kind)]
+
+
+@functools.cache
+def _cluster_keys(kind: str) -> frozenset[str]:
+    # asked for every override and every unknown key: the schema does not change in a process
+    return frozenset(class_keys(CLUSTER_VARIANTS[kind], "cluster."))
 
 
 def cluster_variant(cfg: DictConfig) -> type[ClusterConfig]:
