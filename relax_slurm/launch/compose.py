@@ -28,8 +28,11 @@ def compose_config(overrides: Sequence[str]) -> TrainConfig:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
             cfg = compose("train", overrides=list(overrides))
-        except Exception as e:  # noqa: BLE001 - Hydra's and OmegaConf's errors alike
-            raise (translate_cluster_error(e) or e) from e
+        except Exception as e:  # Hydra's and OmegaConf's errors alike
+            translated = translate_cluster_error(e)  # a preset setting the other cluster's key
+            if translated is None:
+                raise
+            raise translated from e
         return to_train_config(cfg)
 
 
