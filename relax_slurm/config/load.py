@@ -63,7 +63,24 @@ def register_configs() -> None:
     for group, node in GROUP_SCHEMAS.items():
         cs.store(group=group, name=f"base_{group}", node=node)
     for kind, variant in CLUSTER_VARIANTS.items():
-        cs.store(group="cluster", name=f"base_{kind}", node=variant)
+        cs.store(group="cluster", name=f"base_{kind}", node=open_schema(variant))
+
+
+def open_schema(cls: type) -> DictConfig:
+    """`cls`'s schema taking keys it lacks: a key of the other cluster (in a preset, a YAML
+    file, an override) composes, and `to_train_config` refuses it naming its cluster, where
+    Hydra would say "Key 'partition' not in 'LocalClusterConfig'". Types are still checked."""
+    node = OmegaConf.structured(cls)
+
+    def unlock(section: DictConfig) -> None:
+        OmegaConf.set_struct(section, False)
+        for key in section:
+            child = section._get_node(key)
+            if isinstance(child, DictConfig):
+                unlock(child)
+
+    unlock(node)
+    return node
 
 
 def root_schema(cluster: type[ClusterConfig]) -> DictConfig:

@@ -1,9 +1,10 @@
 """Sections that come in variants (`cluster`: local or slurm): which variant a config is,
 which keys each variant has, and the error for a key of the other variant.
 
-A key of one variant does not exist in the other, so Hydra and OmegaConf would refuse it as
-unknown ("Key 'partition' not in 'LocalClusterConfig'"); these name it, and the cluster it
-belongs to, before they do.
+A key of one variant does not exist in the other. On the command line it is refused before
+Hydra composes (`check_cluster_overrides`, where Hydra would say "Could not override"); in a
+preset or YAML file it composes (the variants' schemas take unknown keys, load.open_schema)
+and `to_train_config` refuses it: both name it and the cluster it belongs to.
 """
 
 from __future__ import annotations
@@ -114,19 +115,6 @@ def check_cluster_overrides(overrides: Sequence[str],
     wrong = [o for o in specific if kind not in cluster_kinds(o.split("=", 1)[0])]
     if wrong:
         raise wrong_cluster_error(wrong, kind)
-
-
-def translate_cluster_error(error: BaseException) -> ConfigError | None:
-    """OmegaConf's "Key 'partition' not in 'LocalClusterConfig'" (a preset or YAML file setting
-    a key of the other cluster) as the error naming it and its cluster; None for another."""
-    seen: BaseException | None = error
-    while seen is not None:
-        key = getattr(seen, "full_key", None)
-        kinds = cluster_kinds(key) if isinstance(key, str) else []
-        if len(kinds) == 1:  # a key of one cluster only: the run's is another
-            return wrong_cluster_error([key], next(k for k in CLUSTER_VARIANTS if k != kinds[0]))
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def drop_unread_defaults(raw: DictConfig) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from relax_slurm.config import TrainConfig, register_configs, to_train_config
 from relax_slurm.config.load import check_override_keys
-from relax_slurm.config.variants import check_cluster_overrides, translate_cluster_error
+from relax_slurm.config.variants import check_cluster_overrides
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 """The Hydra configs: package data of an installed relax_slurm, and in a source checkout the
@@ -26,14 +26,7 @@ def compose_config(overrides: Sequence[str]) -> TrainConfig:
     check_cluster_overrides(overrides, composed_kind)
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        try:
-            cfg = compose("train", overrides=list(overrides))
-        except Exception as e:  # Hydra's and OmegaConf's errors alike
-            translated = translate_cluster_error(e)  # a preset setting the other cluster's key
-            if translated is None:
-                raise
-            raise translated from e
-        return to_train_config(cfg)
+        return to_train_config(compose("train", overrides=list(overrides)))
 
 
 def composed_kind(overrides: Sequence[str]) -> str | None:

@@ -18,8 +18,7 @@ from relax_slurm.config.cluster import (
     SlurmClusterConfig,
     SlurmElasticConfig,
 )
-from relax_slurm.config.load import root_schema
-from relax_slurm.config.variants import class_keys, cluster_kinds, translate_cluster_error
+from relax_slurm.config.variants import class_keys, cluster_kinds
 from relax_slurm.errors import ConfigError
 from relax_slurm.launch.compose import compose_config, slurm_overrides
 
@@ -81,17 +80,22 @@ def test_a_preset_choosing_slurm_takes_slurm_keys_without_cluster_slurm():
     assert cfg.cluster.partition == "gpu"  # type: ignore[attr-defined]
 
 
-def test_added_or_yaml_keys_of_the_other_cluster_are_refused_naming_them():
-    """`+cluster.partition=gpu` passes Hydra; a preset or file setting a Slurm key under
-    cluster=local fails in OmegaConf: both are named like an override."""
+def test_added_or_yaml_keys_of_the_other_cluster_are_refused_naming_them(tmp_path):
+    """`+cluster.partition=gpu` passes Hydra, and so does a preset (here a user's, through
+    --config-dir) setting a Slurm key under cluster=local: both are named like an override."""
     with pytest.raises(ConfigError, match=r"cluster\.partition='gpu': applies to "
                                           r"cluster\.kind=slurm only"):
         compose_config([*TINY, "+cluster.partition=gpu"])
-    with pytest.raises(Exception) as raised:
-        OmegaConf.merge(root_schema(LocalClusterConfig), {"cluster": {"partition": "gpu"}})
-    error = translate_cluster_error(raised.value)
-    assert error is not None and "cluster.partition: applies to cluster.kind=slurm only; run " \
-                                 "with cluster=slurm" in str(error)
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - tiny_cpu\ncluster:\n  elastic:\n    job_cpus: 2\n")
+    r = subprocess.run([sys.executable, "-m", "relax_slurm.launch.cli", "--config-dir",
+                        str(tmp_path), "experiment=mine", f"run_dir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 1, r.stderr
+    assert ("cluster.elastic.job_cpus=2: applies to cluster.kind=slurm only; run with "
+            "cluster=slurm" in r.stderr), r.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_cluster_kind_does_not_switch_the_variant():
