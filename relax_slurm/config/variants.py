@@ -97,9 +97,10 @@ def other_cluster_keys(keys: Sequence[str], kind: str) -> list[str]:
 def check_cluster_overrides(overrides: Sequence[str],
                             composed_kind: Callable[[list[str]], str | None]) -> None:
     """ConfigError for `cluster.KEY=value` overrides the chosen cluster lacks, naming them all
-    and the cluster they belong to (Hydra would say "Key 'partition' not in struct" of the
-    first). The cluster is the last `cluster=NAME`, else `composed_kind(the other overrides)`
-    (an experiment preset may choose it; None: unknown, Hydra reports what it finds)."""
+    as typed and the cluster they belong to, before anything is composed (validation would
+    name a whole section, `cluster.container={...}`, where the override set one key of it).
+    The cluster is the last `cluster=NAME`, else `composed_kind(the other overrides)` (an
+    experiment preset may choose it; None: unknown, and validation names the keys)."""
     plain = [o for o in overrides if "=" in o and not o.startswith(("-", "+", "~"))]
     specific = [o for o in plain if o.startswith("cluster.")
                 and len(cluster_kinds(o.split("=", 1)[0])) == 1]
