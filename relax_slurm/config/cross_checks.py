@@ -47,7 +47,7 @@ def check_rollout_mode(algo: AlgoConfig, rollout: RolloutConfig, env: EnvConfig)
 
 def check_parallel_layout(t: TrainerConfig, cluster: ClusterConfig) -> None:
     """The trainer's ranks split into TP x PP x CP, and expert parallelism divides the rest."""
-    world = t.nproc_per_node * cluster.trainer_nodes
+    world = t.nproc_per_node * cluster.trainer_node_count()  # cluster.trainer_nodes on Slurm
     model_parallel = t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size
     check(world % model_parallel == 0,
           f"{world} trainer ranks (trainer.nproc_per_node x cluster.trainer_nodes) do not "

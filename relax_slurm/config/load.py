@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from relax_slurm.config.algo import AlgoConfig
-from relax_slurm.config.cluster import ClusterConfig
+from relax_slurm.config.cluster import CLUSTER_VARIANTS, ClusterConfig
 from relax_slurm.config.data import DataConfig
 from relax_slurm.config.env import EnvConfig
 from relax_slurm.config.model import ModelConfig
@@ -27,11 +27,21 @@ from relax_slurm.config.rollout import RolloutConfig
 from relax_slurm.config.schema import TrainConfig
 from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.config.value_types import type_error
+from relax_slurm.config.variants import (
+    class_keys,
+    cluster_variant,
+    drop_unread_defaults,
+    other_cluster_keys,
+    section_class,
+    variants_of,
+    wrong_cluster_error,
+)
 from relax_slurm.errors import ConfigError
 
 NON_SCHEMA_GROUPS = ("experiment", "tuning")
 """Config groups that choose a preset rather than fill a section of TrainConfig."""
-# group name -> schema; each group's YAML files list `base_<group>` first in their defaults.
+# group name -> schema; each group's YAML files list `base_<group>` first in their defaults
+# (the cluster group's, `base_local` / `base_slurm`: its variants, CLUSTER_VARIANTS).
 GROUP_SCHEMAS = {
     "model": ModelConfig,
     "algo": AlgoConfig,
@@ -39,7 +49,6 @@ GROUP_SCHEMAS = {
     "trainer": TrainerConfig,
     "data": DataConfig,
     "reward": RewardConfig,
-    "cluster": ClusterConfig,
     "env": EnvConfig,
 }
 
@@ -50,9 +59,36 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="base_train", node=TrainConfig)
+    cs.store(name="base_train", node=root_schema(ClusterConfig))
     for group, node in GROUP_SCHEMAS.items():
         cs.store(group=group, name=f"base_{group}", node=node)
+    for kind, variant in CLUSTER_VARIANTS.items():
+        cs.store(group="cluster", name=f"base_{kind}", node=open_schema(variant))
+
+
+def open_schema(cls: type) -> DictConfig:
+    """`cls`'s schema taking keys it lacks: a key of the other cluster (in a preset, a YAML
+    file, an override) composes, and `to_train_config` refuses it naming its cluster, where
+    Hydra would say "Key 'partition' not in 'LocalClusterConfig'". Types are still checked."""
+    node = OmegaConf.structured(cls)
+
+    def unlock(section: DictConfig) -> None:
+        OmegaConf.set_struct(section, False)
+        for key in section:
+            child = section._get_node(key)
+            if isinstance(child, DictConfig):
+                unlock(child)
+
+    unlock(node)
+    return node
+
+
+def root_schema(cluster: type[ClusterConfig]) -> DictConfig:
+    """TrainConfig's schema with `cluster` of type `cluster`. Hydra's root has the base, into
+    which either variant merges (OmegaConf merges a subclass into its base, not a sibling)."""
+    root = OmegaConf.structured(TrainConfig)
+    root.cluster = OmegaConf.structured(cluster)
+    return root
 
 
 def _explain(e: OmegaConfBaseException) -> str:
@@ -61,22 +97,9 @@ def _explain(e: OmegaConfBaseException) -> str:
     return f"{e.msg if hasattr(e, 'msg') else e}{where}"
 
 
-def section_class(cls: type, name: str) -> type | None:
-    """The dataclass of field `name` of `cls` (its annotation resolved in the module that
-    defines `cls`), or None for a leaf or a dict."""
-    sub = typing.get_type_hints(cls)[name]
-    return sub if dataclasses.is_dataclass(sub) else None
-
-
 def schema_keys(cls: type = TrainConfig, prefix: str = "") -> list[str]:
-    """Every settable dotted key of the schema (sections and leaves)."""
-    out = []
-    for f in dataclasses.fields(cls):
-        out.append(prefix + f.name)
-        sub = section_class(cls, f.name)
-        if sub is not None:
-            out += schema_keys(sub, f"{prefix}{f.name}.")
-    return out
+    """Every settable dotted key of the schema (sections and leaves; both clusters' keys)."""
+    return class_keys(cls, prefix)
 
 
 def check_override_keys(overrides: Sequence[str]) -> None:
@@ -92,23 +115,31 @@ def check_override_keys(overrides: Sequence[str]) -> None:
         if moved_message(key):
             raise ConfigError(f"{moved_message(key)} (in {arg!r}): write "
                               f"{arg.replace(key, MOVED_KEYS[key], 1)}")
-        cls, parts = TrainConfig, key.split(".")
-        for i, part in enumerate(parts):
-            fields = {f.name: f for f in dataclasses.fields(cls)}
-            if part not in fields:
-                near = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.75)
-                close = ([".".join([*parts[:i], near[0], *parts[i + 1:]])] if near else
-                         [k for k in known if k.rsplit(".", 1)[-1] == parts[-1]])
-                hint = f" Did you mean {' or '.join(close)}?" if close else ""
-                raise ConfigError(f"unknown config key {key!r} (in {arg!r}).{hint} Every key: "
-                                  "`relax-train experiment=... --cfg job`, docs/configuration.md")
-            sub = section_class(cls, part)
-            if sub is None:  # a leaf, or a free-form dict (env.kwargs, data.multimodal_keys)
-                if i == len(parts) - 1:
-                    for value in sweep_items(arg.split("=", 1)[1]):
-                        check_value(cls, fields[part], key, value)
-                break
-            cls = sub
+        check_key(arg, key, known)
+
+
+def check_key(arg: str, key: str, known: list[str]) -> None:
+    """check_override_keys for one `key=value`: the key walked down the schema (a variant
+    section, `cluster`, through every variant's fields), its value type-checked."""
+    classes, parts = [TrainConfig], key.split(".")
+    for i, part in enumerate(parts):
+        fields = {f.name: (cls, f) for cls in classes for f in dataclasses.fields(cls)}
+        if part not in fields:
+            near = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.75)
+            close = ([".".join([*parts[:i], near[0], *parts[i + 1:]])] if near else
+                     [k for k in known if k.rsplit(".", 1)[-1] == parts[-1]])
+            hint = f" Did you mean {' or '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown config key {key!r} (in {arg!r}).{hint} Every key: "
+                              "`relax-train experiment=... --cfg job`, docs/configuration.md")
+        cls, f = fields[part]
+        subs = [sub for c in classes if part in {g.name for g in dataclasses.fields(c)}
+                for sub in [section_class(c, part)] if sub is not None]
+        if not subs:  # a leaf, or a free-form dict (env.kwargs, data.multimodal_keys)
+            if i == len(parts) - 1:
+                for value in sweep_items(arg.split("=", 1)[1]):
+                    check_value(cls, f, key, value)
+            return
+        classes = [v for sub in subs for v in variants_of(sub)]
 
 
 SWEEP_FUNCTIONS = ("range(", "choice(", "interval(", "glob(", "sort(", "shuffle(", "tag(")
@@ -158,6 +189,8 @@ def _unknown_keys(node: DictConfig, cls: type, prefix: str = "") -> list[str]:
         sub = section_class(cls, key)
         value = node._get_node(key)
         if sub is not None and isinstance(value, DictConfig):
+            if sub is ClusterConfig:  # the variant the config is of
+                sub = cluster_variant(node)
             unknown += _unknown_keys(value, sub, f"{prefix}{key}.")
     return unknown
 
@@ -168,13 +201,19 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     moved = [m for m in map(moved_message, unknown) if m]
     if moved:
         raise ConfigError(f"moved config key(s): {'; '.join(moved)} (docs/configuration.md)")
+    cluster = cluster_variant(cfg)
+    kind = cluster().kind
+    other = other_cluster_keys(unknown, kind)
+    if other:  # `+cluster.partition=gpu` under cluster=local, or a config.yaml edited by hand
+        raise wrong_cluster_error(
+            [f"{k}={OmegaConf.select(cfg, k, default=None)!r}" for k in other], kind)
     if unknown:
         raise ConfigError(
             f"unknown config key(s): {', '.join(unknown)}; check the spelling against "
             "`relax-train --cfg job` or docs/configuration.md"
         )
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+        merged = OmegaConf.merge(root_schema(cluster), cfg)
         OmegaConf.resolve(merged)
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -201,4 +240,5 @@ def load_config(path: str | Path) -> TrainConfig:
         raise ConfigError(f"{path}: cannot parse YAML: {e}") from e
     if isinstance(raw, DictConfig):
         move_old_keys(raw)  # written by an older relax-slurm (a run resumed or rerun)
+        drop_unread_defaults(raw)
     return to_train_config(raw)

@@ -18,7 +18,7 @@ from omegaconf import MISSING
 from relax_slurm.config.algo import SUPERVISED_ALGOS, AlgoConfig
 from relax_slurm.config.broker import BrokerConfig
 from relax_slurm.config.check import check
-from relax_slurm.config.cluster import ClusterConfig
+from relax_slurm.config.cluster import ClusterConfig, LocalClusterConfig
 from relax_slurm.config.cross_checks import (
     check_critic_backend,
     check_judge,
@@ -67,7 +67,8 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    cluster: ClusterConfig = field(default_factory=LocalClusterConfig)
+    """Where the roles run: a LocalClusterConfig or a SlurmClusterConfig (cluster=local|slurm)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)

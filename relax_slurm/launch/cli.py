@@ -19,9 +19,11 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from relax_slurm.config import register_configs, to_train_config
+from relax_slurm.config.cluster import SlurmClusterConfig
 from relax_slurm.config.load import check_override_keys
 from relax_slurm.errors import ConfigError, Preempted, RelaxError
-from relax_slurm.launch.compose import CONF_DIR
+from relax_slurm.config.variants import check_cluster_overrides
+from relax_slurm.launch.compose import CONF_DIR, composed_kind
 from relax_slurm.launch.help import HELP_FLAGS, help_text
 from relax_slurm.launch.interrupt import STOP, kept_message
 from relax_slurm.launch.sweep import Sweep, fixed_keys, in_multirun, is_multirun, point_name
@@ -43,9 +45,10 @@ def _run(cfg: DictConfig) -> None:
     run_dir = Path(cfg.get("run_dir") or ".").resolve()
     try:
         train_cfg = to_train_config(cfg)
-        if not train_cfg.cluster.dry_run:  # a tiny preset on a fresh machine: its model, data
+        slurm = train_cfg.cluster if isinstance(train_cfg.cluster, SlurmClusterConfig) else None
+        if not (slurm and slurm.dry_run):  # a tiny preset on a fresh machine: its model, data
             ensure_tiny_assets(train_cfg)
-        if train_cfg.cluster.kind == "slurm":
+        if slurm:
             from relax_slurm.launch.sbatch import run_sbatch
 
             sys.exit(run_sbatch(train_cfg))
@@ -87,16 +90,17 @@ def _run_point(cfg: DictConfig) -> None:
     try:
         train_cfg = to_train_config(cfg)
         train_cfg.run_dir = point.run_dir
-        if not train_cfg.cluster.dry_run:
+        slurm = train_cfg.cluster if isinstance(train_cfg.cluster, SlurmClusterConfig) else None
+        if not (slurm and slurm.dry_run):
             ensure_tiny_assets(train_cfg)
-        if train_cfg.cluster.kind == "slurm":
+        if slurm:
             from relax_slurm.launch.sbatch import submit_run
 
             point.job_id = submit_run(train_cfg)  # the next point is submitted at once
             point.state = ("submitted" if point.job_id is not None
-                           else "dry run" if train_cfg.cluster.dry_run else "complete already")
-            if point.job_id is not None and train_cfg.cluster.wait:
-                SWEEP.waiting.append((point, train_cfg.cluster.wait_poll_s))
+                           else "dry run" if slurm.dry_run else "complete already")
+            if point.job_id is not None and slurm.wait:
+                SWEEP.waiting.append((point, slurm.wait_poll_s))
             return
         from relax_slurm.launch.local import run_local
 
@@ -166,6 +170,8 @@ def main() -> None:
         sys.exit(2)
     try:  # before Hydra, whose advice for a misspelt key is to add it with `+`
         check_override_keys(sys.argv[1:])
+        if not any(a.startswith("--config-dir") for a in sys.argv[1:]):  # else: configs of
+            check_cluster_overrides(sys.argv[1:], composed_kind)  # the user's, not composed here
     except RelaxError as e:
         print(f"relax-train: error: {e}", file=sys.stderr)
         sys.exit(1)

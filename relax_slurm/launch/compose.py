@@ -10,6 +10,7 @@ from typing import Sequence
 
 from relax_slurm.config import TrainConfig, register_configs, to_train_config
 from relax_slurm.config.load import check_override_keys
+from relax_slurm.config.variants import check_cluster_overrides
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 """The Hydra configs: package data of an installed relax_slurm, and in a source checkout the
@@ -22,9 +23,24 @@ def compose_config(overrides: Sequence[str]) -> TrainConfig:
     from hydra import compose, initialize_config_dir
 
     check_override_keys(overrides)  # an unknown or moved key named, before Hydra's advice
+    check_cluster_overrides(overrides, composed_kind)
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return to_train_config(compose("train", overrides=list(overrides)))
+
+
+def composed_kind(overrides: Sequence[str]) -> str | None:
+    """cluster.kind of the config `overrides` compose to (an experiment preset may choose the
+    cluster), or None when they do not compose here (Hydra then names the problem itself)."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            kind = compose("train", overrides=list(overrides)).cluster.kind
+    except Exception:  # noqa: BLE001 - any failure: leave the reporting to the real compose
+        return None
+    return kind if isinstance(kind, str) else None
 
 
 def slurm_overrides(overrides: Sequence[str], default_run_dir: str | None = None) -> list[str]:

@@ -39,6 +39,7 @@ from typing import Any
 
 from relax_slurm.auth import read_secret
 from relax_slurm.config import TrainConfig, load_config
+from relax_slurm.config.cluster import slurm_cluster
 from relax_slurm.errors import EngineError
 from relax_slurm.launch.processes import child_setup
 from relax_slurm.launch.roles import child_env, engine_spec
@@ -81,7 +82,7 @@ def read_url(run_dir: Path, name: str, job_id: str) -> str | None:
 
 def job_parameters(cfg: TrainConfig, name: str, workdir: Path) -> dict[str, Any]:
     """submitit SlurmExecutor parameters of one engine job (cluster.elastic.job_*)."""
-    c = cfg.cluster
+    c = slurm_cluster(cfg.cluster)
     rollout_gpus = c.gpus_per_node if c.rollout_gpus_per_node is None else c.rollout_gpus_per_node
     gpus = c.elastic.job_gpus if c.elastic.job_gpus is not None else (
         cfg.rollout.engine_tp_size if rollout_gpus else 0)
@@ -140,7 +141,7 @@ class EngineJobs:
         self._checked = 0.0
 
     def submit(self, name: str, seed: int) -> EngineJob:
-        python = self.cfg.cluster.python or sys.executable
+        python = slurm_cluster(self.cfg.cluster).python or sys.executable
         try:
             executor = job_classes()(folder=self.run_dir / SUBMITIT_SUBDIR,
                                       python=f"exec {shlex.quote(python)}")
@@ -271,7 +272,7 @@ def job_argv(cfg: TrainConfig, name: str, argv: list[str], workdir: str) -> list
     """The engine's command in its job: in the run's container when it has one, as the run's
     own roles are (placement.srun_wrap). pyxis works through srun, so the engine is then a
     step of its job; an Apptainer prefix (cluster.container.prefix) needs none."""
-    c = cfg.cluster
+    c = slurm_cluster(cfg.cluster)
     command = in_container(c, argv)
     if not c.container.image:
         return command

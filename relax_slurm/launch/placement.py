@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relax_slurm.config import TrainConfig
+from relax_slurm.config.cluster import slurm_cluster
 from relax_slurm.errors import ConfigError
 from relax_slurm.launch.roles import RoleSpec, Wrap, run_specs
 from relax_slurm.launch.slurm_env import SlurmAllocation
@@ -43,7 +44,7 @@ def make_layout(cfg: TrainConfig, alloc: SlurmAllocation) -> Layout:
         return Layout(trainer_hosts=alloc.het_groups[0], rollout_hosts=alloc.het_groups[1],
                       het=True)
     nodes = alloc.het_groups[0]
-    t = cfg.cluster.trainer_nodes
+    t = cfg.cluster.trainer_node_count()
     if len(nodes) < t:
         raise ConfigError(
             f"the allocation has {len(nodes)} node(s) but cluster.trainer_nodes={t}; request "
@@ -88,7 +89,7 @@ def role_specs(cfg: TrainConfig, plan: RunPlan, layout: Layout, run_dir: Path) -
 
 def srun_wrap(cfg: TrainConfig, layout: Layout, workdir: str) -> Wrap:
     """spec -> `srun ... argv` for its nodes (all trainer nodes for the trainer)."""
-    c = cfg.cluster
+    c = slurm_cluster(cfg.cluster)
 
     def wrap(spec: RoleSpec) -> list[str]:
         hosts = layout.trainer_hosts if spec.name == "trainer" else (spec.host,)

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 from relax_slurm.auth import SECRET_ENV
 from relax_slurm.config import TrainConfig
+from relax_slurm.config.cluster import LocalClusterConfig, SlurmClusterConfig
 from relax_slurm.runtime.plan import RunPlan
 from relax_slurm.engines import sglang_api
 from relax_slurm.engines.sglang_api import API_KEY_ENV
@@ -94,7 +95,7 @@ def _hf_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed
     # Slurm), like the broker: never all interfaces
     return RoleSpec(
         name=name, het_group=ROLLOUT_GROUP, host=host, ports={"http": port},
-        cpus=cfg.cluster.rollout_cpus, health_url=url,
+        cpus=pinned_cpus(cfg, "rollout"), health_url=url,
         argv=[sys.executable, "-m", "relax_slurm.rollout.hf_engine",
               "--model-path", model_path, "--host", host, "--port", str(port),
               "--dtype", cfg.model.dtype,
@@ -130,6 +131,15 @@ def _media_flags(cfg: TrainConfig) -> list[str]:
     return flags
 
 
+def pinned_cpus(cfg: TrainConfig, role: str) -> list[int] | None:
+    """CPU ids the `role` ("trainer" or "rollout") is pinned to: cluster.trainer_cpus /
+    rollout_cpus, which only a local cluster has (on Slurm the allocation places the roles)."""
+    c = cfg.cluster
+    if not isinstance(c, LocalClusterConfig):
+        return None
+    return c.trainer_cpus if role == "trainer" else c.rollout_cpus
+
+
 def base_gpu_id(cfg: TrainConfig, slot: int) -> int:
     """First GPU of the engine in `slot` (0, 1, ... among the engines of its node).
 
@@ -138,7 +148,8 @@ def base_gpu_id(cfg: TrainConfig, slot: int) -> int:
     trainer.nproc_per_node GPUs. Shared GPUs (rollout.release_memory_during_train): engines
     start at GPU 0 and free their memory while the trainer steps."""
     c, r = cfg.cluster, cfg.rollout
-    shares_node = c.kind == "local" or (c.layout == "colocated" and c.rollout_nodes == 0)
+    shares_node = not isinstance(c, SlurmClusterConfig) or (
+        c.layout == "colocated" and c.rollout_nodes == 0)
     offset = (cfg.trainer.nproc_per_node
               if shares_node and not r.release_memory_during_train else 0)
     return offset + slot * r.engine_tp_size
@@ -183,8 +194,7 @@ def engines_rejoin(cfg: TrainConfig) -> bool:
     re-sends them while it waits for a batch, which needs whole tensors on rank 0 alone (DDP, or
     one rank; under FSDP2 gathering them is a collective of every rank)."""
     t = cfg.trainer
-    single = t.nproc_per_node == 1 and (cfg.cluster.kind == "local"
-                                        or cfg.cluster.trainer_nodes == 1)
+    single = t.nproc_per_node == 1 and cfg.cluster.trainer_node_count() == 1
     return t.strategy == "ddp" or single
 
 
@@ -237,7 +247,7 @@ def genrm_specs(cfg: TrainConfig, plan: RunPlan) -> list[RoleSpec]:
 def worker_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, host: str) -> RoleSpec:
     argv = [sys.executable, "-m", "relax_slurm.rollout", "--run-dir", str(run_dir)]
     return RoleSpec(
-        name="rollout", het_group=ROLLOUT_GROUP, host=host, cpus=cfg.cluster.rollout_cpus,
+        name="rollout", het_group=ROLLOUT_GROUP, host=host, cpus=pinned_cpus(cfg, "rollout"),
         ports={"proxy": _hostport(plan.proxy_url)[1]} if plan.proxy_url else {},
         # the package's __main__, not rollout.worker: see relax_slurm/rollout/__main__.py
         # restarted in place as it is: it rejoins the broker (credits, data position)
@@ -249,7 +259,7 @@ def trainer_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, hosts: list[str
     """torchrun with c10d rendezvous on the first trainer host (runtime/torchrun.py: torchrun
     that skips its interpreter's teardown after its ranks finished)."""
     return RoleSpec(
-        name="trainer", het_group=TRAINER_GROUP, host=hosts[0], cpus=cfg.cluster.trainer_cpus,
+        name="trainer", het_group=TRAINER_GROUP, host=hosts[0], cpus=pinned_cpus(cfg, "trainer"),
         ports={"rdzv": plan.trainer_master_port, "weight_sync": plan.weight_sync_port},
         argv=[sys.executable, "-m", "relax_slurm.runtime.torchrun", f"--nnodes={len(hosts)}",
               f"--nproc-per-node={cfg.trainer.nproc_per_node}", "--rdzv-backend=c10d",

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from relax_slurm.config import TrainConfig, save_config
-from relax_slurm.config.cluster import ClusterConfig
+from relax_slurm.config.cluster import SlurmClusterConfig, slurm_cluster
 from relax_slurm.errors import ConfigError, RelaxError
 from relax_slurm.launch.placement import make_layout, role_specs, slurm_plan, srun_wrap
 from relax_slurm.launch.slurm_env import SlurmAllocation
@@ -52,7 +52,7 @@ def fill(template: str, **values: str) -> str:
     return out
 
 
-def sbatch_lines(c: ClusterConfig, output: str) -> list[str]:
+def sbatch_lines(c: SlurmClusterConfig, output: str) -> list[str]:
     """Every #SBATCH line: job-wide options first (they belong to component 0), then one block
     per component, separated by `#SBATCH hetjob`."""
     job = [f"--job-name={c.job_name}", f"--output={output}", "--open-mode=append",
@@ -64,16 +64,16 @@ def sbatch_lines(c: ClusterConfig, output: str) -> list[str]:
     return lines
 
 
-def job_python(c: ClusterConfig) -> str:
+def job_python(c: SlurmClusterConfig) -> str:
     return c.python or sys.executable
 
 
-def job_cluster(cfg: TrainConfig) -> ClusterConfig:
+def job_cluster(cfg: TrainConfig) -> SlurmClusterConfig:
     """The cluster settings the job is rendered from: an SFT run (`algo=sft`, the trainer
     alone) is one plain component of cluster.trainer_nodes, whatever the layout says."""
     if cfg.supervised:
-        return dataclasses.replace(cfg.cluster, layout="colocated", rollout_nodes=0)
-    return cfg.cluster
+        return dataclasses.replace(slurm_cluster(cfg.cluster), layout="colocated", rollout_nodes=0)
+    return slurm_cluster(cfg.cluster)
 
 
 def render_script(cfg: TrainConfig, run_dir: Path, workdir: Path) -> str:
@@ -95,18 +95,18 @@ def render_script(cfg: TrainConfig, run_dir: Path, workdir: Path) -> str:
 # `python -m relax_slurm.launch.sbatch --write-presets` rewrites them; a unit test checks that
 # the files match.
 _GPU_NODE = dict(kind="slurm", gpus_per_node=8, cpus_per_task=32, mem_gb=0, time_limit_min=240)
-PRESETS: dict[str, tuple[ClusterConfig, list[str], str]] = {
+PRESETS: dict[str, tuple[SlurmClusterConfig, list[str], str]] = {
     "train_hetjob": (
-        ClusterConfig(layout="hetjob", trainer_nodes=1, rollout_nodes=1, **_GPU_NODE), [],
+        SlurmClusterConfig(layout="hetjob", trainer_nodes=1, rollout_nodes=1, **_GPU_NODE), [],
         "Heterogeneous job: component 0 = 1 node with the torchrun trainer (8 GPUs) and the\n"
         "# broker; component 1 = 1 node with the engines and the rollout worker."),
     "train_colocated": (
-        ClusterConfig(layout="colocated", trainer_nodes=1, rollout_nodes=0, **_GPU_NODE),
+        SlurmClusterConfig(layout="colocated", trainer_nodes=1, rollout_nodes=0, **_GPU_NODE),
         ["cluster.layout=colocated", "cluster.trainer_nodes=1", "cluster.rollout_nodes=0"],
         "One plain allocation of 1 node: trainer, broker, engines and rollout worker share it\n"
         "# (set trainer.nproc_per_node to the GPUs the trainer takes)."),
     "train_multinode": (
-        ClusterConfig(layout="hetjob", trainer_nodes=2, rollout_nodes=2, **_GPU_NODE), [],
+        SlurmClusterConfig(layout="hetjob", trainer_nodes=2, rollout_nodes=2, **_GPU_NODE), [],
         "Heterogeneous job, multi-node: component 0 = 2 trainer nodes x 8 GPUs (one torchrun\n"
         "# agent per node, c10d rendezvous on the first) + the broker; component 1 = 2 rollout\n"
         "# nodes (engines spread over them). Use trainer.nproc_per_node=8."),
@@ -130,7 +130,7 @@ def render_preset(name: str) -> str:
                 driver=f'"${{RELAX_PYTHON:-python}}" {DRIVER} --compose {driver_args}')
 
 
-def example_allocation(c: ClusterConfig) -> SlurmAllocation:
+def example_allocation(c: SlurmClusterConfig) -> SlurmAllocation:
     """A made-up allocation of the requested size, to show the srun lines before submitting."""
     trainer = tuple(f"trainer-node{i + 1}" for i in range(c.trainer_nodes))
     rollout = tuple(f"rollout-node{i + 1}" for i in range(c.rollout_nodes))
@@ -229,7 +229,7 @@ def submit_run(cfg: TrainConfig) -> str | None:
 
     run_dir, workdir = Path(cfg.run_dir).resolve(), Path.cwd()
     cfg.run_dir = str(run_dir)
-    if cfg.cluster.dry_run:
+    if slurm_cluster(cfg.cluster).dry_run:
         print(dry_run_text(cfg, run_dir, workdir), end="")
         return None
     check_inputs(cfg)
@@ -262,10 +262,10 @@ def report_job(job_id: str, run_dir: Path, poll_s: float) -> dict:
 def run_sbatch(cfg: TrainConfig) -> int:
     """The relax-train entry for cluster=slurm: dry run, or submit (and wait). Exit code."""
     job_id = submit_run(cfg)
-    if job_id is None or not cfg.cluster.wait:
+    if job_id is None or not slurm_cluster(cfg.cluster).wait:
         return 0
     try:
-        status = report_job(job_id, Path(cfg.run_dir), cfg.cluster.wait_poll_s)
+        status = report_job(job_id, Path(cfg.run_dir), slurm_cluster(cfg.cluster).wait_poll_s)
     except KeyboardInterrupt:
         print(f"stopped waiting; job {job_id} keeps running (`scancel {job_id}` stops it)",
               flush=True)

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from relax_slurm.checkpoint import find_latest, resume_for_attempt
 from relax_slurm.config import TrainConfig, load_config
+from relax_slurm.config.cluster import slurm_cluster
 from relax_slurm.errors import NodesLost, Preempted, RelaxError, RoleFailed
 from relax_slurm.runtime.control import (
     PREEMPT_EXIT_CODE, clear_preempt, read_status, request_preempt, write_status,
@@ -81,14 +82,16 @@ class PreemptSignal:
         log.warning("got %s: asking the trainer to checkpoint and stop",
                     signal.Signals(signum).name)
         request_preempt(self.run_dir, reason=signal.Signals(signum).name)
-        if self.timer is None and self.cfg.cluster.requeue:
-            self.timer = threading.Timer(self.cfg.cluster.preempt_timeout_s, self._force)
+        c = slurm_cluster(self.cfg.cluster)
+        if self.timer is None and c.requeue:
+            self.timer = threading.Timer(c.preempt_timeout_s, self._force)
             self.timer.daemon = True
             self.timer.start()
 
     def _force(self) -> None:
         log.error("the trainer did not stop within cluster.preempt_timeout_s=%ss; requeueing "
-                  "job %s without a fresh checkpoint", self.cfg.cluster.preempt_timeout_s,
+                  "job %s without a fresh checkpoint",
+                  slurm_cluster(self.cfg.cluster).preempt_timeout_s,
                   self.alloc.job_id)
         self.forced = True
         write_status(self.run_dir, "requeued", job_id=self.alloc.job_id,
@@ -215,7 +218,7 @@ def drive(run_dir: str | Path, alloc: SlurmAllocation | None = None) -> dict:
         summary = run_attempts(cfg, alloc, run_dir, status)
     except Preempted as e:
         on_usr1.cancel()
-        if not cfg.cluster.requeue:
+        if not slurm_cluster(cfg.cluster).requeue:
             status("preempted", message=str(e))
             raise
         status("requeued", message=str(e))

@@ -12,11 +12,11 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence
 
-from relax_slurm.config.cluster import ClusterConfig
+from relax_slurm.config.cluster import SlurmClusterConfig
 from relax_slurm.errors import ConfigError
 
 
-def component_options(c: ClusterConfig, group: int) -> list[str]:
+def component_options(c: SlurmClusterConfig, group: int) -> list[str]:
     """sbatch options of one het component (or of the whole job when colocated)."""
     if group == 0:
         nodes = c.trainer_nodes + (c.rollout_nodes if c.layout == "colocated" else 0)
@@ -47,7 +47,7 @@ def sbatch_params(args: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def container_srun_args(c: ClusterConfig, workdir: str) -> list[str]:
+def container_srun_args(c: SlurmClusterConfig, workdir: str) -> list[str]:
     """srun options of a step in the run's pyxis container (cluster.container.image), or []."""
     if not c.container.image:
         return []
@@ -57,7 +57,7 @@ def container_srun_args(c: ClusterConfig, workdir: str) -> list[str]:
     return args
 
 
-def in_container(c: ClusterConfig, command: list[str]) -> list[str]:
+def in_container(c: SlurmClusterConfig, command: list[str]) -> list[str]:
     """A role's command as run inside the container (cluster.container.prefix before it, the
     container's Python for ours); unchanged without a container."""
     if not (c.container.image or c.container.prefix):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from relax_slurm.config import TrainConfig, save_config
+from relax_slurm.config.cluster import slurm_cluster
 from relax_slurm.errors import ConfigError, Preempted
 from relax_slurm.launch.compose import compose_config, slurm_overrides
 from relax_slurm.launch.slurm_options import component_options, sbatch_params
@@ -54,7 +55,7 @@ def run_in_allocation(run_dir: str) -> dict:
 
 def executor_parameters(cfg: TrainConfig, workdir: Path) -> dict[str, Any]:
     """submitit SlurmExecutor parameters for the run's het job (or plain job when colocated)."""
-    c = cfg.cluster
+    c = slurm_cluster(cfg.cluster)
     extra = sbatch_params(c.extra_sbatch_args)
     extra["requeue" if c.requeue else "no-requeue"] = True
     if c.signal_lead_s:
@@ -99,7 +100,7 @@ def submit(cfg: TrainConfig | Sequence[str]) -> Any:
         return None
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
-    python = cfg.cluster.python or sys.executable
+    python = slurm_cluster(cfg.cluster).python or sys.executable
     try:
         executor = job_classes()(folder=run_dir / SUBMITIT_DIR,
                                   python=f"exec {shlex.quote(python)}")

@@ -17,6 +17,7 @@ import pytest
 
 from relax_slurm.algos import registry as algos
 from relax_slurm.config.schema import TrainConfig
+from relax_slurm.config.variants import variants_of
 from relax_slurm.rewards import registry as rewards
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,14 +62,16 @@ def field_type(cls: type, name: str) -> type:
 
 def key_exists(key: str) -> bool:
     """`section.field[.sub...]` names a field of TrainConfig's dataclasses (a dict-valued or
-    free-form leaf may be followed by anything)."""
-    cls: typing.Any = TrainConfig
+    free-form leaf may be followed by anything; `cluster.*` a field of either variant)."""
+    classes: list[typing.Any] = [TrainConfig]
     for part in key.split("."):
-        if not dataclasses.is_dataclass(cls):
+        if not classes:
             return True  # a mapping's own keys (e.g. rollout.engine_args.*)
-        if part not in {f.name for f in dataclasses.fields(cls)}:
+        having = [c for c in classes if part in {f.name for f in dataclasses.fields(c)}]
+        if not having:
             return False
-        cls = field_type(cls, part)
+        subs = [field_type(c, part) for c in having]
+        classes = [v for sub in subs if dataclasses.is_dataclass(sub) for v in variants_of(sub)]
     return True
 
 

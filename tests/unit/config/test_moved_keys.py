@@ -13,6 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from relax_slurm.config import load_config, save_config, to_train_config
+from relax_slurm.config.cluster import SlurmClusterConfig
 from relax_slurm.config.load import check_override_keys, schema_keys
 from relax_slurm.config.moved import MOVED_KEYS
 from relax_slurm.errors import ConfigError
@@ -54,8 +55,15 @@ def test_old_key_in_a_composed_config_names_the_new_key():
 
 
 def old_layout(cfg_yaml: str) -> str:
-    """A config.yaml as an older relax-slurm wrote it: every moved key flat again."""
+    """A config.yaml as an older relax-slurm wrote it: one `cluster` section with both
+    launchers' keys (a local run's Slurm keys at their defaults), every moved key flat again."""
     tree = OmegaConf.create(cfg_yaml)
+    slurm = OmegaConf.structured(SlurmClusterConfig)
+    for key in slurm:
+        if key not in tree.cluster:
+            tree.cluster[key] = slurm[key]
+    for key in slurm.elastic:
+        tree.cluster.elastic.setdefault(key, slurm.elastic[key])
     for old, new in MOVED_KEYS.items():
         value = OmegaConf.select(tree, new)
         OmegaConf.update(tree, old, value, force_add=True)
@@ -71,6 +79,7 @@ def test_a_saved_config_with_the_old_keys_loads_and_resumes(tmp_path):
     save_config(cfg, run / "config.yaml")
     text = old_layout((run / "config.yaml").read_text())
     assert "max_global_restarts: 2" in text and "elastic_max_engines: 3" in text
+    assert "partition: null" in text and "engine_job_cpus: null" in text
     (run / "config.yaml").write_text(text)
     assert load_config(run / "config.yaml") == cfg
     fake_checkpoint(run, 4)
@@ -88,3 +97,15 @@ def test_relax_train_says_where_the_key_went(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 1, r.stderr
     assert ("cluster.elastic_max_engines is now cluster.elastic.max_engines" in r.stderr), r.stderr
+
+
+def test_a_saved_local_config_with_a_slurm_key_set_is_refused_naming_it(tmp_path):
+    """Only the other cluster's keys at their defaults are dropped from an old config.yaml:
+    one set (a hand edit) would be silently ignored, so it is refused like an override."""
+    run = tmp_path / "run"
+    save_config(compose_config(["experiment=tiny_cpu", f"run_dir={run}"]), run / "config.yaml")
+    text = old_layout((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(text.replace("engine_job_cpus: null", "engine_job_cpus: 2"))
+    with pytest.raises(ConfigError, match=r"cluster\.elastic\.job_cpus=2: applies to "
+                                          r"cluster\.kind=slurm only; run with cluster=slurm"):
+        load_config(run / "config.yaml")

@@ -163,12 +163,14 @@ def test_every_default_passes_the_type_check():
 
     from relax_slurm.config.load import check_override_keys, section_class
     from relax_slurm.config.schema import TrainConfig
+    from relax_slurm.config.variants import variants_of
 
     def leaves(cls, prefix=""):
         for f in dataclasses.fields(cls):
             sub = section_class(cls, f.name)
-            if sub is not None:
-                yield from leaves(sub, f"{prefix}{f.name}.")
+            if sub is not None:  # each variant's keys (cluster: local and slurm)
+                for variant in variants_of(sub):
+                    yield from leaves(variant, f"{prefix}{f.name}.")
             elif isinstance(f.default, (bool, int, float)):
                 yield f"{prefix}{f.name}", f.default
     checked = [f"{k}={str(v).lower() if isinstance(v, bool) else v}"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from relax_slurm.config import TrainConfig
-from relax_slurm.config.cluster import ClusterConfig, ContainerConfig
+from relax_slurm.config.cluster import ContainerConfig, SlurmClusterConfig
 from relax_slurm.config.data import DataConfig
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.errors import ConfigError, Preempted, RelaxError, RoleFailed
@@ -77,7 +77,7 @@ def test_other_exits_are_failures(tmp_path):
 ])
 def test_cluster_config_checks_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        ClusterConfig(kind="slurm", **kwargs)
+        SlurmClusterConfig(**kwargs)
 
 
 def test_container_checks_name_the_key():
@@ -88,6 +88,6 @@ def test_container_checks_name_the_key():
 
 
 def test_colocated_may_share_nodes():
-    assert ClusterConfig(kind="slurm", layout="colocated", rollout_nodes=0).rollout_nodes == 0
-    no_signal = ClusterConfig(kind="slurm", signal_lead_s=0, preempt_timeout_s=1000)
+    assert SlurmClusterConfig(layout="colocated", rollout_nodes=0).rollout_nodes == 0
+    no_signal = SlurmClusterConfig(signal_lead_s=0, preempt_timeout_s=1000)
     assert no_signal.signal_lead_s == 0

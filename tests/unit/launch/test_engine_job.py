@@ -19,6 +19,7 @@ from submitit.slurm.slurm import _make_sbatch_string
 
 from relax_slurm.auth import ensure_secret
 from relax_slurm.config import save_config
+from relax_slurm.config.cluster import SlurmClusterConfig
 from relax_slurm.config.data import DataConfig
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.schema import TrainConfig
@@ -99,8 +100,8 @@ def test_engine_job_function_serves_restarts_in_place_and_stops(tmp_path, tiny_a
     URL, restarts a SIGKILLed engine on the same URL, and a SIGTERM (scancel) stops it all.
     Its engine runs through the run's container prefix (here `env`, which marks it)."""
     cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path=str(tiny_assets / "model")),
-                      data=DataConfig(train_files=["x"]))
-    cfg.cluster.kind = "slurm"  # engine jobs are Slurm's (its container keys need it)
+                      data=DataConfig(train_files=["x"]),
+                      cluster=SlurmClusterConfig())  # engine jobs (and containers) are Slurm's
     cfg.cluster.container.prefix = ["env", "RELAX_TEST_CONTAINER=1"]
     cfg.cluster.container.python = sys.executable
     save_config(cfg, tmp_path / "config.yaml")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_slurm.config.cluster import ClusterConfig
+from relax_slurm.config.cluster import SlurmClusterConfig
 from relax_slurm.launch import sbatch
 from relax_slurm.launch.submit import compose_config
 from tests.conftest import REPO
@@ -92,8 +92,9 @@ def test_hetjob_blocks_and_job_wide_options():
 
 
 def test_colocated_is_one_block_with_all_nodes():
-    lines = sbatch.sbatch_lines(ClusterConfig(kind="slurm", layout="colocated", trainer_nodes=2,
-                                              rollout_nodes=1, requeue=False, signal_lead_s=0),
+    lines = sbatch.sbatch_lines(SlurmClusterConfig(layout="colocated", trainer_nodes=2,
+                                                   rollout_nodes=1, requeue=False,
+                                                   signal_lead_s=0),
                                 "o")
     assert "#SBATCH hetjob" not in lines and "#SBATCH --nodes=3" in lines
     assert "#SBATCH --no-requeue" in lines and not any("--signal" in l for l in lines)

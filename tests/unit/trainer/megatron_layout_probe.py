@@ -130,7 +130,7 @@ def probe(preset: str, overrides: list[str], bridge_mod) -> dict:
 
     cfg = compose_config([f"experiment={preset}", "run_dir=/tmp/relax_layout_probe",
                           *overrides])
-    world = cfg.trainer.nproc_per_node * cfg.cluster.trainer_nodes
+    world = cfg.trainer.nproc_per_node * cfg.cluster.trainer_node_count()
     out = {"preset": preset, "world": world}
     try:
         provider = provider_for(cfg, bridge_mod)
