@@ -165,3 +165,30 @@ def test_add_missing_placeholders(tiny_mm_assets: Path) -> None:
         vl_dataset(tiny_mm_assets, rows)
     p = vl_dataset(tiny_mm_assets, rows, add_missing_placeholders=True)[0]
     assert p.text == "Think.<|vision_start|><|image_pad|><|vision_end|>Which colour?"
+
+
+def test_audio_token_counts_are_the_encoders_own() -> None:
+    """The audio token rules docs/multimodal.md lists, against transformers' own length
+    functions (the encoders the engines run): Qwen2-Audio and Qwen2.5-Omni (stride-2 conv, then
+    pooling by 2), Qwen3-Omni (13 tokens per 100-frame chunk, the remainder by three stride-2
+    convs); frame counts across chunk boundaries and 30 s of mel frames."""
+    import torch
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
+    from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        _get_feat_extract_output_lengths as qwen3_omni_lengths,
+    )
+
+    frames = torch.arange(3, 3001)
+    for model_type, encoder in (("qwen2_audio", Qwen2AudioEncoder),
+                                ("qwen2_5_omni", Qwen2_5OmniAudioEncoder)):
+        _, want = encoder._get_feat_extract_output_lengths(None, frames)
+        got = [processor.audio_token_count(model_type, int(n)) for n in frames]
+        assert got == want.tolist(), model_type
+    want = qwen3_omni_lengths(frames)
+    got = [processor.audio_token_count("qwen3_omni_moe", int(n)) for n in frames]
+    assert got == want.tolist()
+    # and the vocabulary's audio markers: Qwen3-Omni's where it has them
+    qwen3 = {t: i for i, t in enumerate(["<|audio_start|>", "<|audio_pad|>", "<|audio_end|>"])}
+    assert processor.model_markers(qwen3) == {
+        "audio": ("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>")}
