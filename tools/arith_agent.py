@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 RETRY_S = 0.5
+RETRY_CODES = (502, 503)
 
 
 class RunEnded(Exception):
@@ -37,18 +38,24 @@ class RunEnded(Exception):
 
 
 def post(client: httpx.Client, url: str, body: dict, timeout_s: float) -> dict:
-    """POST, retrying while the proxy answers 503 (no admission credit yet: the trainer is
-    behind); RunEnded when the proxy does not answer any more."""
+    """POST, retrying (as OpenAI's clients do) while the proxy answers 503 (no admission credit
+    yet: the trainer is behind; or the run is ending) or 502 (the engine failed: one restarted
+    in place, or stopped with the run before the proxy knew); RunEnded when the proxy does not
+    answer any more. A retry is safe: a request answered 502, or 503 for want of a credit,
+    changed nothing, and once the run is ending every request is answered 503 until the proxy
+    is gone."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             r = client.post(url, json=body)
         except httpx.TransportError as e:
             raise RunEnded(str(e)) from e
-        if r.status_code != 503:
+        if r.status_code not in RETRY_CODES:
             break
         if time.monotonic() > deadline:
-            raise RunEnded(f"{url}: still 503 after {timeout_s}s: {r.text}")
+            if r.status_code == 503:
+                raise RunEnded(f"{url}: still 503 after {timeout_s}s: {r.text}")
+            break
         time.sleep(RETRY_S)
     if r.status_code != 200:
         raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text}")

@@ -35,7 +35,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, TypeVar
 
 from relax_slurm.data.chat import render
 from relax_slurm.errors import BrokerShutdown, EngineError
@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("relax_slurm.rollout.proxy")
 ACQUIRE_WAIT_S = 2.0
+T = TypeVar("T")
+
+
 @dataclass
 class Session:
     name: str
@@ -119,6 +122,7 @@ class AgentProxy:
         one goes to the broker."""
         if isinstance(reward, bool) or not isinstance(reward, (int, float)):
             raise ProxyError(400, f"`reward`={reward!r}: expected a number")
+        self._check_open()  # a reward now could not reach the broker: refused before any change
         g, s = self._known(group, name)
         if s.busy:
             raise ProxyError(409, f"session {group}/{name} is still answering a request",
@@ -143,6 +147,7 @@ class AgentProxy:
 
     async def abandon(self, group: str, name: str) -> dict[str, Any]:
         """Drop the session and with it its group (a group is trained whole or not at all)."""
+        self._check_open()
         g, _ = self._known(group, name)
         await self._drop(g, f"session {name} abandoned")
         return {"dropped_group": group}
@@ -187,34 +192,40 @@ class AgentProxy:
         """One admission credit for a new group, or ProxyError(503) after the timeout."""
         timeout_s = self.cfg.rollout.proxy_admission_timeout_s
         deadline = time.monotonic() + timeout_s
-        try:
-            while not await self._unless_closing(self.svc.broker.acquire(
-                    1, wait_s=min(ACQUIRE_WAIT_S, max(0.0, deadline - time.monotonic())))):
-                if time.monotonic() >= deadline:
-                    raise ProxyError(503, f"no admission credit for a new group within "
-                                          f"rollout.proxy_admission_timeout_s={timeout_s}s: the "
-                                          "trainer is behind (algo.max_staleness bounds how far "
-                                          "rollout runs ahead); retry later", "server_busy")
-        except BrokerShutdown as e:
-            raise ProxyError(503, f"the run is ending: {e}", "server_busy") from e
+        while not await self.unless_closing(self.svc.broker.acquire(
+                1, wait_s=min(ACQUIRE_WAIT_S, max(0.0, deadline - time.monotonic())))):
+            if time.monotonic() >= deadline:
+                raise ProxyError(503, f"no admission credit for a new group within "
+                                      f"rollout.proxy_admission_timeout_s={timeout_s}s: the "
+                                      "trainer is behind (algo.max_staleness bounds how far "
+                                      "rollout runs ahead); retry later", "server_busy")
 
     def _check_open(self) -> None:
         if self.closing.is_set():
-            raise ProxyError(503, "the run is ending: no new turns", "server_busy")
+            raise ProxyError(503, "the run is ending: the proxy takes no more requests",
+                             "server_busy")
 
-    async def _unless_closing(self, call: Any) -> Any:
-        """`call`'s result, or ProxyError(503) as soon as the run is ending (the broker may be
-        gone already, and a parked call would outlast the server's shutdown grace)."""
+    async def unless_closing(self, call: Awaitable[T]) -> T:
+        """`call`'s result, or ProxyError(503) as soon as the run is ending. Every request is
+        answered through this (proxy_server.py): at the end of a run the broker and the engines
+        stop with the worker, and a request parked on one of them would otherwise outlast the
+        server's shutdown grace, which uvicorn ends by cancelling it and answering a bare 500."""
         task = asyncio.ensure_future(call)
         closing = asyncio.ensure_future(self.closing.wait())
         try:
-            await asyncio.wait({task, closing}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({task, closing}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled from outside: take the call down with it
+            task.cancel()
+            raise
         finally:
             closing.cancel()
-        if not task.done():
+        if task not in done:
             task.cancel()
             self._check_open()
-        return task.result()
+        try:
+            return task.result()
+        except BrokerShutdown as e:  # a parked broker call refused: the broker is stopping
+            raise ProxyError(503, f"the run is ending: {e}", "server_busy") from e
 
     def _close(self, g: GroupState) -> None:
         self.groups.pop(g.name, None)

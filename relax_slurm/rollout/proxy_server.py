@@ -48,9 +48,11 @@ async def _json_body(request: Request) -> Any:
         raise ProxyError(400, f"the request body is not valid JSON: {e}") from e
 
 
-async def _answer(call: Callable[[], Awaitable[dict]]) -> JSONResponse:
+async def _answer(proxy: AgentProxy, call: Callable[[], Awaitable[dict]]) -> JSONResponse:
+    """The call's answer, or its error in OpenAI's shape; 503 once the run is ending, whatever
+    the call was waiting for (`AgentProxy.unless_closing`)."""
     try:
-        return JSONResponse(await call())
+        return JSONResponse(await proxy.unless_closing(call()))
     except ProxyError as e:
         return JSONResponse(e.body(), status_code=e.status)
     except Exception as e:  # a bug, not the agent's fault: say so and keep serving
@@ -78,7 +80,7 @@ def build_app(proxy: AgentProxy, secret: str | None = None) -> FastAPI:
     async def chat(group: str, name: str, request: Request) -> JSONResponse:
         async def call() -> dict:
             return await proxy.chat(group, name, await _json_body(request))
-        return await _answer(call)
+        return await _answer(proxy, call)
 
     @app.get("/s/{group}/{name}/v1/models")
     async def models(group: str, name: str) -> dict:
@@ -92,11 +94,11 @@ def build_app(proxy: AgentProxy, secret: str | None = None) -> FastAPI:
             if not isinstance(body, dict) or "reward" not in body:
                 raise ProxyError(400, 'the body must be {"reward": <number>}')
             return await proxy.end(group, name, body["reward"])
-        return await _answer(call)
+        return await _answer(proxy, call)
 
     @app.delete("/s/{group}/{name}")
     async def abandon(group: str, name: str) -> JSONResponse:
-        return await _answer(lambda: proxy.abandon(group, name))
+        return await _answer(proxy, lambda: proxy.abandon(group, name))
 
     @app.get("/health")
     async def health() -> dict:
@@ -132,7 +134,8 @@ async def serve_proxy(proxy: AgentProxy, stop: asyncio.Event, role: str, host: s
                       port: int) -> None:
     """Serve the proxy until `stop` is set, heartbeating as `role`; a server that fails (e.g.
     the port is taken) fails the worker."""
-    # requests still open at the end (parked for a credit, generating) get 5 s, then close
+    # once `closing` is set every open request answers 503 at once (`_answer`); the grace
+    # is for those answers to leave
     server = _Server(uvicorn.Config(build_app(proxy, run_secret()), host=host, port=port,
                                    log_level="warning", lifespan="off",
                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S))

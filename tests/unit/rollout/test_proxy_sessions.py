@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import numpy as np
 import pytest
+
+from helpers_tiny import free_port
 
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.config import save_config
@@ -23,6 +26,7 @@ from relax_slurm.runtime.plan import RunPlan, save_plan
 from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.openai_chat import ProxyError
 from relax_slurm.rollout.proxy import AgentProxy
+from relax_slurm.rollout.proxy_server import serve_proxy
 from relax_slurm.rollout.worker import RolloutWorker
 from relax_slurm.routing.shape import RoutingShape, encode_routed_experts
 
@@ -72,6 +76,9 @@ class Broker:
 
     async def release(self, n):
         self.state.release(n)
+
+    async def heartbeat(self, role, **info):
+        pass
 
     def close(self):
         pass
@@ -190,6 +197,58 @@ def test_requests_parked_for_a_credit_end_with_the_run(proxy):
         assert e.value.status == 503
         with pytest.raises(ProxyError, match="run is ending"):
             await p.chat("g0", "a", ASK)
+
+    run(main())
+
+
+class DeadBroker(Broker):
+    """A broker that stopped with the run: a put_group is received (`reached`) and never
+    answered, as the real client's request waits for broker.request_timeout_s."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__(batch_size)
+        self.reached = asyncio.Event()
+
+    async def put_group(self, group):
+        self.reached.set()
+        await asyncio.Event().wait()
+
+
+def test_a_reward_open_when_the_run_ends_is_answered_503_over_http(proxy):
+    """The CI failure of session 16: the last session's reward reached a broker that had just
+    stopped with the run; the request outlived the server's shutdown grace and uvicorn
+    cancelled it with a bare 500, which the agent took for a bug. Now every open request
+    answers 503 "the run is ending" as the worker stops (what an agent retries until the
+    proxy is gone), and a retry is refused the same way."""
+    p = proxy()
+    p.svc.broker = DeadBroker(4)
+    port = free_port()
+
+    async def main():
+        stop = asyncio.Event()
+        server = asyncio.create_task(serve_proxy(p, stop, "rollout0", "127.0.0.1", port))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            while True:  # the server is up (serve_proxy would raise if it could not bind)
+                assert not server.done(), server
+                try:
+                    if (await http.get("/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    await asyncio.sleep(0.05)
+            for name in ("a", "b"):
+                assert (await http.post(f"/s/g/{name}/v1/chat/completions",
+                                        json=ASK)).status_code == 200
+            assert (await http.post("/s/g/a/reward", json={"reward": 1.0})).status_code == 200
+            last = asyncio.create_task(http.post("/s/g/b/reward", json={"reward": 0.0}))
+            await p.svc.broker.reached.wait()  # the group is on its way to the dead broker
+            stop.set()  # what the worker's SIGTERM handler does
+            r = await last
+            assert r.status_code == 503, r.text
+            assert "run is ending" in r.json()["error"]["message"]
+            with pytest.raises(ProxyError, match="run is ending") as e:
+                await p.end("g", "b", 0.0)  # a retry that reaches the proxy before it is gone
+            assert e.value.status == 503
+        await server
 
     run(main())
 
