@@ -1,4 +1,9 @@
-"""The project's error hierarchy: what a user can cause, with the fix in the message."""
+"""The project's error hierarchy: what a user can cause, with the fix in the message; and the
+one check of a map's keys that the wire formats share."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
 
 
 class RelaxError(Exception):
@@ -74,3 +79,20 @@ class Preempted(RelaxError):
 class NodesLost(Preempted):
     """Nodes of the Slurm allocation are down, drained or not responding: the job is requeued
     (like a preemption) and resumes from its latest checkpoint on other nodes."""
+
+
+def check_map_keys(d: Any, where: str, known: Iterable[str], required: Iterable[str],
+                   error: type[Exception], known_hint: str, missing_hint: str = ""
+                   ) -> dict[str, Any]:
+    """`d` if it is a map whose keys are among `known` and include `required`; else `error`
+    naming what is wrong at `where`: not a map, an unknown key (and the known ones, with
+    `known_hint`: where they are defined), a missing key (with `missing_hint`)."""
+    if not isinstance(d, dict):
+        raise error(f"{where}: expected a map, got {type(d).__name__}")
+    unknown = sorted(map(str, set(d) - set(known)))
+    if unknown:
+        raise error(f"{where}: unknown key(s) {unknown}; {known_hint}")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise error(f"{where}: missing key(s) {missing}{missing_hint}")
+    return d

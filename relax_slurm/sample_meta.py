@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from relax_slurm.errors import check_map_keys
+
 # per key: the types its value may have (bool is refused where an int is expected)
 _TYPES: dict[str, tuple[type, ...]] = {
     "worker": (int,), "data_state": (dict, type(None)), "reward_errors": (int,),
@@ -72,16 +74,9 @@ class SampleMeta:
     def from_dict(cls, meta: dict[str, Any], where: str = "sample metadata") -> SampleMeta:
         """Inverse of `to_dict`; MetadataError naming an unknown or missing key or a value of
         the wrong type."""
-        if not isinstance(meta, dict):
-            raise MetadataError(f"{where}: expected a map, got {type(meta).__name__}")
-        unknown = sorted(map(str, set(meta) - set(_TYPES)))
-        if unknown:
-            raise MetadataError(f"{where}: unknown key(s) {unknown}; the keys are "
-                                f"{sorted(_TYPES)} (relax_slurm/sample_meta.py)")
-        missing = [k for k in _REQUIRED if k not in meta]
-        if missing:
-            raise MetadataError(f"{where}: missing key(s) {missing} (every rollout worker "
-                                "stamps them)")
+        check_map_keys(meta, where, _TYPES, _REQUIRED, MetadataError,
+                       f"the keys are {sorted(_TYPES)} (relax_slurm/sample_meta.py)",
+                       " (every rollout worker stamps them)")
         try:  # __post_init__ checks each value's type
             return cls(**meta)
         except MetadataError as e:

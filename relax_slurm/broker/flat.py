@@ -16,7 +16,7 @@ from dataclasses import MISSING, Field, fields, is_dataclass
 from functools import cache
 from typing import Any, Self, TypeVar, get_type_hints
 
-from relax_slurm.errors import BrokerError
+from relax_slurm.errors import BrokerError, check_map_keys
 
 T = TypeVar("T")
 
@@ -71,16 +71,9 @@ def to_flat(obj: Any) -> dict[str, Any]:
 def check_keys(d: Any, where: str, owner: str, keys: dict[str, bool]) -> dict[str, Any]:
     """`d`'s items if it is a map whose keys are among `keys` and include its required ones:
     BrokerError naming an unknown key or a missing one (of `owner`, the type read)."""
-    if not isinstance(d, dict):
-        raise BrokerError(f"{where}: expected a map, got {type(d).__name__}")
-    unknown = sorted(map(str, set(d) - set(keys)))
-    if unknown:
-        raise BrokerError(f"{where}: unknown key(s) {unknown}; {owner} has "
-                          f"{sorted(keys)} (relax_slurm/broker/stats.py)")
-    missing = [k for k, required in keys.items() if required and k not in d]
-    if missing:
-        raise BrokerError(f"{where}: missing key(s) {missing} of {owner}")
-    return d
+    return check_map_keys(d, where, keys, [k for k, required in keys.items() if required],
+                          BrokerError, f"{owner} has {sorted(keys)} (relax_slurm/broker/stats.py)",
+                          f" of {owner}")
 
 
 def from_flat(cls: type[T], d: Any, where: str, derived: tuple[str, ...] = ()) -> T:
