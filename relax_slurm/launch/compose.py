@@ -33,12 +33,14 @@ def composed_kind(overrides: Sequence[str]) -> str | None:
     """cluster.kind of the config `overrides` compose to (an experiment preset may choose the
     cluster), or None when they do not compose here (Hydra then names the problem itself)."""
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     register_configs()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             kind = compose("train", overrides=list(overrides)).cluster.kind
-    except Exception:  # noqa: BLE001 - any failure: leave the reporting to the real compose
+    except (HydraException, OmegaConfBaseException):  # the real compose reports it
         return None
     return kind if isinstance(kind, str) else None
 
