@@ -148,7 +148,7 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
         progress.close()
 
 
-def _summary(run_dir: Path, cfg: TrainConfig, wall_s: float, extra: dict | None,
+def run_summary(run_dir: Path, cfg: TrainConfig, wall_s: float, extra: dict | None,
              restarts: dict, final_status: BrokerStatus | None) -> dict:
     """Write summary.json from the metrics; RoleFailed if the trainer stopped short without a
     stop request (runtime/control.py), which it records as `stopped_early` instead."""
@@ -215,7 +215,7 @@ class Supervisor:
         t0 = time.monotonic() if started is None else started
         try:
             final_status = self._run_roles()
-            summary = _summary(self.run_dir, self.cfg, time.monotonic() - t0, extra,
+            summary = run_summary(self.run_dir, self.cfg, time.monotonic() - t0, extra,
                                self.restarts(), final_status)
         except Preempted as e:
             self.notifier.send("preempted", str(e))
