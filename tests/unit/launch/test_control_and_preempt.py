@@ -179,3 +179,15 @@ def test_relax_ctl_stop(tmp_path, capsys):
     (tmp_path / "summary.json").unlink()
     rc, _, err = _ctl(capsys, "stop", str(tmp_path), "--wait", "--wait-s", "0.5")
     assert rc == 1 and "not written within 0.5s" in err
+
+
+def test_a_new_run_clears_a_stale_stop_and_a_global_restart_keeps_one(tmp_path):
+    from relax_slurm.launch.local import local_plan, prepare_run_dir
+
+    cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path="m"),
+                      data=DataConfig(train_files=["d"]))
+    control.request_stop(tmp_path)  # asked for before the failure that restarts the run
+    prepare_run_dir(cfg, local_plan(cfg), attempt=1)
+    assert control.stop_requested(tmp_path)
+    prepare_run_dir(cfg, local_plan(cfg), attempt=0)  # started again: a new run
+    assert not control.stop_requested(tmp_path)
