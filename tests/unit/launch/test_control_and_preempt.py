@@ -1,4 +1,5 @@
-"""Preemption and stop requests, the driver's status file, and how the supervisor reads a trainer exit."""
+"""Preemption and stop requests, the driver's status file, and how the supervisor reads a
+trainer exit and a run that ended early."""
 
 from __future__ import annotations
 
