@@ -149,7 +149,7 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
 
 
 def run_summary(run_dir: Path, cfg: TrainConfig, wall_s: float, extra: dict | None,
-             restarts: dict, final_status: BrokerStatus | None) -> dict:
+                restarts: dict, final_status: BrokerStatus | None) -> dict:
     """Write summary.json from the metrics; RoleFailed if the trainer stopped short without a
     stop request (runtime/control.py), which it records as `stopped_early` instead."""
     rows = list(iter_metrics(run_dir / METRICS_FILE))
@@ -216,7 +216,7 @@ class Supervisor:
         try:
             final_status = self._run_roles()
             summary = run_summary(self.run_dir, self.cfg, time.monotonic() - t0, extra,
-                               self.restarts(), final_status)
+                                  self.restarts(), final_status)
         except Preempted as e:
             self.notifier.send("preempted", str(e))
             raise
