@@ -98,11 +98,13 @@ def _mtime_ns(path: Path) -> int | None:
 def check_run_dir(run_dir: Path) -> None:
     """A run directory (config.yaml and plan.json, written by relax-train when it starts the
     roles) whose run has not ended yet."""
-    missing = [name for name in ("config.yaml", PLAN_FILE) if not (run_dir / name).is_file()]
-    if missing:
-        raise ConfigError(f"{run_dir} is not a run directory (no {' and no '.join(missing)}): "
-                          "give the run_dir of a started run (relax-train's run_dir=, where it "
-                          "writes config.yaml and plan.json)")
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml): give the run_dir "
+                          "of a started run (relax-train's run_dir=, where it writes config.yaml "
+                          "and plan.json)")
+    if not (run_dir / PLAN_FILE).is_file():
+        raise ConfigError(f"the run in {run_dir} has not started its roles (no {PLAN_FILE}): "
+                          "wait until it has, or cancel a queued Slurm job with scancel")
     ended, started = _mtime_ns(run_dir / SUMMARY_FILE), _mtime_ns(run_dir / PLAN_FILE)
     if ended is not None and started is not None and ended >= started:
         raise RelaxError(f"the run in {run_dir} has ended already: see "

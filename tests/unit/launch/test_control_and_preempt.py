@@ -161,6 +161,8 @@ def test_relax_ctl_stop(tmp_path, capsys):
     assert rc == 1 and f"{tmp_path} is not a run directory" in err and "run_dir" in err
     assert not control.stop_requested(tmp_path)
     (tmp_path / "config.yaml").write_text("{}\n")
+    rc, _, err = _ctl(capsys, "stop", str(tmp_path))  # a Slurm job still queued
+    assert rc == 1 and "has not started its roles (no plan.json)" in err and "scancel" in err
     (tmp_path / "plan.json").write_text("{}\n")
     rc, out, _ = _ctl(capsys, "stop", str(tmp_path), "--reason", "plateau")
     assert rc == 0 and json.loads(out)["requested"] == "stop"
