@@ -9,12 +9,18 @@
     relax-ctl ops RUN_DIR [--kind scale_in] [--status S]   GET /rollout/scale_out?status=S
     relax-ctl cancel RUN_DIR ID [ID ...]           POST /rollout/scale_out/ID/cancel, each
     relax-ctl cancel-all RUN_DIR [--status S] [--dry-run]  POST /rollout/scale_out_cancel
+    relax-ctl stop RUN_DIR [--reason TEXT] [--wait]   end the run after its current step
 
 Replies are printed as JSON; exit 1 on an HTTP error (409: another operation runs) or when the
 broker does not answer. `--wait` (scale-out, scale-in) polls the operation until it ends and
 exits 1 unless it ended ACTIVE/COMPLETED. The address comes from RUN_DIR/plan.json
 (`broker_admin`), the token from RUN_DIR/secret; the same as `curl -H "Authorization: Bearer
 $(cat RUN_DIR/secret)" ADMIN/ROUTE`.
+
+`stop` goes through no HTTP: it writes RUN_DIR/control/stop (runtime/control.py); the trainer
+saves a final checkpoint after its current step and the run ends as finished, its summary.json
+recording `stopped_early`. `--wait` polls until that summary.json is written (or the Slurm
+driver's slurm_status.json says the run failed) and prints it.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ import httpx
 
 from relax_slurm.auth import read_secret
 from relax_slurm.errors import ConfigError, RelaxError
-from relax_slurm.runtime.plan import load_plan
+from relax_slurm.metrics.summary import SUMMARY_FILE
+from relax_slurm.runtime.control import STATUS_FILE, read_status, request_stop
+from relax_slurm.runtime.plan import PLAN_FILE, load_plan
 
 WAIT_POLL_S = 1.0
 
@@ -80,8 +88,55 @@ def wait_op(run_dir: Path, reply: dict, timeout_s: float, wait_s: float) -> dict
     return reply
 
 
+def _mtime_ns(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """A run directory (config.yaml and plan.json, written by relax-train when it starts the
+    roles) whose run has not ended yet."""
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml): give the run_dir "
+                          "of a started run (relax-train's run_dir=, where it writes config.yaml "
+                          "and plan.json)")
+    if not (run_dir / PLAN_FILE).is_file():
+        raise ConfigError(f"the run in {run_dir} has not started its roles (no {PLAN_FILE}): "
+                          "wait until it has, or cancel a queued Slurm job with scancel")
+    ended, started = _mtime_ns(run_dir / SUMMARY_FILE), _mtime_ns(run_dir / PLAN_FILE)
+    if ended is not None and started is not None and ended >= started:
+        raise RelaxError(f"the run in {run_dir} has ended already: see "
+                         f"{run_dir / SUMMARY_FILE}")
+
+
+def stop(run_dir: Path, reason: str, wait: bool, wait_s: float) -> dict:
+    """Ask the run to end after its current step; with `wait`, its summary once it has."""
+    check_run_dir(run_dir)
+    before = _mtime_ns(run_dir / SUMMARY_FILE)
+    path, asked = request_stop(run_dir, reason), time.time()
+    if not wait:
+        return {"requested": "stop", "reason": reason, "file": str(path),
+                "next": "the trainer saves a final checkpoint after its current step, then the "
+                        f"run ends; its summary: {run_dir / SUMMARY_FILE}"}
+    deadline = time.monotonic() + wait_s
+    while _mtime_ns(run_dir / SUMMARY_FILE) == before:
+        status = read_status(run_dir)  # (Slurm runs) a failure writes no summary
+        if status and status["state"] not in ("running", "completed") and status["time"] > asked:
+            raise RelaxError(f"the run ended {status['state']}: {status.get('message')}; see "
+                             f"{run_dir / STATUS_FILE}")
+        if time.monotonic() > deadline:
+            raise RelaxError(f"{run_dir / SUMMARY_FILE} not written within {wait_s}s of the "
+                             f"stop request; see {run_dir / 'logs' / 'trainer.log'}")
+        time.sleep(WAIT_POLL_S)
+    return json.loads((run_dir / SUMMARY_FILE).read_text())
+
+
 def run(args: argparse.Namespace) -> dict:
     t = args.timeout_s
+    if args.command == "stop":
+        return stop(args.run_dir, args.reason, args.wait, args.wait_s)
     if args.command == "status":
         return admin_get(args.run_dir, "/status", t)
     if args.command == "engines":
@@ -146,6 +201,12 @@ def parser() -> argparse.ArgumentParser:
         else:
             s.add_argument("--force", action="store_true", help="do not wait for the drain")
             s.add_argument("--dry-run", action="store_true", help="only say what would go")
+    s = add("stop", "end the run after its current step, with a final checkpoint, as finished "
+                    "(RUN_DIR/control/stop)")
+    s.add_argument("--reason", default="requested", help="recorded in summary.json")
+    s.add_argument("--wait", action="store_true", help="until the run has ended; print its "
+                                                       "summary")
+    s.add_argument("--wait-s", type=float, default=900.0)
     return p
 
 

@@ -25,7 +25,7 @@ from relax_slurm.launch.interrupt import STOP
 from relax_slurm.launch.rerun import plan_rerun
 from relax_slurm.launch.roles import run_specs
 from relax_slurm.launch.supervisor import supervise
-from relax_slurm.runtime.control import clear_preempt
+from relax_slurm.runtime.control import clear_preempt, clear_stop
 from relax_slurm.runtime.plan import RunPlan, free_port, save_plan
 
 LOCALHOST = "127.0.0.1"
@@ -60,6 +60,8 @@ def prepare_run_dir(cfg: TrainConfig, plan: RunPlan, attempt: int = 0) -> Path:
     resume = resume_for_attempt(run_dir, cfg.resume, cfg.overwrite, attempt)
     plan.resume_from = str(resume) if resume else None
     clear_preempt(run_dir)  # a Ctrl-C that stopped the run before must not stop this one
+    if attempt == 0:  # nor a `relax-ctl stop` that ended it; a global restart keeps one
+        clear_stop(run_dir)  # asked for before its failure: the restarted attempt stops
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     save_plan(plan, run_dir)

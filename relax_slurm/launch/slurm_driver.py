@@ -18,6 +18,11 @@ again; the trainer resumes from its latest checkpoint (`resume=auto`). A trainer
 stopped within `cluster.preempt_timeout_s` is not waited for: the job is requeued anyway and the
 next attempt resumes from the latest complete checkpoint.
 
+A stop (`relax-ctl stop`, `control.request_stop`) is not a preemption: the trainer saves a final
+checkpoint and exits 0, the supervisor returns the summary (with `stopped_early`), and the
+attempt is recorded `completed`; no requeue. A new job clears a stop left in its run dir; a
+requeued attempt keeps it.
+
 `--compose OVERRIDES...` (used by the ready scripts in sbatch/) composes the config here first,
 with `run_dir` defaulting to `runs/slurm-<job id>` so that a requeued attempt finds its run.
 """
@@ -42,7 +47,7 @@ from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.config.cluster import slurm_cluster
 from relax_slurm.errors import NodesLost, Preempted, RelaxError, RoleFailed
 from relax_slurm.runtime.control import (
-    PREEMPT_EXIT_CODE, clear_preempt, read_status, request_preempt, write_status,
+    PREEMPT_EXIT_CODE, clear_preempt, clear_stop, read_status, request_preempt, write_status,
 )
 from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.inputs import check_inputs, record_global_restart
@@ -211,6 +216,8 @@ def drive(run_dir: str | Path, alloc: SlurmAllocation | None = None) -> dict:
     try:
         cfg = load_config(run_dir / "config.yaml")
         clear_preempt(run_dir)  # a request from the attempt before must not stop this one
+        if alloc.restart_count == 0:  # nor a stop that ended an earlier job's run; a
+            clear_stop(run_dir)  # requeued attempt keeps one asked for before: it stops
         on_usr1 = PreemptSignal(run_dir, alloc, cfg)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR1, on_usr1)

@@ -18,7 +18,7 @@ from relax_slurm.broker.stats import BrokerStatus
 from relax_slurm.checkpoint.resume import parse_step
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineDown, Preempted, RoleFailed, RoleHung
-from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, preempt_requested
+from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, preempt_requested, read_stop
 from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.health import HangWatch
 from relax_slurm.launch.interrupt import STOP
@@ -148,9 +148,10 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
         progress.close()
 
 
-def _summary(run_dir: Path, cfg: TrainConfig, wall_s: float, extra: dict | None,
-             restarts: dict, final_status: BrokerStatus | None) -> dict:
-    """Write summary.json from the metrics; RoleFailed if the trainer stopped short."""
+def run_summary(run_dir: Path, cfg: TrainConfig, wall_s: float, extra: dict | None,
+                restarts: dict, final_status: BrokerStatus | None) -> dict:
+    """Write summary.json from the metrics; RoleFailed if the trainer stopped short without a
+    stop request (runtime/control.py), which it records as `stopped_early` instead."""
     rows = list(iter_metrics(run_dir / METRICS_FILE))
     summary = summarize(rows, wall_s, cfg.algo.max_staleness) | (extra or {})
     summary["restarts"] = restarts
@@ -158,11 +159,15 @@ def _summary(run_dir: Path, cfg: TrainConfig, wall_s: float, extra: dict | None,
         summary["samples_lost"] = samples_lost(final_status.counters.to_dict(), rows,
                                                cfg.rollout.batch_size,
                                                cfg.rollout.n_samples_per_prompt)
-    write_summary(run_dir, summary)
     # by the last step logged, not the row count: a run resumed from another run's
     # checkpoint (resume=PATH) logs only the steps after it in this run dir
     reached = rows[-1]["step"] + 1 if rows else 0
-    if reached < cfg.trainer.total_steps:
+    stop = read_stop(run_dir) if reached < cfg.trainer.total_steps else None
+    if stop is not None:
+        summary["stopped_early"] = {"at_step": reached, "total_steps": cfg.trainer.total_steps,
+                                    "reason": stop.get("reason", "requested")}
+    write_summary(run_dir, summary)
+    if reached < cfg.trainer.total_steps and stop is None:
         raise RoleFailed(f"trainer exited after step {reached} of {cfg.trainer.total_steps}"
                          f"; see {run_dir / 'logs' / 'trainer.log'}")
     return summary
@@ -210,8 +215,8 @@ class Supervisor:
         t0 = time.monotonic() if started is None else started
         try:
             final_status = self._run_roles()
-            summary = _summary(self.run_dir, self.cfg, time.monotonic() - t0, extra,
-                               self.restarts(), final_status)
+            summary = run_summary(self.run_dir, self.cfg, time.monotonic() - t0, extra,
+                                  self.restarts(), final_status)
         except Preempted as e:
             self.notifier.send("preempted", str(e))
             raise

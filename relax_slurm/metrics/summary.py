@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,9 @@ def summarize(rows: list[dict[str, Any]], wall_s: float, max_staleness: int) -> 
 
 def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> Path:
     path = Path(run_dir) / SUMMARY_FILE
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp = path.with_name(f".{SUMMARY_FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)  # atomic: `relax-ctl stop --wait` reads it as soon as it appears
     return path
 
 

@@ -25,7 +25,7 @@ from relax_slurm.metrics.fanout import open_sinks
 from relax_slurm.metrics.jsonl import truncate_metrics
 from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
-from relax_slurm.runtime.control import preempt_requested
+from relax_slurm.runtime.control import pending_request
 from relax_slurm.runtime.plan import free_port
 from relax_slurm.sample_meta import SampleMeta
 from relax_slurm.samples import Group
@@ -348,8 +348,9 @@ class RankZero:
             return {}
         return self.push_weights(weights, version=version)
 
-    def preempt_requested(self) -> bool:
-        return preempt_requested(self.run_dir)
+    def control_request(self) -> str | None:
+        """A preempt or stop request on file (runtime/control.py `pending_request`)."""
+        return pending_request(self.run_dir)
 
     def checkpoint_extra(self, positions: Positions, version: int) -> dict:
         return {CHECKPOINT_KEY: positions.to_dict(),
@@ -399,8 +400,8 @@ class Peer:
     def push(self, weights: list, version: int) -> dict:
         return {}
 
-    def preempt_requested(self) -> bool:
-        return False  # rank 0 reads the request; broadcast_flag tells every rank
+    def control_request(self) -> str | None:
+        return None  # rank 0 reads the request; broadcast_request tells every rank
 
     def checkpoint_extra(self, positions: Positions, version: int) -> dict:
         return {CHECKPOINT_KEY: positions.to_dict(), "broker": {}}

@@ -21,13 +21,12 @@ from relax_slurm.checkpoint.dcp import wait_pending
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data_position import Positions, checkpoint_positions
 from relax_slurm.errors import ConfigError
-from relax_slurm.runtime.control import PREEMPT_EXIT_CODE
 from relax_slurm.runtime.exit import exit_now
 from relax_slurm.runtime.heap import freeze_heap
 from relax_slurm.runtime.plan import load_plan
 from relax_slurm.trainer.backend import build_backend
 from relax_slurm.trainer.lead import Peer, RankZero, StepClock
-from relax_slurm.trainer.ranks import broadcast_flag, init_distributed
+from relax_slurm.trainer.ranks import broadcast_request, end_on_request, init_distributed
 from relax_slurm.trainer.stream import step_blocks
 
 log = logging.getLogger("relax_slurm.trainer")
@@ -54,7 +53,7 @@ def check_batch_divides(cfg: TrainConfig, world: int) -> None:
 
 class Checkpointer:
     """Decides its own cadence: a checkpoint every trainer.save_every steps, at the last step
-    and on a preemption (waited for: the run ends next); an HF export every
+    and on a preemption or a stop (waited for: the run ends next); an HF export every
     trainer.save_hf_every steps."""
 
     def __init__(self, backend, cfg: TrainConfig, run_dir: Path) -> None:
@@ -76,8 +75,9 @@ class Checkpointer:
 
 def train_loop(cfg: TrainConfig, backend, lead: RankZero | Peer, saver: Checkpointer,
                start_step: int, positions: Positions, device: torch.device) -> int:
-    """The steps from `start_step` to trainer.total_steps; the exit code (PREEMPT_EXIT_CODE
-    when a preemption cut it short, after its checkpoint)."""
+    """The steps from `start_step` to trainer.total_steps, or to a control request (preempt,
+    stop: runtime/control.py) after its final checkpoint; the exit code (PREEMPT_EXIT_CODE after
+    a preemption, 0 at the end and after a stop)."""
     lead.start(list(backend.named_hf_weights()), start_step)
     clock = StepClock()
     # rank 0 re-sends to a restarted engine on its own where it holds whole tensors
@@ -95,17 +95,16 @@ def train_loop(cfg: TrainConfig, backend, lead: RankZero | Peer, saver: Checkpoi
         # the export is a collective under FSDP2 and megatron (gathered over TP/PP)
         sync = lead.push(list(backend.named_hf_weights()), done)
         clock.mark("synced")
-        preempt = broadcast_flag(lead.preempt_requested())
-        saver.maybe_save(done, final=preempt or done == cfg.trainer.total_steps,
+        request = broadcast_request(lead.control_request())  # rank 0 reads it
+        saver.maybe_save(done, final=request is not None or done == cfg.trainer.total_steps,
                          extra=lambda: lead.checkpoint_extra(positions, done))
         clock.mark("saved")
         lead.finish_step(step, train, clock, sync)
         clock.end()
-        if preempt:
+        if request is not None:
             lead.settle()
-            log.info("preempted: checkpoint step_%d saved; exiting for requeue", done)
             wait_pending()
-            return PREEMPT_EXIT_CODE
+            return end_on_request(request, done)
     lead.settle()
     wait_pending()
     return 0

@@ -1,14 +1,19 @@
-"""The trainer's process group: how every rank joins it, and the one flag rank 0 tells all."""
+"""The trainer's process group: how every rank joins it, and the control request (preempt,
+stop; runtime/control.py) rank 0 reads and tells all."""
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 
 from relax_slurm.config import TrainConfig
+from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, REQUESTS, STOP
+
+log = logging.getLogger("relax_slurm.trainer")
 
 
 def init_distributed(cfg: TrainConfig) -> torch.device:
@@ -25,8 +30,19 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def broadcast_flag(flag: bool) -> bool:
-    """Rank 0's `flag` on every rank (a preemption request only rank 0 reads)."""
-    t = torch.tensor([int(flag)])
+def broadcast_request(request: str | None) -> str | None:
+    """Rank 0's pending control request (runtime/control.py `pending_request`: None, PREEMPT
+    or STOP) on every rank."""
+    t = torch.tensor([REQUESTS.index(request)])
     dist.broadcast(t, src=0)
-    return bool(t.item())
+    return REQUESTS[int(t.item())]
+
+
+def end_on_request(request: str, done: int) -> int:
+    """Say how the run ends on `request` after step `done` (its checkpoint saved); the exit
+    code: 0 for a stop (a normal end), PREEMPT_EXIT_CODE for a preemption (requeue)."""
+    if request == STOP:
+        log.info("stopped on request after step %d: final checkpoint step_%d saved", done, done)
+        return 0
+    log.info("preempted: checkpoint step_%d saved; exiting for requeue", done)
+    return PREEMPT_EXIT_CODE

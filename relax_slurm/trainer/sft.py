@@ -33,7 +33,7 @@ from relax_slurm.checkpoint.dcp import wait_pending
 from relax_slurm.config import TrainConfig
 from relax_slurm.data.sft import EpochSampler, SFTExample, read_examples
 from relax_slurm.errors import ConfigError
-from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, preempt_requested
+from relax_slurm.runtime.control import pending_request
 from relax_slurm.runtime.heap import freeze_heap
 from relax_slurm.metrics.fanout import open_sinks
 from relax_slurm.samples import Sample
@@ -145,8 +145,9 @@ def save_step(cfg: TrainConfig, backend, run_dir: Path, done: int, final: bool,
 
 def run_sft(cfg: TrainConfig, plan, run_dir: Path) -> int:
     """The SFT run on this rank: rows, then per step train, validate when due, checkpoint,
-    log (rank 0). Returns the exit code (PREEMPT_EXIT_CODE after a preemption's checkpoint)."""
-    from relax_slurm.trainer.ranks import init_distributed
+    log (rank 0). Returns the exit code (PREEMPT_EXIT_CODE after a preemption's checkpoint, 0
+    at the end and after a stop's)."""
+    from relax_slurm.trainer.ranks import end_on_request, init_distributed
 
     device = init_distributed(cfg)
     rank = dist.get_rank()
@@ -160,10 +161,10 @@ def run_sft(cfg: TrainConfig, plan, run_dir: Path) -> int:
     steps = SFTSteps(cfg, run_dir, backend, device, rank, rows, sampler, validation, sinks)
     try:
         for step in range(start_step, cfg.trainer.total_steps):
-            if steps.run(step):  # preempted after its checkpoint
-                log.info("preempted: checkpoint step_%d saved; exiting for requeue", step + 1)
+            request = steps.run(step)
+            if request is not None:  # preempt or stop, after its checkpoint
                 wait_pending()
-                return PREEMPT_EXIT_CODE
+                return end_on_request(request, step + 1)
         wait_pending()
         return 0
     finally:
@@ -214,9 +215,10 @@ class SFTSteps:
         self.rows, self.sampler, self.validation, self.sinks = rows, sampler, validation, sinks
         self.last_end = time.monotonic()
 
-    def run(self, step: int) -> bool:
-        """Step `step` (0-based); whether the run was preempted (its checkpoint is saved)."""
-        from relax_slurm.trainer.ranks import broadcast_flag
+    def run(self, step: int) -> str | None:
+        """Step `step` (0-based); the control request that ends the run here (preempt, stop;
+        its checkpoint is saved), None to carry on."""
+        from relax_slurm.trainer.ranks import broadcast_request
 
         cfg, backend, rank = self.cfg, self.backend, self.rank
         t0 = time.monotonic()
@@ -229,8 +231,8 @@ class SFTSteps:
         done = step + 1
         evals = (self.validation.score(backend, self.device) if self.validation.due(done)
                  else {})
-        preempt = broadcast_flag(rank == 0 and preempt_requested(self.run_dir))
-        final = preempt or done == cfg.trainer.total_steps
+        request = broadcast_request(pending_request(self.run_dir) if rank == 0 else None)
+        final = request is not None or done == cfg.trainer.total_steps
         t2 = time.monotonic()
         save_step(cfg, backend, self.run_dir, done, final, self.sampler)
         t3 = time.monotonic()
@@ -243,4 +245,4 @@ class SFTSteps:
                                       "perf/step_time_s": t3 - self.last_end,
                                       "policy/version": done})
         self.last_end = t3
-        return preempt
+        return request

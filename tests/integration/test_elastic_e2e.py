@@ -4,7 +4,9 @@ the engines, the trainer's cohort re-forms and sends them the current weights, t
 routes to them once ACTIVE: each serves a share of the requests), then scale in to 1 with
 drain (no request lost), then a scale-out cancelled at once (rolled back: its engine is
 stopped), then an engine started outside the run registered by URL (it gets the weights and
-generates; scaled in, it is forgotten, not stopped). The run completes with samples_lost 0.
+generates; scaled in, it is forgotten, not stopped). Then the run is stopped on request
+(runtime/control.py `request_stop`: its length is no guess at when the last operation ends)
+and ends finished with samples_lost 0.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from relax_slurm.runtime.control import request_stop
 from relax_slurm.runtime.plan import free_port
 from tests.conftest import ONE_RANK
 from tests.helpers_tiny import start_engine, stop_process, wait_healthy
@@ -83,9 +86,9 @@ def external_engine_joins_and_leaves(admin: Admin, proc, engine, url: str, secre
 
 
 def test_scale_out_1_to_3_then_drain_in_then_cancel(tmp_path, tiny_assets):
-    # the last operation (the external engine scaled in) ends near step 49 (48-49 at a load of
-    # 5-9 on 2 cores, the external engine loading during the scale-out): 100 steps leave it 2x
-    run_dir, steps = tmp_path / "run", 100
+    # more steps than the operations take (the last ended near step 49 at a load of 5-9 on 2
+    # cores); the run is stopped on request once they are done
+    run_dir, steps = tmp_path / "run", 2000
     # a step's batch in 8 requests, so that every engine gets a share of each step
     proc = start(run_dir, tiny_assets, ONE_RANK, f"trainer.total_steps={steps}",
                  "rollout.groups_per_request=4", "cluster.restart.heartbeat_interval_s=1",
@@ -139,12 +142,16 @@ def test_scale_out_1_to_3_then_drain_in_then_cancel(tmp_path, tiny_assets):
             assert time.monotonic() < deadline
             time.sleep(0.2)
         external_engine_joins_and_leaves(admin, proc, engine, external, secret, log)
+        request_stop(run_dir, "operations done")
         _, err = finish(proc)
     finally:
         stop(proc)
         stop_process(engine)
     assert "elastic rollout" in err
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["samples_lost"] == 0, summary
+    reached = summary["steps"]
+    assert summary["stopped_early"] == {"at_step": reached, "total_steps": steps,
+                                        "reason": "operations done"}, summary
+    assert 2 < reached < steps and summary["samples_lost"] == 0, summary
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "weight-sync cohort: engines" in trainer_log

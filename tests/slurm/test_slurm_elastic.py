@@ -5,8 +5,9 @@ generates for the run; its engine SIGKILLed inside the job is restarted there (o
 restarts.jsonl); its job ended by hand (as a time limit or a node failure would) is
 reported lost and replaced by a new engine job; `relax-ctl scale-in --num-replicas 1` drains
 that one and cancels its job; a scale-out cancelled after its job was submitted cancels that
-job. The run ends with
-samples_lost 0 and no engine job left in the queue. Then, in a second short run, an engine
+job. Then `relax-ctl stop` ends the run (its length is no guess at when the last operation
+ends): finished, completed for the driver, with samples_lost 0 and no engine job left in the
+queue. Then, in a second short run, an engine
 and then the rollout worker SIGKILLed mid-run are restarted in place as new srun steps of their
 het component.
 """
@@ -27,6 +28,7 @@ import httpx
 import pytest
 
 from relax_slurm.launch.ctl import admin_get
+from relax_slurm.runtime.control import read_status
 from tests.conftest import REPO
 from tests.slurm.conftest import SETUP_ALLOWANCE_S
 from tests.slurm.test_slurm_runs import (
@@ -35,10 +37,9 @@ from tests.slurm.test_slurm_runs import (
 
 pytestmark = pytest.mark.slurm
 
-# the last operation (the cancel) ends at step 77-102 (measured at loads 2-15 on 2 cores: 77,
-# 83, 85, 94, 102; near step 150 before conftest.py's partition nudge started engine jobs
-# within ~2 s): 210 steps leave 2x over the latest
-STEPS = 210
+# more steps than the operations take (the last, the cancel, ended at step 77-102 at loads
+# 2-15 on 2 cores); the run is stopped with `relax-ctl stop` once they are done
+STEPS = 2000
 RUN_TIMEOUT_S = 900
 OP_TIMEOUT_S = 300
 
@@ -162,12 +163,17 @@ def test_scale_out_submits_an_engine_job_then_drains_and_cancels_it(tmp_path, ti
         assert ctl(env, run_dir, "cancel", rid)["status"] == "CANCELLED"
         wait_until(lambda: not engine_jobs(env, name), 60, "the engine job to be cancelled",
                    why=why)
+        assert ctl(env, run_dir, "stop", "--reason", "operations done")["requested"] == "stop"
         out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, out[-3000:] + "\n" + why()
     state = wait_until(lambda: job_state(env, job_id) or None, 60, "sacct's row of the job")
     assert state.startswith(("CANCELLED", "COMPLETED")), state
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == STEPS and summary["samples_lost"] == 0, summary
+    reached = summary["steps"]
+    assert summary["stopped_early"] == {"at_step": reached, "total_steps": STEPS,
+                                        "reason": "operations done"}, summary
+    assert 2 < reached < STEPS and summary["samples_lost"] == 0, summary
+    assert read_status(run_dir)["state"] == "completed"  # a finished run: no requeue
     assert summary["restarts"] == {"engine1": 2}, summary  # restarted in its job, replaced
     rows = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()]
     assert [(r["role"], r["kind"]) for r in rows] == [("engine1", "in_job"),

@@ -1,8 +1,11 @@
-"""Preemption requests, the driver's status file, and how the supervisor reads a trainer exit."""
+"""Preemption and stop requests, the driver's status file, and how the supervisor reads a
+trainer exit and a run that ended early."""
 
 from __future__ import annotations
 
+import json
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ from relax_slurm.config.model import ModelConfig
 from relax_slurm.errors import ConfigError, Preempted, RelaxError, RoleFailed
 from relax_slurm.runtime import control
 from relax_slurm.launch.processes import ProcessSet
-from relax_slurm.launch.supervisor import watch
+from relax_slurm.launch.supervisor import run_summary, watch
 
 
 def test_request_clear_and_status(tmp_path):
@@ -91,3 +94,103 @@ def test_colocated_may_share_nodes():
     assert SlurmClusterConfig(layout="colocated", rollout_nodes=0).rollout_nodes == 0
     no_signal = SlurmClusterConfig(signal_lead_s=0, preempt_timeout_s=1000)
     assert no_signal.signal_lead_s == 0
+
+
+def test_stop_request_read_and_clear(tmp_path):
+    assert control.read_stop(tmp_path) is None and control.pending_request(tmp_path) is None
+    path = control.request_stop(tmp_path, reason="plateau")
+    assert path == tmp_path / "control" / "stop" and not list(path.parent.glob(".stop*"))
+    assert control.stop_requested(tmp_path) and control.read_stop(tmp_path)["reason"] == "plateau"
+    assert control.pending_request(tmp_path) == control.STOP
+    control.request_preempt(tmp_path)
+    assert control.pending_request(tmp_path) == control.STOP  # a stop outranks a preemption
+    control.request_stop(tmp_path, reason="again")  # idempotent; the last reason is kept
+    assert control.read_stop(tmp_path)["reason"] == "again"
+    control.clear_stop(tmp_path)
+    control.clear_stop(tmp_path)
+    assert not control.stop_requested(tmp_path)
+    assert control.pending_request(tmp_path) == control.PREEMPT
+    path.write_text("reward plateaued\n")  # written by hand: still a request, its text the reason
+    assert control.read_stop(tmp_path) == {"reason": "reward plateaued"}
+
+
+def _short_run(tmp_path: Path, reached: int, total: int) -> TrainConfig:
+    """A run dir whose metrics.jsonl logged steps 0..reached-1 of `total`."""
+    cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path="m"),
+                      data=DataConfig(train_files=["d"]))
+    cfg.trainer.total_steps = total
+    rows = [{"step": s, "rollout/reward_mean": 0.5, "train/samples": 4} for s in range(reached)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return cfg
+
+
+def test_summary_accepts_a_requested_stop(tmp_path):
+    cfg = _short_run(tmp_path, reached=7, total=1000)
+    control.request_stop(tmp_path, reason="plateau")
+    summary = run_summary(tmp_path, cfg, 1.0, None, {}, None)
+    assert summary["steps"] == 7
+    assert summary["stopped_early"] == {"at_step": 7, "total_steps": 1000, "reason": "plateau"}
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+
+
+def test_summary_without_a_stop_request_fails_a_short_run(tmp_path):
+    cfg = _short_run(tmp_path, reached=7, total=1000)
+    control.request_preempt(tmp_path)  # not a stop: a run cut short by it is not finished
+    with pytest.raises(RoleFailed, match="after step 7 of 1000"):
+        run_summary(tmp_path, cfg, 1.0, None, {}, None)
+    assert "stopped_early" not in json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_summary_of_a_complete_run_has_no_stop_record(tmp_path):
+    cfg = _short_run(tmp_path, reached=5, total=5)
+    control.request_stop(tmp_path)  # asked for after the last step: the run simply completed
+    assert "stopped_early" not in run_summary(tmp_path, cfg, 1.0, None, {}, None)
+
+
+
+def _ctl(capsys, *argv: str) -> tuple[int, str, str]:
+    from relax_slurm.launch.ctl import main
+
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_relax_ctl_stop(tmp_path, capsys):
+    rc, _, err = _ctl(capsys, "stop", str(tmp_path))
+    assert rc == 1 and f"{tmp_path} is not a run directory" in err and "run_dir" in err
+    assert not control.stop_requested(tmp_path)
+    (tmp_path / "config.yaml").write_text("{}\n")
+    rc, _, err = _ctl(capsys, "stop", str(tmp_path))  # a Slurm job still queued
+    assert rc == 1 and "has not started its roles (no plan.json)" in err and "scancel" in err
+    (tmp_path / "plan.json").write_text("{}\n")
+    rc, out, _ = _ctl(capsys, "stop", str(tmp_path), "--reason", "plateau")
+    assert rc == 0 and json.loads(out)["requested"] == "stop"
+    assert control.read_stop(tmp_path)["reason"] == "plateau"
+    # --wait: until summary.json is written (here by a thread, as the launcher would)
+    summary = {"steps": 3, "stopped_early": {"at_step": 3, "reason": "plateau"}}
+    writer = threading.Timer(0.3, lambda: (tmp_path / "summary.json").write_text(
+        json.dumps(summary)))
+    writer.start()
+    try:
+        rc, out, _ = _ctl(capsys, "stop", str(tmp_path), "--wait", "--wait-s", "30")
+    finally:
+        writer.join()
+    assert rc == 0 and json.loads(out) == summary
+    rc, _, err = _ctl(capsys, "stop", str(tmp_path))  # ended: summary.json after plan.json
+    assert rc == 1 and "has ended already" in err
+    (tmp_path / "summary.json").unlink()
+    rc, _, err = _ctl(capsys, "stop", str(tmp_path), "--wait", "--wait-s", "0.5")
+    assert rc == 1 and "not written within 0.5s" in err
+
+
+def test_a_new_run_clears_a_stale_stop_and_a_global_restart_keeps_one(tmp_path):
+    from relax_slurm.launch.local import local_plan, prepare_run_dir
+
+    cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path="m"),
+                      data=DataConfig(train_files=["d"]))
+    control.request_stop(tmp_path)  # asked for before the failure that restarts the run
+    prepare_run_dir(cfg, local_plan(cfg), attempt=1)
+    assert control.stop_requested(tmp_path)
+    prepare_run_dir(cfg, local_plan(cfg), attempt=0)  # started again: a new run
+    assert not control.stop_requested(tmp_path)
