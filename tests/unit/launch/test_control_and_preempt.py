@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -167,10 +168,18 @@ def test_relax_ctl_stop(tmp_path, capsys):
     rc, out, _ = _ctl(capsys, "stop", str(tmp_path), "--reason", "plateau")
     assert rc == 0 and json.loads(out)["requested"] == "stop"
     assert control.read_stop(tmp_path)["reason"] == "plateau"
-    # --wait: until summary.json is written (here by a thread, as the launcher would)
+    # --wait: until summary.json is written (here by a thread, as the launcher would, once
+    # the request is on file: request_stop replaces the file, so its inode changes)
     summary = {"steps": 3, "stopped_early": {"at_step": 3, "reason": "plateau"}}
-    writer = threading.Timer(0.3, lambda: (tmp_path / "summary.json").write_text(
-        json.dumps(summary)))
+    stop_file, asked = tmp_path / "control" / "stop", (tmp_path / "control" / "stop").stat()
+
+    def end_the_run() -> None:
+        deadline = time.monotonic() + 30
+        while stop_file.stat().st_ino == asked.st_ino and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+
+    writer = threading.Thread(target=end_the_run)
     writer.start()
     try:
         rc, out, _ = _ctl(capsys, "stop", str(tmp_path), "--wait", "--wait-s", "30")
