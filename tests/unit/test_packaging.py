@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -45,12 +46,17 @@ def test_an_installed_wheel_composes_from_anywhere(wheel, tmp_path):
     # nothing of a checkout on the path (a clean-clone run sets PYTHONPATH to the clone)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     venv = tmp_path / "venv"
-    # the dependencies come from this interpreter's site-packages; the package from the wheel
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
-                   check=True, timeout=120)
-    # --ignore-installed: this interpreter's editable relax-slurm must not count as installed
-    subprocess.run([venv / "bin" / "pip", "install", "--quiet", "--no-deps", "--ignore-installed",
-                    str(wheel)],
+    # A plain venv that sees this interpreter's packages the way a user's would see the ones
+    # pip installs: through a .pth file naming this interpreter's site-packages (not
+    # --system-site-packages, which is the base Python's and misses a venv's packages: the
+    # README's commands run in one). Paths named in a .pth file get no .pth processing of
+    # their own, so this interpreter's editable relax-slurm stays out.
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    [purelib] = (venv / "lib").glob("python3*/site-packages")
+    (purelib / "_outer_site.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    # with its dependencies, as a user installs it: pip resolves every requirement the wheel
+    # declares against what is on the path (a missing or conflicting one fails here)
+    subprocess.run([venv / "bin" / "pip", "install", "--quiet", str(wheel)],
                    check=True, timeout=300)
     where = subprocess.run([venv / "bin" / "python", "-c",
                             "import relax_slurm; print(relax_slurm.__file__)"], cwd=tmp_path,
