@@ -12,6 +12,7 @@ from relax_slurm.config.env import EnvConfig
 from relax_slurm.config.reward import RewardConfig
 from relax_slurm.config.rollout import RolloutConfig
 from relax_slurm.config.trainer import TrainerConfig
+from relax_slurm.config.weight_sync import WeightSyncConfig
 
 SEED_LIMIT = 1 << 22
 """seed below this: its sampling seeds (seed << 40, plus up to 2**40 samples) stay in int64."""
@@ -43,6 +44,15 @@ def check_rollout_mode(algo: AlgoConfig, rollout: RolloutConfig, env: EnvConfig)
     check(not rollout.release_memory_during_train or algo.max_staleness == 0,
           f"rollout.release_memory_during_train=true needs algo.max_staleness=0 (engines "
           f"are asleep while the trainer steps; got {algo.max_staleness})")
+
+
+def check_weight_sync_backend(ws: WeightSyncConfig, rollout: RolloutConfig) -> None:
+    # the hf engine holds its weights on the CPU (the launcher starts it without --device), and
+    # an NCCL group needs a CUDA tensor on every rank: its receive fails at once (first GPU run)
+    check(ws.backend != "nccl" or rollout.engine != "hf",
+          "weight_sync.backend=nccl with rollout.engine=hf: the hf engine receives on the CPU, "
+          "which NCCL cannot reach; use weight_sync.backend=auto (gloo for the hf engine) or "
+          "rollout=sglang")
 
 
 def check_parallel_layout(t: TrainerConfig, cluster: ClusterConfig) -> None:

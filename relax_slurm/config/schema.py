@@ -30,6 +30,7 @@ from relax_slurm.config.cross_checks import (
     check_routing_replay,
     check_seed,
     check_streaming,
+    check_weight_sync_backend,
     streaming_blockers,
     supervised_problems,
 )
@@ -87,6 +88,7 @@ class TrainConfig:
         check_critic_backend(self.algo, self.trainer)
         check_judge(self.reward)
         check_streaming(self.algo, self.trainer)
+        check_weight_sync_backend(self.weight_sync, self.rollout)
         problems = self.supervised_problems()
         check(not problems, "; ".join(problems))
 

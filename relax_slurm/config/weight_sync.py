@@ -14,7 +14,8 @@ FLATTENED_BUCKET = "flattened_bucket"
 @dataclass(kw_only=True)
 class WeightSyncConfig:
     backend: str = "auto"
-    """auto (nccl with GPUs, gloo without), gloo or nccl."""
+    """auto (nccl when the trainer sees a GPU and the engines are SGLang's; gloo without GPUs
+    and for the hf engine, whose weights are on the CPU), gloo or nccl."""
     bucket_mb: int = 512
     """Tensors are announced to engines in buckets of about this size."""
     timeout_s: float = 300.0

@@ -31,7 +31,7 @@ from relax_slurm.sample_meta import SampleMeta
 from relax_slurm.samples import Group
 from relax_slurm.trainer.overlap import BackgroundPush
 from relax_slurm.trainer.stream import GroupStream
-from relax_slurm.weightsync import WeightSender
+from relax_slurm.weightsync import WeightSender, resolve_backend
 from relax_slurm.weightsync.cohort import Cohort
 
 log = logging.getLogger("relax_slurm.trainer")
@@ -177,7 +177,9 @@ class RankZero:
         def make_sender(group_name: str, port: int, urls: list[str]) -> WeightSender:
             return WeightSender(
                 urls, sync_host, port, group_name,
-                cfg.weight_sync.backend, cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
+                resolve_backend(cfg.weight_sync.backend,
+                                engines_on_gpu=cfg.rollout.engine != "hf"),
+                cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
                 pause_mode=cfg.weight_sync.pause_mode,
                 pause_for_sync=cfg.algo.max_staleness > 0,  # on-policy nothing generates
                 ranks_per_engine=cfg.rollout.engine_tp_size,

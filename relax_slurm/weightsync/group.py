@@ -25,10 +25,12 @@ from relax_slurm.errors import WeightSyncError
 log = logging.getLogger(__name__)
 
 
-def resolve_backend(backend: str) -> str:
-    """Map weight_sync.backend (auto, gloo, nccl) to the backend the group will use."""
+def resolve_backend(backend: str, engines_on_gpu: bool = True) -> str:
+    """Map weight_sync.backend (auto, gloo, nccl) to the backend the group will use.
+    `engines_on_gpu`: the engines receive into CUDA tensors (SGLang); the hf engine's weights
+    are on the CPU, where an NCCL receive fails at once."""
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return "nccl" if torch.cuda.is_available() and engines_on_gpu else "gloo"
     if backend not in ("gloo", "nccl"):
         raise WeightSyncError(f"weight-sync backend {backend!r}: use auto, gloo or nccl")
     if backend == "nccl" and not torch.cuda.is_available():
