@@ -3,7 +3,12 @@ the config and the allocation, shared by the driver in the allocation (launch/sl
 and the dry run before submitting (launch/sbatch.py), so the two show the same steps.
 
     srun --het-group=K --nodes=N --ntasks=N --ntasks-per-node=1 --nodelist=HOSTS --overlap \\
-         --job-name=ROLE --kill-on-bad-exit=1 [container flags] ROLE-COMMAND
+         [--gres=none] --job-name=ROLE --kill-on-bad-exit=1 [container flags] ROLE-COMMAND
+
+A step gets every GPU of the job on its nodes unless it asks otherwise (srun(1), --gres), and
+before Slurm 22.05 `--overlap` shared CPUs only: a broker's step took the trainer node's GPUs
+and the trainer's step waited forever. Roles that hold no GPU (the broker, the rollout worker,
+hf engines on the CPU) ask for none; two GPU steps on one node need Slurm >= 22.05.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from relax_slurm.launch.slurm_options import container_srun_args, in_container
 from relax_slurm.runtime.plan import RunPlan, free_port
 
 ANY_HOST = "0.0.0.0"
+GPU_STEP_SHARING = (22, 5)
+"""The first Slurm whose --overlap lets steps share GRES (GPUs), not only CPUs."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,49 @@ def role_specs(cfg: TrainConfig, plan: RunPlan, layout: Layout, run_dir: Path) -
     return [dataclasses.replace(s, cpus=None) for s in specs]
 
 
+def holds_gpus(cfg: TrainConfig, spec: RoleSpec) -> bool:
+    """Whether a role's process uses GPUs: the trainer, and SGLang engines (the policy's, the
+    teacher, the judge); the broker, the worker and the hf engine (on the CPU) do not."""
+    if spec.name == "trainer":
+        return True
+    return spec.name not in ("broker", "rollout") and cfg.rollout.engine != "hf"
+
+
+def check_gpu_steps(cfg: TrainConfig, specs: list[RoleSpec], layout: Layout,
+                    version: tuple[int, int] | None) -> None:
+    """Refuse two GPU steps on one node before Slurm 22.05 (each would take all the node's
+    GPUs, and the second would wait for the first to end). `version`: None if unknown."""
+    if version is None or version >= GPU_STEP_SHARING:
+        return
+    per_node: dict[str, list[str]] = {}
+    for spec in specs:
+        if holds_gpus(cfg, spec):
+            hosts = layout.trainer_hosts if spec.name == "trainer" else (spec.host,)
+            for host in hosts:
+                per_node.setdefault(host, []).append(spec.name)
+    shared = {h: names for h, names in per_node.items() if len(names) > 1}
+    if shared:
+        host, names = next(iter(shared.items()))
+        raise ConfigError(
+            f"Slurm {version[0]}.{version[1]:02d} gives each job step all of a node's GPUs "
+            f"(--overlap shares GPUs from 22.05 on), and node {host} would run {names}: the "
+            "second would wait forever. Use Slurm >= 22.05, or one GPU role per node "
+            "(rollout.num_engines <= cluster.rollout_nodes, cluster.layout=hetjob)")
+
+
+def slurm_version(text: str) -> tuple[int, int] | None:
+    """(major, minor) of `srun --version` ("slurm 22.05.8", "slurm-wlm 23.11.4"); None if it
+    says something else."""
+    parts = text.split()
+    if len(parts) < 2:
+        return None
+    nums = parts[1].split(".")
+    try:
+        return int(nums[0]), int(nums[1])
+    except (ValueError, IndexError):
+        return None
+
+
 def srun_wrap(cfg: TrainConfig, layout: Layout, workdir: str) -> Wrap:
     """spec -> `srun ... argv` for its nodes (all trainer nodes for the trainer)."""
     c = slurm_cluster(cfg.cluster)
@@ -98,8 +148,10 @@ def srun_wrap(cfg: TrainConfig, layout: Layout, workdir: str) -> Wrap:
         if layout.het:
             argv.append(f"--het-group={spec.het_group}")
         argv += [f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
-                 f"--nodelist={','.join(hosts)}", "--overlap", f"--job-name={spec.name}",
-                 "--kill-on-bad-exit=1"]
+                 f"--nodelist={','.join(hosts)}", "--overlap"]
+        if not holds_gpus(cfg, spec):
+            argv.append("--gres=none")  # else the step holds every GPU of the job on its node
+        argv += [f"--job-name={spec.name}", "--kill-on-bad-exit=1"]
         argv += container_srun_args(c, workdir) + c.extra_srun_args
         return [*argv, *in_container(c, spec.argv)]
 

@@ -54,7 +54,8 @@ from relax_slurm.launch.inputs import check_inputs, record_global_restart
 from relax_slurm.launch.node_health import lost_nodes
 from relax_slurm.launch.records import record_restart
 from relax_slurm.runtime.plan import save_plan
-from relax_slurm.launch.placement import Layout, make_layout, role_specs, slurm_plan, srun_wrap
+from relax_slurm.launch.placement import (Layout, check_gpu_steps, make_layout, role_specs,
+                                         slurm_plan, slurm_version, srun_wrap)
 from relax_slurm.launch.roles import RoleSpec, Wrap
 from relax_slurm.launch.slurm_env import SlurmAllocation, read_allocation
 from relax_slurm.launch.supervisor import supervise
@@ -135,6 +136,15 @@ def slurm_info(alloc: SlurmAllocation, layout: Layout, specs: list[RoleSpec]) ->
     }
 
 
+def installed_slurm_version() -> tuple[int, int] | None:
+    """This allocation's Slurm release, from `srun --version` (None if it cannot tell)."""
+    try:
+        out = subprocess.run(["srun", "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return slurm_version(out.stdout) if out.returncode == 0 else None
+
+
 def prepare(cfg: TrainConfig, alloc: SlurmAllocation, run_dir: Path, global_restart: int = 0
             ) -> tuple[list[RoleSpec], Wrap, dict]:
     """Place the roles on this allocation, resolve the resume point, write plan.json and
@@ -149,6 +159,7 @@ def prepare(cfg: TrainConfig, alloc: SlurmAllocation, run_dir: Path, global_rest
     plan.resume_from = str(resume) if resume else None
     save_plan(plan, run_dir)
     specs = role_specs(cfg, plan, layout, run_dir)
+    check_gpu_steps(cfg, specs, layout, installed_slurm_version())
     wrap = srun_wrap(cfg, layout, workdir=str(Path.cwd()))
     info = slurm_info(alloc, layout, specs) | {"global_restart": global_restart}
     (run_dir / "slurm.json").write_text(json.dumps(info, indent=2))

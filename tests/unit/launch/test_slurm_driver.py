@@ -245,3 +245,40 @@ def test_managed_judge_runs_in_the_rollout_component_after_the_teacher(tmp_path)
     assert plan.teacher_url.startswith("http://r2:") and plan.genrm_url.startswith("http://r1:")
     assert "genrm" not in _srun_lines(cfg_for("reward.name=genrm", "reward.genrm_url=http://j:1"),
                                       HET)[0]
+
+
+def test_roles_without_gpus_ask_slurm_for_none():
+    # srun(1): a step gets every GPU of the job on its nodes unless it sets --gres; before
+    # 22.05 --overlap shared CPUs only, so a broker step on the trainer node took its GPUs
+    lines, _ = _srun_lines(cfg_for("rollout.num_engines=2"), HET)
+    for name in ("broker", "rollout", "engine0", "engine1"):  # hf engines run on the CPU
+        assert "--gres=none" in lines[name], name
+    assert "--gres=none" not in lines["trainer"]
+    lines, _ = _srun_lines(cfg_for("rollout=sglang", "rollout.num_engines=2"), HET)
+    assert "--gres=none" not in lines["engine0"] and "--gres=none" not in lines["trainer"]
+    assert "--gres=none" in lines["broker"] and "--gres=none" in lines["rollout"]
+
+
+def test_two_gpu_steps_on_a_node_need_slurm_22_05():
+    cfg = cfg_for("rollout=sglang", "rollout.num_engines=3")  # r1 runs engine0 and engine2
+    layout = drv.make_layout(cfg, HET)
+    specs = drv.role_specs(cfg, drv.slurm_plan(cfg, layout), layout, Path("/runs/x"))
+    with pytest.raises(ConfigError, match=r"Slurm 21\.08 .* node r1 would run \['engine0', "
+                                          r"'engine2'\].*Slurm >= 22\.05"):
+        drv.check_gpu_steps(cfg, specs, layout, (21, 8))
+    drv.check_gpu_steps(cfg, specs, layout, (22, 5))
+    drv.check_gpu_steps(cfg, specs, layout, None)  # unknown: nothing to refuse on
+    # one GPU role per node is fine on any release; hf engines hold no GPU
+    two = cfg_for("rollout=sglang", "rollout.num_engines=2")
+    drv.check_gpu_steps(two, drv.role_specs(two, drv.slurm_plan(two, layout), layout,
+                                            Path("/runs/x")), layout, (20, 11))
+    hf = cfg_for("rollout.num_engines=3")
+    drv.check_gpu_steps(hf, drv.role_specs(hf, drv.slurm_plan(hf, layout), layout,
+                                           Path("/runs/x")), layout, (20, 11))
+
+
+@pytest.mark.parametrize("text, version", [
+    ("slurm 22.05.8\n", (22, 5)), ("slurm-wlm 23.11.4", (23, 11)), ("slurm 21.08.8-2", (21, 8)),
+    ("", None), ("srun: command not found", None)])
+def test_the_slurm_release_is_read_from_srun_version(text, version):
+    assert drv.slurm_version(text) == version
