@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from relax_slurm.config.algo import BATCH_WIDE_ADVANTAGE_ALGOS, AlgoConfig
 from relax_slurm.config.check import check
-from relax_slurm.config.cluster import ClusterConfig
+from relax_slurm.config.cluster import ClusterConfig, SlurmClusterConfig
 from relax_slurm.config.data import DataConfig
 from relax_slurm.config.env import EnvConfig
 from relax_slurm.config.reward import RewardConfig
@@ -69,6 +69,35 @@ def check_parallel_layout(t: TrainerConfig, cluster: ClusterConfig) -> None:
           f"trainer.expert_parallel_size={t.expert_parallel_size} must divide the data-"
           f"parallel size {data_parallel} (ranks / (TP x PP x CP)): change it or "
           "trainer.nproc_per_node")
+
+
+def check_gpus_fit(t: TrainerConfig, rollout: RolloutConfig, cluster: ClusterConfig,
+                   engines: int) -> None:
+    """On Slurm with GPUs, every trainer rank and every SGLang engine (`engines` of them: the
+    policy's, the teacher, the judge; rollout.engine_tp_size GPUs each, placed round robin
+    over the rollout nodes, launch/roles.py base_gpu_id) has GPUs of its own on its node."""
+    if not isinstance(cluster, SlurmClusterConfig) or cluster.gpus_per_node == 0:
+        return
+    check(t.nproc_per_node <= cluster.gpus_per_node,
+          f"trainer.nproc_per_node={t.nproc_per_node} ranks per node, but "
+          f"cluster.gpus_per_node={cluster.gpus_per_node}: each rank needs a GPU of its own; "
+          "lower trainer.nproc_per_node or raise cluster.gpus_per_node")
+    if rollout.engine != "sglang":
+        return
+    shares = cluster.layout == "colocated" and cluster.rollout_nodes == 0
+    nodes = cluster.trainer_nodes if shares else cluster.rollout_nodes
+    per_node = -(-engines // nodes) * rollout.engine_tp_size
+    gpus = (cluster.gpus_per_node if shares or cluster.rollout_gpus_per_node is None
+            else cluster.rollout_gpus_per_node)
+    # separate pools on shared nodes: engines start after the trainer's GPUs
+    taken = t.nproc_per_node if shares and not rollout.release_memory_during_train else 0
+    check(taken + per_node <= gpus,
+          f"{-(-engines // nodes)} engine(s) per node x rollout.engine_tp_size="
+          f"{rollout.engine_tp_size} GPUs" + (f" after the trainer's {taken}" if taken else "")
+          + f" do not fit the {gpus} GPUs of a "
+          + ("trainer node (cluster.rollout_nodes=0)" if shares else "rollout node")
+          + ": lower rollout.num_engines or rollout.engine_tp_size, add nodes "
+          "(cluster.rollout_nodes), or raise cluster.rollout_gpus_per_node")
 
 
 def check_megatron_media(t: TrainerConfig, data: DataConfig) -> None:

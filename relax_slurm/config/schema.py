@@ -21,6 +21,7 @@ from relax_slurm.config.check import check
 from relax_slurm.config.cluster import ClusterConfig, LocalClusterConfig
 from relax_slurm.config.cross_checks import (
     check_critic_backend,
+    check_gpus_fit,
     check_judge,
     check_megatron_media,
     check_mini_batches,
@@ -82,6 +83,9 @@ class TrainConfig:
         check_overlong_buffer(self.algo, self.rollout)
         check_rollout_mode(self.algo, self.rollout, self.env)
         check_parallel_layout(self.trainer, self.cluster)
+        check_gpus_fit(self.trainer, self.rollout, self.cluster,
+                       self.rollout.num_engines + bool(self.algo.teacher_model_path)
+                       + bool(self.reward.genrm_model_path))
         check_megatron_media(self.trainer, self.data)
         check_routing_replay(self.algo, self.rollout, self.trainer)
         check_mini_batches(self.trainer, self.rollout)
