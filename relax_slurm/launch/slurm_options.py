@@ -9,6 +9,7 @@ Slurm driver's srun lines (launch/placement.py) and the engine jobs (launch/engi
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from typing import Any, Sequence
 
@@ -51,7 +52,12 @@ def container_srun_args(c: SlurmClusterConfig, workdir: str) -> list[str]:
     """srun options of a step in the run's pyxis container (cluster.container.image), or []."""
     if not c.container.image:
         return []
-    args = [f"--container-image={c.container.image}", f"--container-workdir={workdir}"]
+    # a named container: pyxis imports the image once per node and the job's later steps (every
+    # role, restarts) reuse it, instead of unpacking a multi-GB image for each step; named after
+    # the image, so a run with another image never starts in this one's container
+    name = "relax_" + hashlib.sha1(c.container.image.encode()).hexdigest()[:12]
+    args = [f"--container-image={c.container.image}", f"--container-name={name}",
+            f"--container-workdir={workdir}"]
     if c.container.mounts:
         args.append(f"--container-mounts={','.join(c.container.mounts)}")
     return args

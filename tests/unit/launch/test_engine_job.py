@@ -6,6 +6,7 @@ real Slurm (tests/slurm/test_slurm_elastic.py)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -70,6 +71,7 @@ def test_the_engine_runs_in_the_runs_container():
     # a step of the engine job, in the image, with the container's Python
     assert pyxis == ["srun", "--nodes=1", "--ntasks=1", "--job-name=engine3",
                      "--kill-on-bad-exit=1", "--container-image=img.sqsh",
+                     f"--container-name=relax_{hashlib.sha1(b'img.sqsh').hexdigest()[:12]}",
                      "--container-workdir=/w", "--container-mounts=/data:/data", "--overlap",
                      "py3", *argv[1:]]
     apptainer = ej.job_argv(cfg_for("cluster.container.prefix=[apptainer,exec,--nv,img.sif]"),

@@ -107,6 +107,11 @@ def test_containers_pyxis_and_prefix():
     broker = lines["broker"]
     assert "--container-image=img.sqsh" in broker and "--container-mounts=/data:/data" in broker
     assert "--container-workdir=/work" in broker
+    # one named container per image: pyxis imports it once per node, later steps reuse it
+    names = {a for argv in lines.values() for a in argv if a.startswith("--container-name=")}
+    assert len(names) == 1 and all(any(a in names for a in argv) for argv in lines.values())
+    other, _ = _srun_lines(cfg_for("cluster.container.image=other.sqsh"), HET)
+    assert not names & {a for a in other["broker"] if a.startswith("--container-name=")}
     cmd = broker.index("-m") - 1  # the role's command follows srun's options
     assert broker[cmd:cmd + 3] == ["python3", "-m", "relax_slurm.broker"]
     assert all(a.startswith("--") for a in broker[1:cmd])
