@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from relax_slurm.config.check import check
+
+BASE_GENERATE_TIMEOUT_S = 300.0
+GENERATE_S_PER_TOKEN = 0.1
+"""rollout.request_timeout_s=null: 300 s + 0.1 s per rollout.max_new_tokens."""
 
 @dataclass(kw_only=True)
 class RolloutConfig:
@@ -31,8 +36,10 @@ class RolloutConfig:
     """hf engine: sequences batched into one generate call."""
     engine_batch_wait_ms: float = 5.0
     """hf engine: how long to wait for more requests before starting a batch."""
-    request_timeout_s: float = 300.0
-    """Timeout of one /generate call."""
+    request_timeout_s: Optional[float] = None
+    """Timeout of one /generate call (an engine answers when its longest sequence ends);
+    null: derived from rollout.max_new_tokens (`generate_timeout_s`). A fixed 300 s timed out
+    8192-token answers in full batches, and the group's retry (same seeds) timed out again."""
     startup_timeout_s: float = 300.0
     """How long to wait for an engine's /health after starting it."""
     torch_threads: int = 1
@@ -84,6 +91,15 @@ class RolloutConfig:
     proxy_admission_timeout_s: float = 300.0
     """agent_mode=proxy: how long the first request of a new group waits for an admission
     credit (the staleness bound) before it is answered 503."""
+
+    @property
+    def generate_timeout_s(self) -> float:
+        """rollout.request_timeout_s, or 300 s plus 0.1 s per new token: a decode floor of 10
+        tokens/s for each sequence of a full batch (GPUs decode several times faster; a hung
+        engine is found by its health check, not by this timeout)."""
+        if self.request_timeout_s is not None:
+            return self.request_timeout_s
+        return BASE_GENERATE_TIMEOUT_S + self.max_new_tokens * GENERATE_S_PER_TOKEN
 
     def __post_init__(self) -> None:
         check(self.agent_mode in ("env", "proxy"),

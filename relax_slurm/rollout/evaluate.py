@@ -49,7 +49,7 @@ class Evaluator:
         self.cfg = cfg.eval
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.reward = build_reward(reward_cfg or cfg.reward)
-        self.engines = [EngineClient(u, cfg.rollout.request_timeout_s) for u in engine_urls]
+        self.engines = [EngineClient(u, cfg.rollout.generate_timeout_s) for u in engine_urls]
         self.params = {"max_new_tokens": cfg.rollout.max_new_tokens,
                        "temperature": self.cfg.temperature,
                        "top_p": cfg.rollout.top_p if self.cfg.temperature > 0 else 1.0,

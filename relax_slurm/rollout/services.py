@@ -86,7 +86,7 @@ def check_same_tokenizer(tokenizer, teacher_path: str, model_path: str) -> None:
 
 def make_engine(cfg: TrainConfig, url: str, routed_experts: bool) -> CoalescingEngine:
     """An engine to route to (tasks started together share one batched request)."""
-    return CoalescingEngine(AsyncEngineClient(url, cfg.rollout.request_timeout_s,
+    return CoalescingEngine(AsyncEngineClient(url, cfg.rollout.generate_timeout_s,
                                               routed_experts=routed_experts),
                             cfg.rollout.groups_per_request)
 
@@ -132,7 +132,7 @@ class RolloutServices:
         teacher = None
         if plan.teacher_url:
             check_same_tokenizer(tokenizer, cfg.algo.teacher_model_path, cfg.model.path)
-            teacher = AsyncEngineClient(plan.teacher_url, cfg.rollout.request_timeout_s)
+            teacher = AsyncEngineClient(plan.teacher_url, cfg.rollout.generate_timeout_s)
         return cls(cfg=cfg, tokenizer=tokenizer, broker=broker, router=router, reward=reward,
                    reward_pool=reward_pool, teacher=teacher, routing=routing,
                    worker_rank=worker_rank, group_ids=group_ids, params=sampling_params(cfg))

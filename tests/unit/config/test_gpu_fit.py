@@ -49,3 +49,14 @@ def test_cpu_jobs_and_the_hf_engine_are_not_counted():
     cfg("cluster.gpus_per_node=0", "rollout.num_engines=64")
     compose_config(["experiment=tiny_cpu", "cluster=slurm", "run_dir=/tmp/relax-unit-run",
                     "cluster.gpus_per_node=2", "rollout.num_engines=4"])
+
+
+def test_the_generate_timeout_grows_with_the_answer_length():
+    # the 30B preset's 8192-token answers in full batches outlived a fixed 300 s, and the
+    # group's retry with the same seeds timed out again
+    long = compose_config(["experiment=qwen3_30b_a3b_dapo", "run_dir=/tmp/relax-unit-run"])
+    assert long.rollout.request_timeout_s is None
+    assert long.rollout.generate_timeout_s == 300 + 0.1 * 8192
+    tiny = compose_config(["experiment=tiny_cpu", "run_dir=/tmp/relax-unit-run",
+                           "rollout.request_timeout_s=42"])
+    assert tiny.rollout.generate_timeout_s == 42
