@@ -65,16 +65,21 @@ def chunk_positions(seq_len: int, cp_size: int, cp_rank: int) -> Tensor:
                       torch.arange(second * size, (second + 1) * size)])
 
 
-def padded_length(seq_len: int, cp_size: int) -> int:
-    n = 2 * cp_size
+def padded_length(seq_len: int, cp_size: int, sp_size: int = 1) -> int:
+    """seq_len rounded up to a multiple of 2 x CP x `sp_size`: 2 x CP chunks, and with sequence
+    parallelism (`sp_size` = TP) each CP rank's T/CP tokens split again over the TP ranks
+    (megatron-core asserts it divides; 2 x CP alone failed at TP=2 for odd chunk lengths)."""
+    n = 2 * cp_size * sp_size
     return -(-seq_len // n) * n
 
 
-def local_tokens(input_ids: Tensor, cp_size: int, cp_rank: int) -> tuple[Tensor, Tensor]:
+def local_tokens(input_ids: Tensor, cp_size: int, cp_rank: int, sp_size: int = 1
+                 ) -> tuple[Tensor, Tensor]:
     """This rank's tokens [B, T_pad/CP] and their positions [T_pad/CP]; right-padding (token 0)
-    comes after every real token, so causal attention never lets it change them."""
+    comes after every real token, so causal attention never lets it change them. `sp_size`:
+    the TP size under sequence parallelism, else 1 (`padded_length`)."""
     B, T = input_ids.shape
-    padded = padded_length(T, cp_size)
+    padded = padded_length(T, cp_size, sp_size)
     if padded != T:
         input_ids = torch.cat([input_ids, input_ids.new_zeros(B, padded - T)], dim=1)
     pos = chunk_positions(padded, cp_size, cp_rank).to(input_ids.device)

@@ -257,10 +257,15 @@ class MegatronModel:
     def seq_length(self, width: int, cp: int) -> int:
         """The sequence length each micro-batch of `width` tokens is run at."""
         if cp > 1:
-            return context_parallel.padded_length(width, cp)
+            return context_parallel.padded_length(width, cp, self.sp_size)
         if self.sequence_parallel:
             return -(-width // self.cfg.tensor_parallel_size) * self.cfg.tensor_parallel_size
         return width
+
+    @property
+    def sp_size(self) -> int:
+        """How many ranks sequence parallelism splits a sequence over: TP, or 1 without it."""
+        return self.cfg.tensor_parallel_size if self.sequence_parallel else 1
 
     def _pad_for_sequence_parallel(self, input_ids: Tensor, attention_mask: Tensor | None
                                    ) -> tuple[Tensor, Tensor | None]:

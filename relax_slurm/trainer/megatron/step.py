@@ -134,7 +134,8 @@ def _forward(mm: MegatronModel, chunk, mb: MicroBatch, cp: int, cp_rank: int,
               if algo is not None and mb.routed is not None else contextlib.nullcontext())
     with routed:
         if cp > 1:
-            return mm.forward(chunk, *context_parallel.local_tokens(mb.input_ids, cp, cp_rank))
+            return mm.forward(chunk, *context_parallel.local_tokens(mb.input_ids, cp, cp_rank,
+                                                                    mm.sp_size))
         return mm.forward(chunk, mb.input_ids, attention_mask=mb.attention_mask,
                           media=mb.media.kwargs() if mb.media is not None else None)
 

@@ -74,6 +74,20 @@ def test_local_tokens_and_reassemble_are_inverse(cp):
     assert torch.equal(reassemble(local, cp), logits)
 
 
+@pytest.mark.parametrize("cp, tp", [(2, 2), (2, 4), (3, 2)])
+def test_each_cp_ranks_tokens_split_over_the_sequence_parallel_ranks(cp, tp):
+    # sequence parallelism splits each CP rank's T/CP tokens again over TP (megatron-core
+    # asserts it divides): 2 x CP alone gave T/CP = 11 for 21 tokens at CP=2, TP=2
+    for width in (21, 13, 2 * cp * tp):
+        T = padded_length(width, cp, tp)
+        assert T % (2 * cp * tp) == 0 and width <= T < width + 2 * cp * tp
+        ids = torch.arange(width).view(1, width) + 1
+        part, pos = local_tokens(ids, cp, 0, tp)
+        assert part.shape[1] == T // cp and (T // cp) % tp == 0
+        assert torch.equal(torch.sort(torch.cat([local_tokens(ids, cp, r, tp)[1]
+                                                 for r in range(cp)])).values, torch.arange(T))
+
+
 def _gather_rank(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
