@@ -113,9 +113,15 @@ def test_two_ranks_update_ppo_as_one_rank(tiny_dir, tmp_path):
     # (measured: critic/grad_norm 2e-7, the rest equal)
     for a, b in zip(one["metrics"], two["metrics"]):
         for key in ("train/loss", "train/tokens", "train/entropy", "train/grad_norm",
-                    "critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean",
+                    "critic/vf_loss", "critic/values_mean",
                     "critic/returns_mean", "critic/grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        # a clip fraction counts tokens past a threshold (|v - v_old| > value_clip): a token
+        # whose distance lies within rounding of it may count in one layout and not the other
+        # (seen once: 5 of 38 tokens against 6, transformers 5.24); more than one would be a
+        # real difference
+        flipped = abs(b["critic/vf_clipfrac"] - a["critic/vf_clipfrac"]) * a["train/tokens"]
+        assert flipped <= 1 + 1e-6, (a["critic/vf_clipfrac"], b["critic/vf_clipfrac"])
     assert one["metrics"][-1]["critic/values_mean"] != 0  # the critic trained on steps 1-2
     # Weights: Adam's lr * m / (sqrt(v) + eps) turns the rounding-level gradient gap of an
     # element whose gradient is itself near rounding into a weight gap up to lr, so no
