@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from relax_slurm.config import TrainConfig
 from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, REQUESTS, STOP
+from relax_slurm.trainer import collectives
 
 log = logging.getLogger("relax_slurm.trainer")
 
@@ -24,18 +25,19 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", timeout=timeout)
-        return torch.device("cuda", local)
-    torch.set_num_threads(cfg.trainer.torch_threads)
-    dist.init_process_group("gloo", timeout=timeout)
-    return torch.device("cpu")
+        device = torch.device("cuda", local)
+    else:
+        torch.set_num_threads(cfg.trainer.torch_threads)
+        dist.init_process_group("gloo", timeout=timeout)
+        device = torch.device("cpu")
+    collectives.use_device(device)  # NCCL reduces CUDA tensors only
+    return device
 
 
 def broadcast_request(request: str | None) -> str | None:
     """Rank 0's pending control request (runtime/control.py `pending_request`: None, PREEMPT
     or STOP) on every rank."""
-    t = torch.tensor([REQUESTS.index(request)])
-    dist.broadcast(t, src=0)
-    return REQUESTS[int(t.item())]
+    return REQUESTS[collectives.broadcast_int(REQUESTS.index(request))]
 
 
 def end_on_request(request: str, done: int) -> int:

@@ -37,6 +37,7 @@ from relax_slurm.runtime.control import pending_request
 from relax_slurm.runtime.heap import freeze_heap
 from relax_slurm.metrics.fanout import open_sinks
 from relax_slurm.samples import Sample
+from relax_slurm.trainer import collectives
 from relax_slurm.trainer.backend import build_backend
 from relax_slurm.trainer.batch import MicroBatch, TrainItem, collate, scatter_batch
 
@@ -93,9 +94,7 @@ class Validation:
     def score(self, backend, device: torch.device) -> dict[str, float]:
         block = scatter_rows(self.rows, "token_sum", backend.pad_id, device, backend.data_ranks)
         sums = backend.eval_sums(block)
-        total = torch.tensor([sums["nll"], sums["tokens"]], dtype=torch.float64)
-        dist.all_reduce(total)
-        nll, tokens = total.tolist()
+        nll, tokens = collectives.all_reduce_sum([sums["nll"], sums["tokens"]])
         return {"val/loss": nll / max(tokens, 1.0), "val/tokens": tokens}
 
 

@@ -27,6 +27,7 @@ from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.config.algo_params import EstimatorParams
 from relax_slurm.modeling import media_token_ids, mm_token_types
 from relax_slurm.routing.hooks import RoutingStats, routing_replay
+from relax_slurm.trainer import collectives
 from relax_slurm.trainer.batch import MicroBatch, loss_params
 
 # policy_loss metric sums logged under another name (all are divided by the trained tokens)
@@ -149,9 +150,13 @@ def _accumulate(model: nn.Module, blocks: Iterable[tuple[MicroBatch, bool]], alg
                                                  reference_logprobs(ref_model, mb, temperature))
                 # weights sum to 1 over the whole batch across ranks; DDP averages over ranks
                 (loss * scale).backward()
-            sums["loss"] += loss.item()
+            # summed on the device, read once per step (reduce_metrics): a read per micro-batch
+            # would wait for the GPU each time
+            # (float64, as the host's float sums were)
+            sums["loss"] = sums["loss"] + loss.detach().double()
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+                value = value.detach().double() if isinstance(value, Tensor) else value
+                sums[key] = sums.get(key, 0.0) + value
 
 
 @torch.no_grad()
@@ -247,13 +252,11 @@ def _clip(model: nn.Module, grad_clip: float) -> float:
     return float(grad_norm)
 
 
-def reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
+def reduce_metrics(sums: dict[str, float | Tensor]) -> dict[str, float]:
     """Add every rank's sums (same keys everywhere: they depend on the config only) and divide
     each by the trained tokens: train/loss, train/tokens, train/clipfrac, train/entropy, ..."""
     keys = sorted(sums)
-    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(totals)
-    total = dict(zip(keys, totals.tolist()))
+    total = dict(zip(keys, collectives.all_reduce_sum([sums[k] for k in keys])))
     tokens = max(total.get("tokens", 0.0), 1.0)
     out = {"train/loss": total.pop("loss"), "train/tokens": total.pop("tokens", 0.0)}
     if "routing_pairs" in total:  # token x MoE-layer pairs, not trained tokens
