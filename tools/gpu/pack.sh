@@ -59,6 +59,10 @@ REQS=(
   dill==0.4.1
   multiprocess==0.70.19
   pillow==12.1.0                  # install_requires (images); light
+  pytest==9.0.3                   # run.sh suite: the gpu-marked tests
+  pluggy==1.6.0
+  iniconfig==2.3.0
+  pytest-timeout==2.4.0
 )
 SDIST_REQS=(antlr4-python3-runtime==4.9.3)  # sdist only on PyPI (hydra, omegaconf, math-verify)
 PLAT=(--python-version "$pyver" --implementation cp --abi "cp${pyver/./}" --abi abi3 --abi none

@@ -28,10 +28,10 @@ smoke() {  # smoke [OVERRIDES...]: a tiny preset ($RELAX_GPU_EXPERIMENT, tiny_cp
   rm -rf "${RUNS:?}/$name"
   mkdir -p "$RUNS/work"
   # one GPU: the trainer takes cuda:0 (NCCL default group, world 1); the hf engine runs on CPU
-  # (the launcher never passes it --device), so the weight-sync group must be gloo: NCCL there
-  # would need the engine on a GPU of its own (separate pools) and a CUDA receive buffer.
+  # (the launcher never passes it --device), so weight_sync.backend=auto takes gloo for it
+  # (NCCL would need the engine on a GPU of its own and a CUDA receive buffer).
   local args=("experiment=$experiment" trainer.nproc_per_node=1 trainer.total_steps=20
-              weight_sync.backend=gloo "run_dir=$RUNS/$name" "$@")
+              "run_dir=$RUNS/$name" "$@")
   stamp "smoke '$name': relax-train ${args[*]} (timeout ${SMOKE_TIMEOUT}s)"
   # the tiny model and data are built on first use under ./tiny of the working directory
   local spy=""
@@ -62,6 +62,9 @@ suite() {  # every smoke this image can run; rc 1 if any failed
   else
     stamp "megatron: megatron-core/megatron-bridge not in this image: skipped"
   fi
+  stamp "gpu tests: python -m pytest -m gpu"
+  (cd "$RELAX_GPU_PROJ" && timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+     tests/unit/trainer/test_collectives.py tests/unit/rollout/test_sglang_contract.py) || rc=1
   stamp "suite: rc=$rc"
   return $rc
 }

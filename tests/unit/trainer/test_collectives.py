@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -91,3 +92,25 @@ def test_sums_and_broadcasts_over_two_real_ranks(tmp_path):
     for rank in range(2):
         got = torch.load(tmp_path / f"out.{rank}")
         assert got == {"total": [4.0, 2.0, 6.0], "request": 7}
+
+
+def _nccl_rank(rank: int, store: str, out: str) -> None:
+    from relax_slurm.trainer import collectives
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=1)
+    try:
+        collectives.use_device(torch.device("cuda", 0))
+        total = collectives.all_reduce_sum([1.5, torch.tensor(2.0, device="cuda"), 3])
+        torch.save({"total": total, "request": collectives.broadcast_int(7)}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_helpers_run_on_nccl(tmp_path):
+    # what the first GPU run failed on: a collective of host values on the NCCL group
+    mp.spawn(_nccl_rank, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=1,
+             join=True)
+    assert torch.load(tmp_path / "out") == {"total": [1.5, 2.0, 3.0], "request": 7}
