@@ -42,7 +42,7 @@ class TorchBackend:
         self.cfg = cfg
         # the loss's typed parameters, once per run (the config is validated and fixed)
         self.estimator_params = cfg.algo.estimator_params()
-        raw = load_hf_model(cfg.model, device)
+        raw = load_hf_model(cfg.model, device, trained=True)
         if cfg.trainer.freeze_modules:
             log.info("froze %d parameters under %s",
                      freeze_modules(raw, cfg.trainer.freeze_modules), cfg.trainer.freeze_modules)
@@ -111,9 +111,9 @@ class TorchBackend:
         return nll_sums(self.model, block, self.cfg.trainer.micro_batch_size)
 
     def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
-        from relax_slurm.trainer.model import full_named_weights
+        from relax_slurm.trainer.model import DTYPES, full_named_weights
 
-        return full_named_weights(self.model)
+        return full_named_weights(self.model, DTYPES[self.cfg.model.dtype])
 
     def local_weights(self) -> Callable[[], list[tuple[str, Tensor]]] | None:
         """Rank 0's whole weights without a collective (DDP or one rank), for re-syncing a

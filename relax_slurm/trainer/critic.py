@@ -63,7 +63,7 @@ class Critic:
         from relax_slurm.trainer.model import load_hf_model, wrap_parallel
 
         self.cfg = cfg
-        self.model = wrap_parallel(ValueModel(load_hf_model(cfg.model, device)), cfg.trainer,
+        self.model = wrap_parallel(ValueModel(load_hf_model(cfg.model, device, trained=True)), cfg.trainer,
                                    device)
         t = cfg.trainer
         self.lr = critic_lr(cfg)

@@ -23,13 +23,30 @@ from relax_slurm.trainer.schedule import lr_factor
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_hf_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
-    """The causal LM, or the multimodal model (VL, audio, omni) the directory holds."""
+def load_hf_model(cfg: ModelConfig, device: torch.device, trained: bool = False) -> nn.Module:
+    """The causal LM, or the multimodal model (VL, audio, omni) the directory holds.
+
+    `trained`: an optimizer updates these weights, so they are kept in float32 whatever
+    model.dtype says, and a bfloat16/float16 model.dtype is the forward's compute dtype
+    (`compute_in`). AdamW on bf16 parameters rounds most updates away: at lr 1e-6 an update is
+    far below bf16's resolution of a weight (8 bits of mantissa)."""
+    dtype = DTYPES[cfg.dtype]
     model = auto_model_class(cfg.path).from_pretrained(
-        cfg.path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+        cfg.path, dtype=torch.float32 if trained else dtype,
+        trust_remote_code=cfg.trust_remote_code
     )
     model.config.use_cache = False  # training never reuses a KV cache
-    return model.to(device)
+    model = model.to(device)
+    if trained and dtype != torch.float32:
+        compute_in(model, dtype, device)
+    return model
+
+
+def compute_in(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """The model's forward runs under autocast to `dtype` (matmuls in half precision, its
+    reductions in float32) over its float32 master weights. Set on this instance's forward, so
+    DDP, FSDP2 and every caller of the model get it, and its state_dict keeps its names."""
+    model.forward = torch.autocast(device.type, dtype=dtype)(model.forward)
 
 
 def pad_token_id(config) -> int:
@@ -136,10 +153,12 @@ def build_optimizer(model: nn.Module, cfg: TrainerConfig):
     return opt, sched
 
 
-def full_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def full_named_weights(model: nn.Module, dtype: torch.dtype | None = None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors for the engines, tied weights once (as named_parameters gives them);
     fused MoE experts one view per expert, under the checkpoint files' names that SGLang loads
-    (`relax_slurm.modeling.checkpoint_views`).
+    (`relax_slurm.modeling.checkpoint_views`). `dtype`: what the engines serve (model.dtype;
+    the float32 master weights of a bf16 run are sent in bf16, half the bytes).
 
     Under FSDP2 every rank must iterate (full_tensor() is a collective); only rank 0 sends.
     """
@@ -147,4 +166,6 @@ def full_named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         t = p.detach()
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
         yield from checkpoint_views(name, t)
