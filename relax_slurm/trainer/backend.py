@@ -103,6 +103,17 @@ class TorchBackend:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
             self.scheduler.step()
 
+    def release_step_memory(self) -> None:
+        """Shared GPUs (rollout.release_memory_during_train): before the engines take their
+        memory back, drop the step's gradients (every step starts by setting them to None
+        anyway) and hand the allocator's cached blocks back to the GPU. Every rank."""
+        from relax_slurm.trainer.model import release_cached_memory
+
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic.optimizer.zero_grad(set_to_none=True)
+        release_cached_memory()
+
     def eval_sums(self, block: MicroBatch) -> dict[str, float]:
         """Forward only (SFT validation): this rank's summed NLL of its rows' trained tokens
         and their count. Collective under FSDP2: every rank calls it on an equal block."""

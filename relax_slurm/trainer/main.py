@@ -89,6 +89,8 @@ def train_loop(cfg: TrainConfig, backend, lead: RankZero | Peer, saver: Checkpoi
         blocks = step_blocks(stream, backend.pad_id, device, backend.data_ranks,
                              cfg.trainer.num_steps_per_rollout)
         train = backend.train_step(blocks, before_update=lead.settle)
+        if cfg.rollout.release_memory_during_train:  # the engines wake on these GPUs next
+            backend.release_step_memory()
         clock.mark("trained")
         lead.note_positions(positions)
         done = step + 1

@@ -138,6 +138,13 @@ def wrap_parallel(model: nn.Module, cfg: TrainerConfig, device: torch.device) ->
     return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
+def release_cached_memory() -> None:
+    """The CUDA caching allocator's free blocks back to the device (for engines sharing it);
+    nothing to do on the CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 

@@ -99,6 +99,13 @@ class MegatronBackend:
             log.info("reference model refreshed from the policy after step %d",
                      self.mm.steps_done)
 
+    def release_step_memory(self) -> None:
+        """Shared GPUs: the allocator's cached blocks back to the GPU before the engines wake
+        (megatron-core's gradient buffers are persistent: they stay)."""
+        from relax_slurm.trainer.model import release_cached_memory
+
+        release_cached_memory()
+
     def eval_sums(self, block: MicroBatch) -> dict[str, float]:
         """Forward only (SFT validation): NLL sums of this rank's share (see
         megatron.step.eval_sums); every rank calls it."""
