@@ -23,6 +23,7 @@ from relax_slurm.config.cluster import SlurmClusterConfig
 from relax_slurm.config.load import check_override_keys
 from relax_slurm.errors import ConfigError, Preempted, RelaxError
 from relax_slurm.config.variants import check_cluster_overrides
+from relax_slurm.launch.choices import check_group_choices, check_hydra_dirs
 from relax_slurm.launch.compose import CONF_DIR, composed_kind
 from relax_slurm.launch.help import HELP_FLAGS, help_text
 from relax_slurm.launch.interrupt import STOP, kept_message
@@ -170,8 +171,10 @@ def main() -> None:
         sys.exit(2)
     try:  # before Hydra, whose advice for a misspelt key is to add it with `+`
         check_override_keys(sys.argv[1:])
+        check_hydra_dirs(sys.argv[1:])
         if not any(a.startswith("--config-dir") for a in sys.argv[1:]):  # else: configs of
-            check_cluster_overrides(sys.argv[1:], composed_kind)  # the user's, not composed here
+            check_group_choices(sys.argv[1:], CONF_DIR)  # the user's, not composed here
+            check_cluster_overrides(sys.argv[1:], composed_kind)
     except RelaxError as e:
         print(f"relax-train: error: {e}", file=sys.stderr)
         sys.exit(1)
