@@ -55,13 +55,21 @@ def fill(template: str, **values: str) -> str:
 def sbatch_lines(c: SlurmClusterConfig, output: str) -> list[str]:
     """Every #SBATCH line: job-wide options first (they belong to component 0), then one block
     per component, separated by `#SBATCH hetjob`."""
-    job = [f"--job-name={c.job_name}", f"--output={output}", "--open-mode=append",
+    job = [f"--job-name={c.job_name}", f"--output={sbatch_quote(output)}", "--open-mode=append",
            "--requeue" if c.requeue else "--no-requeue"]
     job += [f"--signal=B:USR1@{c.signal_lead_s}"] if c.signal_lead_s else []
     lines = [f"#SBATCH {o}" for o in job + component_options(c, 0)]
     if c.layout == "hetjob":
         lines += ["#SBATCH hetjob"] + [f"#SBATCH {o}" for o in component_options(c, 1)]
     return lines
+
+
+def sbatch_quote(value: str) -> str:
+    """An #SBATCH option's value as sbatch reads it: words split at white space, double quotes
+    group them (backslash escapes `"` and `\\`); shlex.quote's single quotes are not sbatch's."""
+    if re.fullmatch(r"[\w@%+=:,./-]+", value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def job_python(c: SlurmClusterConfig) -> str:

@@ -61,6 +61,18 @@ def test_rendered_script_matches_golden(case):
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # valid shell
 
 
+def test_a_run_dir_with_a_space_is_quoted_in_output_too():
+    run_dir = Path("/scratch/my runs/demo")
+    cfg = cfg_for([])
+    cfg.run_dir = str(run_dir)
+    text = sbatch.render_script(cfg, run_dir, WORKDIR)
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    output = next(l for l in text.splitlines() if l.startswith("#SBATCH --output="))
+    # sbatch splits an #SBATCH line at white space outside double quotes, as shlex does here
+    assert shlex.split(output) == ["#SBATCH", f"--output={run_dir}/slurm-%j.out"]
+    assert sbatch.sbatch_quote('a "b"\\c') == '"a \\"b\\"\\\\c"'
+
+
 @pytest.mark.parametrize("name", sbatch.PRESETS)
 def test_ready_scripts_match_their_presets(name):
     path = REPO / "sbatch" / f"{name}.sbatch"
