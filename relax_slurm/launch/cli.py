@@ -52,7 +52,10 @@ def _run(cfg: DictConfig) -> None:
         if slurm:
             from relax_slurm.launch.sbatch import run_sbatch
 
-            sys.exit(run_sbatch(train_cfg))
+            code = run_sbatch(train_cfg)
+            if slurm.dry_run:  # it says nothing was written: not even Hydra's .hydra/
+                discard_if_unused(run_dir)
+            sys.exit(code)
         from relax_slurm.launch.local import run_local
 
         summary = run_local(train_cfg)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -241,15 +242,21 @@ def submit_run(cfg: TrainConfig) -> str | None:
         print(dry_run_text(cfg, run_dir, workdir), end="")
         return None
     check_inputs(cfg)
-    rerun = plan_rerun(cfg, run_dir)  # refuse now, not in the queue
+    fresh = not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} <= {".hydra"}
+    rerun = plan_rerun(cfg, run_dir)  # refuse now, not in the queue (records its history)
     say(rerun.message(cfg, run_dir))
     if rerun.complete:
         return None
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    script = run_dir / SCRIPT_NAME
-    script.write_text(render_script(cfg, run_dir, workdir))
-    job_id = submit_script(script)
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        script = run_dir / SCRIPT_NAME
+        script.write_text(render_script(cfg, run_dir, workdir))
+        job_id = submit_script(script)
+    except (RelaxError, OSError):
+        if fresh:  # refused by sbatch: no half-made run directory (a rerun's is kept as it was)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     print(f"submitted job {job_id}\nrun directory: {run_dir}\n"
           f"slurm log: {run_dir}/slurm-{job_id}.out", flush=True)
     return job_id
