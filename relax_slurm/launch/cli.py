@@ -26,7 +26,7 @@ from relax_slurm.config.variants import check_cluster_overrides
 from relax_slurm.launch.choices import check_group_choices, check_hydra_dirs
 from relax_slurm.launch.compose import CONF_DIR, composed_kind
 from relax_slurm.launch.help import HELP_FLAGS, help_text
-from relax_slurm.launch.interrupt import STOP, kept_message
+from relax_slurm.launch.interrupt import STOP, kept_message, stopped_message
 from relax_slurm.launch.sweep import Sweep, fixed_keys, in_multirun, is_multirun, point_name
 from relax_slurm.tiny.assets import ensure_tiny_assets
 
@@ -76,8 +76,7 @@ def _run(cfg: DictConfig) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         discard_if_unused(run_dir)  # stopped before anything started
-        print("relax-train: interrupted; every process of the run was stopped at once"
-              + (f"\n{kept_message(sys.argv[1:], run_dir)}" if run_dir.is_dir() else ""),
+        print(stopped_message(sys.argv[1:], run_dir, pressed_twice=STOP.requested),
               file=sys.stderr)
         sys.exit(130)
     print(json.dumps(summary, indent=2))
