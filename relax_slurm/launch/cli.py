@@ -25,7 +25,7 @@ from relax_slurm.errors import ConfigError, Preempted, RelaxError
 from relax_slurm.config.variants import check_cluster_overrides
 from relax_slurm.launch.choices import check_group_choices, check_hydra_dirs
 from relax_slurm.launch.compose import CONF_DIR, composed_kind
-from relax_slurm.launch.help import HELP_FLAGS, help_text
+from relax_slurm.launch.help import HELP_FLAGS, doc_ref, help_text
 from relax_slurm.launch.interrupt import STOP, kept_message, stopped_message
 from relax_slurm.launch.sweep import Sweep, fixed_keys, in_multirun, is_multirun, point_name
 from relax_slurm.tiny.assets import ensure_tiny_assets
@@ -152,14 +152,15 @@ USAGE = """usage: relax-train experiment=NAME [key=value ...]     \
   relax-train experiment=tiny_cpu cluster=slurm          the same as a Slurm heterogeneous job
 
 experiments: {experiments}
-docs: docs/quickstart.md, docs/configuration.md"""
+docs: {docs}"""
 
 
 def usage() -> str:
     """What a bare `relax-train` prints: with no experiment the base config would train 100
     steps of nothing (lr 1e-6, 256-token answers), so it names the presets instead."""
     names = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
-    return USAGE.format(experiments=", ".join(names))
+    return USAGE.format(experiments=", ".join(names),
+                        docs=doc_ref("quickstart.md", "configuration.md"))
 
 
 def main() -> None:
