@@ -9,6 +9,7 @@ Hydra runs here only; every role reads the resolved `run_dir/config.yaml`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -27,15 +28,17 @@ from relax_slurm.launch.choices import check_group_choices, check_hydra_dirs
 from relax_slurm.launch.compose import CONF_DIR, composed_kind
 from relax_slurm.launch.help import HELP_FLAGS, doc_ref, help_text
 from relax_slurm.launch.interrupt import STOP, kept_message, stopped_message
+from relax_slurm.launch.launcher_log import LAUNCHER_LOG, tee_output
 from relax_slurm.launch.sweep import Sweep, fixed_keys, in_multirun, is_multirun, point_name
 from relax_slurm.tiny.assets import ensure_tiny_assets
 
 SWEEP = Sweep()  # the points of `relax-train -m`, in the order Hydra runs them
 
 def discard_if_unused(run_dir: Path) -> None:
-    """Hydra makes run_dir (and its .hydra/) before the config is validated: a run refused
-    before it started must not leave a directory that looks like a run."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra"}:
+    """Hydra makes run_dir (and its .hydra/) before the config is validated, relax-train its
+    launcher.log: a run refused before it started must not leave a directory that looks like
+    a run."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", LAUNCHER_LOG}:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -44,6 +47,12 @@ def _run(cfg: DictConfig) -> None:
         _run_point(cfg)
         return
     run_dir = Path(cfg.get("run_dir") or ".").resolve()
+    local = OmegaConf.select(cfg, "cluster.kind") == "local"  # Slurm's: the job's --output
+    with tee_output(run_dir / LAUNCHER_LOG) if local else contextlib.nullcontext():
+        _run_one(cfg, run_dir)
+
+
+def _run_one(cfg: DictConfig, run_dir: Path) -> None:
     try:
         train_cfg = to_train_config(cfg)
         slurm = train_cfg.cluster if isinstance(train_cfg.cluster, SlurmClusterConfig) else None
