@@ -11,6 +11,7 @@ from relax_slurm.checkpoint.from_dcp import dcp_to_hf
 from relax_slurm.checkpoint.from_hf import hf_to_dcp
 from relax_slurm.checkpoint.from_megatron import megatron_to_hf
 from relax_slurm.checkpoint.hf_files import DEFAULT_SHARD_MB, DTYPES
+from relax_slurm.checkpoint.outputs import check_output
 from relax_slurm.checkpoint.resume import CheckpointError
 
 def convert_checkpoint(
@@ -28,6 +29,7 @@ def convert_checkpoint(
     torch_dtype = None if dtype in (None, "auto") else DTYPES.get(dtype)
     if dtype not in (None, "auto") and torch_dtype is None:
         raise CheckpointError(f"--dtype {dtype}: use auto, {', '.join(DTYPES)}")
+    check_output(Path(output_dir), overwrite)  # before the checkpoint is read, not after
     if fmt == "megatron":
         if target != "hf":
             raise CheckpointError("a Megatron checkpoint converts to hf only: --to hf")

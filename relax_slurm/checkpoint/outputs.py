@@ -10,10 +10,16 @@ from pathlib import Path
 
 from relax_slurm.checkpoint.resume import CheckpointError
 
-def start_output(out: Path, overwrite: bool) -> Path:
+def check_output(out: Path, overwrite: bool) -> None:
+    """CheckpointError for a non-empty `out` without `overwrite`: relax-convert checks it
+    before it reads the input (a large checkpoint takes minutes), start_output again."""
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise CheckpointError(f"--output {out} exists and is not empty. Fix: choose another "
                               "--output or pass --overwrite")
+
+
+def start_output(out: Path, overwrite: bool) -> Path:
+    check_output(out, overwrite)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

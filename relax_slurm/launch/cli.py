@@ -9,6 +9,7 @@ Hydra runs here only; every role reads the resolved `run_dir/config.yaml`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -23,18 +24,21 @@ from relax_slurm.config.cluster import SlurmClusterConfig
 from relax_slurm.config.load import check_override_keys
 from relax_slurm.errors import ConfigError, Preempted, RelaxError
 from relax_slurm.config.variants import check_cluster_overrides
+from relax_slurm.launch.choices import check_group_choices, check_hydra_dirs
 from relax_slurm.launch.compose import CONF_DIR, composed_kind
-from relax_slurm.launch.help import HELP_FLAGS, help_text
-from relax_slurm.launch.interrupt import STOP, kept_message
+from relax_slurm.launch.help import HELP_FLAGS, doc_ref, help_text
+from relax_slurm.launch.interrupt import STOP, kept_message, stopped_message
+from relax_slurm.launch.launcher_log import LAUNCHER_LOG, tee_output
 from relax_slurm.launch.sweep import Sweep, fixed_keys, in_multirun, is_multirun, point_name
 from relax_slurm.tiny.assets import ensure_tiny_assets
 
 SWEEP = Sweep()  # the points of `relax-train -m`, in the order Hydra runs them
 
 def discard_if_unused(run_dir: Path) -> None:
-    """Hydra makes run_dir (and its .hydra/) before the config is validated: a run refused
-    before it started must not leave a directory that looks like a run."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra"}:
+    """Hydra makes run_dir (and its .hydra/) before the config is validated, relax-train its
+    launcher.log: a run refused before it started must not leave a directory that looks like
+    a run."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", LAUNCHER_LOG}:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -43,6 +47,12 @@ def _run(cfg: DictConfig) -> None:
         _run_point(cfg)
         return
     run_dir = Path(cfg.get("run_dir") or ".").resolve()
+    local = OmegaConf.select(cfg, "cluster.kind") == "local"  # Slurm's: the job's --output
+    with tee_output(run_dir / LAUNCHER_LOG) if local else contextlib.nullcontext():
+        _run_one(cfg, run_dir)
+
+
+def _run_one(cfg: DictConfig, run_dir: Path) -> None:
     try:
         train_cfg = to_train_config(cfg)
         slurm = train_cfg.cluster if isinstance(train_cfg.cluster, SlurmClusterConfig) else None
@@ -51,7 +61,10 @@ def _run(cfg: DictConfig) -> None:
         if slurm:
             from relax_slurm.launch.sbatch import run_sbatch
 
-            sys.exit(run_sbatch(train_cfg))
+            code = run_sbatch(train_cfg)
+            if slurm.dry_run:  # it says nothing was written: not even Hydra's .hydra/
+                discard_if_unused(run_dir)
+            sys.exit(code)
         from relax_slurm.launch.local import run_local
 
         summary = run_local(train_cfg)
@@ -72,8 +85,7 @@ def _run(cfg: DictConfig) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         discard_if_unused(run_dir)  # stopped before anything started
-        print("relax-train: interrupted; every process of the run was stopped at once"
-              + (f"\n{kept_message(sys.argv[1:], run_dir)}" if run_dir.is_dir() else ""),
+        print(stopped_message(sys.argv[1:], run_dir, pressed_twice=STOP.requested),
               file=sys.stderr)
         sys.exit(130)
     print(json.dumps(summary, indent=2))
@@ -149,14 +161,15 @@ USAGE = """usage: relax-train experiment=NAME [key=value ...]     \
   relax-train experiment=tiny_cpu cluster=slurm          the same as a Slurm heterogeneous job
 
 experiments: {experiments}
-docs: docs/quickstart.md, docs/configuration.md"""
+docs: {docs}"""
 
 
 def usage() -> str:
     """What a bare `relax-train` prints: with no experiment the base config would train 100
     steps of nothing (lr 1e-6, 256-token answers), so it names the presets instead."""
     names = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
-    return USAGE.format(experiments=", ".join(names))
+    return USAGE.format(experiments=", ".join(names),
+                        docs=doc_ref("quickstart.md", "configuration.md"))
 
 
 def main() -> None:
@@ -170,8 +183,10 @@ def main() -> None:
         sys.exit(2)
     try:  # before Hydra, whose advice for a misspelt key is to add it with `+`
         check_override_keys(sys.argv[1:])
+        check_hydra_dirs(sys.argv[1:])
         if not any(a.startswith("--config-dir") for a in sys.argv[1:]):  # else: configs of
-            check_cluster_overrides(sys.argv[1:], composed_kind)  # the user's, not composed here
+            check_group_choices(sys.argv[1:], CONF_DIR)  # the user's, not composed here
+            check_cluster_overrides(sys.argv[1:], composed_kind)
     except RelaxError as e:
         print(f"relax-train: error: {e}", file=sys.stderr)
         sys.exit(1)

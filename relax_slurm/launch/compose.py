@@ -11,6 +11,7 @@ from typing import Sequence
 from relax_slurm.config import TrainConfig, register_configs, to_train_config
 from relax_slurm.config.load import check_override_keys
 from relax_slurm.config.variants import check_cluster_overrides
+from relax_slurm.launch.choices import check_group_choices, check_hydra_dirs
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 """The Hydra configs: package data of an installed relax_slurm, and in a source checkout the
@@ -23,6 +24,8 @@ def compose_config(overrides: Sequence[str]) -> TrainConfig:
     from hydra import compose, initialize_config_dir
 
     check_override_keys(overrides)  # an unknown or moved key named, before Hydra's advice
+    check_hydra_dirs(overrides)
+    check_group_choices(overrides, CONF_DIR)
     check_cluster_overrides(overrides, composed_kind)
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -12,7 +12,19 @@ INTERNAL_PREFIX = "base_"
 PULLED_IN_GROUPS = ("algo_trainer",)
 HELP_FLAGS = ("--help", "-h")
 
-HEADER = """relax-train: RL post-training on Slurm or one machine (docs/quickstart.md)
+DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
+"""A source checkout's docs/; an installed package has none (the docs are not package data)."""
+
+
+def doc_ref(*names: str) -> str:
+    """Where the docs `names` are: their paths in a source checkout, else their names in the
+    project's docs/ (an installed package has no docs/ to point to)."""
+    if all((DOCS_DIR / n).is_file() for n in names):
+        return ", ".join(str(DOCS_DIR / n) for n in names)
+    return f"{', '.join(names)} in the relax-slurm repository's docs/"
+
+
+HEADER = """relax-train: RL post-training on Slurm or one machine ({docs})
 
 usage: relax-train experiment=NAME [group=option ...] [key=value ...]
        relax-train experiment=NAME --cfg job     the composed config
@@ -42,5 +54,6 @@ def group_options(conf_dir: Path, overrides: list[str]) -> tuple[dict[str, list[
 def help_text(conf_dir: Path, overrides: list[str]) -> str:
     groups, config = group_options(conf_dir, overrides)
     lines = [f"{g}: {', '.join(opts)}" for g, opts in groups.items() if opts]
-    return (HEADER + "\n".join(lines) + "\n\n== Config ==\nOverride anything in the config "
-            "(foo.bar=value); docs/configuration.md\n\n" + config)
+    return (HEADER.format(docs=doc_ref("quickstart.md")) + "\n".join(lines)
+            + "\n\n== Config ==\nOverride anything in the config (foo.bar=value); "
+            f"{doc_ref('configuration.md')}\n\n" + config)

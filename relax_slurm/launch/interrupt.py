@@ -54,11 +54,22 @@ def resume_command(argv: list[str], run_dir: Path) -> str:
     return " ".join(["relax-train", *map(shlex.quote, args)])
 
 
-def kept_message(argv: list[str], run_dir: Path) -> str:
-    """What an interrupted run kept, and how to go on from it."""
+def kept_message(argv: list[str], run_dir: Path, pressed_twice: bool = True) -> str:
+    """What an interrupted run kept, and how to go on from it. `pressed_twice`: a second
+    signal stopped it (the advice to press once applies); else the first came before the
+    trainer ran, with nothing to save yet."""
     latest = find_latest(run_dir)
     if latest is None:
+        once = "one Ctrl-C, not two, saves one after the current step; " if pressed_twice else ""
         return (f"no checkpoint in {run_dir / 'checkpoints'}: the same command starts again "
-                "from step 0 (one Ctrl-C, not two, saves one after the current step; "
-                "trainer.save_every=N saves every N steps)")
+                f"from step 0 ({once}trainer.save_every=N saves every N steps)")
     return f"checkpoint kept: {latest}\nresume with: {resume_command(argv, run_dir)}"
+
+
+def stopped_message(argv: list[str], run_dir: Path, pressed_twice: bool) -> str:
+    """What relax-train prints when a signal stopped every process at once: a second one, or
+    the first before the roles were up (start-up), when there was no trainer to ask."""
+    head = ("relax-train: interrupted again; every process of the run was stopped at once"
+            if pressed_twice else "relax-train: interrupted during start-up, before the trainer "
+            "ran (nothing to checkpoint yet); every process started was stopped")
+    return head + (f"\n{kept_message(argv, run_dir, pressed_twice)}" if run_dir.is_dir() else "")

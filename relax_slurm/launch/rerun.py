@@ -79,11 +79,20 @@ def describe(changes: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{k} {fmt(a)} -> {fmt(b)}" for k, (a, b) in changes.items())
 
 
-def check_changes(changes: dict[str, tuple[Any, Any]], step: int, allow: bool) -> None:
-    """ConfigError naming the keys a resume from `step` would change unasked."""
+def check_changes(changes: dict[str, tuple[Any, Any]], step: int, allow: bool,
+                  total_steps: int | None = None) -> None:
+    """ConfigError naming the keys a resume from `step` would change unasked (`total_steps`:
+    the run's length, to tell a finished run, which has nothing left to train)."""
     refused = {k: v for k, v in changes.items() if not free_on_resume(k)}
     if not refused or allow:
         return
+    if total_steps is not None and step >= total_steps:
+        raise ConfigError(
+            f"this run is complete (steps 0-{step - 1}, trainer.total_steps={total_steps}) "
+            f"and was trained with another config: {describe(refused)}; nothing is left to "
+            "train with them. Fix: drop those overrides to see its summary; or raise "
+            "trainer.total_steps with resume_with_changes=true to train further with the new "
+            "values; or a new run_dir (or resume=none overwrite=true) to start over with them")
     raise ConfigError(
         f"this run already trained steps 0-{step - 1} with another config; resuming from "
         f"step_{step} would train the rest with: {describe(refused)}. Fix: drop those overrides "
@@ -173,7 +182,7 @@ def plan_rerun(cfg: TrainConfig, run_dir: Path) -> Rerun:
         old = OmegaConf.to_container(saved, resolve=True)
         changes = {k: v for k, v in config_changes(old, new).items() if k not in LAUNCH_ONLY}
         check_warm_start(changes, resume)
-        check_changes(changes, step, cfg.resume_with_changes)
+        check_changes(changes, step, cfg.resume_with_changes, cfg.trainer.total_steps)
     rerun = Rerun(resume, step, resume is not None and step >= cfg.trainer.total_steps, changes)
     history = run_dir / HISTORY_FILE
     if not rerun.complete and (resume is None or changes or not history.exists()):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -55,13 +56,21 @@ def fill(template: str, **values: str) -> str:
 def sbatch_lines(c: SlurmClusterConfig, output: str) -> list[str]:
     """Every #SBATCH line: job-wide options first (they belong to component 0), then one block
     per component, separated by `#SBATCH hetjob`."""
-    job = [f"--job-name={c.job_name}", f"--output={output}", "--open-mode=append",
+    job = [f"--job-name={c.job_name}", f"--output={sbatch_quote(output)}", "--open-mode=append",
            "--requeue" if c.requeue else "--no-requeue"]
     job += [f"--signal=B:USR1@{c.signal_lead_s}"] if c.signal_lead_s else []
     lines = [f"#SBATCH {o}" for o in job + component_options(c, 0)]
     if c.layout == "hetjob":
         lines += ["#SBATCH hetjob"] + [f"#SBATCH {o}" for o in component_options(c, 1)]
     return lines
+
+
+def sbatch_quote(value: str) -> str:
+    """An #SBATCH option's value as sbatch reads it: words split at white space, double quotes
+    group them (backslash escapes `"` and `\\`); shlex.quote's single quotes are not sbatch's."""
+    if re.fullmatch(r"[\w@%+=:,./-]+", value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def job_python(c: SlurmClusterConfig) -> str:
@@ -233,15 +242,21 @@ def submit_run(cfg: TrainConfig) -> str | None:
         print(dry_run_text(cfg, run_dir, workdir), end="")
         return None
     check_inputs(cfg)
-    rerun = plan_rerun(cfg, run_dir)  # refuse now, not in the queue
+    fresh = not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} <= {".hydra"}
+    rerun = plan_rerun(cfg, run_dir)  # refuse now, not in the queue (records its history)
     say(rerun.message(cfg, run_dir))
     if rerun.complete:
         return None
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    script = run_dir / SCRIPT_NAME
-    script.write_text(render_script(cfg, run_dir, workdir))
-    job_id = submit_script(script)
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        script = run_dir / SCRIPT_NAME
+        script.write_text(render_script(cfg, run_dir, workdir))
+        job_id = submit_script(script)
+    except (RelaxError, OSError):
+        if fresh:  # refused by sbatch: no half-made run directory (a rerun's is kept as it was)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     print(f"submitted job {job_id}\nrun directory: {run_dir}\n"
           f"slurm log: {run_dir}/slurm-{job_id}.out", flush=True)
     return job_id

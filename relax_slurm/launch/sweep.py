@@ -8,7 +8,7 @@ with `cluster=slurm` a point is submitted as its own heterogeneous job and the n
 at once (`cluster.wait=true` then waits for every job at the end).
 
 A failing point does not stop the sweep: its error is recorded and the next point runs. The
-sweep ends with a table of every point (overrides, run directory, job, state), written to
+sweep ends with a table of every point (overrides, run directory, job, state, reward), written to
 `run_dir/sweep.json` as well, and exit status 1 if any point failed.
 """
 
@@ -77,6 +77,20 @@ class Point:
         return self.state in OK_STATES
 
 
+def outcome(run_dir: Path) -> str:
+    """A point's result for the table, from its summary.json: `reward_first -> reward_last`
+    (an SFT point: its validation loss), `-` without a summary (failed, queued, dry run)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return "-"
+    for first, last, label in (("reward_first", "reward_last", ""),
+                               ("val_loss_first", "val_loss_last", "val_loss ")):
+        if summary.get(first) is not None and summary.get(last) is not None:
+            return f"{label}{summary[first]:.3f} -> {summary[last]:.3f}"
+    return "-"
+
+
 class Sweep:
     """The points run so far in this process (Hydra's basic launcher runs them in order)."""
 
@@ -108,11 +122,11 @@ class Sweep:
         return [p for p in self.points if not p.ok]
 
     def table(self) -> str:
-        rows = [("#", "overrides", "run_dir", "job", "state")]
-        rows += [(str(p.num), p.overrides, p.run_dir, p.job_id or "-", p.state)
-                 for p in self.points]
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4] for r in rows]
+        rows = [("#", "overrides", "run_dir", "job", "state", "reward")]
+        rows += [(str(p.num), p.overrides, p.run_dir, p.job_id or "-", p.state,
+                  outcome(Path(p.run_dir))) for p in self.points]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5] for r in rows]
         for p in self.points:
             if p.message and not p.ok:
                 lines.append(f"#{p.num}: {p.message.splitlines()[0]}")

@@ -16,7 +16,9 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def summarize(rows: list[dict[str, Any]], wall_s: float, max_staleness: int) -> dict[str, Any]:
-    """Pure: metrics rows (one per step) -> summary dict."""
+    """Pure: metrics rows (one per step) -> summary dict. `steps` and the rewards cover every
+    row of the run directory (resumed starts included); `wall_s` is the caller's, the last
+    start's wall time (docs/quickstart.md)."""
     rewards = [r["rollout/reward_mean"] for r in rows if r.get("rollout/reward_mean") is not None]
     stale = [r.get("broker/staleness_max") or 0 for r in rows]
     vals = [r["val/loss"] for r in rows if r.get("val/loss") is not None]

@@ -23,6 +23,7 @@ one-layer audio encoder over 2 s of 16 mel bins and its Whisper feature extracto
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,6 +92,17 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def readable_as_umask(out: Path) -> None:
+    """Give every file under `out` the mode the umask gives a new file (0644 under 022):
+    save_pretrained writes model.safetensors through a private temporary file (0600), which
+    another user of a shared tiny/ could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory to write model and tokenizer")
@@ -109,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         from relax_slurm.tiny.multimodal import build_multimodal
 
         print(build_multimodal(args.kind, Path(args.out), seed=args.seed))
+        readable_as_umask(Path(args.out))
         return 0
 
     tokenizer = build_tokenizer()
@@ -127,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     save_tokenizer(tokenizer, out)
+    readable_as_umask(out)
     print(f"wrote {out}: {type(model).__name__} with {count_parameters(model):,} parameters, "
           f"tokenizer with {len(tokenizer)} tokens")
     return 0

@@ -37,6 +37,9 @@ def check_run_dir(run_dir: Path, proc: subprocess.CompletedProcess, steps: int) 
     # weight_sync.verify=true: the trainer compared engine and trainer checksums after every
     # sync and would have failed the run on a mismatch
     assert "weights verified" in (run_dir / "logs" / "trainer.log").read_text()
+    # relax-train's own output is kept with the run: its summary and where the run is
+    launcher = (run_dir / "launcher.log").read_text()
+    assert f'"steps": {steps},' in launcher and f"run directory: {run_dir.resolve()}" in launcher
     return summary
 
 

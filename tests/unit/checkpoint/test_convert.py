@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from relax_slurm.checkpoint import (
     CheckpointError, convert_checkpoint, detect_format, load_checkpoint, save_checkpoint, save_hf,
 )
+from relax_slurm.checkpoint import from_dcp
 from relax_slurm.checkpoint.cli import main as cli_main
 
 torch.set_num_threads(1)
@@ -126,13 +127,15 @@ def test_refuses_mismatched_architecture(run_dir, tiny_dir, tiny_small_dir, tmp_
         convert_checkpoint(bad, tmp_path / "out2")
 
 
-def test_output_and_target_checks(run_dir, tmp_path):
+def test_output_and_target_checks(run_dir, tmp_path, monkeypatch):
     run, _ = run_dir
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(CheckpointError, match="--overwrite"):
-        convert_checkpoint(run, out)
+    with monkeypatch.context() as m:  # refused before the checkpoint is read
+        m.setattr(from_dcp, "load_config", lambda *a: pytest.fail("read the input first"))
+        with pytest.raises(CheckpointError, match="--overwrite"):
+            convert_checkpoint(run, out)
     convert_checkpoint(run, out, overwrite=True)
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     with pytest.raises(CheckpointError, match="already in dcp format"):

@@ -57,6 +57,14 @@ def test_refusal_names_each_key_old_and_new_and_the_knob():
     check_changes({"trainer.total_steps": (150, 300)}, step=75, allow=False)
 
 
+def test_refusal_on_a_finished_run_says_nothing_is_left_to_train():
+    with pytest.raises(ConfigError) as e:
+        check_changes({"trainer.lr": (0.002, 0.001)}, step=150, allow=False, total_steps=150)
+    msg = str(e.value)
+    assert "this run is complete" in msg and "nothing is left to train" in msg
+    assert "would train the rest" not in msg and "trainer.lr 0.002 -> 0.001" in msg
+
+
 def test_plan_rerun_fresh_resume_refused_allowed_and_complete(tmp_path):
     run = tmp_path / "run"
     first = plan_rerun(cfg_for(run), run)
@@ -84,6 +92,8 @@ def test_plan_rerun_fresh_resume_refused_allowed_and_complete(tmp_path):
     done = plan_rerun(cfg_for(run, "trainer.total_steps=75"), run)
     assert done.complete and "run complete at step 75" in done.message(cfg_for(run), run)
     assert len((run / HISTORY_FILE).read_text().splitlines()) == 2  # nothing ran, no row
+    with pytest.raises(ConfigError, match="complete.*nothing is left to train"):
+        plan_rerun(cfg_for(run, "trainer.total_steps=75", "trainer.lr=1e-4"), run)
 
 
 def test_resume_command_keeps_the_overrides_and_drops_resume_and_overwrite(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,18 @@ def test_rendered_script_matches_golden(case):
     text = sbatch.render_script(cfg_for(CASES[case]), RUN_DIR, WORKDIR)
     check_golden(f"{case}.sbatch", text)
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # valid shell
+
+
+def test_a_run_dir_with_a_space_is_quoted_in_output_too():
+    run_dir = Path("/scratch/my runs/demo")
+    cfg = cfg_for([])
+    cfg.run_dir = str(run_dir)
+    text = sbatch.render_script(cfg, run_dir, WORKDIR)
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    output = next(l for l in text.splitlines() if l.startswith("#SBATCH --output="))
+    # sbatch splits an #SBATCH line at white space outside double quotes, as shlex does here
+    assert shlex.split(output) == ["#SBATCH", f"--output={run_dir}/slurm-%j.out"]
+    assert sbatch.sbatch_quote('a "b"\\c') == '"a \\"b\\"\\\\c"'
 
 
 @pytest.mark.parametrize("name", sbatch.PRESETS)
@@ -183,3 +196,33 @@ def test_dry_run_renders_the_managed_judge_in_the_rollout_component():
     judge = [s for s in sruns if "--job-name=genrm" in s]
     assert len(judge) == 1 and "--het-group=1" in judge[0]
     assert judge[0][judge[0].index("--model-path") + 1] == "/models/judge"
+
+
+def test_a_failed_sbatch_leaves_no_run_directory(tmp_path, monkeypatch):
+    from relax_slurm.errors import RelaxError
+    from relax_slurm.launch import inputs
+
+    bin_dir = tmp_path / "bin"  # a real `sbatch` that refuses, as a full queue or bad account
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Invalid account' >&2\n"
+                                    "exit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(inputs, "check_inputs", lambda cfg: None)  # no model needed to submit
+    cfg = cfg_for([])
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)  # what Hydra made before relax-train ran
+    cfg.run_dir = str(run_dir)
+    with pytest.raises(RelaxError, match="Invalid account"):
+        sbatch.submit_run(cfg)
+    assert not run_dir.exists(), list(run_dir.rglob("*"))
+
+
+def test_a_dry_run_writes_nothing_not_even_hydras_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_cpu",
+                        "cluster=slurm", "cluster.dry_run=true", f"run_dir={run_dir}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "#SBATCH" in r.stdout
+    assert list(tmp_path.iterdir()) == []

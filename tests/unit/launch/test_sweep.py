@@ -24,12 +24,18 @@ def test_fixed_keys_are_the_ones_with_one_value():
     assert fixed_keys(argv) == ["experiment", "extra", "run_dir"]
 
 
-def test_table_and_exit_code():
+def test_table_and_exit_code(tmp_path):
+    done = tmp_path / "0_seed=0"
+    done.mkdir()
+    (done / "summary.json").write_text(json.dumps({"reward_first": 0.0125, "reward_last": 0.85}))
     sweep = Sweep()
-    sweep.points = [Point(0, "seed=0", "/r/0_seed=0", "completed"),
+    sweep.points = [Point(0, "seed=0", str(done), "completed"),
                     Point(1, "seed=1", "/r/1_seed=1", "failed",
                           message="trainer.lr=-1.0: must be > 0")]
     table = sweep.table()
+    header, first, second = table.splitlines()[:3]
+    assert header.split()[-1] == "reward" and first.endswith("completed  0.013 -> 0.850")
+    assert second.split()[-1] == "-"  # failed: no summary
     assert "1_seed=1" in table and "failed" in table and "trainer.lr=-1.0" in table
     assert "2 point(s), 1 failed" in table
     assert sweep.exit_code() == 1
