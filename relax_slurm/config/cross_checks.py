@@ -12,6 +12,7 @@ from relax_slurm.config.env import EnvConfig
 from relax_slurm.config.reward import RewardConfig
 from relax_slurm.config.rollout import RolloutConfig
 from relax_slurm.config.trainer import TrainerConfig
+from relax_slurm.config.weight_sync import WeightSyncConfig
 
 SEED_LIMIT = 1 << 22
 """seed below this: its sampling seeds (seed << 40, plus up to 2**40 samples) stay in int64."""
@@ -43,6 +44,15 @@ def check_rollout_mode(algo: AlgoConfig, rollout: RolloutConfig, env: EnvConfig)
     check(not rollout.release_memory_during_train or algo.max_staleness == 0,
           f"rollout.release_memory_during_train=true needs algo.max_staleness=0 (engines "
           f"are asleep while the trainer steps; got {algo.max_staleness})")
+
+
+def check_weight_checks(rollout: RolloutConfig, ws: WeightSyncConfig) -> None:
+    """weight_sync.verify reads /weights_checksum, which only the hf engine serves (SGLang
+    answers 404, which would end the run after its first push)."""
+    check(not (ws.verify and rollout.engine == "sglang"),
+          "weight_sync.verify=true compares the engines' /weights_checksum, a route of the hf "
+          "engine that SGLang does not serve: set weight_sync.verify=false with "
+          "rollout.engine=sglang (or verify on rollout.engine=hf)")
 
 
 def check_parallel_layout(t: TrainerConfig, cluster: ClusterConfig) -> None:

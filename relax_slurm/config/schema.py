@@ -30,6 +30,7 @@ from relax_slurm.config.cross_checks import (
     check_routing_replay,
     check_seed,
     check_streaming,
+    check_weight_checks,
     streaming_blockers,
     supervised_problems,
 )
@@ -80,6 +81,7 @@ class TrainConfig:
         check_seed(self.seed)
         check_overlong_buffer(self.algo, self.rollout)
         check_rollout_mode(self.algo, self.rollout, self.env)
+        check_weight_checks(self.rollout, self.weight_sync)
         check_parallel_layout(self.trainer, self.cluster)
         check_megatron_media(self.trainer, self.data)
         check_routing_replay(self.algo, self.rollout, self.trainer)

@@ -83,3 +83,31 @@ def record_global_restart(run_dir: Path, attempt: int, cap: int, cause: RoleFail
 def say(text: str | None) -> None:
     if text:
         print(f"relax-train: {text}", file=sys.stderr, flush=True)
+
+
+def gpu_visible() -> bool:
+    """Whether this machine shows the launcher a CUDA GPU (torch's answer)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def prepare_sglang_engines(cfg: TrainConfig) -> None:
+    """rollout.engine=sglang on a local run: settle rollout.engine_device=auto (cpu without a
+    GPU) and, for cpu engines with no rollout.engine_python, point it at the project's CPU
+    SGLang venv, building it first when missing (minutes, once; relax-sglang-cpu install).
+    The resolved keys go to RUN_DIR/config.yaml, so a restarted engine runs the same python."""
+    r = cfg.rollout
+    if r.engine != "sglang":
+        return
+    if r.engine_device == "auto":
+        r.engine_device = "cuda" if gpu_visible() else "cpu"
+    if r.engine_device == "cpu" and not r.engine_python:
+        from relax_slurm.engines import sglang_cpu
+
+        r.engine_python = str(sglang_cpu.ensure_venv(say=lambda line: say(line)))
+    if not r.deterministic:
+        say("rollout.deterministic=false: SGLang ignores every sampling_seed, so this run's "
+            "rollouts are not reproducible token for token (a resumed run included); "
+            "rollout.deterministic=true starts the engines with "
+            "--enable-deterministic-inference")
