@@ -107,7 +107,7 @@ def prepare_sglang_engines(cfg: TrainConfig) -> None:
 
         r.engine_python = str(sglang_cpu.ensure_venv(say=lambda line: say(line)))
     if not r.deterministic:
-        say("rollout.deterministic=false: SGLang ignores every sampling_seed, so this run's "
-            "rollouts are not reproducible token for token (a resumed run included); "
-            "rollout.deterministic=true starts the engines with "
+        say("rollout.deterministic=false: SGLang ignores every sampling_seed (its draws "
+            "depend on how requests are batched), so a resumed run does not draw the tokens "
+            "the uninterrupted run would; rollout.deterministic=true starts the engines with "
             "--enable-deterministic-inference")
