@@ -105,7 +105,7 @@ def prepare_sglang_engines(cfg: TrainConfig) -> None:
     if r.engine_device == "cpu" and not r.engine_python:
         from relax_slurm.engines import sglang_cpu
 
-        r.engine_python = str(sglang_cpu.ensure_venv(say=lambda line: say(line)))
+        r.engine_python = str(sglang_cpu.ensure_venv(say=say))
     if not r.deterministic:
         say("rollout.deterministic=false: SGLang ignores every sampling_seed (its draws "
             "depend on how requests are batched), so a resumed run does not draw the tokens "
