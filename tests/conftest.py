@@ -74,3 +74,13 @@ def tiny_mm_assets(tmp_path_factory) -> Path:
     for task in ("colors", "change", "tones"):
         run_tool("prepare_mm_data.py", "--out", str(out), "--task", task)
     return out
+
+
+@pytest.fixture(scope="session")
+def sglang_cpu_python() -> Path:
+    """The real SGLang for CPU (relax-sglang-cpu install): its venv's python, built by the
+    launcher's own code path when missing or out of date (about 1.5 min from PyPI, then
+    cached in ~/.cache/relax_slurm), so a fresh machine runs these tests too."""
+    from relax_slurm.engines import sglang_cpu
+
+    return sglang_cpu.ensure_venv()

@@ -55,6 +55,15 @@ def check_weight_sync_backend(ws: WeightSyncConfig, rollout: RolloutConfig) -> N
           "rollout=sglang")
 
 
+def check_weight_checks(rollout: RolloutConfig, ws: WeightSyncConfig) -> None:
+    """weight_sync.verify reads /weights_checksum, which only the hf engine serves (SGLang
+    answers 404, which would end the run after its first push)."""
+    check(not (ws.verify and rollout.engine == "sglang"),
+          "weight_sync.verify=true compares the engines' /weights_checksum, a route of the hf "
+          "engine that SGLang does not serve: set weight_sync.verify=false with "
+          "rollout.engine=sglang (or verify on rollout.engine=hf)")
+
+
 def check_parallel_layout(t: TrainerConfig, cluster: ClusterConfig) -> None:
     """The trainer's ranks split into TP x PP x CP, and expert parallelism divides the rest."""
     world = t.nproc_per_node * cluster.trainer_node_count()  # cluster.trainer_nodes on Slurm
@@ -82,7 +91,7 @@ def check_gpus_fit(t: TrainerConfig, rollout: RolloutConfig, cluster: ClusterCon
           f"trainer.nproc_per_node={t.nproc_per_node} ranks per node, but "
           f"cluster.gpus_per_node={cluster.gpus_per_node}: each rank needs a GPU of its own; "
           "lower trainer.nproc_per_node or raise cluster.gpus_per_node")
-    if rollout.engine != "sglang":
+    if rollout.engine != "sglang" or rollout.engine_device == "cpu":
         return
     shares = cluster.layout == "colocated" and cluster.rollout_nodes == 0
     nodes = cluster.trainer_nodes if shares else cluster.rollout_nodes

@@ -56,7 +56,16 @@ class RolloutConfig:
     environment, else the run's secret (never in the config or a command line); every client
     sends it. hf engines require the same key whenever that variable is set."""
     engine_extra_args: list[str] = field(default_factory=list)
-    """sglang: more `python -m sglang.launch_server` flags, passed as they are."""
+    """sglang: more `python -m sglang.launch_server` flags, passed as they are (not
+    --pp-size or --dp-size > 1: the weight-sync ranks assume one TP group per engine)."""
+    engine_python: Optional[str] = None
+    """sglang: the python that runs `-m sglang.launch_server` (SGLang in an env or container of
+    its own). null: the launcher's python, or with engine_device=cpu the project's CPU SGLang
+    venv, built on first use (`relax-sglang-cpu install`; docs/engines.md#sglang-on-cpu)."""
+    engine_device: str = "auto"
+    """sglang: cuda, cpu (SGLang's CPU engine: SGLANG_USE_CPU_ENGINE=1 and its CPU flags, for
+    tests and machines without GPUs) or auto (cpu for a local run on a machine without a GPU,
+    cuda otherwise)."""
     release_memory_during_train: bool = False
     """Colocated placement: engines release GPU memory (/release_memory_occupation) while the
     trainer steps and resume it for rollout; sglang engines then start --enable-memory-saver.
@@ -116,6 +125,18 @@ class RolloutConfig:
         check(self.engine == "sglang" or (self.engine_tp_size == 1 and self.engine_ep_size == 1),
                f"rollout.engine_tp_size/engine_ep_size > 1 need rollout.engine=sglang "
                f"(rollout.engine={self.engine!r})")
+        check(self.engine_device in ("auto", "cuda", "cpu"),
+               f"rollout.engine_device={self.engine_device!r}: use auto, cuda or cpu")
+        check(self.engine_device != "cpu" or self.engine_tp_size == 1,
+               f"rollout.engine_device=cpu runs one SGLang process per engine: set "
+               f"rollout.engine_tp_size=1 (not {self.engine_tp_size})")
+        for flag in ("--pp-size", "--pipeline-parallel-size", "--dp-size", "--data-parallel-size"):
+            value = extra_arg(self.engine_extra_args, flag)
+            check(value is None or value == "1",
+                  f"rollout.engine_extra_args: {flag} {value}: an engine must be one "
+                  "tensor-parallel group (the weight sync gives it ranks rank_offset .. "
+                  "rank_offset + engine_tp_size - 1, and SGLang's weight-update group asserts "
+                  "dp_size == 1); start more engines instead (rollout.num_engines)")
         check(self.engine in ("hf", "sglang"),
                f"rollout.engine={self.engine!r}: use hf (CPU) or sglang (GPU)")
         check(self.num_engines >= 1, f"rollout.num_engines={self.num_engines}: must be >= 1")
@@ -128,3 +149,14 @@ class RolloutConfig:
         check(self.max_new_tokens >= 1, f"rollout.max_new_tokens={self.max_new_tokens}: >= 1")
         check(self.temperature > 0,
                f"rollout.temperature={self.temperature}: must be > 0 for RL sampling")
+
+
+def extra_arg(args: list[str], flag: str) -> Optional[str]:
+    """The value `args` give `flag` (`--flag V` or `--flag=V`; the last one wins), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value

@@ -32,6 +32,7 @@ from relax_slurm.config.cross_checks import (
     check_seed,
     check_streaming,
     check_weight_sync_backend,
+    check_weight_checks,
     streaming_blockers,
     supervised_problems,
 )
@@ -82,6 +83,7 @@ class TrainConfig:
         check_seed(self.seed)
         check_overlong_buffer(self.algo, self.rollout)
         check_rollout_mode(self.algo, self.rollout, self.env)
+        check_weight_checks(self.rollout, self.weight_sync)
         check_parallel_layout(self.trainer, self.cluster)
         check_gpus_fit(self.trainer, self.rollout, self.cluster,
                        self.rollout.num_engines + bool(self.algo.teacher_model_path)

@@ -23,6 +23,7 @@ from typing import Any, Optional
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from relax_slurm.engines.sglang_cpu import CPU_FLAGS, SERVER_ENV
 from relax_slurm.errors import EngineError
 
 SUPPORTED_SGLANG = ">=0.5.21,<0.5.24"
@@ -217,7 +218,7 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
                 ep_size: int, mem_fraction_static: float, dtype: str, seed: int,
                 trust_remote_code: bool, api_key: bool, enable_memory_saver: bool,
                 extra_args: list[str], deterministic: bool = False,
-                routed_experts: bool = False) -> list[str]:
+                routed_experts: bool = False, device: str = "cuda") -> list[str]:
     """`python -m sglang.launch_server ...` for one engine (flags of SGLang 0.5.x server_args).
 
     --base-gpu-id places engines that share a node (with each other or the trainer) on
@@ -226,9 +227,13 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
     --enable-deterministic-inference (rollout.deterministic): without it SGLang ignores
     `sampling_params.sampling_seed`, so a resumed run would not draw the same tokens.
     --enable-return-routed-experts (MoE models, rollout.return_routed_experts): without it a
-    request's return_routed_experts is silently ignored (no meta_info.routed_experts)."""
-    argv = [python, "-m", "sglang.launch_server", "--model-path", model_path,
-            "--host", host, "--port", str(port), "--base-gpu-id", str(base_gpu_id),
+    request's return_routed_experts is silently ignored (no meta_info.routed_experts).
+    device="cpu": SGLang's CPU engine (sglang_cpu.SERVER_ENV, set with `env`, and CPU_FLAGS
+    instead of --base-gpu-id; docs/engines.md#sglang-on-cpu)."""
+    prefix = ["env", *(f"{k}={v}" for k, v in SERVER_ENV.items())] if device == "cpu" else []
+    placement = list(CPU_FLAGS) if device == "cpu" else ["--base-gpu-id", str(base_gpu_id)]
+    argv = [*prefix, python, "-m", "sglang.launch_server", "--model-path", model_path,
+            "--host", host, "--port", str(port), *placement,
             "--tp-size", str(tp_size),
             "--mem-fraction-static", str(mem_fraction_static), "--dtype", dtype,
             "--random-seed", str(seed), "--weight-version", "0"]

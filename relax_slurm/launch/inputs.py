@@ -83,3 +83,31 @@ def record_global_restart(run_dir: Path, attempt: int, cap: int, cause: RoleFail
 def say(text: str | None) -> None:
     if text:
         print(f"relax-train: {text}", file=sys.stderr, flush=True)
+
+
+def gpu_visible() -> bool:
+    """Whether this machine shows the launcher a CUDA GPU (torch's answer)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def prepare_sglang_engines(cfg: TrainConfig) -> None:
+    """rollout.engine=sglang on a local run: settle rollout.engine_device=auto (cpu without a
+    GPU) and, for cpu engines with no rollout.engine_python, point it at the project's CPU
+    SGLang venv, building it first when missing (minutes, once; relax-sglang-cpu install).
+    The resolved keys go to RUN_DIR/config.yaml, so a restarted engine runs the same python."""
+    r = cfg.rollout
+    if r.engine != "sglang":
+        return
+    if r.engine_device == "auto":
+        r.engine_device = "cuda" if gpu_visible() else "cpu"
+    if r.engine_device == "cpu" and not r.engine_python:
+        from relax_slurm.engines import sglang_cpu
+
+        r.engine_python = str(sglang_cpu.ensure_venv(say=say))
+    if not r.deterministic:
+        say("rollout.deterministic=false: SGLang ignores every sampling_seed (its draws "
+            "depend on how requests are batched), so a resumed run does not draw the tokens "
+            "the uninterrupted run would; rollout.deterministic=true starts the engines with "
+            "--enable-deterministic-inference")

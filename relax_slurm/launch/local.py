@@ -20,7 +20,8 @@ from pathlib import Path
 from relax_slurm.checkpoint import resume_for_attempt
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.errors import RoleFailed
-from relax_slurm.launch.inputs import check_inputs, record_global_restart, say
+from relax_slurm.launch.inputs import (check_inputs, prepare_sglang_engines,
+                                       record_global_restart, say)
 from relax_slurm.launch.interrupt import STOP
 from relax_slurm.launch.rerun import plan_rerun
 from relax_slurm.launch.roles import run_specs
@@ -80,6 +81,7 @@ def run_local(cfg: TrainConfig) -> dict | None:
     """Run to the end, restarting globally after a failure up to cluster.restart.max_global;
     returns the summary, None for a run already complete (nothing started, summary.json
     kept). Raises RoleFailed/ConfigError with the cause."""
+    prepare_sglang_engines(cfg)
     check_inputs(cfg)
     rerun = plan_rerun(cfg, Path(cfg.run_dir).resolve())
     say(rerun.message(cfg, Path(cfg.run_dir).resolve()))

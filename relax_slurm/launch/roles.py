@@ -161,10 +161,12 @@ def _sglang_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, 
     `base_gpu` (default: `base_gpu_id(cfg, slot)`), bound to the plan's address for it."""
     host, port = _hostport(url)
     r = cfg.rollout
+    cpu = r.engine_device == "cpu"
     return RoleSpec(
         name=name, het_group=ROLLOUT_GROUP, host=host, ports={"http": port}, health_url=url,
+        cpus=pinned_cpus(cfg, "rollout") if cpu else None,
         argv=sglang_api.server_argv(
-            sys.executable, model_path=model_path,
+            r.engine_python or sys.executable, model_path=model_path,
             host=host, port=port,
             base_gpu_id=base_gpu_id(cfg, slot) if base_gpu is None else base_gpu,
             tp_size=r.engine_tp_size, ep_size=r.engine_ep_size,
@@ -173,7 +175,8 @@ def _sglang_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, 
             api_key=r.engine_api_key,
             enable_memory_saver=r.release_memory_during_train,
             extra_args=r.engine_extra_args, deterministic=r.deterministic,
-            routed_experts=returns_routing(cfg, model_path)),
+            routed_experts=returns_routing(cfg, model_path),
+            device="cpu" if cpu else "cuda"),
     )
 
 

@@ -178,7 +178,8 @@ class RankZero:
             return WeightSender(
                 urls, sync_host, port, group_name,
                 resolve_backend(cfg.weight_sync.backend,
-                                engines_on_gpu=cfg.rollout.engine != "hf"),
+                                engines_on_gpu=cfg.rollout.engine != "hf"
+                                and cfg.rollout.engine_device != "cpu"),
                 cfg.weight_sync.timeout_s, cfg.weight_sync.bucket_mb,
                 pause_mode=cfg.weight_sync.pause_mode,
                 pause_for_sync=cfg.algo.max_staleness > 0,  # on-policy nothing generates

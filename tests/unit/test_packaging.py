@@ -42,6 +42,16 @@ def test_the_wheel_carries_every_config(wheel):
     assert packaged == on_disk
 
 
+def test_the_wheel_carries_the_sglang_cpu_shims(wheel):
+    # an installed relax-sglang-cpu copies them into the CPU SGLang venv (engines/sglang_cpu)
+    shims = REPO / "relax_slurm" / "engines" / "sglang_cpu" / "shims"
+    on_disk = {str(p.relative_to(REPO)) for p in shims.rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts}
+    packaged = {n for n in zipfile.ZipFile(wheel).namelist()
+                if n.startswith("relax_slurm/engines/sglang_cpu/shims/")}
+    assert packaged == on_disk and len(on_disk) == 3
+
+
 def test_an_installed_wheel_composes_from_anywhere(wheel, tmp_path):
     # nothing of a checkout on the path (a clean-clone run sets PYTHONPATH to the clone)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -180,13 +180,18 @@ def launch_lines() -> list[list[str]]:
     variants = [base, {**base, "ep_size": 2, "trust_remote_code": True},
                 {**base, "enable_memory_saver": True, "deterministic": True,
                  "extra_args": ["--context-length", "8192"]},
-                {**base, "api_key": True}, {**base, "routed_experts": True}]
+                {**base, "api_key": True}, {**base, "routed_experts": True},
+                {**base, "tp_size": 1, "device": "cpu"}]
     lines = []
     for v in variants:
         argv = api.server_argv("/py", **v)
         if argv[:2] == ["bash", "-c"]:  # the key comes from the environment at start
             argv = shlex.split(argv[2].removeprefix("exec ").replace(
                 f'"${api.API_KEY_ENV}"', "s3cret"))
+        if argv[0] == "env":  # device=cpu: SGLang's CPU engine is chosen by the environment
+            assert argv[1:1 + len(api.SERVER_ENV)] == [f"{k}={v}" for k, v in
+                                                        api.SERVER_ENV.items()]
+            argv = argv[1 + len(api.SERVER_ENV):]
         assert argv[:3] == ["/py", "-m", "sglang.launch_server"]
         lines.append(argv[3:])
     return lines
@@ -204,7 +209,7 @@ def test_every_launch_line_parses_with_sglangs_own_parser(src):
          "to setup.cfg's dev extra\n" if missing else "") + proc.stderr[-4000:])
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["version"] == src.parent.parent.name
-    plain, ep, det, keyed, routed = out["parsed"]
+    plain, ep, det, keyed, routed, cpu = out["parsed"]
     assert (plain["model_path"], plain["port"], plain["base_gpu_id"], plain["tp_size"]) == \
         ("/m", 30000, 4, 2)
     assert plain["mem_fraction_static"] == 0.7 and plain["dtype"] == "bfloat16"
@@ -215,3 +220,8 @@ def test_every_launch_line_parses_with_sglangs_own_parser(src):
     assert det["context_length"] == 8192
     assert keyed["api_key"] == "s3cret"
     assert routed["enable_return_routed_experts"] and not plain["enable_return_routed_experts"]
+    # the CPU engine (docs/engines.md#sglang-on-cpu): its device, attention, bounded KV pool
+    assert (cpu["device"], cpu["attention_backend"], cpu["max_total_tokens"]) == \
+        ("cpu", "torch_native", 16384)
+    assert cpu["disable_cuda_graph"] and cpu["skip_server_warmup"] and cpu["sleep_on_idle"]
+    assert cpu["tp_size"] == 1 and plain["device"] != "cpu" and not plain["sleep_on_idle"]

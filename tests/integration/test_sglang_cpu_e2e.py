@@ -1,0 +1,106 @@
+"""The tiny task learned through the real SGLang server (issue #33): `relax-train
+experiment=tiny_cpu rollout=sglang` on a machine without GPUs starts SGLang 0.5.23's own
+`sglang.launch_server` from the project's CPU venv (docs/engines.md#sglang-on-cpu), pushes the
+weights into it over a gloo weight-update group inside SGLang's update sessions, and the reward
+rises as it does on the hf engine."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ONE_RANK, relax_train
+from tests.integration.test_tiny_e2e import read_rows
+
+RUN_TIMEOUT_S = 900
+# The 3-step mean reward first reaches 0.3 at steps 33-44 on SGLang (run seeds 0, 1, 2) and at
+# 36-42 on the hf engine (the same seeds, one rank): 90 steps is ~2x the slowest. 0.8 is no
+# claim for a short run: in 150 steps SGLang reaches it at seed 2 (step 68) and not at seeds 0
+# and 1 (plateaus near 0.6 and 0.7), as the hf engine does at seed 0 (step 63) and not at seeds
+# 1 and 2 (0.71, 0.75): the preset's 0.8 depends on the run seed on both engines.
+STEPS, REWARD_LAST = 90, 0.3
+# At algo.max_staleness=1 the same 0.3 is first reached at steps 36, 55, 36 (seeds 0, 1, 2;
+# 0.8 at 74 and 67 for seeds 0 and 2, not in 90 steps for seed 1): 110 steps is 2x the slowest.
+ASYNC_STEPS = 110
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (an engine role is its own session: SGLang's
+    scheduler and detokenizer children stay in it)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+def run_on_sglang(run_dir: Path, tiny: Path, steps: int, *overrides: str) -> dict:
+    proc = relax_train(run_dir, tiny, "rollout=sglang", ONE_RANK, f"trainer.total_steps={steps}",
+                       *overrides, timeout_s=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # said once, at launch: SGLang without --enable-deterministic-inference ignores the seeds
+    assert proc.stderr.count("SGLang ignores every sampling_seed") == 1
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 300)  # + the venv's build on a fresh machine
+def test_tiny_sync_learns_on_real_sglang(tmp_path, tiny_assets, sglang_cpu_python):
+    run_dir = tmp_path / "sglang_sync"
+    summary = run_on_sglang(run_dir, tiny_assets, STEPS, "algo.max_staleness=0")
+    # the engine was SGLang's own server, from the venv the launcher found (built by the
+    # fixture through the same code path), recorded for restarts
+    rollout = yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]
+    assert (rollout["engine_device"], rollout["engine_python"]) == ("cpu",
+                                                                    str(sglang_cpu_python))
+    engine_log = (run_dir / "logs" / "engine0.log").read_text()
+    assert "server_args=" in engine_log and "'device': 'cpu'" in engine_log  # SGLang's own
+    assert engine_log.count("/update_weights_from_distributed HTTP/1.1\" 200") == STEPS + 1
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "gloo" in trainer_log and "rank 0 + 1 engines" in trainer_log
+    rows = read_rows(run_dir)
+    assert [r["policy/version"] for r in rows] == list(range(1, STEPS + 1))
+    assert max(r["broker/staleness_max"] for r in rows) == 0
+    # SGLang's log-probs are the trainer's on the pushed weights (float32 rounding apart)
+    assert max(r["train/rollout_train_logprob_diff"] for r in rows) < 1e-4
+    assert summary["reward_first"] <= 0.05  # measured 0.005-0.02
+    assert summary["reward_last"] >= REWARD_LAST, [round(r["rollout/reward_mean"], 3)
+                                                   for r in rows]
+    # every process of the engine went with the run: server, scheduler, detokenizer
+    engine = next(r for r in json.loads((run_dir / "roles.json").read_text())
+                  if r["name"] == "engine0")
+    assert process_group_members(engine["pid"]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 300)
+def test_tiny_async_learns_on_real_sglang_within_staleness_one(tmp_path, tiny_assets,
+                                                               sglang_cpu_python):
+    # rollout runs one version ahead: every push pauses SGLang in retract mode (the running
+    # requests go back to its queue and continue on the new weights), so samples span two
+    # versions (meta_info.weight_versions, as SGLang reports them)
+    run_dir = tmp_path / "sglang_async"
+    summary = run_on_sglang(run_dir, tiny_assets, ASYNC_STEPS, "algo.max_staleness=1")
+    rows = read_rows(run_dir)
+    assert {r["broker/staleness_max"] for r in rows} == {0, 1}  # ran ahead, within the bound
+    # a group whose oldest tokens fell two versions behind (a retract can carry a sequence
+    # over a push) is dropped whole by the broker's rule, its credit given back: 0, 16, 0, 16
+    # and 112 samples in five runs (112 with another run beside it); nothing is lost
+    assert summary["samples_dropped_stale"] % 16 == 0 and summary["samples_lost"] == 0
+    assert max(r["rollout/multi_version_frac"] for r in rows) > 0
+    engine_log = (run_dir / "logs" / "engine0.log").read_text()
+    for route in ("pause_generation", "update_weights_from_distributed", "continue_generation"):
+        assert engine_log.count(f'POST /{route} HTTP/1.1" 200') == ASYNC_STEPS + 1, route
+    assert summary["reward_first"] <= 0.05
+    assert summary["reward_last"] >= REWARD_LAST, [round(r["rollout/reward_mean"], 3)
+                                                   for r in rows]

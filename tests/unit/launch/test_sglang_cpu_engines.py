@@ -1,0 +1,106 @@
+"""rollout=sglang on a machine without GPUs (docs/engines.md#sglang-on-cpu): the engines' command
+line (their own python, SGLang's CPU engine and flags), what the launcher settles before the run
+(engine_device=auto, the venv's python, the one notice about seeds), and the SGLang settings
+refused at config time. The real engines run in tests/integration/test_sglang_cpu_e2e.py."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from relax_slurm.engines import sglang_cpu
+from relax_slurm.errors import ConfigError
+from relax_slurm.launch import inputs
+from relax_slurm.launch.compose import compose_config
+from relax_slurm.launch.local import local_plan
+from relax_slurm.launch.roles import engine_specs
+
+VENV_PY = "/venvs/sglang/bin/python"
+
+
+def cfg(*overrides: str):
+    return compose_config(["experiment=tiny_cpu", "rollout=sglang", *overrides])
+
+
+def server_argv(spec) -> list[str]:
+    """The engine's argv, the `bash -c 'exec ... --api-key "$KEY"'` wrapper unwrapped."""
+    argv = spec.argv
+    if argv[:2] == ["bash", "-c"]:
+        argv = shlex.split(argv[2].removeprefix("exec "))
+    return argv
+
+
+def test_cpu_engines_run_sglang_from_their_python_with_the_cpu_engine_and_flags():
+    c = cfg("rollout.engine_device=cpu", f"rollout.engine_python={VENV_PY}",
+            "cluster.rollout_cpus=[1]")
+    [spec] = engine_specs(c, local_plan(c))
+    argv = server_argv(spec)
+    assert argv[:5] == ["env", "SGLANG_USE_CPU_ENGINE=1", VENV_PY, "-m", "sglang.launch_server"]
+    flags = " ".join(argv)
+    assert " ".join(sglang_cpu.CPU_FLAGS) in flags
+    assert "--base-gpu-id" not in argv and argv[argv.index("--tp-size") + 1] == "1"
+    assert spec.cpus == [1]  # pinned like an hf engine
+    assert spec.restart_argv == spec.argv  # restarted from the same python
+
+
+def test_gpu_engines_keep_the_launchers_python_and_their_gpu():
+    c = cfg("rollout.engine_device=cuda")
+    [spec] = engine_specs(c, local_plan(c))
+    argv = server_argv(spec)
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and "--device" not in argv
+    assert "--base-gpu-id" in argv and spec.cpus is None
+
+
+def test_the_launcher_settles_the_device_and_says_once_that_seeds_are_ignored(capsys,
+                                                                            monkeypatch):
+    monkeypatch.setattr(inputs, "gpu_visible", lambda: False)
+    c = cfg(f"rollout.engine_python={VENV_PY}")
+    assert c.rollout.engine_device == "auto"
+    inputs.prepare_sglang_engines(c)
+    assert (c.rollout.engine_device, c.rollout.engine_python) == ("cpu", VENV_PY)
+    err = capsys.readouterr().err
+    assert err.count("SGLang ignores every sampling_seed") == 1
+    monkeypatch.setattr(inputs, "gpu_visible", lambda: True)
+    det = cfg("rollout.deterministic=true")
+    inputs.prepare_sglang_engines(det)
+    assert (det.rollout.engine_device, det.rollout.engine_python) == ("cuda", None)
+    assert "sampling_seed" not in capsys.readouterr().err
+    hf = compose_config(["experiment=tiny_cpu"])
+    inputs.prepare_sglang_engines(hf)
+    assert hf.rollout.engine_device == "auto" and capsys.readouterr().err == ""
+
+
+def test_cpu_engines_without_a_python_get_the_projects_venv(tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAX_SGLANG_CPU_HOME", str(tmp_path))
+    monkeypatch.setattr(sglang_cpu, "_steps", lambda python, constraints: [])  # no pip here
+    c = cfg("rollout.engine_device=cpu", "rollout.deterministic=true")
+    inputs.prepare_sglang_engines(c)
+    assert c.rollout.engine_python == str(sglang_cpu.venv_python(tmp_path))
+    assert sglang_cpu.is_current(tmp_path)
+
+
+@pytest.mark.parametrize("args", [["--pp-size", "2"], ["--dp-size=2"],
+                                  ["--data-parallel-size", "4"],
+                                  ["--pipeline-parallel-size", "2"]])
+def test_pipeline_or_data_parallel_engines_are_refused(args):
+    with pytest.raises(ConfigError, match="one tensor-parallel group.*rollout.num_engines"):
+        cfg(f"rollout.engine_extra_args=[{','.join(repr(a) for a in args)}]")
+
+
+def test_parallel_sizes_of_one_and_other_flags_pass():
+    c = cfg("rollout.engine_extra_args=[--dp-size,1,--context-length,64]")
+    assert c.rollout.engine_extra_args[-1] == "64"
+
+
+def test_weight_checksums_are_refused_with_sglang_engines():
+    with pytest.raises(ConfigError, match="weight_sync.verify=false with rollout.engine=sglang"):
+        cfg("weight_sync.verify=true")
+    assert compose_config(["experiment=tiny_cpu", "weight_sync.verify=true"]).weight_sync.verify
+
+
+def test_cpu_engines_are_one_process_each():
+    with pytest.raises(ConfigError, match="engine_tp_size=1"):
+        cfg("rollout.engine_device=cpu", "rollout.engine_tp_size=2")
+    with pytest.raises(ConfigError, match="use auto, cuda or cpu"):
+        cfg("rollout.engine_device=tpu")
