@@ -10,6 +10,7 @@ Slurm driver's srun lines (launch/placement.py) and the engine jobs (launch/engi
 from __future__ import annotations
 
 import hashlib
+import shlex
 import sys
 from typing import Any, Sequence
 
@@ -68,6 +69,12 @@ def in_container(c: SlurmClusterConfig, command: list[str]) -> list[str]:
     container's Python for ours); unchanged without a container."""
     if not (c.container.image or c.container.prefix):
         return list(command)
-    if command and command[0] == sys.executable:
-        command = [c.container.python, *command[1:]]
+    # this interpreter's path means nothing inside the image: it is swapped wherever the role
+    # names it, not only as the first word (`env K=V python ...`, and the SGLang engine's
+    # `bash -c 'exec python ... --api-key "$KEY"'`, which keeps the key off the command line)
+    host, inside = sys.executable, c.container.python
+    command = [inside if arg == host else arg for arg in command]
+    if command[:2] == ["bash", "-c"] and len(command) > 2:
+        command[2] = command[2].replace(f"exec {shlex.quote(host)} ",
+                                        f"exec {shlex.quote(inside)} ", 1)
     return [*c.container.prefix, *command]

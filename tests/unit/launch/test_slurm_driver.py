@@ -120,6 +120,22 @@ def test_containers_pyxis_and_prefix():
     assert tail[:5] == ["apptainer", "exec", "--nv", "img.sif", "python"]
 
 
+def test_sglang_engines_run_the_containers_python(monkeypatch):
+    # the engine's command is `bash -c 'exec PYTHON -m sglang.launch_server ... --api-key "$K"'`
+    # (the key stays off the command line): the launcher's interpreter inside that script meant
+    # the host's python inside the image
+    import sys as _sys
+
+    monkeypatch.setenv("RELAX_ENGINE_API_KEY", "k")
+    lines, _ = _srun_lines(cfg_for("rollout=sglang", "cluster.container.image=img.sqsh",
+                                   "cluster.container.python=/opt/py/bin/python3"), HET)
+    engine = lines["engine0"]
+    script = " ".join(engine[engine.index("--kill-on-bad-exit=1") + 1:])
+    assert "/opt/py/bin/python3 -m sglang.launch_server" in script, script
+    assert _sys.executable not in script
+    assert all(_sys.executable not in " ".join(argv) for argv in lines.values())
+
+
 def test_extra_srun_args_come_before_the_command():
     lines, _ = _srun_lines(cfg_for("cluster.extra_srun_args=['--mpi=none']"), HET)
     argv = lines["trainer"]
