@@ -45,7 +45,8 @@ def check_group_choices(overrides: Sequence[str], conf_dir: Path) -> None:
             continue
         options = group_options(conf_dir, group)
         for name in sweep_items(value):  # a sweep's a,b,c checks each; Hydra's functions none
-            if name in options or name == "null" or "${" in name:
+            if (name in options or name == "null" or "${" in name
+                    or (conf_dir / group / f"{name}.yaml").is_file()):  # a nested sub/name
                 continue
             near = closest(name, options)
             hint = f"; did you mean {near}?" if near else ""
