@@ -42,6 +42,17 @@ STALE_SESSION = "already open"
 """SGLang's refusal of a begin while a session is open (words of its message)."""
 
 
+HEALTH_PROBE_S = 5.0
+"""How long a timed-out sync probes each late engine's /health to name the one at fault."""
+
+
+def _answers_health(client: EngineClient, timeout_s: float) -> bool:
+    try:
+        return client.health(timeout_s)
+    except Exception:  # noqa: BLE001 - any failure to answer is the answer
+        return False
+
+
 def open_session(client: EngineClient) -> None:
     """/begin_weight_update; a session left open by a sync that failed midway is ended first
     (the failing sync sends no end: it could overtake this begin). A session has no owner in
@@ -209,6 +220,14 @@ class WeightSender:
                 total, broadcasts = total + nbytes, broadcasts + n
             self._join("/end_weight_update", self._on_engines(
                 lambda c, i: c.end_weight_update()))
+        except WeightSyncError as e:
+            if self.pause_for_sync:  # best effort, not awaited: the original error matters more
+                self._on_engines(lambda c, i: c.continue_generation())
+            raise WeightSyncError(
+                f"weight sync of version {version} to {len(self.clients)} engine(s) failed: {e}"
+                ". The trainer re-forms the cohort once every engine answers /health again "
+                "(a frozen or dead engine is restarted in place by the launcher); if this "
+                "repeats, raise weight_sync.timeout_s or check the named engine's log") from e
         except BaseException:
             # the session a failure leaves open is closed by the next sync's open_session: an
             # end sent from here could overtake that sync's begin and close its session
@@ -296,6 +315,27 @@ class WeightSender:
         for c in self.clients:
             c.close()
 
+    def _not_answered(self, http: list[Future], route: str) -> str:
+        """Which engines (index and URL) had not answered `route`, and of those which do not
+        answer /health either (frozen or dead: the cause; the others wait on the broadcast)."""
+        late = [(i, url, self.clients[i]) for i, (url, fut) in
+                enumerate(zip(self.engine_urls, http)) if not fut.done()]
+        if not late:
+            return f"every engine answered {route}"
+        probe_s = min(HEALTH_PROBE_S, self.timeout_s)
+        with ThreadPoolExecutor(len(late)) as probes:
+            alive = list(probes.map(lambda e: _answers_health(e[2], probe_s), late))
+        silent = [f"engine {i} ({url})" for (i, url, _), ok in zip(late, alive) if not ok]
+        waiting = [f"engine {i} ({url})" for (i, url, _), ok in zip(late, alive) if ok]
+        parts = []
+        if silent:
+            parts.append(f"{', '.join(silent)} did not receive and does not answer /health "
+                         f"within {probe_s}s (frozen or dead; see logs/engine<i>.log)")
+        if waiting:
+            parts.append(f"{', '.join(waiting)} answer /health but did not finish {route} "
+                         "(waiting on the broadcast, or unable to join the group)")
+        return "; ".join(parts)
+
     def _poll(self, what: str, is_done: Callable[[], bool], http: list[Future],
               route: str) -> None:
         """Wait until is_done(); fail fast when an engine's HTTP call fails, or at timeout_s."""
@@ -307,7 +347,8 @@ class WeightSender:
                     raise WeightSyncError(f"{what}: engine {url}{route} failed: "
                                           f"{fut.exception()}") from fut.exception()
             if time.monotonic() > deadline:
-                raise WeightSyncError(f"{what}: not done within {self.timeout_s}s")
+                raise WeightSyncError(f"{what}: not done within weight_sync.timeout_s="
+                                      f"{self.timeout_s}s; {self._not_answered(http, route)}")
             time.sleep(delay)
             # capped at 1 ms: a sync of small tensors completes in a few ms, and a 20 ms cap
             # added up to 20 ms to each (the tiny model's median sync went 31 -> 21 ms)
