@@ -104,7 +104,7 @@ class WeightSender:
         self._group_thread = ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="weight-sync-group")
         self._pg: Optional[dist.ProcessGroup] = None
-        self._inflight: list = []  # broadcast works of the bucket being sent
+        self._issuing: Optional[Future] = None  # the issue of the bucket being sent (its works)
         self._flat = FlatBuffer() if self.device.type == "cpu" else None
         """flattened_bucket on CPU: the buffer buckets are flattened into, kept across buckets
         and syncs. On GPU the caching allocator reuses memory by itself, and a kept buffer
@@ -260,12 +260,25 @@ class WeightSender:
             flat = self._flat.flatten(tensors) if self._flat is not None \
                 else flatten_bucket(tensors)
             tensors = [flat]
-        works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in tensors]
-        self._inflight = works
+        # issued aside too: NCCL creates its communicator in the first collective, and that
+        # call blocks until every rank joined; an engine that failed before joining would hold
+        # this thread there, past timeout_s, and the trainer would say nothing (the first GPU
+        # run). Here the wait is _poll's: it fails at timeout_s naming the engines.
+        pg = self._pg
+        issue = self._group_thread.submit(
+            lambda: [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors])
+        self._issuing = issue
         what = f"broadcasting {len(names)} tensors ({names[0]!r}...) on {self.group_name!r}"
-        self._poll(what, lambda: all(w.is_completed() for w in works), http, route)
-        self._inflight = []
+
+        def done() -> bool:
+            if not issue.done():
+                return False
+            return issue.exception() is not None or all(w.is_completed() for w in issue.result())
+
+        self._poll(what, done, http, route)
         try:
+            works = issue.result()
+            self._issuing = None
             for w in works:
                 w.wait()
         except Exception as e:
@@ -301,14 +314,18 @@ class WeightSender:
     def close(self) -> None:
         """Destroy the group and release the HTTP clients and threads; the sender is done.
         (Engines keep their end of the group until destroy_on_engines(), a re-init or exit.)"""
-        if self._inflight and not all(w.is_completed() for w in self._inflight):
+        issuing = self._issuing
+        pending = issuing is not None and (
+            not issuing.done() or (issuing.exception() is None
+                                   and not all(w.is_completed() for w in issuing.result())))
+        if pending:
             # destroying a group under a pending collective can hang or abort the process
             log.warning("weight-sync group %r left with a broadcast pending; not destroyed, "
                         "its name stays taken in this process", self.group_name)
         else:
             destroy_weight_update_group(self._pg)
         self._pg = None
-        self._inflight = []
+        self._issuing = None
         self._flat = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._group_thread.shutdown(wait=False, cancel_futures=True)
