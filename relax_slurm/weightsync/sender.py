@@ -42,6 +42,17 @@ STALE_SESSION = "already open"
 """SGLang's refusal of a begin while a session is open (words of its message)."""
 
 
+HEALTH_PROBE_S = 5.0
+"""How long a timed-out sync probes each late engine's /health to name the one at fault."""
+
+
+def _answers_health(client: EngineClient, timeout_s: float) -> bool:
+    try:
+        return client.health(timeout_s)
+    except Exception:  # noqa: BLE001 - any failure to answer is the answer
+        return False
+
+
 def open_session(client: EngineClient) -> None:
     """/begin_weight_update; a session left open by a sync that failed midway is ended first
     (the failing sync sends no end: it could overtake this begin). A session has no owner in
@@ -93,7 +104,7 @@ class WeightSender:
         self._group_thread = ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="weight-sync-group")
         self._pg: Optional[dist.ProcessGroup] = None
-        self._inflight: list = []  # broadcast works of the bucket being sent
+        self._issuing: Optional[Future] = None  # the issue of the bucket being sent (its works)
         self._flat = FlatBuffer() if self.device.type == "cpu" else None
         """flattened_bucket on CPU: the buffer buckets are flattened into, kept across buckets
         and syncs. On GPU the caching allocator reuses memory by itself, and a kept buffer
@@ -209,6 +220,14 @@ class WeightSender:
                 total, broadcasts = total + nbytes, broadcasts + n
             self._join("/end_weight_update", self._on_engines(
                 lambda c, i: c.end_weight_update()))
+        except WeightSyncError as e:
+            if self.pause_for_sync:  # best effort, not awaited: the original error matters more
+                self._on_engines(lambda c, i: c.continue_generation())
+            raise WeightSyncError(
+                f"weight sync of version {version} to {len(self.clients)} engine(s) failed: {e}"
+                ". The trainer re-forms the cohort once every engine answers /health again "
+                "(a frozen or dead engine is restarted in place by the launcher); if this "
+                "repeats, raise weight_sync.timeout_s or check the named engine's log") from e
         except BaseException:
             # the session a failure leaves open is closed by the next sync's open_session: an
             # end sent from here could overtake that sync's begin and close its session
@@ -241,12 +260,25 @@ class WeightSender:
             flat = self._flat.flatten(tensors) if self._flat is not None \
                 else flatten_bucket(tensors)
             tensors = [flat]
-        works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in tensors]
-        self._inflight = works
+        # issued aside too: NCCL creates its communicator in the first collective, and that
+        # call blocks until every rank joined; an engine that failed before joining would hold
+        # this thread there, past timeout_s, and the trainer would say nothing (the first GPU
+        # run). Here the wait is _poll's: it fails at timeout_s naming the engines.
+        pg = self._pg
+        issue = self._group_thread.submit(
+            lambda: [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors])
+        self._issuing = issue
         what = f"broadcasting {len(names)} tensors ({names[0]!r}...) on {self.group_name!r}"
-        self._poll(what, lambda: all(w.is_completed() for w in works), http, route)
-        self._inflight = []
+
+        def done() -> bool:
+            if not issue.done():
+                return False
+            return issue.exception() is not None or all(w.is_completed() for w in issue.result())
+
+        self._poll(what, done, http, route)
         try:
+            works = issue.result()
+            self._issuing = None
             for w in works:
                 w.wait()
         except Exception as e:
@@ -282,19 +314,44 @@ class WeightSender:
     def close(self) -> None:
         """Destroy the group and release the HTTP clients and threads; the sender is done.
         (Engines keep their end of the group until destroy_on_engines(), a re-init or exit.)"""
-        if self._inflight and not all(w.is_completed() for w in self._inflight):
+        issuing = self._issuing
+        pending = issuing is not None and (
+            not issuing.done() or (issuing.exception() is None
+                                   and not all(w.is_completed() for w in issuing.result())))
+        if pending:
             # destroying a group under a pending collective can hang or abort the process
             log.warning("weight-sync group %r left with a broadcast pending; not destroyed, "
                         "its name stays taken in this process", self.group_name)
         else:
             destroy_weight_update_group(self._pg)
         self._pg = None
-        self._inflight = []
+        self._issuing = None
         self._flat = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._group_thread.shutdown(wait=False, cancel_futures=True)
         for c in self.clients:
             c.close()
+
+    def _not_answered(self, http: list[Future], route: str) -> str:
+        """Which engines (index and URL) had not answered `route`, and of those which do not
+        answer /health either (frozen or dead: the cause; the others wait on the broadcast)."""
+        late = [(i, url, self.clients[i]) for i, (url, fut) in
+                enumerate(zip(self.engine_urls, http)) if not fut.done()]
+        if not late:
+            return f"every engine answered {route}"
+        probe_s = min(HEALTH_PROBE_S, self.timeout_s)
+        with ThreadPoolExecutor(len(late)) as probes:
+            alive = list(probes.map(lambda e: _answers_health(e[2], probe_s), late))
+        silent = [f"engine {i} ({url})" for (i, url, _), ok in zip(late, alive) if not ok]
+        waiting = [f"engine {i} ({url})" for (i, url, _), ok in zip(late, alive) if ok]
+        parts = []
+        if silent:
+            parts.append(f"{', '.join(silent)} did not receive and does not answer /health "
+                         f"within {probe_s}s (frozen or dead; see logs/engine<i>.log)")
+        if waiting:
+            parts.append(f"{', '.join(waiting)} answer /health but did not finish {route} "
+                         "(waiting on the broadcast, or unable to join the group)")
+        return "; ".join(parts)
 
     def _poll(self, what: str, is_done: Callable[[], bool], http: list[Future],
               route: str) -> None:
@@ -307,7 +364,8 @@ class WeightSender:
                     raise WeightSyncError(f"{what}: engine {url}{route} failed: "
                                           f"{fut.exception()}") from fut.exception()
             if time.monotonic() > deadline:
-                raise WeightSyncError(f"{what}: not done within {self.timeout_s}s")
+                raise WeightSyncError(f"{what}: not done within weight_sync.timeout_s="
+                                      f"{self.timeout_s}s; {self._not_answered(http, route)}")
             time.sleep(delay)
             # capped at 1 ms: a sync of small tensors completes in a few ms, and a 20 ms cap
             # added up to 20 ms to each (the tiny model's median sync went 31 -> 21 ms)

@@ -39,3 +39,21 @@ def test_an_update_abandoned_midway_gives_way_to_the_next_cohort(tmp_path):
     assert r["verified"] is True and r["version"] == "2"
     assert r["new_update_s"] < 60, r
     assert "abandoned" in r["stuck_error"], r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_sync_whose_engine_never_receives_fails_within_its_timeout_naming_it(tmp_path):
+    r = run_script("frozen_engine_sync.py", tmp_path)
+    received, frozen = r["urls"]
+    assert r["error"] is not None, r
+    # the frozen engine is named as the one that does not answer; the other, if listed at
+    # all, only as waiting on the broadcast (gloo may hold its receive behind the frozen peer)
+    silent = r["error"].split("does not answer /health")[0]
+    assert f"engine 1 ({frozen})" in silent, r
+    assert received not in silent, r
+    assert "version 2" in r["error"] and "weight_sync.timeout_s" in r["error"], r
+    # bounded: the begin call answered before the freeze, so only the bucket's wait
+    # (timeout_s) and the /health probe of the late engines (at most 5 s, HEALTH_PROBE_S) remain;
+    # one more timeout_s of slack for a loaded machine
+    assert r["failed_after_s"] < 2 * r["timeout_s"] + 5, r
