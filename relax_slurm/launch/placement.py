@@ -3,12 +3,15 @@ the config and the allocation, shared by the driver in the allocation (launch/sl
 and the dry run before submitting (launch/sbatch.py), so the two show the same steps.
 
     srun --het-group=K --nodes=N --ntasks=N --ntasks-per-node=1 --nodelist=HOSTS --overlap \\
-         [--gres=none] --job-name=ROLE --kill-on-bad-exit=1 [container flags] ROLE-COMMAND
+         [--gpus-per-node=0] --job-name=ROLE --kill-on-bad-exit=1 [container flags] ROLE-COMMAND
 
 A step gets every GPU of the job on its nodes unless it asks otherwise (srun(1), --gres), and
 before Slurm 22.05 `--overlap` shared CPUs only: a broker's step took the trainer node's GPUs
 and the trainer's step waited forever. Roles that hold no GPU (the broker, the rollout worker,
-hf engines on the CPU) ask for none; two GPU steps on one node need Slurm >= 22.05.
+hf engines on the CPU) ask for none with --gpus-per-node=0, which Slurm 22.05 takes in a job
+that asked for GPUs either way (--gpus-per-node or --gres=gpu) or not at all; --gres=none is
+refused in a --gpus-per-node job ("Invalid Trackable RESource (TRES) specification", seen on the
+test cluster). Two GPU steps on one node need Slurm >= 22.05.
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ def srun_wrap(cfg: TrainConfig, layout: Layout, workdir: str) -> Wrap:
         argv += [f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
                  f"--nodelist={','.join(hosts)}", "--overlap"]
         if not holds_gpus(cfg, spec):
-            argv.append("--gres=none")  # else the step holds every GPU of the job on its node
+            argv.append("--gpus-per-node=0")  # else the step holds every GPU of the job on its node
         argv += [f"--job-name={spec.name}", "--kill-on-bad-exit=1"]
         argv += container_srun_args(c, workdir) + c.extra_srun_args
         return [*argv, *in_container(c, spec.argv)]

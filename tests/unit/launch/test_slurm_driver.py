@@ -273,11 +273,11 @@ def test_roles_without_gpus_ask_slurm_for_none():
     # 22.05 --overlap shared CPUs only, so a broker step on the trainer node took its GPUs
     lines, _ = _srun_lines(cfg_for("rollout.num_engines=2"), HET)
     for name in ("broker", "rollout", "engine0", "engine1"):  # hf engines run on the CPU
-        assert "--gres=none" in lines[name], name
-    assert "--gres=none" not in lines["trainer"]
+        assert "--gpus-per-node=0" in lines[name], name
+    assert "--gpus-per-node=0" not in lines["trainer"]
     lines, _ = _srun_lines(cfg_for("rollout=sglang", "rollout.num_engines=2"), HET)
-    assert "--gres=none" not in lines["engine0"] and "--gres=none" not in lines["trainer"]
-    assert "--gres=none" in lines["broker"] and "--gres=none" in lines["rollout"]
+    assert "--gpus-per-node=0" not in lines["engine0"] and "--gpus-per-node=0" not in lines["trainer"]
+    assert "--gpus-per-node=0" in lines["broker"] and "--gpus-per-node=0" in lines["rollout"]
 
 
 def test_two_gpu_steps_on_a_node_need_slurm_22_05():
