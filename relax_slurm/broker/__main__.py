@@ -23,6 +23,7 @@ from relax_slurm.broker.state import BrokerState
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import ConfigError, RelaxError
 from relax_slurm.runtime.plan import PLAN_FILE, load_plan
+from relax_slurm.runtime.stacks import register_stack_dumps
 
 
 ELASTIC_FILE = "elastic.json"
@@ -104,6 +105,8 @@ def _elastic(args: argparse.Namespace, cfg: TrainConfig) -> tuple[Elastic, Path 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # its stacks on SIGUSR2 (relax-ctl dump); the run dir is the config's folder
+    register_stack_dumps(Path(args.config).resolve().parent, "broker")
     try:
         secret = run_secret()
         if secret is None:

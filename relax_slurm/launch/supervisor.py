@@ -23,6 +23,7 @@ from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.health import HangWatch
 from relax_slurm.launch.interrupt import STOP
 from relax_slurm.runtime.plan import PLAN_FILE, load_plan
+from relax_slurm.runtime.stacks import RUN_DIR_ENV
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.records import write_roles
 from relax_slurm.launch.restart import InPlace
@@ -194,7 +195,9 @@ class Supervisor:
         self.specs, self.cfg, self.run_dir, self.wrap = specs, cfg, run_dir, wrap
         self.notifier = Notifier(cfg.notify, run_dir.name)
         secret = ensure_secret(run_dir)
-        self.procs = ProcessSet(run_dir / "logs", child_env(cfg, secret))
+        # every role registers its stack dumps under the run dir (runtime/stacks.py)
+        self.procs = ProcessSet(run_dir / "logs",
+                                child_env(cfg, secret) | {RUN_DIR_ENV: str(run_dir.resolve())})
         admin = load_plan(run_dir).broker_admin if (run_dir / PLAN_FILE).exists() else None
         self.hangs = HangWatch(admin, secret,
                                {spec.name: spec.health_url for spec in specs if spec.health_url},
