@@ -169,3 +169,18 @@ def test_the_slurm_command_signals_only_relax_processes_and_says_which(tmp_path)
         other.kill()
         ours.wait(timeout=30)
         other.wait(timeout=30)
+
+
+def test_a_hang_whose_dump_fails_is_still_reported_and_recovered(tmp_path):
+    """The supervisor's dump before a hang's restart (supervisor.with_stacks) adds where the
+    stacks went to the cause; a dump that fails says why and never stops the recovery."""
+    from relax_slurm.launch.supervisor import with_stacks
+
+    (tmp_path / "run").mkdir()
+    why = with_stacks(tmp_path / "run", "sent no heartbeat")
+    assert why.startswith("sent no heartbeat; stacks of every role in "
+                          f"{tmp_path / 'run' / 'diagnostics'}/")
+    assert why.endswith("(answered: none)")
+    (tmp_path / "file").write_text("")  # not a directory: the folder cannot be made
+    assert with_stacks(tmp_path / "file", "sent no heartbeat").startswith(
+        "sent no heartbeat; no stack dump (NotADirectoryError")
