@@ -105,8 +105,9 @@ def _elastic(args: argparse.Namespace, cfg: TrainConfig) -> tuple[Elastic, Path 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # its stacks on SIGUSR2 (relax-ctl dump); the run dir is the config's folder
-    register_stack_dumps(Path(args.config).resolve().parent, "broker")
+    # its stacks on SIGUSR2 (relax-ctl dump) in a run's dir: its config's folder, with a plan
+    run_dir = Path(args.config).resolve().parent
+    register_stack_dumps(run_dir if (run_dir / PLAN_FILE).exists() else None, "broker")
     try:
         secret = run_secret()
         if secret is None:

@@ -59,12 +59,12 @@ class Dump:
 
     def line(self) -> str:
         """One line for a log."""
-        silent = f"; did not answer: {', '.join(self.did_not_answer)}" if self.did_not_answer \
-            else ""
-        missing = f"; not registered: {', '.join(self.not_registered)}" \
-            if self.not_registered else ""
-        return (f"stacks of every role in {self.folder} (answered: "
-                f"{', '.join(self.answered) or 'none'}{silent}{missing})")
+        parts = [f"answered: {', '.join(self.answered) or 'none'}"]
+        if self.did_not_answer:
+            parts.append(f"did not answer: {', '.join(self.did_not_answer)}")
+        if self.not_registered:
+            parts.append(f"not registered: {', '.join(self.not_registered)}")
+        return f"stacks of every role in {self.folder} ({'; '.join(parts)})"
 
 
 @dataclass
