@@ -23,6 +23,7 @@ from relax_slurm.broker.state import BrokerState
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.errors import ConfigError, RelaxError
 from relax_slurm.runtime.plan import PLAN_FILE, load_plan
+from relax_slurm.runtime.stacks import register_stack_dumps
 
 
 ELASTIC_FILE = "elastic.json"
@@ -104,6 +105,9 @@ def _elastic(args: argparse.Namespace, cfg: TrainConfig) -> tuple[Elastic, Path 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # its stacks on SIGUSR2 (relax-ctl dump) in a run's dir: its config's folder, with a plan
+    run_dir = Path(args.config).resolve().parent
+    register_stack_dumps(run_dir if (run_dir / PLAN_FILE).exists() else None, "broker")
     try:
         secret = run_secret()
         if secret is None:

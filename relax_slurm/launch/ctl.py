@@ -10,6 +10,7 @@
     relax-ctl cancel RUN_DIR ID [ID ...]           POST /rollout/scale_out/ID/cancel, each
     relax-ctl cancel-all RUN_DIR [--status S] [--dry-run]  POST /rollout/scale_out_cancel
     relax-ctl stop RUN_DIR [--reason TEXT] [--wait]   end the run after its current step
+    relax-ctl dump RUN_DIR [--wait-s S]            every role's stacks -> RUN_DIR/diagnostics/TIME/
 
 Replies are printed as JSON; exit 1 on an HTTP error (409: another operation runs) or when the
 broker does not answer. `--wait` (scale-out, scale-in) polls the operation until it ends and
@@ -21,6 +22,12 @@ $(cat RUN_DIR/secret)" ADMIN/ROUTE`.
 saves a final checkpoint after its current step and the run ends as finished, its summary.json
 recording `stopped_early`. `--wait` polls until that summary.json is written (or the Slurm
 driver's slurm_status.json says the run failed) and prints it.
+
+`dump` goes through no HTTP either: it sends SIGUSR2 to every live role process that registered
+its stack dumps (runtime/stacks.py; on Slurm through `srun --overlap` on each role's node),
+waits up to --wait-s for each to write, and copies the stacks into a new folder
+RUN_DIR/diagnostics/<UTC time>/ (launch/dump.py); it prints the folder and which roles answered
+and which did not (a stopped or wedged process cannot answer: that is a finding too).
 """
 
 from __future__ import annotations
@@ -38,11 +45,13 @@ import httpx
 
 from relax_slurm.auth import read_secret
 from relax_slurm.errors import ConfigError, RelaxError
+from relax_slurm.launch.dump import dump_stacks
 from relax_slurm.metrics.summary import SUMMARY_FILE
 from relax_slurm.runtime.control import STATUS_FILE, read_status, request_stop
 from relax_slurm.runtime.plan import PLAN_FILE, load_plan
 
 WAIT_POLL_S = 1.0
+DUMP_WAIT_S = 10.0
 
 
 def admin_call(run_dir: Path, method: str, route: str, timeout_s: float,
@@ -133,10 +142,24 @@ def stop(run_dir: Path, reason: str, wait: bool, wait_s: float) -> dict:
     return json.loads((run_dir / SUMMARY_FILE).read_text())
 
 
+def dump(run_dir: Path, wait_s: float) -> dict:
+    """Every live role's stacks into RUN_DIR/diagnostics/<UTC time>/ (launch/dump.py)."""
+    check_run_dir(run_dir)
+    found = dump_stacks(run_dir, wait_s)
+    if not (found.answered or found.did_not_answer):
+        raise RelaxError(f"no live role of the run in {run_dir} has registered its stack "
+                         f"dumps (diagnostics/stacks/ is empty or its processes are gone): "
+                         "are its roles still starting, or from a version before relax-ctl "
+                         f"dump? not registered: {', '.join(found.not_registered) or 'none'}")
+    return found.to_dict()
+
+
 def run(args: argparse.Namespace) -> dict:
     t = args.timeout_s
     if args.command == "stop":
         return stop(args.run_dir, args.reason, args.wait, args.wait_s)
+    if args.command == "dump":
+        return dump(args.run_dir, args.wait_s)
     if args.command == "status":
         return admin_get(args.run_dir, "/status", t)
     if args.command == "engines":
@@ -207,6 +230,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--wait", action="store_true", help="until the run has ended; print its "
                                                        "summary")
     s.add_argument("--wait-s", type=float, default=900.0)
+    s = add("dump", "every role's Python stacks (SIGUSR2) into RUN_DIR/diagnostics/<UTC time>/")
+    s.add_argument("--wait-s", type=float, default=DUMP_WAIT_S,
+                   help="how long to wait for each role to write its stacks")
     return p
 
 

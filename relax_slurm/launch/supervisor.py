@@ -19,10 +19,12 @@ from relax_slurm.checkpoint.resume import parse_step
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineDown, Preempted, RoleFailed, RoleHung
 from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, preempt_requested, read_stop
+from relax_slurm.launch.dump import dump_stacks
 from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.health import HangWatch
 from relax_slurm.launch.interrupt import STOP
 from relax_slurm.runtime.plan import PLAN_FILE, load_plan
+from relax_slurm.runtime.stacks import RUN_DIR_ENV
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.records import write_roles
 from relax_slurm.launch.restart import InPlace
@@ -36,6 +38,21 @@ from relax_slurm.metrics.summary import samples_lost, summarize, write_summary
 from relax_slurm.engines.client import wait_until_healthy
 
 POLL_S = 0.5
+HANG_DUMP_WAIT_S = 5.0
+"""How long the stack dump before a hang's restart waits for the roles to answer: the hung
+role may be stopped and never answer, so every hang pays this once; the others answer within
+milliseconds (the handler is the interpreter's own, in C)."""
+
+
+def with_stacks(run_dir: Path, why: str) -> str:
+    """`why`, plus where the stacks of every role went: dumped (launch/dump.py) now, before
+    the role named hung is killed or the attempt fails, while the evidence is still there."""
+    try:
+        dump = dump_stacks(run_dir, HANG_DUMP_WAIT_S)
+    except Exception as e:  # noqa: BLE001 -- the diagnosis must not stop the recovery
+        return f"{why}; no stack dump ({type(e).__name__}: {e})"
+    # in the restart's log line and restarts.jsonl's cause, or the failure's message
+    return f"{why}; {dump.line()}"
 
 
 def wait_healthy(procs: ProcessSet, pending: dict[str, Role], timeout_s: float) -> None:
@@ -132,14 +149,16 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
                 scaler.tick()  # elastic rollout: start/stop engines the broker asks for
             procs.check_alive(skip=("trainer",))
             stuck = hangs.check() if hangs is not None else None
-            # a silent role that may restart in place does (a hung trainer cannot: global)
-            if stuck is not None and (in_place is None or not in_place.restart_hung(*stuck)):
-                raise hung(procs, *stuck)
+            if stuck is not None:
+                name, why = stuck[0], with_stacks(run_dir, stuck[1])
+                # a silent role that may restart in place does (a hung trainer cannot: global)
+                if in_place is None or not in_place.restart_hung(name, why):
+                    raise hung(procs, name, why)
             if time.monotonic() - last_step_t > cfg.cluster.restart.step_timeout_s:
-                raise trainer.failure(
-                    "made no step for cluster.restart.step_timeout_s="
+                raise trainer.failure(with_stacks(
+                    run_dir, "made no step for cluster.restart.step_timeout_s="
                     f"{cfg.cluster.restart.step_timeout_s}s "
-                    "(hung?); see also logs/rollout.log and logs/engine*.log")
+                    "(hung?); see also logs/rollout.log and logs/engine*.log"))
             # the poll's pause, cut short when the trainer exits: every run ends with it, and
             # a plain sleep kept each one waiting ~POLL_S / 2 more for its summary
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -194,7 +213,9 @@ class Supervisor:
         self.specs, self.cfg, self.run_dir, self.wrap = specs, cfg, run_dir, wrap
         self.notifier = Notifier(cfg.notify, run_dir.name)
         secret = ensure_secret(run_dir)
-        self.procs = ProcessSet(run_dir / "logs", child_env(cfg, secret))
+        # every role registers its stack dumps under the run dir (runtime/stacks.py)
+        self.procs = ProcessSet(run_dir / "logs",
+                                child_env(cfg, secret) | {RUN_DIR_ENV: str(run_dir.resolve())})
         admin = load_plan(run_dir).broker_admin if (run_dir / PLAN_FILE).exists() else None
         self.hangs = HangWatch(admin, secret,
                                {spec.name: spec.health_url for spec in specs if spec.health_url},

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -22,6 +23,7 @@ from relax_slurm.config.data import DataConfig
 from relax_slurm.data.processor import MediaLimits
 from relax_slurm.runtime.exit import exit_now
 from relax_slurm.runtime.heap import freeze_heap
+from relax_slurm.runtime.stacks import RUN_DIR_ENV, register_stack_dumps
 from relax_slurm.engines import sglang_api
 from relax_slurm.rollout.hf_core import HFEngine
 from relax_slurm.rollout.hf_server import build_app
@@ -70,6 +72,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.max_batch_size < 1:
         p.error("--max-batch-size must be >= 1")
+    # its stacks on SIGUSR2 (relax-ctl dump) when the launcher started it: named by its port,
+    # which roles.json maps back to the role's name (engine0, teacher0)
+    register_stack_dumps(os.environ.get(RUN_DIR_ENV), f"engine-{args.port}")
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

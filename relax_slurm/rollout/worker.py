@@ -43,6 +43,7 @@ from relax_slurm.errors import BrokerShutdown, ConfigError, EngineAborted, Engin
 from relax_slurm.runtime.exit import exit_now
 from relax_slurm.runtime.heap import freeze_heap
 from relax_slurm.runtime.plan import load_plan
+from relax_slurm.runtime.stacks import register_stack_dumps
 from relax_slurm.engines.client import wait_until_healthy
 from relax_slurm.rollout.episodes import EnvEpisodes
 from relax_slurm.rollout.proxy import AgentProxy
@@ -281,6 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
+    register_stack_dumps(args.run_dir, "rollout")  # its stacks on SIGUSR2 (relax-ctl dump)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(message)s")
     asyncio.run(_amain(args.run_dir))
     exit_now(0)  # the reward pool and sockets are closed; skip the interpreter's teardown

@@ -12,12 +12,17 @@ SignalException, both with the usual teardown.
 
 from __future__ import annotations
 
+import os
+
 from torch.distributed.run import main as torchrun
 
 from relax_slurm.runtime.exit import exit_now
+from relax_slurm.runtime.stacks import RUN_DIR_ENV, register_stack_dumps
 
 
 def main() -> None:
+    # the agent's own stacks on SIGUSR2 (it does not relay it: its ranks register their own)
+    register_stack_dumps(os.environ.get(RUN_DIR_ENV), "trainer-agent")
     torchrun()  # reads sys.argv as `python -m torch.distributed.run` does
     exit_now(0)
 

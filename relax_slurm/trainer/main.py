@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from relax_slurm.errors import ConfigError
 from relax_slurm.runtime.exit import exit_now
 from relax_slurm.runtime.heap import freeze_heap
 from relax_slurm.runtime.plan import load_plan
+from relax_slurm.runtime.stacks import register_stack_dumps
 from relax_slurm.trainer.backend import build_backend
 from relax_slurm.trainer.lead import Peer, RankZero, StepClock
 from relax_slurm.trainer.ranks import broadcast_request, end_on_request, init_distributed
@@ -145,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args(argv)
+    # its stacks on SIGUSR2 (relax-ctl dump); torchrun gives each rank RANK, SFT's too
+    register_stack_dumps(args.run_dir, f"trainer-rank{os.environ.get('RANK', '0')}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
     exit_now(run(args.run_dir))  # run() closed everything; skip seconds of interpreter teardown
 

@@ -206,9 +206,23 @@ def wait_restart(proc: subprocess.Popen, run_dir: Path, n: int) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+def assert_stacks_before(row: dict, frozen: str) -> None:
+    """The restart's cause names a diagnostics folder written before it (dump.json), holding
+    the stacks of every other role; the frozen role could not answer and is named so."""
+    folder = Path(row["cause"].split("stacks of every role in ", 1)[1].split(" (", 1)[0])
+    dump = json.loads((folder / "dump.json").read_text())
+    assert dump["did_not_answer"] == [frozen], dump
+    assert {"broker", "engine0", "rollout", "trainer-rank0"} - {frozen} <= set(dump["answered"])
+    assert (folder / "dump.json").stat().st_mtime <= row["time"]  # before the restart
+    for name in dump["answered"]:
+        assert "Current thread" in (folder / f"{name}.txt").read_text(), name
+    assert not (folder / f"{frozen}.txt").exists()
+
+
 def test_a_frozen_worker_and_a_frozen_engine_are_restarted_in_place(tmp_path, tiny_assets):
     """Alive but silent (SIGSTOP): no heartbeat from the worker, no /health from the engine.
-    The launcher names each hung, kills it and starts it again; nothing is lost."""
+    The launcher names each hung, dumps every role's stacks, kills it and starts it again;
+    nothing is lost."""
     run_dir, steps = tmp_path / "run", 12
     proc = start(run_dir, tiny_assets, ONE_RANK, f"trainer.total_steps={steps}",
                  "cluster.restart.heartbeat_interval_s=2", "cluster.restart.heartbeat_timeout_s=15")
@@ -226,6 +240,8 @@ def test_a_frozen_worker_and_a_frozen_engine_are_restarted_in_place(tmp_path, ti
                                                       ("engine0", "in_place")]
     assert rows[0]["cause"].startswith("hung: sent no heartbeat")
     assert rows[1]["cause"].startswith("hung: has not answered /health")
+    for row in rows:  # the stacks of every role, dumped before the restart (launch/dump.py)
+        assert_stacks_before(row, frozen=row["role"])
     assert "global restart" not in err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["samples_lost"] == 0, summary
@@ -253,6 +269,8 @@ def test_a_frozen_trainer_is_named_hung_and_the_run_restarts(tmp_path, tiny_asse
     rows = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()]
     assert rows and all(r["kind"] == "global" for r in rows)
     assert "role 'trainer' sent no heartbeat" in rows[-1]["cause"], rows
+    # every role's stacks were dumped before the attempt ended; the frozen rank's could not be
+    assert "did not answer: trainer-rank0)" in rows[-1]["cause"], rows
     assert f"global restart {len(rows)} of 2" in err
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["global_restarts"] == len(rows)

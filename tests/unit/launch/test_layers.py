@@ -14,7 +14,7 @@ LAYERS = [  # top first
     {"cli", "sweep", "local", "sbatch", "submit", "slurm_driver", "ctl"},
     {"supervisor", "scale", "engine_job", "restart", "health"},
     {"inputs", "compose", "placement", "roles", "slurm_options", "submitit_jobs", "rerun",
-     "records", "processes", "slurm_env", "node_health", "interrupt", "help", "launch",
+     "records", "processes", "slurm_env", "node_health", "interrupt", "help", "dump", "launch",
      "choices", "launcher_log"},
 ]
 
