@@ -221,16 +221,34 @@ def script_engine() -> Iterator[ScriptEngine]:
         out_path.write_text(json.dumps(found.out))
 
 
-def run_script(name: str, tmp_path: Path) -> dict:
-    """tests/integration/scripts/NAME --model-dir (a tiny model) --out F, as a process of its
-    own (it forms torch.distributed groups); its JSON findings."""
+def run_script(name: str, tmp_path: Path, *extra: str, model_dir: Optional[Path] = None,
+               env: Optional[dict[str, str]] = None) -> dict:
+    """tests/integration/scripts/NAME --model-dir (a tiny model) --out F [EXTRA], as a process
+    of its own (it forms torch.distributed groups); its JSON findings."""
     import json
 
-    model_dir = make_tiny_model(tmp_path / "model")
+    model_dir = model_dir or make_tiny_model(tmp_path / "model")
     out = tmp_path / "result.json"
     script = REPO_ROOT / "tests" / "integration" / "scripts" / name
     proc = subprocess.run([sys.executable, str(script), "--model-dir", str(model_dir),
-                           "--out", str(out)], cwd=REPO_ROOT, env=child_env(),
+                           "--out", str(out), *extra], cwd=REPO_ROOT,
+                          env=child_env() | (env or {}),
                           capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def start_sglang_engine(python: str | Path, model_dir: str | Path, port: int,
+                        log_path: str | Path, api_key: str) -> subprocess.Popen:
+    """The real SGLang server on CPU (the venv of relax-sglang-cpu), started with the argv a
+    run's engine gets (sglang_api.server_argv, device=cpu), in its own process group."""
+    from relax_slurm.engines.sglang_api import API_KEY_ENV, server_argv
+
+    argv = server_argv(str(python), model_path=str(model_dir), host="127.0.0.1", port=port,
+                       base_gpu_id=0, tp_size=1, ep_size=1, mem_fraction_static=0.8,
+                       dtype="float32", seed=0, trust_remote_code=False, api_key=True,
+                       enable_memory_saver=False, extra_args=[], device="cpu")
+    env = child_env() | {API_KEY_ENV: api_key}
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=str(REPO_ROOT), start_new_session=True)

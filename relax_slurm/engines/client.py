@@ -231,6 +231,31 @@ class EngineClient(_Base):
             raise self._error("/health", e) from e
         return self._healthy(resp)
 
+    def alive(self, timeout_s: float = 5.0) -> bool:
+        """True when the server and its scheduler answer, paused or not: GET /server_info
+        (SGLang fetches the scheduler's internal state for it). Not /health: SGLang's
+        generates one token, which waits while generation is paused and answers 503 after
+        20 s, so a paused engine (a weight sync, a train step with released memory) would read
+        as hung. Raises EngineError otherwise (down, frozen, timeout)."""
+        self._check("/server_info", self._call("GET", "/server_info", timeout_s=timeout_s))
+        return True
+
+    def answers(self, timeout_s: float = 5.0) -> bool:
+        """True when the HTTP server answers GET /model_info (SGLang's tokenizer manager, without
+        its scheduler): during a sync an engine's scheduler is inside the broadcast's receive
+        and answers nothing else, so this tells a waiting engine from a frozen or dead one."""
+        self._check("/model_info", self._call("GET", "/model_info", timeout_s=timeout_s))
+        return True
+
+    def ready(self, timeout_s: float = 5.0) -> bool:
+        """GET /ready: True when the engine takes new requests now, False when it is up but
+        paused (or still starting); EngineError when it does not answer."""
+        resp = self._call("GET", "/ready", timeout_s=timeout_s)
+        if resp.status_code == 503:
+            return False
+        self._check("/ready", resp)
+        return True
+
     def _get_info(self, route: str) -> dict[str, Any]:
         """GET /model_info or /server_info, else their older names; a 404 on both is an
         EngineError (a server that does not speak the protocol), not an engine down."""
@@ -341,9 +366,12 @@ class EngineClient(_Base):
 
 
 def wait_until_healthy(urls: list[str], timeout_s: float, poll_s: float = 0.5,
-                       between_polls: Callable[[], None] = lambda: None) -> None:
+                       between_polls: Callable[[], None] = lambda: None,
+                       paused_ok: bool = False) -> None:
     """Block until every engine answers /health (roles start together, so an engine may still
-    be loading its model); EngineDown names the first one still down after timeout_s.
+    be loading its model); EngineDown names the first one still down after timeout_s. With
+    `paused_ok` (a cohort re-forming after a failed sync, whose engines stay paused until the
+    resend) an engine that answers while paused counts too (`EngineClient.alive`).
 
     One client per engine for the whole wait: creating an httpx client loads the CA bundle
     (~0.1 CPU-s), which at two polls a second was a quarter of a core during start-up.
@@ -357,7 +385,10 @@ def wait_until_healthy(urls: list[str], timeout_s: float, poll_s: float = 0.5,
             errors: dict[str, EngineError] = {}
             for url in pending:
                 try:
-                    clients[url].health(timeout_s=5.0)
+                    if paused_ok:
+                        clients[url].alive(timeout_s=5.0)
+                    else:
+                        clients[url].health(timeout_s=5.0)
                 except EngineError as e:
                     errors[url] = e
             pending = [u for u in pending if u in errors]

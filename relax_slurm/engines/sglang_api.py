@@ -96,7 +96,7 @@ ROUTE_REQUEST = {
     "/generate": "GenerateReqInput",
 }
 
-GET_ROUTES = ("/health", "/health_generate", "/model_info", "/server_info")
+GET_ROUTES = ("/health", "/health_generate", "/ready", "/model_info", "/server_info")
 """Routes the client reads with GET."""
 POST_ROUTES = (*ROUTE_REQUEST, "/flush_cache")
 """Routes the client posts to."""

@@ -9,8 +9,11 @@ engine's `/health`; `check()` names the first of them silent for longer than
 - a role whose last heartbeat is older than that (a role that never heartbeat yet is still
   starting: `cluster.restart.step_timeout_s` covers a run that never gets going);
 - the broker, when /status has not answered for that long;
-- an engine, when /health has not answered 200 for that long (SGLang serves /health too, so
-  engines need no heartbeat code of their own).
+- an engine, when /server_info has not answered 200 for that long (SGLang serves it too, so
+  engines need no heartbeat code of their own). Not /health: SGLang's generates a token, which
+  waits while the trainer has generation paused (a sync, a train step with released memory)
+  and answers 503 after 20 s, so a long pause would read as a hang. /server_info asks the
+  scheduler for its state, which it answers paused or not (EngineClient.alive).
 
 The supervisor restarts the role it names in place when it may (broker, rollout worker,
 engines: launch/restart.py), like a dead one; otherwise (the trainer, or restarts used up) it
@@ -33,8 +36,10 @@ PROBE_TIMEOUT_S = 5.0
 class HangWatch:
     def __init__(self, admin_url: str | None, secret: str, engines: dict[str, str],
                  interval_s: float, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """`engines`: role name -> base URL."""
+                 clock: Callable[[], float] = time.monotonic,
+                 engine_key: str | None = None) -> None:
+        """`engines`: role name -> base URL; `engine_key`: their API key (the run's secret
+        unless the user set RELAX_ENGINE_API_KEY)."""
         self.admin_url = admin_url
         self.engines = dict(engines)
         self.interval_s = interval_s
@@ -47,7 +52,8 @@ class HangWatch:
         self._restarted: dict[str, float] = {}  # role -> when it was restarted in place
         timeout = min(PROBE_TIMEOUT_S, interval_s)
         self._admin = httpx.Client(timeout=timeout, headers={"Authorization": f"Bearer {secret}"})
-        self._probe = httpx.Client(timeout=timeout)  # /health is open: no secret to engines
+        self._probe = httpx.Client(timeout=timeout, headers={
+            "Authorization": f"Bearer {engine_key or secret}"})
 
     def close(self) -> None:
         self._admin.close()
@@ -80,12 +86,12 @@ class HangWatch:
         # request) falls silent too, but the engine is the one to restart
         hung, silent = None, False
         for name, url in self.engines.items():
-            if self._ok(url + "/health"):
+            if self._ok(url + "/server_info"):
                 self._last_ok[name] = self._clock()
                 continue
             silent = True
             if hung is None and self._clock() - self._last_ok[name] > self.timeout_s:
-                hung = (name, f"has not answered /health for {self.timeout_s:.0f}s "
+                hung = (name, f"has not answered /server_info for {self.timeout_s:.0f}s "
                               "(cluster.restart.heartbeat_timeout_s)")
         # ... and its last beat can predate the engine's last answer (it went into a push
         # just before the engine froze): while an engine does not answer, no role is named

@@ -36,6 +36,7 @@ from relax_slurm.metrics.notify import Notifier
 from relax_slurm.metrics.progress import Progress
 from relax_slurm.metrics.summary import samples_lost, summarize, write_summary
 from relax_slurm.engines.client import wait_until_healthy
+from relax_slurm.engines.sglang_api import API_KEY_ENV
 
 POLL_S = 0.5
 HANG_DUMP_WAIT_S = 5.0
@@ -220,7 +221,8 @@ class Supervisor:
         self.hangs = HangWatch(admin, secret,
                                {spec.name: spec.health_url for spec in specs if spec.health_url},
                                cfg.cluster.restart.heartbeat_interval_s,
-                               cfg.cluster.restart.heartbeat_timeout_s)
+                               cfg.cluster.restart.heartbeat_timeout_s,
+                               engine_key=child_env(cfg, secret)[API_KEY_ENV])
         self.in_place = InPlace(self.procs, specs, wrap, run_dir, cfg.cluster.restart.max_per_role,
                                 on_restart=self.hangs.restarted)
         # elastic rollout's process side (launch/scale.py)

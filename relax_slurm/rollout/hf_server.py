@@ -161,6 +161,12 @@ def _info_routes(app: FastAPI, engine: HFEngine) -> None:
     async def health() -> Response:
         return Response(status_code=200 if engine.alive() else 503)
 
+    @app.get("/ready")
+    async def ready() -> Response:
+        # SGLang's: takes new requests now (up and not paused)
+        return Response(status_code=200 if engine.alive() and not engine.status()["paused"]
+                        else 503)
+
     @app.get("/model_info")
     @app.get("/get_model_info")  # its older name, still served by SGLang
     async def model_info() -> dict:
@@ -170,13 +176,15 @@ def _info_routes(app: FastAPI, engine: HFEngine) -> None:
 
     @app.get("/server_info")
     @app.get("/get_server_info")
-    async def server_info() -> dict:
+    async def server_info() -> Response:
+        if not engine.alive():  # SGLang's answer needs its scheduler's (EngineClient.alive)
+            return JSONResponse({"error": "the generation thread has stopped"}, status_code=503)
         # `version`: the SGLang release whose protocol this server speaks
-        return {"engine": "hf", "version": sglang_api.HF_PROTOCOL,
+        return JSONResponse({"engine": "hf", "version": sglang_api.HF_PROTOCOL,
                 "model_path": engine.model_path, "max_batch_size": engine.max_batch_size,
                 "batch_wait_ms": engine.batch_wait_s * 1000.0,
                 "weight_version": engine.weight_version, **engine.status(),
-                "internal_states": [dict(engine.stats)]}
+                "internal_states": [dict(engine.stats)]})
 
     @app.get("/weights_checksum")
     async def weights_checksum() -> dict:

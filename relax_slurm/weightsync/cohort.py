@@ -7,8 +7,8 @@ So the cohort is re-formed, all engines together under a new group name (`NAME_c
 ...) on a new port, and the current weights are sent on it:
 
 - when a send fails (`send`), or an engine stops answering the check after it (`verify`):
-  wait until every engine answers /health again (`rollout.startup_timeout_s`), re-form, send
-  again;
+  wait until every engine answers again (`rollout.startup_timeout_s`; the engines of the
+  failed sync stay paused, so /server_info, not /health), re-form, send again;
 - when the broker's engine list changes (elastic rollout, `move`): the cohort becomes the new
   engine set; the trainer sends the weights on it before it reports the engines synced;
 - when the broker's engine set changes while a re-forming waits (`follow`: an engine was lost,
@@ -119,8 +119,9 @@ class Cohort:
     def reform(self) -> None:
         while True:
             try:
+                # paused_ok: the engines of a failed sync stay paused until the resend
                 wait_until_healthy(self.urls, self.startup_timeout_s,
-                                   between_polls=self._between_polls)
+                                   between_polls=self._between_polls, paused_ok=True)
                 break
             except _EnginesChanged:
                 continue  # wait for the new set (a lost engine would never answer)

@@ -43,12 +43,13 @@ STALE_SESSION = "already open"
 
 
 HEALTH_PROBE_S = 5.0
-"""How long a timed-out sync probes each late engine's /health to name the one at fault."""
+"""How long a timed-out sync probes each late engine's /model_info to name the one at fault."""
 
 
-def _answers_health(client: EngineClient, timeout_s: float) -> bool:
+def _answers(client: EngineClient, timeout_s: float) -> bool:
+    # not /health: SGLang's generates a token, which waits while the sync has generation paused
     try:
-        return client.health(timeout_s)
+        return client.answers(timeout_s)
     except Exception:  # noqa: BLE001 - any failure to answer is the answer
         return False
 
@@ -221,18 +222,19 @@ class WeightSender:
             self._join("/end_weight_update", self._on_engines(
                 lambda c, i: c.end_weight_update()))
         except WeightSyncError as e:
-            if self.pause_for_sync:  # best effort, not awaited: the original error matters more
-                self._on_engines(lambda c, i: c.continue_generation())
+            # the engines stay paused: some may hold part of the new weights under the old
+            # version's label, and SGLang, continued, would serve them and their samples would
+            # pass the staleness check. The resend on the re-formed cohort continues them.
             raise WeightSyncError(
                 f"weight sync of version {version} to {len(self.clients)} engine(s) failed: {e}"
-                ". The trainer re-forms the cohort once every engine answers /health again "
+                ". The engines stay paused; the trainer re-forms the cohort once every engine "
+                "answers again, and resends "
                 "(a frozen or dead engine is restarted in place by the launcher); if this "
                 "repeats, raise weight_sync.timeout_s or check the named engine's log") from e
         except BaseException:
             # the session a failure leaves open is closed by the next sync's open_session: an
-            # end sent from here could overtake that sync's begin and close its session
-            if self.pause_for_sync:  # best effort, not awaited: the original error matters more
-                self._on_engines(lambda c, i: c.continue_generation())
+            # end sent from here could overtake that sync's begin and close its session. The
+            # engines stay paused, as above: this trainer is going away, its successor resends
             raise
         if self.pause_for_sync:
             self._join("/continue_generation", self._on_engines(
@@ -334,22 +336,23 @@ class WeightSender:
 
     def _not_answered(self, http: list[Future], route: str) -> str:
         """Which engines (index and URL) had not answered `route`, and of those which do not
-        answer /health either (frozen or dead: the cause; the others wait on the broadcast)."""
+        answer /model_info either (frozen or dead: the cause; the others wait on the
+        broadcast)."""
         late = [(i, url, self.clients[i]) for i, (url, fut) in
                 enumerate(zip(self.engine_urls, http)) if not fut.done()]
         if not late:
             return f"every engine answered {route}"
         probe_s = min(HEALTH_PROBE_S, self.timeout_s)
         with ThreadPoolExecutor(len(late)) as probes:
-            alive = list(probes.map(lambda e: _answers_health(e[2], probe_s), late))
+            alive = list(probes.map(lambda e: _answers(e[2], probe_s), late))
         silent = [f"engine {i} ({url})" for (i, url, _), ok in zip(late, alive) if not ok]
         waiting = [f"engine {i} ({url})" for (i, url, _), ok in zip(late, alive) if ok]
         parts = []
         if silent:
-            parts.append(f"{', '.join(silent)} did not receive and does not answer /health "
+            parts.append(f"{', '.join(silent)} did not receive and does not answer HTTP "
                          f"within {probe_s}s (frozen or dead; see logs/engine<i>.log)")
         if waiting:
-            parts.append(f"{', '.join(waiting)} answer /health but did not finish {route} "
+            parts.append(f"{', '.join(waiting)} answer HTTP but did not finish {route} "
                          "(waiting on the broadcast, or unable to join the group)")
         return "; ".join(parts)
 

@@ -187,7 +187,8 @@ def test_preempted_run_requeues_and_resumes(tmp_path, tiny_assets, slurm_env):
     """USR1 mid-run (what Slurm sends `signal_lead_s` before the time limit): the trainer
     checkpoints after its current step, the driver requeues the job, and the next attempt (same
     job id) resumes at the checkpointed step and finishes: metrics.jsonl has every step exactly
-    once, and the steps of the first attempt were not trained again."""
+    once, and the steps of the first attempt were not trained again. Before the signal,
+    `relax-ctl dump` takes every role's stacks on its node (issue #35), disturbing nothing."""
     run_dir, env = tmp_path / "run", job_env(slurm_env)
     # the ready script asks for 8 GPUs per node; tools/slurm's nodes advertise fake ones
     # (without mknod, e.g. not root, they have none)
@@ -209,6 +210,19 @@ def test_preempted_run_requeues_and_resumes(tmp_path, tiny_assets, slurm_env):
         wait_until(lambda: len(read_rows(run_dir)) >= SIGNAL_AFTER or not in_queue(env, job_id),
                    600, f"{SIGNAL_AFTER} training steps", why=why)
         assert in_queue(env, job_id), why()
+        # mid-run, every role's stacks through `srun --overlap` on its node (relax-ctl dump);
+        # the run goes on undisturbed (its remaining steps are checked below)
+        ctl = subprocess.run([sys.executable, "-m", "relax_slurm.launch.ctl", "dump",
+                              str(run_dir), "--wait-s", "60"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=180)
+        assert ctl.returncode == 0, ctl.stderr + why()
+        dumped = json.loads(ctl.stdout)
+        assert dumped["did_not_answer"] == [] and dumped["not_registered"] == [], dumped
+        assert {"broker", "engine0", "rollout", "trainer-rank0"} <= set(dumped["answered"]), \
+            dumped
+        for name in dumped["answered"]:
+            text = (Path(dumped["folder"]) / f"{name}.txt").read_text()
+            assert "Current thread" in text or "Thread 0x" in text, (name, text[-2000:])
         r = slurm(env, "scancel", "--batch", "--signal=USR1", job_id)
         assert r.returncode == 0, r.stderr
         wait_until(lambda: (read_status(run_dir) or {}).get("state") not in (None, "running"),

@@ -1,5 +1,5 @@
 """Hang detection against a real broker process: a role that stops heartbeating, an engine that
-stops answering /health and a broker that stops answering /status are each named once they are
+stops answering /server_info and a broker that stops answering /status are each named once they are
 silent for the timeout; a role that keeps beating never is."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_silent_roles_engines_and_broker_are_named(start_broker: Callable[..., B
     try:
         assert poll(watch, TIMEOUT_S - 0.5) is None  # silent, but not for long enough yet
         assert poll(watch, 2 * TIMEOUT_S) == (
-            "engine1", "has not answered /health for 2s (cluster.restart.heartbeat_timeout_s)")
+            "engine1", "has not answered /server_info for 2s (cluster.restart.heartbeat_timeout_s)")
     finally:
         watch.close()
 

@@ -1,0 +1,105 @@
+"""The engine contract, on the real SGLang (on CPU, the venv of relax-sglang-cpu) and on our hf
+engine alike (issue #33): what the trainer and the launcher rely on while engines are paused.
+
+- A paused engine is alive and not ready: GET /server_info answers (SGLang's scheduler answers
+  it paused or not) and GET /ready says 503, so the launcher's hang watch does not name a paused
+  engine however long the pause. SGLang's /health, which the watch used to probe, generates a
+  token: it waits for un-pause and answers 503 after 20 s.
+- A sync that fails midway leaves the engines paused until the resend; the cohort's wait
+  accepts paused engines; the resend continues them at the new version.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
+from helpers_tiny import (free_port, make_tiny_model, run_script, start_engine,  # noqa: E402
+                          start_sglang_engine, stop_process, wait_healthy)
+
+from relax_slurm.engines.client import EngineClient  # noqa: E402
+from relax_slurm.engines.sglang_api import API_KEY_ENV  # noqa: E402
+from relax_slurm.launch.health import HangWatch  # noqa: E402
+
+KEY = "contract-key"
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("contract") / "model")
+
+
+@pytest.fixture(scope="module", params=["sglang", "hf"])
+def engine(request, model_dir, tmp_path_factory):
+    """(kind, URL, process) of one engine serving the tiny model with an API key."""
+    kind, port = request.param, free_port()
+    log = tmp_path_factory.mktemp(kind) / "engine.log"
+    if kind == "sglang":
+        python = request.getfixturevalue("sglang_cpu_python")
+        proc = start_sglang_engine(python, model_dir, port, log, api_key=KEY)
+    else:
+        proc = start_engine(model_dir, port, log, api_key=KEY)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, 300, log)
+        yield kind, url, proc
+    finally:
+        stop_process(proc)
+
+
+@pytest.fixture
+def client(engine, monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    with EngineClient(engine[1], 30.0) as c:
+        yield c
+
+
+def test_a_paused_engine_is_alive_and_not_ready_and_never_named_hung(engine, client):
+    kind, url, proc = engine
+    assert client.ready() is True and client.alive() is True
+    now = itertools.count(0.0, 100.0)  # each probe 100 s after the last: past any timeout
+    watch = HangWatch(None, "unused", {"engine0": url}, interval_s=1.0, timeout_s=30.0,
+                      clock=lambda: next(now), engine_key=KEY)
+    client.pause_generation("retract")
+    try:
+        assert client.ready() is False  # paused: takes no new requests
+        assert client.alive() is True
+        for _ in range(3):  # hundreds of seconds of pause, as the watch counts
+            assert watch.check() is None
+    finally:
+        client.continue_generation()
+    assert client.ready() is True
+    # a frozen engine is still named: the probe answers nothing at all
+    os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        hung = None
+        for _ in range(3):
+            hung = hung or watch.check()
+        assert hung is not None and hung[0] == "engine0", hung
+        assert "/server_info" in hung[1]
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+        watch.close()
+    assert client.alive() is True
+
+
+def test_a_sync_failed_midway_leaves_the_engines_paused_until_the_resend(engine, client,
+                                                                         model_dir, tmp_path):
+    kind, url, _ = engine
+    r = run_script("paused_after_failed_sync.py", tmp_path, "--url", url, model_dir=model_dir,
+                   env={API_KEY_ENV: KEY})
+    assert r["ready_before"] is True, r
+    assert r["error"] is not None and "weight_sync.timeout_s" in r["error"], r
+    assert r["buckets_begun"] >= 2, r  # failed midway: a bucket went through before
+    # paused, under the old label: nothing is served with half of the new weights
+    assert r["ready_after_failure"] is False, r
+    assert r["version_after_failure"] == "0", r
+    assert r["ready_after_resend"] is True and r["version_after_resend"] == "2", r
+    assert client.ready() is True
