@@ -149,19 +149,38 @@ def _signal_local(targets: list[Target]) -> list[Target]:
     return sent
 
 
-def slurm_kill_command(job_id: str, host: str, pids: list[int]) -> list[str]:
-    return ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1",
+def slurm_kill_command(job_id: str, host: str, pids: list[int],
+                       het_group: int | None = None) -> list[str]:
+    """srun on `host` inside the run's job; in a het job, in the component that holds the
+    node (srun answers "No directives to start application on any available hetjob
+    components" without --het-group, and "Requested node configuration is not available" in
+    the wrong one: tested on slurm 22.05)."""
+    het = [] if het_group is None else [f"--het-group={het_group}"]
+    return ["srun", f"--jobid={job_id}", *het, "--overlap", "--nodes=1", "--ntasks=1",
             f"--nodelist={host}", "--gpus-per-node=0", "--job-name=relax-dump",
             "sh", "-c", REMOTE_KILL, "relax-dump", *map(str, pids)]
 
 
+def _het_group(info: dict, host: str) -> int | None:
+    """The het-job component whose nodes include `host` (slurm.json's roles), None outside
+    a het job."""
+    if not info.get("het"):
+        return None
+    for role in (info.get("roles") or {}).values():
+        if host in role.get("hosts", []):
+            return int(role["het_group"])
+    return 0
+
+
 def _signal_slurm(run_dir: Path, targets: list[Target]) -> list[Target]:
-    job_id = str(json.loads((run_dir / "slurm.json").read_text())["job_id"])
+    info = json.loads((run_dir / "slurm.json").read_text())
+    job_id = str(info["job_id"])
     sent = []
     for host in sorted({t.reg.host for t in targets}):
         on_host = [t for t in targets if t.reg.host == host]
         try:
-            out = subprocess.run(slurm_kill_command(job_id, host, [t.reg.pid for t in on_host]),
+            out = subprocess.run(slurm_kill_command(job_id, host, [t.reg.pid for t in on_host],
+                                                    _het_group(info, host)),
                                  capture_output=True, text=True, timeout=SRUN_TIMEOUT_S).stdout
         except (OSError, subprocess.TimeoutExpired):
             continue  # nobody on that node signalled: named below as not answering
@@ -226,10 +245,11 @@ def dump_stacks(run_dir: Path, wait_s: float) -> Dump:
     asked = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     sent = _signal_slurm(run_dir, targets) if slurm and targets else _signal_local(targets)
     answered, silent = _wait(sent, wait_s)
+    silent += [t for t in targets if t not in sent]  # registered; the signal did not get there
     folder = _folder(run_dir)
     for t in answered:
         _copy(t, folder, asked)
-    labels = [t.label for t in sent]
+    labels = [t.label for t in targets]
     missing = [r["name"] for r in rows
                if not any(x == r["name"] or x.startswith(r["name"] + "-") for x in labels)]
     dump = Dump(folder, sorted(t.label for t in answered), sorted(t.label for t in silent),

@@ -58,7 +58,10 @@ def register_stack_dumps(run_dir: str | Path | None, role: str) -> Path | None:
     path = folder / f"{role}-{pid}.txt"
     hidden = folder / f".{role}-{pid}.txt"
     f = hidden.open("a")
-    f.write(f"{HEADER}: role={role} pid={pid} host={socket.gethostname()} "
+    # Slurm's node name where there is one: the dump's srun asks for that node by it, and a
+    # node's hostname need not be its Slurm name (FQDN, or several slurmds on one machine)
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    f.write(f"{HEADER}: role={role} pid={pid} host={host} "
             f"started={time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} "
             f"signal={DUMP_SIGNAL.name}\n")
     f.flush()

@@ -140,6 +140,9 @@ def test_the_slurm_command_signals_only_relax_processes_and_says_which(tmp_path)
     assert cmd[:8] == ["srun", "--jobid=123", "--overlap", "--nodes=1", "--ntasks=1",
                        "--nodelist=node7", "--gpus-per-node=0", "--job-name=relax-dump"]
     assert cmd[8:] == ["sh", "-c", REMOTE_KILL, "relax-dump", "11", "22"]
+    # in a het job: the component that holds the node
+    assert slurm_kill_command("123", "node7", [11], het_group=1)[:3] == [
+        "srun", "--jobid=123", "--het-group=1"]
     # what srun runs on the node, run here: a relax_slurm process that registered is
     # signalled and printed; another process (a reused pid) and a gone pid are left alone
     (tmp_path / "relax_slurm_role.py").write_text(
