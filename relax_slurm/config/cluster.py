@@ -31,9 +31,9 @@ class RestartConfig:
     operations.md) before its next death fails the run (or restarts it globally)."""
     heartbeat_interval_s: float = 10.0
     """Trainer and rollout worker heartbeat to the broker this often, from their main loops; the
-    launcher probes the broker's /status and the engines' /health as often."""
+    launcher probes the broker's /status and the engines' /server_info as often."""
     heartbeat_timeout_s: float = 600.0
-    """A role whose last heartbeat (or an engine whose last good /health, or a broker whose last
+    """A role whose last heartbeat (or an engine whose last good /server_info, or a broker whose last
     /status) is older than this is hung: the run fails naming it, or restarts
     (cluster.restart.max_global). Cover the longest step; 0 turns hang detection off."""
     step_timeout_s: float = 900.0

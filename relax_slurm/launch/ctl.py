@@ -1,6 +1,6 @@
 """`relax-ctl`: talk to a running run's broker admin HTTP with the run's secret.
 
-    relax-ctl status RUN_DIR                       GET /status
+    relax-ctl status RUN_DIR                       GET /status, plus `waiting`: what the trainer waits on
     relax-ctl engines RUN_DIR                      GET /rollout/engines
     relax-ctl scale-out RUN_DIR --num-replicas N   POST /rollout/scale_out (absolute target)
     relax-ctl scale-out RUN_DIR --engine-url URL   ... register an engine started elsewhere
@@ -45,7 +45,9 @@ import httpx
 
 from relax_slurm.auth import read_secret
 from relax_slurm.errors import ConfigError, RelaxError
+from relax_slurm.broker.stats import BrokerStatus
 from relax_slurm.launch.dump import dump_stacks
+from relax_slurm.launch.waiting import explain
 from relax_slurm.metrics.summary import SUMMARY_FILE
 from relax_slurm.runtime.control import STATUS_FILE, read_status, request_stop
 from relax_slurm.runtime.plan import PLAN_FILE, load_plan
@@ -160,8 +162,9 @@ def run(args: argparse.Namespace) -> dict:
         return stop(args.run_dir, args.reason, args.wait, args.wait_s)
     if args.command == "dump":
         return dump(args.run_dir, args.wait_s)
-    if args.command == "status":
-        return admin_get(args.run_dir, "/status", t)
+    if args.command == "status":  # plus, in words, what the trainer waits on
+        reply = admin_get(args.run_dir, "/status", t)
+        return reply | {"waiting": explain(BrokerStatus.from_dict(reply))}
     if args.command == "engines":
         return admin_get(args.run_dir, "/rollout/engines", t)
     if args.command == "op-status":

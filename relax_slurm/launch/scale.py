@@ -24,7 +24,7 @@ once) and replaced: the Scaler asks for a scale-out back to the number of engine
 before, as soon as no other operation runs. Each is a `replaced` row in restarts.jsonl, and an
 engine restarted inside its job an `in_job` row; both count in summary.json's `restarts`.
 
-An external engine (registered by URL) that does not answer /health for
+An external engine (registered by URL) that does not answer /server_info for
 cluster.restart.heartbeat_timeout_s is reported lost too (a `lost` row), and not replaced: the
 run did not start it and cannot start another.
 """
@@ -47,8 +47,9 @@ from relax_slurm.runtime.plan import free_port
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.records import record_restart, write_roles
 from relax_slurm.launch.restart import InPlace
-from relax_slurm.launch.roles import engine_spec, engines_rejoin
+from relax_slurm.launch.roles import child_env, engine_spec, engines_rejoin
 from relax_slurm.engines.client import EngineClient
+from relax_slurm.engines.sglang_api import API_KEY_ENV
 
 log = logging.getLogger(__name__)
 HTTP_TIMEOUT_S = 5.0
@@ -68,6 +69,10 @@ class Scaler:
         self.admin = admin
         self.http = httpx.Client(timeout=HTTP_TIMEOUT_S,
                                  headers={"Authorization": f"Bearer {secret}"})
+        # engines in service are probed on /server_info (answered paused: launch/health.py)
+        # with the engines' key: the run's secret unless the user set RELAX_ENGINE_API_KEY
+        self.engine_probe = httpx.Client(timeout=HEALTH_PROBE_S, headers={
+            "Authorization": f"Bearer {child_env(cfg, secret)[API_KEY_ENV]}"})
         self.started: dict[str, Role] = {}  # url -> the engine process this launcher started
         self.replacing = 0  # engines lost with their jobs, not yet asked back by a scale-out
         self.restarted: dict[str, int] = {}  # engine job name -> restarts (replaced, in job)
@@ -79,6 +84,7 @@ class Scaler:
     def close(self) -> None:
         """The run's end: cancel every engine job submitted (none stays in the queue)."""
         self.http.close()
+        self.engine_probe.close()
         if self.jobs is not None:
             for name in list(self.jobs.jobs):
                 self._record_in_job_restarts(name)
@@ -223,7 +229,7 @@ class Scaler:
                       + ("a new engine job replaces it" if replace else "it was draining"))
 
     def _watch_external(self, view: dict[str, Any]) -> None:
-        """External engines in service that have not answered /health for
+        """External engines in service that have not answered /server_info for
         cluster.restart.heartbeat_timeout_s (asked every EXTERNAL_PROBE_S at most) are reported
         lost."""
         external = {e["url"]: e for e in view["engines"]
@@ -234,14 +240,14 @@ class Scaler:
             return
         lost_after = self.cfg.cluster.restart.heartbeat_timeout_s
         for url, e in external.items():
-            if _healthy(url):
+            if self._alive(url):
                 self._silent_since.pop(url, None)
                 continue
             now = time.monotonic()
             silent = now - self._silent_since.setdefault(url, now)
             if silent < lost_after:
                 continue
-            why = (f"no answer to /health for {silent:.0f}s "
+            why = (f"no answer to /server_info for {silent:.0f}s "
                    f"(cluster.restart.heartbeat_timeout_s={lost_after:g})")
             self._post("/rollout/engines/lost", {"url": url, "why": why})
             del self._silent_since[url]
@@ -348,6 +354,14 @@ class Scaler:
             self.procs.stop(role)
             write_roles(self.procs, self.run_dir)
             self._say(f"stopped {role.name} ({url})")
+
+    def _alive(self, url: str) -> bool:
+        """Not /health: SGLang's generates a token and so waits while a sync has generation
+        paused (EngineClient.alive)."""
+        try:
+            return self.engine_probe.get(url.rstrip("/") + "/server_info").status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _say(self, line: str) -> None:
         print(f"relax-train: elastic rollout: {line}", file=sys.stderr, flush=True)

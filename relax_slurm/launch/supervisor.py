@@ -22,6 +22,7 @@ from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, preempt_requested, re
 from relax_slurm.launch.dump import dump_stacks
 from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.health import HangWatch
+from relax_slurm.launch.waiting import StallNotes, explain
 from relax_slurm.launch.interrupt import STOP
 from relax_slurm.runtime.plan import PLAN_FILE, load_plan
 from relax_slurm.runtime.stacks import RUN_DIR_ENV
@@ -127,6 +128,8 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
                         start_step=start_step)
     tail = MetricsTail(run_dir / METRICS_FILE)
     last_step_t = time.monotonic()
+    done = start_step
+    stalls = StallNotes(cfg.cluster.restart.heartbeat_interval_s)
     try:
         while True:
             for row in tail.new_rows():
@@ -136,6 +139,8 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
                 if notifier is not None:
                     notifier.on_row(row, cfg.trainer.total_steps)
                 last_step_t = time.monotonic()
+                done = int(row.get("step", 0)) + 1
+                stalls.stepped(row, last_step_t)
             # one poll decides for the trainer: a trainer that exits 0 between two polls must
             # not be reported by check_alive as a role that died
             rc = trainer.proc.poll()
@@ -155,11 +160,18 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
                 # a silent role that may restart in place does (a hung trainer cannot: global)
                 if in_place is None or not in_place.restart_hung(name, why):
                     raise hung(procs, name, why)
+            if hangs is not None and hangs.admin_url and stalls.due(time.monotonic(),
+                                                                    last_step_t):
+                progress.note(f"relax-train: no step for {time.monotonic() - last_step_t:.0f}s "
+                              f"after step "
+                              f"{done}: {explain(hangs.broker_status())}")
             if time.monotonic() - last_step_t > cfg.cluster.restart.step_timeout_s:
                 raise trainer.failure(with_stacks(
                     run_dir, "made no step for cluster.restart.step_timeout_s="
                     f"{cfg.cluster.restart.step_timeout_s}s "
-                    "(hung?); see also logs/rollout.log and logs/engine*.log"))
+                    "(hung?); see also logs/rollout.log and logs/engine*.log"
+                    + (f"; {explain(hangs.broker_status())}" if hangs is not None
+                       and hangs.admin_url else "")))
             # the poll's pause, cut short when the trainer exits: every run ends with it, and
             # a plain sleep kept each one waiting ~POLL_S / 2 more for its summary
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -62,6 +62,14 @@ class Progress:
         text = " ".join(f"{k}={v}" for k, v in fields.items())
         print(f"step {step}/{self.total} {text} elapsed={elapsed:.0f}s eta={eta:.0f}s", flush=True)
 
+    def note(self, text: str) -> None:
+        """A line of its own on stderr, with the launcher's other notes (above the bar on a
+        terminal); said with metrics.progress=false too."""
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -162,6 +162,11 @@ class RolloutWorker:
         router = self.services.router
         return {e.url: n for e, n in zip(router.engines, router.picked)}
 
+    def requests_open(self) -> dict[str, int]:
+        """Requests in flight per engine now (a stall note names the busy engines)."""
+        router = self.services.router
+        return {e.url: n for e, n in zip(router.engines, router.inflight)}
+
     async def follow_engines(self) -> None:
         """Elastic rollout (broker/elastic.py): route to the broker's active engines only. A new
         one is active once it holds the current weights; a draining one gets no new request,
@@ -195,7 +200,8 @@ class RolloutWorker:
             if beat.due():  # from this loop, not a thread: a beat means the loop turns
                 await broker.heartbeat(self.role, groups_in_flight=len(self.tasks),
                                        groups_requeued=self.requeued_total,
-                                       requests_per_engine=self.requests_per_engine())
+                                       requests_per_engine=self.requests_per_engine(),
+                                       requests_open=self.requests_open())
                 await self.follow_engines()
             while self.requeued and len(self.tasks) < limit:  # they still hold their credits
                 self.start_group(*self.requeued.popleft())

@@ -74,6 +74,27 @@ def _ephemeral_range() -> tuple[int, int]:
 _HANDED_OUT: set[int] = set()
 
 
+def address_toward(urls: list[str]) -> str:
+    """This host's address on the interface that routes to the first of `urls`' hosts: where
+    engines connect back to (the weight-sync group's master on trainer rank 0). Not
+    gethostname(): on a cluster node it may resolve to another network than the engines'
+    (a management network, or 127.0.1.1 as Debian's /etc/hosts has it). A UDP connect sends
+    nothing; it only asks the kernel for the route. gethostname() when there is no route."""
+    from urllib.parse import urlsplit
+
+    for url in urls:
+        host = urlsplit(url).hostname
+        if not host:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((host, 9))  # discard port: any port will do, nothing is sent
+                return str(s.getsockname()[0])
+        except OSError:
+            continue
+    return socket.gethostname()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that is free now and not handed out before by this process, below the OS's
     ephemeral range when there is room.

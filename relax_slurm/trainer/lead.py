@@ -8,11 +8,11 @@ the same methods on every rank, so it reads without rank branches.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from relax_slurm.broker.client import BrokerClient
 from relax_slurm.broker.stats import BatchStats
@@ -26,7 +26,7 @@ from relax_slurm.metrics.jsonl import truncate_metrics
 from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
 from relax_slurm.runtime.control import pending_request
-from relax_slurm.runtime.plan import free_port
+from relax_slurm.runtime.plan import address_toward, free_port
 from relax_slurm.sample_meta import SampleMeta
 from relax_slurm.samples import Group
 from relax_slurm.trainer.overlap import BackgroundPush
@@ -172,10 +172,16 @@ class RankZero:
         self.pusher = BackgroundPush()
         self.pending: tuple[int, dict, list[Group]] | None = None
         self.settle_wait_s = 0.0  # this step's wait for the previous version's push
-        # empty host: wherever rank 0 landed (c10d rendezvous picks it on multi-node Slurm runs)
-        sync_host = plan.weight_sync_host or socket.gethostname()
+        self.waits: dict[str, Any] = {}
+        """What rank 0 waits on now ("batch", "weight_sync", "engines"), sent with every
+        heartbeat: the launcher's stall note and relax-ctl status read it (launch/waiting.py).
+        Written by the loop and the push's thread; each heartbeat sends a copy."""
+        self.sync_pacer = Pacer(cfg.cluster.restart.heartbeat_interval_s)
+        # empty host: wherever rank 0 landed (c10d rendezvous picks it on multi-node Slurm
+        # runs), by its address on the engines' network
+        sync_host = plan.weight_sync_host or address_toward(plan.engine_urls)
         def make_sender(group_name: str, port: int, urls: list[str]) -> WeightSender:
-            return WeightSender(
+            sender = WeightSender(
                 urls, sync_host, port, group_name,
                 resolve_backend(cfg.weight_sync.backend,
                                 engines_on_gpu=cfg.rollout.engine != "hf"
@@ -186,6 +192,8 @@ class RankZero:
                 ranks_per_engine=cfg.rollout.engine_tp_size,
                 load_format=cfg.weight_sync.load_format,
             )
+            sender.on_wait = self.sync_waiting
+            return sender
         # a restarted engine re-joins through a new cohort (weightsync/cohort.py)
         self.cohort = Cohort(plan.engine_urls, WEIGHT_GROUP, plan.weight_sync_port, make_sender,
                              new_port=lambda: free_port(sync_host),
@@ -224,14 +232,24 @@ class RankZero:
         waits for a batch it also re-syncs an engine that was restarted (`weights` gives the
         current ones without a collective; None under FSDP2, where that needs every rank)."""
         if self.pacer.due():
-            self.broker.heartbeat("trainer", step=step)
+            self.broker.heartbeat("trainer", step=step, waiting=dict(self.waits))
             if weights is not None and not self.pusher.busy:  # the engines are the push's
                 self.cohort.resync(weights, version=step)
 
     def heartbeat_waiting(self) -> None:
         """While the cohort waits for a restarting engine (the push's thread is held there)."""
         if self.pacer.due():
-            self.sync_broker.heartbeat("trainer", waiting_for="engines")
+            self.sync_broker.heartbeat("trainer", waiting=self.waits | {
+                "engines": "every engine to answer again (re-forming the weight-sync cohort)"})
+
+    def sync_waiting(self, pending: list[str]) -> None:
+        """From a sync's wait (WeightSender.on_wait, the sending thread): which engines have
+        not finished their receive yet."""
+        sync = self.waits.get("weight_sync")
+        if sync is not None:
+            sync["engines"] = pending
+        if self.sync_pacer.due():
+            self.sync_broker.heartbeat("trainer", waiting=dict(self.waits))
 
     def broker_cohort(self) -> list[str] | None:
         """The broker's engine set, asked at most every FOLLOW_S while the cohort waits for its
@@ -274,7 +292,11 @@ class RankZero:
         worker routes to them, leaving ones leave the cohort before the launcher stops them."""
         report = self.follow_engines()
         before = list(self.cohort.urls)
-        stats = self.cohort.send(weights, version=version)
+        self.waits["weight_sync"] = {"version": version, "engines": before}
+        try:
+            stats = self.cohort.send(weights, version=version)
+        finally:
+            self.waits.pop("weight_sync", None)
         if self.cohort.urls != before:  # followed the broker while re-forming (a lost engine)
             self.num_engines = len(self.cohort.urls)
             report = True
@@ -325,8 +347,12 @@ class RankZero:
         cfg = self.cfg
 
         def take(n: int, least: int) -> tuple[list[Group], BatchStats]:
-            return fetch_groups(self.broker, cfg, step, n, least,
-                                lambda: self.heartbeat(step, local_weights))
+            self.waits["batch"] = {"version": step, "groups": n}
+            try:
+                return fetch_groups(self.broker, cfg, step, n, least,
+                                    lambda: self.heartbeat(step, local_weights))
+            finally:
+                self.waits.pop("batch", None)
         self.settle_wait_s = 0.0
         self.stream = GroupStream(take, cfg.algo, cfg.rollout.batch_size,
                                   cfg.rollout.n_samples_per_prompt, block_rows=self.block_rows,

@@ -42,6 +42,8 @@ STALE_SESSION = "already open"
 """SGLang's refusal of a begin while a session is open (words of its message)."""
 
 
+WAIT_NOTE_S = 1.0
+"""How often a sync's wait tells `on_wait` which engines have not finished."""
 HEALTH_PROBE_S = 5.0
 """How long a timed-out sync probes each late engine's /model_info to name the one at fault."""
 
@@ -106,6 +108,9 @@ class WeightSender:
                                                 thread_name_prefix="weight-sync-group")
         self._pg: Optional[dist.ProcessGroup] = None
         self._issuing: Optional[Future] = None  # the issue of the bucket being sent (its works)
+        self.on_wait: Optional[Callable[[list[str]], None]] = None
+        """Called during a wait (at most every WAIT_NOTE_S, on the sending thread) with the
+        engines that have not answered yet: the trainer's heartbeat says so (stall notes)."""
         self._flat = FlatBuffer() if self.device.type == "cpu" else None
         """flattened_bucket on CPU: the buffer buckets are flattened into, kept across buckets
         and syncs. On GPU the caching allocator reuses memory by itself, and a kept buffer
@@ -361,7 +366,11 @@ class WeightSender:
         """Wait until is_done(); fail fast when an engine's HTTP call fails, or at timeout_s."""
         deadline = time.monotonic() + self.timeout_s
         delay = 0.0002
+        note = time.monotonic() + WAIT_NOTE_S
         while not is_done():
+            if self.on_wait is not None and time.monotonic() > note:
+                note = time.monotonic() + WAIT_NOTE_S
+                self.on_wait([u for u, fut in zip(self.engine_urls, http) if not fut.done()])
             for url, fut in zip(self.engine_urls, http):
                 if fut.done() and not fut.cancelled() and fut.exception() is not None:
                     raise WeightSyncError(f"{what}: engine {url}{route} failed: "

@@ -13,7 +13,7 @@ shows as a lower reward; a higher one is not a failure. Restarts are in place fo
 and data position) and the engine (re-joining the weight sync through a new cohort; its groups
 in flight re-queued); a trainer rank's death restarts the run from its last checkpoint.
 
-A rollout worker or an engine frozen with SIGSTOP stops heartbeating / answering /health: the
+A rollout worker or an engine frozen with SIGSTOP stops heartbeating / answering /server_info: the
 launcher names it hung, kills it and restarts it in place; a frozen trainer cannot be restarted
 in place, so the run restarts from its checkpoint (short runs: detection, not learning).
 """
@@ -220,7 +220,7 @@ def assert_stacks_before(row: dict, frozen: str) -> None:
 
 
 def test_a_frozen_worker_and_a_frozen_engine_are_restarted_in_place(tmp_path, tiny_assets):
-    """Alive but silent (SIGSTOP): no heartbeat from the worker, no /health from the engine.
+    """Alive but silent (SIGSTOP): no heartbeat from the worker, no /server_info from the engine.
     The launcher names each hung, dumps every role's stacks, kills it and starts it again;
     nothing is lost."""
     run_dir, steps = tmp_path / "run", 12
@@ -239,10 +239,15 @@ def test_a_frozen_worker_and_a_frozen_engine_are_restarted_in_place(tmp_path, ti
     assert [(r["role"], r["kind"]) for r in rows] == [("rollout", "in_place"),
                                                       ("engine0", "in_place")]
     assert rows[0]["cause"].startswith("hung: sent no heartbeat")
-    assert rows[1]["cause"].startswith("hung: has not answered /health")
+    assert rows[1]["cause"].startswith("hung: has not answered /server_info")
     for row in rows:  # the stacks of every role, dumped before the restart (launch/dump.py)
         assert_stacks_before(row, frozen=row["role"])
     assert "global restart" not in err
+    # while the worker was frozen (no step for > 3 heartbeat intervals) the launcher said what
+    # the trainer waited on: a batch, and the worker's silence (launch/waiting.py)
+    notes = [line for line in err.splitlines() if line.startswith("relax-train: no step for")]
+    assert any("the trainer waits for a batch for version" in line and "rollout:" in line
+               for line in notes), err[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["samples_lost"] == 0, summary
     assert summary["restarts"] == {"rollout": 1, "engine0": 1}, summary

@@ -29,6 +29,13 @@ def test_relax_ctl_dump_writes_every_roles_stacks_of_a_live_run(tmp_path, tiny_a
     proc = start(run_dir, tiny_assets, ONE_RANK, f"trainer.total_steps={TOTAL}")
     try:
         wait_steps(proc, run_dir, 2)  # every role is up (and registered) once steps are made
+        # relax-ctl status adds, in words, what the trainer waits on (launch/waiting.py)
+        st = subprocess.run([sys.executable, "-m", "relax_slurm.launch.ctl", "status",
+                             str(run_dir)], cwd=REPO, capture_output=True, text=True,
+                            timeout=120, env=run_env())
+        assert st.returncode == 0, st.stderr
+        waiting = json.loads(st.stdout)["waiting"]
+        assert waiting.startswith("the trainer "), waiting
         ctl = subprocess.run([sys.executable, "-m", "relax_slurm.launch.ctl", "dump",
                               str(run_dir), "--wait-s", "60"],
                              cwd=REPO, capture_output=True, text=True, timeout=180, env=run_env())

@@ -55,3 +55,23 @@ def test_a_local_run_plans_and_specs_the_managed_judge(tmp_path):
     assert [s.name for s in engine_specs(cfg, plan)] == ["engine0"]
     cfg.reward.genrm_model_path = None
     assert local_plan(cfg).genrm_url is None and genrm_specs(cfg, local_plan(cfg)) == []
+
+
+def test_the_weight_sync_master_is_addressed_on_the_engines_network():
+    """Trainer rank 0 tells engines to connect back to its address on the interface that
+    routes to them, not whatever its hostname resolves to (issue #34)."""
+    import socket
+
+    from relax_slurm.runtime.plan import address_toward
+
+    assert address_toward(["http://127.0.0.1:15000"]) == "127.0.0.1"
+    assert address_toward([]) == socket.gethostname()
+    # this machine's own non-loopback address, as an engine on another node would see it
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 9))
+            ours = s.getsockname()[0]
+        except OSError:
+            ours = None
+    if ours and not ours.startswith("127."):
+        assert address_toward([f"http://{ours}:15000", "http://127.0.0.1:1"]) == ours

@@ -1,0 +1,87 @@
+"""What a run waits on, in words, from the broker's `GET /status` (issue #35: a stalled run
+says why): the launcher prints it when no step came for a while, `relax-ctl status` adds it.
+
+Trainer rank 0 heartbeats a `waiting` map (trainer/lead.py `RankZero.waits`): "batch" (the
+version and groups it asked for), "weight_sync" (the version and the engines that have not
+finished their receive), "engines" (a re-forming waits for engines to answer). The broker adds
+its queue (groups queued, in flight) and the rollout worker's heartbeat (groups in flight,
+requests open per engine). A pure function of the status: tested without a run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from relax_slurm.broker.stats import BrokerStatus
+
+
+def _age(info: dict[str, Any]) -> str:
+    return f"{float(info.get('heartbeat_age_s', 0.0)):.0f}s ago"
+
+
+def _batch(want: dict[str, Any], status: BrokerStatus) -> str:
+    c = status.counters
+    text = (f"a batch for version {want.get('version')} ({c.queue_depth} of "
+            f"{want.get('groups', status.batch_size)} groups queued, {c.in_flight} in flight"
+            f"{'' if status.admission_open else ', admission closed'})")
+    workers = {r: i for r, i in status.roles.items() if r.startswith("rollout")}
+    if not workers:
+        return text + "; no rollout worker has heartbeat yet"
+    parts = []
+    for role, info in workers.items():
+        busy = {url: n for url, n in (info.get("requests_open") or {}).items() if n}
+        engines = (", requests open per engine: "
+                   + ", ".join(f"{u} {n}" for u, n in sorted(busy.items()))) if busy else \
+            ", no engine request open"
+        parts.append(f"{role}: {info.get('groups_in_flight', '?')} groups in flight{engines} "
+                     f"(heartbeat {_age(info)})")
+    return f"{text}; {'; '.join(parts)}"
+
+
+def explain(status: BrokerStatus | None) -> str:
+    """One line: what the trainer waits on, and the state that explains it."""
+    if status is None:
+        return "the broker does not answer GET /status (see logs/broker.log)"
+    trainer = status.roles.get("trainer")
+    if trainer is None:
+        return "the trainer has not heartbeat yet (starting: loading the model, the engines)"
+    waits = trainer.get("waiting") or {}
+    parts = []
+    if "weight_sync" in waits:
+        sync = waits["weight_sync"]
+        pending = sync.get("engines") or []
+        parts.append(f"a weight sync of version {sync.get('version')} (not finished: "
+                     f"{', '.join(pending) if pending else 'none, finishing'})")
+    if "engines" in waits:
+        parts.append(str(waits["engines"]))
+    if "batch" in waits:
+        parts.append(_batch(waits["batch"], status))
+    if not parts:  # it beats only while it waits: silent, it computes
+        return (f"the trainer is in a step (training, exporting or checkpointing; its last "
+                f"heartbeat {_age(trainer)}, at step {trainer.get('step', '?')})")
+    return f"the trainer waits for {'; and '.join(parts)} (heartbeat {_age(trainer)})"
+
+
+class StallNotes:
+    """When to say what the run waits on: once no step came for `after_s` (3 heartbeat
+    intervals, or twice the last step's time if longer: a slow step is not a stall), then
+    every `after_s` while none comes."""
+
+    def __init__(self, heartbeat_interval_s: float) -> None:
+        self.floor_s = 3.0 * heartbeat_interval_s
+        self.after_s = self.floor_s
+        self.next_at: float | None = None
+
+    def stepped(self, row: dict[str, Any], now: float) -> None:
+        step_s = row.get("perf/step_time_s")
+        if isinstance(step_s, (int, float)):
+            self.after_s = max(self.floor_s, 2.0 * step_s)
+        self.next_at = now + self.after_s
+
+    def due(self, now: float, last_step_t: float) -> bool:
+        if self.next_at is None:
+            self.next_at = last_step_t + self.after_s
+        if now < self.next_at:
+            return False
+        self.next_at = now + self.after_s
+        return True

@@ -1,0 +1,60 @@
+"""What a stalled run says it waits on (launch/waiting.py): the line built from the broker's
+status and the trainer's `waiting` heartbeat, and when the launcher prints it. The line in a
+real stalled run (a frozen rollout worker) is checked in tests/integration/test_chaos.py."""
+
+from __future__ import annotations
+
+from relax_slurm.broker.stats import BrokerStatus, Counters
+from relax_slurm.launch.waiting import StallNotes, explain
+
+
+def status(roles: dict, queue: int = 1, in_flight: int = 3) -> BrokerStatus:
+    counters = Counters.zero()
+    counters.queue_depth, counters.in_flight, counters.version = queue, in_flight, 4
+    return BrokerStatus(counters=counters, max_staleness=1, batch_size=4, admission_open=True,
+                        parked_acquires=0, parked_get_batch=1, auth_refused=0, uptime_s=9.0,
+                        pid=1, roles=roles)
+
+
+def test_a_trainer_waiting_for_a_batch_names_the_queue_and_the_busy_engines():
+    line = explain(status({
+        "trainer": {"heartbeat_age_s": 2.0, "step": 4,
+                    "waiting": {"batch": {"version": 4, "groups": 4}}},
+        "rollout": {"heartbeat_age_s": 41.0, "groups_in_flight": 3,
+                    "requests_open": {"http://e0:1": 6, "http://e1:2": 0}}}))
+    assert line.startswith("the trainer waits for a batch for version 4 (1 of 4 groups "
+                           "queued, 3 in flight)"), line
+    assert "rollout: 3 groups in flight, requests open per engine: http://e0:1 6 " \
+           "(heartbeat 41s ago)" in line, line
+    assert "http://e1:2" not in line  # idle engines are not named
+
+
+def test_a_sync_names_the_engines_that_have_not_finished():
+    line = explain(status({"trainer": {"heartbeat_age_s": 1.0, "waiting": {
+        "weight_sync": {"version": 7, "engines": ["http://e1:2"]}}}}))
+    assert line == ("the trainer waits for a weight sync of version 7 (not finished: "
+                    "http://e1:2) (heartbeat 1s ago)")
+
+
+def test_a_silent_trainer_is_computing_and_a_missing_one_starting():
+    line = explain(status({"trainer": {"heartbeat_age_s": 30.0, "step": 3, "waiting": {}}}))
+    assert line.startswith("the trainer is in a step (training, exporting or checkpointing")
+    assert "30s ago, at step 3" in line
+    assert "has not heartbeat yet" in explain(status({}))
+    assert "does not answer GET /status" in explain(None)
+
+
+def test_a_rollout_worker_that_never_beat_is_said():
+    line = explain(status({"trainer": {"heartbeat_age_s": 1.0,
+                                       "waiting": {"batch": {"version": 0, "groups": 4}}}}))
+    assert line.endswith("no rollout worker has heartbeat yet (heartbeat 1s ago)"), line
+
+
+def test_stall_notes_wait_three_beats_or_two_steps_then_repeat():
+    notes = StallNotes(heartbeat_interval_s=2.0)
+    assert not notes.due(now=5.9, last_step_t=0.0)  # 3 x 2 s
+    assert notes.due(now=6.0, last_step_t=0.0)
+    assert not notes.due(now=11.9, last_step_t=0.0) and notes.due(now=12.0, last_step_t=0.0)
+    notes.stepped({"perf/step_time_s": 10.0}, now=100.0)  # slow steps are not stalls
+    assert not notes.due(now=119.9, last_step_t=100.0) and notes.due(now=120.0,
+                                                                      last_step_t=100.0)
