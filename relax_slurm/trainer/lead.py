@@ -233,7 +233,10 @@ class RankZero:
         current ones without a collective; None under FSDP2, where that needs every rank)."""
         if self.pacer.due():
             self.broker.heartbeat("trainer", step=step, waiting=dict(self.waits))
-            if weights is not None and not self.pusher.busy:  # the engines are the push's
+            # the engines are a running push's; one that ended waits to be joined until the
+            # batch is in (overlap), and a restarted engine must be re-synced before that, or
+            # it generates with its initial weights the whole wait (seen on real SGLang)
+            if weights is not None and self.pusher.engines_free:
                 self.cohort.resync(weights, version=step)
 
     def heartbeat_waiting(self) -> None:

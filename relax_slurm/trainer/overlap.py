@@ -52,6 +52,14 @@ class BackgroundPush:
     def busy(self) -> bool:
         return self.future is not None
 
+    @property
+    def engines_free(self) -> bool:
+        """No push holds the engines: none started, or the one started ended well (it may wait
+        to be joined for the whole of the next batch's wait; a failed one is left for `join`
+        to raise)."""
+        f = self.future
+        return f is None or (f.done() and not f.cancelled() and f.exception() is None)
+
     def start(self, push: Callable[[], Any]) -> None:
         assert self.future is None, "one push at a time: join the previous one first"
         self.started = time.monotonic()
