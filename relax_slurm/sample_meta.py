@@ -18,6 +18,8 @@ which names an unknown or missing key, or a value of the wrong type, in its erro
     turns            multi-turn: model turns of the episode  trainer metrics
     episode_end      multi-turn: why the episode ended       trainer metrics
     agent_group      agent proxy: the group's name           (logs, rollout dumps)
+    resumed          sequences continued from an aborted     rollout/resumed_frac
+                     prefix (pause_mode=abort)
 
 A sample with empty metadata (`{}`) was stamped by no worker (test fixtures, the SFT trainer's
 rows): `SampleMeta.of` gives None, and it carries no data position.
@@ -35,7 +37,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "worker": (int,), "data_state": (dict, type(None)), "reward_errors": (int,),
     "filtered_groups": (int,), "t_start": (int, float, type(None)),
     "t_end": (int, float, type(None)), "turns": (int, type(None)),
-    "episode_end": (str, type(None)), "agent_group": (str, type(None)),
+    "episode_end": (str, type(None)), "agent_group": (str, type(None)), "resumed": (int, type(None)),
 }
 _REQUIRED = ("worker",)
 # written even when None (a proxy's data_state None still marks a data position)
@@ -59,6 +61,9 @@ class SampleMeta:
     turns: int | None = None
     episode_end: str | None = None
     agent_group: str | None = None
+    resumed: int | None = None
+    """Sequences of the group continued from the prefix a sync's abort left
+    (weight_sync.pause_mode=abort, rollout/partial.py): `rollout/resumed_frac`."""
 
     def __post_init__(self) -> None:
         # vars, not asdict (which deep-copies data_state): this runs for every sample the

@@ -86,7 +86,9 @@ class SingleTurn:
         if counts is None:
             return
         meta = SampleMeta(t_start=t_start, t_end=t_end, worker=svc.worker_rank,
-                          data_state=data_state, **counts)
+                          data_state=data_state, **counts,
+                          resumed=sum(bool(r.meta_info.get("num_resumes")) for r in results)
+                          or None)
         group: Group = [self.sample(prompt, gid, processed, res, reward, teacher_lp, meta)
                         for res, reward, teacher_lp in zip(results, rewards, teacher)]
         await svc.broker.put_group(group)

@@ -87,6 +87,8 @@ def batch_metrics(groups: list[Group], stats: BatchStats) -> dict[str, float]:
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
         # samples whose tokens come from more than one policy version (a sync mid-generation)
         "rollout/multi_version_frac": sum(s.multi_version for s in samples) / n,
+        # of them, continued from an aborted prefix (pause_mode=abort; per group, counted once)
+        "rollout/resumed_frac": sum(c.resumed or 0 for c in counts) / n,
         "rollout/reward_errors": sum(c.reward_errors for c in counts),
         "rollout/filtered_groups": sum(c.filtered_groups for c in counts),
         "broker/staleness_max": stats.staleness_max,

@@ -116,7 +116,9 @@ KILL_STEPS, KILL_AT = 50, 10
 @pytest.mark.timeout(RUN_TIMEOUT_S + 300)
 def test_a_killed_sglang_engine_is_replaced_and_resynced_while_the_trainer_waits(
         tmp_path, tiny_assets, sglang_cpu_python):
-    """SIGKILL of the engine's whole process tree mid-run, async: the launcher restarts it in
+    """SIGKILL of the engine's whole process tree mid-run, async, pushes in abort mode (the
+    aborted sequences continue from their prefixes: partial rollouts on SGLang's answers): the
+    launcher restarts it in
     place (SGLang starts again from model.path, version 0), and the trainer re-forms the
     cohort and sends the current weights (from its batch wait, or after a push that met the
     dead engine failed). Before the fix the push of the
@@ -127,7 +129,7 @@ def test_a_killed_sglang_engine_is_replaced_and_resynced_while_the_trainer_waits
     run_dir = tmp_path / "sglang_kill"
     cmd = tiny_command(run_dir, tiny_assets, "rollout=sglang", ONE_RANK, "metrics.progress=false",
                        f"trainer.total_steps={KILL_STEPS}", "algo.max_staleness=1",
-                       "trainer.get_batch_timeout_s=180")
+                       "weight_sync.pause_mode=abort", "trainer.get_batch_timeout_s=180")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=run_env(), start_new_session=True)
     try:
@@ -155,6 +157,10 @@ def test_a_killed_sglang_engine_is_replaced_and_resynced_while_the_trainer_waits
         and "weight-sync cohort 1 formed" in trainer_log, trainer_log[-3000:]
     rows = read_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(KILL_STEPS))
+    # abort mode: SGLang ends the running requests at each push with the tokens they had; the
+    # worker continues each from its prefix on the new weights (rollout.partial_rollout)
+    assert max(r["rollout/resumed_frac"] for r in rows) > 0
+    assert max(r["rollout/multi_version_frac"] for r in rows) > 0
     assert summary["reward_first"] <= 0.05
     # the point is the recovery; the run still learns (0.41 at step 40 in the run that found
     # the stall, and 0.3 is reached at steps 36-55 without a kill): half of that
