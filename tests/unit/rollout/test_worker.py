@@ -196,7 +196,8 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(make_worker):
     broker = asyncio.run(main())
     assert broker.released == 2
     assert broker.heartbeats[0] == ("rollout", {"groups_in_flight": 0, "groups_requeued": 0,
-                                                "requests_per_engine": {FakeEngine.url: 0}})
+                                                "requests_per_engine": {FakeEngine.url: 0},
+                                                "requests_open": {FakeEngine.url: 0}})
     assert sorted(g[0].prompt_id for g in broker.groups) == ["2", "3"]
     for g in broker.groups:
         assert len({s.reward for s in g}) > 1  # only informative groups reach the broker
