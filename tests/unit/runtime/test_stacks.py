@@ -15,19 +15,25 @@ from relax_slurm.runtime.stacks import (DUMP_SIGNAL, read_registration, registra
                                         stacks_dir)
 from tests.conftest import REPO, run_env
 
-# a role: registers, starts a second thread, then waits in a function of its own
+# a role: registers, starts a second thread, says so, then waits in a function of its own
 ROLE = """
 import sys, threading, time
 from relax_slurm.runtime.stacks import register_stack_dumps
 
+ready = threading.Event()
+
 def helper_thread_loop():
+    ready.set()
     while True:
         time.sleep(0.05)
 
 def role_main_waits_here():
     path = register_stack_dumps(sys.argv[1] if sys.argv[1] != "-" else None, "broker")
-    print(path, flush=True)
+    # the second thread runs before the path is printed (the test signals once it reads it):
+    # started after the print, both dumps could come before it existed (seen on a loaded machine)
     threading.Thread(target=helper_thread_loop, daemon=True).start()
+    ready.wait()
+    print(path, flush=True)
     while True:
         time.sleep(0.05)
 
