@@ -96,7 +96,7 @@ def _hf_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed
     return RoleSpec(
         name=name, het_group=ROLLOUT_GROUP, host=host, ports={"http": port},
         cpus=pinned_cpus(cfg, "rollout"), health_url=url,
-        argv=[sys.executable, "-m", "relax_slurm.rollout.hf_engine",
+        argv=[sys.executable, "-m", "relax_slurm.engines.hf",
               "--model-path", model_path, "--host", host, "--port", str(port),
               "--dtype", cfg.model.dtype,
               "--max-batch-size", str(cfg.rollout.engine_max_batch_size),

@@ -1,1 +1,2 @@
-"""Rollout: worker loop, engine clients (sglang, hf), the hf engine server, routing."""
+"""Rollout: the worker loop, its modes (single-turn, episodes, agent proxy), routing to the
+engines. The engines and their clients are in `relax_slurm.engines`."""

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from relax_slurm.errors import EngineError
 from relax_slurm.engines.client import GenerateResult, raise_if_aborted
-from relax_slurm.rollout.seeds import mix64
+from relax_slurm.engines.seeds import mix64
 
 MAX_RESUMES = 16
 """Resumes of one request's sequences before they count as aborted for good (each resume needs

@@ -24,7 +24,7 @@ from relax_slurm.errors import BrokerError, BrokerTimeout
 from relax_slurm.metrics.fanout import open_sinks
 from relax_slurm.metrics.jsonl import truncate_metrics
 from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
-from relax_slurm.rollout.evaluate import EvalSchedule, Evaluator
+from relax_slurm.evaluate import EvalSchedule, Evaluator
 from relax_slurm.runtime.control import pending_request
 from relax_slurm.runtime.plan import address_toward, free_port
 from relax_slurm.sample_meta import SampleMeta

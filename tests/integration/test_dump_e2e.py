@@ -19,7 +19,7 @@ from tests.integration.test_chaos import finish, start, stop, wait_steps
 TOTAL = 1000
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 # a frame of each role's own module (faulthandler writes `File "PATH", line N in FUNC`)
-OWN_CODE = {"broker": "relax_slurm/broker/", "engine0": "relax_slurm/rollout/hf_",
+OWN_CODE = {"broker": "relax_slurm/broker/", "engine0": "relax_slurm/engines/hf/",
             "rollout": "relax_slurm/rollout/", "trainer-rank0": "relax_slurm/trainer/",
             "trainer-agent": "torch/distributed/"}
 

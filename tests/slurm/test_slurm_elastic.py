@@ -224,7 +224,7 @@ def test_killed_engine_and_worker_restart_as_new_srun_steps(tmp_path, tiny_asset
                    600, f"{KILL_AFTER} training steps", why=why)
         assert proc.poll() is None, why()
         [url] = json.loads((run_dir / "plan.json").read_text())["engine_urls"]
-        pid = role_pid(f"relax_slurm.rollout.hf_engine .*--port {url.rsplit(':', 1)[1]} ")
+        pid = role_pid(f"relax_slurm.engines.hf .*--port {url.rsplit(':', 1)[1]} ")
         assert pid is not None, why()
         srun_pid = next(r["pid"] for r in json.loads((run_dir / "roles.json").read_text())
                         if r["name"] == "engine0")

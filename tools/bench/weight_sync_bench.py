@@ -59,7 +59,7 @@ def make_state_model(out: Path, target_mb: float) -> Path:
 
 
 def start_engine(model: Path, port: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "relax_slurm.rollout.hf_engine", "--model-path", str(model),
+    cmd = [sys.executable, "-m", "relax_slurm.engines.hf", "--model-path", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--torch-threads", "1", "--seed", "0", "--weight-version", "0"]
     with open(log, "wb") as f:

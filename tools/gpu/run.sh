@@ -141,7 +141,7 @@ EOF
 import importlib, relax_slurm
 print("relax_slurm from", relax_slurm.__file__)
 bad = []
-for m in ["relax_slurm.launch.cli", "relax_slurm.broker.server", "relax_slurm.rollout.hf_engine",
+for m in ["relax_slurm.launch.cli", "relax_slurm.broker.server", "relax_slurm.engines.hf.__main__",
           "relax_slurm.rollout.worker", "relax_slurm.trainer.main", "relax_slurm.rewards.math",
           "relax_slurm.data.dataset", "relax_slurm.checkpoint.cli"]:
     try:

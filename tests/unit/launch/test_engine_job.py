@@ -63,7 +63,7 @@ def test_engine_job_resources_default_to_the_rollout_component():
 
 
 def test_the_engine_runs_in_the_runs_container():
-    argv = [sys.executable, "-m", "relax_slurm.rollout.hf_engine", "--port", "5"]
+    argv = [sys.executable, "-m", "relax_slurm.engines.hf", "--port", "5"]
     assert ej.job_argv(cfg_for(), "engine3", argv, "/w") == argv  # no container
     pyxis = ej.job_argv(cfg_for("cluster.container.image=img.sqsh", "cluster.container.python=py3",
                                 "cluster.container.mounts=[/data:/data]",

@@ -7,8 +7,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from relax_slurm.engines import sglang_api
-from relax_slurm.rollout.hf_core import HFEngine
-from relax_slurm.rollout.hf_server import build_app
+from relax_slurm.engines.hf.core import HFEngine
+from relax_slurm.engines.hf.server import build_app
 
 pytestmark = pytest.mark.timeout(120)
 

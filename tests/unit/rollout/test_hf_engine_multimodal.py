@@ -143,7 +143,7 @@ def test_bad_media_requests(served, tiny_mm_assets: Path) -> None:
 def test_evaluator_sends_the_media(served, tiny_mm_assets: Path) -> None:
     from relax_slurm.config.evaluation import EvalConfig
     from relax_slurm.config.schema import TrainConfig
-    from relax_slurm.rollout.evaluate import Evaluator
+    from relax_slurm.evaluate import Evaluator
 
     kind, model, client = served
     _, task, key, col, _ = KINDS[kind]

@@ -13,8 +13,8 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from relax_slurm.rollout.hf_core import HFEngine
-from relax_slurm.rollout.hf_server import build_app
+from relax_slurm.engines.hf.core import HFEngine
+from relax_slurm.engines.hf.server import build_app
 
 pytestmark = pytest.mark.timeout(120)
 BODY = {"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 2}}

@@ -7,9 +7,9 @@ from concurrent.futures import Future
 
 import pytest
 
-from relax_slurm.rollout.hf_batch import PendingRequest, Row
-from relax_slurm.rollout.hf_requests import BadRequest, NotServing, SamplingSpec
-from relax_slurm.rollout.hf_state import EngineState
+from relax_slurm.engines.hf.batch import PendingRequest, Row
+from relax_slurm.engines.hf.parsing import BadRequest, NotServing, SamplingSpec
+from relax_slurm.engines.hf.state import EngineState
 
 
 def row(out_ids: list[int] = (), held: bool = False) -> Row:

@@ -12,8 +12,8 @@ from helpers_moe import LAYERS, MAX_NEW, PROMPTS, TOPK, bf16_routed_batch, make_
 from relax_slurm.errors import ConfigError
 from relax_slurm.engines import sglang_api
 from relax_slurm.engines.client import parse_generate_item
-from relax_slurm.rollout.hf_core import HFEngine
-from relax_slurm.rollout.hf_requests import parse_sampling_params
+from relax_slurm.engines.hf.core import HFEngine
+from relax_slurm.engines.hf.parsing import parse_sampling_params
 from relax_slurm.rollout.sampling import sample_routing
 from relax_slurm.routing.hooks import RoutingStats, RoutingTrace, moe_routers, routing_replay
 from relax_slurm.routing.shape import (ROUTING_DTYPE, decode_routed_experts,

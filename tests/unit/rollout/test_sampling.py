@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from relax_slurm.rollout.hf_batch import inverse_cdf_sample
+from relax_slurm.engines.hf.batch import inverse_cdf_sample
 
 
 def test_draws_follow_the_softmax():
@@ -34,7 +34,7 @@ def test_rows_are_independent():
 
 def test_the_run_seed_changes_the_draws():
     """sample_seed puts the run seed in bits 40+, which torch's mt19937 would drop."""
-    from relax_slurm.rollout.seeds import generator_seed
+    from relax_slurm.engines.seeds import generator_seed
     from relax_slurm.rollout.sampling import sample_seed
 
     def draws(seed: int) -> list[float]:

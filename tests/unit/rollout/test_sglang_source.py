@@ -120,7 +120,7 @@ def test_every_route_we_call_exists_and_the_removed_ones_do_not(src):
 
 
 def test_the_hf_engine_serves_the_same_routes(src):
-    from relax_slurm.rollout.hf_server import build_app
+    from relax_slurm.engines.hf.server import build_app
 
     class Engine:  # build_app only registers routes; nothing is called
         pass
@@ -134,7 +134,7 @@ def test_the_hf_engine_serves_the_same_routes(src):
 
 
 def test_answers_the_client_and_the_hf_engine_rely_on(src):
-    from relax_slurm.rollout.hf_core import ABORTED, ABORTED_WAITING
+    from relax_slurm.engines.hf.core import ABORTED, ABORTED_WAITING
     from relax_slurm.weightsync import sender
 
     # every string literal of the managers (implicit concatenations joined, as Python does)

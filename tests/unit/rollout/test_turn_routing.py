@@ -166,7 +166,7 @@ def test_the_hf_engine_takes_a_start_up_to_each_inputs_length_as_sglang():
     """SGLang's scheduler aborts a request whose routed_experts_start_len is below 0 or above an
     input's length (a 400); up to the length it returns rows from there (none at the length
     when one token was generated: seqlen - 1 - start)."""
-    from relax_slurm.rollout.hf_requests import BadRequest, parse_routing_request
+    from relax_slurm.engines.hf.parsing import BadRequest, parse_routing_request
 
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     assert parse_routing_request({"return_routed_experts": True}, prompts) == 0

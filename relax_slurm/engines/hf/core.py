@@ -5,9 +5,9 @@ routes and JSON shapes of its entrypoints/http_server.py and managers/io_struct.
 weight-update session, the pause modes' treatment of the running batch and the version spans
 of its results, so a rollout worker or trainer cannot tell this server from `python -m
 sglang.launch_server`. Here: the engine (model, queue, generation thread, pause and weight
-control); its state in one object, hf_state.py, reported by `HFEngine.status()`; the routes
-are in hf_server.py, the command line in hf_engine.py, request parsing in hf_requests.py,
-per-row sampling in hf_batch.py, the teacher-forced forward and media tensors in hf_forward.py.
+control); its state in one object, state.py, reported by `HFEngine.status()`; the routes
+are in server.py, the command line in __main__.py, request parsing in parsing.py,
+per-row sampling in batch.py, the teacher-forced forward and media tensors in forward.py.
 
 Prefill log-probs (how a teacher scores a student's response): `return_logprob=true` with
 `logprob_start_len=k >= 0` adds `meta_info.input_token_logprobs`, one `[logprob, token_id, None]`
@@ -33,7 +33,7 @@ sequences (waiting up to --batch-wait-ms for more) and runs one `model.generate`
 padding. Per-row sampling params, stop conditions and log-probs are handled by a logits
 processor and a stopping criterion that share one `BatchState`.
 
-The command line: hf_engine.py.
+The command line: __main__.py (`python -m relax_slurm.engines.hf`).
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ from relax_slurm.data.processor import MediaLimits, MediaProcessor
 from relax_slurm.errors import WeightSyncError
 from relax_slurm.modeling import auto_model_class, is_multimodal, media_token_ids
 from relax_slurm.engines import sglang_api
-from relax_slurm.rollout.hf_batch import BatchState, PendingRequest, Row, RowSampler, RowStopper
-from relax_slurm.rollout.hf_forward import input_logprobs, mm_kwargs
-from relax_slurm.rollout.hf_requests import BadRequest, NotServing, SamplingSpec
-from relax_slurm.rollout.hf_state import PARTIAL_WEIGHTS, EngineState
+from relax_slurm.engines.hf.batch import BatchState, PendingRequest, Row, RowSampler, RowStopper
+from relax_slurm.engines.hf.forward import input_logprobs, mm_kwargs
+from relax_slurm.engines.hf.parsing import BadRequest, NotServing, SamplingSpec
+from relax_slurm.engines.hf.state import PARTIAL_WEIGHTS, EngineState
 from relax_slurm.routing.hooks import RoutingTrace
 from relax_slurm.routing.shape import encode_routed_experts, routing_shape_of
 from relax_slurm.weightsync.receiver import (WeightReceiver, load_named_tensors, model_checksums,

@@ -1,6 +1,6 @@
 """The hf engine's state in one object: the queue, the batch in flight, and the flags that decide
 what it does next (paused and how, a weight-update session, weights left partial by a failed
-update, memory released). No threads and no model here: `HFEngine` (hf_core.py) changes it
+update, memory released). No threads and no model here: `HFEngine` (core.py) changes it
 under its condition, and the server reads it only through `HFEngine.status()` and the
 engine's public methods.
 
@@ -14,8 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from relax_slurm.rollout.hf_batch import Row
-from relax_slurm.rollout.hf_requests import BadRequest, NotServing
+from relax_slurm.engines.hf.batch import Row
+from relax_slurm.engines.hf.parsing import BadRequest, NotServing
 
 PARTIAL_WEIGHTS = ("the last weight update failed midway and left a mix of two versions: "
                    "generation resumes after the next complete /update_weights_from_distributed")

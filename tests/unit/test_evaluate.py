@@ -9,7 +9,7 @@ import pytest
 
 from relax_slurm.config.evaluation import EvalConfig
 from relax_slurm.errors import ConfigError
-from relax_slurm.rollout.evaluate import EvalSchedule, eval_due, k_metrics
+from relax_slurm.evaluate import EvalSchedule, eval_due, k_metrics
 
 
 class GatedEvaluator:

@@ -1,5 +1,5 @@
-"""The hf engine's HTTP server: SGLang's routes over an `HFEngine` (see hf_core.py); the
-command line that serves them is hf_engine.py (`python -m relax_slurm.rollout.hf_engine`).
+"""The hf engine's HTTP server: SGLang's routes over an `HFEngine` (see core.py); the
+command line that serves them is __main__.py (`python -m relax_slurm.engines.hf`).
 
   POST /generate                      text | input_ids (one or a batch), sampling_params,
                                       return_logprob, logprob_start_len, image_data,
@@ -31,8 +31,8 @@ from relax_slurm.auth import bearer_matches
 from relax_slurm.config.weight_sync import FLATTENED_BUCKET
 from relax_slurm.errors import WeightSyncError
 from relax_slurm.engines import sglang_api
-from relax_slurm.rollout.hf_core import HFEngine
-from relax_slurm.rollout.hf_requests import (BadRequest, NotServing, parse_generate_request,
+from relax_slurm.engines.hf.core import HFEngine
+from relax_slurm.engines.hf.parsing import (BadRequest, NotServing, parse_generate_request,
                                              parse_media, parse_routing_request, process_media)
 
 log = logging.getLogger("relax_slurm.hf_engine")

@@ -8,7 +8,7 @@ import torch
 
 from relax_slurm.data.processor import concat_tensors
 from relax_slurm.modeling import mm_token_types
-from relax_slurm.rollout.hf_batch import Row
+from relax_slurm.engines.hf.batch import Row
 
 _KEEP_DTYPE = frozenset({"second_per_grid_ts"})  # media tensors not cast to the model's dtype
 

@@ -1,9 +1,9 @@
-"""`python -m relax_slurm.rollout.hf_engine`: the hf engine's command line. It loads the
-model into an `HFEngine` (hf_core.py: a CPU inference server wrapping transformers, speaking
-SGLang's native HTTP API), starts its generation thread and serves the routes of hf_server.py
+"""`python -m relax_slurm.engines.hf`: the hf engine's command line. It loads the
+model into an `HFEngine` (core.py: a CPU inference server wrapping transformers, speaking
+SGLang's native HTTP API), starts its generation thread and serves the routes of server.py
 with uvicorn until stopped.
 
-  python -m relax_slurm.rollout.hf_engine --model-path P --host H --port N --dtype float32 \
+  python -m relax_slurm.engines.hf --model-path P --host H --port N --dtype float32 \
       --max-batch-size 1024 --batch-wait-ms 5 --torch-threads 1 --seed S --weight-version 0
 """
 
@@ -25,8 +25,8 @@ from relax_slurm.runtime.exit import exit_now
 from relax_slurm.runtime.heap import freeze_heap
 from relax_slurm.runtime.stacks import RUN_DIR_ENV, register_stack_dumps
 from relax_slurm.engines import sglang_api
-from relax_slurm.rollout.hf_core import HFEngine
-from relax_slurm.rollout.hf_server import build_app
+from relax_slurm.engines.hf.core import HFEngine
+from relax_slurm.engines.hf.server import build_app
 
 log = logging.getLogger("relax_slurm.hf_engine")
 
@@ -36,7 +36,8 @@ KEEP_ALIVE_S = 120
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(description="transformers inference server with SGLang's API")
+    p = argparse.ArgumentParser(prog="python -m relax_slurm.engines.hf",
+                                description="transformers inference server with SGLang's API")
     p.add_argument("--model-path", required=True)
     p.add_argument("--tokenizer-path", default=None)
     p.add_argument("--host", default="127.0.0.1")

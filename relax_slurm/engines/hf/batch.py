@@ -12,8 +12,8 @@ from typing import Any, Callable, Optional
 import torch
 from transformers import LogitsProcessor, StoppingCriteria
 
-from relax_slurm.rollout.hf_requests import GREEDY_EPS, SamplingSpec
-from relax_slurm.rollout.seeds import generator_seed
+from relax_slurm.engines.hf.parsing import GREEDY_EPS, SamplingSpec
+from relax_slurm.engines.seeds import generator_seed
 
 
 @dataclass
