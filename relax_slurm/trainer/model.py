@@ -17,7 +17,7 @@ from torch import nn
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.errors import ConfigError
-from relax_slurm.modeling import auto_model_class, checkpoint_views
+from relax_slurm.modeling import auto_model_class, checkpoint_names, checkpoint_views
 from relax_slurm.trainer.schedule import lr_factor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -167,12 +167,22 @@ def full_named_weights(model: nn.Module, dtype: torch.dtype | None = None
     (`relax_slurm.modeling.checkpoint_views`). `dtype`: what the engines serve (model.dtype;
     the float32 master weights of a bf16 run are sent in bf16, half the bytes).
 
+    Names are the checkpoint files' where transformers 5 renamed a parameter in memory
+    (Qwen2.5-VL: `model.language_model.*` -> `model.*`, `model.visual.*` -> `visual.*`;
+    `relax_slurm.modeling.checkpoint_names`): SGLang's loaders know only those (the in-memory
+    names failed the first push to a real SGLang Qwen2.5-VL server with HTTP 400); the hf
+    engine accepts both.
+
     Under FSDP2 every rank must iterate (full_tensor() is a collective); only rank 0 sends.
     """
-    for name, p in unwrap(model).named_parameters():
+    inner = unwrap(model)
+    file_name: dict[str, str] = {}
+    for file, name in checkpoint_names(inner).items():
+        file_name.setdefault(name, file)
+    for name, p in inner.named_parameters():
         t = p.detach()
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
-        yield from checkpoint_views(name, t)
+        yield from checkpoint_views(file_name.get(name, name), t)

@@ -19,3 +19,18 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         _TORCHVISION.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     except Exception:  # already defined (a working torchvision), or no torch yet
         pass
+    # SGLang's multimodal processors for Qwen-VL (multimodal/processors/qwen_vl.py) import
+    # models/qwen3_5.py, which reads these CPU sgl-kernel ops at module level; the import fails,
+    # the processor is never registered, and a Qwen2.5-VL / Qwen3-VL server refuses to start
+    # ("No processor registered for architecture"). Their schemas (no kernels) let it import;
+    # the Qwen-VL models do not call them (Qwen3.5 models would, and fail naming the op).
+    try:
+        import torch
+
+        _SGL_KERNEL = torch.library.Library("sgl_kernel", "FRAGMENT")
+        for _op in ("fused_sigmoid_mul_cpu", "fused_qk_gemma_rmsnorm_cpu",
+                    "fused_qk_gemma_rmsnorm_with_gate_cpu",
+                    "fused_qkvzba_split_reshape_cat_contiguous_cpu"):
+            _SGL_KERNEL.define(f"{_op}(Tensor[] args) -> ()")
+    except Exception:  # a real CPU sgl-kernel defines them
+        pass
