@@ -56,13 +56,17 @@ class SingleTurn:
         scored = await self.svc.reward_pool.score_many(self.svc.reward, inputs)
         return [value for value, _ in scored], sum(error for _, error in scored)
 
-    async def generate(self, processed: Processed, media: list[dict] | None, gid: int
-                       ) -> list[GenerateResult]:
-        """The group's n responses from one engine."""
+    async def generate(self, prompt: Prompt, processed: Processed, media: list[dict] | None,
+                       gid: int) -> list[GenerateResult]:
+        """The group's n responses from one engine. With media the engine gets the prompt's
+        own ids, one pad per item, and expands them itself: SGLang's Qwen-VL processors count
+        the pads against the items and fail on ids expanded here (a request that never came
+        back, on the real server); the hf engine expands the same way."""
         n = self.svc.cfg.rollout.n_samples_per_prompt
+        ids = list(prompt.input_ids) if media else processed.input_ids
         async with self.svc.router.pick() as engine:
             # a sequence a weight sync aborts continues from its prefix (rollout.partial_rollout)
-            results = await generate_resuming(engine.generate, [processed.input_ids] * n,
+            results = await generate_resuming(engine.generate, [ids] * n,
                                               self.svc.group_params(gid), media, url=engine.url,
                                               resume=self.svc.cfg.rollout.partial_rollout)
         if processed.tensors:
@@ -75,7 +79,7 @@ class SingleTurn:
         processed = await self.processed(prompt)
         media = ([{k: [r.to_engine() for r in refs] for k, refs in prompt.media.items()}] * n
                  if processed.tensors else None)
-        results = await self.generate(processed, media, gid)
+        results = await self.generate(prompt, processed, media, gid)
         t_end = time.time()
         (rewards, errors), teacher = await asyncio.gather(
             self.score(prompt, results),
