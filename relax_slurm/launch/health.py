@@ -3,7 +3,7 @@
 The trainer and the rollout worker heartbeat to the broker from their main loops (every
 `cluster.restart.heartbeat_interval_s`), so a heartbeat means "my loop turned", not just "my process
 exists". Every interval the launcher reads the broker's admin `GET /status` and probes each
-engine's `/health`; `check()` names the first of them silent for longer than
+engine's `/server_info`; `check()` names the first of them silent for longer than
 `cluster.restart.heartbeat_timeout_s`:
 
 - a role whose last heartbeat is older than that (a role that never heartbeat yet is still

@@ -211,7 +211,7 @@ class Supervisor:
 
         summary = Supervisor(specs, cfg, run_dir, wrap).run()
 
-    The parts: the processes (launch/processes.py), the hang watch (heartbeats and /health,
+    The parts: the processes (launch/processes.py), the hang watch (heartbeats and /server_info,
     launch/health.py), in-place restarts (launch/restart.py), elastic rollout's engines
     (launch/scale.py; on Slurm through `engine_jobs`, launch/engine_job.py) and the
     notifications. `run` (once) starts every role, watches them to the trainer's end
