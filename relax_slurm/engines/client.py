@@ -365,6 +365,16 @@ class EngineClient(_Base):
         return self._json("/weights_checksum", self._call("GET", "/weights_checksum"))["checksums"]
 
 
+def probe_alive(http: httpx.Client, url: str) -> bool:
+    """`EngineClient.alive`'s answer (GET URL/server_info: 200, paused or not) on a client the
+    caller keeps with the engines' key, for watchers that probe every engine often (one httpx
+    client per probe would load the CA bundle each time)."""
+    try:
+        return http.get(url.rstrip("/") + "/server_info").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def wait_until_healthy(urls: list[str], timeout_s: float, poll_s: float = 0.5,
                        between_polls: Callable[[], None] = lambda: None,
                        paused_ok: bool = False) -> None:

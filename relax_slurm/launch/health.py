@@ -29,6 +29,7 @@ from collections.abc import Callable
 import httpx
 
 from relax_slurm.broker.stats import BrokerStatus
+from relax_slurm.engines.client import probe_alive
 
 PROBE_TIMEOUT_S = 5.0
 
@@ -86,7 +87,7 @@ class HangWatch:
         # request) falls silent too, but the engine is the one to restart
         hung, silent = None, False
         for name, url in self.engines.items():
-            if self._ok(url + "/server_info"):
+            if probe_alive(self._probe, url):
                 self._last_ok[name] = self._clock()
                 continue
             silent = True
@@ -131,8 +132,3 @@ class HangWatch:
             return None
         return None if body is None else BrokerStatus.from_dict(body)
 
-    def _ok(self, url: str) -> bool:
-        try:
-            return self._probe.get(url).status_code == 200
-        except httpx.HTTPError:
-            return False

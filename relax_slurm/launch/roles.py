@@ -46,12 +46,17 @@ Wrap = Callable[[RoleSpec], list[str]]
 """How a launcher runs a spec's command: as it is (local), or inside `srun ...` (Slurm)."""
 
 
+def engine_api_key(secret: str) -> str:
+    """The engines' API key: RELAX_ENGINE_API_KEY when the user set it, else the run's secret."""
+    return os.environ.get(API_KEY_ENV, secret)
+
+
 def child_env(cfg: TrainConfig, secret: str) -> dict[str, str]:
     """The roles' environment: the launcher's, plus the run's secret (the broker's auth token
     and, unless the user set RELAX_ENGINE_API_KEY, the engines' API key too)."""
     env = dict(os.environ)
     env[SECRET_ENV] = secret
-    env.setdefault(API_KEY_ENV, secret)
+    env[API_KEY_ENV] = engine_api_key(secret)
     env.update({
         "PYTHONUNBUFFERED": "1",
         "TOKENIZERS_PARALLELISM": "false",

@@ -47,9 +47,8 @@ from relax_slurm.runtime.plan import free_port
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.records import record_restart, write_roles
 from relax_slurm.launch.restart import InPlace
-from relax_slurm.launch.roles import child_env, engine_spec, engines_rejoin
-from relax_slurm.engines.client import EngineClient
-from relax_slurm.engines.sglang_api import API_KEY_ENV
+from relax_slurm.launch.roles import engine_api_key, engine_spec, engines_rejoin
+from relax_slurm.engines.client import EngineClient, probe_alive
 
 log = logging.getLogger(__name__)
 HTTP_TIMEOUT_S = 5.0
@@ -72,7 +71,7 @@ class Scaler:
         # engines in service are probed on /server_info (answered paused: launch/health.py)
         # with the engines' key: the run's secret unless the user set RELAX_ENGINE_API_KEY
         self.engine_probe = httpx.Client(timeout=HEALTH_PROBE_S, headers={
-            "Authorization": f"Bearer {child_env(cfg, secret)[API_KEY_ENV]}"})
+            "Authorization": f"Bearer {engine_api_key(secret)}"})
         self.started: dict[str, Role] = {}  # url -> the engine process this launcher started
         self.replacing = 0  # engines lost with their jobs, not yet asked back by a scale-out
         self.restarted: dict[str, int] = {}  # engine job name -> restarts (replaced, in job)
@@ -240,7 +239,7 @@ class Scaler:
             return
         lost_after = self.cfg.cluster.restart.heartbeat_timeout_s
         for url, e in external.items():
-            if self._alive(url):
+            if probe_alive(self.engine_probe, url):
                 self._silent_since.pop(url, None)
                 continue
             now = time.monotonic()
@@ -354,14 +353,6 @@ class Scaler:
             self.procs.stop(role)
             write_roles(self.procs, self.run_dir)
             self._say(f"stopped {role.name} ({url})")
-
-    def _alive(self, url: str) -> bool:
-        """Not /health: SGLang's generates a token and so waits while a sync has generation
-        paused (EngineClient.alive)."""
-        try:
-            return self.engine_probe.get(url.rstrip("/") + "/server_info").status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def _say(self, line: str) -> None:
         print(f"relax-train: elastic rollout: {line}", file=sys.stderr, flush=True)

@@ -30,14 +30,13 @@ from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.records import write_roles
 from relax_slurm.launch.restart import InPlace
 from relax_slurm.launch.scale import Scaler
-from relax_slurm.launch.roles import RoleSpec, Wrap, child_env
+from relax_slurm.launch.roles import RoleSpec, Wrap, child_env, engine_api_key
 from relax_slurm.metrics.fanout import check_installed
 from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsTail, iter_metrics
 from relax_slurm.metrics.notify import Notifier
 from relax_slurm.metrics.progress import Progress
 from relax_slurm.metrics.summary import samples_lost, summarize, write_summary
 from relax_slurm.engines.client import wait_until_healthy
-from relax_slurm.engines.sglang_api import API_KEY_ENV
 
 POLL_S = 0.5
 HANG_DUMP_WAIT_S = 5.0
@@ -234,7 +233,7 @@ class Supervisor:
                                {spec.name: spec.health_url for spec in specs if spec.health_url},
                                cfg.cluster.restart.heartbeat_interval_s,
                                cfg.cluster.restart.heartbeat_timeout_s,
-                               engine_key=child_env(cfg, secret)[API_KEY_ENV])
+                               engine_key=engine_api_key(secret))
         self.in_place = InPlace(self.procs, specs, wrap, run_dir, cfg.cluster.restart.max_per_role,
                                 on_restart=self.hangs.restarted)
         # elastic rollout's process side (launch/scale.py)
