@@ -43,6 +43,7 @@ CHAOS = ("algo.max_staleness=1", "trainer.save_every=20")
 KILL_AT = 40  # metrics lines: step_40 is saved before line 41 (step index 40) is written
 LAST_STEPS = 10
 REWARD_TOLERANCE = 0.2  # above the same-config spread measured (0.12), below a lost run
+SYNC_TIMEOUT_S = 5.0  # weight_sync.timeout_s of the frozen-engine run: well below the hang watch
 
 
 def start(run_dir: Path, tiny: Path, *overrides: str) -> subprocess.Popen:
@@ -222,10 +223,13 @@ def assert_stacks_before(row: dict, frozen: str) -> None:
 def test_a_frozen_worker_and_a_frozen_engine_are_restarted_in_place(tmp_path, tiny_assets):
     """Alive but silent (SIGSTOP): no heartbeat from the worker, no /server_info from the engine.
     The launcher names each hung, dumps every role's stacks, kills it and starts it again;
-    nothing is lost."""
+    nothing is lost. The engine is frozen while the trainer syncs every step: the sync it meets
+    fails within weight_sync.timeout_s (below the hang watch's 15 s) naming that engine, and the
+    trainer waits for the restarted engine, re-forms the cohort and resends."""
     run_dir, steps = tmp_path / "run", 12
     proc = start(run_dir, tiny_assets, ONE_RANK, f"trainer.total_steps={steps}",
-                 "cluster.restart.heartbeat_interval_s=2", "cluster.restart.heartbeat_timeout_s=15")
+                 "cluster.restart.heartbeat_interval_s=2", "cluster.restart.heartbeat_timeout_s=15",
+                 f"weight_sync.timeout_s={SYNC_TIMEOUT_S}")
     try:
         wait_steps(proc, run_dir, 3)
         os.kill(role(run_dir, "rollout")["pid"], signal.SIGSTOP)
@@ -248,6 +252,14 @@ def test_a_frozen_worker_and_a_frozen_engine_are_restarted_in_place(tmp_path, ti
     notes = [line for line in err.splitlines() if line.startswith("relax-train: no step for")]
     assert any("the trainer waits for a batch for version" in line and "rollout:" in line
                for line in notes), err[-4000:]
+    # the sync that met the frozen engine failed at its own timeout naming it (not only the
+    # launcher's hang watch), then the restarted engine joined a new cohort (weightsync/cohort.py)
+    engine = json.loads((run_dir / "plan.json").read_text())["engine_urls"][0]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    failed = [line for line in trainer_log.splitlines() if "weight sync failed" in line]
+    assert failed and engine in failed[0] and f"within {SYNC_TIMEOUT_S}" in failed[0], \
+        trainer_log[-4000:]
+    assert "weight-sync cohort 1 formed" in trainer_log, trainer_log[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps and summary["samples_lost"] == 0, summary
     assert summary["restarts"] == {"rollout": 1, "engine0": 1}, summary
