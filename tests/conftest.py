@@ -80,7 +80,47 @@ def tiny_mm_assets(tmp_path_factory) -> Path:
 def sglang_cpu_python() -> Path:
     """The real SGLang for CPU (relax-sglang-cpu install): its venv's python, built by the
     launcher's own code path when missing or out of date (about 1.5 min from PyPI, then
-    cached in ~/.cache/relax_slurm), so a fresh machine runs these tests too."""
+    cached in ~/.cache/relax_slurm), so a fresh machine runs these tests too. On a fresh
+    machine the build started at collection (below) is usually done by now; if not, its
+    file lock makes this wait for it instead of building twice."""
     from relax_slurm.engines import sglang_cpu
 
     return sglang_cpu.ensure_venv()
+
+
+_sglang_build: subprocess.Popen | None = None
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Start building the CPU SGLang venv in the background as soon as the tests that need it
+    are collected, when it is missing (a fresh machine, CI's empty HOME): the build is mostly
+    pip waiting on downloads and disk, and it overlaps the tests that run before the first
+    SGLang one instead of adding its ~1.5 min to the suite."""
+    global _sglang_build
+    if not any("sglang_cpu_python" in getattr(item, "fixturenames", ())
+               or item.get_closest_marker("sglang_cpu") for item in items):
+        return
+    from relax_slurm.engines import sglang_cpu
+
+    if sglang_cpu.is_current():
+        return
+    sglang_cpu.cache_root().mkdir(parents=True, exist_ok=True)
+    log = open(sglang_cpu.cache_root() / "prebuild.log", "w")
+    _sglang_build = subprocess.Popen(
+        [sys.executable, "-m", "relax_slurm.engines.sglang_cpu", "install"], stdout=log,
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """A build still running when the tests end (-x, -k without SGLang tests) is interrupted:
+    SIGINT, so that it removes its half-built folder (relax_slurm/engines/sglang_cpu)."""
+    if _sglang_build is not None and _sglang_build.poll() is None:
+        import signal
+
+        os.killpg(_sglang_build.pid, signal.SIGINT)
+        try:
+            _sglang_build.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(_sglang_build.pid, signal.SIGKILL)
+            _sglang_build.wait()

@@ -7,8 +7,8 @@ version is read from /model_info, and a finished /generate result carries the ve
 its tokens (`meta_info.weight_versions`). A client learns a server's version from /server_info
 at connect time and refuses one outside the range. SGLang does not install on CPU machines (it
 pins a CUDA torch), so the request schemas are recorded here from its io_struct.py;
-tests/unit/rollout/test_sglang_contract.py checks every body the client sends against this
-record and tests/unit/rollout/test_sglang_source.py checks the record, the routes and the launch
+tests/unit/engines/test_sglang_contract.py checks every body the client sends against this
+record and tests/unit/engines/test_sglang_source.py checks the record, the routes and the launch
 line against the released wheels of every supported version. The hf engine serves the same
 protocol (it reports HF_PROTOCOL as its version), so the whole client path runs in CI.
 """

@@ -36,7 +36,8 @@ def model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("contract") / "model")
 
 
-@pytest.fixture(scope="module", params=["sglang", "hf"])
+@pytest.fixture(scope="module",
+                params=[pytest.param("sglang", marks=pytest.mark.sglang_cpu), "hf"])
 def engine(request, model_dir, tmp_path_factory):
     """(kind, URL, process) of one engine serving the tiny model with an API key."""
     kind, port = request.param, free_port()

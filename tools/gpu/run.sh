@@ -64,7 +64,7 @@ suite() {  # every smoke this image can run; rc 1 if any failed
   fi
   stamp "gpu tests: python -m pytest -m gpu"
   (cd "$RELAX_GPU_PROJ" && timeout 300 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-     tests/unit/trainer/test_collectives.py tests/unit/rollout/test_sglang_contract.py) || rc=1
+     tests/unit/trainer/test_collectives.py tests/unit/engines/test_sglang_contract.py) || rc=1
   stamp "suite: rc=$rc"
   return $rc
 }
