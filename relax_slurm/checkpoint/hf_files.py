@@ -7,6 +7,7 @@ import copy
 import json
 import logging
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -41,50 +42,86 @@ def write_hf_dir(tensors: dict[str, torch.Tensor], config, out_dir: str | Path,
                  shard_size_mb: float = DEFAULT_SHARD_MB, overwrite: bool = True) -> Path:
     """Write `tensors` (HF names, aliases already removed) as a transformers/SGLang-loadable
     directory: safetensors shards (+ index), config.json, tokenizer and generation config."""
-    out = Path(out_dir)
-    tmp = start_output(out, overwrite)
     if names_model is not None:
         tensors = revert_weight_conversion(names_model, tensors)
     config = copy.deepcopy(config)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
         set_config_dtype(config, dtype)
-    names = sorted(tensors, key=natural_key)
-    shards: list[list[str]] = [[]]
-    size, limit = 0, int(shard_size_mb * 2**20)
-    for name in names:
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    _write_shards(tensors, shards, tmp, progress)
+    bar = progress_bar(progress, len(tensors), "write safetensors")
+    named = ((name, tensors[name]) for name in sorted(tensors, key=natural_key))
+    try:
+        return write_hf_stream(named, config, out_dir, assets_src, shard_size_mb, overwrite,
+                               on_tensor=lambda: bar.update(1), copy=False)
+    finally:
+        bar.close()
+
+
+def write_hf_stream(named_tensors: Iterable[tuple[str, torch.Tensor]], config,
+                    out_dir: str | Path, assets_src: str | Path | None,
+                    shard_size_mb: float = DEFAULT_SHARD_MB, overwrite: bool = True,
+                    on_tensor: Callable[[], None] = lambda: None, copy: bool = True) -> Path:
+    """write_hf_dir of tensors as they come (an exporter's generator), each shard written once
+    full: at most one shard is held, never the whole model. copy=False: the caller keeps every
+    tensor unchanged until the end (a dict it holds anyway)."""
+    out = Path(out_dir)
+    tmp = start_output(out, overwrite)
+    writer = ShardWriter(tmp, shard_size_mb, copy)
+    for name, tensor in named_tensors:
+        writer.add(name, tensor)
+        on_tensor()
+    writer.finish()
     config.save_pretrained(tmp)
     if assets_src is not None:
         copy_hf_assets(assets_src, tmp, include_config=False)
     return finish_output(tmp, out)
 
 
-def _write_shards(tensors: dict[str, torch.Tensor], shards: list[list[str]], tmp: Path,
-                  progress: bool) -> None:
-    from safetensors.torch import save_file
+class ShardWriter:
+    """Safetensors shards of at most `shard_size_mb` each (a tensor larger than that alone in
+    its shard), written as they fill, then named as transformers names them
+    (model.safetensors, or model-0000i-of-0000n.safetensors + model.safetensors.index.json)."""
 
-    n = len(shards)
-    files = ["model.safetensors"] if n == 1 else [
-        f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    weight_map, total = {}, 0
-    bar = progress_bar(progress, len(tensors), "write safetensors")
-    for fname, shard in zip(files, shards):
-        part = {k: tensors[k].detach().contiguous().cpu() for k in shard}
-        save_file(part, str(tmp / fname), metadata={"format": "pt"})
-        total += sum(t.numel() * t.element_size() for t in part.values())
-        weight_map.update({k: fname for k in shard})
-        bar.update(len(shard))
-    bar.close()
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    def __init__(self, folder: Path, shard_size_mb: float, copy: bool = True) -> None:
+        self.folder, self.limit, self.copy = folder, int(shard_size_mb * 2**20), copy
+        self._part: dict[str, torch.Tensor] = {}
+        self._size = 0
+        self._files: list[tuple[Path, list[str]]] = []
+        self.total = 0
+        self.peak_held = 0
+        """The most bytes held at once (a test's measure of what streaming saves)."""
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._part and self._size + nbytes > self.limit:
+            self._flush()
+        # a copy: an exporter may hand out views of a buffer it reuses for the next tensor
+        self._part[name] = tensor.detach().to("cpu", copy=self.copy).contiguous()
+        self._size += nbytes
+        self.peak_held = max(self.peak_held, self._size)
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.folder / f"part-{len(self._files):05d}.safetensors"
+        save_file(self._part, str(path), metadata={"format": "pt"})
+        self._files.append((path, list(self._part)))
+        self.total += self._size
+        self._part, self._size = {}, 0
+
+    def finish(self) -> None:
+        if self._part or not self._files:
+            self._flush()
+        n = len(self._files)
+        weight_map = {}
+        for i, (path, names) in enumerate(self._files):
+            fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            path.rename(self.folder / fname)
+            weight_map.update({k: fname for k in names})
+        if n > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+            (self.folder / "model.safetensors.index.json").write_text(
+                json.dumps(index, indent=2) + "\n")
 
 
 def copy_hf_assets(src: str | Path, dst: str | Path, include_config: bool = True) -> None:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from relax_slurm.checkpoint.hf_files import copy_hf_assets, write_hf_dir
+from relax_slurm.checkpoint.hf_files import copy_hf_assets, write_hf_stream
 from relax_slurm.checkpoint.dcp import (
     HF_ASSETS, RNG_DIR, SAVE_TIMEOUT, SaveHandle, barrier, checkpoint_group, commit_checkpoint,
     load_rng, meta_json, remove_leftovers, save_rng, set_pending, wait_pending,
@@ -231,9 +231,21 @@ def is_megatron_checkpoint(path: Path) -> bool:
 
 
 def save_hf(mm: MegatronModel, hf_assets_src: str, out_dir: Path) -> Path | None:
-    """HF directory of the current weights (bridge export); every rank calls, rank 0 writes."""
-    tensors = {k: v.clone() for k, v in mm.named_hf_weights()}
+    """HF directory of the current weights (bridge export); every rank calls, rank 0 writes.
+
+    The export is collective (every rank gathers each tensor); rank 0 writes shard by shard as
+    the tensors come and the other ranks drop each one: no rank holds the whole model (every
+    rank used to clone it, ~490 GB of host memory on a 30B node)."""
+    weights = mm.named_hf_weights()
     if dist.get_rank() != 0:
+        for _ in weights:
+            pass
         return None
-    return write_hf_dir(tensors, mm.bridge.hf_pretrained.config, out_dir, hf_assets_src,
-                        overwrite=True)
+    try:
+        return write_hf_stream(weights, mm.bridge.hf_pretrained.config, out_dir, hf_assets_src,
+                               overwrite=True)
+    except BaseException:
+        # the other ranks are inside the export's gathers: finish them, then fail
+        for _ in weights:
+            pass
+        raise
