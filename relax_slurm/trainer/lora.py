@@ -83,7 +83,9 @@ def adapter_config(model: PeftModel) -> dict[str, Any]:
 @torch.no_grad()
 def adapter_of(model: PeftModel, dtype: torch.dtype | None = None) -> Adapter:
     """The trained adapter under PEFT's saved names, in the engines' dtype (model.dtype)."""
-    tensors = get_peft_model_state_dict(model, adapter_name=ADAPTER)
+    # save_embedding_layers: PEFT's "auto" would add the whole (frozen) embedding matrix when
+    # lm_head is a target, every sync; the engines hold it already
+    tensors = get_peft_model_state_dict(model, adapter_name=ADAPTER, save_embedding_layers=False)
     cast = {n: (t.detach().to(dtype) if dtype is not None and t.is_floating_point()
                 else t.detach()) for n, t in tensors.items()}
     return Adapter(adapter_config(model), cast)
