@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_slurm.config.schema import TrainConfig
+from relax_slurm.engines import sglang_api
 from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.rewards import RewardInput, build_reward
 from relax_slurm.errors import EngineAborted
@@ -49,7 +50,10 @@ class Evaluator:
         self.cfg = cfg.eval
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.reward = build_reward(reward_cfg or cfg.reward)
-        self.engines = [EngineClient(u, cfg.rollout.generate_timeout_s) for u in engine_urls]
+        # the policy: with model.lora's adapter-only sync, the adapter the engines serve
+        lora_path = sglang_api.ADAPTER_NAME if cfg.adapter_sync else None
+        self.engines = [EngineClient(u, cfg.rollout.generate_timeout_s, lora_path)
+                        for u in engine_urls]
         self.params = {"max_new_tokens": cfg.rollout.max_new_tokens,
                        "temperature": self.cfg.temperature,
                        "top_p": cfg.rollout.top_p if self.cfg.temperature > 0 else 1.0,

@@ -3,6 +3,7 @@
     relax-convert --input RUN_DIR/checkpoints/step_100 --output hf_step100          # DCP -> HF
     relax-convert --input Qwen3-4B --output qwen3_dcp                               # HF -> DCP
     relax-convert --input megatron_ckpt/iter_0000100 --output hf --hf-config Qwen3-4B
+    relax-convert --input RUN_DIR --output adapter --to peft     # model.lora: the adapter alone
 
 The input format is detected; `--to` picks the output (default: hf for DCP and Megatron
 input, dcp for HF input). A run directory as input means its latest complete checkpoint.
@@ -25,13 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, type=Path,
                    help="checkpoint directory (DCP step_<N>, HF model, Megatron iter_*) or run dir")
     p.add_argument("--output", required=True, type=Path, help="directory to write")
-    p.add_argument("--to", choices=("hf", "dcp"), default=None,
-                   help="output format (default: hf, or dcp when the input is HF)")
+    p.add_argument("--to", choices=("hf", "dcp", "peft"), default=None,
+                   help="output format (default: hf, or dcp when the input is HF); peft: a "
+                        "model.lora run's adapter as a PEFT directory (hf: merged into the base)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="cast floating-point weights (default auto: keep each tensor's dtype)")
     p.add_argument("--hf-config", default=None,
                    help="HF model dir or hub id giving architecture and tokenizer (default: the "
-                        "checkpoint's hf/ copy, or model.path from its meta.json)")
+                        "checkpoint's hf/ copy, or model.path from its meta.json); for a "
+                        "model.lora checkpoint --to hf, the base model (default its model.path)")
     p.add_argument("--shard-size-mb", type=float, default=5000.0,
                    help="largest safetensors shard of an HF output, MiB (default 5000)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")

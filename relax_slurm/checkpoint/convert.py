@@ -1,5 +1,6 @@
 """relax-convert's dispatch: detect the input's format and convert it (dcp -> hf, hf -> dcp,
-megatron -> hf). Each direction has its module (from_dcp.py, from_hf.py, from_megatron.py);
+megatron -> hf; a model.lora run's dcp -> peft or a merged hf). Each direction has its module
+(from_dcp.py, from_hf.py, from_megatron.py, from_lora.py);
 outputs are written to `OUT.tmp/` and renamed to `OUT/` at the end (outputs.py)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from pathlib import Path
 from relax_slurm.checkpoint.formats import detect_format
 from relax_slurm.checkpoint.from_dcp import dcp_to_hf
 from relax_slurm.checkpoint.from_hf import hf_to_dcp
+from relax_slurm.checkpoint.from_lora import dcp_lora_to_hf, dcp_to_peft, lora_record
 from relax_slurm.checkpoint.from_megatron import megatron_to_hf
 from relax_slurm.checkpoint.hf_files import DEFAULT_SHARD_MB, DTYPES
 from relax_slurm.checkpoint.outputs import check_output
@@ -20,7 +22,8 @@ def convert_checkpoint(
     overwrite: bool = False, shard_size_mb: float = DEFAULT_SHARD_MB,
     trust_remote_code: bool = False,
 ) -> Path:
-    """Detect the input's format and convert: dcp -> hf, hf -> dcp, megatron -> hf."""
+    """Detect the input's format and convert: dcp -> hf, hf -> dcp, megatron -> hf; a model.lora
+    checkpoint (dcp) -> peft (the adapter) or hf (merged)."""
     fmt, src = detect_format(input_dir)
     target = to or ("dcp" if fmt == "hf" else "hf")
     if target == fmt:
@@ -34,6 +37,14 @@ def convert_checkpoint(
         if target != "hf":
             raise CheckpointError("a Megatron checkpoint converts to hf only: --to hf")
         return megatron_to_hf(src, output_dir, hf_config, progress, overwrite, torch_dtype)
+    if target == "peft" and (fmt != "dcp" or lora_record(src) is None):
+        raise CheckpointError(f"--to peft: {src} holds no LoRA adapter (only a model.lora "
+                              "run's checkpoints do). Fix: --to hf")
+    if fmt == "dcp" and lora_record(src) is not None:
+        if target == "peft":
+            return dcp_to_peft(src, output_dir, torch_dtype, overwrite)
+        return dcp_lora_to_hf(src, output_dir, hf_config, torch_dtype, progress, shard_size_mb,
+                              overwrite, trust_remote_code)
     if fmt == "dcp":
         return dcp_to_hf(src, output_dir, hf_config, torch_dtype, progress, shard_size_mb,
                          overwrite, trust_remote_code)

@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
 )
 
 from relax_slurm.checkpoint.resume import (
@@ -99,6 +99,7 @@ def save_checkpoint(
     hf_assets_src: str | Path | None = None,
     reference: nn.Module | None = None,
     critic: tuple[nn.Module, torch.optim.Optimizer] | None = None,
+    trainable_only: bool = False,
 ) -> SaveHandle:
     """Save model, optimizer, scheduler, RNG and `extra_state` as `ckpt_dir_root/step_<step>/`.
 
@@ -112,7 +113,9 @@ def save_checkpoint(
     that is not `model.path` as loaded (algo.ref_update_interval refreshes it), saved under
     "reference" (a plain replica on every rank: DCP writes one copy) for an exact resume.
     `critic`: algo=ppo's value model and its optimizer, saved under "critic" and
-    "critic_optimizer" (sharded like the policy's).
+    "critic_optimizer" (sharded like the policy's). `trainable_only`: the model's parameters
+    that require gradients, no frozen ones (model.lora: the adapter, not model.path's weights,
+    which the run reads from model.path again).
     """
     global _pending
     if keep_last < 1:
@@ -131,7 +134,7 @@ def save_checkpoint(
         _start_tmp_dir(root, tmp, model, hf_assets_src)
     barrier(group)
     save_rng(tmp / RNG_DIR / f"rank_{rank}.pt")
-    state = _state_to_save(model, optimizer, scheduler, reference, critic)
+    state = _state_to_save(model, optimizer, scheduler, reference, critic, trainable_only)
     writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, overwrite=True)
     kwargs = dict(storage_writer=writer, process_group=group, no_dist=group is None)
 
@@ -168,9 +171,11 @@ def _start_tmp_dir(root: Path, tmp: Path, model: nn.Module,
 
 def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None,
                    reference: nn.Module | None,
-                   critic: tuple[nn.Module, torch.optim.Optimizer] | None) -> dict[str, Any]:
+                   critic: tuple[nn.Module, torch.optim.Optimizer] | None,
+                   trainable_only: bool = False) -> dict[str, Any]:
     """The DCP state dict: model and optimizer, and scheduler, reference and critic when given."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer,
+                                        options=_model_options(trainable_only))
     state = {"model": model_sd, "optimizer": optim_sd}
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
@@ -179,6 +184,13 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler
     if critic is not None:
         state["critic"], state["critic_optimizer"] = get_state_dict(*critic)
     return state
+
+
+def _model_options(trainable_only: bool) -> StateDictOptions | None:
+    # not strict on load: the frozen parameters are absent by design (the trainable ones are
+    # still each read, or dcp.load fails naming the one missing)
+    return (StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only
+            else None)
 
 
 def _save_now(state: dict[str, Any], kwargs: dict[str, Any], step: int, tmp: Path,
@@ -238,6 +250,7 @@ def load_checkpoint(
     scheduler: Any | None,
     reference: nn.Module | None = None,
     critic: tuple[nn.Module, torch.optim.Optimizer] | None = None,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint into `model` (and `optimizer`, `scheduler`, this rank's RNG).
 
@@ -247,8 +260,11 @@ def load_checkpoint(
     `reference`: loaded from the checkpoint's "reference" when it has one (saved with
     `reference=`), else left as it is (with a warning). `critic` (model, optimizer): loaded
     from the checkpoint's "critic" when it has one, else left fresh (with a warning).
+    `trainable_only`: only the parameters that require gradients are read (saved so); the
+    frozen ones stay as loaded from model.path.
     """
     path = Path(path)
+    options = _model_options(trainable_only)
     if not is_complete(path):
         raise CheckpointError(f"{path} is not a complete checkpoint (needs .metadata and {META}); "
                               "use find_latest(run_dir) or point resume= at a step_<N> directory")
@@ -256,9 +272,9 @@ def load_checkpoint(
     weights_only = meta.get("weights_only", False)
     state: dict[str, Any] = {}
     if weights_only or optimizer is None:
-        state["model"] = get_model_state_dict(model)
+        state["model"] = get_model_state_dict(model, options=options)
     else:
-        state["model"], state["optimizer"] = get_state_dict(model, optimizer)
+        state["model"], state["optimizer"] = get_state_dict(model, optimizer, options=options)
     if not weights_only and scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     load_critic = _side_models(state, path, meta.get("extra_state", {}), reference, critic)
@@ -274,9 +290,9 @@ def load_checkpoint(
         ) from e
     if "optimizer" in state:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"], options=options)
     else:
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=options)
     if load_critic:
         set_state_dict(critic[0], critic[1], model_state_dict=state["critic"],
                        optim_state_dict=state["critic_optimizer"])

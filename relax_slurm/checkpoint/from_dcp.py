@@ -37,7 +37,7 @@ def dcp_to_hf(input_dir: str | Path, output_dir: str | Path, hf_config: str | Pa
     check_architecture({k: v.size for k, v in stored.items()}, expected, aliases,
                        f"checkpoint {src}", config_src)
     wanted = [k for k in sorted(expected, key=natural_key) if k not in aliases]
-    tensors = _read_dcp(src, {k: stored[k] for k in wanted}, progress)
+    tensors = read_dcp(src, {k: stored[k] for k in wanted}, progress)
     assets = hf_config or (src / "hf" if (src / "hf").is_dir() else config_src)
     return write_hf_dir(tensors, config, output_dir, assets, dtype, model, progress,
                         shard_size_mb, overwrite)
@@ -56,7 +56,7 @@ def _dcp_config_source(src: Path) -> str | Path:
         ) from None
 
 
-def _read_dcp(src: Path, items: dict[str, TensorStorageMetadata],
+def read_dcp(src: Path, items: dict[str, TensorStorageMetadata],
               progress: bool) -> dict[str, torch.Tensor]:
     """Full tensors of `items` (model names), READ_CHUNK_BYTES per dcp.load call."""
     out = {name: torch.empty(md.size, dtype=md.properties.dtype) for name, md in items.items()}

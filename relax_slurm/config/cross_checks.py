@@ -9,6 +9,7 @@ from relax_slurm.config.check import check
 from relax_slurm.config.cluster import ClusterConfig, SlurmClusterConfig
 from relax_slurm.config.data import DataConfig
 from relax_slurm.config.env import EnvConfig
+from relax_slurm.config.model import SGLANG_LORA_TARGETS, ModelConfig
 from relax_slurm.config.reward import RewardConfig
 from relax_slurm.config.rollout import RolloutConfig
 from relax_slurm.config.trainer import TrainerConfig
@@ -221,3 +222,52 @@ def supervised_problems(algo: AlgoConfig, rollout: RolloutConfig, data: DataConf
         out.append("algo=sft reads text rows only (multimodal SFT is not implemented): "
                    "unset data.multimodal_keys")
     return out
+
+
+def adapter_sync_blockers(model: ModelConfig, rollout: RolloutConfig) -> list[str]:
+    """Why the engines cannot serve model.lora's adapter (empty: they can, and each sync sends
+    the adapter alone); the sync then sends merged weights (docs/lora.md)."""
+    lora = model.lora
+    if not lora.enabled:
+        return ["model.lora.rank=0 (LoRA is off)"]
+    if lora.sync == "merged":
+        return ["model.lora.sync=merged"]
+    unserved = [m for m in lora.target_modules if m not in SGLANG_LORA_TARGETS]
+    if rollout.engine == "sglang" and unserved:
+        return [f"SGLang serves no adapter on {unserved} (model.lora.target_modules)"]
+    return []
+
+
+def check_lora(model: ModelConfig, algo: AlgoConfig, t: TrainerConfig, rollout: RolloutConfig,
+               ws: WeightSyncConfig) -> None:
+    """What LoRA training does not combine with (docs/lora.md#status)."""
+    lora = model.lora
+    if not lora.enabled:
+        return
+    check(t.backend == "torch",
+          "model.lora with trainer=megatron is not implemented yet (docs/lora.md#status): use "
+          "trainer=torch, or model.lora.rank=0 for full fine-tuning")
+    check(algo.ref_update_interval is None,
+          f"algo.ref_update_interval={algo.ref_update_interval} with model.lora: the reference "
+          "is model.path itself (the policy with its adapter disabled), which never moves; "
+          "unset algo.ref_update_interval, or model.lora.rank=0")
+    check(not t.freeze_modules,
+          "trainer.freeze_modules with model.lora: every base weight is frozen already (only "
+          "the adapters train); unset trainer.freeze_modules")
+    blockers = adapter_sync_blockers(model, rollout)
+    check(lora.sync != "adapter" or not blockers,
+          f"model.lora.sync=adapter, but {'; '.join(blockers)}: use model.lora.sync=auto "
+          "(merged weights then) or change the targets")
+    if blockers:
+        return
+    check(not ws.verify,
+          "weight_sync.verify=true compares full weights; with an adapter-only sync the "
+          "engines hold the adapter beside model.path: set weight_sync.verify=false, or "
+          "model.lora.sync=merged")
+    # SGLang replaces an adapter by unloading it (once no request uses it: paused requests
+    # still do) and loading the new one; a request that arrives in between is refused. With
+    # nothing generating during a sync (on-policy) neither can happen; async is not done yet
+    check(rollout.engine != "sglang" or algo.max_staleness == 0,
+          f"model.lora's adapter-only sync to SGLang runs on-policy only for now "
+          f"(docs/lora.md#status): set algo.max_staleness=0, or model.lora.sync=merged to "
+          f"send merged weights (algo.max_staleness={algo.max_staleness})")

@@ -20,9 +20,11 @@ from relax_slurm.config.broker import BrokerConfig
 from relax_slurm.config.check import check
 from relax_slurm.config.cluster import ClusterConfig, LocalClusterConfig
 from relax_slurm.config.cross_checks import (
+    adapter_sync_blockers,
     check_critic_backend,
     check_gpus_fit,
     check_judge,
+    check_lora,
     check_megatron_media,
     check_mini_batches,
     check_overlong_buffer,
@@ -95,12 +97,18 @@ class TrainConfig:
         check_judge(self.reward)
         check_streaming(self.algo, self.trainer)
         check_weight_sync_backend(self.weight_sync, self.rollout)
+        check_lora(self.model, self.algo, self.trainer, self.rollout, self.weight_sync)
         problems = self.supervised_problems()
         check(not problems, "; ".join(problems))
 
     def streaming_blockers(self) -> list[str]:
         """Why this run cannot train on groups as they arrive (empty: it can)."""
         return streaming_blockers(self.algo, self.trainer)
+
+    @property
+    def adapter_sync(self) -> bool:
+        """Whether each weight sync sends model.lora's adapter alone (docs/lora.md)."""
+        return not adapter_sync_blockers(self.model, self.rollout)
 
     @property
     def supervised(self) -> bool:

@@ -127,9 +127,11 @@ def media_fields(media: Optional[list[dict[str, list[str]]]], n: int) -> dict[st
 
 
 class _Base:
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float, lora_path: Optional[str] = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.lora_path = lora_path
+        """The adapter every /generate names (model.lora's adapter sync); None: the base."""
 
     def _check(self, route: str, resp: httpx.Response) -> httpx.Response:
         if resp.status_code == 503:  # not serving now (restoring its weights): try again later
@@ -162,7 +164,8 @@ class _Base:
     def _generate_body(input_ids: list[list[int]], sampling_params: SamplingParams,
                        return_logprob: bool, logprob_start_len: Optional[int] = None,
                        media: Optional[list[dict[str, list[str]]]] = None,
-                       routed_experts: bool = False, routed_start: int = 0) -> dict[str, Any]:
+                       routed_experts: bool = False, routed_start: int = 0,
+                       lora_path: Optional[str] = None) -> dict[str, Any]:
         body = {"input_ids": [list(map(int, ids)) for ids in input_ids],
                 "sampling_params": ([dict(p) for p in sampling_params]
                                     if isinstance(sampling_params, list)
@@ -174,6 +177,8 @@ class _Base:
             # a later turn of a multi-turn sample asks for the positions no turn covered yet
             body.update(return_routed_experts=True, routed_experts_start_len=int(routed_start))
         body.update(media_fields(media, len(input_ids)))
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         return body
 
     def _healthy(self, resp: httpx.Response) -> bool:
@@ -198,8 +203,9 @@ class _Base:
 class EngineClient(_Base):
     """Synchronous client (thread-safe: httpx.Client shares its connection pool)."""
 
-    def __init__(self, url: str, timeout_s: float = 300.0) -> None:
-        super().__init__(url, timeout_s)
+    def __init__(self, url: str, timeout_s: float = 300.0, lora_path: Optional[str] = None
+                 ) -> None:
+        super().__init__(url, timeout_s, lora_path)
         # no keep-alive: these calls are seconds apart (weight updates, control), longer than
         # servers keep idle connections, and a weight update must not be retried blindly
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s,
@@ -288,7 +294,8 @@ class EngineClient(_Base):
         {kind: [file name or base64, ...]}, sent as SGLang's image_data / audio_data."""
         if not input_ids:
             return []
-        body = self._generate_body(input_ids, sampling_params, return_logprob, media=media)
+        body = self._generate_body(input_ids, sampling_params, return_logprob, media=media,
+                                   lora_path=self.lora_path)
         return self._parse_generate(self._json("/generate", self._call("POST", "/generate", body)),
                                     len(input_ids))
 
@@ -317,6 +324,31 @@ class EngineClient(_Base):
                                               weight_version, flush_cache, load_format)
         return self._json("/update_weights_from_distributed",
                           self._call("POST", "/update_weights_from_distributed", body))
+
+    def load_lora_adapter_from_tensors(self, name: str, config: dict[str, Any], payload: str,
+                                       tp_size: int = 1) -> dict[str, Any]:
+        """Load adapter `name` (PEFT's adapter_config as `config`; `payload`: its tensors as
+        weightsync/adapter.py serializes them) next to the base weights."""
+        body = sglang_api.load_adapter_body(name, config, payload, tp_size)
+        route = "/load_lora_adapter_from_tensors"
+        return self._json(route, self._call("POST", route, body))
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Unload adapter `name` once no request uses it; False when the engine holds none of
+        that name (restarted since it was loaded)."""
+        route = "/unload_lora_adapter"
+        try:
+            self._json(route, self._call("POST", route, {"lora_name": name}))
+        except EngineError as e:
+            if sglang_api.LORA_ABSENT in str(e) and not isinstance(e, EngineUnreachable):
+                return False
+            raise
+        return True
+
+    def update_weight_version(self, version: str) -> None:
+        """Label the weights served from now on (an adapter load does not)."""
+        route = "/update_weight_version"
+        self._json(route, self._call("POST", route, sglang_api.version_body(version)))
 
     def begin_weight_update(self) -> None:
         """Open the weight-update session the updates of one sync run in (SGLang 0.5.21+)."""
@@ -418,8 +450,8 @@ class AsyncEngineClient(_Base):
     """asyncio client for rollout workers that keep many requests in flight."""
 
     def __init__(self, url: str, timeout_s: float = 300.0, max_connections: int = 256,
-                 routed_experts: bool = False) -> None:
-        super().__init__(url, timeout_s)
+                 routed_experts: bool = False, lora_path: Optional[str] = None) -> None:
+        super().__init__(url, timeout_s, lora_path)
         self.routed_experts = routed_experts
         """Ask every /generate for the routed experts (an MoE policy's engines)."""
         limits = httpx.Limits(max_connections=max_connections,
@@ -467,7 +499,7 @@ class AsyncEngineClient(_Base):
         if not input_ids:
             return []
         body = self._generate_body(input_ids, sampling_params, return_logprob, logprob_start_len,
-                                   media, self.routed_experts, routed_start)
+                                   media, self.routed_experts, routed_start, self.lora_path)
         resp = await self._call("POST", "/generate", body)
         results = self._parse_generate(self._json("/generate", resp), len(input_ids))
         return [dataclasses.replace(r, routed_start=routed_start) if routed_start else r

@@ -77,7 +77,16 @@ SGLANG_REQUESTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "GenerateReqInput": (frozenset(), frozenset({
         "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
         "image_data", "video_data", "audio_data", "return_routed_experts",
-        "routed_experts_start_len"})),
+        "routed_experts_start_len", "lora_path"})),
+    # LoRA adapters (an engine started with --enable-lora): loaded from tensors in the body,
+    # unloaded by name, named by /generate's lora_path
+    "LoadLoRAAdapterFromTensorsReqInput": (
+        frozenset({"lora_name", "config_dict", "serialized_named_tensors"}),
+        frozenset({"pinned", "added_tokens_config", "lora_id", "load_format",
+                   "expected_checksums"})),
+    "UnloadLoRAAdapterReqInput": (frozenset({"lora_name"}), frozenset({"lora_id"})),
+    "UpdateWeightVersionReqInput": (frozenset({"new_version"}),
+                                    frozenset({"abort_all_requests"})),
 }
 
 # route -> request class (routes without a body: /health, /health_generate, /flush_cache,
@@ -94,6 +103,9 @@ ROUTE_REQUEST = {
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
     "/generate": "GenerateReqInput",
+    "/load_lora_adapter_from_tensors": "LoadLoRAAdapterFromTensorsReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
 }
 
 GET_ROUTES = ("/health", "/health_generate", "/ready", "/model_info", "/server_info")
@@ -108,6 +120,16 @@ ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 ROUTED_EXPERTS_REQUEST = ("return_routed_experts", "routed_experts_start_len")
 """GenerateReqInput's fields: the flag, and the first position returned (0: the whole
 sequence); the answer is meta_info.routed_experts (relax_slurm.routing.shape)."""
+
+ADAPTER_NAME = "policy"
+"""The name the trained LoRA adapter is served under (/generate's lora_path); each sync
+replaces it (unload, load) and labels the engine's weights with the new version."""
+LORA_ABSENT = "does not exist"
+"""Words of SGLang's answer to unloading an adapter it does not hold (an engine restarted since
+the last sync): nothing to unload."""
+LORA_FLAGS = ("--enable-lora",)
+"""What an engine that serves the adapter is started with (SGLang also needs the rank and
+target modules: `lora_flags`)."""
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 FLUSHABLE_PAUSE_MODES = ("abort", "retract")
@@ -188,6 +210,29 @@ def update_weights_body(names: list[str], dtypes: list[str], shapes: list[list[i
     return body
 
 
+def load_adapter_body(name: str, config: dict[str, Any], payload: str, tp_size: int
+                      ) -> dict[str, Any]:
+    """/load_lora_adapter_from_tensors: `payload` is the adapter's tensors serialized once
+    (weightsync/adapter.py), one copy per TP rank as SGLang's tp workers each read theirs."""
+    return {"lora_name": name, "config_dict": dict(config),
+            "serialized_named_tensors": [payload] * int(tp_size)}
+
+
+def version_body(version: str) -> dict[str, Any]:
+    """/update_weight_version without aborting: the sync paused what had to be paused."""
+    return {"new_version": str(version), "abort_all_requests": False}
+
+
+def lora_flags(rank: int, target_modules: list[str], device: str) -> list[str]:
+    """SGLang's launch flags to serve adapters up to `rank` on `target_modules` loaded later
+    from tensors; on CPU its torch_native LoRA backend (the default, csgmv, is a GPU kernel)."""
+    flags = [*LORA_FLAGS, "--max-lora-rank", str(int(rank)),
+             "--lora-target-modules", *target_modules]
+    if device == "cpu":
+        flags += ["--lora-backend", "torch_native"]
+    return flags
+
+
 def pause_body(mode: str) -> dict[str, Any]:
     if mode not in PAUSE_MODES:
         raise ValueError(f"pause mode {mode!r}: use one of {', '.join(PAUSE_MODES)}")
@@ -218,7 +263,8 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
                 ep_size: int, mem_fraction_static: float, dtype: str, seed: int,
                 trust_remote_code: bool, api_key: bool, enable_memory_saver: bool,
                 extra_args: list[str], deterministic: bool = False,
-                routed_experts: bool = False, device: str = "cuda") -> list[str]:
+                routed_experts: bool = False, device: str = "cuda",
+                lora: Optional[tuple[int, list[str]]] = None) -> list[str]:
     """`python -m sglang.launch_server ...` for one engine (flags of SGLang 0.5.x server_args).
 
     --base-gpu-id places engines that share a node (with each other or the trainer) on
@@ -229,7 +275,8 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
     --enable-return-routed-experts (MoE models, rollout.return_routed_experts): without it a
     request's return_routed_experts is silently ignored (no meta_info.routed_experts).
     device="cpu": SGLang's CPU engine (sglang_cpu.SERVER_ENV, set with `env`, and CPU_FLAGS
-    instead of --base-gpu-id; docs/engines.md#sglang-on-cpu)."""
+    instead of --base-gpu-id; docs/engines.md#sglang-on-cpu). `lora`: (rank, target modules)
+    of the adapter each sync loads (`lora_flags`, docs/lora.md)."""
     prefix = ["env", *(f"{k}={v}" for k, v in SERVER_ENV.items())] if device == "cpu" else []
     placement = list(CPU_FLAGS) if device == "cpu" else ["--base-gpu-id", str(base_gpu_id)]
     argv = [*prefix, python, "-m", "sglang.launch_server", "--model-path", model_path,
@@ -247,6 +294,8 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
         argv.append("--enable-deterministic-inference")
     if routed_experts:
         argv.append(ROUTED_EXPERTS_FLAG)
+    if lora is not None:
+        argv += lora_flags(lora[0], lora[1], device)
     argv += list(extra_args)
     if api_key:
         # the shell expands the key at start: it is in no file and no printed command line

@@ -13,13 +13,16 @@ from pathlib import Path
 
 from relax_slurm.checkpoint import find_latest
 from relax_slurm.config import TrainConfig
+from relax_slurm.config.cross_checks import adapter_sync_blockers
 from relax_slurm.data.validate import check_data_files
+from relax_slurm.engines import sglang_api
 from relax_slurm.errors import ConfigError, RoleFailed
 from relax_slurm.launch.records import record_restart
 from relax_slurm.routing.shape import routing_shape
 
 
 def check_inputs(cfg: TrainConfig) -> None:
+    """The run's files exist and fit its config (before any role starts)."""
     model = Path(cfg.model.path)
     if not (model / "config.json").is_file():
         raise ConfigError(
@@ -48,6 +51,19 @@ def check_inputs(cfg: TrainConfig) -> None:
     # proxy mode reads no prompts; SFT rows are checked as the trainer reads them
     if cfg.rollout.agent_mode == "env" and not cfg.supervised:
         check_data_files(cfg.data, cfg.eval.datasets if cfg.eval.every else [])
+    say_lora_sync(cfg)
+
+
+def say_lora_sync(cfg: TrainConfig) -> None:
+    """model.lora: once, what each weight sync sends (docs/lora.md)."""
+    if not cfg.model.lora.enabled or cfg.supervised:
+        return
+    if cfg.adapter_sync:
+        say(f"model.lora: each weight sync sends the rank-{cfg.model.lora.rank} adapter alone "
+            f"(the engines serve it as {sglang_api.ADAPTER_NAME!r} beside model.path)")
+    else:
+        say("model.lora: each weight sync sends merged weights (model.path + adapter), "
+            f"because {'; '.join(adapter_sync_blockers(cfg.model, cfg.rollout))}")
 
 
 def check_teacher(cfg: TrainConfig) -> None:

@@ -108,8 +108,15 @@ def _hf_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, seed
               "--batch-wait-ms", str(cfg.rollout.engine_batch_wait_ms),
               "--torch-threads", str(cfg.rollout.torch_threads),
               "--seed", str(seed), "--weight-version", "0", *_media_flags(cfg),
-              *(["--enable-return-routed-experts"] if returns_routing(cfg, model_path) else [])],
+              *(["--enable-return-routed-experts"] if returns_routing(cfg, model_path) else []),
+              *(sglang_api.LORA_FLAGS if serves_adapter(cfg, model_path) else ())],
     )
+
+
+def serves_adapter(cfg: TrainConfig, model_path: str) -> bool:
+    """Whether this engine serves model.lora's adapter (the policy's engines, when each sync
+    sends the adapter alone; a teacher or judge never)."""
+    return model_path == cfg.model.path and cfg.model.lora.enabled and cfg.adapter_sync
 
 
 def returns_routing(cfg: TrainConfig, model_path: str) -> bool:
@@ -181,7 +188,9 @@ def _sglang_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, 
             enable_memory_saver=r.release_memory_during_train,
             extra_args=r.engine_extra_args, deterministic=r.deterministic,
             routed_experts=returns_routing(cfg, model_path),
-            device="cpu" if cpu else "cuda"),
+            device="cpu" if cpu else "cuda",
+            lora=((cfg.model.lora.rank, list(cfg.model.lora.target_modules))
+                  if serves_adapter(cfg, model_path) else None)),
     )
 
 

@@ -86,8 +86,11 @@ def check_same_tokenizer(tokenizer, teacher_path: str, model_path: str) -> None:
 
 def make_engine(cfg: TrainConfig, url: str, routed_experts: bool) -> CoalescingEngine:
     """An engine to route to (tasks started together share one batched request)."""
+    # model.lora's adapter-only sync: the engines serve the policy as the adapter ADAPTER_NAME
+    lora_path = sglang_api.ADAPTER_NAME if cfg.adapter_sync else None
     return CoalescingEngine(AsyncEngineClient(url, cfg.rollout.generate_timeout_s,
-                                              routed_experts=routed_experts),
+                                              routed_experts=routed_experts,
+                                              lora_path=lora_path),
                             cfg.rollout.groups_per_request)
 
 

@@ -4,6 +4,7 @@
     backend.data_ranks                         # rows of the batch each global rank gets
     metrics = backend.train_step(blocks)       # one optimizer step on this rank's rows
     weights = list(backend.named_hf_weights()) # HF names, full tensors (collective: all ranks)
+    weights = backend.engine_weights()         # what a sync sends: those, or model.lora's adapter
     handle = backend.save(root, step, extra, ...)  /  extra = backend.load(path)
     backend.save_hf(out_dir)
     backend.eval_sums(block)                   # forward only: NLL sums (SFT validation)
@@ -43,15 +44,32 @@ class TorchBackend:
         # the loss's typed parameters, once per run (the config is validated and fixed)
         self.estimator_params = cfg.algo.estimator_params()
         raw = load_hf_model(cfg.model, device, trained=True)
+        self.lora = cfg.model.lora.enabled
+        if self.lora:  # adapters on the frozen model.path (trainer/lora.py)
+            from relax_slurm.trainer.lora import apply_lora, check_mergeable
+
+            if not cfg.adapter_sync:
+                check_mergeable(raw, cfg.model)
+            raw = apply_lora(raw, cfg.model)
+            trainable = sum(p.numel() for p in raw.parameters() if p.requires_grad)
+            log.info("model.lora: rank %d adapters on %s, %d trainable parameters of %d",
+                     cfg.model.lora.rank, cfg.model.lora.target_modules, trainable,
+                     sum(p.numel() for p in raw.parameters()))
         if cfg.trainer.freeze_modules:
             log.info("froze %d parameters under %s",
                      freeze_modules(raw, cfg.trainer.freeze_modules), cfg.trainer.freeze_modules)
         self.pad_id = pad_token_id(raw.config)
         self.model = wrap_parallel(raw, cfg.trainer, device)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.trainer)
-        # the KL loss's anchor: model.path as loaded, frozen (also on resume)
-        self.ref_model = (load_reference_model(cfg.model, device)
-                          if cfg.algo.uses_reference else None)
+        # the KL loss's anchor: model.path as loaded, frozen (also on resume); with model.lora
+        # the policy with its adapter off, which is model.path itself, without a second copy
+        self.ref_model = None
+        if cfg.algo.uses_reference and self.lora:
+            from relax_slurm.trainer.lora import AdapterDisabled
+
+            self.ref_model = AdapterDisabled(raw)
+        elif cfg.algo.uses_reference:
+            self.ref_model = load_reference_model(cfg.model, device)
         # algo=ppo: the value model, its own weights and optimizer (trainer/critic.py)
         self.critic = None
         if cfg.algo.uses_critic:
@@ -126,28 +144,44 @@ class TorchBackend:
 
         return full_named_weights(self.model, DTYPES[self.cfg.model.dtype])
 
+    def engine_weights(self):
+        """What a weight sync sends: the HF-named full tensors, or with model.lora and engines
+        that serve adapters (cfg.adapter_sync) the adapter alone (a weightsync Adapter)."""
+        if self.lora and self.cfg.adapter_sync:
+            from relax_slurm.trainer.lora import adapter_of
+            from relax_slurm.trainer.model import DTYPES, unwrap
+
+            return adapter_of(unwrap(self.model), DTYPES[self.cfg.model.dtype])
+        return list(self.named_hf_weights())
+
     def local_weights(self) -> Callable[[], list[tuple[str, Tensor]]] | None:
         """Rank 0's whole weights without a collective (DDP or one rank), for re-syncing a
         restarted engine between steps; None where gathering them needs every rank (FSDP2)."""
         if self.cfg.trainer.strategy == "ddp" or dist.get_world_size() == 1:
-            return lambda: list(self.named_hf_weights())
+            return self.engine_weights
         return None
 
     def save(self, root: Path, step: int, extra: dict[str, Any], *, keep_last: int,
              async_save: bool, hf_assets_src: str | None):
         from relax_slurm.checkpoint import save_checkpoint
 
+        if self.lora:  # the adapter's config and base beside the adapter's tensors
+            from relax_slurm.trainer.lora import CHECKPOINT_KEY, checkpoint_record
+            from relax_slurm.trainer.model import unwrap
+
+            extra = {**extra, CHECKPOINT_KEY: checkpoint_record(unwrap(self.model),
+                                                                self.cfg.model.path)}
         return save_checkpoint(root, step, self.model, self.optimizer, self.scheduler, extra,
                                keep_last=keep_last, async_save=async_save,
                                hf_assets_src=hf_assets_src, reference=self._moving_reference(),
-                               critic=self._critic_state())
+                               critic=self._critic_state(), trainable_only=self.lora)
 
     def load(self, path: Path) -> dict[str, Any]:
         from relax_slurm.checkpoint import load_checkpoint
 
         extra = load_checkpoint(path, self.model, self.optimizer, self.scheduler,
                                 reference=self._moving_reference(),
-                                critic=self._critic_state())
+                                critic=self._critic_state(), trainable_only=self.lora)
         self.steps_done = extra["step"]
         return extra
 
@@ -162,6 +196,17 @@ class TorchBackend:
     def save_hf(self, out_dir: Path) -> None:
         from relax_slurm.checkpoint import save_hf
 
+        if self.lora:  # the merged model (relax-convert --to peft gives the adapter alone)
+            from relax_slurm.checkpoint.hf_files import write_hf_dir
+            from relax_slurm.trainer.lora import merged_parameters
+            from relax_slurm.trainer.model import unwrap
+
+            if dist.get_rank() == 0:
+                peft_model = unwrap(self.model)
+                base = peft_model.get_base_model()
+                write_hf_dir(dict(merged_parameters(peft_model)), base.config, out_dir,
+                             self.cfg.model.path, None, base, overwrite=True)
+            return
         save_hf(self.model, self.cfg.model.path, out_dir)
 
     def close(self) -> None:

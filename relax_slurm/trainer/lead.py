@@ -332,7 +332,8 @@ class RankZero:
         evals = self.evaluator.after_step(done) if self.evaluator is not None else {}
         self.log_step(step, row | evals | {
             "perf/weight_sync_s": waited, "perf/weight_sync_push_s": self.pusher.took,
-            "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20}, groups)
+            "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20,
+            "weight_sync/bytes": sync.get("bytes", 0)}, groups)
 
     def log_step(self, step: int, row: dict, groups: list[Group]) -> None:
         self.metrics.log(step, row)
@@ -405,7 +406,9 @@ class RankZero:
         push_s = clock.synced - clock.trained
         self.log_step(step, row | evals | {
             "perf/weight_sync_s": push_s, "perf/weight_sync_push_s": push_s,
-            "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20}, self.groups)
+            "perf/weight_sync_mb": sync.get("bytes", 0) / 2**20,
+            # the bytes of tensors sent this step: model.lora's adapter alone, or every weight
+            "weight_sync/bytes": sync.get("bytes", 0)}, self.groups)
 
     def close(self) -> None:
         self.pusher.close()

@@ -80,7 +80,7 @@ def train_loop(cfg: TrainConfig, backend, lead: RankZero | Peer, saver: Checkpoi
     """The steps from `start_step` to trainer.total_steps, or to a control request (preempt,
     stop: runtime/control.py) after its final checkpoint; the exit code (PREEMPT_EXIT_CODE after
     a preemption, 0 at the end and after a stop)."""
-    lead.start(list(backend.named_hf_weights()), start_step)
+    lead.start(backend.engine_weights(), start_step)
     clock = StepClock()
     # rank 0 re-sends to a restarted engine on its own where it holds whole tensors
     local_weights = backend.local_weights()
@@ -96,8 +96,9 @@ def train_loop(cfg: TrainConfig, backend, lead: RankZero | Peer, saver: Checkpoi
         clock.mark("trained")
         lead.note_positions(positions)
         done = step + 1
-        # the export is a collective under FSDP2 and megatron (gathered over TP/PP)
-        sync = lead.push(list(backend.named_hf_weights()), done)
+        # the export is a collective under FSDP2 and megatron (gathered over TP/PP); with
+        # model.lora the adapter alone (trainer/lora.py)
+        sync = lead.push(backend.engine_weights(), done)
         clock.mark("synced")
         request = broadcast_request(lead.control_request())  # rank 0 reads it
         saver.maybe_save(done, final=request is not None or done == cfg.trainer.total_steps,

@@ -103,6 +103,8 @@ def freeze_modules(model: nn.Module, prefixes: list[str]) -> int:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The text decoder's layers (FSDP2 shards each): causal LMs and multimodal models."""
+    if hasattr(model, "get_base_model"):  # model.lora: PEFT's wrapper around the HF model
+        model = model.get_base_model()
     inner = model.model
     return inner.layers if hasattr(inner, "layers") else inner.language_model.layers
 
@@ -176,10 +178,15 @@ def full_named_weights(model: nn.Module, dtype: torch.dtype | None = None
     Under FSDP2 every rank must iterate (full_tensor() is a collective); only rank 0 sends.
     """
     inner = unwrap(model)
+    params = inner.named_parameters()
+    if hasattr(inner, "get_base_model"):  # model.lora, merged (trainer/lora.py)
+        from relax_slurm.trainer.lora import merged_parameters
+
+        inner, params = inner.get_base_model(), merged_parameters(inner)
     file_name: dict[str, str] = {}
     for file, name in checkpoint_names(inner).items():
         file_name.setdefault(name, file)
-    for name, p in inner.named_parameters():
+    for name, p in params:
         t = p.detach()
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from relax_slurm.errors import EngineError, EngineLost, EngineUnreachable, WeightSyncError
 from relax_slurm.engines.client import EngineClient
-from relax_slurm.engines.sglang_api import ServerProtocol
+from relax_slurm.engines.sglang_api import ADAPTER_NAME, ServerProtocol
+from relax_slurm.weightsync.adapter import Adapter, serialize_tensors
 from relax_slurm.weightsync.bucket import (FlatBuffer, bucket_named_tensors, dtype_name,
                                            flatten_bucket, tensor_nbytes)
 from relax_slurm.weightsync.group import (destroy_weight_update_group, init_weight_update_group,
@@ -196,14 +197,17 @@ class WeightSender:
             raise
         log.info("weight-sync group %r: rank 0 + %d engines", self.group_name, len(self.clients))
 
-    def send(self, named_tensors: Sequence[tuple[str, torch.Tensor]],
+    def send(self, named_tensors: Sequence[tuple[str, torch.Tensor]] | Adapter,
              version: Optional[str | int] = None, flush_cache: bool = True) -> dict[str, Any]:
         """Broadcast every tensor; engines load them and report `version` as weight_version.
+        An `Adapter` (model.lora) goes over HTTP instead: `send_adapter`.
 
         Returns stats: bytes, seconds, num_buckets, broadcasts. Raises WeightSyncError on any
         failure; the group is then unusable (close() this sender, connect a new one on a new
         port).
         """
+        if isinstance(named_tensors, Adapter):
+            return self.send_adapter(named_tensors, version)
         if self._pg is None:
             raise WeightSyncError("send() before connect(): form the group first")
         start = time.monotonic()
@@ -248,6 +252,42 @@ class WeightSender:
                  "broadcasts": broadcasts}
         log.info("sent %.1f MB in %d buckets (%d broadcasts) in %.2fs (version %s)",
                  total / 2**20, len(buckets), broadcasts, stats["seconds"], version)
+        return stats
+
+    def send_adapter(self, adapter: Adapter, version: Optional[str | int]) -> dict[str, Any]:
+        """The adapter alone, by SGLang's routes: every engine unloads ADAPTER_NAME (none held
+        after a restart: nothing to do), loads the new tensors under that name, and labels its
+        weights `version` (/update_weight_version: the adapter's own load does not). The base
+        weights never change, so the group is not used. On failure the engines stay paused,
+        as after a failed full sync, until the resend."""
+        start = time.monotonic()
+        payload = serialize_tensors(adapter.tensors)
+        version = None if version is None else str(version)
+        try:
+            if self.pause_for_sync:
+                self._join("/pause_generation", self._on_engines(
+                    lambda c, i: c.pause_generation(self.pause_mode)))
+            self._join("/unload_lora_adapter", self._on_engines(
+                lambda c, i: c.unload_lora_adapter(ADAPTER_NAME)))
+            self._join("/load_lora_adapter_from_tensors", self._on_engines(
+                lambda c, i: c.load_lora_adapter_from_tensors(ADAPTER_NAME, adapter.config,
+                                                              payload, self.ranks_per_engine)))
+            if version is not None:
+                self._join("/update_weight_version", self._on_engines(
+                    lambda c, i: c.update_weight_version(version)))
+        except WeightSyncError as e:
+            raise WeightSyncError(
+                f"adapter sync of version {version} to {len(self.clients)} engine(s) failed: "
+                f"{e}. The engines stay paused; the trainer re-forms the cohort once every "
+                "engine answers again, and resends") from e
+        if self.pause_for_sync:
+            self._join("/continue_generation", self._on_engines(
+                lambda c, i: c.continue_generation()))
+        stats = {"bytes": adapter.nbytes, "wire_bytes": len(payload),
+                 "seconds": time.monotonic() - start, "num_buckets": 1, "broadcasts": 0}
+        log.info("sent the adapter (%d tensors, %.3f MB; %.3f MB on the wire) in %.3fs "
+                 "(version %s)", len(adapter.tensors), adapter.nbytes / 2**20,
+                 len(payload) / 2**20, stats["seconds"], version)
         return stats
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: Optional[str],

@@ -69,6 +69,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="MoE models: answer return_routed_experts=true with "
                         "meta_info.routed_experts (SGLang's flag)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters loaded by /load_lora_adapter_from_tensors and "
+                        "named by /generate's lora_path (SGLang's flag)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     if args.max_batch_size < 1:
@@ -85,7 +88,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                       args.max_batch_size, args.batch_wait_ms, args.weight_version,
                       args.weight_sync_timeout_s,
                       MediaLimits.of(args),  # the flags carry data.*'s names
-                      return_routed_experts=args.enable_return_routed_experts)
+                      return_routed_experts=args.enable_return_routed_experts,
+                      enable_lora=args.enable_lora)
     freeze_heap()
     engine.start()
     log.info("serving %s on %s:%d (max batch %d, wait %.1f ms)", args.model_path, args.host,

@@ -71,6 +71,8 @@ class Row:
     routed_start: Optional[int] = None
     """>= 0: return the experts each token was routed to from this position on (MoE models,
     SGLang's return_routed_experts / routed_experts_start_len)."""
+    lora_path: Optional[str] = None
+    """The adapter this row runs with (SGLang's lora_path), None: the base weights."""
     routed: Optional[torch.Tensor] = None
     """[prompt + out_ids - 1, layers, K] int32, from the row's last batch (a continued row's
     prefill recomputes every earlier position on the weights then served, as SGLang's does)."""

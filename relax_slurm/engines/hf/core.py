@@ -53,6 +53,7 @@ from relax_slurm.data.processor import MediaLimits, MediaProcessor
 from relax_slurm.errors import WeightSyncError
 from relax_slurm.modeling import auto_model_class, is_multimodal, media_token_ids
 from relax_slurm.engines import sglang_api
+from relax_slurm.engines.hf.adapters import Adapters
 from relax_slurm.engines.hf.batch import BatchState, PendingRequest, Row, RowSampler, RowStopper
 from relax_slurm.engines.hf.forward import input_logprobs, mm_kwargs
 from relax_slurm.engines.hf.parsing import BadRequest, NotServing, SamplingSpec
@@ -77,7 +78,7 @@ class HFEngine:
     def __init__(self, model_path: str, tokenizer_path: Optional[str], dtype: str, device: str,
                  max_batch_size: int, batch_wait_ms: float, weight_version: str,
                  sync_timeout_s: float, media_limits: Optional[MediaLimits] = None,
-                 return_routed_experts: bool = False) -> None:
+                 return_routed_experts: bool = False, enable_lora: bool = False) -> None:
         self.model_path = model_path
         self.tokenizer_path = tokenizer_path or model_path
         self.device = torch.device(device)
@@ -93,6 +94,7 @@ class HFEngine:
         if return_routed_experts and self.routing is None:
             raise ValueError(f"--enable-return-routed-experts: {model_path} is not a "
                              "mixture-of-experts model (its config has no num_experts)")
+        self.adapters = Adapters(self.model, enable_lora)  # --enable-lora (adapters.py)
         self.eos_ids = self._eos_ids()
         self.pad_id = next(i for i in (self.tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
                            if i is not None)
@@ -142,15 +144,18 @@ class HFEngine:
     def submit(self, prompts: list[list[int]], specs: list[SamplingSpec],
                logprob_flags: list[bool], logprob_start_lens: Optional[list[int]] = None,
                mm: Optional[list[Optional[dict]]] = None,
-               routed_start: Optional[int] = None) -> Future:
+               routed_start: Optional[int] = None, lora_path: Optional[str] = None) -> Future:
         """Queue one request's sequences; the future resolves to their response items.
         `routed_start`: return routed experts from this position on (ignored, as by SGLang,
-        unless the engine was started with them enabled)."""
+        unless the engine was started with them enabled). `lora_path`: the adapter they run
+        with (adapters.py), None: the base weights."""
+        self.adapters.check_request(lora_path)
         req = PendingRequest(future=Future(), results=[None] * len(prompts), remaining=len(prompts))
         starts = logprob_start_lens or [-1] * len(prompts)
         mm = mm or [None] * len(prompts)
         routed_start = routed_start if self.routing is not None else None
-        rows = [Row(ids, spec, lp, req, i, start, m, routed_start=routed_start)
+        rows = [Row(ids, spec, lp, req, i, start, m, routed_start=routed_start,
+                    lora_path=lora_path)
                 for i, (ids, spec, lp, start, m)
                 in enumerate(zip(prompts, specs, logprob_flags, starts, mm))]
         queued = []
@@ -178,9 +183,14 @@ class HFEngine:
                 self._cond.wait(timeout=left)
             if self.state.paused:
                 return []
-            n = min(self.max_batch_size, len(self.state.pending))
+            # one adapter (or none) per batch: the rows at the head that share the first's
+            pending, rows = self.state.pending, []
+            lora_path = pending[0].lora_path
+            while pending and len(rows) < self.max_batch_size \
+                    and pending[0].lora_path == lora_path:
+                rows.append(pending.popleft())
             self.state.busy = True
-            return [self.state.pending.popleft() for _ in range(n)]
+            return rows
 
     def _loop(self) -> None:
         while not self._stop:
@@ -207,6 +217,7 @@ class HFEngine:
                     row.request.fail(NotServing(PARTIAL_WEIGHTS))
                 return
             try:
+                self.adapters.serve(rows[0].lora_path)
                 to_generate = [r for r in rows if r.spec.max_new_tokens > 0]
                 finishes = dict(zip(map(id, to_generate), self._generate(to_generate, version)
                                     if to_generate else []))
@@ -456,6 +467,32 @@ class HFEngine:
                  t_end - t0, t_lock - t0, t_received - t_lock, t_end - t_received)
         if flush_cache and self.held_in_place():
             raise BadRequest(sglang_api.FLUSH_REFUSED)
+
+    def load_adapter(self, name: str, config: dict, tensors: dict) -> None:
+        """/load_lora_adapter_from_tensors, between generation batches."""
+        with self._locked("loading an adapter"):
+            self.adapters.load(name, config, tensors)
+        log.info("loaded LoRA adapter %r (%d tensors)", name, len(tensors))
+
+    def unload_adapter(self, name: str) -> None:
+        """/unload_lora_adapter, once the batch in flight (which may use it) is done."""
+        with self._locked("unloading an adapter"):
+            self.adapters.unload(name)
+
+    def set_weight_version(self, version: str) -> None:
+        """/update_weight_version: what the weights served from now on are labelled."""
+        with self._locked("setting the weight version"):
+            self.weight_version = str(version)
+
+    @contextlib.contextmanager
+    def _locked(self, what: str):
+        if not self._model_lock.acquire(timeout=self.sync_timeout_s):
+            raise WeightSyncError(f"{what}: generation held the model for more than "
+                                  f"{self.sync_timeout_s}s")
+        try:
+            yield
+        finally:
+            self._model_lock.release()
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int,
                    world_size: int, group_name: str, backend: str) -> None:

@@ -113,8 +113,7 @@ def parse_generate_request(body: dict, tokenizer: Any, vocab_size: int
     is_batch); a start length of -1 (SGLang's default) returns no input log-probs."""
     if body.get("stream"):
         raise BadRequest("stream=true is not supported by the hf engine")
-    for key in ("top_logprobs_num", "token_ids_logprob", "return_hidden_states", "input_embeds",
-                "lora_path"):
+    for key in ("top_logprobs_num", "token_ids_logprob", "return_hidden_states", "input_embeds"):
         if body.get(key):
             raise BadRequest(f"{key} is not supported by the hf engine")
     text, ids = body.get("text"), body.get("input_ids")
@@ -149,6 +148,21 @@ def parse_generate_request(body: dict, tokenizer: Any, vocab_size: int
             raise BadRequest(f"logprob_start_len={start!r}: must be -1 (output log-probs only) "
                              f"or an index into the input (below its length {len(prompt)})")
     return prompts, specs, flags, starts, is_batch
+
+
+def parse_lora_path(body: dict) -> Optional[str]:
+    """SGLang's `lora_path`: the adapter a request runs with (one name, or one per input, here
+    all the same); None: the base weights."""
+    value = body.get("lora_path")
+    if isinstance(value, list):
+        names = set(value)
+        if len(names) > 1:
+            raise BadRequest(f"lora_path names {len(names)} adapters: the hf engine runs one "
+                             "adapter per request")
+        value = next(iter(names), None)
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(f"lora_path={value!r}: an adapter's name")
+    return value
 
 
 def parse_routing_request(body: dict, prompts: list[list[int]]) -> Optional[int]:

@@ -15,6 +15,9 @@ command line that serves them is __main__.py (`python -m relax_slurm.engines.hf`
   POST /pause_generation, /continue_generation   modes abort, retract, in_place (SGLang's)
   POST /flush_cache                   no prefix cache here: a no-op answering 200
   GET  /weights_checksum              hf extension: sha256 of every parameter's raw bytes
+  POST /load_lora_adapter_from_tensors, /unload_lora_adapter   LoRA adapters by name (started
+                                      with --enable-lora; /generate's lora_path names one)
+  POST /update_weight_version         label the weights served from now on
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from relax_slurm.errors import WeightSyncError
 from relax_slurm.engines import sglang_api
 from relax_slurm.engines.hf.core import HFEngine
 from relax_slurm.engines.hf.parsing import (BadRequest, NotServing, parse_generate_request,
-                                             parse_media, parse_routing_request, process_media)
+                                             parse_lora_path, parse_media, parse_routing_request,
+                                             process_media)
+from relax_slurm.weightsync.adapter import read_tensors
 
 log = logging.getLogger("relax_slurm.hf_engine")
 
@@ -105,6 +110,7 @@ def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = 
     _info_routes(app, engine)
     _weight_routes(app, engine)
     _memory_routes(app, engine)
+    _adapter_routes(app, engine)
     return app
 
 
@@ -120,9 +126,10 @@ def _generation_routes(app: FastAPI, engine: HFEngine, request_timeout_s: float)
             body, engine.tokenizer, engine.vocab_size)
         media = parse_media(body, len(prompts), is_batch)
         routed_start = parse_routing_request(body, prompts)
+        lora_path = parse_lora_path(body)
         prompts, mm = await asyncio.to_thread(process_media, engine.media, engine.model_path,
                                               prompts, media)
-        future = engine.submit(prompts, specs, flags, starts, mm, routed_start)
+        future = engine.submit(prompts, specs, flags, starts, mm, routed_start, lora_path)
         items = await asyncio.wait_for(asyncio.wrap_future(future), timeout=request_timeout_s)
         return JSONResponse(items if is_batch else items[0])
 
@@ -273,3 +280,48 @@ def _memory_routes(app: FastAPI, engine: HFEngine) -> None:
         tags = _memory_tags(await _body(request), "/resume_memory_occupation")
         engine.resume_memory(tags)
         return JSONResponse({"success": True, "message": f"resumed {sorted(tags)}"})
+
+
+def _adapter_routes(app: FastAPI, engine: HFEngine) -> None:
+    """LoRA adapters (adapters.py) and the served version's label, SGLang's answers."""
+
+    def loaded() -> dict:
+        return {name: name for name in sorted(engine.adapters.loaded)}
+
+    @app.post("/load_lora_adapter_from_tensors")
+    @_json_errors
+    async def load_lora_adapter_from_tensors(request: Request):
+        b = await _body(request)
+        sglang_api.check_body("/load_lora_adapter_from_tensors", b)
+        if b.get("load_format") is not None:
+            raise BadRequest(f"load_format={b['load_format']!r} is not supported by the hf "
+                             "engine's adapters: send null")
+        payloads = b["serialized_named_tensors"]
+        if not isinstance(payloads, list) or not payloads:
+            raise BadRequest("serialized_named_tensors: one payload per TP rank (the hf engine "
+                             "is one rank)")
+        tensors = await asyncio.to_thread(read_tensors, payloads[0])
+        await asyncio.to_thread(engine.load_adapter, str(b["lora_name"]),
+                                dict(b["config_dict"]), tensors)
+        return JSONResponse({"success": True, "error_message": None,
+                             "loaded_adapters": loaded()})
+
+    @app.post("/unload_lora_adapter")
+    @_json_errors
+    async def unload_lora_adapter(request: Request):
+        b = await _body(request)
+        sglang_api.check_body("/unload_lora_adapter", b)
+        await asyncio.to_thread(engine.unload_adapter, str(b["lora_name"]))
+        return JSONResponse({"success": True, "error_message": None,
+                             "loaded_adapters": loaded()})
+
+    @app.post("/update_weight_version")
+    @_json_errors
+    async def update_weight_version(request: Request):
+        b = await _body(request)
+        sglang_api.check_body("/update_weight_version", b)
+        if b.get("abort_all_requests", True):
+            engine.abort_all()
+        await asyncio.to_thread(engine.set_weight_version, str(b["new_version"]))
+        return JSONResponse({"success": True, "new_version": str(b["new_version"]),
+                             "message": f"Weight version updated to {b['new_version']}"})

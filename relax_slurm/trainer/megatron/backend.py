@@ -123,6 +123,10 @@ class MegatronBackend:
             pass
         return iter(())
 
+    def engine_weights(self) -> list[tuple[str, Tensor]]:
+        """What a weight sync sends: the HF-named full tensors (model.lora is torch-only)."""
+        return list(self.named_hf_weights())
+
     def local_weights(self) -> None:
         """Exporting HF weights gathers over TP/PP/EP (a collective): a restarted engine
         gets them with the next step's sync."""

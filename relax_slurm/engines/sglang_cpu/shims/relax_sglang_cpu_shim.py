@@ -34,3 +34,26 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
             _SGL_KERNEL.define(f"{_op}(Tensor[] args) -> ()")
     except Exception:  # a real CPU sgl-kernel defines them
         pass
+    # SGLang's LoRA layers and its torch_native LoRA backend pin host memory unconditionally
+    # (torch.tensor(..., pin_memory=True) in lora/layers.py, .pin_memory() per batch in
+    # lora/backend/torch_backend.py); a torch without an accelerator refuses, and a server
+    # started with --enable-lora dies at start. Without an accelerator pinning means nothing:
+    # the host tensor is returned as it is.
+    try:
+        import functools
+
+        import torch
+
+        if not torch.cuda.is_available():
+            torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+            def _unpinned(factory):
+                @functools.wraps(factory)
+                def make(*args, pin_memory=False, **kwargs):
+                    return factory(*args, **kwargs)
+                return make
+
+            for _name in ("tensor", "empty", "zeros", "ones", "full", "arange"):
+                setattr(torch, _name, _unpinned(getattr(torch, _name)))
+    except Exception:  # no torch yet
+        pass

@@ -1,0 +1,131 @@
+"""model.lora in the torch backend: PEFT's LoRA on the frozen model.path (docs/lora.md).
+
+- the policy is `peft.get_peft_model(model, LoraConfig(...))`: the base weights frozen, one
+  adapter ("default") trained;
+- the reference of the KL loss is the same model with its adapter disabled (`AdapterDisabled`):
+  model.path exactly, with no second copy of the weights;
+- a weight sync sends the adapter alone (`adapter_of`, PEFT's saved names and config: what
+  SGLang's /load_lora_adapter_from_tensors and PEFT's from_pretrained read), or, where the
+  engines cannot serve adapters, the merged weights (`merged_parameters`: W + scale * B @ A
+  under the base model's own names);
+- a checkpoint holds the adapter and its optimizer state only (the trainable parameters), and
+  meta.json the adapter config with model.path as its base (`checkpoint_record`).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Iterator
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model, get_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
+from torch import Tensor, nn
+
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.errors import ConfigError
+from relax_slurm.weightsync.adapter import Adapter
+
+ADAPTER = "default"
+"""PEFT's name of the one adapter trained."""
+CHECKPOINT_KEY = "lora"
+"""meta.json extra_state key: the adapter config and its base model (relax-convert reads it)."""
+
+
+def peft_config(cfg: ModelConfig) -> PeftLoraConfig:
+    lora = cfg.lora
+    return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+                          base_model_name_or_path=cfg.path)
+
+
+def apply_lora(model: nn.Module, cfg: ModelConfig) -> PeftModel:
+    """`model` with adapters on model.lora.target_modules; only they require gradients. PEFT
+    starts B at zero, so the first policy is model.path exactly."""
+    return get_peft_model(model, peft_config(cfg))
+
+
+def check_mergeable(model: nn.Module, cfg: ModelConfig) -> None:
+    """Merged weights (model.lora.sync=merged, or engines that cannot serve adapters) cannot
+    carry an adapter on an lm_head that model.path ties to embed_tokens: the engines would tie
+    the merged head back to the embeddings. An adapter-only sync serves it as it trains."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if tied and "lm_head" in cfg.lora.target_modules:
+        raise ConfigError(
+            f"model.lora.target_modules has lm_head, whose weight {cfg.path} ties to "
+            "embed_tokens, and this run syncs merged weights: the engines would tie the merged "
+            "head back to the embeddings. Fix: drop lm_head from model.lora.target_modules, or "
+            "let the engines serve the adapter (model.lora.sync=auto with rollout=hf or sglang)")
+
+
+def is_peft(model: nn.Module) -> bool:
+    return isinstance(model, PeftModel)
+
+
+def jsonable(value: Any) -> Any:
+    """PEFT's config as adapter_config.json holds it (sets as sorted lists, enums as values)."""
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+def adapter_config(model: PeftModel) -> dict[str, Any]:
+    return jsonable(model.peft_config[ADAPTER].to_dict())
+
+
+@torch.no_grad()
+def adapter_of(model: PeftModel, dtype: torch.dtype | None = None) -> Adapter:
+    """The trained adapter under PEFT's saved names, in the engines' dtype (model.dtype)."""
+    # save_embedding_layers: PEFT's "auto" would add the whole (frozen) embedding matrix when
+    # lm_head is a target, every sync; the engines hold it already
+    tensors = get_peft_model_state_dict(model, adapter_name=ADAPTER, save_embedding_layers=False)
+    cast = {n: (t.detach().to(dtype) if dtype is not None and t.is_floating_point()
+                else t.detach()) for n, t in tensors.items()}
+    return Adapter(adapter_config(model), cast)
+
+
+@torch.no_grad()
+def merged_parameters(model: PeftModel) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) of the base model's parameters as transformers names them, each adapted
+    weight merged (W + scale * B @ A, computed aside: the model's own weights stay as they
+    are, since merging in place and back would not give them back bit for bit)."""
+    base = model.get_base_model()
+    deltas: dict[str, Tensor] = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            deltas[f"{name}.base_layer.weight"] = module.get_delta_weight(ADAPTER)
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        t = p.detach()
+        if name in deltas:
+            t = t + deltas[name].to(t.dtype)
+        yield name.replace(".base_layer.", "."), t
+
+
+class AdapterDisabled:
+    """The reference policy: the policy's PEFT model with its adapter off, which is model.path
+    itself (forward only; the trainer calls it like a model)."""
+
+    def __init__(self, model: PeftModel) -> None:
+        self._model = model
+
+    @property
+    def config(self):
+        return self._model.config
+
+    def __call__(self, **kwargs: Any):
+        with self._model.disable_adapter():
+            return self._model(**kwargs)
+
+
+def checkpoint_record(model: PeftModel, base_path: str) -> dict[str, Any]:
+    """What meta.json records of the adapter: its PEFT config, and the base model it adapts."""
+    return {"base_model_path": base_path, "adapter_config": adapter_config(model)}
