@@ -17,10 +17,20 @@ from relax_slurm.trainer import collectives
 log = logging.getLogger("relax_slurm.trainer")
 
 
+def collective_timeout_s(cfg: TrainConfig) -> float:
+    """How long ranks 1.. may wait in a collective for rank 0. Rank 0's longest stretch away
+    from the group is a batch wait (trainer.get_batch_timeout_s) into which a re-sync of a
+    restarted engine may fall: waiting for it to come up (rollout.startup_timeout_s), then
+    forming the cohort and sending (weight_sync.timeout_s each); then a margin. The bound was
+    the batch wait + 300 s: with the 30B preset's 1200 s engine start-up the other ranks failed
+    first, with gloo's or NCCL's anonymous timeout, while rank 0 still waited for the engine
+    it would have named."""
+    return (cfg.trainer.get_batch_timeout_s + cfg.rollout.startup_timeout_s
+            + 2 * cfg.weight_sync.timeout_s + 300)
+
+
 def init_distributed(cfg: TrainConfig) -> torch.device:
-    # every collective waits at most this long: ranks 1.. wait in scatter while rank 0 waits
-    # for the broker, so the bound must cover a batch fetch
-    timeout = datetime.timedelta(seconds=cfg.trainer.get_batch_timeout_s + 300)
+    timeout = datetime.timedelta(seconds=collective_timeout_s(cfg))
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
