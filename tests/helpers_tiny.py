@@ -132,6 +132,20 @@ def stop_process(proc: Optional[subprocess.Popen], timeout_s: float = 10.0) -> N
         proc.wait(timeout=timeout_s)
 
 
+@contextlib.contextmanager
+def running_engine(model_dir: str | Path, log_dir: Path, extra_args: list[str] | None = None,
+                   timeout_s: float = 150) -> Iterator[str]:
+    """An hf engine process on a free port, healthy: its URL; stopped on exit."""
+    port, log = free_port(), log_dir / "engine.log"
+    proc = start_engine(model_dir, port, log, extra_args)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, timeout_s=timeout_s, log_path=log)
+        yield url
+    finally:
+        stop_process(proc)
+
+
 def run_logged(cmd: list[str], log: Path, timeout_s: float) -> int:
     """Run `cmd` in its own session with its output in `log`; its exit code. Whatever it
     left in that session (ranks, a forked checkpoint writer) is killed afterwards."""

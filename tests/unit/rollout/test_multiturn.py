@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from helpers_tiny import free_port, start_engine, stop_process, wait_healthy
+from helpers_tiny import running_engine
 from relax_slurm.data import load_tokenizer
 from relax_slurm.envs import BaseEnv, StepResult
 from relax_slurm.engines.client import AsyncEngineClient
@@ -34,14 +34,9 @@ class Hints(BaseEnv):
 
 @pytest.fixture(scope="module")
 def engine(tiny_assets, tmp_path_factory):
-    port, log = free_port(), tmp_path_factory.mktemp("mt") / "engine.log"
-    proc = start_engine(tiny_assets / "model", port, log)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, timeout_s=200, log_path=log)
+    with running_engine(tiny_assets / "model", tmp_path_factory.mktemp("mt"),
+                        timeout_s=200) as url:
         yield url
-    finally:
-        stop_process(proc)
 
 
 def episode(engine_url, tiny_assets, env, limits, prompt_ids=(3, 4, 5)):

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from helpers_tiny import free_port, start_engine, stop_process, wait_healthy
+from helpers_tiny import free_port, running_engine
 from relax_slurm.errors import EngineError
 from relax_slurm.engines import sglang_api
 from relax_slurm.engines.client import AsyncEngineClient, EngineClient
@@ -21,16 +21,9 @@ PROMPTS = [[4, 5, 13, 6, 14], [9, 10], [3, 3, 3, 3, 3, 3, 3]]
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("engine_log") / "engine.log"
-    proc = start_engine(tiny_model_dir, port, log,
-                        ["--max-batch-size", "64", "--batch-wait-ms", "50"])
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, timeout_s=150, log_path=log)
+    with running_engine(tiny_model_dir, tmp_path_factory.mktemp("engine_log"),
+                        ["--max-batch-size", "64", "--batch-wait-ms", "50"]) as url:
         yield url
-    finally:
-        stop_process(proc)
 
 
 def post(url, route, body, timeout=60):

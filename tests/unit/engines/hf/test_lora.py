@@ -6,7 +6,7 @@ import httpx
 import pytest
 import torch
 
-from helpers_tiny import free_port, start_engine, stop_process, wait_healthy
+from helpers_tiny import running_engine
 from relax_slurm.config.model import LoraConfig, ModelConfig
 from relax_slurm.engines import sglang_api
 from relax_slurm.engines.client import EngineClient
@@ -21,15 +21,9 @@ NAME = sglang_api.ADAPTER_NAME
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("engine_log") / "engine.log"
-    proc = start_engine(tiny_model_dir, port, log, ["--enable-lora"])
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, proc, timeout_s=150, log_path=log)
+    with running_engine(tiny_model_dir, tmp_path_factory.mktemp("engine_log"),
+                        ["--enable-lora"]) as url:
         yield url
-    finally:
-        stop_process(proc)
 
 
 def trained_policy(model_dir):
