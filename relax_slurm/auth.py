@@ -77,3 +77,15 @@ def bearer_matches(expected: str, header: str | None) -> bool:
     if not header or not header.startswith("Bearer "):
         return False
     return secret_matches(expected, header[len("Bearer "):].strip())
+
+
+def logs_dir(run_dir: str | Path) -> Path:
+    """RUN_DIR/logs, created or narrowed to its owner (0700). The roles' logs may hold the
+    run's secret: SGLang logs its whole server_args at start, `--api-key` included, and the
+    engines' key is the secret unless RELAX_ENGINE_API_KEY is set; with the user's umask
+    (0755 on most clusters) anyone who can read the run directory read it there."""
+    path = Path(run_dir) / "logs"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)  # an existing folder (a restart, an older run) keeps its mode otherwise
+    return path
+

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from relax_slurm.auth import logs_dir
 from relax_slurm.checkpoint import resume_for_attempt
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.errors import RoleFailed
@@ -63,7 +64,7 @@ def prepare_run_dir(cfg: TrainConfig, plan: RunPlan, attempt: int = 0) -> Path:
     clear_preempt(run_dir)  # a Ctrl-C that stopped the run before must not stop this one
     if attempt == 0:  # nor a `relax-ctl stop` that ended it; a global restart keeps one
         clear_stop(run_dir)  # asked for before its failure: the restarted attempt stops
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logs_dir(run_dir)
     save_config(cfg, run_dir / "config.yaml")
     save_plan(plan, run_dir)
     return run_dir

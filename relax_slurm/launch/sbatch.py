@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from relax_slurm.auth import logs_dir
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.config.cluster import SlurmClusterConfig, slurm_cluster
 from relax_slurm.errors import ConfigError, RelaxError
@@ -248,7 +249,7 @@ def submit_run(cfg: TrainConfig) -> str | None:
     if rerun.complete:
         return None
     try:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        logs_dir(run_dir)
         save_config(cfg, run_dir / "config.yaml")
         script = run_dir / SCRIPT_NAME
         script.write_text(render_script(cfg, run_dir, workdir))

@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from relax_slurm.auth import logs_dir
 from relax_slurm.checkpoint import find_latest, resume_for_attempt
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.config.cluster import slurm_cluster
@@ -287,7 +288,7 @@ def compose_run_dir(overrides: list[str], alloc: SlurmAllocation) -> Path | None
         log.info("%s", message)
     if rerun.complete:
         return None
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logs_dir(run_dir)
     save_config(cfg, run_dir / "config.yaml")
     return run_dir
 

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from relax_slurm.auth import logs_dir
 from relax_slurm.config import TrainConfig, save_config
 from relax_slurm.config.cluster import slurm_cluster
 from relax_slurm.errors import ConfigError, Preempted
@@ -98,7 +99,7 @@ def submit(cfg: TrainConfig | Sequence[str]) -> Any:
     say(rerun.message(cfg, run_dir))
     if rerun.complete:
         return None
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logs_dir(run_dir)
     save_config(cfg, run_dir / "config.yaml")
     python = slurm_cluster(cfg.cluster).python or sys.executable
     try:

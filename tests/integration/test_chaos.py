@@ -127,6 +127,8 @@ def guarded_broker(run_dir: Path) -> int:
     """The broker's pid, once the run's secret is seen guarding its admin HTTP and the engine."""
     secret = (run_dir / "secret").read_text().strip()
     assert stat.S_IMODE((run_dir / "secret").stat().st_mode) == 0o600
+    # the roles' logs may hold it (SGLang logs its --api-key): their folder is the owner's only
+    assert stat.S_IMODE((run_dir / "logs").stat().st_mode) == 0o700
     assert secret not in (run_dir / "config.yaml").read_text()
     plan = json.loads((run_dir / "plan.json").read_text())
     assert httpx.post(plan["engine_urls"][0] + "/generate",

@@ -40,3 +40,16 @@ def test_matching(monkeypatch: pytest.MonkeyPatch) -> None:
     assert run_secret() is None
     monkeypatch.setenv(SECRET_ENV, "s")
     assert run_secret() == "s"
+
+
+def test_the_logs_folder_is_its_owners_only_even_when_it_existed(tmp_path):
+    """SGLang logs its --api-key (the run's secret by default) in RUN_DIR/logs/engine*.log."""
+    import stat
+
+    from relax_slurm.auth import logs_dir
+
+    (tmp_path / "logs").mkdir(mode=0o755)
+    (tmp_path / "logs").chmod(0o755)
+    assert stat.S_IMODE(logs_dir(tmp_path).stat().st_mode) == 0o700
+    fresh = tmp_path / "new_run"
+    assert stat.S_IMODE(logs_dir(fresh).stat().st_mode) == 0o700
