@@ -36,6 +36,25 @@ def sampling_params(cfg: TrainConfig) -> dict:
     }
 
 
+MEDIA_PAD_BIAS = -1e30
+"""Added to a media pad's logit: its probability is 0 in float32, as the trainer's lowest logit
+makes it (a finite number: JSON has no -inf)."""
+
+
+def media_pad_ban(pad_ids: Iterable[int]) -> dict:
+    """Sampling parameters that keep an SGLang engine from sampling media pad tokens, as the hf
+    engine never does and as the trainer's softmax excludes them (trainer/step.py). SGLang adds
+    `logit_bias` before its softmax, so its log-probs are then normalised over the same tokens
+    as the trainer's: without it they were lower by the pads' share of the probability (0.1 for
+    the tiny VL model's 2 pads of 22 tokens at step 0, issue #33), and a pad sampled by a
+    barely trained model cut the response.
+
+    >>> media_pad_ban([21, 20])
+    {'logit_bias': {'20': -1e+30, '21': -1e+30}}
+    """
+    return {"logit_bias": {str(t): MEDIA_PAD_BIAS for t in sorted(set(pad_ids))}}
+
+
 def seeded_params(params: dict, run_seed: int, group_id: int, n: int) -> list[dict]:
     """The group's n per-sample parameters: `params` with each sample's own seed."""
     return [{**params, "sampling_seed": sample_seed(run_seed, group_id, i, n)} for i in range(n)]
@@ -51,8 +70,8 @@ def shaped_rewards(cfg: TrainConfig, rewards: list[float], lengths: list[int]) -
 
 def cut_at_media_pads(res: GenerateResult, pad_ids: Iterable[int]) -> GenerateResult:
     """A response cut before its first media pad token, finish reason "length" (the trainer's
-    forward would read a pad as a media slot). The hf engine never samples them; an SGLang
-    engine serving a barely trained model may.
+    forward would read a pad as a media slot). No engine samples them (the hf engine bans them,
+    SGLang gets `media_pad_ban`); kept for an engine that ignores its logit_bias.
 
     >>> r = cut_at_media_pads(GenerateResult([5, 9, 6], [-1.0, -2.0, -3.0], "stop", "0"), [9])
     >>> r.output_ids, r.logprobs, r.finish_reason
