@@ -55,6 +55,33 @@ def media_pad_ban(pad_ids: Iterable[int]) -> dict:
     return {"logit_bias": {str(t): MEDIA_PAD_BIAS for t in sorted(set(pad_ids))}}
 
 
+def check_media_tokens(results: list[GenerateResult], expanded_len: int, where: str) -> None:
+    """ConfigError unless the engine expanded the prompt's media to as many tokens as the worker
+    did (`meta_info.prompt_tokens`; results resumed across a sync are skipped: their count is
+    the worker's own). The samples carry the worker's ids and tensors: the trainer would score
+    other tokens than the engine sampled from. SGLang runs its own image processor, configured
+    by the model directory and --mm-process-config, not by data.image_*_pixels.
+
+    >>> r = GenerateResult([5], [-1.0], "stop", "0", meta_info={"prompt_tokens": 9})
+    >>> check_media_tokens([r], 7, "prompt 3")
+    Traceback (most recent call last):
+    ...
+    relax_slurm.errors.ConfigError: prompt 3: the engine expanded the prompt's media to 9 tokens, the rollout worker to 7 ...
+    """
+    for r in results:
+        got = r.meta_info.get("prompt_tokens")
+        if got is None or r.meta_info.get("num_resumes") or got == expanded_len:
+            continue
+        raise ConfigError(
+            f"{where}: the engine expanded the prompt's media to {got} tokens, the rollout "
+            f"worker to {expanded_len} (with the same ids and media): their processors resize "
+            "images or sample video frames differently, and the trainer would score other "
+            "tokens than the engine sampled. Fix: give the engine the worker's limits (SGLang: "
+            "rollout.engine_extra_args=['--mm-process-config', JSON], see docs/engines.md, "
+            "vision-language on SGLang), or set data.image_*_pixels / data.video_* to the "
+            "engine's")
+
+
 def seeded_params(params: dict, run_seed: int, group_id: int, n: int) -> list[dict]:
     """The group's n per-sample parameters: `params` with each sample's own seed."""
     return [{**params, "sampling_seed": sample_seed(run_seed, group_id, i, n)} for i in range(n)]

@@ -18,7 +18,8 @@ from relax_slurm.data.processor import MediaLimits, MediaProcessor, Processed
 from relax_slurm.rewards import RewardInput
 from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.partial import generate_resuming, version_record
-from relax_slurm.rollout.sampling import cut_at_media_pads, media_pad_ban, shaped_rewards
+from relax_slurm.rollout.sampling import (check_media_tokens, cut_at_media_pads, media_pad_ban,
+                                         shaped_rewards)
 from relax_slurm.rollout.services import RolloutServices
 from relax_slurm.sample_meta import SampleMeta
 from relax_slurm.samples import Group, Sample
@@ -74,6 +75,7 @@ class SingleTurn:
                                               url=engine.url,
                                               resume=self.svc.cfg.rollout.partial_rollout)
         if processed.tensors:
+            check_media_tokens(results, len(processed.input_ids), f"prompt {prompt.prompt_id}")
             results = [cut_at_media_pads(r, self.media.pad_ids.values()) for r in results]
         return results
 
