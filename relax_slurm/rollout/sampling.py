@@ -63,7 +63,7 @@ def check_media_tokens(results: list[GenerateResult], expanded_len: int, where: 
     by the model directory and --mm-process-config, not by data.image_*_pixels.
 
     >>> r = GenerateResult([5], [-1.0], "stop", "0", meta_info={"prompt_tokens": 9})
-    >>> check_media_tokens([r], 7, "prompt 3")
+    >>> check_media_tokens([r], 7, "prompt 3")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     relax_slurm.errors.ConfigError: prompt 3: the engine expanded the prompt's media to 9 tokens, the rollout worker to 7 ...
