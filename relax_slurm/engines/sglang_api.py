@@ -258,6 +258,17 @@ def check_body(route: str, body: dict[str, Any]) -> None:
                          f"{sorted(missing)})")
 
 
+RL_ENV = {"SGLANG_VLM_CACHE_SIZE_MB": "0"}
+"""Environment of every SGLang engine a run starts. SGLang keeps the vision / audio tower's
+output per image (video, audio) in a cache keyed by the item's content (100 MB by default) and
+no weight update or /flush_cache clears it (0.5.23: `mm_schedule.embedding_cache`): after a
+sync, an image seen before is served with the features of the weights it was first seen under,
+so the tower's training never reaches the rollouts and their log-probs drift from the
+trainer's (issue #33: the tiny VL task's 20 images, all seen at step 0). Size 0 caches nothing
+across batches: each prefill batch encodes its distinct items once (a group's n samples,
+batched together, share one encoding)."""
+
+
 def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_id: int,
                 tp_size: int,
                 ep_size: int, mem_fraction_static: float, dtype: str, seed: int,
@@ -275,9 +286,11 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
     --enable-return-routed-experts (MoE models, rollout.return_routed_experts): without it a
     request's return_routed_experts is silently ignored (no meta_info.routed_experts).
     device="cpu": SGLang's CPU engine (sglang_cpu.SERVER_ENV, set with `env`, and CPU_FLAGS
-    instead of --base-gpu-id; docs/engines.md#sglang-on-cpu). `lora`: (rank, target modules)
-    of the adapter each sync loads (`lora_flags`, docs/lora.md)."""
-    prefix = ["env", *(f"{k}={v}" for k, v in SERVER_ENV.items())] if device == "cpu" else []
+    instead of --base-gpu-id; docs/engines.md#sglang-on-cpu). Every engine gets RL_ENV.
+    `lora`: (rank, target modules) of the adapter each sync loads (`lora_flags`,
+    docs/lora.md)."""
+    env = RL_ENV | (SERVER_ENV if device == "cpu" else {})
+    prefix = ["env", *(f"{k}={v}" for k, v in env.items())]
     placement = list(CPU_FLAGS) if device == "cpu" else ["--base-gpu-id", str(base_gpu_id)]
     argv = [*prefix, python, "-m", "sglang.launch_server", "--model-path", model_path,
             "--host", host, "--port", str(port), *placement,

@@ -71,10 +71,10 @@ def in_container(c: SlurmClusterConfig, command: list[str]) -> list[str]:
         return list(command)
     # this interpreter's path means nothing inside the image: it is swapped wherever the role
     # names it, not only as the first word (`env K=V python ...`, and the SGLang engine's
-    # `bash -c 'exec python ... --api-key "$KEY"'`, which keeps the key off the command line)
+    # `bash -c 'exec env K=V python ... --api-key "$KEY"'`, which keeps the key off the
+    # command line): there its first word of its own
     host, inside = sys.executable, c.container.python
     command = [inside if arg == host else arg for arg in command]
     if command[:2] == ["bash", "-c"] and len(command) > 2:
-        command[2] = command[2].replace(f"exec {shlex.quote(host)} ",
-                                        f"exec {shlex.quote(inside)} ", 1)
+        command[2] = command[2].replace(f" {shlex.quote(host)} ", f" {shlex.quote(inside)} ", 1)
     return [*c.container.prefix, *command]

@@ -36,6 +36,52 @@ def sampling_params(cfg: TrainConfig) -> dict:
     }
 
 
+MEDIA_PAD_BIAS = -1e30
+"""Added to a media pad's logit: its probability is 0 in float32, as the trainer's lowest logit
+makes it (a finite number: JSON has no -inf)."""
+
+
+def media_pad_ban(pad_ids: Iterable[int]) -> dict:
+    """Sampling parameters that keep an SGLang engine from sampling media pad tokens, as the hf
+    engine never does and as the trainer's softmax excludes them (trainer/step.py). SGLang adds
+    `logit_bias` before its softmax, so its log-probs are then normalised over the same tokens
+    as the trainer's: without it they were lower by the pads' share of the probability (0.1 for
+    the tiny VL model's 2 pads of 22 tokens at step 0, issue #33), and a pad sampled by a
+    barely trained model cut the response.
+
+    >>> media_pad_ban([21, 20])
+    {'logit_bias': {'20': -1e+30, '21': -1e+30}}
+    """
+    return {"logit_bias": {str(t): MEDIA_PAD_BIAS for t in sorted(set(pad_ids))}}
+
+
+def check_media_tokens(results: list[GenerateResult], expanded_len: int, where: str) -> None:
+    """ConfigError unless the engine expanded the prompt's media to as many tokens as the worker
+    did (`meta_info.prompt_tokens`; results resumed across a sync are skipped: their count is
+    the worker's own). The samples carry the worker's ids and tensors: the trainer would score
+    other tokens than the engine sampled from. SGLang runs its own image processor, configured
+    by the model directory and --mm-process-config, not by data.image_*_pixels.
+
+    >>> r = GenerateResult([5], [-1.0], "stop", "0", meta_info={"prompt_tokens": 9})
+    >>> check_media_tokens([r], 7, "prompt 3")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    relax_slurm.errors.ConfigError: prompt 3: the engine expanded the prompt's media to 9 tokens, the rollout worker to 7 ...
+    """
+    for r in results:
+        got = r.meta_info.get("prompt_tokens")
+        if got is None or r.meta_info.get("num_resumes") or got == expanded_len:
+            continue
+        raise ConfigError(
+            f"{where}: the engine expanded the prompt's media to {got} tokens, the rollout "
+            f"worker to {expanded_len} (with the same ids and media): their processors resize "
+            "images or sample video frames differently, and the trainer would score other "
+            "tokens than the engine sampled. Fix: give the engine the worker's limits (SGLang: "
+            "rollout.engine_extra_args=['--mm-process-config', JSON], see docs/engines.md, "
+            "vision-language on SGLang), or set data.image_*_pixels / data.video_* to the "
+            "engine's")
+
+
 def seeded_params(params: dict, run_seed: int, group_id: int, n: int) -> list[dict]:
     """The group's n per-sample parameters: `params` with each sample's own seed."""
     return [{**params, "sampling_seed": sample_seed(run_seed, group_id, i, n)} for i in range(n)]
@@ -51,8 +97,8 @@ def shaped_rewards(cfg: TrainConfig, rewards: list[float], lengths: list[int]) -
 
 def cut_at_media_pads(res: GenerateResult, pad_ids: Iterable[int]) -> GenerateResult:
     """A response cut before its first media pad token, finish reason "length" (the trainer's
-    forward would read a pad as a media slot). The hf engine never samples them; an SGLang
-    engine serving a barely trained model may.
+    forward would read a pad as a media slot). No engine samples them (the hf engine bans them,
+    SGLang gets `media_pad_ban`); kept for an engine that ignores its logit_bias.
 
     >>> r = cut_at_media_pads(GenerateResult([5, 9, 6], [-1.0, -2.0, -3.0], "stop", "0"), [9])
     >>> r.output_ids, r.logprobs, r.finish_reason

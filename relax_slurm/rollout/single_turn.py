@@ -18,7 +18,8 @@ from relax_slurm.data.processor import MediaLimits, MediaProcessor, Processed
 from relax_slurm.rewards import RewardInput
 from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.partial import generate_resuming, version_record
-from relax_slurm.rollout.sampling import cut_at_media_pads, shaped_rewards
+from relax_slurm.rollout.sampling import (check_media_tokens, cut_at_media_pads, media_pad_ban,
+                                         shaped_rewards)
 from relax_slurm.rollout.services import RolloutServices
 from relax_slurm.sample_meta import SampleMeta
 from relax_slurm.samples import Group, Sample
@@ -37,6 +38,9 @@ class SingleTurn:
                                         MediaLimits.of(d))
             self.media_pool = concurrent.futures.ThreadPoolExecutor(
                 d.media_num_workers, thread_name_prefix="media")
+        # SGLang samples media pads unless told not to (the hf engine never does)
+        self.pad_ban = (media_pad_ban(self.media.pad_ids.values())
+                        if self.media is not None and svc.cfg.rollout.engine == "sglang" else {})
 
     async def processed(self, prompt: Prompt) -> Processed:
         """The prompt's ids with media pads expanded and its media tensors (text: as is)."""
@@ -64,12 +68,14 @@ class SingleTurn:
         back, on the real server); the hf engine expands the same way."""
         n = self.svc.cfg.rollout.n_samples_per_prompt
         ids = list(prompt.input_ids) if media else processed.input_ids
+        params = [p | self.pad_ban for p in self.svc.group_params(gid)]
         async with self.svc.router.pick() as engine:
             # a sequence a weight sync aborts continues from its prefix (rollout.partial_rollout)
-            results = await generate_resuming(engine.generate, [ids] * n,
-                                              self.svc.group_params(gid), media, url=engine.url,
+            results = await generate_resuming(engine.generate, [ids] * n, params, media,
+                                              url=engine.url,
                                               resume=self.svc.cfg.rollout.partial_rollout)
         if processed.tensors:
+            check_media_tokens(results, len(processed.input_ids), f"prompt {prompt.prompt_id}")
             results = [cut_at_media_pads(r, self.media.pad_ids.values()) for r in results]
         return results
 

@@ -110,8 +110,9 @@ def test_server_argv_has_sglang_flags():
                            tp_size=2, ep_size=2, mem_fraction_static=0.7, dtype="bfloat16",
                            seed=3, trust_remote_code=True, api_key=False, enable_memory_saver=True,
                            extra_args=["--context-length", "8192"])
-    assert argv[:3] == ["/py", "-m", "sglang.launch_server"]
-    flags = dict(zip(argv[3::2], argv[4::2]))
+    # no image features cached across weight syncs (api.RL_ENV)
+    assert argv[:5] == ["env", "SGLANG_VLM_CACHE_SIZE_MB=0", "/py", "-m", "sglang.launch_server"]
+    flags = dict(zip(argv[5::2], argv[6::2]))
     for flag, value in {"--model-path": "/m", "--port": "30000", "--base-gpu-id": "4",
                         "--tp-size": "2", "--mem-fraction-static": "0.7"}.items():
         assert flag in argv and argv[argv.index(flag) + 1] == value, (flag, flags)
@@ -121,7 +122,8 @@ def test_server_argv_has_sglang_flags():
     keyed = api.server_argv("/py", model_path="/m", host="h", port=1, base_gpu_id=0, tp_size=1,
                             ep_size=1, mem_fraction_static=0.8, dtype="float16", seed=0,
                             trust_remote_code=False, api_key=True, enable_memory_saver=False, extra_args=[])
-    assert keyed[:2] == ["bash", "-c"] and keyed[2].startswith("exec /py -m sglang.launch_server")
+    assert keyed[:2] == ["bash", "-c"] and keyed[2].startswith(
+        "exec env SGLANG_VLM_CACHE_SIZE_MB=0 /py -m sglang.launch_server")
     assert keyed[2].endswith(f'--api-key "${api.API_KEY_ENV}"') and "--ep-size" not in keyed[2]
 
 

@@ -188,10 +188,10 @@ def launch_lines() -> list[list[str]]:
         if argv[:2] == ["bash", "-c"]:  # the key comes from the environment at start
             argv = shlex.split(argv[2].removeprefix("exec ").replace(
                 f'"${api.API_KEY_ENV}"', "s3cret"))
-        if argv[0] == "env":  # device=cpu: SGLang's CPU engine is chosen by the environment
-            assert argv[1:1 + len(api.SERVER_ENV)] == [f"{k}={v}" for k, v in
-                                                        api.SERVER_ENV.items()]
-            argv = argv[1 + len(api.SERVER_ENV):]
+        # every engine's environment, and for device=cpu SGLang's CPU engine
+        env = api.RL_ENV | (api.SERVER_ENV if v.get("device") == "cpu" else {})
+        assert argv[:1 + len(env)] == ["env", *(f"{k}={x}" for k, x in env.items())]
+        argv = argv[1 + len(env):]
         assert argv[:3] == ["/py", "-m", "sglang.launch_server"]
         lines.append(argv[3:])
     return lines

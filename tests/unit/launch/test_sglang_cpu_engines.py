@@ -36,7 +36,8 @@ def test_cpu_engines_run_sglang_from_their_python_with_the_cpu_engine_and_flags(
             "cluster.rollout_cpus=[1]")
     [spec] = engine_specs(c, local_plan(c))
     argv = server_argv(spec)
-    assert argv[:5] == ["env", "SGLANG_USE_CPU_ENGINE=1", VENV_PY, "-m", "sglang.launch_server"]
+    assert argv[:6] == ["env", "SGLANG_VLM_CACHE_SIZE_MB=0", "SGLANG_USE_CPU_ENGINE=1", VENV_PY,
+                        "-m", "sglang.launch_server"]
     flags = " ".join(argv)
     assert " ".join(sglang_cpu.CPU_FLAGS) in flags
     assert "--base-gpu-id" not in argv and argv[argv.index("--tp-size") + 1] == "1"
@@ -48,7 +49,8 @@ def test_gpu_engines_keep_the_launchers_python_and_their_gpu():
     c = cfg("rollout.engine_device=cuda")
     [spec] = engine_specs(c, local_plan(c))
     argv = server_argv(spec)
-    assert argv[1:3] == ["-m", "sglang.launch_server"] and "--device" not in argv
+    assert argv[:2] == ["env", "SGLANG_VLM_CACHE_SIZE_MB=0"]  # sglang_api.RL_ENV
+    assert argv[3:5] == ["-m", "sglang.launch_server"] and "--device" not in argv
     assert "--base-gpu-id" in argv and spec.cpus is None
 
 

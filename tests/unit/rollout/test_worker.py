@@ -51,10 +51,12 @@ class FakeEngine:
     def __init__(self, tokenizer, answers: dict[str, list[str]]) -> None:
         self.tokenizer, self.answers = tokenizer, answers
         self.media: list = []
+        self.params: list = []
 
     async def generate(self, input_ids, params, return_logprob=True, media=None,
                        routed_start=0):
         self.media.append(media)
+        self.params.append(params)
         text = self.tokenizer.decode(input_ids[0])
         out = []
         for answer in self.answers[text][:len(input_ids)]:
@@ -255,10 +257,13 @@ def test_sampling_doctests():
     assert doctest.testmod(sampling).failed == 0
 
 
-def test_multimodal_prompts_carry_processed_media(tmp_path, tiny_mm_assets):
+@pytest.mark.parametrize("kind", ["hf", "sglang"])
+def test_multimodal_prompts_carry_processed_media(tmp_path, tiny_mm_assets, kind):
     """Image rows: the engine gets the prompt's own ids (one pad per image: it expands them,
     as SGLang's Qwen-VL processors require) and the image file; every sample of the group
-    carries the same processed tensors (one set of arrays) and the expanded prompt."""
+    carries the same processed tensors (one set of arrays) and the expanded prompt. An SGLang
+    engine is told never to sample the media pads (logit_bias), which the hf engine never does
+    anyway: its log-probs are then over the trainer's tokens (#33)."""
     data = tmp_path / "mm.jsonl"
     data.write_text("".join(json.dumps({"prompt": "<image>=", "label": str(i),
                                         "images": [str(tiny_mm_assets / "colors" / f)],
@@ -267,7 +272,8 @@ def test_multimodal_prompts_carry_processed_media(tmp_path, tiny_mm_assets):
     model = tiny_mm_assets / "vl_model"
     cfg = TrainConfig(
         run_dir=str(tmp_path), model=ModelConfig(path=str(model)),
-        rollout=RolloutConfig(batch_size=2, n_samples_per_prompt=2, max_new_tokens=2),
+        rollout=RolloutConfig(engine=kind, batch_size=2, n_samples_per_prompt=2,
+                              max_new_tokens=2),
         data=DataConfig(train_files=[str(data)], shuffle=False,
                         multimodal_keys={"image": "images"}),
         reward=RewardConfig(name="exact_match", num_workers=1, timeout_s=30.0))
@@ -286,11 +292,17 @@ def test_multimodal_prompts_carry_processed_media(tmp_path, tiny_mm_assets):
             worker.services.broker.close()
             worker.services.broker = FakeBroker(worker, stop_after=2)
             await worker.run()
-            return worker.services.broker.groups, engine.media, pad
+            return worker.services.broker.groups, engine.media, pad, engine.params
         finally:
             await worker.aclose()
 
-    groups, media, pad = asyncio.run(main())
+    groups, media, pad, params = asyncio.run(main())
+    biases = [p.get("logit_bias") for call in params for p in call]
+    assert len(biases) == 4
+    if kind == "sglang":  # the image and video pads of the tiny Qwen2.5-VL, probability 0
+        assert all(b is not None and len(b) == 2 and b[str(pad)] <= -1e30 for b in biases), biases
+    else:
+        assert biases == [None] * 4
     files = [str((tiny_mm_assets / "colors" / f).resolve()) for f in ("blue_1.png", "red_0.png")]
     assert sorted(m[0]["image"][0] for m in media) == files and all(len(m) == 2 for m in media)
     for g in groups:
