@@ -92,10 +92,27 @@ _sglang_build: subprocess.Popen | None = None
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_work_unit(item)))
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0":
+        _start_sglang_build(items)
+
+
+def _work_unit(item) -> str:
+    """What one pytest-xdist worker runs as a whole (setup.cfg: -n 2 --dist loadgroup): a test
+    file, so that its module fixtures (an undisturbed reference run, a set of torchrun
+    layouts) are made once; every tests/slurm test together, since they share one single-node
+    cluster whose CPUs two jobs at once would have to queue for."""
+    path = Path(str(item.path)).resolve().relative_to(REPO)
+    return "slurm" if path.parts[:2] == ("tests", "slurm") else str(path)
+
+
+def _start_sglang_build(items) -> None:
     """Start building the CPU SGLang venv in the background as soon as the tests that need it
     are collected, when it is missing (a fresh machine, CI's empty HOME): the build is mostly
     pip waiting on downloads and disk, and it overlaps the tests that run before the first
-    SGLang one instead of adding its ~1.5 min to the suite."""
+    SGLang one instead of adding its ~1.5 min to the suite. Under xdist the first worker
+    starts it; any other that needs it waits on the build's file lock."""
     global _sglang_build
     if not any("sglang_cpu_python" in getattr(item, "fixturenames", ())
                or item.get_closest_marker("sglang_cpu") for item in items):
