@@ -91,6 +91,8 @@ def sglang_cpu_python() -> Path:
 _sglang_build: subprocess.Popen | None = None
 
 
+# first: pytest-xdist's own hook reads the xdist_group marks to make the units of work
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items) -> None:
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_work_unit(item)))
