@@ -32,6 +32,10 @@ class LoraConfig:
     engines' exactly)."""
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
     """Names of the linear modules that get an adapter (PEFT's target_modules)."""
+    lr: float | None = None
+    """The policy's learning rate while LoRA is on; null: trainer.lr. Adapters start at zero and
+    are a few percent of the weights, so they usually want a larger lr than full fine-tuning;
+    a preset can set both and serve either (tiny_cpu: 2e-3 full, 1e-2 LoRA)."""
     sync: str = "auto"
     """What each weight sync sends: auto (the adapter alone where the engines serve adapters,
     else the merged weights, said once at start), adapter (refused where they cannot), or
@@ -41,10 +45,16 @@ class LoraConfig:
     def enabled(self) -> bool:
         return self.rank > 0
 
+    def policy_lr(self, trainer_lr: float) -> float:
+        """The policy optimizer's base lr: this lr while LoRA is on and it is set."""
+        return self.lr if self.enabled and self.lr is not None else trainer_lr
+
     def __post_init__(self) -> None:
         check(self.rank >= 0, f"model.lora.rank={self.rank}: >= 0 (0 turns LoRA off)")
         check(self.alpha > 0, f"model.lora.alpha={self.alpha}: must be > 0 (the update is "
               "scaled by alpha / rank; 2 x rank is usual)")
+        check(self.lr is None or self.lr > 0,
+              f"model.lora.lr={self.lr}: must be > 0, or null (trainer.lr)")
         check(0.0 <= self.dropout < 1.0, f"model.lora.dropout={self.dropout}: in [0, 1)")
         check(not self.enabled or bool(self.target_modules),
               "model.lora.target_modules is empty: name the linear modules to adapt, e.g. "

@@ -60,7 +60,8 @@ class TorchBackend:
                      freeze_modules(raw, cfg.trainer.freeze_modules), cfg.trainer.freeze_modules)
         self.pad_id = pad_token_id(raw.config)
         self.model = wrap_parallel(raw, cfg.trainer, device)
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.trainer)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, cfg.trainer, cfg.model.lora.policy_lr(cfg.trainer.lr))
         # the KL loss's anchor: model.path as loaded, frozen (also on resume); with model.lora
         # the policy with its adapter off, which is model.path itself, without a second copy
         self.ref_model = None

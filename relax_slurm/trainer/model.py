@@ -151,9 +151,11 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def build_optimizer(model: nn.Module, cfg: TrainerConfig):
+def build_optimizer(model: nn.Module, cfg: TrainerConfig, lr: float | None = None):
+    """AdamW over the trainable parameters at `lr` (None: trainer.lr; model.lora.lr passes
+    its own) with trainer's lr schedule."""
     opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr if lr is None else lr,
         weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(

@@ -17,7 +17,7 @@ from tests.conftest import ONE_RANK, relax_train
 
 STEPS = 30
 RESUME_AT = 27
-COMMON = ("experiment=tiny_lora_cpu", ONE_RANK, f"trainer.total_steps={STEPS}")
+COMMON = ("experiment=tiny_cpu", "model.lora.rank=8", ONE_RANK, f"trainer.total_steps={STEPS}")
 
 
 def train(run_dir: Path, tiny: Path, *overrides: str) -> list[dict]:

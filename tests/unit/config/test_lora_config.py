@@ -17,10 +17,23 @@ register_configs()
 def config(*overrides: str):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return to_train_config(compose("train", overrides=[
-            "run_dir=/tmp/relax-test-run", "experiment=tiny_lora_cpu", *overrides]))
+            "run_dir=/tmp/relax-test-run", "experiment=tiny_cpu", "model.lora.rank=8", *overrides]))
+
+
+def test_tiny_cpu_sets_loras_lr_and_lm_head_and_full_fine_tuning_ignores_them():
+    # rank 0 is tiny_cpu's full fine-tuning unchanged: trainer.lr, no adapter syncs
+    full = config("model.lora.rank=0")
+    assert full.model.lora.policy_lr(full.trainer.lr) == full.trainer.lr == 2e-3
+    assert not full.adapter_sync
+    lora = config()
+    assert lora.model.lora.policy_lr(lora.trainer.lr) == 1e-2 and lora.trainer.lr == 2e-3
+    assert "lm_head" in lora.model.lora.target_modules and lora.adapter_sync
+    unset = config("model.lora.lr=null")
+    assert unset.model.lora.policy_lr(unset.trainer.lr) == 2e-3
 
 
 @pytest.mark.parametrize("overrides, words", [
+    (["model.lora.lr=0"], "model.lora.lr=0"),
     (["trainer=megatron"], "model.lora with trainer=megatron"),
     (["algo.kl_coef=0.01", "algo.ref_update_interval=5"], "algo.ref_update_interval=5"),
     (["trainer.freeze_modules=[model.embed_tokens]"], "trainer.freeze_modules"),
