@@ -68,4 +68,5 @@ class EngineState:
                 "running_tokens": sum(len(r.out_ids) for r in self.running),
                 "held_in_place": sum(r.held_in_place for r in self.pending),
                 "weight_update_session": self.session,
+                "partial_weights": self.partial_weights,
                 "memory_released": sorted(self.released)}

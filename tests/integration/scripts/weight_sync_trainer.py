@@ -10,6 +10,7 @@ Rank 1 waits at a barrier meanwhile. Rank 0 writes its findings as JSON to --out
 import argparse
 import json
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -77,6 +78,13 @@ def run_rank0(args):
             out["bogus_error"] = None
         except WeightSyncError as e:
             out["bogus_error"] = str(e)
+        # the sender fails on the first engine's error; engine 0 may still be in its update,
+        # and a request queued behind it on the paused engine waits for the resend (as on
+        # SGLang), so ask once engine 0 has failed too (seen on a loaded machine: 60 s timeout)
+        deadline = time.monotonic() + 60
+        while not clients[0].server_info().get("partial_weights"):
+            assert time.monotonic() < deadline, "engine 0 never recorded the failed update"
+            time.sleep(0.05)
         try:
             clients[0].generate(PROMPTS, GREEDY)
             out["generate_after_bogus"] = None
