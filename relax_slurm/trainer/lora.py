@@ -23,14 +23,14 @@ from peft import PeftModel, get_peft_model, get_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 from torch import Tensor, nn
 
+from relax_slurm.checkpoint.from_lora import ADAPTER_NAME, LORA_KEY
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.weightsync.adapter import Adapter
 
-ADAPTER = "default"
-"""PEFT's name of the one adapter trained."""
-CHECKPOINT_KEY = "lora"
-"""meta.json extra_state key: the adapter config and its base model (relax-convert reads it)."""
+# PEFT's name of the one adapter trained, and the meta.json extra_state key of the adapter's
+# record: relax-convert reads checkpoints by these (checkpoint/from_lora.py), so they live there
+ADAPTER, CHECKPOINT_KEY = ADAPTER_NAME, LORA_KEY
 
 
 def peft_config(cfg: ModelConfig) -> PeftLoraConfig:
