@@ -7,6 +7,7 @@ The parts are run by `tools/bench/run.py`; each returns plain dicts that run.py 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -21,11 +22,19 @@ WARMUP_STEPS = 2  # the first steps pay lazy initialisation (allocator, gloo, HT
 
 
 def spread(xs: list[float]) -> dict[str, float]:
-    """min / median / max of repeated measurements (one value when not repeated)."""
+    """min / median / max of repeated measurements (one value when not repeated), and the
+    relative spread (max - min) / |median|: how far one repeat can land from another, the
+    figure that says whether a difference between two runs means anything (nan for fewer
+    than two finite values)."""
     xs = [x for x in xs if x is not None]
     if not xs:
-        return {"min": float("nan"), "median": float("nan"), "max": float("nan"), "n": 0}
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+        return {"min": float("nan"), "median": float("nan"), "max": float("nan"), "n": 0,
+                "rel_spread": float("nan")}
+    med = statistics.median(xs)
+    finite = [x for x in xs if math.isfinite(x)]
+    rel = ((max(finite) - min(finite)) / abs(med)
+           if len(finite) >= 2 and math.isfinite(med) and med != 0 else float("nan"))
+    return {"min": min(xs), "median": med, "max": max(xs), "n": len(xs), "rel_spread": rel}
 
 
 def machine() -> dict[str, object]:

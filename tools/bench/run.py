@@ -5,18 +5,24 @@
 
 Needs the bench extra (`pip install -e ".[bench]"`: TRL for the peer comparison, matplotlib
 for the plots) and an otherwise idle machine: every figure is a ratio of two measurements
-taken in this invocation, but other load still changes which side of a ratio it hits.
-`--quick` runs one repeat of shorter runs (a smoke test of the whole pipeline, ~5 min);
-the full run repeats each measurement three times (~10-25 min on 2 cores). A run of some
-parts updates those parts of an existing bench_results.json and keeps the others (each figure
-stays a ratio of two measurements of one invocation; the doc names each part's command).
+taken in this invocation, but other load still changes which side of a ratio it hits. So the
+bench measures the cores other processes keep busy (load.py): it refuses to start on a loaded
+machine (`--allow-load` goes on anyway) and marks every part that met foreign load.
+
+Every headline is the median of interleaved repeats (three by default), with its spread
+(max - min over the median) beside it. `--quick` is the same workload with fewer steps per
+run (~15 min on 2 cores), the full run the preset's length (~30-60 min); the two write
+bench_results_quick.json and bench_results.json, and docs/benchmarks.md shows them side by
+side. A run of some parts updates those parts of the existing results and keeps the others
+(each figure stays a ratio of two measurements of one invocation; the doc names each part's
+command).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import subprocess
 import sys
 import time
@@ -32,6 +38,7 @@ import routing_bench  # noqa: E402
 import scaling  # noqa: E402
 import weight_sync_bench  # noqa: E402
 from common import REPO, Run, machine, make_assets, spread  # noqa: E402
+from load import ForeignLoad, idle_check  # noqa: E402
 
 PARTS = ("async", "trl", "sync", "broker", "engines", "routing", "longtail")
 
@@ -122,11 +129,15 @@ def headline(res: dict) -> dict[str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one repeat of short runs")
+    ap.add_argument("--quick", action="store_true",
+                    help="the same workload with fewer steps per run")
     ap.add_argument("--out", type=Path, default=REPO / "bench_out")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="repeats per measurement (default 3, 1 with --quick)")
+                    help="interleaved repeats per measurement (default 3)")
+    ap.add_argument("--allow-load", action="store_true",
+                    help="start even if other processes keep the machine busy (the parts that "
+                         "met the load are marked in the results)")
     ap.add_argument("--reuse-runs", action="store_true",
                     help="longtail: read the runs a previous invocation finished in --out")
     ap.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
@@ -134,30 +145,42 @@ def main() -> int:
     parts = set(args.parts.split(","))
     if unknown := parts - set(PARTS):
         ap.error(f"--parts: unknown {sorted(unknown)}; choose from {','.join(PARTS)}")
-    repeats, steps = (1, 40) if args.quick else (3, 150)  # the preset's length
-    repeats = args.repeats or repeats
+    steps = 40 if args.quick else 150  # the preset's length
+    repeats = args.repeats or 3
+    idle = idle_check()
+    if idle.get("loaded") and not args.allow_load:
+        print(f"run.py: other processes keep {idle['mean_cores']:.2f} cores of "
+              f"{os.cpu_count()} busy (max {idle['max_cores']:.2f}); every figure here is a "
+              "ratio that such load skews. Stop them, or pass --allow-load to measure anyway "
+              "(the results are then marked loaded).", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     model = make_assets(args.out / "assets")
     data = args.out / "assets" / "arith_train.jsonl"
     command = " ".join(["python", "tools/bench/run.py", *sys.argv[1:]])
     res: dict = {"machine": machine(), "quick": args.quick, "repeats": repeats, "steps": steps,
                  "command": command}
-    previous = REPO / "bench_results.json"
+    previous = REPO / report.results_name(args.quick)
     if parts != set(PARTS) and previous.exists():  # some parts: update them, keep the rest
         res = json.loads(previous.read_text())
         res.setdefault("commands", {p: res["command"] for p in PARTS if p not in parts})
     res.setdefault("commands", {}).update({p: command for p in parts})
+    res.setdefault("load", {})["idle_check"] = idle
+    part_load = ForeignLoad()
     t_start = time.monotonic()
+    part_load.__enter__()
     runs: dict[str, list[Run]] = {}
     lt_plot: list[Path] = []
 
     if "async" in parts:
+        part_load.part("async")
         print("[1-2] async vs sync", flush=True)
         modes = async_sync.run_modes(args.out / "async", model, data, steps=steps,
                                      repeats=repeats)
         res["async"] = async_sync.summarize(modes)
         runs |= {f"ours max_staleness={s}": rs for s, rs in modes.items()}
     if "trl" in parts:
+        part_load.part("trl")
         print("[3] TRL GRPOTrainer", flush=True)
         trl = run_trl(args.out / "trl", model, data, steps, repeats)
         trl_sps = [r.samples_per_s() for r in trl]
@@ -179,9 +202,10 @@ def main() -> int:
                            o.time_to(async_sync.TRL_THRESHOLD)) for o, t in zip(modes[1], trl)])
         runs["TRL GRPOTrainer"] = trl
     if "sync" in parts:
+        part_load.part("sync")
         print("[4] weight sync", flush=True)
         big = weight_sync_bench.make_state_model(args.out / "assets" / "state500",
-                                                 120 if args.quick else 480)
+                                                 480)
         res["weight_sync"] = {}
         for name, m in (("tiny", model), ("large", big)):
             r = weight_sync_bench.measure(m, 3 if args.quick else 5, args.out)
@@ -192,6 +216,7 @@ def main() -> int:
                 "efficiency": spread(r["efficiency"]),
                 "efficiency_flattened": spread(r["efficiency_flattened"])}
     if "broker" in parts:
+        part_load.part("broker")
         print("[5] broker", flush=True)
         b = broker_bench.measure(args.out, 10 if args.quick else 50)
         step = (res["async"]["sync_components"]["step_s"]["median"] if "async" in res
@@ -207,14 +232,17 @@ def main() -> int:
             "step_share": spread([g / step for g in b["broker"]["get_batch_s"]] if step else []),
         }
     if "engines" in parts:
+        part_load.part("engines")
         print("[7] engines: rollout throughput with 1 and 3 engines", flush=True)
         res["engines"] = engine_scaling.measure(args.out / "engines", model, data,
                                                 steps=40 if args.quick else 60, repeats=repeats)
     if "routing" in parts:
+        part_load.part("routing")
         print("[8] routing replay: the tiny MoE with routing off, recorded, replayed", flush=True)
         res["routing"] = routing_bench.measure(args.out, data, steps=40 if args.quick else 60,
                                                repeats=repeats)
     if "longtail" in parts:
+        part_load.part("longtail")
         print("[9] long tail: colocated sync vs async with streaming and overlap", flush=True)
         lt_data = args.out / "assets" / "longtail_train.jsonl"
         if not lt_data.exists():
@@ -254,21 +282,28 @@ def main() -> int:
             name: scaling.sketch(scaling.Costs(**{**vars(costs), "engine_tail": et}))
             for name, et in (("continuous batching (sglang)", 1.0),
                              ("one generate per batch (hf)", tail))}
+    part_load.__exit__(None, None, None)
+    res["load"].update(part_load.parts())
+    res["loaded"] = sorted(p for p, load in res["load"].items() if load.get("loaded"))
     if parts == set(PARTS) or "elapsed_s" not in res:  # a partial run keeps the full one's
         res["elapsed_s"] = time.monotonic() - t_start
     res["headline"] = headline(res)
-    (args.out / "bench_results.json").write_text(json.dumps(res, indent=2, default=str))
-    (REPO / "bench_results.json").write_text(json.dumps(res, indent=2, default=str))
+    name = report.results_name(args.quick)
+    (args.out / name).write_text(json.dumps(res, indent=2, default=str))
+    (REPO / name).write_text(json.dumps(res, indent=2, default=str))
+    other = REPO / report.results_name(not args.quick)  # the other kind, shown beside
     # a run without the learning runs keeps the plot of the last one that had them
     kept = REPO / "docs" / "img" / report.REWARD_PLOT
     plots = (report.plot_rewards(runs, REPO / "docs" / "img") if runs
              else [kept] if kept.exists() else [])
     kept_lt = REPO / "docs" / "img" / report.LONGTAIL_PLOT
     plots += lt_plot if "longtail" in parts else [kept_lt] if kept_lt.exists() else []
-    args.doc.write_text(report.markdown(res, plots, args.doc))
+    args.doc.write_text(report.markdown(res, plots, args.doc,
+                                        json.loads(other.read_text()) if other.exists() else None))
     print(json.dumps(res["headline"], indent=2))
-    print(f"wrote bench_results.json, {args.doc}, {len(plots)} plot(s) in "
-          f"{statistics.median([res['elapsed_s']]):.0f} s")
+    if res["loaded"]:
+        print(f"foreign load met in {res['loaded']}: those figures are marked", file=sys.stderr)
+    print(f"wrote {name}, {args.doc}, {len(plots)} plot(s) in {res['elapsed_s']:.0f} s")
     return 0
 
 

@@ -1,0 +1,128 @@
+"""tools/bench's statistics and its foreign-load monitor (issue #36: a benchmark that gives the
+same answer twice says how far its repeats spread and whether other processes were running)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench"
+
+
+def bench_module(name: str):
+    """tools/bench/<name>.py, imported as the scripts import each other (their folder first on
+    sys.path), under a private name so that no other test's `common` or `load` is shadowed."""
+    sys.path.insert(0, str(BENCH))
+    before = set(sys.modules)
+    try:
+        spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+        mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCH))
+        for plain in set(sys.modules) - before - {f"_bench_{name}"}:
+            if (getattr(sys.modules[plain], "__file__", None) or "").startswith(str(BENCH)):
+                del sys.modules[plain]  # `common` as report imports it: not for other tests
+
+
+common, load, report = (bench_module(n) for n in ("common", "load", "report"))
+
+
+def test_spread_reports_the_relative_spread_of_the_repeats():
+    s = common.spread([1.0, 1.2, 0.9])
+    assert (s["min"], s["median"], s["max"], s["n"]) == (0.9, 1.0, 1.2, 3)
+    assert s["rel_spread"] == pytest.approx(0.3)
+    assert math.isnan(common.spread([2.0])["rel_spread"])  # one repeat: no spread to report
+    assert math.isnan(common.spread([None])["rel_spread"])
+    # a repeat that never reached a reward (inf) is left out of the spread, not made inf of it
+    assert common.spread([1.0, 1.1, float("inf")])["rel_spread"] == pytest.approx(0.1 / 1.1)
+
+
+def test_proc_stat_lines_are_read_even_with_odd_command_names():
+    # field 2 may hold spaces and parentheses; utime+stime+cutime+cstime = 100+50+30+20 ticks
+    fields = ["S", "7"] + ["0"] * 9 + ["100", "50", "30", "20"] + ["0"] * 30
+    ppid, cpu = load.parse_pid_stat("4242 (a) (b c) " + " ".join(fields))
+    assert ppid == 7 and cpu == pytest.approx(200 / load.TICK)
+    # user nice system idle iowait irq softirq steal: idle and iowait are not busy
+    busy = load.machine_busy_s("cpu  100 10 20 1000 500 5 5 0 0 0\ncpu0 1 1 1 1 1 1 1 1 0 0\n")
+    assert busy == pytest.approx(140 / load.TICK)
+
+
+def test_the_tree_is_the_root_and_every_descendant():
+    procs = {1: (0, 5.0), 10: (1, 1.0), 11: (10, 2.0), 12: (11, 4.0), 20: (1, 8.0)}
+    assert load.tree_cpu_s(procs, 10) == 7.0
+    assert load.tree_cpu_s(procs, 99) == 0.0
+    before, after = (0.0, 10.0, 3.0), (2.0, 13.0, 4.0)  # (time, machine busy, tree)
+    assert load.foreign_cores(before, after) == pytest.approx(1.0)  # 3 busy - 1 ours over 2 s
+    assert load.foreign_cores(after, after) == 0.0
+    assert load.foreign_cores(before, (2.0, 10.5, 4.0)) == 0.0  # sampling error: clipped
+
+
+def test_a_loaded_summary_needs_a_mean_above_the_threshold():
+    assert not load.summarize([])["loaded"]
+    assert not load.summarize([load.LOADED_CORES, 0.0])["loaded"]
+    assert load.summarize([1.0, 0.0])["loaded"]
+
+
+BURN = ("import time\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < {cpu}: pass\n")
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc")
+def test_our_children_count_as_ours_and_an_orphan_as_foreign(tmp_path):
+    """Real processes: a child that burns 0.6 s of CPU (by its own clock, so however loaded
+    the machine is) adds that to our tree once reaped; an orphan (double fork, re-parented
+    away from us) burning as much adds it to the machine's busy time and not to ours. The
+    bounds allow the clock-tick accounting of /proc (10 ms a tick, a few ticks per process)."""
+    cpu = 0.6
+    t0 = load.snapshot(os.getpid())
+    subprocess.run([sys.executable, "-c", BURN.format(cpu=cpu)], check=True, timeout=120)
+    t1 = load.snapshot(os.getpid())
+    assert t1[2] - t0[2] >= cpu - 0.1, (t0, t1)
+
+    done = tmp_path / "done"
+    orphan = ("import os, sys\n"
+              "if os.fork(): os._exit(0)\n"  # the child exits; the grandchild is re-parented
+              + BURN.format(cpu=cpu) +
+              f"open({str(done)!r}, 'w').write(str(time.process_time() - t))\n")
+    t2 = load.snapshot(os.getpid())
+    subprocess.run([sys.executable, "-c", orphan], check=True, timeout=120)
+    deadline = time.monotonic() + 120
+    while not (done.exists() and done.read_text()):
+        assert time.monotonic() < deadline, "the orphan never finished burning"
+        time.sleep(0.05)
+    t3 = load.snapshot(os.getpid())
+    foreign_s = (t3[1] - t2[1]) - (t3[2] - t2[2])
+    assert foreign_s >= cpu - 0.1, (t2, t3)
+
+
+def results(quick: bool, median: float, lo: float, hi: float, loaded: list[str]) -> dict:
+    rec = {"min": lo, "median": median, "max": hi, "n": 3}
+    return {"quick": quick, "loaded": loaded, "headline": {"async_bound_ratio": median},
+            "async": {"staleness1": {"bound_ratio": rec}}}
+
+
+def test_the_headline_table_shows_spread_load_and_quick_beside_full():
+    full = results(False, 1.10, 1.0, 1.2, [])
+    quick = results(True, 1.30, 1.2, 1.4, ["async"])
+    lines = report.headline_table(full, quick)
+    row = next(x for x in lines if x.startswith("| `async_bound_ratio`"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    # figure, definition, target, full (± half of max-min over the median), met, quick, met, agree
+    assert cells[2] == "<= 1.05"
+    assert cells[3] == "1.1 (±9%)" and cells[4] == "**no**"
+    assert cells[5] == "1.3 (±8%) **loaded**"
+    assert cells[7].startswith("**no**")  # 1.1 vs 1.3: more than 10% apart
+    assert report.agreement(1.10, 1.05) == "yes" and report.agreement(1.0, None) == "-"
+    # the same table from the quick run's side puts the full run first all the same
+    assert report.headline_table(quick, full) == lines
+    assert report.results_name(True) != report.results_name(False)
