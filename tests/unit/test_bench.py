@@ -126,3 +126,36 @@ def test_the_headline_table_shows_spread_load_and_quick_beside_full():
     # the same table from the quick run's side puts the full run first all the same
     assert report.headline_table(quick, full) == lines
     assert report.results_name(True) != report.results_name(False)
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc")
+def test_run_refuses_to_start_while_other_processes_keep_the_machine_busy(tmp_path):
+    """Two orphans spin (foreign to run.py whatever else runs: at least a quarter of a core
+    each even on a loaded 2-core machine); run.py must refuse before measuring anything,
+    naming the load and --allow-load."""
+    pids = tmp_path / "pids"
+    spin = ("import os, sys, time\n"
+            "if os.fork(): os._exit(0)\n"
+            f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+            "t = time.monotonic()\n"
+            "while time.monotonic() - t < 120: pass\n")
+    try:
+        for _ in range(2):
+            subprocess.run([sys.executable, "-c", spin], check=True, timeout=60)
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and len(pids.read_text().split()) == 2):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--quick", "--parts",
+                               "broker", "--out", str(tmp_path / "out"), "--doc",
+                               str(tmp_path / "doc.md")],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        for pid in (pids.read_text().split() if pids.exists() else []):
+            try:
+                os.kill(int(pid), 9)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cores of" in proc.stderr and "--allow-load" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "doc.md").exists()

@@ -168,7 +168,7 @@ def headline_table(res: dict, other: dict | None = None) -> list[str]:
         runs = [full] if other is None else [full, quick]
         for r in runs:
             value = (r or {}).get("headline", {}).get(key)
-            if value is None:
+            if value is None or value != value:  # not measured in that run (nan: no baseline)
                 row += " - | |"
                 continue
             met = "" if target is None else ("yes" if (value >= target if higher else
@@ -300,7 +300,8 @@ def load_note(res: dict) -> str:
     idle = load.get("idle_check", {})
     if not idle.get("available"):
         return " Foreign load: not measured."
-    parts = {p: v for p, v in load.items() if p != "idle_check" and v.get("available")}
+    parts = {p: v for p, v in load.items()
+             if p != "idle_check" and v.get("available") and v.get("samples")}
     worst = max(parts.items(), key=lambda kv: kv[1]["mean_cores"], default=None)
     note = (f" Foreign load (cores other processes kept busy): {idle['mean_cores']:.2f} before "
             "the start")
