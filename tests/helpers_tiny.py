@@ -79,7 +79,7 @@ def start_engine(model_dir: str | Path, port: int, log_path: str | Path,
                  extra_args: Optional[list[str]] = None, api_key: Optional[str] = None
                  ) -> subprocess.Popen:
     """Start `python -m relax_slurm.engines.hf` in its own process group (with
-    `api_key`, it wants that Bearer token on every route but /health, like a run's engines)."""
+    `api_key`, it wants that Bearer token on every route but the probes, like a run's engines)."""
     cmd = [sys.executable, "-m", "relax_slurm.engines.hf", "--model-path", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--torch-threads", "1", "--seed", "0", "--weight-version", "0", *(extra_args or [])]

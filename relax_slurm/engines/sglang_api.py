@@ -49,8 +49,9 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-OPEN_ROUTES = ("/health", "/metrics")
-"""Routes SGLang serves without the API key (liveness probes); the hf engine does the same."""
+OPEN_ROUTES = ("/health", "/ready", "/metrics")
+"""Routes SGLang serves without the API key (liveness and readiness probes, by prefix:
+`sglang.srt.utils.auth.decide_request_auth`); the hf engine does the same."""
 
 # Fields of SGLang 0.5.x request dataclasses: {class: (required, optional)}. `rid` and
 # `http_worker_ipc` come from BaseReq and are never sent by us.

@@ -7,6 +7,12 @@ engine alike (issue #33): what the trainer and the launcher rely on while engine
   token: it waits for un-pause and answers 503 after 20 s.
 - A sync that fails midway leaves the engines paused until the resend; the cohort's wait
   accepts paused engines; the resend continues them at the new version.
+- The API key guards every route but the probes (/health*, /ready*, /metrics*): a 401 without
+  it or with a wrong one, and a refused call changes nothing.
+- The weight version label set by /update_weight_version is what /model_info and every
+  /generate answer report.
+- /abort_request with abort_all ends a running batch with finish_reason abort (HTTP 200, the
+  tokens so far with their log-probs), and the engine serves the next request whole.
 """
 
 from __future__ import annotations
@@ -15,8 +21,11 @@ import itertools
 import os
 import signal
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
@@ -104,3 +113,60 @@ def test_a_sync_failed_midway_leaves_the_engines_paused_until_the_resend(engine,
     assert r["version_after_failure"] == "0", r
     assert r["ready_after_resend"] is True and r["version_after_resend"] == "2", r
     assert client.ready() is True
+
+
+GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+
+def test_the_api_key_guards_every_route_but_the_probes(engine, client):
+    kind, url, _ = engine
+    refused = [("GET", "/model_info", None), ("GET", "/server_info", None),
+               ("POST", "/generate", {"input_ids": [5, 6, 7], "sampling_params": GREEDY}),
+               ("POST", "/update_weight_version", {"new_version": "9"}),
+               ("POST", "/pause_generation", {"mode": "retract"})]
+    version = client.weight_version()
+    with httpx.Client(base_url=url, timeout=60.0) as http:
+        for route in ("/health", "/ready"):  # a cluster's probes carry no secret
+            assert http.get(route).status_code == 200, (kind, route)
+        for method, route, body in refused:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+                r = http.request(method, route, json=body, headers=headers)
+                assert r.status_code == 401, (kind, route, headers, r.status_code, r.text)
+    # nothing a refused call asked for happened: not paused, not relabelled
+    assert client.ready() is True and client.weight_version() == version
+
+
+def test_the_version_label_is_what_model_info_and_generate_report(engine, client):
+    kind, before = engine[0], client.weight_version()
+    try:
+        client.update_weight_version("7")
+        assert client.weight_version() == "7"
+        results = client.generate([[5, 6, 7], [8, 9]], GREEDY)
+        for r in results:
+            assert (r.finish_reason, len(r.output_ids), len(r.logprobs)) == ("length", 4, 4), kind
+            assert r.weight_version == "7" and r.versions() == [7], (kind, r.meta_info)
+    finally:
+        client.update_weight_version(before)
+    assert client.weight_version() == before
+
+
+def test_abort_all_ends_a_running_batch_with_finish_reason_abort(engine, client):
+    """The abort is sent every 20 ms until the request returns, so it lands whatever the
+    machine's load; a request that ran to its end before any abort reached it (possible
+    only if the whole generation fit between two) is tried again."""
+    kind, limit = engine[0], 400  # the tiny model's 512 positions, minus the prompt
+    params = {"max_new_tokens": limit, "temperature": 1.0, "ignore_eos": True}
+    for _ in range(5):
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.generate, [[5, 6, 7], [8, 9, 10]], params)
+            while not pending.done():
+                client.abort_request(abort_all=True)
+                time.sleep(0.02)
+            results = pending.result()
+        if any(r.finish_reason == "abort" for r in results):
+            break
+    assert {r.finish_reason for r in results} == {"abort"}, (kind, [r.meta_info for r in results])
+    for r in results:  # the tokens so far, each with its log-prob, never a full-length answer
+        assert len(r.output_ids) < limit and len(r.logprobs) == len(r.output_ids), kind
+    [after] = client.generate([[5, 6, 7]], {**GREEDY, "max_new_tokens": 8})
+    assert (after.finish_reason, len(after.output_ids)) == ("length", 8), kind

@@ -176,12 +176,15 @@ class HFEngine:
                 return []
             # dynamic batching: wait a little for more sequences to arrive
             deadline = time.monotonic() + self.batch_wait_s
-            while len(self.state.pending) < self.max_batch_size and not self.state.paused:
+            while (0 < len(self.state.pending) < self.max_batch_size
+                   and not self.state.paused):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(timeout=left)
-            if self.state.paused:
+            # a pause, or an abort_all that emptied the queue while this waited (the wait
+            # releases the lock): nothing to run (the thread died on the empty queue before)
+            if self.state.paused or not self.state.pending:
                 return []
             # one adapter (or none) per batch: the rows at the head that share the first's
             pending, rows = self.state.pending, []

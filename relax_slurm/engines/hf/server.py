@@ -93,8 +93,8 @@ def _memory_tags(body: dict, route: str) -> list[str]:
 
 def build_app(engine: HFEngine, request_timeout_s: float, api_key: str | None = None
               ) -> FastAPI:
-    """The SGLang routes; with `api_key`, every route but /health* wants
-    `Authorization: Bearer KEY` (401 otherwise), as SGLang's --api-key."""
+    """The SGLang routes; with `api_key`, every route but the probes (/health*, /ready*,
+    /metrics*) wants `Authorization: Bearer KEY` (401 otherwise), as SGLang's --api-key."""
     app = FastAPI(title="relax-slurm hf engine")
 
     if api_key:

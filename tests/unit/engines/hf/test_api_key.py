@@ -1,5 +1,6 @@
-"""The hf engine's API key (as SGLang's --api-key): every route but /health* wants
-`Authorization: Bearer KEY`; the engine clients send it from RELAX_ENGINE_API_KEY."""
+"""The hf engine's API key (as SGLang's --api-key): every route but the probes (/health*,
+/ready*, /metrics*) wants `Authorization: Bearer KEY`; the engine clients send it from
+RELAX_ENGINE_API_KEY."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def test_routes_need_the_key_except_health(tiny_model_dir, monkeypatch) -> None:
     try:
         with TestClient(build_app(engine, 30.0, api_key="k3y")) as http:
             assert http.get("/health").status_code == 200
+            assert http.get("/ready").status_code == 200  # a cluster's readiness probe too
             for route in ("/model_info", "/server_info"):
                 assert http.get(route).status_code == 401
                 assert http.get(route, headers={"Authorization": "Bearer nope"}).status_code == 401

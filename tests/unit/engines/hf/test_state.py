@@ -3,11 +3,13 @@ what /server_info reports (no model, no threads)."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 
 import pytest
 
 from relax_slurm.engines.hf.batch import PendingRequest, Row
+from relax_slurm.engines.hf.core import HFEngine
 from relax_slurm.engines.hf.parsing import BadRequest, NotServing, SamplingSpec
 from relax_slurm.engines.hf.state import EngineState
 
@@ -49,7 +51,40 @@ def test_status_reports_queue_batch_and_pause_mode():
     assert state.status() == {
         "paused": True, "pause_mode": "retract", "queued_sequences": 2, "running_sequences": 1,
         "running_tokens": 3, "held_in_place": 1, "weight_update_session": True,
-        "memory_released": []}
+        "partial_weights": False, "memory_released": []}
     state.paused = False  # an abort_all's interrupt is no pause mode
     state.interrupt = "abort"
     assert state.status()["pause_mode"] is None
+
+
+class SignalingCondition(threading.Condition):
+    """A Condition that says when a thread starts waiting on it (and so released its lock)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout=None):
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def test_an_abort_all_during_the_batching_wait_leaves_the_generation_thread_alive(tiny_model_dir):
+    """The batch loop waits batch_wait_ms for more sequences with the queue's lock released;
+    an abort_all then empties the queue. The loop must start no batch (it took the first row
+    of the empty queue and its thread died: every later request timed out), and the aborted
+    request ends with finish_reason abort. Found by the engine contract test against SGLang."""
+    engine = HFEngine(str(tiny_model_dir), None, "float32", "cpu", 8, 60_000.0, "0", 30.0)
+    engine._cond = cond = SignalingCondition()  # before the loop's thread exists: not started
+    future = engine.submit([[5, 6, 7]], [SamplingSpec(max_new_tokens=4)], [False])
+    batch: list = []
+    loop = threading.Thread(target=lambda: batch.append(engine._next_batch()))
+    loop.start()
+    assert cond.waiting.wait(timeout=60)  # inside the 60 s batching wait, lock released
+    engine.abort_all()
+    with cond:
+        cond.notify_all()  # end the wait now, as a new request would
+    loop.join(timeout=60)
+    assert not loop.is_alive() and batch == [[]]  # no batch, no exception
+    [item] = future.result(timeout=10)
+    assert item["meta_info"]["finish_reason"]["type"] == "abort"
