@@ -38,13 +38,16 @@ class HangWatch:
     def __init__(self, admin_url: str | None, secret: str, engines: dict[str, str],
                  interval_s: float, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic,
-                 engine_key: str | None = None) -> None:
+                 engine_key: str | None = None, startup_s: float = 0.0) -> None:
         """`engines`: role name -> base URL; `engine_key`: their API key (the run's secret
-        unless the user set RELAX_ENGINE_API_KEY)."""
+        unless the user set RELAX_ENGINE_API_KEY); `startup_s`: how long a role restarted in
+        place may take to start (rollout.startup_timeout_s: an engine loads its model again,
+        minutes for a large one) before its silence counts, if longer than the timeout."""
         self.admin_url = admin_url
         self.engines = dict(engines)
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.grace_s = max(timeout_s, startup_s)
         self._clock = clock
         now = clock()
         self._next = now + interval_s
@@ -61,18 +64,21 @@ class HangWatch:
         self._probe.close()
 
     def restarted(self, name: str) -> None:
-        """`name` was just restarted in place: its silence counts from now (an engine loading
-        its model again is not hung; the broker keeps its predecessor's heartbeat age until the
-        new process heartbeats)."""
-        self._restarted[name] = self._clock()
+        """`name` was just restarted in place: it is starting, as at the run's start, for up
+        to max(timeout, startup_s); its silence counts from then (an engine loading its model
+        again is not hung; the broker keeps its predecessor's heartbeat age until the new
+        process heartbeats). A 15 s timeout named a restarted engine hung again while it still
+        imported torch on a loaded machine, and a 600 s one a 30B engine loading for 1200."""
+        now = self._clock()
+        self._restarted[name] = now
         if name in self._last_ok:
-            self._last_ok[name] = self._clock()
+            self._last_ok[name] = now + self.grace_s - self.timeout_s
         if name in self.engines:  # whoever waited on it (a push, a request) gets its time too
-            self._restarted[""] = self._clock()
+            self._restarted[""] = now
 
     def _in_grace(self, heartbeat_name: str, now: float) -> bool:
-        """Restarted in place (or, "" for every role, an engine was) within the timeout."""
-        return any(heartbeat_name.startswith(name) and now - t <= self.timeout_s
+        """Restarted in place (or, "" for every role, an engine was) within the grace."""
+        return any(heartbeat_name.startswith(name) and now - t <= self.grace_s
                    for name, t in self._restarted.items())
 
     def check(self) -> tuple[str, str] | None:

@@ -233,7 +233,8 @@ class Supervisor:
                                {spec.name: spec.health_url for spec in specs if spec.health_url},
                                cfg.cluster.restart.heartbeat_interval_s,
                                cfg.cluster.restart.heartbeat_timeout_s,
-                               engine_key=engine_api_key(secret))
+                               engine_key=engine_api_key(secret),
+                               startup_s=cfg.rollout.startup_timeout_s)
         self.in_place = InPlace(self.procs, specs, wrap, run_dir, cfg.cluster.restart.max_per_role,
                                 on_restart=self.hangs.restarted)
         # elastic rollout's process side (launch/scale.py)

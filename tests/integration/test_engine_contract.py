@@ -75,7 +75,9 @@ def test_a_paused_engine_is_alive_and_not_ready_and_never_named_hung(engine, cli
     kind, url, proc = engine
     assert client.ready() is True and client.alive() is True
     now = itertools.count(0.0, 100.0)  # each probe 100 s after the last: past any timeout
-    watch = HangWatch(None, "unused", {"engine0": url}, interval_s=1.0, timeout_s=30.0,
+    # interval 10 s: its probe waits min(5 s, interval) for an answer (the fake clock makes the
+    # interval itself moot); 1 s was short for a paused SGLang on a loaded machine
+    watch = HangWatch(None, "unused", {"engine0": url}, interval_s=10.0, timeout_s=30.0,
                       clock=lambda: next(now), engine_key=KEY)
     client.pause_generation("retract")
     try:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from relax_slurm.metrics.jsonl import iter_metrics
 from tests.conftest import ONE_RANK, REPO, run_env, tiny_command
 
 TIMEOUT_S = 900
@@ -81,8 +82,8 @@ def finish(proc: subprocess.Popen) -> str:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    # the rows written so far: a line being written is not read yet (read while the run runs)
+    return list(iter_metrics(run_dir / "metrics.jsonl"))
 
 
 def assert_judged(run_dir: Path, steps: int) -> None:

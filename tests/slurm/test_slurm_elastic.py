@@ -188,7 +188,8 @@ def test_scale_out_submits_an_engine_job_then_drains_and_cancels_it(tmp_path, ti
     assert "weight-sync cohort: engines" in (run_dir / "logs" / "trainer.log").read_text()
 
 
-RESTART_STEPS = 8
+# the steps after KILL_AFTER must outlast finding and killing both roles (~0.2-0.5 s a step)
+RESTART_STEPS = 20
 KILL_AFTER = 2  # steps logged before the kill
 
 
@@ -221,7 +222,7 @@ def test_killed_engine_and_worker_restart_as_new_srun_steps(tmp_path, tiny_asset
     why = lambda: diagnose(run_dir)  # noqa: E731
     with running(cmd, env, name) as proc:
         wait_until(lambda: len(read_rows(run_dir)) >= KILL_AFTER or proc.poll() is not None,
-                   600, f"{KILL_AFTER} training steps", why=why)
+                   600, f"{KILL_AFTER} training steps", poll_s=0.2, why=why)
         assert proc.poll() is None, why()
         [url] = json.loads((run_dir / "plan.json").read_text())["engine_urls"]
         pid = role_pid(f"relax_slurm.engines.hf .*--port {url.rsplit(':', 1)[1]} ")

@@ -4,7 +4,7 @@ finish).
 
 Runs are short (the tiny run needs ~90 s to start its processes and ~2-4 s per step on 2
 cores) and train on one rank: 30 steps, where the preset's reward has risen from ~0 to ~0.3, for
-the two learning runs; 15 for the preempted one. Each test bounds its time, cancels its job if it gives up, and
+the two learning runs; 40 for the preempted one. Each test bounds its time, cancels its job if it gives up, and
 puts the run's logs into its failure message.
 """
 
@@ -21,6 +21,7 @@ import pytest
 
 from relax_slurm.checkpoint import find_latest
 from relax_slurm.checkpoint.resume import parse_step
+from relax_slurm.metrics.jsonl import iter_metrics
 from relax_slurm.runtime.control import read_status
 from tests.conftest import ONE_RANK, REPO, tiny_command
 from tests.slurm.conftest import SETUP_ALLOWANCE_S
@@ -29,7 +30,10 @@ pytestmark = pytest.mark.slurm
 
 LEARN_STEPS = 30
 RUN_TIMEOUT_S = 900  # a 30-step run takes ~3 min here; more when the machine is busy
-PREEMPT_STEPS = 15
+# a tiny step takes ~0.2-0.5 s now: the steps after SIGNAL_AFTER must outlast the mid-run
+# stack dump (a new Python, `srun --overlap` on the node) and the USR1, or the run completes
+# before it is preempted
+PREEMPT_STEPS = 40
 SIGNAL_AFTER = 5  # steps logged before the USR1
 SAVE_EVERY = 5
 RISE = 0.1  # reward_last - reward_first after LEARN_STEPS (~0.3 on this preset)
@@ -88,10 +92,8 @@ def step_components(env: dict, job_id: str) -> dict[str, set[int]]:
 
 
 def read_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    # the rows written so far: a line being written is not read yet (read while the run runs)
+    return list(iter_metrics(run_dir / "metrics.jsonl"))
 
 
 def diagnose(run_dir: Path, *extra: Path) -> str:
@@ -208,7 +210,7 @@ def test_preempted_run_requeues_and_resumes(tmp_path, tiny_assets, slurm_env):
     why = lambda: diagnose(run_dir, out)  # noqa: E731
     try:
         wait_until(lambda: len(read_rows(run_dir)) >= SIGNAL_AFTER or not in_queue(env, job_id),
-                   600, f"{SIGNAL_AFTER} training steps", why=why)
+                   600, f"{SIGNAL_AFTER} training steps", poll_s=0.2, why=why)
         assert in_queue(env, job_id), why()
         # mid-run, every role's stacks through `srun --overlap` on its node (relax-ctl dump);
         # the run goes on undisturbed (its remaining steps are checked below)

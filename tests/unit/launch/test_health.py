@@ -163,3 +163,34 @@ def test_a_role_that_fell_silent_before_a_hung_engine_waits_for_the_engines_verd
             watch.close()
         assert found is not None and found[0] == "engine0", found
 
+
+
+def test_a_role_restarted_in_place_may_take_the_startup_time_to_answer():
+    """rollout.startup_timeout_s (here 100) longer than the hang timeout (10): a restarted
+    engine loading its model again is not named until the startup time has passed, and the
+    roles waiting on it get as long (a fake clock: no waiting here)."""
+    now = [0.0]
+    dead = f"http://127.0.0.1:{free_port()}"
+    watch = HangWatch(None, SECRET, {"engine1": dead}, 1.0, 10.0, clock=lambda: now[0],
+                      startup_s=100.0)
+    try:
+        watch.restarted("engine1")
+        for t in (5.0, 50.0, 99.0):  # silent past the timeout, within the startup time
+            now[0] = t
+            assert watch.check() is None, t
+            assert watch._in_grace("rollout", t)
+        now[0] = 111.0
+        found = watch.check()
+        assert found is not None and found[0] == "engine1", found
+        assert not watch._in_grace("rollout", 111.0)
+    finally:
+        watch.close()
+    # without a longer startup time the timeout alone counts, as before
+    now[0] = 0.0
+    watch = HangWatch(None, SECRET, {"engine1": dead}, 1.0, 10.0, clock=lambda: now[0])
+    try:
+        watch.restarted("engine1")
+        now[0] = 11.0
+        assert watch.check() is not None
+    finally:
+        watch.close()
