@@ -196,6 +196,8 @@ class AsyncBrokerClient:
         self._pending: dict[int, asyncio.Future[tuple[str, dict[str, Any], Any]]] = {}
         self._receiver: asyncio.Task[None] | None = None
         self._send_lock = asyncio.Lock()
+        self.floor: int | None = None
+        """The oldest policy version the broker accepts, from its latest grant or accept."""
 
     async def _receive_loop(self) -> None:
         while True:
@@ -257,12 +259,18 @@ class AsyncBrokerClient:
         fields.pop("rid", None)
         return fields
 
+    def _note_floor(self, fields: dict[str, Any]) -> None:
+        if fields.get("floor") is not None:
+            self.floor = int(fields["floor"])
+
     async def acquire(self, max_n: int, wait_s: float = 0.0) -> int:
         fields, _ = await self._call("acquire", {"max_n": max_n, "wait_s": wait_s}, wait_s=wait_s)
+        self._note_floor(fields)
         return int(fields["granted"])
 
     async def put_group(self, group: Group) -> None:
-        await self._call("put_group", {}, [group])
+        fields, _ = await self._call("put_group", {}, [group])
+        self._note_floor(fields)
 
     async def release(self, n: int) -> None:
         await self._call("release", {"n": n})

@@ -91,11 +91,11 @@ class Operations:
             if granted == 0:
                 break
             self.acquires.pop_first()
-            self._reply(p.identity, p.rid, {"granted": granted})
+            self._reply(p.identity, p.rid, {"granted": granted, "floor": self.floor()})
 
     def expire(self, now: float) -> None:
         for p in self.acquires.expired(now):
-            self._reply(p.identity, p.rid, {"granted": 0})
+            self._reply(p.identity, p.rid, {"granted": 0, "floor": self.floor()})
         for p in self.batches.expired(now):
             self._reply(p.identity, p.rid, {"timeout": True, "wait_s": now - p.start})
 
@@ -111,9 +111,14 @@ class Operations:
         granted = (self.state.admit(max_n, holder)
                    if not self.acquires else 0)  # FIFO among waiters
         if granted or wait_s == 0:
-            self._reply(identity, rid, {"granted": granted})
+            self._reply(identity, rid, {"granted": granted, "floor": self.floor()})
         else:
             self.acquires.park(identity, rid, {"max_n": max_n}, wait_s)
+
+    def floor(self) -> int:
+        """The oldest policy version a group may hold and still be trained on now: the
+        workers stop sending requests to engines behind it (rollout/version_gate.py)."""
+        return self.state.version - self.state.max_staleness
 
     def put_group(self, identity: bytes, rid: Any, _: dict[str, Any],
                   groups: list[Group] | None) -> None:
@@ -123,7 +128,7 @@ class Operations:
             raise BrokerError("put_group from a worker process that a restarted one replaced "
                               "(its credits were given back at the rejoin); dropped")
         self.state.accept(groups[0], holder_of(identity))
-        self._reply(identity, rid, {})
+        self._reply(identity, rid, {"floor": self.floor()})
         self.wake()
 
     def release(self, identity: bytes, rid: Any, fields: dict[str, Any], _: Any) -> None:

@@ -490,6 +490,16 @@ class AsyncEngineClient(_Base):
             raise self._error("/health", e) from e
         return self._healthy(resp)
 
+    async def weight_version(self) -> Optional[str]:
+        """The version label of the weights served now (GET /model_info, else its older name)."""
+        for name in ("/model_info", sglang_api.DEPRECATED_ROUTE["/model_info"]):
+            body = self._info(name, await self._call("GET", name))
+            if body is not None:
+                version = body.get("weight_version")
+                return None if version is None else str(version)
+        raise EngineError(f"engine {self.url}: no /model_info (HTTP 404): not an SGLang server "
+                          f"of {sglang_api.SUPPORTED_SGLANG}?")
+
     async def generate(self, input_ids: list[list[int]], sampling_params: SamplingParams,
                        return_logprob: bool = True, logprob_start_len: Optional[int] = None,
                        media: Optional[list[dict[str, list[str]]]] = None,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relax_slurm.engines.client import AsyncEngineClient, GenerateResult
+from relax_slurm.rollout.version_gate import VersionGate
 
 
 @dataclass
@@ -33,9 +34,13 @@ class _Call:
 class CoalescingEngine:
     """`generate` like AsyncEngineClient's, batched with the calls of the same loop turn."""
 
-    def __init__(self, engine: AsyncEngineClient, max_groups: int) -> None:
+    def __init__(self, engine: AsyncEngineClient, max_groups: int,
+                 gate: VersionGate | None = None) -> None:
+        """`gate`: told of every answer's versions (an engine behind the broker's floor gets no
+        more requests, version_gate.py)."""
         if max_groups < 1:
             raise ValueError(f"max_groups={max_groups}: must be >= 1")
+        self.gate = gate
         self.engine = engine
         self.max_groups = max_groups
         self._pending: list[_Call] = []
@@ -58,8 +63,15 @@ class CoalescingEngine:
         params = (sampling_params if isinstance(sampling_params, list)
                   else [sampling_params] * len(input_ids))
         if self.max_groups == 1:
-            return await self.engine.generate(input_ids, params, return_logprob=True, media=media,
-                                              routed_start=routed_start)
+            results = await self.engine.generate(input_ids, params, return_logprob=True,
+                                                 media=media, routed_start=routed_start)
+        else:
+            results = await self._shared(input_ids, params, media, routed_start)
+        if self.gate is not None:
+            self.gate.check(self.url, results)
+        return results
+
+    async def _shared(self, input_ids, params, media, routed_start) -> list[GenerateResult]:
         loop = asyncio.get_running_loop()
         call = _Call(list(input_ids), list(params), loop.create_future(), media, routed_start)
         self._pending.append(call)

@@ -3,6 +3,8 @@
 The engine set can change while the worker runs (elastic rollout, broker/elastic.py): `add`
 puts a new engine in, `route_only` keeps the next picks to some engines (a draining one gets no
 new request but its requests in flight finish), `idle_unroutable` lists those with none left.
+An engine behind the broker's version floor gets nothing either until it catches up
+(version_gate.py).
 """
 
 from __future__ import annotations
@@ -12,14 +14,18 @@ from collections.abc import Callable
 from typing import AsyncIterator, Generic, TypeVar
 
 from relax_slurm.errors import EngineError
+from relax_slurm.rollout.version_gate import VersionGate
 
 E = TypeVar("E")
 
 
 class LeastLoadedRouter(Generic[E]):
-    def __init__(self, engines: list[E]) -> None:
+    def __init__(self, engines: list[E], gate: VersionGate | None = None) -> None:
+        """`gate`: engines serving weights the broker would drop get nothing (version_gate.py;
+        the engines then have a `url`)."""
         if not engines:
             raise ValueError("no engines to route to")
+        self.gate = gate
         self.engines = list(engines)
         self.inflight = [0] * len(engines)
         self.routable = [True] * len(engines)
@@ -45,6 +51,10 @@ class LeastLoadedRouter(Generic[E]):
         if not candidates:
             raise EngineError("no routable engine (every engine is draining); scale out or "
                               "wait for the scale-in to end")
+        if self.gate is not None:
+            await self.gate.refresh()
+            await self.gate.wait_for_one([self.engines[i].url for i in candidates])
+            candidates = [i for i in candidates if self.gate.allows(self.engines[i].url)]
         i = min(candidates, key=self.inflight.__getitem__)
         self.inflight[i] += 1
         self.picked[i] += 1

@@ -28,6 +28,7 @@ from relax_slurm.rollout.coalesce import CoalescingEngine
 from relax_slurm.engines.client import AsyncEngineClient, GenerateResult
 from relax_slurm.rollout.multiturn import Episode, episode_sample
 from relax_slurm.rollout.router import LeastLoadedRouter
+from relax_slurm.rollout.version_gate import VersionGate
 from relax_slurm.rollout.sampling import (
     no_routing_error, response_logprobs, sample_routing, sampling_params, seeded_params,
     shaped_rewards,
@@ -84,14 +85,24 @@ def check_same_tokenizer(tokenizer, teacher_path: str, model_path: str) -> None:
             "same vocabulary")
 
 
-def make_engine(cfg: TrainConfig, url: str, routed_experts: bool) -> CoalescingEngine:
+def make_engine(cfg: TrainConfig, url: str, routed_experts: bool,
+                gate: VersionGate | None = None) -> CoalescingEngine:
     """An engine to route to (tasks started together share one batched request)."""
     # model.lora's adapter-only sync: the engines serve the policy as the adapter ADAPTER_NAME
     lora_path = sglang_api.ADAPTER_NAME if cfg.adapter_sync else None
     return CoalescingEngine(AsyncEngineClient(url, cfg.rollout.generate_timeout_s,
                                               routed_experts=routed_experts,
                                               lora_path=lora_path),
-                            cfg.rollout.groups_per_request)
+                            cfg.rollout.groups_per_request, gate)
+
+
+def version_gate(timeout_s: float) -> VersionGate:
+    """The worker's gate (its floor: the broker client's, once the services exist); an
+    engine's version from its /model_info."""
+    async def served(url: str) -> str | None:
+        async with AsyncEngineClient(url, timeout_s) as client:
+            return await client.weight_version()
+    return VersionGate(lambda: None, served)
 
 
 @dataclass
@@ -125,8 +136,9 @@ class RolloutServices:
         broker = AsyncBrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
                                    identity=f"rollout{worker_rank}")
         routing = routing_shape(cfg.model.path) if cfg.rollout.return_routed_experts else None
-        router = LeastLoadedRouter([make_engine(cfg, u, routing is not None)
-                                    for u in plan.engine_urls])
+        gate = version_gate(cfg.rollout.generate_timeout_s)
+        router = LeastLoadedRouter([make_engine(cfg, u, routing is not None, gate)
+                                    for u in plan.engine_urls], gate)
         if cfg.algo.teacher_model_path and plan.teacher_url is None:
             raise ConfigError(
                 f"algo.teacher_model_path={cfg.algo.teacher_model_path} is set but this run has "
@@ -136,13 +148,16 @@ class RolloutServices:
         if plan.teacher_url:
             check_same_tokenizer(tokenizer, cfg.algo.teacher_model_path, cfg.model.path)
             teacher = AsyncEngineClient(plan.teacher_url, cfg.rollout.generate_timeout_s)
-        return cls(cfg=cfg, tokenizer=tokenizer, broker=broker, router=router, reward=reward,
-                   reward_pool=reward_pool, teacher=teacher, routing=routing,
-                   worker_rank=worker_rank, group_ids=group_ids, params=sampling_params(cfg))
+        svc = cls(cfg=cfg, tokenizer=tokenizer, broker=broker, router=router, reward=reward,
+                  reward_pool=reward_pool, teacher=teacher, routing=routing,
+                  worker_rank=worker_rank, group_ids=group_ids, params=sampling_params(cfg))
+        # the floor as the worker's broker client last heard it (acquire, put_group)
+        gate.floor_of = lambda: getattr(svc.broker, "floor", None)
+        return svc
 
     def engine(self, url: str) -> CoalescingEngine:
         """An engine joining the router (elastic rollout)."""
-        return make_engine(self.cfg, url, self.routing is not None)
+        return make_engine(self.cfg, url, self.routing is not None, self.router.gate)
 
     def group_params(self, gid: int) -> list[dict]:
         """The n samples' parameters of group `gid`, each with its own seed."""

@@ -47,19 +47,21 @@ class Loop:
 def test_a_parked_get_batch_is_answered_by_the_put_that_fills_it_then_acquires_wake():
     loop = Loop(BrokerState(max_staleness=0, batch_size=1))
     loop.call("acquire", W1, 1, max_n=1, wait_s=0)
-    assert loop.replies[-1][2] == {"granted": 1}
+    assert loop.replies[-1][2] == {"granted": 1, "floor": 0}  # the oldest version accepted
     loop.call("acquire", W1, 2, max_n=1, wait_s=30)  # no credit left: parked
     loop.call("get_batch", T, 3, num_groups=1, version=0, wait_s=30)
     assert len(loop.replies) == 1 and loop.ops.holds(T, 3) and loop.ops.holds(W1, 2)
     loop.call("put_group", W1, 4, groups=[group(0)])
     assert [(r[0], r[1]) for r in loop.replies[1:]] == [(W1, 4), (T, 3)]
+    assert loop.replies[1][2] == {"floor": 0}
     stats = BatchStats.from_dict(loop.replies[-1][2]["stats"])
     assert stats.auth_refused == 5 and stats.counters.consumed == 1
     assert len(loop.replies[-1][3]) == 1
     loop.call("set_version", T, 5, version=1)  # a new credit: the parked acquire gets it
     assert loop.published == [("version", {"version": 1})]
     # set_version answers, then wakes the acquire
-    assert [r[:3] for r in loop.replies[-2:]] == [(T, 5, {"version": 1}), (W1, 2, {"granted": 1})]
+    assert [r[:3] for r in loop.replies[-2:]] == [(T, 5, {"version": 1}),
+                                                    (W1, 2, {"granted": 1, "floor": 1})]
     assert not loop.ops.deadlines()
 
 

@@ -13,6 +13,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from tests.helpers_tiny import running_engine
+
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.config import save_config
 from relax_slurm.config.algo import AlgoConfig
@@ -23,12 +25,12 @@ from relax_slurm.config.rollout import RolloutConfig
 from relax_slurm.config.schema import TrainConfig
 from relax_slurm.errors import ConfigError, EngineUnreachable
 from relax_slurm.runtime.plan import RunPlan, save_plan
-from relax_slurm.engines.client import GenerateResult
+from relax_slurm.engines.client import EngineClient, GenerateResult
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.rollout import worker as worker_module
 from relax_slurm.rollout.multiturn import Episode
 from relax_slurm.rollout.sampling import shaped_rewards
-from relax_slurm.rollout.services import PendingCounts
+from relax_slurm.rollout.services import PendingCounts, make_engine
 from relax_slurm.rollout.worker import RolloutWorker
 
 EOS = 1  # helpers_tiny vocabulary: <pad>=0, <eos>=1, <unk>=2, digits from 3
@@ -478,3 +480,53 @@ def test_a_managed_judge_is_called_at_the_plan_url_and_waited_for(make_worker, t
             RolloutWorker(cfg, tmp_path)
     finally:
         asyncio.run(managed.aclose())
+
+
+def test_an_engine_behind_the_broker_gets_no_requests_until_it_serves_the_floor(make_worker,
+                                                                                 tiny_model_dir,
+                                                                                 tmp_path):
+    """A real hf engine serving version 0 (restarted, say) while the broker is at version 3
+    with max_staleness 0: its first answer is older than the floor, the worker's gate marks
+    it behind (rollout/version_gate.py), and no request goes to it any more, so the groups
+    dropped as stale are only those in flight then, at most the credits the broker granted:
+    (max_staleness + version + 1) * batch_size = 8. Relabelled 3 (the trainer's re-sync), it
+    is routed to again and its groups are accepted. Before, every dropped group freed a credit
+    for another one at version 0, as fast as the engine generated."""
+    with running_engine(tiny_model_dir, tmp_path) as url:
+        async def main() -> FakeBroker:
+            worker = make_worker()
+            svc, gate = worker.services, worker.services.router.gate
+            svc.router = LeastLoadedRouter([make_engine(svc.cfg, url, False, gate)], gate)
+            svc.broker.close()
+            broker = svc.broker = FloorBroker(worker, stop_after=2, version=3)
+            run = asyncio.create_task(worker.run())
+            while not (gate.behind and broker.state.dropped >= 1):
+                assert not run.done(), run
+                await asyncio.sleep(0.05)
+            with EngineClient(url, 30.0) as client:
+                await asyncio.to_thread(client.update_weight_version, "3")
+            await asyncio.wait_for(run, 120)
+            for engine in svc.router.engines:  # in this loop: the fixture closes the rest later
+                await engine.aclose()
+            svc.router.engines = []
+            return broker
+
+        broker = asyncio.run(main())
+    assert 1 <= broker.state.dropped <= (0 + 3 + 1) * 2, broker.state.counters()
+    fresh = [g for g in broker.groups if g[0].version == 3]
+    assert len(fresh) >= 2 and all(s.version_min == 3 for g in fresh for s in g)
+
+
+class FloorBroker(FakeBroker):
+    """FakeBroker at `version`, telling the worker its floor as the broker's client does."""
+
+    def __init__(self, worker: RolloutWorker, stop_after: int, version: int) -> None:
+        super().__init__(worker, stop_after)
+        self.state.version = version
+        self.floor = version - self.state.max_staleness
+
+    async def put_group(self, group):
+        self.state.accept(group)
+        self.groups.append(group)
+        if sum(g[0].version == self.state.version for g in self.groups) >= self.stop_after:
+            self.worker.stop.set()
