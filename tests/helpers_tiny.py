@@ -253,7 +253,8 @@ def run_script(name: str, tmp_path: Path, *extra: str, model_dir: Optional[Path]
 
 
 def start_sglang_engine(python: str | Path, model_dir: str | Path, port: int,
-                        log_path: str | Path, api_key: str) -> subprocess.Popen:
+                        log_path: str | Path, api_key: str,
+                        extra_args: list[str] | None = None) -> subprocess.Popen:
     """The real SGLang server on CPU (the venv of relax-sglang-cpu), started with the argv a
     run's engine gets (sglang_api.server_argv, device=cpu), in its own process group."""
     from relax_slurm.engines.sglang_api import API_KEY_ENV, server_argv
@@ -261,7 +262,8 @@ def start_sglang_engine(python: str | Path, model_dir: str | Path, port: int,
     argv = server_argv(str(python), model_path=str(model_dir), host="127.0.0.1", port=port,
                        base_gpu_id=0, tp_size=1, ep_size=1, mem_fraction_static=0.8,
                        dtype="float32", seed=0, trust_remote_code=False, api_key=True,
-                       enable_memory_saver=False, extra_args=[], device="cpu")
+                       enable_memory_saver=False, extra_args=list(extra_args or []),
+                       device="cpu")
     env = child_env() | {API_KEY_ENV: api_key}
     with open(log_path, "wb") as log:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,

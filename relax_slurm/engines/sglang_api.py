@@ -15,9 +15,11 @@ protocol (it reports HF_PROTOCOL as its version), so the whole client path runs 
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from packaging.specifiers import SpecifierSet
@@ -268,6 +270,39 @@ so the tower's training never reaches the rollouts and their log-probs drift fro
 trainer's (issue #33: the tiny VL task's 20 images, all seen at step 0). Size 0 caches nothing
 across batches: each prefill batch encodes its distinct items once (a group's n samples,
 batched together, share one encoding)."""
+
+
+MM_PROCESS_FLAG = "--mm-process-config"
+
+
+def mm_process_args(model_path: str, image_min_pixels: Optional[int],
+                    image_max_pixels: Optional[int], extra_args: list[str] = ()) -> list[str]:
+    """`--mm-process-config {"image": {"size": ...}}` so that SGLang's image processor resizes
+    as the rollout worker's does (data.image_min_pixels / image_max_pixels); [] when neither is
+    set, or when `extra_args` (rollout.engine_extra_args) already has the flag (the user's
+    own wins). SGLang passes the "image" keys to the processor's call; the Qwen-VL processors
+    take the limits as `size` {shortest_edge, longest_edge}, pixel counts, both keys needed:
+    the model directory's other one is kept (preprocessor_config.json), as the worker does
+    (data/processor.py `_size_kwargs`)."""
+    if image_min_pixels is None and image_max_pixels is None:
+        return []
+    if any(a == MM_PROCESS_FLAG or a.startswith(MM_PROCESS_FLAG + "=") for a in extra_args):
+        return []
+    size: dict[str, int] = {}
+    try:
+        pre = json.loads((Path(model_path) / "preprocessor_config.json").read_text())
+        size = {k: int(v) for k, v in (pre.get("size") or {}).items()
+                if k in ("shortest_edge", "longest_edge")}
+        for key, old in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+            if key not in size and pre.get(old) is not None:  # older processors' spelling
+                size[key] = int(pre[old])
+    except (OSError, ValueError, AttributeError):
+        pass  # not readable where the launcher runs: the limits given are all SGLang gets
+    if image_min_pixels is not None:
+        size["shortest_edge"] = int(image_min_pixels)
+    if image_max_pixels is not None:
+        size["longest_edge"] = int(image_max_pixels)
+    return [MM_PROCESS_FLAG, json.dumps({"image": {"size": size}}, sort_keys=True)]
 
 
 def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_id: int,

@@ -143,6 +143,16 @@ def _media_flags(cfg: TrainConfig) -> list[str]:
     return flags
 
 
+def sglang_media_args(cfg: TrainConfig, model_path: str) -> list[str]:
+    """The data's image limits for an SGLang engine of a multimodal run (its own image
+    processor resizes; a different token count fails the run at its first prompt)."""
+    d = cfg.data
+    if not d.multimodal_keys:
+        return []
+    return sglang_api.mm_process_args(model_path, d.image_min_pixels, d.image_max_pixels,
+                                      cfg.rollout.engine_extra_args)
+
+
 def pinned_cpus(cfg: TrainConfig, role: str) -> list[int] | None:
     """CPU ids the `role` ("trainer" or "rollout") is pinned to: cluster.trainer_cpus /
     rollout_cpus, which only a local cluster has (on Slurm the allocation places the roles)."""
@@ -186,7 +196,8 @@ def _sglang_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, 
             dtype=cfg.model.dtype, seed=seed, trust_remote_code=cfg.model.trust_remote_code,
             api_key=r.engine_api_key,
             enable_memory_saver=r.release_memory_during_train,
-            extra_args=r.engine_extra_args, deterministic=r.deterministic,
+            extra_args=[*r.engine_extra_args, *sglang_media_args(cfg, model_path)],
+            deterministic=r.deterministic,
             routed_experts=returns_routing(cfg, model_path),
             device="cpu" if cpu else "cuda",
             lora=((cfg.model.lora.rank, list(cfg.model.lora.target_modules))

@@ -60,7 +60,8 @@ def check_media_tokens(results: list[GenerateResult], expanded_len: int, where: 
     did (`meta_info.prompt_tokens`; results resumed across a sync are skipped: their count is
     the worker's own). The samples carry the worker's ids and tensors: the trainer would score
     other tokens than the engine sampled from. SGLang runs its own image processor, configured
-    by the model directory and --mm-process-config, not by data.image_*_pixels.
+    by the model directory and --mm-process-config (the launcher passes data.image_*_pixels
+    there: sglang_api.mm_process_args); its video frames it samples itself.
 
     >>> r = GenerateResult([5], [-1.0], "stop", "0", meta_info={"prompt_tokens": 9})
     >>> check_media_tokens([r], 7, "prompt 3")  # doctest: +ELLIPSIS
@@ -76,10 +77,10 @@ def check_media_tokens(results: list[GenerateResult], expanded_len: int, where: 
             f"{where}: the engine expanded the prompt's media to {got} tokens, the rollout "
             f"worker to {expanded_len} (with the same ids and media): their processors resize "
             "images or sample video frames differently, and the trainer would score other "
-            "tokens than the engine sampled. Fix: give the engine the worker's limits (SGLang: "
-            "rollout.engine_extra_args=['--mm-process-config', JSON], see docs/engines.md, "
-            "vision-language on SGLang), or set data.image_*_pixels / data.video_* to the "
-            "engine's")
+            "tokens than the engine sampled. Fix: give the engine the worker's limits (SGLang "
+            "gets data.image_*_pixels as --mm-process-config unless rollout.engine_extra_args "
+            "has its own; it samples video frames itself: see docs/engines.md, vision-language "
+            "on SGLang), or set data.image_*_pixels / data.video_* to the engine's")
 
 
 def seeded_params(params: dict, run_seed: int, group_id: int, n: int) -> list[dict]:

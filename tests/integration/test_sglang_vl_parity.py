@@ -28,10 +28,11 @@ from relax_slurm.config.algo import AlgoConfig  # noqa: E402
 from relax_slurm.config.data import DataConfig  # noqa: E402
 from relax_slurm.config.model import ModelConfig  # noqa: E402
 from relax_slurm.data import PromptDataset  # noqa: E402
-from relax_slurm.data.processor import MediaProcessor  # noqa: E402
+from relax_slurm.data.processor import MediaLimits, MediaProcessor  # noqa: E402
 from relax_slurm.engines.client import EngineClient  # noqa: E402
-from relax_slurm.engines.sglang_api import API_KEY_ENV  # noqa: E402
-from relax_slurm.rollout.sampling import media_pad_ban, seeded_params  # noqa: E402
+from relax_slurm.engines.sglang_api import API_KEY_ENV, mm_process_args  # noqa: E402
+from relax_slurm.rollout.sampling import (check_media_tokens, media_pad_ban,  # noqa: E402
+                                          seeded_params)
 from relax_slurm.samples import Sample  # noqa: E402
 from relax_slurm.trainer.batch import collate, prepare_items  # noqa: E402
 from relax_slurm.trainer.model import full_named_weights, load_hf_model, pad_token_id  # noqa: E402
@@ -56,11 +57,10 @@ def assets(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def engine(assets, sglang_cpu_python, tmp_path_factory):
+def serve(python, model: Path, tmp_path_factory, extra_args: list[str] = ()):
     port = free_port()
     log = tmp_path_factory.mktemp("sglang_vl") / "engine.log"
-    proc = start_sglang_engine(sglang_cpu_python, assets / "vl_model", port, log, api_key=KEY)
+    proc = start_sglang_engine(python, model, port, log, api_key=KEY, extra_args=extra_args)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, 300, log)
@@ -69,16 +69,36 @@ def engine(assets, sglang_cpu_python, tmp_path_factory):
         stop_process(proc)
 
 
+@pytest.fixture(scope="module")
+def engine(assets, sglang_cpu_python, tmp_path_factory):
+    yield from serve(sglang_cpu_python, assets / "vl_model", tmp_path_factory)
+
+
+# data.image_max_pixels below the 56x56 images (the model's own maximum): 28x28, 1 token each
+# instead of 4, on both sides only if SGLang gets the limit (mm_process_args)
+LIMITS = MediaLimits(image_max_pixels=28 * 28)
+
+
+@pytest.fixture(scope="module")
+def limited_engine(assets, sglang_cpu_python, tmp_path_factory):
+    path = assets / "vl_model"
+    yield from serve(sglang_cpu_python, path, tmp_path_factory,
+                     mm_process_args(str(path), LIMITS.image_min_pixels, LIMITS.image_max_pixels))
+
+
 def rollout_vs_trainer(client: EngineClient, model: torch.nn.Module, rows, mp: MediaProcessor
                        ) -> float:
     """Largest |rollout - trainer| log-prob over N sampled responses per row, generated as the
-    rollout worker asks (one pad per image, the image file, the pad ban)."""
+    rollout worker asks (one pad per image, the image file, the pad ban); the engine must have
+    expanded each prompt's images to as many tokens as the worker (check_media_tokens)."""
     processed = [mp.process(list(r.input_ids), r.media) for r in rows]
     media = [{k: [x.to_engine() for x in refs] for k, refs in r.media.items()} for r in rows]
     params = [p | media_pad_ban(mp.pad_ids.values())
               for g in range(len(rows)) for p in seeded_params({"max_new_tokens": 3}, 0, g, N)]
     results = client.generate([list(r.input_ids) for r in rows for _ in range(N)], params,
                               media=[m for m in media for _ in range(N)])
+    for i, r in enumerate(results):
+        check_media_tokens([r], len(processed[i // N].input_ids), f"row {i // N}")
     samples = [Sample(prompt_id=str(i // N), group_id=i // N,
                       prompt_ids=processed[i // N].input_ids, response_ids=r.output_ids,
                       loss_mask=[1.0] * len(r.output_ids), rollout_logprobs=r.logprobs,
@@ -126,3 +146,23 @@ def test_image_logprobs_match_the_trainer_before_and_after_a_vision_push(engine,
         after = rollout_vs_trainer(client, model, rows, mp)
         assert after < TOL, (f"after a vision-tower push, on images seen before it: rollout "
                              f"and trainer log-probs differ by {after}")
+
+
+def test_image_limits_reach_sglang_so_both_sides_count_the_same_tokens(limited_engine, assets,
+                                                                       monkeypatch):
+    """data.image_max_pixels below the images' size: the worker resizes them to 1 token each,
+    and so must SGLang (--mm-process-config from the launcher, launch/roles.py); without the
+    flag SGLang expands each to 4 and the run fails at its first prompt (ConfigError)."""
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    path = assets / "vl_model"
+    tok = AutoTokenizer.from_pretrained(path)
+    ds = PromptDataset(DataConfig(train_files=[str(assets / "colors_test.jsonl")],
+                                  multimodal_keys={"image": "images"}, shuffle=False), tok)
+    rows = [ds[0], ds[1]]
+    mp = MediaProcessor(path, tok.get_vocab(), LIMITS)
+    pad = next(iter(mp.pad_ids.values()))
+    assert [mp.process(list(r.input_ids), r.media).input_ids.count(pad) for r in rows] == [1, 1]
+    model = load_hf_model(ModelConfig(path=str(path)), torch.device("cpu"))
+    with EngineClient(limited_engine, 120.0) as client:
+        diff = rollout_vs_trainer(client, model, rows, mp)
+    assert diff < TOL, f"image limits: rollout and trainer log-probs differ by {diff}"

@@ -127,6 +127,42 @@ def test_server_argv_has_sglang_flags():
     assert keyed[2].endswith(f'--api-key "${api.API_KEY_ENV}"') and "--ep-size" not in keyed[2]
 
 
+def test_image_limits_reach_sglang_as_its_mm_process_config(tmp_path):
+    """data.image_*_pixels -> --mm-process-config: SGLang's image processor must resize as the
+    worker's does. The model directory's other limit is kept (both keys are needed); a limit
+    the user passes in rollout.engine_extra_args wins; no limits, no flag."""
+    import json
+
+    from relax_slurm.config import TrainConfig
+    from relax_slurm.config.data import DataConfig
+    from relax_slurm.config.model import ModelConfig
+    from relax_slurm.config.rollout import RolloutConfig
+    from relax_slurm.launch.roles import sglang_media_args
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 784, "longest_edge": 3136}, "patch_size": 14}))
+    flag, value = api.mm_process_args(str(tmp_path), None, 1568)
+    assert flag == "--mm-process-config"
+    assert json.loads(value) == {"image": {"size": {"shortest_edge": 784, "longest_edge": 1568}}}
+    # an older processor's spelling (min_pixels / max_pixels)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 100,
+                                                                   "max_pixels": 900}))
+    _, value = api.mm_process_args(str(tmp_path), 400, None)
+    assert json.loads(value)["image"]["size"] == {"shortest_edge": 400, "longest_edge": 900}
+    assert api.mm_process_args(str(tmp_path / "nowhere"), 400, 800)[1] == json.dumps(
+        {"image": {"size": {"longest_edge": 800, "shortest_edge": 400}}}, sort_keys=True)
+    assert api.mm_process_args(str(tmp_path), None, None) == []
+    mine = ["--mm-process-config", '{"image": {}}']
+    assert api.mm_process_args(str(tmp_path), 400, 800, mine) == []
+
+    def cfg(keys, **data) -> TrainConfig:
+        return TrainConfig(run_dir="x", model=ModelConfig(path=str(tmp_path)),
+                           data=DataConfig(train_files=["x"], multimodal_keys=keys, **data),
+                           rollout=RolloutConfig(engine="sglang"))
+    assert sglang_media_args(cfg({"image": "images"}, image_max_pixels=900), str(tmp_path))
+    assert sglang_media_args(cfg({}, image_max_pixels=900), str(tmp_path)) == []  # text data
+
+
 def test_clients_send_the_api_key_from_the_environment(monkeypatch):
     from relax_slurm.engines.client import EngineClient
 

@@ -181,7 +181,10 @@ def launch_lines() -> list[list[str]]:
                 {**base, "enable_memory_saver": True, "deterministic": True,
                  "extra_args": ["--context-length", "8192"]},
                 {**base, "api_key": True}, {**base, "routed_experts": True},
-                {**base, "tp_size": 1, "device": "cpu"}]
+                {**base, "tp_size": 1, "device": "cpu"},
+                # data.image_*_pixels (JSON with spaces and quotes, through bash -c's quoting)
+                {**base, "api_key": True,
+                 "extra_args": api.mm_process_args("/m", 1024, 200704)}]
     lines = []
     for v in variants:
         argv = api.server_argv("/py", **v)
@@ -209,7 +212,7 @@ def test_every_launch_line_parses_with_sglangs_own_parser(src):
          "to setup.cfg's dev extra\n" if missing else "") + proc.stderr[-4000:])
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["version"] == src.parent.parent.name
-    plain, ep, det, keyed, routed, cpu = out["parsed"]
+    plain, ep, det, keyed, routed, cpu, media = out["parsed"]
     assert (plain["model_path"], plain["port"], plain["base_gpu_id"], plain["tp_size"]) == \
         ("/m", 30000, 4, 2)
     assert plain["mem_fraction_static"] == 0.7 and plain["dtype"] == "bfloat16"
@@ -225,3 +228,6 @@ def test_every_launch_line_parses_with_sglangs_own_parser(src):
         ("cpu", "torch_native", 16384)
     assert cpu["disable_cuda_graph"] and cpu["skip_server_warmup"] and cpu["sleep_on_idle"]
     assert cpu["tp_size"] == 1 and plain["device"] != "cpu" and not plain["sleep_on_idle"]
+    assert media["mm_process_config"] == {
+        "image": {"size": {"shortest_edge": 1024, "longest_edge": 200704}}}
+    assert media["api_key"] == "s3cret" and plain["mm_process_config"] in (None, {})
