@@ -281,28 +281,43 @@ def mm_process_args(model_path: str, image_min_pixels: Optional[int],
     as the rollout worker's does (data.image_min_pixels / image_max_pixels); [] when neither is
     set, or when `extra_args` (rollout.engine_extra_args) already has the flag (the user's
     own wins). SGLang passes the "image" keys to the processor's call; the Qwen-VL processors
-    take the limits as `size` {shortest_edge, longest_edge}, pixel counts, both keys needed:
-    the model directory's other one is kept (preprocessor_config.json), as the worker does
-    (data/processor.py `_size_kwargs`)."""
+    take the limits as `size` {shortest_edge, longest_edge}, pixel counts, and refuse a size
+    without both: the model's other one is kept (its preprocessor_config.json, in the model
+    directory or the local Hugging Face cache), as the worker does (data/processor.py
+    `_size_kwargs`). With one limit and no readable model config, no flag: SGLang then keeps the
+    model's limits, and the worker's token-count check names the mismatch at the first prompt."""
     if image_min_pixels is None and image_max_pixels is None:
         return []
     if any(a == MM_PROCESS_FLAG or a.startswith(MM_PROCESS_FLAG + "=") for a in extra_args):
         return []
-    size: dict[str, int] = {}
-    try:
-        pre = json.loads((Path(model_path) / "preprocessor_config.json").read_text())
-        size = {k: int(v) for k, v in (pre.get("size") or {}).items()
-                if k in ("shortest_edge", "longest_edge")}
-        for key, old in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
-            if key not in size and pre.get(old) is not None:  # older processors' spelling
-                size[key] = int(pre[old])
-    except (OSError, ValueError, AttributeError):
-        pass  # not readable where the launcher runs: the limits given are all SGLang gets
+    size = _processor_size(model_path)
     if image_min_pixels is not None:
         size["shortest_edge"] = int(image_min_pixels)
     if image_max_pixels is not None:
         size["longest_edge"] = int(image_max_pixels)
+    if set(size) != {"shortest_edge", "longest_edge"}:
+        return []
     return [MM_PROCESS_FLAG, json.dumps({"image": {"size": size}}, sort_keys=True)]
+
+
+def _processor_size(model_path: str) -> dict[str, int]:
+    """The image processor's {shortest_edge, longest_edge} from the model's
+    preprocessor_config.json where the launcher can read it ({} otherwise); offline."""
+    from transformers.utils import cached_file
+
+    try:
+        path = cached_file(model_path, "preprocessor_config.json", local_files_only=True,
+                           _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+        pre = json.loads(Path(path).read_text()) if path else {}
+    except (OSError, ValueError):  # not a model directory nor a hub id
+        return {}
+    size = {k: int(v) for k, v in (pre.get("size") or {}).items()
+            if k in ("shortest_edge", "longest_edge")}
+    for key, old in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+        if key not in size and pre.get(old) is not None:  # older processors' spelling
+            size[key] = int(pre[old])
+    return size
 
 
 def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_id: int,

@@ -151,6 +151,9 @@ def test_image_limits_reach_sglang_as_its_mm_process_config(tmp_path):
     assert json.loads(value)["image"]["size"] == {"shortest_edge": 400, "longest_edge": 900}
     assert api.mm_process_args(str(tmp_path / "nowhere"), 400, 800)[1] == json.dumps(
         {"image": {"size": {"longest_edge": 800, "shortest_edge": 400}}}, sort_keys=True)
+    # one limit, the model's config not readable here (a hub id not in the local cache): no
+    # flag, since the processor refuses a size with one key
+    assert api.mm_process_args("Qwen/not-cached-here", None, 800) == []
     assert api.mm_process_args(str(tmp_path), None, None) == []
     mine = ["--mm-process-config", '{"image": {}}']
     assert api.mm_process_args(str(tmp_path), 400, 800, mine) == []

@@ -184,7 +184,7 @@ def launch_lines() -> list[list[str]]:
                 {**base, "tp_size": 1, "device": "cpu"},
                 # data.image_*_pixels (JSON with spaces and quotes, through bash -c's quoting)
                 {**base, "api_key": True,
-                 "extra_args": api.mm_process_args("/m", 1024, 200704)}]
+                 "extra_args": api.mm_process_args("/nowhere", 1024, 200704)}]
     lines = []
     for v in variants:
         argv = api.server_argv("/py", **v)
