@@ -114,16 +114,20 @@ def rollout_vs_trainer(client: EngineClient, model: torch.nn.Module, rows, mp: M
     return float((logp[mask] - mb.rollout_logp[mask]).abs().max())
 
 
-def test_image_logprobs_match_the_trainer_before_and_after_a_vision_push(engine, assets,
-                                                                        monkeypatch):
-    monkeypatch.setenv(API_KEY_ENV, KEY)
+def two_rows(assets: Path, limits: MediaLimits | None = None):
+    """The first two colour prompts, the worker's media processor (with `limits`), the model."""
     path = assets / "vl_model"
     tok = AutoTokenizer.from_pretrained(path)
     ds = PromptDataset(DataConfig(train_files=[str(assets / "colors_test.jsonl")],
                                   multimodal_keys={"image": "images"}, shuffle=False), tok)
-    rows = [ds[0], ds[1]]
-    mp = MediaProcessor(path, tok.get_vocab())
     model = load_hf_model(ModelConfig(path=str(path)), torch.device("cpu"))
+    return [ds[0], ds[1]], MediaProcessor(path, tok.get_vocab(), limits), model
+
+
+def test_image_logprobs_match_the_trainer_before_and_after_a_vision_push(engine, assets,
+                                                                        monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    rows, mp, model = two_rows(assets)
     with EngineClient(engine, 120.0) as client:
         before = rollout_vs_trainer(client, model, rows, mp)
         assert before < TOL, f"step 0: rollout and trainer log-probs differ by {before}"
@@ -154,15 +158,9 @@ def test_image_limits_reach_sglang_so_both_sides_count_the_same_tokens(limited_e
     and so must SGLang (--mm-process-config from the launcher, launch/roles.py); without the
     flag SGLang expands each to 4 and the run fails at its first prompt (ConfigError)."""
     monkeypatch.setenv(API_KEY_ENV, KEY)
-    path = assets / "vl_model"
-    tok = AutoTokenizer.from_pretrained(path)
-    ds = PromptDataset(DataConfig(train_files=[str(assets / "colors_test.jsonl")],
-                                  multimodal_keys={"image": "images"}, shuffle=False), tok)
-    rows = [ds[0], ds[1]]
-    mp = MediaProcessor(path, tok.get_vocab(), LIMITS)
+    rows, mp, model = two_rows(assets, LIMITS)
     pad = next(iter(mp.pad_ids.values()))
     assert [mp.process(list(r.input_ids), r.media).input_ids.count(pad) for r in rows] == [1, 1]
-    model = load_hf_model(ModelConfig(path=str(path)), torch.device("cpu"))
     with EngineClient(limited_engine, 120.0) as client:
         diff = rollout_vs_trainer(client, model, rows, mp)
     assert diff < TOL, f"image limits: rollout and trainer log-probs differ by {diff}"
