@@ -52,7 +52,7 @@ class LeastLoadedRouter(Generic[E]):
             raise EngineError("no routable engine (every engine is draining); scale out or "
                               "wait for the scale-in to end")
         if self.gate is not None:
-            await self.gate.refresh()
+            self.gate.poke()
             await self.gate.wait_for_one([self.engines[i].url for i in candidates])
             candidates = [i for i in candidates if self.gate.allows(self.engines[i].url)]
         i = min(candidates, key=self.inflight.__getitem__)

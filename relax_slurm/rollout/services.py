@@ -28,7 +28,7 @@ from relax_slurm.rollout.coalesce import CoalescingEngine
 from relax_slurm.engines.client import AsyncEngineClient, GenerateResult
 from relax_slurm.rollout.multiturn import Episode, episode_sample
 from relax_slurm.rollout.router import LeastLoadedRouter
-from relax_slurm.rollout.version_gate import VersionGate
+from relax_slurm.rollout.version_gate import PROBE_TIMEOUT_S, VersionGate
 from relax_slurm.rollout.sampling import (
     no_routing_error, response_logprobs, sample_routing, sampling_params, seeded_params,
     shaped_rewards,
@@ -100,7 +100,7 @@ def version_gate(timeout_s: float) -> VersionGate:
     """The worker's gate (its floor: the broker client's, once the services exist); an
     engine's version from its /model_info."""
     async def served(url: str) -> str | None:
-        async with AsyncEngineClient(url, timeout_s) as client:
+        async with AsyncEngineClient(url, min(timeout_s, PROBE_TIMEOUT_S)) as client:
             return await client.weight_version()
     return VersionGate(lambda: None, served)
 

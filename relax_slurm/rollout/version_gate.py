@@ -26,6 +26,7 @@ from relax_slurm.errors import EngineError
 
 log = logging.getLogger(__name__)
 RECHECK_S = 0.5
+PROBE_TIMEOUT_S = 5.0  # a behind engine that does not answer /model_info this fast stays behind
 
 
 def oldest_version(results: Iterable[GenerateResult]) -> int | None:
@@ -45,6 +46,7 @@ class VersionGate:
         self.clock = clock
         self.behind: dict[str, int] = {}  # url -> the floor it must reach
         self._checked = float("-inf")
+        self._background: asyncio.Task | None = None
         self.gated = 0
         """Engines found behind so far (a metric: restarts, missed syncs)."""
 
@@ -76,6 +78,12 @@ class VersionGate:
             if served is not None and int(served) >= floor:
                 del self.behind[url]
                 log.info("engine %s serves version %s again: routed to", url, served)
+
+    def poke(self) -> None:
+        """Refresh in the background (a pick that has allowed engines does not wait on a behind
+        one's answer)."""
+        if self.behind and (self._background is None or self._background.done()):
+            self._background = asyncio.ensure_future(self.refresh())
 
     async def wait_for_one(self, urls: list[str]) -> None:
         """Until one of `urls` is allowed (every candidate engine is behind)."""

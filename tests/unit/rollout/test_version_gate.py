@@ -78,6 +78,7 @@ def test_the_router_skips_behind_engines_and_waits_when_every_one_is():
         for _ in range(3):  # b only, although a has fewer requests in flight
             async with router.pick() as engine:
                 assert engine.url == "b"
+        served["b"] = "3"
         gate.check("b", [result("3")])  # now both are behind: a pick waits ...
         pick = asyncio.create_task(router.pick().__aenter__())
         await asyncio.sleep(0.3)
@@ -86,4 +87,26 @@ def test_the_router_skips_behind_engines_and_waits_when_every_one_is():
         clock.t += 1.0
         engine = await asyncio.wait_for(pick, 30)
         assert engine.url == "a"
+    asyncio.run(go())
+
+
+def test_a_behind_engine_that_does_not_answer_holds_up_no_pick():
+    """The behind engine's /model_info never answers (frozen): picks of the other engine go on
+    (the refresh runs in the background), and the behind one stays behind."""
+    never = asyncio.Event()
+
+    async def served_version(url: str) -> str | None:
+        await never.wait()  # never set: a frozen engine
+        return "5"
+
+    gate = VersionGate(lambda: 5, served_version)
+    router = LeastLoadedRouter([Engine("a"), Engine("b")], gate)
+    gate.check("a", [result("0")])
+
+    async def go() -> None:
+        for _ in range(3):
+            engine = await asyncio.wait_for(router.pick().__aenter__(), 30)
+            assert engine.url == "b"
+        assert not gate.allows("a")
+        gate._background.cancel()
     asyncio.run(go())
