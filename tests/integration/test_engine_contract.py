@@ -17,6 +17,7 @@ engine alike (issue #33): what the trainer and the launcher rely on while engine
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import signal
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpe
 from helpers_tiny import (free_port, make_tiny_model, run_script, start_engine,  # noqa: E402
                           start_sglang_engine, stop_process, wait_healthy)
 
-from relax_slurm.engines.client import EngineClient  # noqa: E402
+from relax_slurm.engines.client import AsyncEngineClient, EngineClient  # noqa: E402
 from relax_slurm.engines.sglang_api import API_KEY_ENV  # noqa: E402
 from relax_slurm.launch.health import HangWatch  # noqa: E402
 
@@ -138,11 +139,18 @@ def test_the_api_key_guards_every_route_but_the_probes(engine, client):
     assert client.ready() is True and client.weight_version() == version
 
 
+async def async_weight_version(url: str) -> str | None:
+    async with AsyncEngineClient(url, 30.0) as client:
+        return await client.weight_version()
+
+
 def test_the_version_label_is_what_model_info_and_generate_report(engine, client):
     kind, before = engine[0], client.weight_version()
     try:
         client.update_weight_version("7")
         assert client.weight_version() == "7"
+        # the rollout worker's async client reads it the same way (rollout/version_gate.py)
+        assert asyncio.run(async_weight_version(engine[1])) == "7"
         results = client.generate([[5, 6, 7], [8, 9]], GREEDY)
         for r in results:
             assert (r.finish_reason, len(r.output_ids), len(r.logprobs)) == ("length", 4, 4), kind
