@@ -13,7 +13,7 @@ from relax_slurm.config.model import SGLANG_LORA_TARGETS, ModelConfig
 from relax_slurm.config.reward import RewardConfig
 from relax_slurm.config.rollout import RolloutConfig
 from relax_slurm.config.trainer import TrainerConfig
-from relax_slurm.config.weight_sync import WeightSyncConfig
+from relax_slurm.config.weight_sync import WeightSyncConfig, engines_on_trainer_host
 
 SEED_LIMIT = 1 << 22
 """seed below this: its sampling seeds (seed << 40, plus up to 2**40 samples) stay in int64."""
@@ -54,6 +54,28 @@ def check_weight_sync_backend(ws: WeightSyncConfig, rollout: RolloutConfig) -> N
           "weight_sync.backend=nccl with rollout.engine=hf: the hf engine receives on the CPU, "
           "which NCCL cannot reach; use weight_sync.backend=auto (gloo for the hf engine) or "
           "rollout=sglang")
+
+
+def check_weight_transport(ws: WeightSyncConfig, rollout: RolloutConfig,
+                           cluster: ClusterConfig) -> None:
+    """Tensors by reference reach engines on rank 0's node only; engines sharing the GPUs of
+    several trainer nodes have no transport (NCCL refuses two ranks on one GPU)."""
+    check(ws.transport != "tensor" or engines_on_trainer_host(cluster),
+          "weight_sync.transport=tensor hands tensors to engines by reference (CUDA IPC, "
+          "shared memory), which reaches engines on trainer rank 0's node only: use "
+          "cluster.layout=colocated with cluster.trainer_nodes=1 and cluster.rollout_nodes=0, "
+          "or weight_sync.transport=distributed")
+    on_gpus = (isinstance(cluster, SlurmClusterConfig) and cluster.gpus_per_node > 0
+               and rollout.engine == "sglang" and rollout.engine_device != "cpu")
+    shares_several = (on_gpus and rollout.release_memory_during_train
+                      and cluster.layout == "colocated" and cluster.rollout_nodes == 0
+                      and cluster.trainer_nodes > 1)
+    check(not shares_several,
+          f"rollout.release_memory_during_train=true on {getattr(cluster, 'trainer_nodes', 1)} "
+          "shared trainer nodes: the engines of rank 0's node share its GPUs, where NCCL "
+          "refuses a weight-update group (two ranks on one GPU), and tensors by reference do "
+          "not reach the other nodes' engines. Use cluster.trainer_nodes=1, or engines on GPUs "
+          "of their own (rollout.release_memory_during_train=false, or cluster.rollout_nodes>0)")
 
 
 def check_weight_checks(rollout: RolloutConfig, ws: WeightSyncConfig) -> None:

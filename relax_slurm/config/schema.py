@@ -35,6 +35,7 @@ from relax_slurm.config.cross_checks import (
     check_streaming,
     check_weight_sync_backend,
     check_weight_checks,
+    check_weight_transport,
     streaming_blockers,
     supervised_problems,
 )
@@ -97,6 +98,7 @@ class TrainConfig:
         check_judge(self.reward)
         check_streaming(self.algo, self.trainer)
         check_weight_sync_backend(self.weight_sync, self.rollout)
+        check_weight_transport(self.weight_sync, self.rollout, self.cluster)
         check_lora(self.model, self.algo, self.trainer, self.rollout, self.weight_sync)
         problems = self.supervised_problems()
         check(not problems, "; ".join(problems))

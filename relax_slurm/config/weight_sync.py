@@ -6,9 +6,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from relax_slurm.config.check import check
+from relax_slurm.config.cluster import ClusterConfig, SlurmClusterConfig
 
 FLATTENED_BUCKET = "flattened_bucket"
 """weight_sync.load_format: one broadcast per bucket."""
+TRANSPORTS = ("auto", "distributed", "tensor")
 
 
 @dataclass(kw_only=True)
@@ -32,6 +34,13 @@ class WeightSyncConfig:
     Fewer collectives for models of many small tensors (MoE experts), at the price of one
     bucket-sized buffer and a copy on the sender (an hf engine receives into its parameters;
     see docs/weight_sync.md)."""
+    transport: str = "auto"
+    """How a bucket reaches the engines. distributed: broadcast over the weight-update group
+    (/update_weights_from_distributed). tensor: by reference, to engines on trainer rank 0's
+    node only (/update_weights_from_tensor: CUDA IPC handles on GPUs, shared memory on CPU),
+    for engines sharing the trainer's GPUs, where NCCL refuses a group with two ranks on one
+    GPU. auto: tensor with rollout.release_memory_during_train when the engines are on rank
+    0's node, distributed otherwise (docs/weight_sync.md#transports)."""
     pause_mode: str = "retract"
     """How engines pause while weights are sent (async runs, algo.max_staleness >= 1) and
     before they release memory (colocated): retract (running requests go back to the queue,
@@ -47,6 +56,26 @@ class WeightSyncConfig:
                f"weight_sync.backend={self.backend!r}: use auto, gloo or nccl")
         check(self.pause_mode in ("abort", "retract", "in_place"),
                f"weight_sync.pause_mode={self.pause_mode!r}: use retract, abort or in_place")
+        check(self.transport in TRANSPORTS,
+              f"weight_sync.transport={self.transport!r}: use auto, distributed or tensor")
         check(self.load_format in (None, FLATTENED_BUCKET),
                f"weight_sync.load_format={self.load_format!r}: use null (one broadcast per "
                f"tensor) or {FLATTENED_BUCKET}")
+
+
+def engines_on_trainer_host(cluster: ClusterConfig) -> bool:
+    """Every engine on trainer rank 0's node: a local run, or a colocated Slurm job of one node
+    (cluster.trainer_nodes=1, cluster.rollout_nodes=0)."""
+    if isinstance(cluster, SlurmClusterConfig):
+        return (cluster.layout == "colocated" and cluster.rollout_nodes == 0
+                and cluster.trainer_nodes == 1)
+    return True
+
+
+def resolve_transport(ws: WeightSyncConfig, release_memory_during_train: bool,
+                      cluster: ClusterConfig) -> str:
+    """weight_sync.transport with auto decided: distributed or tensor."""
+    if ws.transport != "auto":
+        return ws.transport
+    shares = release_memory_during_train and engines_on_trainer_host(cluster)
+    return "tensor" if shares else "distributed"

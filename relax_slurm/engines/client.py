@@ -325,6 +325,16 @@ class EngineClient(_Base):
         return self._json("/update_weights_from_distributed",
                           self._call("POST", "/update_weights_from_distributed", body))
 
+    def update_weights_from_tensor(self, payloads: list[str],
+                                   weight_version: Optional[str] = None,
+                                   flush_cache: bool = True,
+                                   load_format: Optional[str] = None) -> dict[str, Any]:
+        """Blocks until the engine opened the tensors `payloads` reference (one per TP rank,
+        weightsync/ipc.py) and loaded them."""
+        route = "/update_weights_from_tensor"
+        body = sglang_api.tensor_update_body(payloads, weight_version, flush_cache, load_format)
+        return self._json(route, self._call("POST", route, body))
+
     def load_lora_adapter_from_tensors(self, name: str, config: dict[str, Any], payload: str,
                                        tp_size: int = 1) -> dict[str, Any]:
         """Load adapter `name` (PEFT's adapter_config as `config`; `payload`: its tensors as

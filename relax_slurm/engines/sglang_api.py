@@ -66,6 +66,12 @@ SGLANG_REQUESTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
         frozenset({"names", "dtypes", "shapes"}),
         frozenset({"group_name", "flush_cache", "abort_all_requests", "weight_version",
                    "load_format", "torch_empty_cache", "selector"})),
+    # the tensors by reference (CUDA IPC / shared memory), one payload per TP rank
+    # (weight_sync.transport=tensor, weightsync/ipc.py)
+    "UpdateWeightsFromTensorReqInput": (
+        frozenset({"serialized_named_tensors"}),
+        frozenset({"load_format", "flush_cache", "abort_all_requests", "weight_version",
+                   "selector", "torch_empty_cache"})),
     # a weight-update session: updates are refused outside one (0.5.21+)
     "BeginWeightUpdateReqInput": (frozenset(), frozenset({"selector"})),
     "EndWeightUpdateReqInput": (frozenset(), frozenset()),
@@ -98,6 +104,7 @@ ROUTE_REQUEST = {
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
     "/begin_weight_update": "BeginWeightUpdateReqInput",
     "/end_weight_update": "EndWeightUpdateReqInput",
     "/pause_generation": "PauseGenerationReqInput",
@@ -209,6 +216,16 @@ def update_weights_body(names: list[str], dtypes: list[str], shapes: list[list[i
             "shapes": [list(map(int, s)) for s in shapes], "group_name": group_name,
             "flush_cache": flush_cache, "weight_version": weight_version}
     if load_format is not None:  # older servers may not know the field
+        body["load_format"] = load_format
+    return body
+
+
+def tensor_update_body(payloads: list[str], weight_version: Optional[str], flush_cache: bool,
+                       load_format: Optional[str] = None) -> dict[str, Any]:
+    """/update_weights_from_tensor: `payloads`, one per TP rank (weightsync/ipc.py)."""
+    body = {"serialized_named_tensors": list(payloads), "flush_cache": flush_cache,
+            "weight_version": weight_version}
+    if load_format is not None:
         body["load_format"] = load_format
     return body
 
@@ -331,7 +348,7 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
 
     --base-gpu-id places engines that share a node (with each other or the trainer) on
     disjoint GPUs. --enable-memory-saver is what makes /release_memory_occupation free GPU
-    memory (colocated placement); --weight-version starts the version at 0 like the hf engine.
+    memory (colocated placement; GPUs only); --weight-version starts the version at 0 like the hf engine.
     --enable-deterministic-inference (rollout.deterministic): without it SGLang ignores
     `sampling_params.sampling_seed`, so a resumed run would not draw the same tokens.
     --enable-return-routed-experts (MoE models, rollout.return_routed_experts): without it a
@@ -352,7 +369,10 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
         argv.append("--trust-remote-code")
     if ep_size > 1:
         argv += ["--ep-size", str(ep_size)]
-    if enable_memory_saver:
+    if enable_memory_saver and device != "cpu":
+        # torch_memory_saver is CUDA-only (the CPU venv leaves it out: the server would die
+        # importing it); without it SGLang's release/resume answer 200 and free nothing, which
+        # on CPU is all there is to free
         argv.append("--enable-memory-saver")
     if deterministic:
         argv.append("--enable-deterministic-inference")

@@ -18,6 +18,7 @@ from relax_slurm.broker.client import BrokerClient
 from relax_slurm.broker.stats import BatchStats
 from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig
+from relax_slurm.config.weight_sync import resolve_transport
 from relax_slurm.data_position import CHECKPOINT_KEY, Positions
 from relax_slurm.engines.client import wait_until_healthy
 from relax_slurm.errors import BrokerError, BrokerTimeout
@@ -32,6 +33,7 @@ from relax_slurm.samples import Group
 from relax_slurm.trainer.overlap import BackgroundPush
 from relax_slurm.trainer.stream import GroupStream
 from relax_slurm.weightsync import WeightSender, resolve_backend
+from relax_slurm.weightsync.tensor_sender import TensorSender
 from relax_slurm.weightsync.cohort import Cohort
 
 log = logging.getLogger("relax_slurm.trainer")
@@ -182,8 +184,12 @@ class RankZero:
         # empty host: wherever rank 0 landed (c10d rendezvous picks it on multi-node Slurm
         # runs), by its address on the engines' network
         sync_host = plan.weight_sync_host or address_toward(plan.engine_urls)
+        # by reference to engines sharing the trainer's GPUs (weightsync/tensor_sender.py)
+        by_reference = resolve_transport(cfg.weight_sync, cfg.rollout.release_memory_during_train,
+                                         cfg.cluster) == "tensor"
+
         def make_sender(group_name: str, port: int, urls: list[str]) -> WeightSender:
-            sender = WeightSender(
+            sender = (TensorSender if by_reference else WeightSender)(
                 urls, sync_host, port, group_name,
                 resolve_backend(cfg.weight_sync.backend,
                                 engines_on_gpu=cfg.rollout.engine != "hf"

@@ -1,7 +1,9 @@
 """Weight sync from trainer rank 0 to inference engines over a dedicated process group.
 
 group.py (form/destroy the group as SGLang does), bucket.py (pure bucketing), sender.py
-(trainer side), receiver.py (engine side, used by the hf engine). See docs/weight_sync.md.
+(trainer side), receiver.py (engine side, used by the hf engine); tensor_sender.py and ipc.py:
+buckets by reference to engines sharing the trainer's GPUs (weight_sync.transport=tensor).
+See docs/weight_sync.md.
 """
 
 from relax_slurm.weightsync.bucket import bucket_named_tensors, dtype_name

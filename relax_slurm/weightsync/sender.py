@@ -118,6 +118,10 @@ class WeightSender:
         would take memory from training between syncs."""
 
     @property
+    def connected(self) -> bool:
+        return self._pg is not None
+
+    @property
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
@@ -208,7 +212,7 @@ class WeightSender:
         """
         if isinstance(named_tensors, Adapter):
             return self.send_adapter(named_tensors, version)
-        if self._pg is None:
+        if not self.connected:
             raise WeightSyncError("send() before connect(): form the group first")
         start = time.monotonic()
         buckets = bucket_named_tensors(list(named_tensors), self.bucket_mb)

@@ -11,6 +11,10 @@ engine alike (issue #33): what the trainer and the launcher rely on while engine
   it or with a wrong one, and a refused call changes nothing.
 - The weight version label set by /update_weight_version is what /model_info and every
   /generate answer report.
+- Weights by reference (/update_weights_from_tensor, weight_sync.transport=tensor: shared
+  memory on CPU, CUDA IPC on GPUs) load exactly as the same weights broadcast over the group
+  do, one tensor per pickle and as flattened buckets, and never move the sender's tensors
+  into shared memory.
 - /abort_request with abort_all ends a running batch with finish_reason abort (HTTP 200, the
   tokens so far with their log-probs), and the engine serves the next request whole.
 """
@@ -116,6 +120,23 @@ def test_a_sync_failed_midway_leaves_the_engines_paused_until_the_resend(engine,
     assert r["version_after_failure"] == "0", r
     assert r["ready_after_resend"] is True and r["version_after_resend"] == "2", r
     assert client.ready() is True
+
+
+def test_weights_by_reference_load_exactly_as_broadcast_ones(engine, client, model_dir,
+                                                             tmp_path):
+    kind, url, _ = engine
+    r = run_script("weights_by_reference.py", tmp_path, "--url", url, model_dir=model_dir,
+                   env={API_KEY_ENV: KEY})
+    assert r["versions"] == ["4", "5", "6", "7"], r
+    # other weights: other log-probs (1.03 apart at most on both engines)
+    assert max(abs(a - b) for a, b in zip(r["tensor1"], r["broadcast0"])) > 0.1, r
+    # the same engine, the same weights, the same request: the same floats, whichever way
+    # the weights came (nothing to round: both copy the sender's float32 bytes)
+    assert r["tensor1"] == r["broadcast1"], r
+    assert r["tensor0"] == r["broadcast0"], r
+    assert r["tensor_stats"]["broadcasts"] == 0 and r["tensor_stats"]["num_buckets"] > 1, r
+    assert r["shared"] is False, r  # the sender's tensors stay where they were
+    # the engine serves model_dir's weights again (tensor0): the later tests see them
 
 
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}

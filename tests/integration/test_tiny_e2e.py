@@ -48,7 +48,9 @@ def check_run_dir(run_dir: Path, proc: subprocess.CompletedProcess, steps: int) 
 def test_tiny_sync_learns(tmp_path, tiny_assets):
     # also the shared-GPU schedule (rollout.release_memory_during_train, on CPU): the hf engine
     # refuses /generate while its memory is released, so the run only completes if the trainer
-    # resumes the engines before every rollout (no run of its own)
+    # resumes the engines before every rollout (no run of its own); the engines share the
+    # trainer's memory, so weight_sync.transport=auto hands them the weights by reference
+    # (/update_weights_from_tensor), every push checked bit for bit (VERIFIED)
     run_dir = tmp_path / "sync"
     proc = relax_train(run_dir, tiny_assets, *VERIFIED, "algo.max_staleness=0",
                        "rollout.release_memory_during_train=true", timeout_s=RUN_TIMEOUT_S)
@@ -56,6 +58,9 @@ def test_tiny_sync_learns(tmp_path, tiny_assets):
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert log.count("engines released their memory") == 150
     assert log.count("engines resumed their memory") == 150
+    assert "weight sync by reference" in log and "weight-sync group" not in log
+    engine_log = (run_dir / "logs" / "engine0.log").read_text()
+    assert "tensors by reference" in engine_log and "from group" not in engine_log
     assert summary["reward_first"] <= 0.35
     assert summary["reward_last"] >= 0.8, summary
     rows = read_rows(run_dir)

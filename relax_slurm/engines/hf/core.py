@@ -471,6 +471,29 @@ class HFEngine:
         if flush_cache and self.held_in_place():
             raise BadRequest(sglang_api.FLUSH_REFUSED)
 
+    def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]],
+                                   weight_version: Optional[str], flush_cache: bool) -> None:
+        """/update_weights_from_tensor: tensors the sender shares by reference
+        (weightsync/ipc.py, opened by the route), copied into the parameters. Refused outside
+        a session, as SGLang does."""
+        with self._cond:
+            if not self.state.session:
+                raise BadRequest(sglang_api.OUT_OF_SESSION)
+        t0 = time.monotonic()
+        with self._locked("loading weights from tensors"):
+            try:
+                load_named_tensors(self.model, named)
+            except BaseException:
+                self.state.partial_weights = True
+                raise
+            self.state.partial_weights = False
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+        log.info("loaded %d tensors by reference (weight_version %s) in %.4fs", len(named),
+                 self.weight_version, time.monotonic() - t0)
+        if flush_cache and self.held_in_place():
+            raise BadRequest(sglang_api.FLUSH_REFUSED)
+
     def load_adapter(self, name: str, config: dict, tensors: dict) -> None:
         """/load_lora_adapter_from_tensors, between generation batches."""
         with self._locked("loading an adapter"):

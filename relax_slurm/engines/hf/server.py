@@ -11,6 +11,7 @@ command line that serves them is __main__.py (`python -m relax_slurm.engines.hf`
   POST /destroy_weights_update_group  leave it
   POST /begin_weight_update, /end_weight_update   the session updates must run in
   POST /update_weights_from_distributed  receive one broadcast per name from rank 0, in order
+  POST /update_weights_from_tensor    tensors shared by reference from the same host (ipc.py)
                                       (load_format=flattened_bucket: one of them all)
   POST /pause_generation, /continue_generation   modes abort, retract, in_place (SGLang's)
   POST /flush_cache                   no prefix cache here: a no-op answering 200
@@ -38,6 +39,7 @@ from relax_slurm.engines.hf.core import HFEngine
 from relax_slurm.engines.hf.parsing import (BadRequest, NotServing, parse_generate_request,
                                              parse_lora_path, parse_media, parse_routing_request,
                                              process_media)
+from relax_slurm.weightsync import ipc
 from relax_slurm.weightsync.adapter import read_tensors
 
 log = logging.getLogger("relax_slurm.hf_engine")
@@ -258,6 +260,27 @@ def _weight_routes(app: FastAPI, engine: HFEngine) -> None:
         if version is not None:
             message += f" Weight version updated to {version}."
         return JSONResponse({"success": True, "message": message})
+
+    @app.post("/update_weights_from_tensor")
+    @_json_errors
+    async def update_weights_from_tensor(request: Request):
+        b = await _body(request)
+        sglang_api.check_body("/update_weights_from_tensor", b)
+        load_format = b.get("load_format")
+        if load_format not in (None, FLATTENED_BUCKET):
+            raise BadRequest(f"load_format={load_format!r} is not supported by the hf engine: "
+                             f"use null (a list of named tensors) or {FLATTENED_BUCKET}")
+        payloads = b["serialized_named_tensors"]
+        if not isinstance(payloads, list) or not payloads:
+            raise BadRequest("serialized_named_tensors: one payload per TP rank (the hf engine "
+                             "is one rank)")
+        # opened outside the model lock: generation goes on meanwhile
+        named = await asyncio.to_thread(
+            lambda: [(n, t.to(engine.device)) for n, t in
+                     ipc.named_tensors(ipc.read_payload(payloads[0]), load_format)])
+        await asyncio.to_thread(engine.update_weights_from_tensor, named,
+                                b.get("weight_version"), bool(b.get("flush_cache", True)))
+        return JSONResponse({"success": True, "message": "Success"})
 
 
 def _memory_routes(app: FastAPI, engine: HFEngine) -> None:
