@@ -11,6 +11,8 @@ server's message.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -86,6 +88,20 @@ def parse_generate_item(item: dict[str, Any]) -> GenerateResult:
                           weight_version=None if version is None else str(version),
                           text=item.get("text", ""), meta_info=meta, input_logprobs=inputs,
                           weight_versions=spans, routed_experts=meta.get("routed_experts"))
+
+
+def excluding(lps: list[float], ids_logprobs: Optional[list], url: str) -> list[float]:
+    """Log-probs of input tokens 1.. renormalized without some ids, from their log-probs at
+    each position (meta_info.input_token_ids_logprobs: None for the first position, then
+    [[logprob, id, text], ...]): log p - log(1 - sum of their p)."""
+    if not ids_logprobs or len(ids_logprobs) != len(lps) + 1:
+        raise EngineError(f"engine {url}/generate: no input_token_ids_logprobs for each input "
+                          "position (token_ids_logprob)")
+    out = []
+    for lp, entries in zip(lps, ids_logprobs[1:]):
+        mass = min(sum(math.exp(float(e[0])) for e in entries), 1.0 - 1e-12)
+        out.append(float(lp) - math.log1p(-mass))
+    return out
 
 
 def raise_if_aborted(results: list[GenerateResult], url: str) -> list[GenerateResult]:
@@ -165,7 +181,8 @@ class _Base:
                        return_logprob: bool, logprob_start_len: Optional[int] = None,
                        media: Optional[list[dict[str, list[str]]]] = None,
                        routed_experts: bool = False, routed_start: int = 0,
-                       lora_path: Optional[str] = None) -> dict[str, Any]:
+                       lora_path: Optional[str] = None,
+                       token_ids_logprob: Sequence[int] = ()) -> dict[str, Any]:
         body = {"input_ids": [list(map(int, ids)) for ids in input_ids],
                 "sampling_params": ([dict(p) for p in sampling_params]
                                     if isinstance(sampling_params, list)
@@ -179,6 +196,8 @@ class _Base:
         body.update(media_fields(media, len(input_ids)))
         if lora_path is not None:
             body["lora_path"] = lora_path
+        if token_ids_logprob:  # the log-probs of these ids at every position too
+            body["token_ids_logprob"] = [int(t) for t in token_ids_logprob]
         return body
 
     def _healthy(self, resp: httpx.Response) -> bool:
@@ -513,34 +532,46 @@ class AsyncEngineClient(_Base):
     async def generate(self, input_ids: list[list[int]], sampling_params: SamplingParams,
                        return_logprob: bool = True, logprob_start_len: Optional[int] = None,
                        media: Optional[list[dict[str, list[str]]]] = None,
-                       routed_start: int = 0) -> list[GenerateResult]:
+                       routed_start: int = 0, token_ids_logprob: Sequence[int] = ()
+                       ) -> list[GenerateResult]:
         """`routed_start`: SGLang's routed_experts_start_len (one for the request; at most each
-        input's length), recorded in each result's `routed_start`."""
+        input's length), recorded in each result's `routed_start`. `token_ids_logprob`: the
+        log-probs of these ids at every position too (meta_info.input_token_ids_logprobs)."""
         if not input_ids:
             return []
         body = self._generate_body(input_ids, sampling_params, return_logprob, logprob_start_len,
-                                   media, self.routed_experts, routed_start, self.lora_path)
+                                   media, self.routed_experts, routed_start, self.lora_path,
+                                   token_ids_logprob)
         resp = await self._call("POST", "/generate", body)
         results = self._parse_generate(self._json("/generate", resp), len(input_ids))
         return [dataclasses.replace(r, routed_start=routed_start) if routed_start else r
                 for r in results]
 
     async def prefill_logprobs(self, input_ids: list[list[int]],
-                               media: Optional[list[dict[str, list[str]]]] = None
-                               ) -> list[list[float]]:
+                               media: Optional[list[dict[str, list[str]]]] = None,
+                               lengths: Optional[list[int]] = None,
+                               exclude: Sequence[int] = ()) -> list[list[float]]:
         """Log-probs of tokens 1..L-1 of each sequence given the ones before it, [L-1] each:
         the prefill path of /generate (max_new_tokens=0, logprob_start_len=0), no sampling.
         How a teacher engine scores a student's prompt + response. At temperature 1 on SGLang
         (its prefill reads no sampling params) and on the hf engine alike. `media`: per sequence,
-        the images / videos / audio its prompt's pads stand for (as `generate` takes them)."""
+        the images / videos / audio its prompt's pads stand for (as `generate` takes them), one
+        pad per item in `input_ids`: the engine expands each to the item's tokens, and
+        `lengths` gives each sequence's length so expanded (what the log-probs then cover).
+        `exclude`: ids the caller's model never samples (a multimodal model's media pads, which
+        the trainer's softmax leaves out); the log-probs are renormalized over the vocabulary
+        without them, from their own log-probs at each position (SGLang's token_ids_logprob)."""
         params = {"max_new_tokens": 0}
         results = await self.generate(input_ids, params, return_logprob=True, logprob_start_len=0,
-                                      media=media)
+                                      media=media, token_ids_logprob=exclude)
         out = []
-        for ids, res in zip(input_ids, results):
+        for i, (ids, res) in enumerate(zip(input_ids, results)):
+            n = len(ids) if lengths is None else lengths[i]
             lps = res.input_logprobs[1:]  # the first token has no log-prob
-            if len(lps) != len(ids) - 1 or any(lp is None for lp in lps):
+            if len(lps) != n - 1 or any(lp is None for lp in lps):
                 raise EngineError(f"engine {self.url}/generate: {len(res.input_logprobs)} input "
-                                  f"log-probs for {len(ids)} input tokens (logprob_start_len=0)")
+                                  f"log-probs for {n} input tokens (logprob_start_len=0)")
+            if exclude:
+                lps = excluding(lps, res.meta_info.get("input_token_ids_logprobs"), self.url)
             out.append([float(lp) for lp in lps])
         return out

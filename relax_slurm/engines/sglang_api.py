@@ -86,7 +86,7 @@ SGLANG_REQUESTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "GenerateReqInput": (frozenset(), frozenset({
         "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
         "image_data", "video_data", "audio_data", "return_routed_experts",
-        "routed_experts_start_len", "lora_path"})),
+        "routed_experts_start_len", "lora_path", "token_ids_logprob"})),
     # LoRA adapters (an engine started with --enable-lora): loaded from tensors in the body,
     # unloaded by name, named by /generate's lora_path
     "LoadLoRAAdapterFromTensorsReqInput": (

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from transformers import AutoConfig
 
 from relax_slurm.broker.client import AsyncBrokerClient
 from relax_slurm.config import TrainConfig
 from relax_slurm.data import load_tokenizer
 from relax_slurm.errors import ConfigError
+from relax_slurm.modeling import media_token_ids
 from relax_slurm.runtime.plan import RunPlan
 from relax_slurm.rewards import RewardPool, build_reward, reward_workers
 from relax_slurm.rewards.shaping import is_informative_group
@@ -30,8 +33,8 @@ from relax_slurm.rollout.multiturn import Episode, episode_sample
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.rollout.version_gate import PROBE_TIMEOUT_S, VersionGate
 from relax_slurm.rollout.sampling import (
-    no_routing_error, response_logprobs, sample_routing, sampling_params, seeded_params,
-    shaped_rewards,
+    media_pad_ban, no_routing_error, response_logprobs, sample_routing, sampling_params,
+    seeded_params, shaped_rewards,
 )
 from relax_slurm.routing.segments import sample_rows
 from relax_slurm.routing.shape import RoutingShape, routing_shape
@@ -74,6 +77,32 @@ def grades_like_math(reward_name: str) -> bool:
     """Whether the reward uses math-verify, worth pre-loading in the pool (seconds of SymPy
     imports, which would otherwise count against the first call's timeout)."""
     return any(k in reward_name for k in ("math", "dapo", "deepscaler", "openr1mm"))
+
+
+async def teacher_response_logprobs(teacher: AsyncEngineClient, prompt_ids: list[list[int]],
+                                    responses: list[list[int]],
+                                    masks: list[list[float]] | None = None,
+                                    media: list[dict] | None = None,
+                                    sent_prompts: list[list[int]] | None = None,
+                                    exclude: Sequence[int] = ()) -> list[np.ndarray]:
+    """The teacher's log-prob of each response token given prompt + response so far, from the
+    prefill path of its /generate. `masks`: multi-turn responses hold environment tokens (mask
+    0), which the teacher scores too but which get 0 here: only model tokens train.
+
+    Multimodal prompts: `prompt_ids` has the media pads expanded (what the trainer sees),
+    `sent_prompts` the same prompts with one pad per item, which the teacher gets with `media`
+    and expands itself, as a policy engine does for generation: SGLang's Qwen-VL processors
+    refuse ids expanded by the caller (HTTP 500). `exclude`: ids the student never samples
+    (its media pads), left out of the teacher's softmax as the trainer leaves them out of the
+    student's; SGLang and the hf engine normalize over the whole vocabulary."""
+    sent = prompt_ids if sent_prompts is None else sent_prompts
+    seqs = [list(p) + list(r) for p, r in zip(sent, responses)]
+    # at temperature 1: the teacher's own distribution
+    lps = await teacher.prefill_logprobs(
+        seqs, media=media, lengths=[len(p) + len(r) for p, r in zip(prompt_ids, responses)],
+        exclude=exclude)
+    return [response_logprobs(lp, len(p), None if masks is None else masks[i])
+            for i, (lp, p) in enumerate(zip(lps, prompt_ids))]
 
 
 def check_same_tokenizer(tokenizer, teacher_path: str, model_path: str) -> None:
@@ -124,6 +153,10 @@ class RolloutServices:
     """Sampling parameters of every sample (rollout.*), before its seed."""
     counts: PendingCounts = field(default_factory=PendingCounts)
     warned_no_routing: bool = False
+    media_pads: tuple[int, ...] = ()
+    """A multimodal model.path's media pads, which the trainer's softmax leaves out: SGLang is
+    told never to sample them (in `params`, whatever the data: a VL model on text prompts
+    too), and a teacher's log-probs are renormalized without them."""
 
     @classmethod
     def build(cls, cfg: TrainConfig, plan: RunPlan, tokenizer, worker_rank: int,
@@ -144,13 +177,19 @@ class RolloutServices:
                 f"algo.teacher_model_path={cfg.algo.teacher_model_path} is set but this run has "
                 "no teacher engine in its plan (relax-train starts one, locally and on Slurm): "
                 "start the run with relax-train, or unset it")
+        media_pads = media_token_ids(AutoConfig.from_pretrained(
+            cfg.model.path, trust_remote_code=cfg.model.trust_remote_code))
+        params = sampling_params(cfg)
+        if media_pads and cfg.rollout.engine == "sglang":  # the hf engine never samples them
+            params |= media_pad_ban(media_pads)
         teacher = None
         if plan.teacher_url:
             check_same_tokenizer(tokenizer, cfg.algo.teacher_model_path, cfg.model.path)
             teacher = AsyncEngineClient(plan.teacher_url, cfg.rollout.generate_timeout_s)
         svc = cls(cfg=cfg, tokenizer=tokenizer, broker=broker, router=router, reward=reward,
                   reward_pool=reward_pool, teacher=teacher, routing=routing,
-                  worker_rank=worker_rank, group_ids=group_ids, params=sampling_params(cfg))
+                  worker_rank=worker_rank, group_ids=group_ids, params=params,
+                  media_pads=media_pads)
         # the floor as the worker's broker client last heard it (acquire, put_group)
         gate.floor_of = lambda: getattr(svc.broker, "floor", None)
         return svc
@@ -198,18 +237,14 @@ class RolloutServices:
 
     async def teacher_logprobs(self, prompt_ids: list[list[int]], responses: list[list[int]],
                                masks: list[list[float]] | None = None,
-                               media: list[dict] | None = None) -> list[np.ndarray | None]:
-        """The teacher's log-prob of each response token given prompt + response so far, from
-        the prefill path of its /generate (with the prompt's media for multimodal samples);
-        [None] * n without a teacher. `masks`: multi-turn responses hold environment tokens
-        (mask 0), which the teacher scores too but which get 0 here: only model tokens train."""
+                               media: list[dict] | None = None,
+                               sent_prompts: list[list[int]] | None = None
+                               ) -> list[np.ndarray | None]:
+        """[None] * n without a teacher, else `teacher_response_logprobs` on it."""
         if self.teacher is None:
             return [None] * len(responses)
-        seqs = [list(p) + list(r) for p, r in zip(prompt_ids, responses)]
-        # at temperature 1: the teacher's own distribution
-        lps = await self.teacher.prefill_logprobs(seqs, media=media)
-        return [response_logprobs(lp, len(p), None if masks is None else masks[i])
-                for i, (lp, p) in enumerate(zip(lps, prompt_ids))]
+        return await teacher_response_logprobs(self.teacher, prompt_ids, responses, masks,
+                                               media, sent_prompts, self.media_pads)
 
     async def counts_or_filter(self, rewards: list[float], errors: int) -> dict | None:
         """The counts for this group's samples' metadata; None when dynamic sampling drops it

@@ -18,7 +18,7 @@ from relax_slurm.data.processor import MediaLimits, MediaProcessor, Processed
 from relax_slurm.rewards import RewardInput
 from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.partial import generate_resuming, version_record
-from relax_slurm.rollout.sampling import (check_media_tokens, cut_at_media_pads, media_pad_ban,
+from relax_slurm.rollout.sampling import (check_media_tokens, cut_at_media_pads,
                                          shaped_rewards)
 from relax_slurm.rollout.services import RolloutServices
 from relax_slurm.sample_meta import SampleMeta
@@ -38,9 +38,6 @@ class SingleTurn:
                                         MediaLimits.of(d))
             self.media_pool = concurrent.futures.ThreadPoolExecutor(
                 d.media_num_workers, thread_name_prefix="media")
-        # SGLang samples media pads unless told not to (the hf engine never does)
-        self.pad_ban = (media_pad_ban(self.media.pad_ids.values())
-                        if self.media is not None and svc.cfg.rollout.engine == "sglang" else {})
 
     async def processed(self, prompt: Prompt) -> Processed:
         """The prompt's ids with media pads expanded and its media tensors (text: as is)."""
@@ -68,7 +65,7 @@ class SingleTurn:
         back, on the real server); the hf engine expands the same way."""
         n = self.svc.cfg.rollout.n_samples_per_prompt
         ids = list(prompt.input_ids) if media else processed.input_ids
-        params = [p | self.pad_ban for p in self.svc.group_params(gid)]
+        params = self.svc.group_params(gid)  # with SGLang's media pad ban (services.py)
         async with self.svc.router.pick() as engine:
             # a sequence a weight sync aborts continues from its prefix (rollout.partial_rollout)
             results = await generate_resuming(engine.generate, [ids] * n, params, media,
@@ -90,7 +87,8 @@ class SingleTurn:
         (rewards, errors), teacher = await asyncio.gather(
             self.score(prompt, results),
             svc.teacher_logprobs([processed.input_ids] * n, [r.output_ids for r in results],
-                                 media=media))
+                                 media=media,
+                                 sent_prompts=[list(prompt.input_ids)] * n if media else None))
         rewards = shaped_rewards(svc.cfg, rewards, [len(r.output_ids) for r in results])
         counts = await svc.counts_or_filter(rewards, errors)
         if counts is None:

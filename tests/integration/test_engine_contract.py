@@ -139,6 +139,23 @@ def test_weights_by_reference_load_exactly_as_broadcast_ones(engine, client, mod
     # the engine serves model_dir's weights again (tensor0): the later tests see them
 
 
+def test_token_ids_logprob_scores_those_ids_at_every_input_position(engine, client):
+    """SGLang's token_ids_logprob, which a teacher's prefill asks for the student's media pads
+    (renormalized without them, rollout/services.py): None at the first position, then
+    [logprob, id, text] per asked id; an asked id that is the next input token has that
+    token's own input log-prob."""
+    ids, watch = [5, 6, 7, 8, 9], [3, 7]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": 0, "token_ids_logprob": watch}
+    meta = client._json("/generate", client._call("POST", "/generate", body))["meta_info"]
+    per = meta["input_token_ids_logprobs"]
+    assert len(per) == len(ids) and per[0] is None, per
+    for position in per[1:]:
+        assert [e[1] for e in position] == watch and all(e[0] <= 0.0 for e in position)
+    # ids[2] is 7: its log-prob at position 2, either way (float32: the same op on one row)
+    assert abs(per[2][1][0] - meta["input_token_logprobs"][2][0]) < 1e-5, (per, meta)
+
+
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 
 

@@ -13,6 +13,7 @@ Two causes made them differ (0.1 at step 0, growing to 4.4 in a 60-step run):
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -29,10 +30,12 @@ from relax_slurm.config.data import DataConfig  # noqa: E402
 from relax_slurm.config.model import ModelConfig  # noqa: E402
 from relax_slurm.data import PromptDataset  # noqa: E402
 from relax_slurm.data.processor import MediaLimits, MediaProcessor  # noqa: E402
-from relax_slurm.engines.client import EngineClient  # noqa: E402
+from relax_slurm.engines.client import AsyncEngineClient, EngineClient  # noqa: E402
 from relax_slurm.engines.sglang_api import API_KEY_ENV, mm_process_args  # noqa: E402
 from relax_slurm.rollout.sampling import (check_media_tokens, media_pad_ban,  # noqa: E402
                                           seeded_params)
+from relax_slurm.modeling import media_token_ids  # noqa: E402
+from relax_slurm.rollout.services import teacher_response_logprobs  # noqa: E402
 from relax_slurm.samples import Sample  # noqa: E402
 from relax_slurm.trainer.batch import collate, prepare_items  # noqa: E402
 from relax_slurm.trainer.model import full_named_weights, load_hf_model, pad_token_id  # noqa: E402
@@ -164,3 +167,38 @@ def test_image_limits_reach_sglang_so_both_sides_count_the_same_tokens(limited_e
     with EngineClient(limited_engine, 120.0) as client:
         diff = rollout_vs_trainer(client, model, rows, mp)
     assert diff < TOL, f"image limits: rollout and trainer log-probs differ by {diff}"
+
+
+def test_a_teacher_on_sglang_scores_image_prompts_as_the_trainer(engine, assets, monkeypatch):
+    """On-policy distillation with an SGLang teacher and image prompts (issue #33): the teacher
+    gets each prompt with one pad per image and the image, as a policy engine does (the
+    expanded ids the trainer sees made SGLang's Qwen-VL processor answer HTTP 500), and its
+    log-probs of the response tokens are the trainer's forward of the expanded sequence: with
+    the media pads left out of the softmax, as the trainer leaves them out (SGLang normalizes
+    over the whole vocabulary: 0.09-0.11 apart on this tiny model without `exclude`)."""
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    rows, mp, model = two_rows(assets)
+    processed = [mp.process(list(r.input_ids), r.media) for r in rows]
+    media = [{k: [x.to_engine() for x in refs] for k, refs in r.media.items()} for r in rows]
+    responses = [[5, 9, 7, 11], [12, 6]]
+
+    async def score():
+        async with AsyncEngineClient(engine, 120.0) as teacher:
+            return await teacher_response_logprobs(
+                teacher, [p.input_ids for p in processed], responses, media=media,
+                sent_prompts=[list(r.input_ids) for r in rows],
+                exclude=media_token_ids(model.config))
+
+    teacher_lps = asyncio.run(score())
+    samples = [Sample(prompt_id=str(i), group_id=i, prompt_ids=p.input_ids, response_ids=resp,
+                      loss_mask=[1.0] * len(resp), rollout_logprobs=[0.0] * len(resp),
+                      mm_inputs=p.tensors, reward=float(i))
+               for i, (p, resp) in enumerate(zip(processed, responses))]
+    mb = collate(prepare_items([[s] for s in samples], AlgoConfig()), pad_token_id(model.config),
+                 torch.device("cpu"))
+    with torch.no_grad():
+        logp = token_logprobs(model, mb, 1.0)  # [B, T-1]
+    for i, lp in enumerate(teacher_lps):
+        trainer = logp[i][mb.weights[i] > 0].numpy()
+        assert lp.shape == trainer.shape == (len(responses[i]),)
+        assert np.abs(lp - trainer).max() < TOL, (i, lp, trainer)

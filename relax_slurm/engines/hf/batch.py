@@ -68,6 +68,11 @@ class Row:
     retractions: int = 0
     input_logprobs: Optional[list] = None
     """Computed once, in the row's first batch (wants_input_logprobs)."""
+    token_ids_logprob: Optional[list[int]] = None
+    """Ids whose log-probs each input position also returns (SGLang's token_ids_logprob)."""
+    input_token_ids_logprobs: Optional[list] = None
+    """With input_logprobs: per position from logprob_start_len, [[logprob, id, None], ...]
+    of token_ids_logprob (None for the very first input token)."""
     routed_start: Optional[int] = None
     """>= 0: return the experts each token was routed to from this position on (MoE models,
     SGLang's return_routed_experts / routed_experts_start_len)."""

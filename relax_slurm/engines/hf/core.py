@@ -144,7 +144,8 @@ class HFEngine:
     def submit(self, prompts: list[list[int]], specs: list[SamplingSpec],
                logprob_flags: list[bool], logprob_start_lens: Optional[list[int]] = None,
                mm: Optional[list[Optional[dict]]] = None,
-               routed_start: Optional[int] = None, lora_path: Optional[str] = None) -> Future:
+               routed_start: Optional[int] = None, lora_path: Optional[str] = None,
+               token_ids: Optional[list[Optional[list[int]]]] = None) -> Future:
         """Queue one request's sequences; the future resolves to their response items.
         `routed_start`: return routed experts from this position on (ignored, as by SGLang,
         unless the engine was started with them enabled). `lora_path`: the adapter they run
@@ -154,10 +155,11 @@ class HFEngine:
         starts = logprob_start_lens or [-1] * len(prompts)
         mm = mm or [None] * len(prompts)
         routed_start = routed_start if self.routing is not None else None
+        token_ids = token_ids or [None] * len(prompts)
         rows = [Row(ids, spec, lp, req, i, start, m, routed_start=routed_start,
-                    lora_path=lora_path)
-                for i, (ids, spec, lp, start, m)
-                in enumerate(zip(prompts, specs, logprob_flags, starts, mm))]
+                    lora_path=lora_path, token_ids_logprob=tids)
+                for i, (ids, spec, lp, start, m, tids)
+                in enumerate(zip(prompts, specs, logprob_flags, starts, mm, token_ids))]
         queued = []
         for row in rows:
             if row.spec.max_new_tokens == 0 and not row.wants_input_logprobs:  # nothing to run
@@ -331,6 +333,8 @@ class HFEngine:
             tokens = row.input_ids[row.logprob_start_len:]
             meta["input_token_logprobs"] = [[lp, tok, None]
                                             for lp, tok in zip(row.input_logprobs, tokens)]
+            if row.input_token_ids_logprobs is not None:
+                meta["input_token_ids_logprobs"] = row.input_token_ids_logprobs
         return {"text": text, "output_ids": out_ids, "meta_info": meta}
 
     # ---- control: pause, weights ------------------------------------------------------------

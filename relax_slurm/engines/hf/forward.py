@@ -53,5 +53,12 @@ def input_logprobs(model, device: torch.device, pad_id: int, rows: list[Row],
             n = len(row.input_ids)
             scores = logits[i, :n - 1].float()  # [L-1, V]
             targets = input_ids[i, 1:n][:, None]
-            lps = (scores.gather(1, targets).squeeze(1) - torch.logsumexp(scores, -1))
+            norm = torch.logsumexp(scores, -1)  # [L-1]
+            lps = scores.gather(1, targets).squeeze(1) - norm
             row.input_logprobs = [None, *lps.tolist()][row.logprob_start_len:]
+            if row.token_ids_logprob:
+                ids = row.token_ids_logprob
+                rows_lp = (scores[:, ids] - norm[:, None]).tolist()  # [L-1, K]
+                row.input_token_ids_logprobs = [None, *[
+                    [[lp, tok, None] for lp, tok in zip(pos, ids)] for pos in rows_lp
+                ]][row.logprob_start_len:]

@@ -113,7 +113,7 @@ def parse_generate_request(body: dict, tokenizer: Any, vocab_size: int
     is_batch); a start length of -1 (SGLang's default) returns no input log-probs."""
     if body.get("stream"):
         raise BadRequest("stream=true is not supported by the hf engine")
-    for key in ("top_logprobs_num", "token_ids_logprob", "return_hidden_states", "input_embeds"):
+    for key in ("top_logprobs_num", "return_hidden_states", "input_embeds"):
         if body.get(key):
             raise BadRequest(f"{key} is not supported by the hf engine")
     text, ids = body.get("text"), body.get("input_ids")
@@ -148,6 +148,24 @@ def parse_generate_request(body: dict, tokenizer: Any, vocab_size: int
             raise BadRequest(f"logprob_start_len={start!r}: must be -1 (output log-probs only) "
                              f"or an index into the input (below its length {len(prompt)})")
     return prompts, specs, flags, starts, is_batch
+
+
+def parse_token_ids_logprob(body: dict, n: int, vocab_size: int) -> list[Optional[list[int]]]:
+    """SGLang's `token_ids_logprob`: ids whose log-probs every position also returns (one list
+    for all inputs, or one per input). The hf engine returns them for the input positions
+    (meta_info.input_token_ids_logprobs), not for the output ones."""
+    value = body.get("token_ids_logprob")
+    if not value:
+        return [None] * n
+    per_input = value if isinstance(value[0], list) else [value] * n
+    if len(per_input) != n:
+        raise BadRequest(f"token_ids_logprob: {len(per_input)} lists for {n} inputs")
+    for ids in per_input:
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                   for t in ids or []):
+            raise BadRequest(f"token_ids_logprob={ids!r}: ids in the vocabulary [0, "
+                             f"{vocab_size})")
+    return [list(ids) if ids else None for ids in per_input]
 
 
 def parse_lora_path(body: dict) -> Optional[str]:

@@ -38,7 +38,7 @@ from relax_slurm.engines import sglang_api
 from relax_slurm.engines.hf.core import HFEngine
 from relax_slurm.engines.hf.parsing import (BadRequest, NotServing, parse_generate_request,
                                              parse_lora_path, parse_media, parse_routing_request,
-                                             process_media)
+                                             parse_token_ids_logprob, process_media)
 from relax_slurm.weightsync import ipc
 from relax_slurm.weightsync.adapter import read_tensors
 
@@ -129,9 +129,11 @@ def _generation_routes(app: FastAPI, engine: HFEngine, request_timeout_s: float)
         media = parse_media(body, len(prompts), is_batch)
         routed_start = parse_routing_request(body, prompts)
         lora_path = parse_lora_path(body)
+        token_ids = parse_token_ids_logprob(body, len(prompts), engine.vocab_size)
         prompts, mm = await asyncio.to_thread(process_media, engine.media, engine.model_path,
                                               prompts, media)
-        future = engine.submit(prompts, specs, flags, starts, mm, routed_start, lora_path)
+        future = engine.submit(prompts, specs, flags, starts, mm, routed_start, lora_path,
+                               token_ids)
         items = await asyncio.wait_for(asyncio.wrap_future(future), timeout=request_timeout_s)
         return JSONResponse(items if is_batch else items[0])
 

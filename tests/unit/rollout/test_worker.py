@@ -12,6 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from transformers import AutoConfig
 
 from tests.helpers_tiny import running_engine
 
@@ -24,6 +25,7 @@ from relax_slurm.config.reward import RewardConfig
 from relax_slurm.config.rollout import RolloutConfig
 from relax_slurm.config.schema import TrainConfig
 from relax_slurm.errors import ConfigError, EngineUnreachable
+from relax_slurm.modeling import media_token_ids
 from relax_slurm.runtime.plan import RunPlan, save_plan
 from relax_slurm.engines.client import EngineClient, GenerateResult
 from relax_slurm.rollout.router import LeastLoadedRouter
@@ -77,11 +79,14 @@ class FakeTeacher:
     def __init__(self) -> None:
         self.seen: list[list[int]] = []
         self.media: list = []
+        self.exclude: tuple = ()
 
-    async def prefill_logprobs(self, seqs, media=None):
+    async def prefill_logprobs(self, seqs, media=None, lengths=None, exclude=()):
+        # a real engine expands one pad per item to the item's tokens: `lengths` long
         self.seen += seqs
         self.media.append(media)
-        return [[-t / 100 for t in range(1, len(s))] for s in seqs]
+        self.exclude = tuple(exclude)
+        return [[-t / 100 for t in range(1, n)] for n in lengths or map(len, seqs)]
 
     async def aclose(self):
         pass
@@ -315,12 +320,45 @@ def test_multimodal_prompts_carry_processed_media(tmp_path, tiny_mm_assets, kind
     assert rewards == {"0": [1.0, 0.0], "1": [0.0, 1.0]}  # answers "0", "1"; labels 0 and 1
 
 
+@pytest.mark.parametrize("kind", ["sglang", "hf"])
+def test_a_vl_model_on_text_prompts_is_banned_from_sampling_its_media_pads(tmp_path,
+                                                                           tiny_mm_assets, kind):
+    """A multimodal model.path trained on text (no data.multimodal_keys): SGLang is still told
+    never to sample the media pads, which the trainer's softmax leaves out whatever the data
+    (#33: the ban came with the media processor, so text prompts went without it)."""
+    data = tmp_path / "text.jsonl"
+    data.write_text(json.dumps({"prompt": "=", "label": "0", "id": 0}) + "\n")
+    model = tiny_mm_assets / "vl_model"
+    cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path=str(model)),
+                      rollout=RolloutConfig(engine=kind, batch_size=1, n_samples_per_prompt=2),
+                      data=DataConfig(train_files=[str(data)], shuffle=False),
+                      reward=RewardConfig(name="exact_match", num_workers=1, timeout_s=30.0))
+    save_config(cfg, tmp_path / "config.yaml")
+    save_plan(RunPlan(broker_router="tcp://127.0.0.1:1", broker_pub="tcp://127.0.0.1:2",
+                      engine_urls=["http://127.0.0.1:3"]), tmp_path)
+
+    async def main():
+        worker = RolloutWorker(cfg, tmp_path)
+        try:
+            return worker.services.group_params(0)
+        finally:
+            await worker.aclose()
+
+    pads = media_token_ids(AutoConfig.from_pretrained(model))
+    biases = [p.get("logit_bias") for p in asyncio.run(main())]
+    if kind == "sglang":
+        assert all(b == {str(t): -1e30 for t in pads} for b in biases), biases
+    else:  # the hf engine never samples them, and takes logit_bias only at its default
+        assert biases == [None, None]
+
+
 def test_multimodal_samples_get_teacher_logprobs_of_the_expanded_prompt(tmp_path,
                                                                       tiny_mm_assets):
-    """On-policy distillation of image prompts: the teacher prefills the expanded ids (one pad
-    per image token; the generating engine got one pad per image) with the same image, and the
-    response part of its log-probs lines up with the response tokens. (An SGLang teacher needs
-    one pad per image too: not done yet, see docs/engines.md.)"""
+    """On-policy distillation of image prompts: the teacher prefills the prompt as the
+    generating engine got it (one pad per image, SGLang's Qwen-VL processors refuse ids
+    expanded by the caller) with the same image, plus the response; the response part of its
+    log-probs, which cover the expanded sequence, lines up with the response tokens, and the
+    model's media pads are left out of its softmax (as the trainer leaves them out)."""
     data = tmp_path / "mm.jsonl"
     data.write_text(json.dumps({"prompt": "<image>=", "label": "0", "id": 0,
                                 "images": [str(tiny_mm_assets / "colors" / "red_0.png")]}) + "\n")
@@ -347,13 +385,16 @@ def test_multimodal_samples_get_teacher_logprobs_of_the_expanded_prompt(tmp_path
             worker.services.broker.close()
             worker.services.broker = FakeBroker(worker, stop_after=1)
             await worker.run()
-            return worker.services.broker.groups, engine.media, worker.services.teacher
+            return (worker.services.broker.groups, engine.media, worker.services.teacher,
+                    list(worker.dataset[0].input_ids))
         finally:
             await worker.aclose()
 
-    [group], media, teacher = asyncio.run(main())
+    [group], media, teacher, unexpanded = asyncio.run(main())
     assert teacher.media == media  # the image the engine saw, per sequence
-    assert teacher.seen == [list(s.prompt_ids) + list(s.response_ids) for s in group]
+    assert len(unexpanded) == len(group[0].prompt_ids) - 3  # one pad, not the image's 4
+    assert teacher.seen == [unexpanded + list(s.response_ids) for s in group]
+    assert teacher.exclude == media_token_ids(AutoConfig.from_pretrained(model)) != ()
     for s in group:
         P, R = len(s.prompt_ids), s.response_len  # P counts the 4 expanded pads
         np.testing.assert_allclose(s.teacher_logprobs,
