@@ -1,4 +1,4 @@
-"""The tiny Qwen2.5-VL on the real SGLang (on CPU, the venv of relax-sglang-cpu) against the
+"""The tiny Qwen2.5-VL and Qwen3-VL on the real SGLang (on CPU, the venv of relax-sglang-cpu) against the
 trainer's forward, before and after a weight push (issue #33): the rollout log-probs of image
 prompts equal the trainer's for the same tokens, as for text.
 
@@ -52,10 +52,10 @@ TOL = 1e-5
 pytestmark = [pytest.mark.slow, pytest.mark.sglang_cpu, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=["vl", "vl3"])
+def assets(tmp_path_factory, request) -> Path:
     out = tmp_path_factory.mktemp("vl_parity")
-    run_tool("make_tiny_model.py", "--out", str(out / "vl_model"), "--kind", "vl")
+    run_tool("make_tiny_model.py", "--out", str(out / "vl_model"), "--kind", request.param)
     run_tool("prepare_mm_data.py", "--out", str(out), "--task", "colors")
     return out
 
@@ -117,6 +117,18 @@ def rollout_vs_trainer(client: EngineClient, model: torch.nn.Module, rows, mp: M
     return float((logp[mask] - mb.rollout_logp[mask]).abs().max())
 
 
+def push(url: str, model: torch.nn.Module, version: int) -> None:
+    """The model's weights to the engine, as the trainer sends them."""
+    sender = WeightSender([url], "127.0.0.1", free_port(), f"relax_test_vl_parity_{version}",
+                          "gloo", 60.0, bucket_mb=1.0, pause_mode="retract")
+    try:
+        sender.connect()
+        sender.send(list(full_named_weights(model)), version=version)
+    finally:
+        sender.destroy_on_engines()
+        sender.close()
+
+
 def two_rows(assets: Path, limits: MediaLimits | None = None):
     """The first two colour prompts, the worker's media processor (with `limits`), the model."""
     path = assets / "vl_model"
@@ -141,14 +153,7 @@ def test_image_logprobs_match_the_trainer_before_and_after_a_vision_push(engine,
             for name, p in model.named_parameters():
                 if name.startswith("model.visual"):
                     p.add_(torch.randn(p.shape, generator=g) * 0.3)
-        sender = WeightSender([engine], "127.0.0.1", free_port(), "relax_test_vl_parity", "gloo",
-                              60.0, bucket_mb=1.0, pause_mode="retract")
-        try:
-            sender.connect()
-            sender.send(list(full_named_weights(model)), version=1)
-        finally:
-            sender.destroy_on_engines()
-            sender.close()
+        push(engine, model, version=1)
         assert client.weight_version() == "1"
         after = rollout_vs_trainer(client, model, rows, mp)
         assert after < TOL, (f"after a vision-tower push, on images seen before it: rollout "
@@ -178,6 +183,7 @@ def test_a_teacher_on_sglang_scores_image_prompts_as_the_trainer(engine, assets,
     over the whole vocabulary: 0.09-0.11 apart on this tiny model without `exclude`)."""
     monkeypatch.setenv(API_KEY_ENV, KEY)
     rows, mp, model = two_rows(assets)
+    push(engine, model, version=2)  # the weights on disk again (a test above pushed others)
     processed = [mp.process(list(r.input_ids), r.media) for r in rows]
     media = [{k: [x.to_engine() for x in refs] for k, refs in r.media.items()} for r in rows]
     responses = [[5, 9, 7, 11], [12, 6]]
