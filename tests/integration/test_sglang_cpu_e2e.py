@@ -187,6 +187,39 @@ def test_engines_sharing_the_trainers_memory_get_the_weights_by_reference(
     assert process_group_members(trainer["pid"]) == []
 
 
+AGENT_STEPS = 12
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_TIMEOUT_S + 300)
+def test_multi_turn_episodes_distill_an_sglang_teacher(tmp_path, tiny_assets,
+                                                       sglang_cpu_python):
+    """`experiment=tiny_agent_cpu rollout=sglang` with a teacher: multi-turn episodes (each
+    turn a /generate of the whole context so far, observations included) on SGLang policy
+    engines, every episode's model tokens scored by an SGLang teacher's prefill; the student
+    approaches the teacher as on the hf engine (test_agent_e2e.py)."""
+    from tests.integration.test_algos_e2e import make_teacher
+
+    teacher = make_teacher(tiny_assets, tmp_path / "teacher")
+    run_dir = tmp_path / "agent_opd"
+    cmd = tiny_command(run_dir, tiny_assets, "rollout=sglang", f"trainer.total_steps={AGENT_STEPS}",
+                       "metrics.progress=false", f"algo.teacher_model_path={teacher}",
+                       experiment="tiny_agent_cpu")
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, env=run_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for role in ("engine0", "teacher"):  # both SGLang's own server
+        assert "server_args=" in (run_dir / "logs" / f"{role}.log").read_text(), role
+    rows = read_rows(run_dir)
+    assert len(rows) == AGENT_STEPS and all(r["rollout/turns_mean"] >= 1 for r in rows)
+    assert max(r["rollout/turns_mean"] for r in rows) > 1  # episodes of several turns
+    # every turn's tokens were sampled by the pushed weights (float32 rounding apart)
+    assert max(r["train/rollout_train_logprob_diff"] for r in rows) < 1e-4
+    kl = [r["train/opd_reverse_kl"] for r in rows]
+    first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
+    assert last < 0.75 * first, (first, last)
+
+
 KILL_STEPS, KILL_AT = 50, 10
 
 
