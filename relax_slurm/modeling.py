@@ -87,6 +87,14 @@ def _forward_params(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
 
 
+NOT_SERVED = ("talker.", "code2wav.")
+"""Top-level parts of a model that produce no token the policy is trained on, never sent to the
+engines: Qwen3-Omni's speech talker and code-to-waveform decoder. RL trains the thinker's text;
+these get no gradient and never change, and SGLang's loader drops them anyway unless it serves
+speech (`qwen3_omni_moe.py`: `if ("talker" in name or "code2wav" in name) and not
+self.enable_talker: continue`): every sync broadcast them for nothing."""
+
+
 FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 """transformers 5 keeps an MoE layer's experts fused in memory (Qwen2/3-MoE, Qwen3-Omni's
 thinker, DeepSeek, ...: `experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) while

@@ -17,7 +17,7 @@ from torch import nn
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.errors import ConfigError
-from relax_slurm.modeling import auto_model_class, checkpoint_names, checkpoint_views
+from relax_slurm.modeling import NOT_SERVED, auto_model_class, checkpoint_names, checkpoint_views
 from relax_slurm.trainer.schedule import lr_factor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -177,6 +177,9 @@ def full_named_weights(model: nn.Module, dtype: torch.dtype | None = None
     names failed the first push to a real SGLang Qwen2.5-VL server with HTTP 400); the hf
     engine accepts both.
 
+    Parts that never change and that no engine uses for the policy's tokens are left out
+    (`relax_slurm.modeling.NOT_SERVED`: Qwen3-Omni's talker and code2wav).
+
     Under FSDP2 every rank must iterate (full_tensor() is a collective); only rank 0 sends.
     """
     inner = unwrap(model)
@@ -189,6 +192,8 @@ def full_named_weights(model: nn.Module, dtype: torch.dtype | None = None
     for file, name in checkpoint_names(inner).items():
         file_name.setdefault(name, file)
     for name, p in params:
+        if name.startswith(NOT_SERVED):  # no gradient reaches them (Qwen3-Omni's speech parts)
+            continue
         t = p.detach()
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
