@@ -43,13 +43,23 @@ def media_token_ids(config: Any) -> tuple[int, ...]:
     They are input-only: the engine never samples them and the trainer's policy excludes them
     from its softmax, because a response holding one would be read as a media slot by the
     trainer's forward (the engine embeds it as text)."""
+    def get(c: Any, key: str) -> Any:  # a config object, or config.json as a dict
+        return c.get(key) if isinstance(c, Mapping) else getattr(c, key, None)
+
     ids = set()
-    for c in (config, getattr(config, "thinker_config", None)):
+    for c in (config, get(config, "thinker_config")):
         for key in MEDIA_TOKEN_KEYS:
-            value = getattr(c, key, None) if c is not None else None
+            value = get(c, key) if c is not None else None
             if isinstance(value, int):
                 ids.add(value)
     return tuple(sorted(ids))
+
+
+def model_media_token_ids(path: str | Path) -> tuple[int, ...]:
+    """`media_token_ids` of a model directory's config.json, read as JSON: no transformers
+    config class, whose import brings torch (the rollout worker never imports it)."""
+    config = Path(path) / "config.json"
+    return media_token_ids(json.loads(config.read_text())) if config.is_file() else ()
 
 
 # modality of each media pad, as transformers' processors number them (create_mm_token_type_ids)

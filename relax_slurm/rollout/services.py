@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from transformers import AutoConfig
 
 from relax_slurm.broker.client import AsyncBrokerClient
 from relax_slurm.config import TrainConfig
 from relax_slurm.data import load_tokenizer
 from relax_slurm.errors import ConfigError
-from relax_slurm.modeling import media_token_ids
+from relax_slurm.modeling import model_media_token_ids
 from relax_slurm.runtime.plan import RunPlan
 from relax_slurm.rewards import RewardPool, build_reward, reward_workers
 from relax_slurm.rewards.shaping import is_informative_group
@@ -177,8 +176,7 @@ class RolloutServices:
                 f"algo.teacher_model_path={cfg.algo.teacher_model_path} is set but this run has "
                 "no teacher engine in its plan (relax-train starts one, locally and on Slurm): "
                 "start the run with relax-train, or unset it")
-        media_pads = media_token_ids(AutoConfig.from_pretrained(
-            cfg.model.path, trust_remote_code=cfg.model.trust_remote_code))
+        media_pads = model_media_token_ids(cfg.model.path)
         params = sampling_params(cfg)
         if media_pads and cfg.rollout.engine == "sglang":  # the hf engine never samples them
             params |= media_pad_ban(media_pads)

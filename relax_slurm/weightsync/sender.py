@@ -377,6 +377,10 @@ class WeightSender:
             destroy_weight_update_group(self._pg)
         self._pg = None
         self._issuing = None
+        self._release()
+
+    def _release(self) -> None:
+        """The HTTP clients, threads and buffer go: the sender is done."""
         self._flat = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._group_thread.shutdown(wait=False, cancel_futures=True)

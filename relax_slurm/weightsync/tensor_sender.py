@@ -60,8 +60,4 @@ class TensorSender(WeightSender):
 
     def close(self) -> None:
         self._connected = False
-        self._flat = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._group_thread.shutdown(wait=False, cancel_futures=True)
-        for c in self.clients:
-            c.close()
+        self._release()

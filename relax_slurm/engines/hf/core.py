@@ -454,17 +454,11 @@ class HFEngine:
             # versions, so the engine serves nothing until a later update completes (requests
             # queued meanwhile are refused by _run_batch; the lock keeps them out until then)
             params = weight_targets(self.model)  # per-expert names too: views of fused experts
-            try:
+            with self._replacing(weight_version):
                 received = self.receiver.receive(names, dtypes, shapes, group_name, self.device,
                                                  into=params, flattened=flattened)
                 t_received = time.monotonic()
                 load_named_tensors(self.model, received, adopt=flattened)
-            except BaseException:
-                self.state.partial_weights = True
-                raise
-            self.state.partial_weights = False
-            if weight_version is not None:
-                self.weight_version = str(weight_version)
         finally:
             self._model_lock.release()
         t_end = time.monotonic()
@@ -484,15 +478,8 @@ class HFEngine:
             if not self.state.session:
                 raise BadRequest(sglang_api.OUT_OF_SESSION)
         t0 = time.monotonic()
-        with self._locked("loading weights from tensors"):
-            try:
-                load_named_tensors(self.model, named)
-            except BaseException:
-                self.state.partial_weights = True
-                raise
-            self.state.partial_weights = False
-            if weight_version is not None:
-                self.weight_version = str(weight_version)
+        with self._locked("loading weights from tensors"), self._replacing(weight_version):
+            load_named_tensors(self.model, named)
         log.info("loaded %d tensors by reference (weight_version %s) in %.4fs", len(named),
                  self.weight_version, time.monotonic() - t0)
         if flush_cache and self.held_in_place():
@@ -513,6 +500,20 @@ class HFEngine:
         """/update_weight_version: what the weights served from now on are labelled."""
         with self._locked("setting the weight version"):
             self.weight_version = str(version)
+
+    @contextlib.contextmanager
+    def _replacing(self, weight_version: Optional[str]):
+        """Around loading new weights into the parameters (model lock held): a failure midway
+        leaves a mix of two versions, so the engine serves nothing (partial_weights) until a
+        later update completes; a complete one takes `weight_version` as its label."""
+        try:
+            yield
+        except BaseException:
+            self.state.partial_weights = True
+            raise
+        self.state.partial_weights = False
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
 
     @contextlib.contextmanager
     def _locked(self, what: str):
