@@ -4,7 +4,10 @@ TP=1, TP=2 and PP=2 (tests/integration/scripts/megatron_parity.py, one torchrun 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -201,6 +204,10 @@ def test_async_save_killed_before_commit_is_not_a_checkpoint(tiny_dir, tmp_path)
     rc = torchrun(1, [str(SCRIPTS / "megatron_kill_async_save.py"), "--model-dir",
                       str(tiny_dir), "--root", str(root)], log, timeout_s=500)
     assert rc != 0 and (tmp_path / "scheduled").exists(), log.read_text()[-4000:]
+    # the killed rank's session (its own: torchrun's doing) still holds the forked writer
+    rank = int((tmp_path / "scheduled").read_text())
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(rank, signal.SIGKILL)
     latest = find_latest(tmp_path)
     assert latest is not None and latest.name == "step_1" and is_megatron_checkpoint(latest)
     assert not (root / "step_2").exists() and not (root / "step_2.tmp" / "meta.json").exists()

@@ -35,7 +35,9 @@ def main() -> None:
     checkpoint.save(args.root, 1, mm, {"marker": 1}, keep_last=3, hf_assets_src=args.model_dir)
     checkpoint.save(args.root, 2, mm, {"marker": 2}, keep_last=3, hf_assets_src=args.model_dir,
                     async_save=True)
-    (args.root.parent / "scheduled").write_text("async save of step 2 scheduled\n")
+    # torchrun starts each rank in a session of its own: the forked writer stays in the
+    # rank's, which the test kills once the rank is gone (the writer would outlive it)
+    (args.root.parent / "scheduled").write_text(f"{os.getpid()}\n")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
