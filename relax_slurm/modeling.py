@@ -140,11 +140,41 @@ def checkpoint_names(model: Any) -> dict[str, str]:
         for name, t in reverted.items():
             if name not in params and id(t) in by_id:
                 out[name] = by_id[id(t)]
+        # fused experts are converted (split per expert), not renamed, so no reverted tensor
+        # is theirs: give their stem the renaming of the module they sit in (Qwen3-Omni:
+        # `thinker.model.language_model.layers.0.mlp.experts.gate_up_proj` is filed under
+        # `thinker.model.layers.0.mlp.experts`, which checkpoint_views splits per expert)
+        rules = _prefix_renames(out)
+        for name in params:
+            if name.endswith(FUSED_EXPERTS) and name not in out.values():
+                file_name = _renamed(name, rules)
+                if file_name != name:
+                    out[file_name] = name
     try:
         model._relax_checkpoint_names = out
     except AttributeError:
         pass
     return out
+
+
+def _prefix_renames(names: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(in-memory prefix, file prefix) of each renaming in `names` (file -> memory), longest
+    first: what is left of both names once their common dotted tail is taken off."""
+    rules = set()
+    for file_name, name in names.items():
+        f, n = file_name.split("."), name.split(".")
+        while f and n and f[-1] == n[-1]:
+            f.pop()
+            n.pop()
+        rules.add((".".join(n) + "." if n else "", ".".join(f) + "." if f else ""))
+    return sorted(rules, key=lambda r: -len(r[0]))
+
+
+def _renamed(name: str, rules: list[tuple[str, str]]) -> str:
+    for memory, file in rules:
+        if memory and name.startswith(memory):
+            return file + name[len(memory):]
+    return name
 
 
 def checkpoint_views(name: str, tensor: Any) -> list[tuple[str, Any]]:

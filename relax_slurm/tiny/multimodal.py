@@ -4,6 +4,7 @@
     python tools/make_tiny_model.py --out tiny/vl3_model --kind vl3
     python tools/make_tiny_model.py --out tiny/vl3moe_model --kind vl3moe
     python tools/make_tiny_model.py --out tiny/audio_model --kind audio
+    python tools/make_tiny_model.py --out tiny/omni3_model --kind omni3
 
 - `vl`: `Qwen2_5_VLForConditionalGeneration` (text: hidden 64, 2 layers, M-RoPE sections
   [2, 3, 3]; vision: one block of width 32, patch 14, 2x2 merge) and a `Qwen2VLImageProcessor`
@@ -25,8 +26,15 @@
 - `audio`: `Qwen2AudioForConditionalGeneration` (text as above; audio encoder: one layer of
   width 32 over 16 mel bins and 200 frames = 2 s) and a `Qwen2AudioProcessor` (Whisper
   feature extractor with chunk_length=2 s at 16 kHz), loadable with `AutoProcessor`.
+- `omni3`: `Qwen3OmniMoeForConditionalGeneration`, the whole model as Qwen3-Omni ships: a thinker
+  (text: hidden 32, 2 layers of 4 experts of width 16, top-2, M-RoPE [2, 1, 1] interleaved over
+  head_dim 8; one-layer audio encoder of width 16 over 16 mel bins; one-block vision encoder)
+  plus the speech talker and code2wav (one layer each), which RL never trains or sends. No
+  processor: Qwen3-Omni's needs torchvision's video processor. For the weights' names
+  (transformers 5 renames the thinker's parts in memory, `thinker.model.audio_tower.*`, while
+  the files and SGLang say `thinker.audio_tower.*`).
 
-Both share the character tokenizer of relax_slurm/tiny/tokenizer.py plus the model's own special
+All share the character tokenizer of relax_slurm/tiny/tokenizer.py plus the model's own special
 tokens (`<|vision_start|><|image_pad|><|vision_end|>`, `<|audio_bos|><|AUDIO|><|audio_eos|>`).
 """
 
@@ -155,6 +163,43 @@ def build_audio(out: Path, seed: int = 0) -> str:
                                      chat_template=tok.chat_template))
 
 
+def build_omni3(out: Path, seed: int = 0) -> str:
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    tok = _tokenizer(VISION_TOKENS + AUDIO_TOKENS)
+    start, end, image, video, _, audio, _ = tok.convert_tokens_to_ids(VISION_TOKENS + AUDIO_TOKENS)
+    vocab = len(tok) + len(tok) % 2
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    text = dict(small, vocab_size=vocab, num_hidden_layers=2, moe_intermediate_size=16,
+                num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                router_aux_loss_coef=0.0, max_position_embeddings=512,
+                rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1],
+                              "interleaved": True})
+    thinker = dict(
+        text_config=text,
+        audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2,
+                          encoder_ffn_dim=32, output_dim=32, num_mel_bins=MEL_BINS,
+                          downsample_hidden_size=8, n_window=4, n_window_infer=8),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                           out_hidden_size=32, patch_size=16, spatial_merge_size=2,
+                           temporal_patch_size=2, deepstack_visual_indexes=[0]),
+        audio_token_id=audio, image_token_id=image, video_token_id=video,
+        vision_start_token_id=start, vision_end_token_id=end)
+    talker = dict(
+        text_config=dict(small, vocab_size=64, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=16, num_experts=2,
+                         num_experts_per_tok=1),
+        code_predictor_config=dict(small, vocab_size=64),
+        thinker_hidden_size=32, spatial_merge_size=2)
+    code2wav = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=2, codebook_size=64, intermediate_size=64,
+                    decoder_dim=32, upsample_rates=[2], upsampling_ratios=[2])
+    config = Qwen3OmniMoeConfig(thinker_config=thinker, talker_config=talker,
+                                code2wav_config=code2wav, enable_audio_output=True)
+    return _save(Qwen3OmniMoeForConditionalGeneration, config, tok, out, seed)
+
+
 def build_multimodal(kind: str, out: Path, seed: int = 0) -> str:
-    return {"vl": build_vl, "vl3": build_vl3, "vl3moe": build_vl3moe,
-            "audio": build_audio}[kind](out, seed)
+    return {"vl": build_vl, "vl3": build_vl3, "vl3moe": build_vl3moe, "audio": build_audio,
+            "omni3": build_omni3}[kind](out, seed)

@@ -87,10 +87,20 @@ def reference_due(steps_done: int, interval: int | None) -> bool:
 def freeze_modules(model: nn.Module, prefixes: list[str]) -> int:
     """Stop training the parameters under these name prefixes (`trainer.freeze_modules`, e.g.
     the vision tower `model.visual`); they still go to the engines with every weight sync.
-    Returns how many parameters were frozen; ConfigError for a prefix that matches nothing."""
+    Returns how many parameters were frozen; ConfigError for a prefix that matches nothing.
+
+    A prefix may name the parameters as transformers holds them or as the checkpoint files do
+    (`modeling.checkpoint_names`): Qwen3-Omni's audio tower is `thinker.audio_tower` in the
+    files users read and `thinker.model.audio_tower` in transformers 5's memory."""
+    on_file = {name: file for file, name in checkpoint_names(model).items()}
+
+    def under(name: str, prefix: str) -> bool:
+        return any(n == prefix or n.startswith(prefix + ".")
+                   for n in (name, on_file.get(name, name)))
+
     frozen = 0
     for prefix in prefixes:
-        hits = [p for n, p in model.named_parameters() if n == prefix or n.startswith(prefix + ".")]
+        hits = [p for n, p in model.named_parameters() if under(n, prefix)]
         if not hits:
             tops = sorted({".".join(n.split(".")[:2]) for n, _ in model.named_parameters()})
             raise ConfigError(f"trainer.freeze_modules: {prefix!r} matches no parameter. Fix: "

@@ -50,8 +50,11 @@ def parameter_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters(remove_duplicate=False):
         out[name] = p
         out.update(checkpoint_views(name, p))
+    params = dict(model.named_parameters(remove_duplicate=False))
     for file_name, name in checkpoint_names(model).items():
         out.setdefault(file_name, out[name])
+        for view_name, view in checkpoint_views(file_name, params[name]):
+            out.setdefault(view_name, view)  # fused experts under a renamed stem (Qwen3-Omni)
     return out
 
 
