@@ -24,6 +24,7 @@ from relax_slurm.errors import RoleFailed
 from relax_slurm.launch.inputs import (check_inputs, prepare_sglang_engines,
                                        record_global_restart, say)
 from relax_slurm.launch.interrupt import STOP
+from relax_slurm.launch.processes import adopt_orphans
 from relax_slurm.launch.rerun import plan_rerun
 from relax_slurm.launch.roles import run_specs
 from relax_slurm.launch.supervisor import supervise
@@ -82,6 +83,7 @@ def run_local(cfg: TrainConfig) -> dict | None:
     """Run to the end, restarting globally after a failure up to cluster.restart.max_global;
     returns the summary, None for a run already complete (nothing started, summary.json
     kept). Raises RoleFailed/ConfigError with the cause."""
+    adopt_orphans()  # a dead role's orphans come here, to be stopped (launch/processes.py)
     prepare_sglang_engines(cfg)
     check_inputs(cfg)
     rerun = plan_rerun(cfg, Path(cfg.run_dir).resolve())

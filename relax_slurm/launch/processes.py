@@ -5,6 +5,12 @@ ranks); teardown happens in `close()`, which the local runner calls in `finally`
 is killed outright (SIGKILL, OOM killer, a test's timeout) runs no `finally`: every child also
 asks the kernel for SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG), so no role outlives
 the launcher and keeps a broker, an engine or a trainer running with nobody to stop it.
+
+A process whose parent dies first is re-parented to the launcher (`adopt_orphans`, Linux's
+child subreaper), not to init where no walk from a role finds it: megatron's async checkpoint
+writer, forked by a rank that was SIGKILLed mid-save, lives on in that rank's session, holding
+its memory (a GPU's, on a cluster) while the restarted trainer loads. `restart` and `close`
+stop such orphans too.
 """
 
 from __future__ import annotations
@@ -25,6 +31,16 @@ LOG_TAIL_LINES = 20
 
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def adopt_orphans() -> bool:
+    """Make this process the parent of every orphan among its descendants (Linux
+    PR_SET_CHILD_SUBREAPER), so `ProcessSet` can find and stop them; False elsewhere. Called
+    by the launchers' entry points only: a subreaper must reap what it adopts."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 def child_setup(parent: int, cpus: list[int] | None):
@@ -90,11 +106,14 @@ class ProcessSet:
         return role
 
     def restart(self, role: Role, cmd: list[str], cpus: list[int] | None = None) -> None:
-        """Start `role` again (same name, log and ports) after its process died."""
+        """Start `role` again (same name, log and ports) after its process died; orphans of
+        its dead processes (in no other live role's sessions) are stopped with it."""
         tree = descendants(role.proc.pid)
         _signal_session(role.proc, signal.SIGKILL)  # whatever it left in its session
         _signal_each(tree, signal.SIGKILL)
         _reap(role.proc, timeout_s=5.0)
+        others = [r for r in self.roles if r is not role and r.proc.poll() is None]
+        self._stop_orphans(spare=_sessions(others))
         with role.log.open("ab") as f:
             f.write(f"\n--- relax-train: restarting {role.name} in place ---\n".encode())
             role.proc = subprocess.Popen(
@@ -147,6 +166,21 @@ class ProcessSet:
             _signal_session(role.proc, signal.SIGKILL)  # stragglers in the session, too
             _signal_each(trees[role.name], signal.SIGKILL)
             _reap(role.proc, timeout_s=5.0)
+        self._stop_orphans(spare=set())
+
+    def _stop_orphans(self, spare: set[int]) -> None:
+        """SIGKILL and reap the orphans this launcher adopted (`adopt_orphans`) outside the
+        sessions in `spare` and its own (its own short-lived commands: sbatch, scontrol)."""
+        role_pids = {r.proc.pid for r in self.roles}
+        spare = spare | {os.getsid(0)}
+        for pid in children(os.getpid()):
+            if pid in role_pids or _session(pid) in spare:
+                continue
+            _signal_each(descendants(pid) + [pid], signal.SIGKILL)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
 
 
 def _reap(proc: subprocess.Popen, timeout_s: float) -> None:
@@ -192,6 +226,39 @@ def descendants(pid: int) -> list[int]:
         for child in children.get(todo.pop(), []):
             out.append(child)
             todo.append(child)
+    return out
+
+
+def children(pid: int) -> list[int]:
+    """The live children of `pid` (zombies included), from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _stat(int(entry.name), 1) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def _stat(pid: int, field: int) -> int | None:
+    """Field `field` counted after the command name of /proc/PID/stat (1: the parent, 3: the
+    session), split after the name, which may hold spaces and parentheses; None if gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[field])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _session(pid: int) -> int | None:
+    return _stat(pid, 3)
+
+
+def _sessions(roles: list[Role]) -> set[int]:
+    """The sessions the live processes of `roles` are in (torchrun's ranks: one each)."""
+    out = set()
+    for role in roles:
+        for pid in [role.proc.pid] + descendants(role.proc.pid):
+            sid = _session(pid)
+            if sid is not None:
+                out.add(sid)
     return out
 
 

@@ -53,6 +53,7 @@ from relax_slurm.runtime.control import (
 from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.inputs import check_inputs, record_global_restart
 from relax_slurm.launch.node_health import lost_nodes
+from relax_slurm.launch.processes import adopt_orphans
 from relax_slurm.launch.records import record_restart
 from relax_slurm.runtime.plan import save_plan
 from relax_slurm.launch.placement import (Layout, check_gpu_steps, make_layout, role_specs,
@@ -304,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s driver %(message)s",
                         stream=sys.stdout)
     t0 = time.monotonic()
+    adopt_orphans()  # a dead role's orphans come here, to be stopped (launch/processes.py)
     try:
         alloc = read_allocation()
         run_dir = args.run_dir if args.compose is None else compose_run_dir(args.compose, alloc)

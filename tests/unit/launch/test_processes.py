@@ -71,3 +71,74 @@ def test_close_stops_a_stopped_grandchild_in_its_own_session(tmp_path):
     finally:
         if _alive(rank):
             os.kill(rank, signal.SIGKILL)
+
+
+# A role shaped like torchrun: its rank runs in a session of its own and forks a writer (as
+# megatron's async checkpoint save does); `engine` forks a helper that outlives its own parent
+# inside the role's live session. The launcher (adopt_orphans, as relax-train's) SIGKILLs the
+# rank, restarts the trainer, then closes the set.
+AGENT = """
+import os, subprocess, sys, time
+out = sys.argv[1]
+if sys.argv[2] == "trainer":  # torchrun, and its rank in a session of its own
+    subprocess.Popen([sys.executable, __file__, out, "rank"], start_new_session=True)
+elif sys.argv[2] == "rank":
+    if os.fork() == 0:  # the writer
+        time.sleep(600)
+        os._exit(0)
+    open(out + "/rank.pid", "w").write(str(os.getpid()))
+elif os.fork() == 0:  # engine: a child that starts a helper and ends, in the role's session
+    if os.fork() == 0:
+        time.sleep(600)
+        os._exit(0)
+    os._exit(0)
+time.sleep(600)
+"""
+
+LAUNCHER = """
+import json, os, signal, sys, time
+from pathlib import Path
+from relax_slurm.launch.processes import ProcessSet, adopt_orphans, children
+
+tmp = Path(sys.argv[1])
+agent = str(tmp / "agent.py")
+assert adopt_orphans()
+procs = ProcessSet(tmp, dict(os.environ))
+trainer = procs.start("trainer", [sys.executable, agent, str(tmp), "trainer"])
+engine = procs.start("engine", [sys.executable, agent, str(tmp), "engine"])
+me, deadline = os.getpid(), time.monotonic() + 60
+def adopted():
+    return {p for p in children(me) if p not in (trainer.proc.pid, engine.proc.pid)}
+while len(adopted()) < 1 or not (tmp / "rank.pid").exists():
+    assert time.monotonic() < deadline, "the engine's helper or the rank never started"
+    time.sleep(0.05)
+(helper,) = adopted()
+os.kill(int((tmp / "rank.pid").read_text()), signal.SIGKILL)  # the rank dies mid-save
+while len(adopted()) < 2:  # its writer is re-parented here
+    assert time.monotonic() < deadline, "the writer was not adopted"
+    time.sleep(0.05)
+(writer,) = adopted() - {helper}
+procs.restart(trainer, [sys.executable, "-c", "import time; time.sleep(600)"])
+after_restart = sorted(adopted())
+procs.close()
+json.dump({"helper": helper, "writer": writer, "after_restart": after_restart,
+           "after_close": sorted(children(me))}, open(tmp / "result.json", "w"))
+"""
+
+
+def test_a_dead_ranks_orphaned_writer_is_stopped_with_its_role(tmp_path):
+    """A rank SIGKILLed mid-save left megatron's forked checkpoint writer running, re-parented
+    to init where no walk from a role found it (seen in the suite; on a GPU it would hold
+    memory while the trainer restarts). The launcher adopts orphans: restarting the trainer
+    stops the writer and spares a live role's own orphan; close() stops that one too."""
+    import json
+    import subprocess
+
+    (tmp_path / "agent.py").write_text(AGENT)
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    subprocess.run([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path)], check=True,
+                   timeout=120)
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert r["after_restart"] == [r["helper"]]  # the writer stopped, the engine's helper kept
+    assert r["after_close"] == []
+    assert not _alive(r["writer"]) and not _alive(r["helper"])
