@@ -26,7 +26,7 @@ def test_tiny_cpu_sets_loras_lr_and_lm_head_and_full_fine_tuning_ignores_them():
     assert full.model.lora.policy_lr(full.trainer.lr) == full.trainer.lr == 2e-3
     assert not full.adapter_sync
     lora = config()
-    assert lora.model.lora.policy_lr(lora.trainer.lr) == 1e-2 and lora.trainer.lr == 2e-3
+    assert lora.model.lora.policy_lr(lora.trainer.lr) == 3e-3 and lora.trainer.lr == 2e-3
     assert "lm_head" in lora.model.lora.target_modules and lora.adapter_sync
     unset = config("model.lora.lr=null")
     assert unset.model.lora.policy_lr(unset.trainer.lr) == 2e-3
