@@ -133,8 +133,8 @@ def check_gpus_fit(t: TrainerConfig, rollout: RolloutConfig, cluster: ClusterCon
 
 
 def check_megatron_media(t: TrainerConfig, data: DataConfig) -> None:
-    # the megatron backend trains Qwen2.5-VL (images, video) and Qwen3-VL (images), TP only;
-    # the architecture, and video for Qwen3-VL, are checked when the model loads
+    # the megatron backend trains Qwen2.5-VL and Qwen3-VL (images, video), TP only; the
+    # architecture is checked when the model loads
     # (trainer/megatron/vl.py: kind, check_media)
     mm_kinds = set(data.multimodal_keys) - {"image", "video"}
     check(t.backend != "megatron" or not mm_kinds,

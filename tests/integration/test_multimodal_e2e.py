@@ -84,16 +84,18 @@ def test_tiny_video_learns_colour_changes(tmp_path, tiny_mm_assets):
 @pytest.mark.slow
 @NEEDS_MEGATRON
 @pytest.mark.timeout(900)
-def test_tiny_video_runs_under_megatron_with_verified_syncs(tmp_path, tiny_mm_assets):
-    """experiment=tiny_video_cpu under trainer=megatron (the tiny Qwen2.5-VL through
-    megatron-bridge, trainer/megatron/vl.py): every weight sync verified bit for bit, and the
-    trainer's log-probs of the engine's tokens equal the engine's, so its forward placed the
-    clips' features and their M-RoPE positions in time as transformers does (a clip dropped or
-    positioned as text moves them by far more than 1e-3). A run, not a learning claim: the
-    learning is test_tiny_video_learns_colour_changes's, the parity at TP=2 is
+@pytest.mark.parametrize("model", ["vl_model", "vl3_model"])
+def test_tiny_video_runs_under_megatron_with_verified_syncs(tmp_path, tiny_mm_assets, model):
+    """experiment=tiny_video_cpu under trainer=megatron (the tiny Qwen2.5-VL and Qwen3-VL
+    through megatron-bridge, trainer/megatron/vl.py): every weight sync verified bit for bit,
+    and the trainer's log-probs of the engine's tokens equal the engine's, so its forward placed
+    the clips' features (Qwen3-VL: frame by frame between the processor's timestamp texts, with
+    their DeepStack features) and their M-RoPE positions in time as transformers does (a clip
+    dropped or positioned as text moves them by far more than 1e-3). A run, not a learning
+    claim: the learning is test_tiny_video_learns_colour_changes's, the parity at TP=2 is
     test_megatron_vl.py's."""
     run_dir = tmp_path / "video_megatron"
-    summary, rows = run(mm_command(run_dir, tiny_mm_assets, "tiny_video_cpu", "vl_model",
+    summary, rows = run(mm_command(run_dir, tiny_mm_assets, "tiny_video_cpu", model,
                                    "change_train.jsonl", f"trainer.total_steps={QWEN3_VL_STEPS}",
                                    "trainer=megatron", "weight_sync.verify=true",
                                    "algo.entropy_coef=0.01"),

@@ -68,7 +68,7 @@ def apply() -> None:
     _qwen25_forward()
     _qwen3_vision_tuple()
     _qwen3_rope_alias()
-    _qwen3_rope_index()
+    _qwen3_forward()
     vl_moe.apply()
     _APPLIED = True
 
@@ -190,38 +190,82 @@ def _qwen3_rope_alias() -> None:
             cls.apply_interleaved_mrope = apply_interleaved_mrope
 
 
-def _qwen3_rope_index() -> None:
-    """qwen_vl/modelling_qwen3_vl/model.py:258,311 drops any given position_ids and computes
-    M-RoPE positions with utils.get_rope_index, which reads the token after every
-    <|vision_start|> (utils.py:131-132): out of range when a sampled response ends with one
-    (IndexError in training). transformers 5's Qwen3VLModel.get_rope_index instead, which
-    finds images by their image_token_id, as the hf engine computes them. Images only
-    (trainer=megatron refuses video)."""
+def _qwen3_forward() -> None:
+    """qwen_vl/modelling_qwen3_vl/model.py:248,298 assert no video ("not support video now"),
+    and its get_rope_index (utils.py:131-132) reads the token after every <|vision_start|>:
+    out of range when a sampled response ends with one (IndexError in training). The same
+    computation as transformers 5's Qwen3VLModel.forward: the vision tower run on the images
+    and on the videos, each one's features placed at its pad tokens, the DeepStack features of
+    both merged in sequence order (`visual_pos_masks`), M-RoPE positions by transformers' own
+    get_rope_index (videos frame by frame, as their timestamps separate them), then megatron's
+    language model (split over the sequence under sequence parallelism, as the bridge does)."""
     from megatron.bridge.models.qwen_vl.modelling_qwen3_vl import model as m
+    from megatron.core import mpu, tensor_parallel
 
-    def get_rope_index(spatial_merge_size, image_token_id, video_token_id,
-                       vision_start_token_id, input_ids, image_grid_thw=None,
-                       video_grid_thw=None, attention_mask=None, **_):
-        if attention_mask is not None and attention_mask.dim() != 2:
-            attention_mask = None  # the layers' mask: rows are right-padded
-        return qwen3_rope_index(spatial_merge_size, image_token_id, input_ids, image_grid_thw,
-                                attention_mask)
+    def forward(self, input_ids, position_ids=None, attention_mask=None, labels=None,
+                pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+                video_grid_thw=None, pad_mask=None, **_):
+        cfg = self.config
+        emb = visual_mask = deepstack = None
+        if self.pre_process:
+            emb = self.language_model.embedding(input_ids=input_ids, position_ids=None).clone()
+            items = [(pixels, grid, input_ids == token) for pixels, grid, token in (
+                (pixel_values, image_grid_thw, self.image_token_id),
+                (pixel_values_videos, video_grid_thw, self.video_token_id)) if pixels is not None]
+            if items:
+                emb = emb.transpose(0, 1).contiguous()  # [B,T,H], indexed by the [B,T] masks
+                visual_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+                for _p, _g, mask in items:
+                    visual_mask |= mask
+                stacks = []
+                for pixels, grid, mask in items:
+                    features, stack = self.vision_model(hidden_states=pixels, grid_thw=grid)
+                    emb[mask] = features.to(emb.dtype)
+                    stacks.append((mask[visual_mask], stack))
+                deepstack = []
+                for layer in range(len(stacks[0][1])):
+                    joint = emb.new_zeros(int(visual_mask.sum()), emb.shape[-1])
+                    for where, stack in stacks:
+                        joint[where] = stack[layer].to(joint.dtype)
+                    deepstack.append(joint)
+                emb = emb.transpose(0, 1).contiguous()
+            if cfg.sequence_parallel:
+                emb = tensor_parallel.scatter_to_sequence_parallel_region(emb).contiguous()
+        if position_ids is None:
+            position_ids, _ = qwen3_rope_index(
+                cfg.spatial_merge_size, self.image_token_id, input_ids, image_grid_thw,
+                pad_mask, video_token_id=self.video_token_id, video_grid_thw=video_grid_thw)
+        if cfg.sequence_parallel and visual_mask is not None:
+            visual_mask, deepstack = m.split_deepstack_embs(
+                visual_mask, deepstack, tp_size=mpu.get_tensor_model_parallel_world_size(),
+                tp_rank=mpu.get_tensor_model_parallel_rank())
+        return self.language_model(
+            input_ids=None, position_ids=position_ids, attention_mask=attention_mask,
+            decoder_input=emb, labels=labels, visual_pos_masks=visual_mask,
+            deepstack_visual_embeds=deepstack)
 
-    m.get_rope_index = get_rope_index
+    m.Qwen3VLModel.forward = forward
 
 
 def qwen3_rope_index(spatial_merge_size: int, image_token_id: int, input_ids: Tensor,
-                     image_grid_thw: Tensor | None, attention_mask: Tensor | None = None
+                     image_grid_thw: Tensor | None, attention_mask: Tensor | None = None, *,
+                     video_token_id: int | None = None, video_grid_thw: Tensor | None = None
                      ) -> tuple[Tensor, Tensor]:
     """Qwen3-VL's M-RoPE positions [3, B, T] (and per-row deltas) for right-padded rows with
-    images, by transformers 5's Qwen3VLModel.get_rope_index (images = runs of image_token_id)."""
+    images and videos, by transformers 5's Qwen3VLModel.get_rope_index (images: runs of
+    image_token_id; a video: one run of video_token_id per frame, its grid's t runs)."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel as HF
 
     shim = types.SimpleNamespace(config=types.SimpleNamespace(
         vision_config=types.SimpleNamespace(spatial_merge_size=spatial_merge_size)))
     shim.get_vision_position_ids = types.MethodType(HF.get_vision_position_ids, shim)
     mm_types = (input_ids == image_token_id).long()
-    return HF.get_rope_index(shim, input_ids, mm_types, image_grid_thw, None,
+    if video_grid_thw is not None:
+        mm_types[input_ids == video_token_id] = 2
+        video_grid_thw = video_grid_thw.clone()  # transformers splits it per frame in place
+    if attention_mask is not None and attention_mask.dim() != 2:
+        attention_mask = None  # the layers' mask: rows are right-padded
+    return HF.get_rope_index(shim, input_ids, mm_types, image_grid_thw, video_grid_thw,
                              attention_mask=attention_mask)
 
 
@@ -230,20 +274,19 @@ VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 def media_keys(model_kind: str) -> tuple[str, ...]:
-    """The media tensors a VL kind's megatron forward takes: Qwen2.5-VL images and videos,
-    Qwen3-VL (dense, MoE) images only (the bridge's Qwen3-VL model asserts no video)."""
-    return IMAGE_KEYS + VIDEO_KEYS if model_kind == QWEN25 else IMAGE_KEYS
+    """The media tensors a VL kind's megatron forward takes: images and videos (Qwen3-VL
+    spaces frames by timestamps in the text: no second_per_grid_ts)."""
+    return IMAGE_KEYS + (VIDEO_KEYS if model_kind == QWEN25 else VIDEO_KEYS[:2])
 
 
 def check_media(model_kind: str, media_kinds) -> None:
     """ConfigError when the run's `data.multimodal_keys` has media this model's megatron
-    forward does not take."""
-    if "video" in set(media_kinds) and model_kind != QWEN25:
+    forward does not take (audio is refused with the config: cross_checks.py)."""
+    unknown = set(media_kinds) - {"image", "video"}
+    if unknown:
         raise ConfigError(
-            f"trainer=megatron trains {model_kind} on images only: megatron-bridge 0.3.1's "
-            "Qwen3-VL model asserts `pixel_values_videos is None` (\"not support video now\"). "
-            "Fix: drop video from data.multimodal_keys, train a Qwen2.5-VL model, or use "
-            "trainer=torch (docs/backends.md#multimodal-models)")
+            f"trainer=megatron feeds {model_kind} images and video, not {sorted(unknown)}. "
+            "Fix: trainer=torch (docs/backends.md#multimodal-models)")
 
 
 def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | None,
@@ -254,7 +297,7 @@ def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | 
     unknown = set(media) - set(known)
     if unknown:
         raise ConfigError(f"trainer=megatron cannot feed {sorted(unknown)} to {model_kind} "
-                          "(video into Qwen3-VL, or audio). Fix: trainer=torch "
+                          "(audio). Fix: trainer=torch "
                           "(docs/backends.md#multimodal-models)")
     kw = {k: media[k] for k in known if k in media}
     if model_kind == QWEN25:
@@ -263,9 +306,9 @@ def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | 
         return chunk(input_ids=input_ids, attention_mask=causal.view(1, 1, T, T),
                      mm_token_type_ids=token_types(chunk_config(chunk), input_ids),
                      pad_mask=pad, **kw)
-    # Qwen3-VL: its model computes the M-RoPE positions itself (_qwen3_rope_index); a 4-D
-    # mask breaks its utils.py:113-129, and none means the layers' causal mask (right-padded)
-    return chunk(input_ids=input_ids, attention_mask=None, **kw)
+    # Qwen3-VL (_qwen3_forward): no mask means the layers' causal mask (rows right-padded);
+    # the padding only shapes the M-RoPE positions
+    return chunk(input_ids=input_ids, attention_mask=None, pad_mask=attention_mask, **kw)
 
 
 def chunk_config(chunk):

@@ -3,8 +3,10 @@
 A tiny Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE under trainer=megatron on gloo
 (relax_slurm/trainer/megatron/vl.py, vl_moe.py); rank 0 writes DIR/result.json with, against
 the transformers model on two right-padded rows with images of different sizes:
-- the largest logit difference on the rows' tokens (MegatronModel.forward with the media;
-  for Qwen2.5-VL a video too, placed and positioned in time by M-RoPE),
+- the largest logit difference on the rows' tokens (MegatronModel.forward with the media,
+  a video too: Qwen2.5-VL's placed and spaced in time by M-RoPE's second_per_grid_ts,
+  Qwen3-VL's one run of pads per frame after the frame's timestamp text, as its processor
+  writes them, with DeepStack features of images and video merged in sequence order),
 - the largest vision-tower gradient difference of a fixed random linear function of the logits
   (the patch embedding and the first block's qkv), each with the reference's scale,
 - for the MoE: the gradients of every expert this rank holds (fc1 = transformers' fused
@@ -37,8 +39,8 @@ from relax_slurm.trainer.megatron.model import MegatronModel, init_model_paralle
 
 
 def inputs(path: str):
-    """Two right-padded rows with images of different sizes; for Qwen2.5-VL the second row
-    also has a video after its image (trainer=megatron takes video for Qwen2.5-VL only)."""
+    """Two right-padded rows with images of different sizes; the second row also has a video
+    after its image."""
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
     proc, tok = AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path)
@@ -56,6 +58,15 @@ def inputs(path: str):
     if cfg.model_type == "qwen2_5_vl":
         media.update(video(cfg.vision_config))
         rows[1] += [S] + [cfg.video_token_id] * video_tokens(media) + [E] + txt
+    else:  # Qwen3-VL: "<t seconds>" before each frame's pads (the processor's layout)
+        clip = video(cfg.vision_config)
+        del clip["second_per_grid_ts"]
+        media.update(clip)
+        t = int(clip["video_grid_thw"][0, 0])
+        for i in range(t):
+            stamp = tok(f"<{i}.5 seconds>", add_special_tokens=False)["input_ids"]
+            rows[1] += stamp + [S] + [cfg.video_token_id] * (video_tokens(media) // t) + [E]
+        rows[1] += txt
     T, pad = max(map(len, rows)), tok.pad_token_id or 0
     ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])

@@ -36,17 +36,18 @@ def test_refused_with_the_fix(overrides, words):
     assert words in str(e.value) and "docs/backends.md#multimodal-models" in str(e.value)
 
 
-def test_video_composes_and_only_qwen25_vl_takes_it():
-    """Video passes the config (the model's kind is known when it loads); Qwen2.5-VL's megatron
-    forward takes the video tensors, Qwen3-VL's is refused at load, naming the fix."""
+def test_video_composes_and_every_vl_kind_takes_it():
+    """Video passes the config and each VL kind's megatron forward takes the video tensors
+    (Qwen3-VL's frames are spaced by timestamps in the text: no second_per_grid_ts); what is
+    neither image nor video is refused at load, naming the fix."""
     cfg = compose("+data.multimodal_keys.video=videos")
     assert "video" in cfg.data.multimodal_keys
-    vl.check_media(vl.QWEN25, cfg.data.multimodal_keys)
     assert set(vl.VIDEO_KEYS) <= set(vl.media_keys(vl.QWEN25))
-    for kind in (vl.QWEN3, vl.QWEN3_MOE):
-        with pytest.raises(ConfigError, match=r"images only.*docs/backends.md#multimodal"):
-            vl.check_media(kind, cfg.data.multimodal_keys)
-        vl.check_media(kind, ["image"])
+    for kind in (vl.QWEN25, vl.QWEN3, vl.QWEN3_MOE):
+        vl.check_media(kind, cfg.data.multimodal_keys)
+        assert {"pixel_values_videos", "video_grid_thw"} <= set(vl.media_keys(kind))
+        with pytest.raises(ConfigError, match=r"not \['audio'\].*docs/backends.md#multimodal"):
+            vl.check_media(kind, ["image", "audio"])
 
 
 def test_qwen25_token_types():
