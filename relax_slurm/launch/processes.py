@@ -177,10 +177,18 @@ class ProcessSet:
             if pid in role_pids or _session(pid) in spare:
                 continue
             _signal_each(descendants(pid) + [pid], signal.SIGKILL)
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
+            _reap_pid(pid, timeout_s=5.0)  # bounded: one stuck in the kernel must not hang us
+
+
+def _reap_pid(pid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] or time.monotonic() > deadline:
+                return
+        except ChildProcessError:
+            return
+        time.sleep(0.02)
 
 
 def _reap(proc: subprocess.Popen, timeout_s: float) -> None:
