@@ -34,6 +34,12 @@ def convert_checkpoint(
         raise CheckpointError(f"--dtype {dtype}: use auto, {', '.join(DTYPES)}")
     check_output(Path(output_dir), overwrite)  # before the checkpoint is read, not after
     if fmt == "megatron":
+        if lora_record(src) is not None:
+            raise CheckpointError(
+                f"{src} is a trainer=megatron model.lora checkpoint: it holds the adapter "
+                "alone in megatron's layout, which relax-convert cannot read yet "
+                "(docs/lora.md#status). Fix: the run's merged HF exports "
+                "(trainer.save_hf_every), or train with trainer=torch for --to peft")
         if target != "hf":
             raise CheckpointError("a Megatron checkpoint converts to hf only: --to hf")
         return megatron_to_hf(src, output_dir, hf_config, progress, overwrite, torch_dtype)

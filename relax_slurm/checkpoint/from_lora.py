@@ -35,7 +35,10 @@ _NAMED = re.compile(r"\.(lora_[A-Za-z_]+)\." + ADAPTER_NAME + r"(\.|$)")
 
 
 def lora_record(src: Path) -> dict[str, Any] | None:
-    """The adapter's record in a checkpoint's meta.json, or None (not a model.lora run's)."""
+    """The adapter's record in a checkpoint's meta.json, or None (not a model.lora run's; a
+    Megatron-LM checkpoint has no meta.json)."""
+    if not (Path(src) / "meta.json").is_file():
+        return None
     return read_meta(src).get("extra_state", {}).get(LORA_KEY)
 
 

@@ -266,9 +266,36 @@ def check_lora(model: ModelConfig, algo: AlgoConfig, t: TrainerConfig, rollout: 
     lora = model.lora
     if not lora.enabled:
         return
-    check(t.backend == "torch",
-          "model.lora with trainer=megatron is not implemented yet (docs/lora.md#status): use "
-          "trainer=torch, or model.lora.rank=0 for full fine-tuning")
+    if t.backend == "megatron":
+        # megatron-bridge's LoRA (trainer/megatron/lora.py), tested with tensor and data
+        # parallelism; the rest is refused until it is
+        untested = [f"{name}={value}" for name, value in (
+            ("trainer.pipeline_parallel_size", t.pipeline_parallel_size),
+            ("trainer.expert_parallel_size", t.expert_parallel_size),
+            ("trainer.context_parallel_size", t.context_parallel_size)) if value > 1]
+        check(not untested,
+              f"model.lora with trainer=megatron and {', '.join(untested)} is not tested yet "
+              "(docs/lora.md#status): set it to 1 (tensor parallelism is supported), or use "
+              "trainer=torch")
+        check(not t.use_distributed_optimizer,
+              "model.lora with trainer=megatron and trainer.use_distributed_optimizer=true is "
+              "not tested yet (docs/lora.md#status): set trainer.use_distributed_optimizer="
+              "false (the adapters' optimizer state is small)")
+        check(not algo.uses_critic,
+              f"model.lora with trainer=megatron and algo={algo.name} (a critic) is not tested "
+              "yet (docs/lora.md#status): use trainer=torch, or an algorithm without a critic")
+        # the HF modules megatron adapts (trainer/megatron/lora.py HF_TO_CANONICAL)
+        served = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "lm_head")
+        unknown = [m for m in lora.target_modules if m not in served]
+        check(not unknown,
+              f"model.lora.target_modules has {unknown}, which trainer=megatron cannot adapt "
+              f"(megatron-bridge's LoRA goes on {list(served)}): drop them, or use "
+              "trainer=torch")
+        check(lora.rank % t.tensor_parallel_size == 0,
+              f"model.lora.rank={lora.rank} does not split over trainer.tensor_parallel_size="
+              f"{t.tensor_parallel_size} (megatron-bridge shards each q/k/v/gate/up adapter's "
+              "A along its rank): choose a rank that tensor_parallel_size divides")
     check(algo.ref_update_interval is None,
           f"algo.ref_update_interval={algo.ref_update_interval} with model.lora: the reference "
           "is model.path itself (the policy with its adapter disabled), which never moves; "

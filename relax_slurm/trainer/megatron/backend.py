@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -14,6 +15,7 @@ from relax_slurm.config import TrainConfig
 from relax_slurm.trainer.model import reference_due
 from relax_slurm.trainer.batch import MicroBatch
 from relax_slurm.trainer.megatron import checkpoint, vl
+from relax_slurm.trainer.megatron import lora as megatron_lora
 from relax_slurm.trainer.megatron.model import (
     MegatronModel, data_ranks, destroy_model_parallel, init_model_parallel,
 )
@@ -30,15 +32,33 @@ class MegatronBackend:
         # the loss's typed parameters, once per run (the config is validated and fixed)
         self.estimator_params = cfg.algo.estimator_params()
         init_model_parallel(cfg.trainer)
-        self.mm = MegatronModel(cfg.model, cfg.trainer)
+        # model.lora: megatron-bridge's adapters on the frozen model (megatron/lora.py), put on
+        # the bare chunks so that Megatron DDP and the optimizer hold the adapters only, at
+        # model.lora.lr
+        self.lora, self.peft = cfg.model.lora.enabled, None
+        trainer_cfg, adapt = cfg.trainer, None
+        if self.lora:
+            trainer_cfg = dataclasses.replace(
+                cfg.trainer, lr=cfg.model.lora.policy_lr(cfg.trainer.lr))
+
+            def adapt(bare: list) -> None:
+                self.peft = megatron_lora.apply_lora(bare, cfg.model)
+
+        self.mm = MegatronModel(cfg.model, trainer_cfg, adapt=adapt)
+        hf_config = self.mm.bridge.hf_pretrained.config
         if self.mm.vl is not None:  # before step 1: the model's kind is known only now
             vl.check_media(self.mm.vl, cfg.data.multimodal_keys)
+        if self.lora:
+            self._check_lora(hf_config)
         # multimodal configs keep it in the text config (transformers 5)
-        pad = self.mm.bridge.hf_pretrained.config.get_text_config().pad_token_id
+        pad = hf_config.get_text_config().pad_token_id
         self.pad_id = pad if pad is not None else 0
-        # the KL loss's anchor: a frozen transformers replica of model.path on every rank
+        # the KL loss's anchor: a frozen transformers replica of model.path on every rank; with
+        # model.lora the policy with its adapters off, which is model.path itself
         self.ref_model = None
-        if cfg.algo.uses_reference:
+        if cfg.algo.uses_reference and self.lora:
+            self.ref_model = megatron_lora.AdapterDisabled(self.mm, self.peft, hf_config)
+        elif cfg.algo.uses_reference:
             from relax_slurm.trainer.model import load_reference_model
 
             self.ref_model = load_reference_model(cfg.model, device)
@@ -49,6 +69,30 @@ class MegatronBackend:
 
             self.critic = MegatronCritic(cfg, self.mm.bridge)
         self.data_ranks = data_ranks()
+
+    def _check_lora(self, hf_config) -> None:
+        """What model.lora under trainer=megatron cannot do yet, known once the model is."""
+        from relax_slurm.errors import ConfigError
+
+        if self.mm.vl is not None:
+            raise ConfigError(
+                "model.lora with trainer=megatron and a vision-language model is not tested "
+                "(docs/lora.md#status): use trainer=torch, or model.lora.rank=0")
+        if not self.cfg.adapter_sync:
+            megatron_lora.check_mergeable(
+                hf_config, self.cfg.model, "this run syncs merged weights (let the engines "
+                "serve the adapter: model.lora.sync=auto with rollout=hf or sglang)")
+        if self.cfg.trainer.save_hf_every:
+            megatron_lora.check_mergeable(
+                hf_config, self.cfg.model, f"trainer.save_hf_every="
+                f"{self.cfg.trainer.save_hf_every} writes merged HF weights (set it to 0)")
+        named = [p for c in self.mm.chunks for p in c.module.parameters()]
+        if dist.get_rank() == 0:
+            log.info("model.lora: rank %d adapters on %s, %d trainable parameters of %d on "
+                     "rank 0 (its TP shards)", self.cfg.model.lora.rank,
+                     self.cfg.model.lora.target_modules,
+                     sum(p.numel() for p in named if p.requires_grad),
+                     sum(p.numel() for p in named))
 
     def train_step(self, blocks: Iterable[tuple[MicroBatch, bool]],
                    before_update: Callable[[], None] = lambda: None) -> dict[str, float]:
@@ -123,8 +167,16 @@ class MegatronBackend:
             pass
         return iter(())
 
-    def engine_weights(self) -> list[tuple[str, Tensor]]:
-        """What a weight sync sends: the HF-named full tensors (model.lora is torch-only)."""
+    def engine_weights(self):
+        """What a weight sync sends: the HF-named full tensors (with model.lora the bridge's
+        export merges the adapters in), or with model.lora and engines that serve adapters
+        (cfg.adapter_sync) the adapter alone under PEFT's names (a weightsync Adapter; every
+        rank drives the TP gather and gets it)."""
+        if self.lora and self.cfg.adapter_sync:
+            from relax_slurm.trainer.model import DTYPES
+
+            return megatron_lora.adapter_of(self.mm.bridge, self.mm.chunks, self.cfg.model,
+                                            DTYPES[self.cfg.model.dtype])
         return list(self.named_hf_weights())
 
     def local_weights(self) -> None:
@@ -134,13 +186,17 @@ class MegatronBackend:
 
     def save(self, root: Path, step: int, extra: dict[str, Any], *, keep_last: int,
              async_save: bool, hf_assets_src: str | None):
+        if self.lora:  # the adapter's config and base beside its tensors (as trainer=torch)
+            extra = {**extra, megatron_lora.CHECKPOINT_KEY: megatron_lora.checkpoint_record(
+                self.cfg.model)}
         return checkpoint.save(root, step, self.mm, extra, keep_last=keep_last,
                                hf_assets_src=hf_assets_src, async_save=async_save,
-                               reference=self._moving_reference(), critic=self._critic())
+                               reference=self._moving_reference(), critic=self._critic(),
+                               adapter_only=self.lora)
 
     def load(self, path: Path) -> dict[str, Any]:
         return checkpoint.load(path, self.mm, reference=self._moving_reference(),
-                               critic=self._critic())
+                               critic=self._critic(), adapter_only=self.lora)
 
     def _critic(self) -> MegatronModel | None:
         """algo=ppo: the critic's model and optimizer, checkpointed with the policy."""

@@ -11,6 +11,9 @@
         hf/                                               config.json, tokenizer (for relax-convert)
         meta.json                                         as the torch backend's, + "backend"
 
+With model.lora the dist-checkpoint holds the adapters and their optimizer state only (the base
+is model.path), and meta.json extra_state["lora"] the adapter's config and base (as trainer=torch).
+
 The same atomic commit as the torch backend's DCP checkpoints (written as step_<N>.tmp/, meta.json
 last, renamed): resume rules, `latest`, keep_last and pruning are shared (checkpoint/dcp.py).
 An async save (`trainer.async_save`) commits the same way, only later: a crash while its
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from relax_slurm.checkpoint.from_lora import LORA_KEY
 from relax_slurm.checkpoint.hf_files import copy_hf_assets, write_hf_stream
 from relax_slurm.checkpoint.dcp import (
     HF_ASSETS, RNG_DIR, SAVE_TIMEOUT, SaveHandle, barrier, checkpoint_group, commit_checkpoint,
@@ -57,8 +61,8 @@ its optimizer's "optimizer.state.exp_avg.critic...."); in the loaded state dict 
 
 
 def sharded_state_dict(mm: MegatronModel, loading: bool = False,
-                       critic: MegatronModel | None = None) -> dict:
-    model_sd = model_sharded_state_dict(mm.chunks)
+                       critic: MegatronModel | None = None, adapter_only: bool = False) -> dict:
+    model_sd = model_sharded_state_dict(mm.chunks, adapter_only)
     state = {**model_sd, "optimizer": mm.optimizer.sharded_state_dict(
         model_sd, is_loading=loading, metadata=OPTIMIZER_METADATA)}
     if critic is not None:
@@ -74,25 +78,49 @@ def sharded_state_dict(mm: MegatronModel, loading: bool = False,
     return state
 
 
-def model_sharded_state_dict(chunks) -> dict:
+def model_sharded_state_dict(chunks, adapter_only: bool = False) -> dict:
     """Megatron-LM's layout: "model", or "model0", "model1", ... with virtual pipeline stages;
-    keys of the bare GPTModel (no DDP "module." prefix), as the converter reads them."""
+    keys of the bare GPTModel (no DDP "module." prefix), as the converter reads them.
+    `adapter_only` (model.lora): the adapters' keys alone, as trainer=torch's LoRA checkpoints
+    hold the trainable parameters only; the frozen base is model.path, loaded at build."""
     bare = [getattr(c, "module", c) for c in chunks]
+    sds = [c.sharded_state_dict() for c in bare]
+    if adapter_only:
+        sds = [{k: v for k, v in sd.items() if ADAPTER_KEY in k} for sd in sds]
     if len(bare) == 1:
-        return {"model": bare[0].sharded_state_dict()}
-    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(bare)}
+        return {"model": sds[0]}
+    return {f"model{i}": sd for i, sd in enumerate(sds)}
+
+
+ADAPTER_KEY = ".adapter."
+"""What every key of a model.lora adapter has (megatron-bridge's AdapterWrapper.adapter)."""
+
+
+def _load_model_state(module, state: dict, adapter_only: bool) -> None:
+    """The loaded state into a chunk: all of it, or with `adapter_only` every adapter and
+    nothing else (the base stays model.path as built)."""
+    if not adapter_only:
+        module.load_state_dict(state)
+        return
+    result = module.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if ADAPTER_KEY in k]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"the checkpoint's adapter does not fit the model.lora built: "
+                              f"missing {missing[:4]}, unexpected {result.unexpected_keys[:4]} "
+                              "(model.lora.rank / target_modules must be the run's)")
 
 
 def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], *,
          keep_last: int, hf_assets_src: str | None, async_save: bool = False,
-         reference: nn.Module | None = None, critic: MegatronModel | None = None
-         ) -> SaveHandle:
+         reference: nn.Module | None = None, critic: MegatronModel | None = None,
+         adapter_only: bool = False) -> SaveHandle:
     """Every rank calls this. Synchronous: returns once the checkpoint is committed. With
     `async_save`, returns once a forked process holds a snapshot of the state and writes it
     (megatron-core's async dist-checkpointing); the commit happens when the handle is waited
     for, on every rank (the next save, the end of the run: `dcp.wait_pending()`).
     `reference` (algo.ref_update_interval, a replica on every rank): rank 0 writes it, sync,
-    to REFERENCE. `critic`: algo=ppo's, in the same dist-checkpoint (CRITIC)."""
+    to REFERENCE. `critic`: algo=ppo's, in the same dist-checkpoint (CRITIC). `adapter_only`
+    (model.lora): the policy's adapters and their optimizer state, not the frozen base."""
     from concurrent.futures import Future
 
     from megatron.core import dist_checkpointing
@@ -129,7 +157,8 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
         done.set_result(final)
 
     try:
-        request = dist_checkpointing.save(sharded_state_dict(mm, critic=critic), str(tmp),
+        request = dist_checkpointing.save(sharded_state_dict(mm, critic=critic,
+                                                             adapter_only=adapter_only), str(tmp),
                                           async_sharded_save=async_save)
     except Exception as e:
         raise CheckpointError(f"writing Megatron checkpoint step {step} to {tmp} failed: {e}"
@@ -182,7 +211,7 @@ def _finalize_all(queue, timeout_s: float = SAVE_TIMEOUT.total_seconds()) -> Non
 
 
 def load(path: Path, mm: MegatronModel, reference: nn.Module | None = None,
-         critic: MegatronModel | None = None) -> dict[str, Any]:
+         critic: MegatronModel | None = None, adapter_only: bool = False) -> dict[str, Any]:
     """Load model, optimizer, lr position and this rank's RNG; returns extra_state (+ "step").
     `reference`: loaded from REFERENCE when the checkpoint has one, else left as it is; likewise
     `critic` (model and optimizer) from its CRITIC keys."""
@@ -202,10 +231,17 @@ def load(path: Path, mm: MegatronModel, reference: nn.Module | None = None,
         log.warning("%s holds no critic (saved by a run without one): the critic starts "
                     "fresh", path)
         critic = None
-    state = dist_checkpointing.load(sharded_state_dict(mm, loading=True, critic=critic),
-                                    str(path))
+    if adapter_only and LORA_KEY not in extra:
+        raise CheckpointError(f"{path} holds no LoRA adapter (a run without model.lora saved "
+                              "it): resume it with model.lora.rank=0, or start this run fresh")
+    if not adapter_only and LORA_KEY in extra:
+        raise CheckpointError(f"{path} holds a model.lora adapter and no full weights: resume "
+                              "it with the run's model.lora settings")
+    state = dist_checkpointing.load(sharded_state_dict(mm, loading=True, critic=critic,
+                                                       adapter_only=adapter_only), str(path))
     for i, chunk in enumerate(mm.chunks):
-        chunk.module.load_state_dict(state["model" if len(mm.chunks) == 1 else f"model{i}"])
+        _load_model_state(chunk.module, state["model" if len(mm.chunks) == 1 else f"model{i}"],
+                          adapter_only)
     mm.optimizer.load_state_dict(state["optimizer"])
     if critic is not None:
         critic.chunks[0].module.load_state_dict(state["critic"])

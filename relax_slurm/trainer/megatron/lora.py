@@ -1,0 +1,276 @@
+"""model.lora under trainer=megatron: megatron-bridge's CanonicalLoRA on the frozen megatron model
+(docs/lora.md), with the adapter in and out under PEFT's saved names.
+
+Why CanonicalLoRA and not megatron-bridge's `LoRA`: megatron fuses q/k/v into one `linear_qkv`
+and gate/up into one `linear_fc1`. `LoRA` puts a single adapter on each fused layer, so q, k and
+v would share one A (and one rank budget): not what PEFT trains on the HF model, where every
+projection has an A and a B of its own. `CanonicalLoRA` puts a separate adapter on each of
+q, k, v (`adapter_q/k/v`, their outputs interleaved into megatron's per-group [q, k, v] order)
+and on each of gate, up (`adapter_gate/up`, concatenated as megatron's [gate; up]): exactly
+PEFT's function for any subset of the seven projections, so no target set needs refusing.
+`lm_head` is megatron's `output_layer` (vocab-parallel; with tied embeddings it multiplies by
+the embedding weight it is handed, and the adapter adds its own output to that).
+
+Layout at tensor parallelism (megatron's own ColumnParallelLinear / RowParallelLinear, built by
+`ParallelLinearAdapter`; the parameters carry `partition_dim`):
+- on a column-parallel base (linear_qkv, linear_fc1): A [r/TP, in] (split over the rank, its
+  output gathered), B [out/TP, r] (split as the base's output);
+- on a row-parallel base (linear_proj, linear_fc2): A [r, in/TP] (split as the base's input, its
+  output all-reduced), B [out/TP, r] (output gathered).
+The rank must therefore divide by TP (checked here).
+
+Out: `AutoBridge.export_adapter_weights` gathers each adapter over TP (and PP/EP) and names it
+as the HF module it adapts (`model.layers.0.self_attn.q_proj.lora_A.weight`); PEFT's saved
+names add `base_model.model.` (what `trainer/lora.py::adapter_of` yields for trainer=torch).
+In: the bridge's own adapter conversion tasks pair every local adapter parameter with that HF
+name; each rank takes its shard of the full tensor along the parameter's `partition_dim`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from relax_slurm.checkpoint.from_lora import LORA_KEY as CHECKPOINT_KEY
+from relax_slurm.config.model import ModelConfig
+from relax_slurm.errors import ConfigError
+from relax_slurm.weightsync.adapter import Adapter
+
+PEFT_PREFIX = "base_model.model."
+"""What PEFT's saved names put before the HF module's name (get_peft_model_state_dict)."""
+
+HF_TO_CANONICAL = {
+    "q_proj": "linear_q", "k_proj": "linear_k", "v_proj": "linear_v", "o_proj": "linear_proj",
+    "gate_proj": "linear_fc1_gate", "up_proj": "linear_fc1_up", "down_proj": "linear_fc2",
+    "lm_head": "output_layer",
+}
+"""model.lora.target_modules (PEFT's, HF module names) -> CanonicalLoRA's targets."""
+
+
+def canonical_targets(target_modules: Iterable[str]) -> list[str]:
+    """CanonicalLoRA's targets for PEFT's; ConfigError naming what megatron cannot adapt."""
+    targets = list(target_modules)
+    unknown = [t for t in targets if t not in HF_TO_CANONICAL]
+    if unknown:
+        raise ConfigError(
+            f"model.lora.target_modules has {unknown}, which trainer=megatron cannot adapt: "
+            f"megatron-bridge's LoRA goes on the linear layers {list(HF_TO_CANONICAL)} (HF "
+            "names). Fix: model.lora.target_modules within those, or trainer=torch")
+    return [HF_TO_CANONICAL[t] for t in targets]
+
+
+def check_mergeable(hf_config, cfg: ModelConfig, why: str) -> None:
+    """Merged weights cannot carry an adapter on an lm_head tied to the embeddings: the bridge's
+    merged export has no lm_head of its own then, so the adapter would be dropped (trainer=torch
+    refuses the same for merged syncs: trainer/lora.py check_mergeable). `why`: what in this
+    run needs merged weights, and its fix."""
+    tied = getattr(hf_config.get_text_config(), "tie_word_embeddings", False) or getattr(
+        hf_config, "tie_word_embeddings", False)
+    if tied and "lm_head" in cfg.lora.target_modules:
+        raise ConfigError(
+            f"model.lora.target_modules has lm_head, whose weight {cfg.path} ties to "
+            f"embed_tokens, and {why}: megatron-bridge's merged export would drop its adapter. "
+            "Fix: drop lm_head from model.lora.target_modules, or the merged weights")
+
+
+def check_rank_split(rank: int, tensor_parallel_size: int) -> None:
+    """A's rank dimension is split over TP on column-parallel layers (module docstring)."""
+    if rank % tensor_parallel_size:
+        raise ConfigError(
+            f"model.lora.rank={rank} does not split over trainer.tensor_parallel_size="
+            f"{tensor_parallel_size}: megatron-bridge shards each q/k/v/gate/up adapter's A "
+            "along its rank. Fix: a rank that tensor_parallel_size divides")
+
+
+def bridge_peft(cfg: ModelConfig):
+    """megatron-bridge's CanonicalLoRA for model.lora (the same scale alpha / rank and input
+    dropout as PEFT's LoraConfig)."""
+    from megatron.bridge.peft.canonical_lora import CanonicalLoRA
+
+    lora = cfg.lora
+    return CanonicalLoRA(target_modules=canonical_targets(lora.target_modules), dim=lora.rank,
+                         alpha=lora.alpha, dropout=lora.dropout, dropout_position="pre")
+
+
+def apply_lora(chunks: list, cfg: ModelConfig):
+    """Adapters on the bare model chunks (before the DDP wrapping and the optimizer see them:
+    Megatron DDP and its optimizer then hold the adapters only). Every base parameter is
+    frozen. Returns the CanonicalLoRA object, whose `disable_adapter(chunks)` gives the base
+    model (the reference policy). Its A starts random and B at zero (as PEFT's): step 0's
+    policy is model.path."""
+    from megatron.core import parallel_state as ps
+
+    check_rank_split(cfg.lora.rank, ps.get_tensor_model_parallel_world_size())
+    _fix_library()
+    peft = bridge_peft(cfg)
+    # (the adapters' Column/RowParallelLinear initialise their weights, which tags them
+    # tensor_model_parallel with their partition_dim: the grad norm sees every shard)
+    quiet = logging.getLogger("megatron.bridge.peft")  # a line per adapted layer and rank
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        peft(chunks, training=True)
+    finally:
+        quiet.setLevel(level)
+    return peft
+
+
+def is_adapter_param(name: str) -> bool:
+    return ".adapter." in name
+
+
+# ---- out: PEFT names, full tensors ---------------------------------------------------------
+
+def peft_name(hf_name: str) -> str:
+    return PEFT_PREFIX + hf_name
+
+
+@torch.no_grad()
+def adapter_tensors(bridge, chunks: list) -> dict[str, Tensor]:
+    """{PEFT saved name: full tensor} of the adapter, gathered over TP/PP/EP by the bridge.
+    Collective: every rank calls it and gets every tensor."""
+    return {peft_name(n): t.detach().clone()
+            for n, t in bridge.export_adapter_weights(chunks, cpu=True, show_progress=False)}
+
+
+def adapter_config(cfg: ModelConfig) -> dict[str, Any]:
+    """PEFT's adapter_config.json for model.lora (what trainer=torch's PEFT model records)."""
+    from relax_slurm.trainer.lora import jsonable, peft_config
+
+    return jsonable(peft_config(cfg).to_dict())
+
+
+def checkpoint_record(cfg: ModelConfig) -> dict[str, Any]:
+    """meta.json's record of the adapter (trainer/lora.py checkpoint_record's fields)."""
+    return {"base_model_path": cfg.path, "adapter_config": adapter_config(cfg)}
+
+
+def adapter_of(bridge, chunks: list, cfg: ModelConfig, dtype: torch.dtype | None = None
+               ) -> Adapter:
+    """What an adapter-only weight sync sends (as trainer/lora.py's adapter_of). Collective."""
+    tensors = adapter_tensors(bridge, chunks)
+    if dtype is not None:
+        tensors = {n: t.to(dtype) for n, t in tensors.items()}
+    return Adapter(adapter_config(cfg), tensors)
+
+
+# ---- in: PEFT names -> this rank's shards --------------------------------------------------
+
+def local_shard(full: Tensor, param: Tensor, tp_rank: int, tp_size: int) -> Tensor:
+    """This TP rank's part of a full adapter tensor: split along the parameter's partition_dim
+    when megatron shards it, the whole tensor otherwise."""
+    if tp_size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    return full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+
+
+def local_adapter_params(bridge, chunks: list) -> dict[str, Tensor]:
+    """{PEFT saved name: this rank's adapter parameter}, paired by the bridge's own adapter
+    conversion tasks (the names its export gives). Collective (gathers names over PP)."""
+    tasks = bridge._model_bridge.build_adapter_conversion_tasks(chunks)
+    out: dict[str, Tensor] = {}
+    for adapter_tasks in tasks.values():
+        for task in adapter_tasks:
+            for sub in (task.linear_in_task, task.linear_out_task):
+                if sub.param_weight is not None:  # None: on another pipeline stage
+                    out[peft_name(sub.mapping.hf_param)] = sub.param_weight
+    return out
+
+
+@torch.no_grad()
+def load_adapter(bridge, chunks: list, tensors: dict[str, Tensor]) -> None:
+    """Set the adapter from full tensors under PEFT's saved names (e.g. PEFT's
+    get_peft_model_state_dict): each rank copies its shard. Every adapter of the model must be
+    given, and nothing else."""
+    from megatron.core import parallel_state as ps
+
+    params = local_adapter_params(bridge, chunks)
+    missing = sorted(set(params) - set(tensors))
+    if missing:
+        raise ValueError(f"adapter tensors missing for {missing[:4]} ({len(missing)} in all)")
+    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    for name, param in params.items():
+        shard = local_shard(tensors[name], param, tp_rank, tp)
+        if shard.shape != param.shape:
+            raise ValueError(f"{name}: shard {tuple(shard.shape)} for a parameter of "
+                             f"{tuple(param.shape)} at TP rank {tp_rank}/{tp}")
+        param.copy_(shard)
+
+
+# ---- megatron-bridge fixes ----------------------------------------------------------------
+
+def _fix_library() -> None:
+    """Two fixes to megatron-bridge 0.3.1's PEFT, applied once:
+
+    - without transformer-engine (CPU), megatron.core.extensions.transformer_engine still
+      imports with MagicMock placeholders for its classes, so megatron-bridge's peft/utils.py
+      sees HAVE_TE=True and `isinstance(m, <MagicMock>)` raises TypeError: its TE branches are
+      turned off (with a GPU and TE installed nothing changes).
+    - `LoRALinearSplitQKV._interleave_qkv` reshapes the adapters' q/k/v outputs with the
+      model's *global* head and group counts. A TP rank holds heads/TP and groups/TP, so its
+      reshape folds TP tokens into one row: right by luck when the token count divides by TP,
+      a RuntimeError otherwise (an odd micro-batch at TP=2). The same interleave with the
+      rank's own counts (read off the tensors) replaces it.
+    """
+    from megatron.bridge.peft import canonical_lora
+    from megatron.bridge.peft import utils as peft_utils
+
+    from relax_slurm.trainer.megatron import cpu_compat
+
+    if cpu_compat.needed():
+        peft_utils.HAVE_TE = False
+    cls = canonical_lora.LoRALinearSplitQKV
+    if getattr(cls._interleave_qkv, "_relax_local_heads", False):
+        return
+
+    def interleave_qkv(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        config = self.to_wrap.config
+        head_size = config.kv_channels or config.hidden_size // config.num_attention_heads
+        heads, groups = query.size(-1) // head_size, key.size(-1) // head_size
+        return interleave_local_qkv(query, key, value, heads, groups, head_size)
+
+    interleave_qkv._relax_local_heads = True
+    cls._interleave_qkv = interleave_qkv
+
+
+def interleave_local_qkv(query: Tensor, key: Tensor, value: Tensor, heads: int, groups: int,
+                         head_size: int) -> Tensor:
+    """[..., heads * d], [..., groups * d] x2 -> megatron's fused layout [..., groups x
+    (heads/groups q heads, 1 k head, 1 v head) x d], per token."""
+    lead = query.shape[:-1]
+    q = query.reshape(*lead, groups, heads // groups, head_size)
+    k = key.reshape(*lead, groups, 1, head_size)
+    v = value.reshape(*lead, groups, 1, head_size)
+    return torch.cat([q, k, v], dim=-2).reshape(*lead, -1)
+
+
+# ---- the reference policy --------------------------------------------------------------------
+
+class _Logits:
+    def __init__(self, logits: Tensor) -> None:
+        self.logits = logits
+
+
+class AdapterDisabled:
+    """The reference policy of the KL loss: the megatron policy with its adapters off, which is
+    model.path itself (CanonicalLoRA's disable_adapter), with no second copy of the weights.
+    Called like a transformers model (`trainer.step.token_logprobs`): logits [B, T, V].
+
+    Collective (a TP forward): every TP rank calls it on the same rows, which the megatron step
+    does (its loss function runs on every TP rank). Without pipeline stages only: the forward
+    of one chunk is the whole model then."""
+
+    def __init__(self, mm, peft, hf_config) -> None:
+        self._mm, self._peft = mm, peft
+        self.config = hf_config
+
+    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None, **_: Any
+                 ) -> _Logits:
+        mm = self._mm
+        with torch.no_grad(), self._peft.disable_adapter(mm.chunks):
+            out = mm.full_logits(mm.forward(mm.chunks[0], input_ids,
+                                            attention_mask=attention_mask))
+        return _Logits(out[:, :input_ids.shape[1]])

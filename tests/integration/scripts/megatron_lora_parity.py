@@ -1,0 +1,164 @@
+"""torchrun --nproc-per-node N megatron_lora_parity.py --model-dir D --tp T --inputs F --out DIR
+
+(data parallelism is the rest of the N ranks: each DP rank trains its block of the batch's rows)
+
+model.lora under trainer=megatron on gloo (relax_slurm/trainer/megatron/lora.py): builds the
+HF model through megatron-bridge at TP=T with CanonicalLoRA on `--targets` (rank, alpha), loads
+the adapter in F (PEFT's saved names, full tensors; F also holds the batch, `batch.*`), then
+(rank 0 writes DIR/result.json and DIR/{exported,grads,merged}.safetensors)
+- exports the adapter back under PEFT's names (the round trip the test compares bit for bit),
+  and the weights with the adapter merged (the bridge's HF export, as a merged sync sends),
+- records which parameters require gradients and get Megatron DDP gradient buffers,
+- runs one training step of the trainer's loss on the batch (megatron's train_step) with the
+  optimizer's step replaced by a copy of each adapter's main_grad into it: the adapter's
+  gradients, exported under PEFT's names, and the step's loss,
+- checks that the step left every base weight as it was, and that the adapters disabled give
+  the logits of the model without adapters (the reference policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from script_result import finish
+
+from relax_slurm.config.algo import AlgoConfig
+from relax_slurm.config.model import LoraConfig, ModelConfig
+from relax_slurm.config.trainer import TrainerConfig
+from relax_slurm.trainer.batch import MicroBatch
+
+BATCH_KEYS = ("input_ids", "attention_mask", "targets", "weights", "advantages", "rollout_logp")
+
+
+def batch_from(tensors: dict[str, torch.Tensor]) -> MicroBatch:
+    """The MicroBatch stored under `batch.<field>` (all rows full length)."""
+    fields = {k: tensors[f"batch.{k}"] for k in BATCH_KEYS}
+    rows, width = fields["input_ids"].shape
+    return MicroBatch(**fields, seq_lens=(width,) * rows)
+
+
+@contextmanager
+def adapter_grads_into_weights(mm):
+    """Within the block the optimizer's step copies each trainable parameter's main_grad (what
+    Megatron DDP accumulated) into it and updates nothing, so the bridge's adapter export
+    returns the gradients (as grad_capture.grads_into_weights, for the adapters only: frozen
+    parameters have no main_grad)."""
+    real_step = mm.optimizer.step
+
+    def step():
+        with torch.no_grad():
+            for c in mm.chunks:
+                for p in c.module.parameters():
+                    if p.requires_grad:
+                        p.copy_(p.main_grad)
+        return True, 0.0, 0
+
+    mm.optimizer.step = step
+    try:
+        yield
+    finally:
+        mm.optimizer.step = real_step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--alpha", type=float, default=16.0)
+    ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    ap.add_argument("--micro-batch-size", type=int, default=3)
+    ap.add_argument("--inputs", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+
+    from megatron.core import parallel_state as ps
+
+    from relax_slurm.trainer.megatron import lora
+    from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel
+    from relax_slurm.trainer.megatron.step import train_step
+
+    cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp, lr=1e-2,
+                        micro_batch_size=args.micro_batch_size,
+                        nproc_per_node=dist.get_world_size())
+    model_cfg = ModelConfig(path=args.model_dir, lora=LoraConfig(
+        rank=args.rank, alpha=args.alpha, target_modules=args.targets.split(",")))
+    init_model_parallel(cfg)
+    pefts: list = []
+    mm = MegatronModel(model_cfg, cfg,
+                       adapt=lambda bare: pefts.append(lora.apply_lora(bare, model_cfg)))
+    inputs = load_file(str(args.inputs))
+    adapter_in = {k: v for k, v in inputs.items() if not k.startswith("batch.")}
+    result: dict = {}
+
+    named = [(n, p) for c in mm.chunks for n, p in c.module.named_parameters()]
+    result["trainable"] = sorted(n for n, p in named if p.requires_grad)
+    result["frozen_not_adapter"] = all(not p.requires_grad for n, p in named
+                                       if not lora.is_adapter_param(n))
+    result["frozen_have_no_grad_buffer"] = all(not hasattr(p, "main_grad") for _, p in named
+                                               if not p.requires_grad)
+    result["optimizer_params"] = sum(p.numel() for g in mm.optimizer.param_groups
+                                     for p in g["params"])
+    result["local_adapter_params"] = sum(p.numel() for _, p in named if p.requires_grad)
+
+    lora.load_adapter(mm.bridge, mm.chunks, adapter_in)
+    exported = lora.adapter_tensors(mm.bridge, mm.chunks)
+    # what a merged sync and save_hf send: the bridge's export merges each adapter into its
+    # base weight (W + alpha / r * B @ A), under HF names
+    merged = {k: v.clone() for k, v in mm.named_hf_weights()}
+
+    base_before = {n: p.detach().clone() for n, p in named if not p.requires_grad}
+    adapters_before = {n: p.detach().clone() for n, p in named if p.requires_grad}
+    batch = batch_from(inputs)
+    # data parallelism: each DP rank trains its block of rows (the weights sum to 1 over the
+    # whole batch); Megatron DDP all-reduces the adapters' gradients
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    block = len(batch) // dp
+    mine = batch.rows(dp_rank * block, (dp_rank + 1) * block)
+    with adapter_grads_into_weights(mm):
+        metrics = train_step(mm, mine, AlgoConfig(), micro_batch_size=args.micro_batch_size,
+                             temperature=1.0)
+    result["loss"] = metrics["train/loss"]
+    grads = lora.adapter_tensors(mm.bridge, mm.chunks)
+    result["base_unchanged"] = all(torch.equal(p, base_before[n]) for n, p in named
+                                   if not p.requires_grad)
+    result["base_grads_none"] = all(p.grad is None for _, p in named if not p.requires_grad)
+    with torch.no_grad():  # the adapters back, for the reference check
+        for n, p in named:
+            if p.requires_grad:
+                p.copy_(adapters_before[n])
+
+    # the reference policy: the adapters disabled are model.path (the HF model's logits)
+    ids = batch.input_ids
+    with torch.no_grad():
+        with pefts[0].disable_adapter(mm.chunks):
+            off = mm.full_logits(mm.forward(mm.chunks[0], ids))
+        on = mm.full_logits(mm.forward(mm.chunks[0], ids))
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            base = hf(ids).logits
+        result["disabled_logits_max_diff"] = (off - base).abs().max().item()
+        result["enabled_differs_by"] = (on - base).abs().max().item()
+        args.out.mkdir(parents=True, exist_ok=True)
+        save_file(exported, str(args.out / "exported.safetensors"))
+        save_file(grads, str(args.out / "grads.safetensors"))
+        save_file(merged, str(args.out / "merged.safetensors"))
+    result["tp_size"] = ps.get_tensor_model_parallel_world_size()
+    result["dp_size"] = dp
+    finish(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
