@@ -28,7 +28,9 @@
   feature extractor with chunk_length=2 s at 16 kHz), loadable with `AutoProcessor`.
 - `omni3`: `Qwen3OmniMoeForConditionalGeneration`, the whole model as Qwen3-Omni ships: a thinker
   (text: hidden 32, 2 layers of 4 experts of width 16, top-2, M-RoPE [2, 1, 1] interleaved over
-  head_dim 8; one-layer audio encoder of width 16 over 16 mel bins; one-block vision encoder)
+  head_dim 8; one-layer audio encoder of width 16 over 16 mel bins, in Qwen3-Omni's 100-frame
+  windows of 13 tokens, whose start marker `audio_start_token_id` is the tokenizer's
+  `<|audio_bos|>`; one-block vision encoder)
   plus the speech talker and code2wav (one layer each), which RL never trains or sends. No
   processor: Qwen3-Omni's needs torchvision's video processor. For the weights' names
   (transformers 5 renames the thinker's parts in memory, `thinker.model.audio_tower.*`, while
@@ -167,7 +169,8 @@ def build_omni3(out: Path, seed: int = 0) -> str:
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     tok = _tokenizer(VISION_TOKENS + AUDIO_TOKENS)
-    start, end, image, video, _, audio, _ = tok.convert_tokens_to_ids(VISION_TOKENS + AUDIO_TOKENS)
+    start, end, image, video, audio_start, audio, _ = tok.convert_tokens_to_ids(
+        VISION_TOKENS + AUDIO_TOKENS)
     vocab = len(tok) + len(tok) % 2
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -180,12 +183,15 @@ def build_omni3(out: Path, seed: int = 0) -> str:
         text_config=text,
         audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2,
                           encoder_ffn_dim=32, output_dim=32, num_mel_bins=MEL_BINS,
-                          downsample_hidden_size=8, n_window=4, n_window_infer=8),
+                          downsample_hidden_size=8, n_window=50, n_window_infer=100),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
                            out_hidden_size=32, patch_size=16, spatial_merge_size=2,
                            temporal_patch_size=2, deepstack_visual_indexes=[0]),
         audio_token_id=audio, image_token_id=image, video_token_id=video,
-        vision_start_token_id=start, vision_end_token_id=end)
+        vision_start_token_id=start, vision_end_token_id=end,
+        # M-RoPE finds an audio by its start marker (get_rope_index): the tokenizer's, not the
+        # config's default id of the real vocabulary
+        audio_start_token_id=audio_start)
     talker = dict(
         text_config=dict(small, vocab_size=64, moe_intermediate_size=16,
                          shared_expert_intermediate_size=16, num_experts=2,

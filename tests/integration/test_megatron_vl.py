@@ -1,8 +1,9 @@
 """Vision-language models under trainer=megatron on CPU/gloo (relax_slurm/trainer/megatron/vl.py):
-the tiny Qwen2.5-VL and Qwen3-VL built through megatron-bridge at TP=1 and TP=2, and the tiny
-Qwen3-VL-MoE at EP=2 (vl_moe.py), against the transformers model, on two right-padded rows
-with images of different sizes (tests/integration/scripts/megatron_vl_parity.py, one torchrun
-each)."""
+the tiny Qwen2.5-VL and Qwen3-VL built through megatron-bridge at TP=1 and TP=2, the tiny
+Qwen3-VL-MoE at EP=2 (vl_moe.py) and the tiny Qwen3-Omni thinker at EP=2 (the project's bridge,
+omni*.py), against the transformers model, on two right-padded rows with images of different
+sizes, Qwen3-Omni's with audio and a video too (tests/integration/scripts/
+megatron_vl_parity.py, one torchrun each)."""
 
 from __future__ import annotations
 
@@ -73,12 +74,15 @@ def result(d: Path) -> dict:
 
 
 @pytest.mark.timeout(1200)
-# the Qwen3-VL-MoE runs once, at EP=2: each rank TP=1 with two of the four experts, DP=2
-@pytest.mark.parametrize("run", ["vl_tp1", "vl_tp2", "vl3_tp1", "vl3_tp2", "vl3moe_tp1_ep2"])
+# the MoE models run once, at EP=2: each rank TP=1 with two of the four experts, DP=2 (the
+# Qwen3-Omni thinker's audio tower is compared too: its first convolution and first layer)
+@pytest.mark.parametrize("run", ["vl_tp1", "vl_tp2", "vl3_tp1", "vl3_tp2", "vl3moe_tp1_ep2",
+                                 "omni3_tp1_ep2"])
 def test_logits_and_vision_gradients_equal_transformers(runs, run):
     r = result(runs[run])
     assert r["logits_max_diff"] <= REL_TOL * r["logits_scale"], r["logits_max_diff"]
-    for name, g in r["vision_grads"].items():
+    assert ("audio_grads" in r) == run.startswith("omni")
+    for name, g in {**r["vision_grads"], **r.get("audio_grads", {})}.items():
         assert g["scale"] > 0, name  # the tower is in the graph
         assert g["max_diff"] <= REL_TOL * g["scale"], (name, g)
         assert g["equal_across_ranks"], name  # replicated over TP, same gradient
@@ -103,15 +107,17 @@ def test_export_is_what_the_hf_engine_loads(runs, kind):
 
 
 @pytest.mark.timeout(1200)
-def test_vl_moe_expert_and_router_gradients_equal_transformers(runs):
+@pytest.mark.parametrize("run", ["vl3moe_tp1_ep2", "omni3_tp1_ep2"])
+def test_vl_moe_expert_and_router_gradients_equal_transformers(runs, run):
     """Qwen3-VL-MoE at EP=2: every expert's gradient on the rank holding it (fc1 against
     transformers' fused gate_up_proj[e], fc2 against down_proj[e]) and the routers', after
     Megatron's DP/EP reduction, to REL_TOL of the layer's largest reference gradient (same
     float32 reasoning as above; the expert sums are per token over two of four experts;
     measured ~5e-7 relative). The tiny model has no load-balancing loss
     (router_aux_loss_coef=0, taken over by the provider); with the bridge's fixed 1e-3 the
-    vision tower's gradient differed by ~4e-6 relative."""
-    r = result(runs["vl3moe_tp1_ep2"])
+    vision tower's gradient differed by ~4e-6 relative. The Qwen3-Omni thinker's experts are
+    per expert in its file, fused in transformers' memory: compared the same way."""
+    r = result(runs[run])
     assert set(r["moe_grads"]) == {f"rank{k}/layer{n}" for k in (0, 1) for n in (0, 1)}
     for name, g in r["moe_grads"].items():
         assert g["scale"] > 0, name
@@ -119,13 +125,14 @@ def test_vl_moe_expert_and_router_gradients_equal_transformers(runs):
 
 
 @pytest.mark.timeout(1200)
-def test_vl_moe_routing_replay_matches_transformers(runs):
+@pytest.mark.parametrize("run", ["vl3moe_tp1_ep2", "omni3_tp1_ep2"])
+def test_vl_moe_routing_replay_matches_transformers(runs, run):
     """algo.routing_replay's trainer side for Qwen3-VL-MoE under megatron: random experts for
     every token (image tokens too) and layer, replayed by megatron-core's routers
     (trainer/megatron/routing.py) and by transformers' (routing/hooks.py), give the same logits
     to REL_TOL (measured ~2e-7 relative), while replay moved them by >= 100x that (measured
     2e-2): the language model routes the rows' tokens in the order the rollout reports them."""
-    r = result(runs["vl3moe_tp1_ep2"])["replay"]
+    r = result(runs[run])["replay"]
     assert r["max_diff"] <= REL_TOL * r["scale"], r
     assert r["moved"] >= 100 * REL_TOL * r["scale"], r
     assert r["mismatch_frac"] > 0.5, r  # random sets: the router's own choice mostly differs
@@ -150,6 +157,31 @@ def test_vl_moe_export_is_the_file_in_either_layout(runs):
     assert set(r["exported_names"]) <= set(parameter_views(model))
     assert r["qwen_layout"] == {"names_equal": True, "export_bitwise": True,
                                 "same_weights": True}
+
+
+@pytest.mark.timeout(1200)
+def test_omni_export_is_the_files_thinker(runs):
+    """The Qwen3-Omni bridge's export at EP=2 is the file's thinker, bit for bit and under the
+    file's names (`thinker.model.layers.N.mlp.experts.E.gate_proj.weight`, `thinker.visual.*`,
+    `thinker.audio_tower.*`: what SGLang loads and trainer=torch sends, modeling.
+    checkpoint_names): every thinker tensor, and none of the talker's or code2wav's (never
+    trained, never sent: modeling.NOT_SERVED); every name is one the hf engine receives."""
+    import torch
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from relax_slurm.modeling import NOT_SERVED
+    from relax_slurm.weightsync.receiver import parameter_views
+
+    r = result(runs["omni3_tp1_ep2"])
+    thinker = [n for n in r["file_names"] if not n.startswith(NOT_SERVED)]
+    assert all(n.startswith("thinker.") for n in thinker)
+    assert r["exported_names"] == thinker
+    assert any(n.startswith("thinker.audio_tower.") for n in thinker)
+    assert any(".mlp.experts.3.gate_proj." in n for n in thinker)
+    assert r["export_bitwise"]
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(runs["omni3"],
+                                                                 dtype=torch.float32)
+    assert set(r["exported_names"]) <= set(parameter_views(model))
 
 
 def megatron_vl_run(run_dir: Path, model: Path, data: Path, steps: int, layout: str, *,

@@ -20,7 +20,7 @@ from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.modeling import media_token_ids
-from relax_slurm.trainer.megatron import context_parallel, cpu_compat, vl
+from relax_slurm.trainer.megatron import context_parallel, cpu_compat, omni, vl
 from relax_slurm.trainer.megatron.pad_embedding import skip_padding_embedding_grads
 from relax_slurm.trainer.schedule import lr_factor
 
@@ -91,8 +91,10 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
     theta = rope_theta(hf_config)
     if theta is not None:
         provider.rotary_base = theta
-    if hf_config.get_text_config() is not hf_config:
+    if (hf_config.get_text_config() is not hf_config
+            and hasattr(hf_config, "tie_word_embeddings")):
         # multimodal: transformers 5 keeps the tied-embeddings flag on the top-level config only
+        # (Qwen3-Omni: on its thinker's, which omni_bridge reads)
         provider.share_embeddings_and_output_weights = bool(hf_config.tie_word_embeddings)
     if cpu_compat.needed():
         # no transformer-engine, no fused CUDA kernels: megatron-core's local layers
@@ -179,6 +181,7 @@ class MegatronModel:
         self.sequence_parallel = False  # build_provider's decision, once the chunks are built
         dtype = DTYPES[model_cfg.dtype]
         bridge_mod = cpu_compat.import_bridge()
+        omni.register()  # the project's Qwen3-Omni bridge (megatron-bridge 0.3.1 has none)
         fix_sequential_experts()
         check_cpu_dtype(model_cfg.dtype, dtype)
         self.bridge = bridge or bridge_mod.AutoBridge.from_hf_pretrained(

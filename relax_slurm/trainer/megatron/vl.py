@@ -17,26 +17,24 @@ import torch
 from torch import Tensor
 
 from relax_slurm.errors import ConfigError
-from relax_slurm.trainer.megatron import vl_moe
+from relax_slurm.trainer.megatron import omni, vl_moe
 
 QWEN25 = "qwen2_5_vl"
 QWEN3 = "qwen3_vl"
 QWEN3_MOE = "qwen3_vl_moe"  # experts: vl_moe.py
-SUPPORTED = (QWEN25, QWEN3, QWEN3_MOE)
+OMNI = omni.MODEL_TYPE  # Qwen3-Omni's thinker: omni.py
+SUPPORTED = (QWEN25, QWEN3, QWEN3_MOE, OMNI)
 
 # model_type -> why trainer=megatron refuses it (the fix: trainer=torch)
 REFUSED = {
-    "qwen3_omni_moe": (
-        "megatron-bridge 0.3.1 has no Qwen3-Omni bridge (no provider, no weight mappings for "
-        "its audio tower, vision tower and talker)"),
     "qwen2_5_omni": "megatron-bridge 0.3.1 has no Qwen2.5-Omni bridge",
     "qwen2_audio": "megatron-bridge 0.3.1 has no Qwen2-Audio bridge",
 }
 
 
 def kind(hf_config) -> str | None:
-    """QWEN25/QWEN3/QWEN3_MOE for a supported VL model, None for a text decoder; ConfigError for a
-    multimodal model trainer=megatron cannot train."""
+    """QWEN25/QWEN3/QWEN3_MOE/OMNI for a supported multimodal model, None for a text decoder;
+    ConfigError for a multimodal model trainer=megatron cannot train."""
     model_type = getattr(hf_config, "model_type", "")
     if model_type in SUPPORTED:
         return model_type
@@ -46,8 +44,8 @@ def kind(hf_config) -> str | None:
                           "megatron bridge for it would need: docs/backends.md#multimodal-models")
     if getattr(hf_config, "vision_config", None) is not None or hasattr(hf_config, "audio_config"):
         raise ConfigError(
-            f"trainer=megatron trains Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE among multimodal "
-            f"models, not model_type={model_type!r}. Fix: trainer=torch "
+            "trainer=megatron trains Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and Qwen3-Omni among "
+            f"multimodal models, not model_type={model_type!r}. Fix: trainer=torch "
             "(docs/backends.md#multimodal-models)")
     return None
 
@@ -214,20 +212,9 @@ def _qwen3_forward() -> None:
                 (pixel_values_videos, video_grid_thw, self.video_token_id)) if pixels is not None]
             if items:
                 emb = emb.transpose(0, 1).contiguous()  # [B,T,H], indexed by the [B,T] masks
-                visual_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-                for _p, _g, mask in items:
-                    visual_mask |= mask
-                stacks = []
-                for pixels, grid, mask in items:
-                    features, stack = self.vision_model(hidden_states=pixels, grid_thw=grid)
-                    emb[mask] = features.to(emb.dtype)
-                    stacks.append((mask[visual_mask], stack))
-                deepstack = []
-                for layer in range(len(stacks[0][1])):
-                    joint = emb.new_zeros(int(visual_mask.sum()), emb.shape[-1])
-                    for where, stack in stacks:
-                        joint[where] = stack[layer].to(joint.dtype)
-                    deepstack.append(joint)
+                emb, visual_mask, deepstack = merge_vision(
+                    emb, items,
+                    lambda pixels, grid: self.vision_model(hidden_states=pixels, grid_thw=grid))
                 emb = emb.transpose(0, 1).contiguous()
             if cfg.sequence_parallel:
                 emb = tensor_parallel.scatter_to_sequence_parallel_region(emb).contiguous()
@@ -245,6 +232,28 @@ def _qwen3_forward() -> None:
             deepstack_visual_embeds=deepstack)
 
     m.Qwen3VLModel.forward = forward
+
+
+def merge_vision(emb: Tensor, items, tower) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """Qwen3-VL's / Qwen3-Omni's vision features placed in `emb` [B, T, H] (in place): `items`
+    (pixels, grid_thw, [B, T] pad mask) of images and of videos, `tower(pixels, grid)` ->
+    (features, DeepStack features per layer). Returns emb, the mask of all visual tokens and
+    the DeepStack features of both merged in sequence order (as transformers does)."""
+    visual_mask = torch.zeros_like(items[0][2], dtype=torch.bool)
+    for _p, _g, mask in items:
+        visual_mask |= mask
+    stacks = []
+    for pixels, grid, mask in items:
+        features, stack = tower(pixels, grid)
+        emb[mask] = features.to(emb.dtype)
+        stacks.append((mask[visual_mask], stack))
+    deepstack = []
+    for layer in range(len(stacks[0][1])):
+        joint = emb.new_zeros(int(visual_mask.sum()), emb.shape[-1])
+        for where, stack in stacks:
+            joint[where] = stack[layer].to(joint.dtype)
+        deepstack.append(joint)
+    return emb, visual_mask, deepstack
 
 
 def qwen3_rope_index(spatial_merge_size: int, image_token_id: int, input_ids: Tensor,
@@ -275,14 +284,16 @@ VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 def media_keys(model_kind: str) -> tuple[str, ...]:
     """The media tensors a VL kind's megatron forward takes: images and videos (Qwen3-VL
-    spaces frames by timestamps in the text: no second_per_grid_ts)."""
+    spaces frames by timestamps in the text: no second_per_grid_ts); Qwen3-Omni also audio."""
+    if model_kind == OMNI:
+        return IMAGE_KEYS + VIDEO_KEYS + omni.AUDIO_KEYS
     return IMAGE_KEYS + (VIDEO_KEYS if model_kind == QWEN25 else VIDEO_KEYS[:2])
 
 
 def check_media(model_kind: str, media_kinds) -> None:
     """ConfigError when the run's `data.multimodal_keys` has media this model's megatron
     forward does not take (audio is refused with the config: cross_checks.py)."""
-    unknown = set(media_kinds) - {"image", "video"}
+    unknown = set(media_kinds) - (omni.MEDIA_KINDS if model_kind == OMNI else {"image", "video"})
     if unknown:
         raise ConfigError(
             f"trainer=megatron feeds {model_kind} images and video, not {sorted(unknown)}. "
@@ -306,8 +317,8 @@ def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | 
         return chunk(input_ids=input_ids, attention_mask=causal.view(1, 1, T, T),
                      mm_token_type_ids=token_types(chunk_config(chunk), input_ids),
                      pad_mask=pad, **kw)
-    # Qwen3-VL (_qwen3_forward): no mask means the layers' causal mask (rows right-padded);
-    # the padding only shapes the M-RoPE positions
+    # Qwen3-VL (_qwen3_forward) and Qwen3-Omni (omni_model.py): no mask means the layers'
+    # causal mask (rows right-padded); the padding only shapes the M-RoPE positions
     return chunk(input_ids=input_ids, attention_mask=None, pad_mask=attention_mask, **kw)
 
 
@@ -322,6 +333,8 @@ def chunk_config(chunk):
 def hf_prefix_to_megatron(model_kind: str, prefix: str) -> str:
     """A `trainer.freeze_modules` prefix in HF names (model.visual, model.language_model...)
     -> the megatron model's parameter prefix."""
+    if model_kind == OMNI:
+        return omni.hf_prefix_to_megatron(prefix) or prefix
     vision = "visual" if model_kind == QWEN25 else "vision_model"
     for hf, mg in (("model.visual", vision), ("visual", vision),
                    ("model.language_model", "language_model"),

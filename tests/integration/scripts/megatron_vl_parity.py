@@ -1,14 +1,16 @@
 """torchrun --nproc-per-node N megatron_vl_parity.py --model-dir D --tp T [--ep E] --out DIR
 
-A tiny Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE under trainer=megatron on gloo
-(relax_slurm/trainer/megatron/vl.py, vl_moe.py); rank 0 writes DIR/result.json with, against
-the transformers model on two right-padded rows with images of different sizes:
+A tiny Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3-Omni thinker under trainer=megatron on
+gloo (relax_slurm/trainer/megatron/vl.py, vl_moe.py, omni*.py); rank 0 writes DIR/result.json
+with, against the transformers model on two right-padded rows with images of different sizes
+(Qwen3-Omni: also an audio in each row and a video in one, `omni_inputs`):
 - the largest logit difference on the rows' tokens (MegatronModel.forward with the media,
   a video too: Qwen2.5-VL's placed and spaced in time by M-RoPE's second_per_grid_ts,
   Qwen3-VL's one run of pads per frame after the frame's timestamp text, as its processor
   writes them, with DeepStack features of images and video merged in sequence order),
 - the largest vision-tower gradient difference of a fixed random linear function of the logits
-  (the patch embedding and the first block's qkv), each with the reference's scale,
+  (the patch embedding and the first block's qkv), each with the reference's scale (Qwen3-Omni:
+  the audio tower's too, its first convolution and first layer's query),
 - for the MoE: the gradients of every expert this rank holds (fc1 = transformers' fused
   gate_up_proj[e], fc2 = down_proj[e]) and of the routers, after Megatron's gradient
   reduction (the ranks all see the same rows: at EP=2 an expert gets both ranks' copies of its
@@ -73,6 +75,59 @@ def inputs(path: str):
     return ids, mask, media
 
 
+OMNI_AUDIO_FRAMES = (130, 37)  # mel frames: one 100-frame chunk (13 tokens) and a partial one
+
+
+def omni_inputs(path: str):
+    """Two right-padded rows for the tiny Qwen3-Omni thinker (no processor: ids and tensors
+    laid out as Qwen3-Omni's processor lays them): row 0 text, an image, text, an audio, text;
+    row 1 an image, text, a video (one run of pads, spaced in time by second_per_grid_ts),
+    an audio, text. Pixels and mel features random: both models take the same tensors."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        _get_feat_extract_output_lengths,
+    )
+
+    tok, cfg = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path).thinker_config
+    vision = cfg.vision_config
+    g = torch.Generator().manual_seed(11)
+    dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    grids = torch.tensor([[1, 4, 4], [1, 2, 4]])
+    clip = video(vision)
+    frames = torch.tensor(OMNI_AUDIO_FRAMES)
+    feature_mask = (torch.arange(int(frames.max()))[None] < frames[:, None]).long()
+    mel = torch.randn(len(frames), cfg.audio_config.num_mel_bins, int(frames.max()),
+                      generator=g) * feature_mask[:, None]  # zero past each audio's end
+    media = {"pixel_values": torch.randn(int(grids.prod(-1).sum()), dim, generator=g),
+             "image_grid_thw": grids, **clip, "input_features": mel,
+             "feature_attention_mask": feature_mask}
+    n_img = (grids.prod(-1) // 4).tolist()
+    n_audio = _get_feat_extract_output_lengths(frames, cfg.audio_config.n_window).tolist()
+    S, E, I, V = (cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id,
+                  cfg.video_token_id)
+    AS, A = cfg.audio_start_token_id, cfg.audio_token_id
+    AE = tok.convert_tokens_to_ids("<|audio_eos|>")
+    txt = tok("ab cd", add_special_tokens=False)["input_ids"]
+    rows = [txt + [S] + [I] * n_img[0] + [E] + txt + [AS] + [A] * n_audio[0] + [AE] + txt,
+            txt[:2] + [S] + [I] * n_img[1] + [E] + txt + [S] + [V] * video_tokens(clip) + [E]
+            + [AS] + [A] * n_audio[1] + [AE] + txt]
+    T, pad = max(map(len, rows)), tok.pad_token_id or 0
+    ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
+    return ids, mask, media
+
+
+def hf_kwargs(hf, ids, media: dict) -> dict:
+    """The transformers model's media kwargs: VL models take `mm_token_type_ids` (1 image, 2
+    video: their M-RoPE input); Qwen3-Omni's thinker names the videos' seconds per temporal
+    patch `video_second_per_grid`."""
+    if hf.config.model_type.startswith("qwen3_omni"):
+        kw = dict(media)
+        kw["video_second_per_grid"] = kw.pop("second_per_grid_ts")
+        return kw
+    return {"mm_token_type_ids": vl.token_types(hf.config, ids), **media}
+
+
 def video(vision) -> dict:
     """A video as the processor lays it out: 4 frames of 56x56 -> (t, h, w) = (2, 4, 4)
     patches of channels x temporal_patch_size x patch_size^2 values, 0.5 s per temporal patch
@@ -114,15 +169,22 @@ def main() -> None:
 
     from transformers import AutoModelForImageTextToText
 
-    hf = AutoModelForImageTextToText.from_pretrained(args.model_dir, dtype=torch.float32)
+    if mm.vl == vl.OMNI:  # the thinker: what trainer=megatron builds and trains
+        from transformers import Qwen3OmniMoeForConditionalGeneration
+
+        hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+            args.model_dir, dtype=torch.float32).thinker
+        ids, mask, media = omni_inputs(args.model_dir)
+    else:
+        hf = AutoModelForImageTextToText.from_pretrained(args.model_dir, dtype=torch.float32)
+        ids, mask, media = inputs(args.model_dir)
     result["hf_param_names"] = sorted(n for n, _ in hf.named_parameters())
-    ids, mask, media = inputs(args.model_dir)
-    mm_types = vl.token_types(hf.config, ids)  # 1 image, 2 video: transformers' M-RoPE input
+    hf_kw = hf_kwargs(hf, ids, media)
     chunk = mm.chunks[0]
     valid = mask.bool()
 
     hf.train()  # no dropout in these models: train() only enables the gradients' bookkeeping
-    ref = hf(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm_types, **media).logits
+    ref = hf(input_ids=ids, attention_mask=mask, **hf_kw).logits
     w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3)) * mask[..., None]
     (ref * w).sum().backward()
     mm.train()
@@ -137,9 +199,15 @@ def main() -> None:
     params = dict(chunk.module.named_parameters())
     hf_params = dict(hf.named_parameters())
     result["vision_grads"] = vision_grads(chunk.module, params, hf_params)
+    if mm.vl == vl.OMNI:
+        result["audio_grads"] = tower_grads(params, hf_params, (
+            ("audio_model.conv2d1.weight", "model.audio_tower.conv2d1.weight"),
+            ("audio_model.layers.0.self_attn.q_proj.weight",
+             "model.audio_tower.layers.0.self_attn.q_proj.weight")))
     if hasattr(hf.config.text_config, "num_experts"):
         result["moe_grads"] = moe_grads(params, hf_params, hf.config.text_config)
-        result["replay"] = replayed_logits(mm, hf, ids, mask, media, mm_types, ours.detach())
+        result["replay"] = replayed_logits(mm, hf, ids, mask, media, hf_kw, ours.detach())
+    if mm.vl == vl.QWEN3_MOE:
         result["qwen_layout"] = qwen_layout_export(mm, args.model_dir, args.out, cfg)
     finish(args.out, result)
 
@@ -147,11 +215,17 @@ def main() -> None:
 def vision_grads(inner, params: dict, hf_params: dict) -> dict:
     """The patch embedding's and the first block's qkv gradients against transformers'."""
     vision = "visual" if hasattr(inner, "visual") else "vision_model"
+    return tower_grads(params, hf_params, ((f"{vision}.patch_embed.proj.weight",
+                                            "model.visual.patch_embed.proj.weight"),
+                                           (f"{vision}.blocks.0.attn.qkv.weight",
+                                            "model.visual.blocks.0.attn.qkv.weight")))
+
+
+def tower_grads(params: dict, hf_params: dict, pairs) -> dict:
+    """(our name, transformers' name) of replicated tower parameters -> their gradients'
+    largest difference, the reference's scale, and whether every rank holds the same."""
     grads = {}
-    for ours_name, hf_name in ((f"{vision}.patch_embed.proj.weight",
-                                "model.visual.patch_embed.proj.weight"),
-                               (f"{vision}.blocks.0.attn.qkv.weight",
-                                "model.visual.blocks.0.attn.qkv.weight")):
+    for ours_name, hf_name in pairs:
         p = params[ours_name]
         g = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
         ref_g = hf_params[hf_name].grad
@@ -192,7 +266,7 @@ def moe_grads(params: dict, hf_params: dict, text) -> dict:
     return {f"rank{r}/layer{k}": v for r, g in enumerate(gathered) for k, v in g.items()}
 
 
-def replayed_logits(mm, hf, ids, mask, media, mm_types, unreplayed) -> dict:
+def replayed_logits(mm, hf, ids, mask, media, hf_kw, unreplayed) -> dict:
     """Routing replay (algo.routing_replay) of random experts per token and layer, image tokens
     included, in both models: megatron's routers (trainer/megatron/routing.py, which assumes
     the language model sees the rows' tokens in order) against transformers' (routing/hooks.py);
@@ -209,8 +283,7 @@ def replayed_logits(mm, hf, ids, mask, media, mm_types, unreplayed) -> dict:
     stats = RoutingStats()
     with torch.no_grad():
         with routing_replay(hf, routed, valid, replay=True):
-            ref = hf(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm_types,
-                     **media).logits
+            ref = hf(input_ids=ids, attention_mask=mask, **hf_kw).logits
         with megatron_routing(mm.chunks, routed, valid, replay=True, stats=stats):
             ours = mm.full_logits(mm.forward(mm.chunks[0], ids, attention_mask=mask,
                                              media=media))

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2AudioConfig, Qwen3OmniMoeConfig, Qwen3VLMoeConfig
+from transformers import (Qwen2_5OmniConfig, Qwen2AudioConfig, Qwen3OmniMoeConfig,
+                          Qwen3VLMoeConfig)
 
 from relax_slurm.errors import ConfigError
 from relax_slurm.launch.submit import compose_config
@@ -48,6 +49,10 @@ def test_video_composes_and_every_vl_kind_takes_it():
         assert {"pixel_values_videos", "video_grid_thw"} <= set(vl.media_keys(kind))
         with pytest.raises(ConfigError, match=r"not \['audio'\].*docs/backends.md#multimodal"):
             vl.check_media(kind, ["image", "audio"])
+    # Qwen3-Omni's thinker takes audio too (omni_model.py)
+    vl.check_media(vl.OMNI, ["image", "video", "audio"])
+    assert {"input_features", "feature_attention_mask", "second_per_grid_ts"} <= set(
+        vl.media_keys(vl.OMNI))
 
 
 def test_qwen25_token_types():
@@ -59,11 +64,12 @@ def test_qwen25_token_types():
 def test_unsupported_architectures_name_the_reason():
     with pytest.raises(ConfigError, match="no Qwen2-Audio bridge"):
         vl.kind(Qwen2AudioConfig())
-    # megatron-bridge 0.3.1 has no qwen3_omni module; the message says what to use instead and
-    # where the page lists what a bridge would need
-    with pytest.raises(ConfigError, match=r"no Qwen3-Omni bridge .* Fix: trainer=torch "
+    # megatron-bridge 0.3.1 has no Qwen2.5-Omni bridge; the message says what to use instead
+    # and where the page lists what a bridge would need
+    with pytest.raises(ConfigError, match=r"no Qwen2.5-Omni bridge.* Fix: trainer=torch "
                                           r"trainer.strategy=fsdp2 .*docs/backends.md#multimodal"):
-        vl.kind(Qwen3OmniMoeConfig())
+        vl.kind(Qwen2_5OmniConfig())
+    assert vl.kind(Qwen3OmniMoeConfig()) == vl.OMNI  # the project's bridge: omni*.py
     assert vl.kind(Qwen3VLMoeConfig()) == vl.QWEN3_MOE  # its experts: vl_moe.py
 
 

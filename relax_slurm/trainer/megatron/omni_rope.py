@@ -1,0 +1,42 @@
+"""Qwen3-Omni thinker's M-RoPE positions for trainer=megatron (omni.py's forward).
+
+The positions are transformers 5's own `get_rope_index` of Qwen3-Omni (run on a shim holding
+only the thinker's config), so they are the reference's by construction: text runs count by one;
+an image or a video takes a (t, h, w) grid after its <|vision_start|>, a video's t spaced by
+`second_per_grid * position_id_per_seconds`; an audio a run of 1-D positions after its
+<|audio_start|> whose length the audio encoder's downsampling gives. Two quirks of the reference
+are kept, because the engines and trainer=torch compute the same: without any image or video in
+the batch every row gets plain text positions (audio too), and the positions are float.
+"""
+
+from __future__ import annotations
+
+import types
+
+from torch import Tensor
+
+
+def omni_rope_index(thinker_config, input_ids: Tensor, attention_mask: Tensor | None = None, *,
+                    image_grid_thw: Tensor | None = None, video_grid_thw: Tensor | None = None,
+                    audio_feature_lengths: Tensor | None = None,
+                    second_per_grid: Tensor | None = None) -> Tensor:
+    """M-RoPE positions [3, B, T] (float) of right-padded rows.
+
+    `attention_mask` [B, T] (1 on the rows' tokens; None: no padding), `audio_feature_lengths`
+    [n_audio] the valid mel frames of each audio (feature_attention_mask.sum(1)),
+    `second_per_grid` [n_video] seconds per temporal patch of each video."""
+    import torch
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoePreTrainedModelForConditionalGeneration as HF,
+    )
+
+    if attention_mask is None or attention_mask.dim() != 2:
+        attention_mask = torch.ones_like(input_ids)  # megatron's layers' mask: rows unpadded
+    shim = types.SimpleNamespace(config=thinker_config,
+                                 spatial_merge_size=thinker_config.vision_config.spatial_merge_size)
+    shim.get_llm_pos_ids_for_vision = types.MethodType(HF.get_llm_pos_ids_for_vision, shim)
+    positions, _ = HF.get_rope_index(
+        shim, input_ids, image_grid_thw, video_grid_thw, attention_mask,
+        use_audio_in_video=False, audio_seqlens=audio_feature_lengths,
+        second_per_grids=second_per_grid)
+    return positions

@@ -1,0 +1,68 @@
+"""Qwen3-Omni's thinker under trainer=megatron, its pure pieces: the M-RoPE positions
+(trainer/megatron/omni_rope.py) of hand-worked rows in the layout Qwen3-Omni's processor writes
+(marker, pads, marker), and the freeze prefixes."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from relax_slurm.trainer.megatron.omni_rope import omni_rope_index
+
+TXT, S, E, IMG, VID, AS, AUD, AE, PAD = 1, 10, 11, 12, 13, 20, 21, 22, 0
+
+
+def thinker(position_id_per_seconds: int = 25) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        image_token_id=IMG, video_token_id=VID, audio_token_id=AUD, vision_start_token_id=S,
+        audio_start_token_id=AS, position_id_per_seconds=position_id_per_seconds,
+        vision_config=types.SimpleNamespace(spatial_merge_size=2),
+        audio_config=types.SimpleNamespace(n_window=50))
+
+
+def test_image_then_audio_then_text_and_padding():
+    """An image of 4x4 patches (2x2 tokens after the merge) takes a (t, h, w) grid starting
+    after its marker; the text after it resumes past the grid's largest position; an audio of
+    37 mel frames (5 tokens) counts by one after its start marker; padding gets 0."""
+    row = [TXT, TXT, S] + [IMG] * 4 + [E, AS] + [AUD] * 5 + [AE, TXT]
+    ids = torch.tensor([row + [PAD, PAD]])
+    mask = torch.tensor([[1] * len(row) + [0, 0]])
+    pos = omni_rope_index(thinker(), ids, mask, image_grid_thw=torch.tensor([[1, 4, 4]]),
+                          audio_feature_lengths=torch.tensor([37]))
+    t, h, w = (pos[k, 0].tolist() for k in range(3))
+    text = [0, 1, 2]
+    assert t == text + [3, 3, 3, 3] + [5, 6] + [7, 8, 9, 10, 11] + [12, 13] + [0, 0]
+    assert h == text + [3, 3, 4, 4] + [5, 6] + [7, 8, 9, 10, 11] + [12, 13] + [0, 0]
+    assert w == text + [3, 4, 3, 4] + [5, 6] + [7, 8, 9, 10, 11] + [12, 13] + [0, 0]
+
+
+def test_video_frames_are_spaced_by_seconds():
+    """A video of two temporal patches of 2x2 patches (one token each): its t steps by
+    second_per_grid x position_id_per_seconds (0.5 s x 25 = 12.5, float as transformers')."""
+    ids = torch.tensor([[S, VID, VID, E, TXT]])
+    pos = omni_rope_index(thinker(), ids, video_grid_thw=torch.tensor([[2, 2, 2]]),
+                          second_per_grid=torch.tensor([0.5]))
+    assert pos[0, 0].tolist() == [0, 1, 13.5, 14.5, 15.5]
+    assert pos[1, 0].tolist() == pos[2, 0].tolist() == [0, 1, 1, 14.5, 15.5]
+
+
+def test_without_images_or_videos_every_position_is_text():
+    """transformers' quirk, kept (the engines compute the same): a batch without images and
+    videos gets 1-D positions, audio included."""
+    ids = torch.tensor([[TXT, AS, AUD, AUD, AE, TXT]])
+    pos = omni_rope_index(thinker(), ids, audio_feature_lengths=torch.tensor([5]))
+    assert all(pos[k, 0].tolist() == list(range(6)) for k in range(3))
+
+
+def test_freeze_prefixes_of_the_omni_thinker():
+    """trainer.freeze_modules names of the thinker's parts (transformers' and the files', as
+    experiment=qwen3_omni_30b_a3b_avqa writes them) -> the megatron model's."""
+    from relax_slurm.trainer.megatron import vl
+
+    assert vl.hf_prefix_to_megatron(vl.OMNI, "thinker.audio_tower") == "audio_model"
+    assert vl.hf_prefix_to_megatron(vl.OMNI, "thinker.visual.blocks") == "vision_model.blocks"
+    assert vl.hf_prefix_to_megatron(vl.OMNI, "thinker.model.audio_tower.conv2d1") == (
+        "audio_model.conv2d1")
+    assert vl.hf_prefix_to_megatron(vl.OMNI, "thinker.model.language_model") == "language_model"
+    assert vl.hf_prefix_to_megatron(vl.OMNI, "thinker.lm_head") == "language_model.output_layer"
