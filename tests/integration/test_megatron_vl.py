@@ -74,10 +74,11 @@ def result(d: Path) -> dict:
 
 
 @pytest.mark.timeout(1200)
-# the MoE models run once, at EP=2: each rank TP=1 with two of the four experts, DP=2 (the
-# Qwen3-Omni thinker's audio tower is compared too: its first convolution and first layer)
+# the MoE models run at EP=2: each rank TP=1 with two of the four experts, DP=2; the Qwen3-Omni
+# thinker also at TP=2 (sequence parallelism: its DeepStack features split over the ranks), its
+# audio tower compared too (its first convolution and first layer)
 @pytest.mark.parametrize("run", ["vl_tp1", "vl_tp2", "vl3_tp1", "vl3_tp2", "vl3moe_tp1_ep2",
-                                 "omni3_tp1_ep2"])
+                                 "omni3_tp1_ep2", "omni3_tp2"])
 def test_logits_and_vision_gradients_equal_transformers(runs, run):
     r = result(runs[run])
     assert r["logits_max_diff"] <= REL_TOL * r["logits_scale"], r["logits_max_diff"]
@@ -160,8 +161,9 @@ def test_vl_moe_export_is_the_file_in_either_layout(runs):
 
 
 @pytest.mark.timeout(1200)
-def test_omni_export_is_the_files_thinker(runs):
-    """The Qwen3-Omni bridge's export at EP=2 is the file's thinker, bit for bit and under the
+@pytest.mark.parametrize("run", ["omni3_tp1_ep2", "omni3_tp2"])
+def test_omni_export_is_the_files_thinker(runs, run):
+    """The Qwen3-Omni bridge's export at EP=2 and at TP=2 is the file's thinker, bit for bit and under the
     file's names (`thinker.model.layers.N.mlp.experts.E.gate_proj.weight`, `thinker.visual.*`,
     `thinker.audio_tower.*`: what SGLang loads and trainer=torch sends, modeling.
     checkpoint_names): every thinker tensor, and none of the talker's or code2wav's (never
@@ -172,7 +174,7 @@ def test_omni_export_is_the_files_thinker(runs):
     from relax_slurm.modeling import NOT_SERVED
     from relax_slurm.weightsync.receiver import parameter_views
 
-    r = result(runs["omni3_tp1_ep2"])
+    r = result(runs[run])
     thinker = [n for n in r["file_names"] if not n.startswith(NOT_SERVED)]
     assert all(n.startswith("thinker.") for n in thinker)
     assert r["exported_names"] == thinker

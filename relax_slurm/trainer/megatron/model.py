@@ -111,9 +111,11 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
             # the alltoall dispatcher copies token counts on a CUDA side-stream
             provider.moe_token_dispatcher_type = "allgather"
             multimodal = hf_config.get_text_config() is not hf_config
-            if cfg.tensor_parallel_size > 1 and multimodal:
+            # Qwen3-Omni's thinker is tested there (its forward gives the replicated vision
+            # tower the whole DeepStack gradient under sequence parallelism: omni_model.py)
+            if cfg.tensor_parallel_size > 1 and multimodal and not omni.is_omni(hf_config):
                 raise ConfigError(
-                    f"trainer=megatron on CPU: a vision-language MoE model with "
+                    f"trainer=megatron on CPU: a Qwen3-VL-MoE model with "
                     f"tensor_parallel_size={cfg.tensor_parallel_size}; megatron-core trains MoE "
                     "layers under TP only with sequence parallelism, which runs on CPU for text "
                     "MoE models but is untested through the bridge's VL model. Fix: "

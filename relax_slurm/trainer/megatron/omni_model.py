@@ -97,6 +97,11 @@ class OmniThinkerModel(m.Qwen3VLModel):
                 video_grid_thw=video_grid_thw, audio_feature_lengths=lengths,
                 second_per_grid=second_per_grid_ts)
         if cfg.sequence_parallel and visual_mask is not None:
+            # each TP rank adds only its slice of the sequence's DeepStack features; the
+            # replicated tower needs the whole gradient on every rank (megatron's finalize
+            # averages its gradients over TP): identity forward, all-reduce backward
+            deepstack = [tensor_parallel.copy_to_tensor_model_parallel_region(d)
+                         for d in deepstack]
             visual_mask, deepstack = m.split_deepstack_embs(
                 visual_mask, deepstack, tp_size=mpu.get_tensor_model_parallel_world_size(),
                 tp_rank=mpu.get_tensor_model_parallel_rank())

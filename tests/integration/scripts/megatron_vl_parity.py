@@ -204,7 +204,8 @@ def main() -> None:
             ("audio_model.conv2d1.weight", "model.audio_tower.conv2d1.weight"),
             ("audio_model.layers.0.self_attn.q_proj.weight",
              "model.audio_tower.layers.0.self_attn.q_proj.weight")))
-    if hasattr(hf.config.text_config, "num_experts"):
+    if hasattr(hf.config.text_config, "num_experts") and args.tp == 1:
+        # (at TP > 1 each expert's matrices are split over TP: the EP rows compare them)
         result["moe_grads"] = moe_grads(params, hf_params, hf.config.text_config)
         result["replay"] = replayed_logits(mm, hf, ids, mask, media, hf_kw, ours.detach())
     if mm.vl == vl.QWEN3_MOE:
