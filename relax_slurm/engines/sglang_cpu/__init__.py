@@ -55,8 +55,14 @@ flash-attn-4, nvidia-*, sgl-kernel, torch_memory_saver, ...) and those the text 
 imports (kernels, numba, outlines, timm, torchaudio, torchcodec, ...)."""
 NO_DEPS = ("triton==3.8.0", "torchvision==0.28.0", "xgrammar==0.2.7")
 """Installed without dependencies: each would otherwise replace the CPU torch."""
-SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
-"""Selects SGLang's CPU platform (is_cpu()), and turns the torchvision shim on."""
+SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "false",
+              "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "false"}
+"""SGLANG_USE_CPU_ENGINE selects SGLang's CPU platform (is_cpu()), and turns the torchvision
+shim on. The other two: a run's stop SIGTERMs the engine's whole session, so SGLang's server
+sees its scheduler die and takes it for a crash, whose diagnostics (a CUDA coredump, py-spy
+stacks of the schedulers) first sleep 5 s "to let GPU activity settle": 5 s of every CPU
+engine's stop, restart and test teardown for nothing (no CUDA; the schedulers are gone by then;
+`relax-ctl dump` takes a live engine's stacks)."""
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
              "--skip-server-warmup", "--max-total-tokens", "16384", "--sleep-on-idle")
 """Without --max-total-tokens the KV pool takes ~72% of free RAM and start-up crawls; without
