@@ -110,17 +110,8 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
         if getattr(provider, "num_moe_experts", None):
             # the alltoall dispatcher copies token counts on a CUDA side-stream
             provider.moe_token_dispatcher_type = "allgather"
-            multimodal = hf_config.get_text_config() is not hf_config
-            # Qwen3-Omni's thinker is tested there (its forward gives the replicated vision
-            # tower the whole DeepStack gradient under sequence parallelism: omni_model.py)
-            if cfg.tensor_parallel_size > 1 and multimodal and not omni.is_omni(hf_config):
-                raise ConfigError(
-                    f"trainer=megatron on CPU: a Qwen3-VL-MoE model with "
-                    f"tensor_parallel_size={cfg.tensor_parallel_size}; megatron-core trains MoE "
-                    "layers under TP only with sequence parallelism, which runs on CPU for text "
-                    "MoE models but is untested through the bridge's VL model. Fix: "
-                    "trainer.tensor_parallel_size=1 and trainer.expert_parallel_size to split "
-                    "the experts (docs/backends.md#multimodal-models)")
+            # VL-MoE models at TP > 1 (sequence parallelism) included: Qwen3-VL-MoE's and
+            # Qwen3-Omni's DeepStack gradient split over the ranks is reduced (vl.split_deepstack)
     if getattr(provider, "num_moe_experts", None):
         # a RouterReplay per router (idle unless routing replay hands it the rollout's experts)
         provider.moe_enable_routing_replay = True

@@ -23,7 +23,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from relax_slurm.trainer.megatron.omni_rope import omni_rope_index
-from relax_slurm.trainer.megatron.vl import merge_vision
+from relax_slurm.trainer.megatron.vl import merge_vision, split_deepstack
 
 
 class OmniThinkerModel(m.Qwen3VLModel):
@@ -72,7 +72,7 @@ class OmniThinkerModel(m.Qwen3VLModel):
         """Qwen3OmniMoeThinkerModel.forward's computation (transformers 5) with megatron's
         language model: `pad_mask` [B, T] shapes the positions only (rows right-padded: the
         layers' causal mask is the whole mask)."""
-        from megatron.core import mpu, tensor_parallel
+        from megatron.core import tensor_parallel
 
         cfg = self.config
         emb = visual_mask = deepstack = None
@@ -97,14 +97,7 @@ class OmniThinkerModel(m.Qwen3VLModel):
                 video_grid_thw=video_grid_thw, audio_feature_lengths=lengths,
                 second_per_grid=second_per_grid_ts)
         if cfg.sequence_parallel and visual_mask is not None:
-            # each TP rank adds only its slice of the sequence's DeepStack features; the
-            # replicated tower needs the whole gradient on every rank (megatron's finalize
-            # averages its gradients over TP): identity forward, all-reduce backward
-            deepstack = [tensor_parallel.copy_to_tensor_model_parallel_region(d)
-                         for d in deepstack]
-            visual_mask, deepstack = m.split_deepstack_embs(
-                visual_mask, deepstack, tp_size=mpu.get_tensor_model_parallel_world_size(),
-                tp_rank=mpu.get_tensor_model_parallel_rank())
+            visual_mask, deepstack = split_deepstack(visual_mask, deepstack)
         return self.language_model(
             input_ids=None, position_ids=position_ids, attention_mask=attention_mask,
             decoder_input=emb, labels=labels, visual_pos_masks=visual_mask,

@@ -25,10 +25,10 @@ names, so both are turned off.
 
 Its finalize turns sequence parallelism on at TP > 1 (qwen3_vl_provider.py:247-250), over
 `build_provider`'s off, and is left so: megatron-core trains MoE layers under TP only with it
-(moe_layer.py:379). On CPU `build_provider` refuses a VL-MoE model at TP > 1 (the experts
-split by `trainer.expert_parallel_size` instead): sequence parallelism runs there for text MoE
-models (cpu_compat), untested through the bridge's VL model; on GPUs that path is unverified,
-the routing replay's mapping of each TP rank's slice (routing.py) included.
+(moe_layer.py:379). The DeepStack features are then split over the TP ranks, and the
+replicated vision tower gets the whole gradient through vl.split_deepstack (logits and tower
+gradients equal transformers' at TP=2 on CPU: test_megatron_vl.py `vl3moe_tp2`); the routing
+replay's mapping of each TP rank's slice (routing.py) is untested there.
 """
 
 from __future__ import annotations

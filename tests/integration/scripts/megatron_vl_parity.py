@@ -190,7 +190,9 @@ def main() -> None:
     mm.train()
     for c in mm.chunks:
         c.zero_grad_buffer()
+    # (under sequence parallelism the rows are padded to a multiple of TP: cut back)
     ours = mm.full_logits(mm.forward(chunk, ids, attention_mask=mask, media=media))
+    ours = ours[:, :ids.shape[1]]
     (ours * w).sum().backward()
     chunk.config.finalize_model_grads_func(mm.chunks)  # DP/EP reduction, as a train step does
     result["logits_max_diff"] = (ours - ref).abs()[valid].max().item()
@@ -287,7 +289,7 @@ def replayed_logits(mm, hf, ids, mask, media, hf_kw, unreplayed) -> dict:
             ref = hf(input_ids=ids, attention_mask=mask, **hf_kw).logits
         with megatron_routing(mm.chunks, routed, valid, replay=True, stats=stats):
             ours = mm.full_logits(mm.forward(mm.chunks[0], ids, attention_mask=mask,
-                                             media=media))
+                                             media=media))[:, :ids.shape[1]]
     return {"max_diff": (ours - ref).abs()[valid].max().item(),
             "scale": ref.abs()[valid].max().item(),
             "moved": (ours - unreplayed).abs()[valid].max().item(),
