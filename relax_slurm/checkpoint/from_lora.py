@@ -1,14 +1,18 @@
-"""A model.lora run's DCP checkpoint -> a PEFT adapter directory, or a merged Hugging Face model.
+"""A model.lora run's checkpoint -> a PEFT adapter directory, or a merged Hugging Face model.
 
-Such a checkpoint holds the trained parameters only (the adapter, under the PEFT model's names:
-`base_model.model.<module>.lora_A.default.weight`) and its meta.json the adapter's config with
-the base model it adapts (`extra_state["lora"]`, trainer/lora.py `checkpoint_record`).
+A trainer=torch checkpoint (DCP) holds the trained parameters only (the adapter, under the PEFT
+model's names: `base_model.model.<module>.lora_A.default.weight`); a trainer=megatron one
+(Megatron's dist-checkpoint) holds megatron-bridge's adapters, which that backend's reader turns
+into the same PEFT names (checkpoint/from_megatron.py `megatron_adapter`). Both keep in meta.json
+the adapter's config with the base model it adapts (`extra_state["lora"]`,
+trainer/lora.py `checkpoint_record`). Once read, both are written by the same two functions:
 
     --to peft   adapter_config.json + adapter_model.safetensors (PEFT's saved names, without the
                 adapter's name): `PeftModel.from_pretrained(base, OUT)` loads it, and so does
-                SGLang's --lora-paths
+                SGLang's --lora-paths (`write_peft`)
     --to hf     model.path with the adapter merged into its weights (PEFT's merge_and_unload),
                 written as any HF export: `AutoModelForCausalLM.from_pretrained(OUT)`
+                (`write_merged`)
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from relax_slurm.checkpoint.dcp import MODEL_KEY, read_meta
+from relax_slurm.checkpoint.dcp import HF_ASSETS, MODEL_KEY, read_meta
 from relax_slurm.checkpoint.from_dcp import read_dcp
 from relax_slurm.checkpoint.hf_files import write_hf_dir
 from relax_slurm.checkpoint.outputs import finish_output, start_output
-from relax_slurm.checkpoint.resume import CheckpointError
+from relax_slurm.checkpoint.resume import META, CheckpointError
 
 LORA_KEY = "lora"
 """meta.json extra_state key of a model.lora checkpoint."""
@@ -52,13 +56,19 @@ def peft_names(stored: list[str]) -> dict[str, str]:
     return {_NAMED.sub(r".\1\2", name): name for name in stored if _NAMED.search(name)}
 
 
-def read_adapter(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(adapter_config, {PEFT saved name: tensor}) from a model.lora checkpoint."""
+def adapter_config(src: Path) -> dict[str, Any]:
+    """PEFT's adapter_config.json of a model.lora checkpoint: the recorded config, its base the
+    recorded model.path."""
     record = lora_record(src)
     if record is None:
         raise CheckpointError(f"{src} is not a model.lora run's checkpoint (its meta.json has "
                               "no extra_state.lora). Fix: --to hf for a full fine-tuning "
                               "checkpoint")
+    return dict(record["adapter_config"], base_model_name_or_path=record["base_model_path"])
+
+
+def read_adapter(src: Path) -> dict[str, torch.Tensor]:
+    """{PEFT saved name: tensor} of a trainer=torch model.lora checkpoint (DCP)."""
     metadata = FileSystemReader(src).read_metadata().state_dict_metadata
     stored = {k[len(MODEL_KEY):]: v for k, v in metadata.items()
               if k.startswith(MODEL_KEY) and isinstance(v, TensorStorageMetadata)}
@@ -66,15 +76,14 @@ def read_adapter(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if not names:
         raise CheckpointError(f"{src}: no adapter tensors (lora_A/lora_B) in the checkpoint")
     tensors = read_dcp(src, {n: stored[n] for n in names.values()}, progress=False)
-    config = dict(record["adapter_config"], base_model_name_or_path=record["base_model_path"])
-    return config, {peft: tensors[name] for peft, name in names.items()}
+    return {peft: tensors[name] for peft, name in names.items()}
 
 
-def dcp_to_peft(src: Path, output_dir: str | Path, dtype: torch.dtype | None,
-                overwrite: bool) -> Path:
+def write_peft(config: dict[str, Any], tensors: dict[str, torch.Tensor],
+               output_dir: str | Path, dtype: torch.dtype | None, overwrite: bool) -> Path:
+    """adapter_config.json + adapter_model.safetensors, as PEFT's save_pretrained writes them."""
     from safetensors.torch import save_file
 
-    config, tensors = read_adapter(src)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     out = Path(output_dir)
@@ -83,6 +92,26 @@ def dcp_to_peft(src: Path, output_dir: str | Path, dtype: torch.dtype | None,
               str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return finish_output(tmp, out)
+
+
+def base_model_dir(src: Path, config: dict[str, Any], base: str | Path | None) -> Path:
+    """The HF directory the adapter merges into: `base` (--hf-config), else the model.path
+    recorded in the checkpoint's meta.json, which must still be there. Checked before the
+    checkpoint is read (a megatron one takes a model build)."""
+    if base is not None:
+        if not Path(base, "config.json").is_file():
+            raise CheckpointError(f"--hf-config {base} is not a Hugging Face directory (no "
+                                  "config.json). Fix: --hf-config with a copy of the run's "
+                                  "model.path")
+        return Path(base)
+    recorded = Path(config["base_model_name_or_path"])
+    if not (recorded / "config.json").is_file():
+        raise CheckpointError(
+            f"{src / META} records the adapter's base model as {recorded}, which is not a "
+            "Hugging Face directory here (no config.json): --to hf merges the adapter into "
+            "it. Fix: --hf-config with a copy of that model, or --to peft (the adapter alone "
+            "needs no base)")
+    return recorded
 
 
 def untie_head(model) -> None:
@@ -95,19 +124,16 @@ def untie_head(model) -> None:
             config.tie_word_embeddings = False
 
 
-def dcp_lora_to_hf(src: Path, output_dir: str | Path, base: str | Path | None,
-                   dtype: torch.dtype | None, progress: bool, shard_size_mb: float,
-                   overwrite: bool, trust_remote_code: bool) -> Path:
-    """The base model (`base`, default the record's model.path) with the adapter merged."""
+def write_merged(src: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                 base_path: Path, output_dir: str | Path, dtype: torch.dtype | None,
+                 progress: bool, shard_size_mb: float, overwrite: bool,
+                 trust_remote_code: bool) -> Path:
+    """The base model with the adapter merged by PEFT (merge_and_unload), as an HF directory
+    (tokenizer and configs from the checkpoint's hf/ copy, else the base's)."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
     from relax_slurm.modeling import auto_model_class
 
-    config, tensors = read_adapter(src)
-    base_path = base or config["base_model_name_or_path"]
-    if not Path(base_path, "config.json").is_file():
-        raise CheckpointError(f"the adapter's base model {base_path} is not a Hugging Face "
-                              "directory here. Fix: pass --hf-config with model.path's copy")
     model = auto_model_class(str(base_path)).from_pretrained(
         base_path, dtype=torch.float32, trust_remote_code=trust_remote_code)
     if "lm_head" in config.get("target_modules", []) \
@@ -117,11 +143,15 @@ def dcp_lora_to_hf(src: Path, output_dir: str | Path, base: str | Path | None,
             "fan_in_fan_out", "init_lora_weights", "task_type")
     peft_model = get_peft_model(model, LoraConfig(**{k: config[k] for k in keys if k in config}))
     result = set_peft_model_state_dict(peft_model, tensors)
-    if result.unexpected_keys:
-        raise CheckpointError(f"{src}: adapter tensors {result.unexpected_keys[:3]} do not fit "
-                              f"{base_path}: is it the run's model.path?")
+    # every adapter tensor must find its module and every module its tensors: an adapter left
+    # as PEFT initialised it (B zero) would merge as nothing, silently
+    missing = [k for k in result.missing_keys if ".lora_" in k]
+    if result.unexpected_keys or missing:
+        raise CheckpointError(f"{src}: the adapter does not fit {base_path} (tensors without a "
+                              f"module: {result.unexpected_keys[:3]}, modules without tensors: "
+                              f"{missing[:3]}). Fix: --hf-config with the run's model.path")
     merged = peft_model.merge_and_unload()
     weights = {n: p.detach() for n, p in merged.named_parameters()}
-    assets = src / "hf" if (src / "hf").is_dir() else base_path
+    assets = src / HF_ASSETS if (src / HF_ASSETS).is_dir() else base_path
     return write_hf_dir(weights, merged.config, output_dir, assets, dtype, merged, progress,
                         shard_size_mb, overwrite)

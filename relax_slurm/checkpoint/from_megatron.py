@@ -1,6 +1,7 @@
 """Megatron distributed checkpoints -> Hugging Face: a trainer=megatron checkpoint through the
 converter that backend registers (an entry point, so checkpoint/ imports no trainer code),
-others through megatron-bridge's export."""
+others through megatron-bridge's export; a trainer=megatron model.lora checkpoint's adapter
+through the reader beside that converter (`megatron_adapter`), for from_lora.py to write."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib.metadata
 import importlib.util
 import json
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -22,16 +24,55 @@ writes (setup.cfg: megatron = relax_slurm.trainer.megatron.convert:dist_checkpoi
 checkpoint/ finds it without importing trainer code."""
 
 
-def backend_converter(backend: str) -> Callable[..., Path]:
-    """The converter `backend` registered under CONVERTERS: (src, out, hf_config, dtype,
-    progress, overwrite) -> the HF directory."""
+ADAPTER_READER = "dist_checkpoint_adapter"
+"""The function beside a backend's registered converter (in the same module) that reads a
+model.lora checkpoint's adapter: (src, hf_config) -> {PEFT saved name: full tensor}. Found
+through the converter's entry point, so installs made before it existed need no new metadata."""
+
+
+def _converter_entry(backend: str) -> importlib.metadata.EntryPoint:
     for entry in importlib.metadata.entry_points(group=CONVERTERS):
         if entry.name == backend:
-            return entry.load()
+            return entry
     raise CheckpointError(
         f"no converter for trainer={backend} checkpoints is registered (entry-point group "
         f"{CONVERTERS}): the package's metadata is missing or stale; reinstall it "
         "(pip install -e . in a source checkout)")
+
+
+def backend_converter(backend: str) -> Callable[..., Path]:
+    """The converter `backend` registered under CONVERTERS: (src, out, hf_config, dtype,
+    progress, overwrite) -> the HF directory."""
+    return _converter_entry(backend).load()
+
+
+def backend_module(backend: str) -> ModuleType:
+    """The module of the converter `backend` registered (where its ADAPTER_READER lives)."""
+    return importlib.import_module(_converter_entry(backend).module)
+
+
+def require_bridge(src: Path) -> None:
+    """CheckpointError with the install commands where megatron-bridge is missing."""
+    try:
+        import megatron.core  # noqa: F401
+        if importlib.util.find_spec("megatron.bridge") is None:
+            raise ImportError("megatron.bridge")
+    except ImportError as e:
+        raise CheckpointError(
+            f"{src} is a Megatron distributed checkpoint; converting it needs "
+            "megatron-bridge, which is not installed. Fix: pip install -e '.[gpu]' on a GPU "
+            "machine, or pip install -e '.[megatron_cpu]' on CPU, then pip install --no-deps "
+            "megatron-bridge==0.3.1 (see docs/backends.md), and run relax-convert again"
+        ) from e
+
+
+def megatron_adapter(src: Path, hf_config: str | Path | None) -> dict[str, torch.Tensor]:
+    """{PEFT saved name: full tensor} of a trainer=megatron model.lora checkpoint, read by
+    that backend (its model, megatron-bridge's adapters and their export: what an adapter-only
+    weight sync sends), on CPU in this process. `hf_config`: the model's HF config when the
+    checkpoint has no hf/ copy."""
+    require_bridge(src)
+    return getattr(backend_module("megatron"), ADAPTER_READER)(Path(src), hf_config)
 
 
 def megatron_to_hf(input_dir: str | Path, output_dir: str | Path,
@@ -42,17 +83,7 @@ def megatron_to_hf(input_dir: str | Path, output_dir: str | Path,
     (`backend_converter`), on CPU
     or GPU; other Megatron checkpoints (Megatron-LM / megatron-bridge layouts) go through the
     bridge's export_ckpt and need --hf-config."""
-    try:
-        import megatron.core  # noqa: F401
-        if importlib.util.find_spec("megatron.bridge") is None:
-            raise ImportError("megatron.bridge")
-    except ImportError as e:
-        raise CheckpointError(
-            f"{input_dir} is a Megatron distributed checkpoint; converting it needs "
-            "megatron-bridge, which is not installed. Fix: pip install -e '.[gpu]' on a GPU "
-            "machine, or pip install -e '.[megatron_cpu]' on CPU, then pip install --no-deps "
-            "megatron-bridge==0.3.1 (see docs/backends.md), and run relax-convert again"
-        ) from e
+    require_bridge(Path(input_dir))
     src = Path(input_dir)
     if _written_by_megatron_backend(src):
         return backend_converter("megatron")(src, Path(output_dir).resolve(), hf_config, dtype,

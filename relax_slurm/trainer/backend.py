@@ -49,7 +49,9 @@ class TorchBackend:
             from relax_slurm.trainer.lora import apply_lora, check_mergeable
 
             if not cfg.adapter_sync:
-                check_mergeable(raw, cfg.model)
+                check_mergeable(raw.config, cfg.model, "this run syncs merged weights (let the "
+                                "engines serve the adapter: model.lora.sync=auto with "
+                                "rollout=hf or sglang)")
             raw = apply_lora(raw, cfg.model)
             trainable = sum(p.numel() for p in raw.parameters() if p.requires_grad)
             log.info("model.lora: rank %d adapters on %s, %d trainable parameters of %d",

@@ -46,17 +46,21 @@ def apply_lora(model: nn.Module, cfg: ModelConfig) -> PeftModel:
     return get_peft_model(model, peft_config(cfg))
 
 
-def check_mergeable(model: nn.Module, cfg: ModelConfig) -> None:
-    """Merged weights (model.lora.sync=merged, or engines that cannot serve adapters) cannot
-    carry an adapter on an lm_head that model.path ties to embed_tokens: the engines would tie
-    the merged head back to the embeddings. An adapter-only sync serves it as it trains."""
-    tied = getattr(model.config, "tie_word_embeddings", False)
+def check_mergeable(hf_config, cfg: ModelConfig, why: str) -> None:
+    """Merged weights cannot carry an adapter on an lm_head that model.path ties to
+    embed_tokens: there is no head weight of its own to merge it into (the engines would tie
+    a merged head back onto the embeddings; megatron-bridge's merged export has no lm_head and
+    drops it). An adapter-only sync serves it as trained. Both trainers refuse it by this one
+    rule, before the first step; `why`: what in the run needs merged weights, and its fix.
+    `hf_config`: the model's transformers config (a multimodal one keeps the flag in its text
+    config)."""
+    tied = getattr(hf_config.get_text_config(), "tie_word_embeddings", False) or getattr(
+        hf_config, "tie_word_embeddings", False)
     if tied and "lm_head" in cfg.lora.target_modules:
         raise ConfigError(
             f"model.lora.target_modules has lm_head, whose weight {cfg.path} ties to "
-            "embed_tokens, and this run syncs merged weights: the engines would tie the merged "
-            "head back to the embeddings. Fix: drop lm_head from model.lora.target_modules, or "
-            "let the engines serve the adapter (model.lora.sync=auto with rollout=hf or sglang)")
+            f"embed_tokens, and {why}: merged weights have no head of their own to carry its "
+            "adapter. Fix: drop lm_head from model.lora.target_modules, or the merged weights")
 
 
 def is_peft(model: nn.Module) -> bool:

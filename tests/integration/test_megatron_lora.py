@@ -6,12 +6,14 @@ round trip PEFT -> megatron -> PEFT, the merged export, frozen base weights, and
 disabled as the reference.
 One two-rank torchrun per layout (tests/integration/scripts/megatron_lora_parity.py), ~12 s
 each on 2 cores. And `relax-train experiment=tiny_cpu trainer=megatron model.lora.rank=8` at
-TP=2 end to end: adapter-only syncs, the reference as the adapters disabled, exact resume
-(~35-45 s)."""
+TP=2 end to end: adapter-only syncs, the reference as the adapters disabled, exact resume,
+and its checkpoint through relax-convert to a PEFT adapter and to a merged HF model
+(~35-45 s; the conversions run beside the resumed run)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
-from helpers_tiny import run_logged, run_tiny_model_tool  # noqa: E402
+from helpers_tiny import (child_env, run_logged, run_tiny_model_tool,  # noqa: E402
+                          stop_process)
 
 from tests.conftest import NEEDS_MEGATRON, relax_train  # noqa: E402
 
@@ -208,6 +211,26 @@ def test_first_step_loss_and_adapter_grads_match_peft(parity):
 
 E2E_STEPS, E2E_RESUME_AT = 6, 4
 
+# where each PEFT module's adapter lives in a trainer=megatron checkpoint (CanonicalLoRA's
+# adapters, keyed with the layers stacked along dim 0): this test's own reading of the layout,
+# against which relax-convert's (the bridge's adapter export) is checked
+MEGATRON_ADAPTER_OF = {
+    "self_attn.q_proj": "self_attention.linear_qkv.adapter.adapter_q",
+    "self_attn.k_proj": "self_attention.linear_qkv.adapter.adapter_k",
+    "self_attn.v_proj": "self_attention.linear_qkv.adapter.adapter_v",
+    "self_attn.o_proj": "self_attention.linear_proj.adapter",
+    "mlp.gate_proj": "mlp.linear_fc1.adapter.adapter_gate",
+    "mlp.up_proj": "mlp.linear_fc1.adapter.adapter_up",
+    "mlp.down_proj": "mlp.linear_fc2.adapter",
+}
+CONVERT_BOTH = """
+import sys
+from relax_slurm.checkpoint.cli import main
+src, out = sys.argv[1:3]
+sys.exit(max(main(["--input", src, "--output", f"{out}/{to}", "--to", to, "--no-progress"])
+             for to in ("peft", "hf")))
+"""
+
 
 def megatron_adapter_state(step_dir: Path) -> dict[str, torch.Tensor]:
     """The adapter tensors of a trainer=megatron model.lora checkpoint (Megatron's torch_dist
@@ -222,6 +245,114 @@ def megatron_adapter_state(step_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def peft_adapter_of_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """megatron_adapter_state under PEFT's saved names: linear_in is A, linear_out is B, one
+    layer per index of the stacked dim; megatron's output_layer is lm_head."""
+    out = {}
+    for module, adapter in MEGATRON_ADAPTER_OF.items():
+        for peft_ab, megatron_ab in (("lora_A", "linear_in"), ("lora_B", "linear_out")):
+            for layer, t in enumerate(state[f"decoder.layers.{adapter}.{megatron_ab}.weight"]):
+                out[f"base_model.model.model.layers.{layer}.{module}.{peft_ab}.weight"] = t
+    out["base_model.model.lm_head.lora_A.weight"] = state["output_layer.adapter.linear_in.weight"]
+    out["base_model.model.lm_head.lora_B.weight"] = state["output_layer.adapter.linear_out.weight"]
+    return out
+
+
+def start_conversions(step_dir: Path, out: Path) -> subprocess.Popen:
+    """relax-convert of `step_dir` --to peft (out/peft) and --to hf (out/hf), started in the
+    background (it runs beside the resumed run), in one Python: megatron imports once."""
+    out.mkdir()
+    with open(out / "convert.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-c", CONVERT_BOTH, str(step_dir), str(out)],
+                                stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+                                start_new_session=True)
+
+
+def merge_rounding_bound(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float
+                         ) -> torch.Tensor:
+    """Per element, how far two float32 merges W + scale * (B @ A) may differ when each sums
+    the rank's r products in its own order (another process, thread count or kernel). Each
+    one's error, to first order in u = eps / 2: the r-term dot product r u sum_k |B_ik A_kj|,
+    the product by scale and the sum with W one rounding each, u scale (|B| @ |A|) and
+    u (|W| + scale (|B| @ |A|)); two such differ by twice that:
+    eps ((r + 2) scale (|B| @ |A|) + |W|)."""
+    eps = torch.finfo(torch.float32).eps
+    r = a.shape[0]
+    return eps * ((r + 2) * scale * (b.abs() @ a.abs()) + w.abs())
+
+
+def peft_merge_of(model_dir: Path, adapter_dir: Path):
+    """PEFT's own merge of the adapter (merge_and_unload) into model.path, with the head untied
+    first as PEFT advises for an adapter on a tied lm_head (its warning's recipe: the model
+    loaded untied, the head set to a copy of the embeddings), so the embeddings stay."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                tie_word_embeddings=False)
+    base.lm_head.weight.data = base.model.embed_tokens.weight.data.clone()
+    return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+
+
+def check_converted_adapter(step_dir: Path, out: Path, model_dir: Path) -> None:
+    """relax-convert's two outputs of a trainer=megatron model.lora checkpoint, against the
+    adapter as the checkpoint holds it (read back here with this test's own layout table):
+
+    - --to peft: exactly those tensors under PEFT's saved names (a gather, no arithmetic: bit
+      for bit), and PEFT loads the directory on model.path with every adapter tensor of its
+      model given and no other; its logits are those of trainer=torch's PEFT policy for this
+      run's model.lora (test constants, not the written adapter_config.json) holding the
+      checkpoint's adapter: the same modules, tensors and scale, so bit for bit too. (The
+      trainer's own function of that adapter is PEFT's within float32 rounding: the parity
+      tests above, and this run's rollout/train log-prob diff.)
+    - --to hf: transformers loads it, and every weight is PEFT's merge_and_unload of the --to
+      peft output within merge_rounding_bound (measured: bit for bit, the same PEFT merge);
+      the embeddings are model.path's exactly (the adapted tied head merged into a head of its
+      own)."""
+    from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    expected = peft_adapter_of_state(megatron_adapter_state(step_dir))
+    written = load_file(str(out / "peft" / "adapter_model.safetensors"))
+    assert sorted(written) == sorted(expected)
+    for name, t in expected.items():
+        assert written[name].dtype == t.dtype and torch.equal(written[name], t), name
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, str(out / "peft")).eval()
+    held = get_peft_model_state_dict(loaded, save_embedding_layers=False)
+    assert sorted(held) == sorted(written)  # nothing missing, nothing unexpected
+    assert all(torch.equal(held[n], written[n]) for n in held)
+    oracle = peft_policy(model_dir).eval()
+    result = set_peft_model_state_dict(oracle, expected)
+    assert not result.unexpected_keys
+    ids = torch.tensor([[3, 4, 13, 5, 14, 9], [6, 7, 13, 8, 14, 2]])
+    with torch.no_grad():
+        got, want = loaded(input_ids=ids).logits, oracle(input_ids=ids).logits
+        with loaded.disable_adapter():
+            base_logits = loaded(input_ids=ids).logits
+    assert torch.equal(got, want)
+    assert (got - base_logits).abs().max() > 1e-3  # the trained adapter is on
+
+    merged = dict(AutoModelForCausalLM.from_pretrained(str(out / "hf"),
+                                                       dtype=torch.float32).named_parameters())
+    reference = dict(peft_merge_of(model_dir, out / "peft").named_parameters())
+    assert sorted(merged) == sorted(reference)
+    original = load_file(str(model_dir / "model.safetensors"))
+    embeddings = original["model.embed_tokens.weight"]
+    for name, want in reference.items():
+        module = name.removesuffix(".weight")
+        a = written.get(f"base_model.model.{module}.lora_A.weight")
+        if a is None:  # not adapted: model.path's own weight, untouched by either merge
+            assert torch.equal(merged[name], want), name
+            continue
+        b = written[f"base_model.model.{module}.lora_B.weight"]
+        w = original.get(name, embeddings)  # lm_head: tied, stored as the embeddings
+        bound = merge_rounding_bound(w, a, b, ALPHA / RANK)
+        assert ((merged[name] - want).abs() <= bound).all(), name
+    assert torch.equal(merged["model.embed_tokens.weight"], embeddings)
+
+
 @pytest.mark.timeout(900)
 def test_tiny_lora_on_megatron_tp2_syncs_the_adapter_alone_and_resumes_exactly(tmp_path,
                                                                                tiny_assets):
@@ -230,7 +361,8 @@ def test_tiny_lora_on_megatron_tp2_syncs_the_adapter_alone_and_resumes_exactly(t
     adapter: every sync sends the adapter alone (its bytes exactly, a quarter of the model's
     or less), the engine's log-probs are the trainer's, the KL loss's reference is the policy
     with its adapters off (0 exactly at step 0, where B is zero), and the step-4 checkpoint,
-    which holds the adapter alone, resumes the last 2 steps exactly."""
+    which holds the adapter alone, resumes the last 2 steps exactly; the final checkpoint
+    converts to a PEFT adapter and a merged HF model (check_converted_adapter)."""
     from transformers import AutoConfig
 
     common = ("trainer=megatron", "model.lora.rank=8", "trainer.nproc_per_node=2",
@@ -274,17 +406,18 @@ def test_tiny_lora_on_megatron_tp2_syncs_the_adapter_alone_and_resumes_exactly(t
     assert megatron_adapter_state(ckpt)
     assert all(".adapter." in k for k in keys), sorted(keys)[:5]
 
-    # relax-convert cannot read it yet and says so, before it writes anything
-    from relax_slurm.checkpoint.convert import convert_checkpoint
-    from relax_slurm.checkpoint.resume import CheckpointError
+    # relax-convert of the trained adapter, --to peft and --to hf, beside the resumed run
+    final = straight / "checkpoints" / f"step_{E2E_STEPS}"
+    converting = start_conversions(final, tmp_path / "converted")
+    try:
+        resumed = tmp_path / "resumed"
+        again = train(resumed, f"resume={ckpt}")
+        assert converting.wait(timeout=300) == 0, (
+            tmp_path / "converted" / "convert.log").read_text()[-4000:]
+    finally:
+        stop_process(converting)
+    check_converted_adapter(final, tmp_path / "converted", tiny_assets / "model")
 
-    for to in ("hf", "peft"):
-        with pytest.raises(CheckpointError, match="trainer=megatron model.lora checkpoint"):
-            convert_checkpoint(ckpt, tmp_path / f"converted_{to}", to=to)
-        assert not (tmp_path / f"converted_{to}").exists()
-
-    resumed = tmp_path / "resumed"
-    again = train(resumed, f"resume={ckpt}")
     assert [r["step"] for r in again] == list(range(E2E_RESUME_AT, E2E_STEPS))
     for key in ("rollout/reward_mean", "train/kl_loss", "train/loss", "train/grad_norm"):
         assert [r[key] for r in again] == [r[key] for r in rows[E2E_RESUME_AT:]], key

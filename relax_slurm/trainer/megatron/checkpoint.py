@@ -96,7 +96,7 @@ ADAPTER_KEY = ".adapter."
 """What every key of a model.lora adapter has (megatron-bridge's AdapterWrapper.adapter)."""
 
 
-def _load_model_state(module, state: dict, adapter_only: bool) -> None:
+def load_model_state(module, state: dict, adapter_only: bool) -> None:
     """The loaded state into a chunk: all of it, or with `adapter_only` every adapter and
     nothing else (the base stays model.path as built)."""
     if not adapter_only:
@@ -240,8 +240,8 @@ def load(path: Path, mm: MegatronModel, reference: nn.Module | None = None,
     state = dist_checkpointing.load(sharded_state_dict(mm, loading=True, critic=critic,
                                                        adapter_only=adapter_only), str(path))
     for i, chunk in enumerate(mm.chunks):
-        _load_model_state(chunk.module, state["model" if len(mm.chunks) == 1 else f"model{i}"],
-                          adapter_only)
+        load_model_state(chunk.module, state["model" if len(mm.chunks) == 1 else f"model{i}"],
+                         adapter_only)
     mm.optimizer.load_state_dict(state["optimizer"])
     if critic is not None:
         critic.chunks[0].module.load_state_dict(state["critic"])

@@ -4,19 +4,25 @@ megatron-bridge, in this one process (TP=PP=1: the dist-checkpoint reshards on l
 The model is built from the HF config kept in the checkpoint (`hf/`, or --hf-config), its
 weights are read from the dist-checkpoint, and the bridge's export gives the HF tensors, which
 are written by the same writer as the DCP -> HF conversion (safetensors, config, tokenizer).
+A model.lora checkpoint's adapter is read on the same model (`dist_checkpoint_adapter`), for
+relax-convert's PEFT writer and merge (checkpoint/from_lora.py).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
+from relax_slurm.checkpoint.from_lora import lora_record
 from relax_slurm.checkpoint.hf_files import write_hf_dir
 from relax_slurm.checkpoint.resume import CheckpointError
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.trainer import TrainerConfig
-from relax_slurm.trainer.megatron import cpu_compat, vl
+from relax_slurm.trainer.megatron import cpu_compat, lora, vl
+from relax_slurm.trainer.megatron.checkpoint import load_model_state, model_sharded_state_dict
 from relax_slurm.trainer.model import single_process_group
 from relax_slurm.trainer.megatron.model import (
     build_provider, destroy_model_parallel, fix_sequential_experts, init_model_parallel,
@@ -26,10 +32,11 @@ from relax_slurm.trainer.megatron.model import (
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def dist_checkpoint_to_hf(src: Path, out: Path, hf_config: str | Path | None = None,
-                          dtype: torch.dtype | None = None, progress: bool = False,
-                          overwrite: bool = False) -> Path:
-    from megatron.core import dist_checkpointing
+@contextmanager
+def bare_model(src: Path, hf_config: str | Path | None = None
+               ) -> Iterator[tuple[Any, list, Any, Path]]:
+    """(bridge, model chunks, HF config, its directory): the checkpoint's architecture built
+    without weights in a one-rank process group (TP=PP=1), torn down on exit."""
     from transformers import AutoConfig
 
     config_src = Path(hf_config) if hf_config is not None else Path(src) / "hf"
@@ -54,26 +61,57 @@ def dist_checkpoint_to_hf(src: Path, out: Path, hf_config: str | Path | None = N
                 data_parallel_random_init=False, mixed_precision_wrapper=None)
             for c in chunks:
                 mark_tensor_parallel(c)
-            try:
-                state = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()},
-                                                str(src))
-            except Exception as e:
-                raise CheckpointError(
-                    f"reading the Megatron checkpoint {src} failed ({e}); it must come from the "
-                    f"architecture of {config_src} (pass --hf-config with the right model)"
-                ) from e
-            chunks[0].load_state_dict(state["model"])
-            # AutoBridge.export_hf_weights, given the HF tensor names it orders the export by:
-            # without HF weights at hand, the architecture's names on the meta device
-            from megatron.bridge.models.conversion import model_bridge
-
-            dispatch = (bridge._causal_lm_architecture, chunks[0])
-            tensors = {k: v.clone() for k, v in model_bridge.stream_weights_megatron_to_hf(
-                dispatch, chunks, _HFNames(config), cpu=True, show_progress=progress)}
+            yield bridge, chunks, config, config_src
         finally:
             destroy_model_parallel()
+
+
+def load_dist_state(src: Path, sharded: dict, config_src: Path) -> dict:
+    """dist_checkpointing.load, resharded to this one rank; CheckpointError naming the fix."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load(sharded, str(src))
+    except Exception as e:
+        raise CheckpointError(
+            f"reading the Megatron checkpoint {src} failed ({e}); it must come from the "
+            f"architecture of {config_src} (pass --hf-config with the right model)"
+        ) from e
+
+
+def dist_checkpoint_to_hf(src: Path, out: Path, hf_config: str | Path | None = None,
+                          dtype: torch.dtype | None = None, progress: bool = False,
+                          overwrite: bool = False) -> Path:
+    with bare_model(src, hf_config) as (bridge, chunks, config, config_src):
+        state = load_dist_state(src, {"model": chunks[0].sharded_state_dict()}, config_src)
+        chunks[0].load_state_dict(state["model"])
+        # AutoBridge.export_hf_weights, given the HF tensor names it orders the export by:
+        # without HF weights at hand, the architecture's names on the meta device
+        from megatron.bridge.models.conversion import model_bridge
+
+        dispatch = (bridge._causal_lm_architecture, chunks[0])
+        tensors = {k: v.clone() for k, v in model_bridge.stream_weights_megatron_to_hf(
+            dispatch, chunks, _HFNames(config), cpu=True, show_progress=progress)}
     return write_hf_dir(tensors, config, out, config_src, dtype, progress=progress,
                         overwrite=overwrite)
+
+
+def dist_checkpoint_adapter(src: Path, hf_config: str | Path | None = None
+                            ) -> dict[str, torch.Tensor]:
+    """{PEFT saved name: full tensor} of a model.lora checkpoint (checkpoint/from_megatron.py
+    ADAPTER_READER): the adapters put on the bare model as the trainer puts them (its recorded
+    rank, alpha, targets), their keys loaded (the base is not read: model.path), and
+    megatron-bridge's adapter export, which an adapter-only weight sync sends."""
+    record = lora_record(src)
+    if record is None:
+        raise CheckpointError(f"{src} holds no model.lora adapter (its meta.json has no "
+                              "extra_state.lora). Fix: convert it with --to hf")
+    with bare_model(src, hf_config) as (bridge, chunks, _, config_src):
+        lora.apply_lora(chunks, lora.recorded_model_config(record, config_src))
+        state = load_dist_state(src, model_sharded_state_dict(chunks, adapter_only=True),
+                                config_src)
+        load_model_state(chunks[0], state["model"], adapter_only=True)
+        return lora.adapter_tensors(bridge, chunks)
 
 
 class _HFNames:

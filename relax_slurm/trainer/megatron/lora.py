@@ -29,14 +29,17 @@ name; each rank takes its shard of the full tensor along the parameter's `partit
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from torch import Tensor
 
 from relax_slurm.checkpoint.from_lora import LORA_KEY as CHECKPOINT_KEY
-from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.model import LoraConfig, ModelConfig
 from relax_slurm.errors import ConfigError
+# one rule for merged weights under both trainers (megatron/backend.py calls it from here)
+from relax_slurm.trainer.lora import check_mergeable  # noqa: F401
 from relax_slurm.weightsync.adapter import Adapter
 
 PEFT_PREFIX = "base_model.model."
@@ -60,20 +63,6 @@ def canonical_targets(target_modules: Iterable[str]) -> list[str]:
             f"megatron-bridge's LoRA goes on the linear layers {list(HF_TO_CANONICAL)} (HF "
             "names). Fix: model.lora.target_modules within those, or trainer=torch")
     return [HF_TO_CANONICAL[t] for t in targets]
-
-
-def check_mergeable(hf_config, cfg: ModelConfig, why: str) -> None:
-    """Merged weights cannot carry an adapter on an lm_head tied to the embeddings: the bridge's
-    merged export has no lm_head of its own then, so the adapter would be dropped (trainer=torch
-    refuses the same for merged syncs: trainer/lora.py check_mergeable). `why`: what in this
-    run needs merged weights, and its fix."""
-    tied = getattr(hf_config.get_text_config(), "tie_word_embeddings", False) or getattr(
-        hf_config, "tie_word_embeddings", False)
-    if tied and "lm_head" in cfg.lora.target_modules:
-        raise ConfigError(
-            f"model.lora.target_modules has lm_head, whose weight {cfg.path} ties to "
-            f"embed_tokens, and {why}: megatron-bridge's merged export would drop its adapter. "
-            "Fix: drop lm_head from model.lora.target_modules, or the merged weights")
 
 
 def check_rank_split(rank: int, tensor_parallel_size: int) -> None:
@@ -146,6 +135,15 @@ def adapter_config(cfg: ModelConfig) -> dict[str, Any]:
 def checkpoint_record(cfg: ModelConfig) -> dict[str, Any]:
     """meta.json's record of the adapter (trainer/lora.py checkpoint_record's fields)."""
     return {"base_model_path": cfg.path, "adapter_config": adapter_config(cfg)}
+
+
+def recorded_model_config(record: dict[str, Any], config_dir: str | Path) -> ModelConfig:
+    """The model.lora a checkpoint's record (checkpoint_record) was trained with, on the model
+    in `config_dir`: what relax-convert builds the adapters from to read them back."""
+    peft = record["adapter_config"]
+    return ModelConfig(path=str(config_dir), lora=LoraConfig(
+        rank=peft["r"], alpha=peft["lora_alpha"], dropout=peft["lora_dropout"],
+        target_modules=list(peft["target_modules"])))
 
 
 def adapter_of(bridge, chunks: list, cfg: ModelConfig, dtype: torch.dtype | None = None

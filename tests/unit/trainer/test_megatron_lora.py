@@ -97,6 +97,32 @@ def test_a_tied_lm_head_adapter_is_refused_where_weights_are_merged():
     lora.check_mergeable(hf_config(True), ModelConfig(path="/m", lora=LoraConfig(rank=8)), "-")
 
 
+def test_both_trainers_refuse_merging_a_tied_head_by_one_rule(tmp_path):
+    """One function for trainer=torch and trainer=megatron (it was two, each reading the
+    config its own way), given a transformers config: the tiny model ties its head."""
+    from transformers import AutoConfig
+
+    from relax_slurm.trainer import lora as torch_lora
+
+    assert lora.check_mergeable is torch_lora.check_mergeable
+    config = AutoConfig.from_pretrained(make_tiny_model(tmp_path / "tiny"))
+    cfg = ModelConfig(path="/m", lora=LoraConfig(rank=8, target_modules=["lm_head"]))
+    with pytest.raises(ConfigError, match="this run syncs merged weights"):
+        torch_lora.check_mergeable(config, cfg, "this run syncs merged weights")
+
+
+def test_the_recorded_lora_is_the_runs():
+    """relax-convert rebuilds the adapters from the checkpoint's record (meta.json
+    extra_state.lora) to read them back: the same model.lora the run trained."""
+    cfg = ModelConfig(path="/m", lora=LoraConfig(rank=8, alpha=32.0, dropout=0.1,
+                                                 target_modules=["v_proj", "lm_head"]))
+    again = lora.recorded_model_config(lora.checkpoint_record(cfg), "/ckpt/hf")
+    assert again.path == "/ckpt/hf"
+    assert (again.lora.rank, again.lora.alpha, again.lora.dropout) == (8, 32.0, 0.1)
+    assert sorted(again.lora.target_modules) == ["lm_head", "v_proj"]
+    assert lora.canonical_targets(again.lora.target_modules)  # megatron can build them
+
+
 # ---- config: what trainer=megatron's LoRA refuses (config/cross_checks.py check_lora) -------
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
