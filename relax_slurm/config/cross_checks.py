@@ -133,14 +133,10 @@ def check_gpus_fit(t: TrainerConfig, rollout: RolloutConfig, cluster: ClusterCon
 
 
 def check_megatron_media(t: TrainerConfig, data: DataConfig) -> None:
-    # the megatron backend trains Qwen2.5-VL and Qwen3-VL (images, video), TP only; the
-    # architecture is checked when the model loads
+    # the megatron backend trains Qwen2.5-VL, Qwen3-VL(-MoE) (images, video) and Qwen3-Omni's
+    # thinker (images, video, audio), TP/EP only; whether the model takes the run's media
+    # (audio: Qwen3-Omni only) is checked when it loads, its architecture known
     # (trainer/megatron/vl.py: kind, check_media)
-    mm_kinds = set(data.multimodal_keys) - {"image", "video"}
-    check(t.backend != "megatron" or not mm_kinds,
-          f"trainer=megatron trains vision-language models on images and video only "
-          f"(data.multimodal_keys has {sorted(mm_kinds)}): use trainer=torch for audio "
-          "(docs/backends.md#multimodal-models)")
     check(t.backend != "megatron" or not data.multimodal_keys
           or (t.pipeline_parallel_size == 1 and t.context_parallel_size == 1),
           "trainer=megatron with data.multimodal_keys supports tensor parallelism only: set "

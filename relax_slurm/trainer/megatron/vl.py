@@ -308,12 +308,14 @@ def media_keys(model_kind: str) -> tuple[str, ...]:
 
 def check_media(model_kind: str, media_kinds) -> None:
     """ConfigError when the run's `data.multimodal_keys` has media this model's megatron
-    forward does not take (audio is refused with the config: cross_checks.py)."""
+    forward does not take (audio: Qwen3-Omni's only). The config admits image, video and
+    audio (cross_checks.py); this runs once the model's kind is known."""
     unknown = set(media_kinds) - (omni.MEDIA_KINDS if model_kind == OMNI else {"image", "video"})
     if unknown:
         raise ConfigError(
-            f"trainer=megatron feeds {model_kind} images and video, not {sorted(unknown)}. "
-            "Fix: trainer=torch (docs/backends.md#multimodal-models)")
+            f"trainer=megatron feeds {model_kind} images and video, not {sorted(unknown)} "
+            "(data.multimodal_keys; audio: Qwen3-Omni only). Fix: trainer=torch "
+            "(docs/backends.md#multimodal-models)")
 
 
 def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | None,
