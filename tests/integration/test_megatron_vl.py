@@ -166,9 +166,9 @@ def test_vl_moe_export_is_the_file_in_either_layout(runs):
 @pytest.mark.parametrize("run", ["omni3_tp1_ep2", "omni3_tp2"])
 def test_omni_export_is_the_files_thinker(runs, run):
     """The Qwen3-Omni bridge's export at EP=2 and at TP=2 is the file's thinker, bit for bit
-    and under the file's names (`thinker.model.layers.N.mlp.experts.E.gate_proj.weight`, `thinker.visual.*`,
-    `thinker.audio_tower.*`: what SGLang loads and trainer=torch sends, modeling.
-    checkpoint_names): every thinker tensor, and none of the talker's or code2wav's (never
+    and under the file's names (`thinker.model.layers.N.mlp.experts.E.gate_proj.weight`,
+    `thinker.visual.*`, `thinker.audio_tower.*`: what SGLang loads and trainer=torch sends,
+    modeling.checkpoint_names): every thinker tensor, and none of the talker's or code2wav's (never
     trained, never sent: modeling.NOT_SERVED); every name is one the hf engine receives."""
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration
