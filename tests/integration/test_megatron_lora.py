@@ -294,9 +294,11 @@ def peft_merge_of(model_dir: Path, adapter_dir: Path):
     return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
 
 
-def check_converted_adapter(step_dir: Path, out: Path, model_dir: Path) -> None:
+def check_converted_adapter(state: dict[str, torch.Tensor], out: Path, model_dir: Path
+                            ) -> None:
     """relax-convert's two outputs of a trainer=megatron model.lora checkpoint, against the
-    adapter as the checkpoint holds it (read back here with this test's own layout table):
+    adapter as the checkpoint holds it (`state`: megatron_adapter_state, put under PEFT's names
+    by this test's own layout table):
 
     - --to peft: exactly those tensors under PEFT's saved names (a gather, no arithmetic: bit
       for bit), and PEFT loads the directory on model.path with every adapter tensor of its
@@ -312,7 +314,7 @@ def check_converted_adapter(step_dir: Path, out: Path, model_dir: Path) -> None:
     from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    expected = peft_adapter_of_state(megatron_adapter_state(step_dir))
+    expected = peft_adapter_of_state(state)
     written = load_file(str(out / "peft" / "adapter_model.safetensors"))
     assert sorted(written) == sorted(expected)
     for name, t in expected.items():
@@ -403,8 +405,7 @@ def test_tiny_lora_on_megatron_tp2_syncs_the_adapter_alone_and_resumes_exactly(t
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    assert megatron_adapter_state(ckpt)
-    assert all(".adapter." in k for k in keys), sorted(keys)[:5]
+    assert keys and all(".adapter." in k for k in keys), sorted(keys)[:5]
 
     # relax-convert of the trained adapter, --to peft and --to hf, beside the resumed run
     final = straight / "checkpoints" / f"step_{E2E_STEPS}"
@@ -416,11 +417,11 @@ def test_tiny_lora_on_megatron_tp2_syncs_the_adapter_alone_and_resumes_exactly(t
             tmp_path / "converted" / "convert.log").read_text()[-4000:]
     finally:
         stop_process(converting)
-    check_converted_adapter(final, tmp_path / "converted", tiny_assets / "model")
+    a = megatron_adapter_state(final)
+    check_converted_adapter(a, tmp_path / "converted", tiny_assets / "model")
 
     assert [r["step"] for r in again] == list(range(E2E_RESUME_AT, E2E_STEPS))
     for key in ("rollout/reward_mean", "train/kl_loss", "train/loss", "train/grad_norm"):
         assert [r[key] for r in again] == [r[key] for r in rows[E2E_RESUME_AT:]], key
-    a = megatron_adapter_state(straight / "checkpoints" / f"step_{E2E_STEPS}")
     b = megatron_adapter_state(resumed / "checkpoints" / f"step_{E2E_STEPS}")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

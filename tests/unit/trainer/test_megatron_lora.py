@@ -70,14 +70,18 @@ def test_interleave_is_megatrons_fused_qkv_order(heads, groups):
     assert torch.equal(out, expected)
 
 
-def test_adapter_config_is_trainer_torch_peft_config(tmp_path):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("megatron_lora") / "tiny")
+
+
+def test_adapter_config_is_trainer_torch_peft_config(tiny):
     """What an adapter-only sync (and relax-convert --to peft) carries as adapter_config.json:
     the same as trainer=torch's PEFT model records for the same model.lora."""
     from transformers import AutoModelForCausalLM
 
     from relax_slurm.trainer.lora import adapter_config, apply_lora
 
-    tiny = make_tiny_model(tmp_path / "tiny")
     cfg = ModelConfig(path=str(tiny), lora=LoraConfig(rank=8, alpha=16.0, dropout=0.0))
     peft_model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32), cfg)
     assert lora.adapter_config(cfg) == adapter_config(peft_model)
@@ -97,7 +101,7 @@ def test_a_tied_lm_head_adapter_is_refused_where_weights_are_merged():
     lora.check_mergeable(hf_config(True), ModelConfig(path="/m", lora=LoraConfig(rank=8)), "-")
 
 
-def test_both_trainers_refuse_merging_a_tied_head_by_one_rule(tmp_path):
+def test_both_trainers_refuse_merging_a_tied_head_by_one_rule(tiny):
     """One function for trainer=torch and trainer=megatron (it was two, each reading the
     config its own way), given a transformers config: the tiny model ties its head."""
     from transformers import AutoConfig
@@ -105,7 +109,7 @@ def test_both_trainers_refuse_merging_a_tied_head_by_one_rule(tmp_path):
     from relax_slurm.trainer import lora as torch_lora
 
     assert lora.check_mergeable is torch_lora.check_mergeable
-    config = AutoConfig.from_pretrained(make_tiny_model(tmp_path / "tiny"))
+    config = AutoConfig.from_pretrained(tiny)
     cfg = ModelConfig(path="/m", lora=LoraConfig(rank=8, target_modules=["lm_head"]))
     with pytest.raises(ConfigError, match="this run syncs merged weights"):
         torch_lora.check_mergeable(config, cfg, "this run syncs merged weights")
