@@ -1,7 +1,8 @@
 """Chaos on the real topology (relax-train, the tiny preset's 150 steps at staleness 1):
 
-each of the broker, the rollout worker, an engine (one trainer rank) and a trainer rank (two
-ranks) is SIGKILLed, separately, a quarter into a run. Every run completes with every accepted
+the broker, the rollout worker and an engine (one trainer rank) are SIGKILLed one after the
+other in one run (each once the one before has restarted), and a trainer rank (two ranks) a
+quarter into a run of its own. Every run completes with every accepted
 sample trained or dropped as stale (`samples_lost: 0`), reports its restarts (summary.json,
 restarts.jsonl, roles.json), and ends with a reward no more than REWARD_TOLERANCE below an
 undisturbed run of the same configuration (the mean of the last LAST_STEPS steps). Staleness-1
@@ -41,6 +42,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
 # stale-drop path; a checkpoint every 20 steps bounds what a global restart redoes
 CHAOS = ("algo.max_staleness=1", "trainer.save_every=20")
 KILL_AT = 40  # metrics lines: step_40 is saved before line 41 (step index 40) is written
+KILL_EVERY = 30  # the in-place kills: at 30, 60 and 90 of the 150 steps, each after the last restart
 LAST_STEPS = 10
 REWARD_TOLERANCE = 0.2  # above the same-config spread measured (0.12), below a lost run
 SYNC_TIMEOUT_S = 5.0  # weight_sync.timeout_s of the frozen-engine run: well below the hang watch
@@ -140,40 +142,46 @@ def guarded_broker(run_dir: Path) -> int:
     return role(run_dir, "broker")["pid"]
 
 
-def test_a_killed_broker_restarts_in_place_from_its_spill(tmp_path, tiny_assets, undisturbed):
-    run_dir = tmp_path / "run"
-    err, pid = kill_mid_run(run_dir, tiny_assets, guarded_broker, ONE_RANK, *CHAOS)
-    assert "broker exited with code -9; restarted in place" in err
+def wait_restart(proc: subprocess.Popen, run_dir: Path, n: int) -> list[dict]:
+    """restarts.jsonl once it has `n` rows."""
+    path, deadline = run_dir / "restarts.jsonl", time.monotonic() + TIMEOUT_S
+    while not (path.exists() and len(path.read_text().splitlines()) >= n):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_a_killed_broker_worker_and_engine_each_restart_in_place(tmp_path, tiny_assets,
+                                                                 undisturbed):
+    """The broker (from its spill; its clients resend), then the rollout worker (with its
+    predecessor's credits and data position), then the engine (re-joining the weight sync
+    through a new cohort, every push checked bit for bit), each SIGKILLed once the one before
+    has restarted and the run has gone KILL_EVERY steps further: three in-place restarts in one
+    run of the preset's length (a run each cost ~50 s and as much CPU for the same paths)."""
+    run_dir, pids = tmp_path / "run", {}
+    proc = start(run_dir, tiny_assets, ONE_RANK, *CHAOS, "weight_sync.verify=true")
+    try:
+        victims = (("broker", guarded_broker), ("rollout", lambda d: role(d, "rollout")["pid"]),
+                   ("engine0", lambda d: role(d, "engine0")["pid"]))
+        for n, (name, victim) in enumerate(victims, start=1):
+            wait_steps(proc, run_dir, n * KILL_EVERY)
+            pids[name] = victim(run_dir)
+            os.kill(pids[name], signal.SIGKILL)
+            wait_restart(proc, run_dir, n)
+        _, err = finish(proc)
+    finally:
+        stop(proc)
+    for name in pids:
+        assert f"{name} exited with code -9; restarted in place" in err, name
+        assert role(run_dir, name)["pid"] != pids[name], name
     assert "global restart" not in err
-    assert_completed_like(run_dir, undisturbed, {"broker": 1})
-    assert role(run_dir, "broker")["pid"] != pid
+    assert_completed_like(run_dir, undisturbed, {name: 1 for name in pids})
     rows = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()]
-    assert [(r["role"], r["kind"]) for r in rows] == [("broker", "in_place")]
-    assert "replayed" in (run_dir / "logs" / "broker.log").read_text()
-
-
-def test_a_killed_rollout_worker_restarts_in_place_and_rejoins(tmp_path, tiny_assets,
-                                                                undisturbed):
-    run_dir = tmp_path / "run"
-    err, pid = kill_mid_run(run_dir, tiny_assets, lambda d: role(d, "rollout")["pid"],
-                            ONE_RANK, *CHAOS)
-    assert "rollout exited with code -9; restarted in place" in err
-    assert "global restart" not in err
-    assert_completed_like(run_dir, undisturbed, {"rollout": 1})
-    assert role(run_dir, "rollout")["pid"] != pid
-    assert "rejoined" in (run_dir / "logs" / "rollout.log").read_text()
-
-
-def test_a_killed_engine_restarts_in_place_and_rejoins_the_weight_sync(tmp_path, tiny_assets,
-                                                                       undisturbed):
-    run_dir = tmp_path / "run"
-    # every push checked bit for bit, the new cohort's too
-    err, _ = kill_mid_run(run_dir, tiny_assets, lambda d: role(d, "engine0")["pid"],
-                          ONE_RANK, *CHAOS, "weight_sync.verify=true")
-    assert "engine0 exited with code -9; restarted in place" in err
-    assert "global restart" not in err
-    assert_completed_like(run_dir, undisturbed, {"engine0": 1})
-    assert "weight-sync cohort 1 formed" in (run_dir / "logs" / "trainer.log").read_text()
+    assert [(r["role"], r["kind"]) for r in rows] == [(name, "in_place") for name in pids]
+    logs = run_dir / "logs"
+    assert "replayed" in (logs / "broker.log").read_text()
+    assert "rejoined" in (logs / "rollout.log").read_text()
+    assert "weight-sync cohort 1 formed" in (logs / "trainer.log").read_text()
 
 
 def test_a_killed_trainer_rank_restarts_the_run_from_its_checkpoint(tmp_path, tiny_assets,
@@ -198,15 +206,6 @@ def test_a_killed_trainer_rank_restarts_the_run_from_its_checkpoint(tmp_path, ti
     assert rows[0]["resumes_from"].endswith(("step_40", "step_60", "step_80"))
     assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
     assert not [r["name"] for r in first_roles if alive(r["pid"])]  # the first attempt is gone
-
-
-def wait_restart(proc: subprocess.Popen, run_dir: Path, n: int) -> list[dict]:
-    """restarts.jsonl once it has `n` rows."""
-    path, deadline = run_dir / "restarts.jsonl", time.monotonic() + TIMEOUT_S
-    while not (path.exists() and len(path.read_text().splitlines()) >= n):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
-    return [json.loads(x) for x in path.read_text().splitlines()]
 
 
 def assert_stacks_before(row: dict, frozen: str) -> None:
