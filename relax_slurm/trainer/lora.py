@@ -15,12 +15,10 @@
 from __future__ import annotations
 
 import enum
-from typing import Any, Iterator
+import sys
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model, get_peft_model_state_dict
-from peft.tuners.lora import LoraLayer
 from torch import Tensor, nn
 
 from relax_slurm.checkpoint.from_lora import ADAPTER_NAME, LORA_KEY
@@ -28,12 +26,21 @@ from relax_slurm.config.model import ModelConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.weightsync.adapter import Adapter
 
+# peft is imported where an adapter is made or read, not with this module: importing it costs
+# ~2.5 CPU-s (it pulls transformers' model machinery), which every trainer rank paid at start,
+# LoRA or not (the megatron backend imports this module for check_mergeable)
+if TYPE_CHECKING:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel
+
 # PEFT's name of the one adapter trained, and the meta.json extra_state key of the adapter's
 # record: relax-convert reads checkpoints by these (checkpoint/from_lora.py), so they live there
 ADAPTER, CHECKPOINT_KEY = ADAPTER_NAME, LORA_KEY
 
 
 def peft_config(cfg: ModelConfig) -> PeftLoraConfig:
+    from peft import LoraConfig as PeftLoraConfig
+
     lora = cfg.lora
     return PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                           target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
@@ -43,6 +50,8 @@ def peft_config(cfg: ModelConfig) -> PeftLoraConfig:
 def apply_lora(model: nn.Module, cfg: ModelConfig) -> PeftModel:
     """`model` with adapters on model.lora.target_modules; only they require gradients. PEFT
     starts B at zero, so the first policy is model.path exactly."""
+    from peft import get_peft_model
+
     return get_peft_model(model, peft_config(cfg))
 
 
@@ -64,7 +73,8 @@ def check_mergeable(hf_config, cfg: ModelConfig, why: str) -> None:
 
 
 def is_peft(model: nn.Module) -> bool:
-    return isinstance(model, PeftModel)
+    peft = sys.modules.get("peft")  # not imported: no PeftModel was ever made
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def jsonable(value: Any) -> Any:
@@ -89,6 +99,8 @@ def adapter_of(model: PeftModel, dtype: torch.dtype | None = None) -> Adapter:
     """The trained adapter under PEFT's saved names, in the engines' dtype (model.dtype)."""
     # save_embedding_layers: PEFT's "auto" would add the whole (frozen) embedding matrix when
     # lm_head is a target, every sync; the engines hold it already
+    from peft import get_peft_model_state_dict
+
     tensors = get_peft_model_state_dict(model, adapter_name=ADAPTER, save_embedding_layers=False)
     cast = {n: (t.detach().to(dtype) if dtype is not None and t.is_floating_point()
                 else t.detach()) for n, t in tensors.items()}
@@ -100,6 +112,8 @@ def merged_parameters(model: PeftModel) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) of the base model's parameters as transformers names them, each adapted
     weight merged (W + scale * B @ A, computed aside: the model's own weights stay as they
     are, since merging in place and back would not give them back bit for bit)."""
+    from peft.tuners.lora import LoraLayer
+
     base = model.get_base_model()
     deltas: dict[str, Tensor] = {}
     for name, module in base.named_modules():

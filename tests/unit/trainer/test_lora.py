@@ -102,3 +102,16 @@ def test_a_pickle_that_calls_anything_else_is_refused():
 def test_bad_lora_fields_name_the_field(override, words):
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace(".", r"\.")):
         LoraConfig(**override)
+
+
+def test_a_trainer_without_lora_never_imports_peft():
+    """peft costs ~2.5 CPU-s to import (transformers' model machinery): a trainer rank of
+    either backend pays it only when model.lora makes or reads an adapter."""
+    import subprocess
+
+    code = ("import sys, relax_slurm.trainer.main, relax_slurm.trainer.megatron.backend, "
+            "relax_slurm.trainer.lora; print(sorted(m for m in sys.modules if m == 'peft'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[3])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
