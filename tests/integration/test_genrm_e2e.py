@@ -94,17 +94,8 @@ def assert_judged(run_dir: Path, steps: int) -> None:
                                                                  for r in rows]
 
 
-def test_rewards_come_from_the_managed_judge(tmp_path, tiny_assets, judge):
-    steps, run_dir = 3, tmp_path / "run"
-    finish(start(run_dir, tiny_assets, *judged(judge, steps)))
-    assert_judged(run_dir, steps)
-    roles = json.loads((run_dir / "roles.json").read_text())
-    assert {r["name"] for r in roles} == {"broker", "engine0", "genrm", "rollout", "trainer"}
-    plan = json.loads((run_dir / "plan.json").read_text())
-    assert plan["genrm_url"] and plan["genrm_url"] not in plan["engine_urls"]
-
-
-def test_a_killed_judge_is_restarted_in_place(tmp_path, tiny_assets, judge):
+def test_rewards_come_from_the_managed_judge_restarted_in_place_when_killed(tmp_path,
+                                                                          tiny_assets, judge):
     steps, run_dir = 8, tmp_path / "run"
     proc = start(run_dir, tiny_assets, *judged(judge, steps))
     try:
@@ -129,3 +120,7 @@ def test_a_killed_judge_is_restarted_in_place(tmp_path, tiny_assets, judge):
                    if r["name"] == "genrm")
     assert new_pid != pid
     assert_judged(run_dir, steps)  # no reward lost: the calls waited for the new judge
+    roles = json.loads((run_dir / "roles.json").read_text())
+    assert {r["name"] for r in roles} == {"broker", "engine0", "genrm", "rollout", "trainer"}
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["genrm_url"] and plan["genrm_url"] not in plan["engine_urls"]
