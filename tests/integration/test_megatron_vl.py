@@ -74,13 +74,14 @@ def result(d: Path) -> dict:
 
 
 @pytest.mark.timeout(1200)
-# the MoE models at EP=2 (each rank TP=1 with two of the four experts, DP=2) and at TP=2, where
-# megatron-core needs sequence parallelism: the DeepStack features are split over the ranks and
-# the replicated vision tower's gradient must still be the whole one (vl.split_deepstack; it
-# was ~30% off before); the Qwen3-Omni thinker's audio tower is compared too (its first
-# convolution and first layer)
+# the MoE models at EP=2 (each rank TP=1 with two of the four experts, DP=2); the Qwen3-Omni
+# thinker also at TP=2, where megatron-core needs sequence parallelism: the DeepStack features
+# are split over the ranks and the replicated vision tower's gradient must still be the whole
+# one (vl.split_deepstack, shared with Qwen3-VL-MoE; ~30% off before). Its audio tower is
+# compared too (first convolution, first layer). The same check for Qwen3-VL-MoE at TP=2
+# (the row "vl3moe_tp2") passed at 7f0263a; left out of the suite for its ~30 s
 @pytest.mark.parametrize("run", ["vl_tp1", "vl_tp2", "vl3_tp1", "vl3_tp2", "vl3moe_tp1_ep2",
-                                 "vl3moe_tp2", "omni3_tp1_ep2", "omni3_tp2"])
+                                 "omni3_tp1_ep2", "omni3_tp2"])
 def test_logits_and_vision_gradients_equal_transformers(runs, run):
     r = result(runs[run])
     assert r["logits_max_diff"] <= REL_TOL * r["logits_scale"], r["logits_max_diff"]

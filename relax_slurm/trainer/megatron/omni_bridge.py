@@ -1,4 +1,4 @@
-"""megatron-bridge's Qwen3-Omni bridge (the thinker), on its public extension point:
+"""The project's Qwen3-Omni (thinker) bridge, on megatron-bridge's public extension point:
 `MegatronModelBridge.register_bridge` for transformers' Qwen3OmniMoeForConditionalGeneration.
 
 Weights are read from and exported under the checkpoint files' names (what SGLang loads and
