@@ -8,13 +8,14 @@ One two-rank torchrun per layout (tests/integration/scripts/megatron_lora_parity
 each on 2 cores. And `relax-train experiment=tiny_cpu trainer=megatron model.lora.rank=8` at
 TP=2 end to end: adapter-only syncs, the reference as the adapters disabled, exact resume,
 and its checkpoint through relax-convert to a PEFT adapter and to a merged HF model
-(~35-45 s; the conversions run beside the resumed run)."""
+(~35-45 s; the conversions and their checks run beside the resumed run)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -407,18 +408,20 @@ def test_tiny_lora_on_megatron_tp2_syncs_the_adapter_alone_and_resumes_exactly(t
     keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     assert keys and all(".adapter." in k for k in keys), sorted(keys)[:5]
 
-    # relax-convert of the trained adapter, --to peft and --to hf, beside the resumed run
-    final = straight / "checkpoints" / f"step_{E2E_STEPS}"
+    # relax-convert of the trained adapter, --to peft and --to hf, and the checks of what it
+    # writes, while the resumed run goes on in a thread: neither keeps two cores busy
+    final, resumed = straight / "checkpoints" / f"step_{E2E_STEPS}", tmp_path / "resumed"
     converting = start_conversions(final, tmp_path / "converted")
-    try:
-        resumed = tmp_path / "resumed"
-        again = train(resumed, f"resume={ckpt}")
-        assert converting.wait(timeout=300) == 0, (
-            tmp_path / "converted" / "convert.log").read_text()[-4000:]
-    finally:
-        stop_process(converting)
-    a = megatron_adapter_state(final)
-    check_converted_adapter(a, tmp_path / "converted", tiny_assets / "model")
+    with ThreadPoolExecutor(1) as pool:
+        resuming = pool.submit(train, resumed, f"resume={ckpt}")
+        try:
+            assert converting.wait(timeout=300) == 0, (
+                tmp_path / "converted" / "convert.log").read_text()[-4000:]
+        finally:
+            stop_process(converting)
+        a = megatron_adapter_state(final)
+        check_converted_adapter(a, tmp_path / "converted", tiny_assets / "model")
+        again = resuming.result()
 
     assert [r["step"] for r in again] == list(range(E2E_RESUME_AT, E2E_STEPS))
     for key in ("rollout/reward_mean", "train/kl_loss", "train/loss", "train/grad_norm"):
