@@ -36,8 +36,11 @@ def test_cpu_engines_run_sglang_from_their_python_with_the_cpu_engine_and_flags(
             "cluster.rollout_cpus=[1]")
     [spec] = engine_specs(c, local_plan(c))
     argv = server_argv(spec)
-    assert argv[:6] == ["env", "SGLANG_VLM_CACHE_SIZE_MB=0", "SGLANG_USE_CPU_ENGINE=1", VENV_PY,
-                        "-m", "sglang.launch_server"]
+    # the CPU engine, and no crash diagnostics: they sleep 5 s at every stop (sglang_cpu)
+    assert argv[:8] == ["env", "SGLANG_VLM_CACHE_SIZE_MB=0", "SGLANG_USE_CPU_ENGINE=1",
+                        "SGLANG_PYSPY_DUMP_BEFORE_CRASH=false",
+                        "SGLANG_CUDA_COREDUMP_BEFORE_CRASH=false", VENV_PY, "-m",
+                        "sglang.launch_server"]
     flags = " ".join(argv)
     assert " ".join(sglang_cpu.CPU_FLAGS) in flags
     assert "--base-gpu-id" not in argv and argv[argv.index("--tp-size") + 1] == "1"
