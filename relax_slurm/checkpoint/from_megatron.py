@@ -72,7 +72,15 @@ def megatron_adapter(src: Path, hf_config: str | Path | None) -> dict[str, torch
     weight sync sends), on CPU in this process. `hf_config`: the model's HF config when the
     checkpoint has no hf/ copy."""
     require_bridge(src)
-    return getattr(backend_module("megatron"), ADAPTER_READER)(Path(src), hf_config)
+    module = backend_module("megatron")
+    reader = getattr(module, ADAPTER_READER, None)
+    if reader is None:
+        raise CheckpointError(f"{src} is a trainer=megatron model.lora checkpoint, and the "
+                              f"registered converter's module {module.__name__} has no "
+                              f"{ADAPTER_READER} to read its adapter (stale package "
+                              "metadata). Fix: reinstall relax-slurm (pip install -e . in a "
+                              "source checkout)")
+    return reader(Path(src), hf_config)
 
 
 def megatron_to_hf(input_dir: str | Path, output_dir: str | Path,
