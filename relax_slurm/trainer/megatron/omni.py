@@ -17,8 +17,12 @@ MEDIA_KINDS = frozenset({"image", "video", "audio"})
 
 
 def register() -> None:
-    """Registers the bridge with megatron-bridge's dispatch (once: a module import). Call after
-    cpu_compat.import_bridge and before AutoBridge.from_hf_pretrained of a Qwen3-Omni path."""
+    """Registers the bridge with megatron-bridge's dispatch (once: a module import), before
+    AutoBridge.from_hf_pretrained / from_hf_config of a Qwen3-Omni model (which validate the
+    architecture against the registry). Imports megatron-bridge the CPU-safe way first."""
+    from relax_slurm.trainer.megatron import cpu_compat
+
+    cpu_compat.import_bridge()
     from relax_slurm.trainer.megatron import omni_bridge  # noqa: F401 - registers on import
 
 
