@@ -78,10 +78,10 @@ def result(d: Path) -> dict:
 # thinker also at TP=2, where megatron-core needs sequence parallelism: the DeepStack features
 # are split over the ranks and the replicated vision tower's gradient must still be the whole
 # one (vl.split_deepstack, shared with Qwen3-VL-MoE; ~30% off before). Its audio tower is
-# compared too (first convolution, first layer). The same check for Qwen3-VL-MoE at TP=2
-# (the row "vl3moe_tp2") passed at 7f0263a; left out of the suite for its ~30 s
+# compared too (first convolution, first layer). Qwen3-VL-MoE at TP=2 too: its provider and
+# per-expert mappings are its own (vl_moe.py), the split only is shared
 @pytest.mark.parametrize("run", ["vl_tp1", "vl_tp2", "vl3_tp1", "vl3_tp2", "vl3moe_tp1_ep2",
-                                 "omni3_tp1_ep2", "omni3_tp2"])
+                                 "vl3moe_tp2", "omni3_tp1_ep2", "omni3_tp2"])
 def test_logits_and_vision_gradients_equal_transformers(runs, run):
     r = result(runs[run])
     assert r["logits_max_diff"] <= REL_TOL * r["logits_scale"], r["logits_max_diff"]
@@ -255,9 +255,10 @@ def test_tiny_vl_moe_trains_at_ep2_syncs_and_converts(runs, vl_assets, tmp_path)
 # on half the colours: 0.16, 0.39, 0.46, 0.47, 0.50 ... 0.54 at 90; seeds 1 and 2 reach 0.50 and
 # 0.52 by step 30 and 0.85 / 0.83 by 40. Which colours a seed learns first is chaotic in the
 # float rounding of the machine, so the test asks for a rise that every seed and machine seen
-# makes with margin: from <= 0.3 to >= 0.4 (crossed by step ~30-35 on all three seeds), at 90
-# steps. The absolute 0.6 is a property of most seeds, not of every run.
-E2E_STEPS = 90
+# makes with margin: from <= 0.3 to >= 0.4 (crossed by step ~30-35 on all three seeds), at 70
+# steps: twice the slowest crossing (90 until session 24). The absolute 0.6 is a property of
+# most seeds, not of every run.
+E2E_STEPS = 70
 E2E_REWARD = 0.4
 
 

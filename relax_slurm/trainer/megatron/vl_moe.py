@@ -27,8 +27,8 @@ Its finalize turns sequence parallelism on at TP > 1 (qwen3_vl_provider.py:247-2
 `build_provider`'s off, and is left so: megatron-core trains MoE layers under TP only with it
 (moe_layer.py:379). The DeepStack features are then split over the TP ranks, and the
 replicated vision tower gets the whole gradient through vl.split_deepstack (logits and tower
-gradients equal transformers' at TP=2 on CPU: tests/integration/scripts/megatron_vl_parity.py
---tp 2 on the tiny vl3moe, run by hand); the routing replay's mapping of each TP rank's slice (routing.py) is untested there.
+gradients equal transformers' at TP=2 on CPU: test_megatron_vl.py `vl3moe_tp2`); the routing
+replay's mapping of each TP rank's slice (routing.py) is untested there.
 """
 
 from __future__ import annotations
