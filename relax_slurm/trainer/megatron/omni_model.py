@@ -23,7 +23,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from relax_slurm.trainer.megatron.omni_rope import omni_rope_index
-from relax_slurm.trainer.megatron.vl import merge_vision, split_deepstack
+from relax_slurm.trainer.megatron.vl import language_forward, merge_vision
 
 
 class OmniThinkerModel(m.Qwen3VLModel):
@@ -96,12 +96,8 @@ class OmniThinkerModel(m.Qwen3VLModel):
                 self.thinker_config, input_ids, pad_mask, image_grid_thw=image_grid_thw,
                 video_grid_thw=video_grid_thw, audio_feature_lengths=lengths,
                 second_per_grid=second_per_grid_ts)
-        if cfg.sequence_parallel and visual_mask is not None:
-            visual_mask, deepstack = split_deepstack(visual_mask, deepstack)
-        return self.language_model(
-            input_ids=None, position_ids=position_ids, attention_mask=attention_mask,
-            decoder_input=emb, labels=labels, visual_pos_masks=visual_mask,
-            deepstack_visual_embeds=deepstack)
+        return language_forward(self, emb, position_ids, attention_mask, labels, visual_mask,
+                                deepstack)
 
 
 @dataclass

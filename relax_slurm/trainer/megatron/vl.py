@@ -222,14 +222,23 @@ def _qwen3_forward() -> None:
             position_ids, _ = qwen3_rope_index(
                 cfg.spatial_merge_size, self.image_token_id, input_ids, image_grid_thw,
                 pad_mask, video_token_id=self.video_token_id, video_grid_thw=video_grid_thw)
-        if cfg.sequence_parallel and visual_mask is not None:
-            visual_mask, deepstack = split_deepstack(visual_mask, deepstack)
-        return self.language_model(
-            input_ids=None, position_ids=position_ids, attention_mask=attention_mask,
-            decoder_input=emb, labels=labels, visual_pos_masks=visual_mask,
-            deepstack_visual_embeds=deepstack)
+        return language_forward(self, emb, position_ids, attention_mask, labels, visual_mask,
+                                deepstack)
 
     m.Qwen3VLModel.forward = forward
+
+
+def language_forward(model, emb: Tensor | None, position_ids: Tensor, attention_mask, labels,
+                     visual_mask: Tensor | None, deepstack: list[Tensor] | None):
+    """The language model's half of a Qwen3-VL-style forward (Qwen3-VL(-MoE), the Qwen3-Omni
+    thinker): the embeddings with the media placed, DeepStack features added at their tokens
+    (this TP rank's slice of them under sequence parallelism)."""
+    if model.config.sequence_parallel and visual_mask is not None:
+        visual_mask, deepstack = split_deepstack(visual_mask, deepstack)
+    return model.language_model(
+        input_ids=None, position_ids=position_ids, attention_mask=attention_mask,
+        decoder_input=emb, labels=labels, visual_pos_masks=visual_mask,
+        deepstack_visual_embeds=deepstack)
 
 
 def split_deepstack(visual_mask: Tensor, deepstack: list[Tensor]
