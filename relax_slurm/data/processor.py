@@ -45,6 +45,18 @@ MODEL_TOKENS: dict[str, list[tuple[str, str, str]]] = {
 # Qwen3-VL (and its MoE) writes a "<t seconds>" text and its own markers before each frame
 # pair of a video (Qwen3VLProcessor.replace_video_token) instead of one run of pads
 TIMESTAMPED_VIDEO_MODEL_TYPES = ("qwen3_vl",)
+VIDEO_SECONDS_KEYS = {"qwen3_omni": "video_second_per_grid"}
+
+
+def video_seconds_key(model_type: str) -> str:
+    """The name the model's forward (and its processor) gives a video's seconds per temporal
+    patch, which M-RoPE spaces its frames by: Qwen2/2.5-VL's `second_per_grid_ts`, Qwen3-Omni's
+    thinker's `video_second_per_grid` (under the other name it was dropped into **kwargs, and
+    transformers' position code indexed None)."""
+    for prefix, key in VIDEO_SECONDS_KEYS.items():
+        if model_type.startswith(prefix):
+            return key
+    return "second_per_grid_ts"
 
 
 def model_markers(vocab: Mapping[str, int]) -> dict[str, tuple[str, str, str]]:
@@ -322,7 +334,7 @@ class MediaProcessor:
         out = {"pixel_values_videos": np.ascontiguousarray(np.concatenate(patches)),
                "video_grid_thw": grid}
         if not self.timestamps_videos():  # Qwen3-VL spaces frames by its timestamp text instead
-            out["second_per_grid_ts"] = np.asarray(seconds, dtype=np.float32)
+            out[video_seconds_key(self.model_type)] = np.asarray(seconds, dtype=np.float32)
         return out, counts, times
 
     def _size_kwargs(self, proc: Any, max_pixels: int | None = None) -> dict[str, Any]:

@@ -10,7 +10,8 @@ from relax_slurm.data.processor import concat_tensors
 from relax_slurm.modeling import mm_token_types
 from relax_slurm.engines.hf.batch import Row
 
-_KEEP_DTYPE = frozenset({"second_per_grid_ts"})  # media tensors not cast to the model's dtype
+# media tensors not cast to the model's dtype: the videos' seconds (data/processor.py)
+_KEEP_DTYPE = frozenset({"second_per_grid_ts", "video_second_per_grid"})
 
 
 def mm_kwargs(model, device: torch.device, rows: list[Row], input_ids: torch.Tensor

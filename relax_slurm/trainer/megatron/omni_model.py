@@ -67,7 +67,7 @@ class OmniThinkerModel(m.Qwen3VLModel):
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
                 attention_mask: Tensor | None = None, labels: Tensor | None = None,
                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
-                video_grid_thw=None, second_per_grid_ts=None, input_features=None,
+                video_grid_thw=None, video_second_per_grid=None, input_features=None,
                 feature_attention_mask=None, pad_mask: Tensor | None = None, **_) -> Tensor:
         """Qwen3OmniMoeThinkerModel.forward's computation (transformers 5) with megatron's
         language model: `pad_mask` [B, T] shapes the positions only (rows right-padded: the
@@ -95,7 +95,7 @@ class OmniThinkerModel(m.Qwen3VLModel):
             position_ids = omni_rope_index(
                 self.thinker_config, input_ids, pad_mask, image_grid_thw=image_grid_thw,
                 video_grid_thw=video_grid_thw, audio_feature_lengths=lengths,
-                second_per_grid=second_per_grid_ts)
+                second_per_grid=video_second_per_grid)
         return language_forward(self, emb, position_ids, attention_mask, labels, visual_mask,
                                 deepstack)
 

@@ -310,8 +310,8 @@ VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 def media_keys(model_kind: str) -> tuple[str, ...]:
     """The media tensors a VL kind's megatron forward takes: images and videos (Qwen3-VL
     spaces frames by timestamps in the text: no second_per_grid_ts); Qwen3-Omni also audio."""
-    if model_kind == OMNI:
-        return IMAGE_KEYS + VIDEO_KEYS + omni.AUDIO_KEYS
+    if model_kind == OMNI:  # its thinker's name for the seconds (data/processor.py)
+        return IMAGE_KEYS + VIDEO_KEYS[:2] + ("video_second_per_grid",) + omni.AUDIO_KEYS
     return IMAGE_KEYS + (VIDEO_KEYS if model_kind == QWEN25 else VIDEO_KEYS[:2])
 
 

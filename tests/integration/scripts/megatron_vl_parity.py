@@ -81,8 +81,8 @@ OMNI_AUDIO_FRAMES = (130, 37)  # mel frames: one 100-frame chunk (13 tokens) and
 def omni_inputs(path: str):
     """Two right-padded rows for the tiny Qwen3-Omni thinker (no processor: ids and tensors
     laid out as Qwen3-Omni's processor lays them): row 0 text, an image, text, an audio, text;
-    row 1 an image, text, a video (one run of pads, spaced in time by second_per_grid_ts),
-    an audio, text. Pixels and mel features random: both models take the same tensors."""
+    row 1 an image, text, a video (one run of pads, spaced in time by its
+    video_second_per_grid), an audio, text. Pixels and mel features random: both models take the same tensors."""
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         _get_feat_extract_output_lengths,
@@ -94,6 +94,7 @@ def omni_inputs(path: str):
     dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
     grids = torch.tensor([[1, 4, 4], [1, 2, 4]])
     clip = video(vision)
+    clip["video_second_per_grid"] = clip.pop("second_per_grid_ts")  # the thinker's own name
     frames = torch.tensor(OMNI_AUDIO_FRAMES)
     feature_mask = (torch.arange(int(frames.max()))[None] < frames[:, None]).long()
     mel = torch.randn(len(frames), cfg.audio_config.num_mel_bins, int(frames.max()),
@@ -119,12 +120,9 @@ def omni_inputs(path: str):
 
 def hf_kwargs(hf, ids, media: dict) -> dict:
     """The transformers model's media kwargs: VL models take `mm_token_type_ids` (1 image, 2
-    video: their M-RoPE input); Qwen3-Omni's thinker names the videos' seconds per temporal
-    patch `video_second_per_grid`."""
+    video: their M-RoPE input); Qwen3-Omni's thinker the media alone."""
     if hf.config.model_type.startswith("qwen3_omni"):
-        kw = dict(media)
-        kw["video_second_per_grid"] = kw.pop("second_per_grid_ts")
-        return kw
+        return dict(media)
     return {"mm_token_type_ids": vl.token_types(hf.config, ids), **media}
 
 

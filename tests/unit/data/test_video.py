@@ -221,3 +221,21 @@ def test_qwen3_vl_video_tokens_are_its_processors(tiny_mm_assets: Path, tmp_path
     first_pad = out.input_ids.index(real.video_token_id)
     with pytest.raises(DataError, match="neither one pad nor its expansion"):  # a pad short
         mp.process(out.input_ids[:first_pad] + out.input_ids[first_pad + 1:], {"video": [ref]})
+
+
+@pytest.mark.parametrize("model_type, cls", [
+    ("qwen2_5_vl", "transformers.Qwen2_5_VLForConditionalGeneration"),
+    # what trainer=torch and the hf engine run of Qwen3-Omni: its thinker (modeling.py)
+    ("qwen3_omni_moe", "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe."
+                       "Qwen3OmniMoeThinkerForConditionalGeneration")])
+def test_the_videos_seconds_go_by_the_name_the_models_forward_takes(model_type, cls):
+    """Under another name the tensor falls into the forward's **kwargs and the model spaces
+    no frame in time (Qwen3-Omni's position code then indexes None)."""
+    import importlib
+    import inspect
+
+    from relax_slurm.data.processor import video_seconds_key
+
+    module, name = cls.rsplit(".", 1)
+    forward = getattr(importlib.import_module(module), name).forward
+    assert video_seconds_key(model_type) in inspect.signature(forward).parameters

@@ -10,6 +10,7 @@ import torch
 from transformers import (Qwen2_5OmniConfig, Qwen2AudioConfig, Qwen3OmniMoeConfig,
                           Qwen3VLMoeConfig)
 
+from relax_slurm.data.processor import video_seconds_key
 from relax_slurm.errors import ConfigError
 from relax_slurm.launch.submit import compose_config
 from relax_slurm.trainer.megatron import vl, vl_moe
@@ -57,8 +58,11 @@ def test_video_composes_and_every_vl_kind_takes_it():
             vl.check_media(kind, ["image", "audio"])
     # Qwen3-Omni's thinker takes audio too (omni_model.py)
     vl.check_media(vl.OMNI, ["image", "video", "audio"])
-    assert {"input_features", "feature_attention_mask", "second_per_grid_ts"} <= set(
+    # ... and the videos' seconds under its thinker's name, the one the data processor gives it
+    assert {"input_features", "feature_attention_mask", "video_second_per_grid"} <= set(
         vl.media_keys(vl.OMNI))
+    assert video_seconds_key("qwen3_omni_moe") in vl.media_keys(vl.OMNI)
+    assert video_seconds_key("qwen2_5_vl") in vl.media_keys(vl.QWEN25)
 
 
 def test_qwen25_token_types():
