@@ -155,3 +155,28 @@ def test_change_clips_turn_colour_halfway(tiny_mm_assets):
     assert len(px) == 4 and clip.sampled_fps == 4.0
     assert np.abs(px[0] - px[1]).max() < 12 and np.abs(px[2] - px[3]).max() < 12  # lossy
     assert np.abs(px[1] - px[2]).max() > 60
+
+
+def test_suite_cpu_charges_a_tests_child_processes_to_it(tmp_path):
+    """tools/suite_cpu.py as docs/development.md runs it: a test whose child burns ~1 CPU-s
+    is charged that second (RUSAGE_CHILDREN), a test that only sleeps is charged ~none."""
+    (tmp_path / "test_burn.py").write_text(
+        "import subprocess, sys, time\n"
+        "def test_child_burns():\n"
+        "    subprocess.run([sys.executable, '-c', 'import time\\nt=time.process_time()\\n"
+        "while time.process_time() - t < 1.0: pass'], check=True)\n"
+        "def test_sleeps():\n"
+        "    time.sleep(0.5)\n")
+    out = tmp_path / "cpu"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "tools"),
+           "CPU_PROFILE_DIR": str(out), "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "suite_cpu", "-p",
+                           "no:cacheprovider", "--rootdir", str(tmp_path), "test_burn.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {r["id"].split("::")[1]: r for r in map(json.loads,
+                                                   (out / "main.jsonl").read_text().splitlines())}
+    assert rows["test_child_burns"]["cpu_s"] >= 1.0  # the child's own second, reaped
+    assert rows["test_sleeps"]["cpu_s"] < 0.4 and rows["test_sleeps"]["wall_s"] >= 0.5
+    report = run_tool("tools/suite_cpu.py", str(out))
+    assert "2 tests" in report and "test_burn.py" in report
