@@ -39,10 +39,36 @@ def resolve_backend(backend: str, engines_on_gpu: bool = True) -> str:
     return backend
 
 
+def host_store(master_address: str, port: int, world_size: int, group_name: str,
+               timeout_s: float = 300.0) -> dist.TCPStore:
+    """Rank 0: bind the group's store now, before any engine is told where it is.
+
+    `port` was chosen by the launcher when the run started, and the engines load their models
+    before the trainer binds it: another process may have taken it in between (seen on a busy
+    machine, a test's SGLang servers). A port in use is not a slow peer, so it is never waited
+    on: the store binds a port the OS picks instead, and the engines are told the store's port.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        return dist.TCPStore(master_address, port, world_size, is_master=True, timeout=timeout,
+                             wait_for_workers=False)
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e) or port == 0:
+            raise WeightSyncError(f"weight-sync group {group_name!r}: could not host its store on "
+                                  f"{master_address}:{port}: {e}") from e
+    store = dist.TCPStore(master_address, 0, world_size, is_master=True, timeout=timeout,
+                          wait_for_workers=False)
+    log.warning("weight-sync group %r: port %d was taken since the launcher chose it; hosting "
+                "on port %d instead (the engines are told)", group_name, port, store.port)
+    return store
+
+
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
                              group_name: str, backend: str = "gloo",
-                             timeout_s: float = 300.0) -> dist.ProcessGroup:
-    """Join (rank 0: host) the group; blocks until all `world_size` ranks arrived or timeout_s."""
+                             timeout_s: float = 300.0,
+                             store: dist.Store | None = None) -> dist.ProcessGroup:
+    """Join (rank 0: host) the group; blocks until all `world_size` ranks arrived or timeout_s.
+    `store`: rank 0's, from `host_store` (then `master_port` is its port)."""
     if not 0 <= rank < world_size:
         raise WeightSyncError(f"weight-sync group {group_name!r}: rank {rank} outside world size "
                               f"{world_size}")
@@ -51,9 +77,9 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
     where = (f"weight-sync group {group_name!r} at {master_address}:{master_port} "
              f"(rank {rank} of {world_size}, {backend})")
     try:
-        # Rank 0 hosts the store and waits here until every rank connected (or timeout).
-        store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
-                              timeout=timeout, multi_tenant=True)
+        if store is None:  # an engine rank (or a rank 0 hosting here: tests)
+            store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0),
+                                  timeout=timeout)
         prefix_store = c10d.PrefixStore(group_name, store)
         params = inspect.signature(c10d._new_process_group_helper).parameters
         options = {"backend_options": None} if "backend_options" in params else {"pg_options": None}

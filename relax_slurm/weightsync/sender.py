@@ -30,7 +30,8 @@ from relax_slurm.engines.sglang_api import ADAPTER_NAME, ServerProtocol
 from relax_slurm.weightsync.adapter import Adapter, serialize_tensors
 from relax_slurm.weightsync.bucket import (FlatBuffer, bucket_named_tensors, dtype_name,
                                            flatten_bucket, tensor_nbytes)
-from relax_slurm.weightsync.group import (destroy_weight_update_group, init_weight_update_group,
+from relax_slurm.weightsync.group import (destroy_weight_update_group, host_store,
+                                          init_weight_update_group,
                                           resolve_backend)
 from relax_slurm.weightsync.receiver import tensor_sha256
 
@@ -183,15 +184,20 @@ class WeightSender:
             raise WeightSyncError(f"group {self.group_name!r} is already connected")
         self.check_engines()
         route = "/init_weights_update_group"
+        # bound before any engine hears of it: the engines are told the port the store has
+        store = host_store(self.master_addr, self.master_port, self.world_size, self.group_name,
+                           self.timeout_s)
+        self.master_port = store.port
         http = self._on_engines(lambda c, i: c.init_weights_update_group(
             self.master_addr, self.master_port, 1 + i * self.ranks_per_engine, self.world_size,
             self.group_name,
             self.backend))
-        # rank 0 blocks in the store until every engine joined; run it aside so that an engine
-        # refusing (wrong backend, port unreachable) fails the call now, not after timeout_s
+        # rank 0 blocks in the group's rendezvous until every engine joined; run it aside so that
+        # an engine refusing (wrong backend, port unreachable) fails the call now, not after
+        # timeout_s
         group = self._group_thread.submit(init_weight_update_group, self.master_addr,
                                           self.master_port, 0, self.world_size, self.group_name,
-                                          self.backend, self.timeout_s)
+                                          self.backend, self.timeout_s, store)
         self._poll(f"forming group {self.group_name!r}", group.done, http, route)
         self._pg = group.result()
         try:

@@ -2,6 +2,7 @@
 broadcast per tensor or one per flattened bucket (weight_sync.load_format)."""
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,9 +33,13 @@ def test_weight_sync_two_engines_bit_exact(tmp_path, load_format):
             wait_healthy(url, proc, timeout_s=180, log_path=log)
 
         out_file, trainer_log = tmp_path / "result.json", tmp_path / "trainer.log"
+        # the planned port was taken since it was chosen (another process's listener): rank 0
+        # hosts the group elsewhere at once and tells the engines (CI failed on this race)
+        taken = socket.create_server(("127.0.0.1", free_port()))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", str(SCRIPT), "--model-dir", str(model_dir),
-               "--engines", ",".join(urls), "--port", str(free_port()), "--out", str(out_file),
+               "--engines", ",".join(urls), "--port", str(taken.getsockname()[1]),
+               "--out", str(out_file),
                *(["--load-format", load_format] if load_format else [])]
         with open(trainer_log, "wb") as logf:
             trainer = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=child_env(),
@@ -42,6 +47,8 @@ def test_weight_sync_two_engines_bit_exact(tmp_path, load_format):
         rc = trainer.wait(timeout=240)
         assert rc == 0, trainer_log.read_text()[-5000:]
         r = json.loads(out_file.read_text())
+        assert r["bound_port"] != taken.getsockname()[1]
+        taken.close()
     finally:
         stop_process(trainer)
         for proc, _ in engines:

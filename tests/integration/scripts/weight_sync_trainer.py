@@ -43,6 +43,7 @@ def run_rank0(args):
                           backend="gloo", timeout_s=60, bucket_mb=0.02,
                           load_format=args.load_format)
     sender.connect()
+    out["bound_port"] = sender.master_port
     try:
         first = perturbed(named, seed=1)
         out["stats1"] = sender.send(first, version=1)
