@@ -6,8 +6,7 @@ outputs are written to `OUT.tmp/` and renamed to `OUT/` at the end (outputs.py).
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from relax_slurm.checkpoint.formats import detect_format
 from relax_slurm.checkpoint.from_dcp import dcp_to_hf
@@ -19,6 +18,9 @@ from relax_slurm.checkpoint.from_megatron import megatron_adapter, megatron_to_h
 from relax_slurm.checkpoint.hf_files import DEFAULT_SHARD_MB, DTYPES
 from relax_slurm.checkpoint.outputs import check_output
 from relax_slurm.checkpoint.resume import CheckpointError
+
+if TYPE_CHECKING:  # a type hint only
+    import torch
 
 
 def convert_checkpoint(

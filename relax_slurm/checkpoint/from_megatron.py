@@ -9,7 +9,6 @@ import importlib.metadata
 import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Callable
 
 import torch
@@ -24,31 +23,26 @@ writes (setup.cfg: megatron = relax_slurm.trainer.megatron.convert:dist_checkpoi
 checkpoint/ finds it without importing trainer code."""
 
 
-ADAPTER_READER = "dist_checkpoint_adapter"
-"""The function beside a backend's registered converter (in the same module) that reads a
-model.lora checkpoint's adapter: (src, hf_config) -> {PEFT saved name: full tensor}. Found
-through the converter's entry point, so installs made before it existed need no new metadata."""
+ADAPTER_READERS = "relax_slurm.checkpoint_adapter_readers"
+"""Entry-point group where a trainer backend registers the reader of a model.lora checkpoint's
+adapter: (src, hf_config) -> {PEFT saved name: full tensor} (setup.cfg: megatron =
+relax_slurm.trainer.megatron.convert:dist_checkpoint_adapter)."""
 
 
-def _converter_entry(backend: str) -> importlib.metadata.EntryPoint:
-    for entry in importlib.metadata.entry_points(group=CONVERTERS):
+def _entry(group: str, backend: str, what: str) -> importlib.metadata.EntryPoint:
+    for entry in importlib.metadata.entry_points(group=group):
         if entry.name == backend:
             return entry
     raise CheckpointError(
-        f"no converter for trainer={backend} checkpoints is registered (entry-point group "
-        f"{CONVERTERS}): the package's metadata is missing or stale; reinstall it "
+        f"no {what} for trainer={backend} checkpoints is registered (entry-point group "
+        f"{group}): the package's metadata is missing or stale; reinstall it "
         "(pip install -e . in a source checkout)")
 
 
 def backend_converter(backend: str) -> Callable[..., Path]:
     """The converter `backend` registered under CONVERTERS: (src, out, hf_config, dtype,
     progress, overwrite) -> the HF directory."""
-    return _converter_entry(backend).load()
-
-
-def backend_module(backend: str) -> ModuleType:
-    """The module of the converter `backend` registered (where its ADAPTER_READER lives)."""
-    return importlib.import_module(_converter_entry(backend).module)
+    return _entry(CONVERTERS, backend, "converter").load()
 
 
 def require_bridge(src: Path) -> None:
@@ -72,14 +66,7 @@ def megatron_adapter(src: Path, hf_config: str | Path | None) -> dict[str, torch
     weight sync sends), on CPU in this process. `hf_config`: the model's HF config when the
     checkpoint has no hf/ copy."""
     require_bridge(src)
-    module = backend_module("megatron")
-    reader = getattr(module, ADAPTER_READER, None)
-    if reader is None:
-        raise CheckpointError(f"{src} is a trainer=megatron model.lora checkpoint, and the "
-                              f"registered converter's module {module.__name__} has no "
-                              f"{ADAPTER_READER} to read its adapter (stale package "
-                              "metadata). Fix: reinstall relax-slurm (pip install -e . in a "
-                              "source checkout)")
+    reader = _entry(ADAPTER_READERS, "megatron", "adapter reader").load()
     return reader(Path(src), hf_config)
 
 

@@ -98,8 +98,8 @@ def dist_checkpoint_to_hf(src: Path, out: Path, hf_config: str | Path | None = N
 
 def dist_checkpoint_adapter(src: Path, hf_config: str | Path | None = None
                             ) -> dict[str, torch.Tensor]:
-    """{PEFT saved name: full tensor} of a model.lora checkpoint (checkpoint/from_megatron.py
-    ADAPTER_READER): the adapters put on the bare model as the trainer puts them (its recorded
+    """{PEFT saved name: full tensor} of a model.lora checkpoint (registered in setup.cfg under
+    relax_slurm.checkpoint_adapter_readers, read by checkpoint/from_megatron.py): the adapters put on the bare model as the trainer puts them (its recorded
     rank, alpha, targets), their keys loaded (the base is not read: model.path), and
     megatron-bridge's adapter export, which an adapter-only weight sync sends."""
     record = lora_record(src)

@@ -166,6 +166,25 @@ def test_megatron_detected_and_needs_the_bridge(tmp_path, monkeypatch):
         convert_checkpoint(it, tmp_path / "hf", hf_config="Qwen/Qwen3-4B")
 
 
+def test_the_backends_converters_are_registered_as_setup_cfg_says():
+    """checkpoint/ finds the megatron converter and its adapter reader only through entry
+    points: each group setup.cfg declares is installed and loads a function."""
+    import configparser
+    import importlib.metadata
+
+    from relax_slurm.checkpoint.from_megatron import ADAPTER_READERS, CONVERTERS
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    for group in (CONVERTERS, ADAPTER_READERS):
+        declared = dict(line.split(" = ") for line in
+                        cfg["options.entry_points"][group].strip().splitlines())
+        installed = {e.name: e for e in importlib.metadata.entry_points(group=group)}
+        assert {n: e.value for n, e in installed.items()} == declared, (
+            f"{group}: the installed metadata is stale; pip install -e .")
+        assert all(callable(e.load()) for e in installed.values())
+
+
 def test_save_hf_of_a_live_model(tiny_dir, tmp_path):
     model, _ = trained(tiny_dir)
     ref = logits(model)
