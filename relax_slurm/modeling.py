@@ -33,6 +33,30 @@ def auto_model_class(path: str | Path) -> Any:
     return AutoModelForMultimodalLM if is_multimodal(path) else AutoModelForCausalLM
 
 
+SPEECH_OUTPUT_KEY = "enable_audio_output"
+"""Qwen3-Omni's (and Qwen2.5-Omni's) config switch that builds the speech talker and code2wav."""
+
+
+def text_only_kwargs(path: str | Path) -> dict[str, Any]:
+    """`from_pretrained` kwargs that leave a speech-output model's talker and code2wav unbuilt
+    (`{"enable_audio_output": False}` for a Qwen3-Omni directory, else none): they produce no
+    token the policy is trained on and are never sent (`NOT_SERVED`), so an engine serving the
+    policy holds the thinker alone, as SGLang serves Qwen3-Omni's thinker."""
+    config = Path(path) / "config.json"
+    if config.is_file() and SPEECH_OUTPUT_KEY in json.loads(config.read_text()):
+        return {SPEECH_OUTPUT_KEY: False}
+    return {}
+
+
+def text_model(model: Any) -> Any:
+    """The module whose forward and `generate` give the policy's tokens: a Qwen3-Omni's (or
+    Qwen2.5-Omni's) thinker, whose whole model has no forward and no output embeddings of its
+    own; the model itself otherwise. Its parameters keep their names inside the whole model
+    (`thinker.*`), which the weight sync uses."""
+    thinker = getattr(model, "thinker", None)
+    return thinker if thinker is not None else model
+
+
 MEDIA_TOKEN_KEYS = ("image_token_id", "video_token_id", "audio_token_id", "image_token_index",
                     "video_token_index", "audio_token_index")
 

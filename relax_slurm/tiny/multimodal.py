@@ -31,10 +31,15 @@
   head_dim 8; one-layer audio encoder of width 16 over 16 mel bins, in Qwen3-Omni's 100-frame
   windows of 13 tokens, whose start marker `audio_start_token_id` is the tokenizer's
   `<|audio_bos|>`; one-block vision encoder)
-  plus the speech talker and code2wav (one layer each), which RL never trains or sends. No
-  processor: Qwen3-Omni's needs torchvision's video processor. For the weights' names
-  (transformers 5 renames the thinker's parts in memory, `thinker.model.audio_tower.*`, while
-  the files and SGLang say `thinker.audio_tower.*`).
+  plus the speech talker and code2wav (one layer each), which RL never trains or sends. Its
+  `preprocessor_config.json` is the released Qwen3-Omni's kind: one file holding the image
+  processor's keys (`vl3`'s: patch 16, 2x2 merge, 32x32..64x64 pixels) and the Whisper
+  feature extractor's (`audio`'s: 16 mel bins, 2 s at 16 kHz), with `processor_class`
+  `Qwen3OmniMoeProcessor`; `AutoImageProcessor` and `AutoFeatureExtractor` each read their
+  part (Qwen3-Omni's full processor needs torchvision's video processor, which CPU machines
+  lack; `data/processor.py` falls back to those two). Transformers 5 renames the thinker's
+  parts in memory, `thinker.model.audio_tower.*`, while the files and SGLang say
+  `thinker.audio_tower.*`.
 
 All share the character tokenizer of relax_slurm/tiny/tokenizer.py plus the model's own special
 tokens (`<|vision_start|><|image_pad|><|vision_end|>`, `<|audio_bos|><|AUDIO|><|audio_eos|>`).
@@ -203,7 +208,34 @@ def build_omni3(out: Path, seed: int = 0) -> str:
                     decoder_dim=32, upsample_rates=[2], upsampling_ratios=[2])
     config = Qwen3OmniMoeConfig(thinker_config=thinker, talker_config=talker,
                                 code2wav_config=code2wav, enable_audio_output=True)
-    return _save(Qwen3OmniMoeForConditionalGeneration, config, tok, out, seed)
+    line = _save(Qwen3OmniMoeForConditionalGeneration, config, tok, out, seed)
+    _save_omni_preprocessor(out)
+    return line
+
+
+def _save_omni_preprocessor(out: Path) -> None:
+    """Qwen3-Omni's one preprocessor_config.json: the image processor's keys and the feature
+    extractor's side by side (no key in common), as the released model's file has them."""
+    import json
+    import tempfile
+
+    from transformers import Qwen2VLImageProcessorPil, WhisperFeatureExtractor
+
+    parts = {"image": Qwen2VLImageProcessorPil(
+                 patch_size=16, min_pixels=VL3_MIN_PIXELS, max_pixels=VL3_MAX_PIXELS,
+                 image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]),
+             "audio": WhisperFeatureExtractor(feature_size=MEL_BINS, chunk_length=AUDIO_SECONDS,
+                                              sampling_rate=16000, return_attention_mask=True)}
+    merged: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, part in parts.items():
+            part.save_pretrained(Path(tmp) / name)
+            keys = json.loads((Path(tmp) / name / "preprocessor_config.json").read_text())
+            assert not set(keys) & set(merged), sorted(set(keys) & set(merged))
+            merged.update(keys)
+    merged["processor_class"] = "Qwen3OmniMoeProcessor"
+    (out / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, sort_keys=True)
+                                                  + "\n")
 
 
 def build_multimodal(kind: str, out: Path, seed: int = 0) -> str:

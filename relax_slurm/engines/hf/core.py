@@ -51,7 +51,8 @@ from transformers import AutoTokenizer, GenerationConfig, LogitsProcessorList, S
 
 from relax_slurm.data.processor import MediaLimits, MediaProcessor
 from relax_slurm.errors import WeightSyncError
-from relax_slurm.modeling import auto_model_class, is_multimodal, media_token_ids
+from relax_slurm.modeling import (auto_model_class, is_multimodal, media_token_ids,
+                                  text_model, text_only_kwargs)
 from relax_slurm.engines import sglang_api
 from relax_slurm.engines.hf.adapters import Adapters
 from relax_slurm.engines.hf.batch import BatchState, PendingRequest, Row, RowSampler, RowStopper
@@ -83,12 +84,17 @@ class HFEngine:
         self.tokenizer_path = tokenizer_path or model_path
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        # the whole model holds the weights under the names a sync sends (Qwen3-Omni:
+        # `thinker.*`, its talker and code2wav not built: text_only_kwargs); `self.lm` is
+        # what generates the tokens (Qwen3-Omni's thinker, as SGLang serves it; else the model)
         self.model = auto_model_class(model_path).from_pretrained(
-            model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+            model_path, dtype=getattr(torch, dtype), **text_only_kwargs(model_path)
+        ).to(self.device).eval()
+        self.lm = text_model(self.model)
         self.media = (MediaProcessor(model_path, self.tokenizer.get_vocab(), media_limits)
                       if is_multimodal(model_path) else None)
         self.banned_ids = media_token_ids(self.model.config)
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = int(self.lm.get_output_embeddings().weight.shape[0])
         self.routing = routing_shape_of(self.model.config.to_dict()) if return_routed_experts \
             else None
         if return_routed_experts and self.routing is None:
@@ -100,7 +106,7 @@ class HFEngine:
                            if i is not None)
         # The model's own generation_config (top_k=20, temperature=0.6, eos ids, ...) would be
         # merged into every call; per-row sampling is ours, so make the defaults neutral.
-        self.model.generation_config = GenerationConfig(
+        self.lm.generation_config = GenerationConfig(
             do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=self.pad_id,
             eos_token_id=None, bos_token_id=None)
         self.max_batch_size = max_batch_size
@@ -117,11 +123,11 @@ class HFEngine:
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
-        config = self.model.config
+        config = self.lm.config  # Qwen3-Omni: the thinker's
         text_config = getattr(config, "text_config", None)  # multimodal models keep it there
         for src in (self.tokenizer.eos_token_id, getattr(config, "eos_token_id", None),
                     getattr(text_config, "eos_token_id", None),
-                    getattr(self.model.generation_config, "eos_token_id", None)):
+                    getattr(self.lm.generation_config, "eos_token_id", None)):
             if isinstance(src, int):
                 ids.add(src)
             elif isinstance(src, (list, tuple)):
@@ -227,7 +233,7 @@ class HFEngine:
                 finishes = dict(zip(map(id, to_generate), self._generate(to_generate, version)
                                     if to_generate else []))
                 # once per row: a continued row computed them in its first batch
-                input_logprobs(self.model, self.device, self.pad_id,
+                input_logprobs(self.lm, self.device, self.pad_id,
                                [r for r in rows if r.wants_input_logprobs
                                 and r.input_logprobs is None], self.max_batch_size)
             except Exception as e:  # a bad batch fails its requests, not the server
@@ -282,10 +288,10 @@ class HFEngine:
         trace = RoutingTrace(batch) if any(r.routed_start is not None for r in rows) else None
         self.state.running = rows
         try:
-            with trace.record(self.model) if trace else contextlib.nullcontext():
-                self.model.generate(
+            with trace.record(self.lm) if trace else contextlib.nullcontext():
+                self.lm.generate(
                     input_ids=input_ids, attention_mask=attention_mask.to(self.device),
-                    **mm_kwargs(self.model, self.device, rows, input_ids),
+                    **mm_kwargs(self.lm, self.device, rows, input_ids),
                     max_new_tokens=max(r.spec.max_new_tokens - n for r, n in zip(rows, before)),
                     logits_processor=LogitsProcessorList([RowSampler(batch_state,
                                                                      self.banned_ids)]),

@@ -1,0 +1,108 @@
+"""The hf engine serves a Qwen3-Omni directory as SGLang serves it (issue #38): its thinker
+generates, the talker and code2wav are not built (never trained, never sent: modeling.
+NOT_SERVED), and a weight update names the checkpoint files' `thinker.*` tensors. The tiny
+omni3 (relax_slurm/tiny/multimodal.py) with its saved preprocessor: an image row and an audio
+row go through the real loading code (AutoImageProcessor / AutoFeatureExtractor of one
+preprocessor_config.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from relax_slurm.engines.hf.core import HFEngine
+from relax_slurm.engines.hf.server import build_app
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory) -> Path:
+    """The tiny Qwen3-Omni and one image and one audio of the tiny tasks."""
+    from relax_slurm.tiny.media_tasks import write_colors, write_tones
+    from relax_slurm.tiny.multimodal import build_omni3
+
+    out = tmp_path_factory.mktemp("omni")
+    build_omni3(out / "model")
+    write_colors(out / "colors")
+    write_tones(out / "tones")
+    return out
+
+
+def test_the_tiny_omni_saves_a_processor_the_loading_code_reads(omni: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from relax_slurm.data.media import MediaRef
+    from relax_slurm.data.processor import MediaProcessor, audio_token_count
+
+    model = omni / "model"
+    mp = MediaProcessor(model, AutoTokenizer.from_pretrained(model).get_vocab())
+    assert mp.model_type == "qwen3_omni_moe"
+    assert type(mp.image_processor()).__name__.startswith("Qwen2VLImageProcessor")
+    assert type(mp.feature_extractor()).__name__ == "WhisperFeatureExtractor"
+    image = next((omni / "colors").glob("*.png"))
+    audio = next((omni / "tones").glob("*.wav"))
+    pads = mp.pad_ids
+    out = mp.process([pads["image"], 5, pads["audio"]],
+                     {"image": [MediaRef(kind="image", path=str(image))],
+                      "audio": [MediaRef(kind="audio", path=str(audio))]})
+    assert out.tensors["input_features"].shape[1] == 16  # the thinker's mel bins
+    frames = int(out.tensors["feature_attention_mask"].sum())
+    assert out.input_ids.count(pads["audio"]) == audio_token_count("qwen3_omni_moe", frames)
+    assert out.input_ids.count(pads["image"]) == int(out.tensors["image_grid_thw"].prod()) // 4
+
+
+def test_the_engine_generates_with_the_thinker_and_takes_the_files_names(omni: Path) -> None:
+    from safetensors.torch import load_file
+
+    from relax_slurm.modeling import NOT_SERVED, media_token_ids
+    from relax_slurm.weightsync.receiver import tensor_sha256
+
+    model = omni / "model"
+    engine = HFEngine(str(model), None, "float32", "cpu", 8, 1.0, "0", 30.0)
+    assert type(engine.lm).__name__ == "Qwen3OmniMoeThinkerForConditionalGeneration"
+    assert not hasattr(engine.model, "talker") and not hasattr(engine.model, "code2wav")
+    engine.start()
+    try:
+        with TestClient(build_app(engine, 30.0)) as http:
+            image = str(next((omni / "colors").glob("*.png")))
+            audio = str(next((omni / "tones").glob("*.wav")))
+            cfg = json.loads((model / "config.json").read_text())["thinker_config"]
+            start, end = cfg["vision_start_token_id"], cfg["vision_end_token_id"]
+            ids = [[start, cfg["image_token_id"], end, 5], [cfg["audio_token_id"], 5]]
+            r = http.post("/generate", json={
+                "input_ids": ids, "image_data": [[image], None], "audio_data": [None, [audio]],
+                "sampling_params": {"max_new_tokens": 4, "temperature": 1.0,
+                                    "sampling_seed": 3, "ignore_eos": True},
+                "return_logprob": True})
+            assert r.status_code == 200, r.text
+            items = r.json()
+            banned = set(media_token_ids(engine.model.config))
+            for item in items:
+                assert len(item["output_ids"]) == 4
+                assert not banned & set(item["output_ids"])
+            # the image's and the audio's pads expanded (more prompt tokens than sent)
+            assert all(i["meta_info"]["prompt_tokens"] > len(x) for i, x in zip(items, ids))
+
+            # the weights go by the files' names (the thinker's): every one lands, and the
+            # checksums the trainer verifies against are under those names too
+            on_file = load_file(str(model / "model.safetensors"))
+            thinker = {n: t for n, t in on_file.items() if not n.startswith(NOT_SERVED)}
+            assert any(n.startswith("thinker.audio_tower.") for n in thinker)
+            new = {n: t + 0.01 for n, t in thinker.items()}
+            assert http.post("/begin_weight_update", json={}).status_code == 200
+            engine.update_weights_from_tensor(list(new.items()), "1", flush_cache=False)
+            assert http.post("/end_weight_update", json={}).status_code == 200
+            sums = engine.checksums()
+            assert all(sums[n] == tensor_sha256(t) for n, t in new.items())
+            again = http.post("/generate", json={
+                "input_ids": ids[1], "audio_data": [audio],
+                "sampling_params": {"max_new_tokens": 2, "temperature": 1.0}})
+            assert again.status_code == 200 and again.json()["meta_info"]["weight_version"] \
+                == "1"
+    finally:
+        engine.shutdown()
