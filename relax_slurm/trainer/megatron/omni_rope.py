@@ -7,6 +7,15 @@ an image or a video takes a (t, h, w) grid after its <|vision_start|>, a video's
 <|audio_start|> whose length the audio encoder's downsampling gives. Two quirks of the reference
 are kept, because the engines and trainer=torch compute the same: without any image or video in
 the batch every row gets plain text positions (audio too), and the positions are float.
+
+A start marker the policy sampled (a response may hold `<|audio_start|>` or `<|vision_start|>`:
+only the media pads are never sampled) is text here, as it is to the engine, which placed its
+media once in the prompt's prefill and counts every generated token by one. transformers'
+`get_rope_index` counts every <|audio_start|> of a row as an audio and reads the token after
+every <|vision_start|>: on the tiny Qwen3-Omni's first end-to-end run a sampled audio marker
+took the next row's audio length and the positions ran backwards (RuntimeError in
+`torch.arange`), and a marker sampled last is read past the row's end. So a marker not followed
+by its pads is renamed (-1, no token of the model) in the ids the positions are computed from.
 """
 
 from __future__ import annotations
@@ -36,7 +45,23 @@ def omni_rope_index(thinker_config, input_ids: Tensor, attention_mask: Tensor | 
                                  spatial_merge_size=thinker_config.vision_config.spatial_merge_size)
     shim.get_llm_pos_ids_for_vision = types.MethodType(HF.get_llm_pos_ids_for_vision, shim)
     positions, _ = HF.get_rope_index(
-        shim, input_ids, image_grid_thw, video_grid_thw, attention_mask,
+        shim, media_markers_only(thinker_config, input_ids), image_grid_thw, video_grid_thw,
+        attention_mask,
         use_audio_in_video=False, audio_seqlens=audio_feature_lengths,
         second_per_grids=second_per_grid)
     return positions
+
+
+def media_markers_only(thinker_config, input_ids: Tensor) -> Tensor:
+    """`input_ids` [B, T] with every start marker that is not followed by its media's pads
+    (an image's or a video's after <|vision_start|>, an audio's after <|audio_start|>) set to
+    -1, so transformers' position code reads it as text (module docstring)."""
+    import torch
+
+    c = thinker_config
+    after = torch.full_like(input_ids, -1)
+    after[:, :-1] = input_ids[:, 1:]
+    vision = (after == c.image_token_id) | (after == c.video_token_id)
+    unpaired = (((input_ids == c.vision_start_token_id) & ~vision)
+                | ((input_ids == c.audio_start_token_id) & (after != c.audio_token_id)))
+    return input_ids.masked_fill(unpaired, -1) if bool(unpaired.any()) else input_ids

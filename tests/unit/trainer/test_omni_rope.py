@@ -66,3 +66,22 @@ def test_freeze_prefixes_of_the_omni_thinker():
         "audio_model.conv2d1")
     assert vl.hf_prefix_to_megatron(vl.OMNI, "thinker.model.language_model") == "language_model"
     assert vl.hf_prefix_to_megatron(vl.OMNI, "thinker.lm_head") == "language_model.output_layer"
+
+
+def test_sampled_start_markers_are_text():
+    """A response may hold a start marker (only the pads are never sampled): it counts by one,
+    as the engine counts every generated token, instead of being read as a second audio (whose
+    length transformers took from the next row's audio: positions ran backwards, RuntimeError
+    in the first end-to-end run) or an image marker read past the row's end."""
+    audio = [TXT, AS] + [AUD] * 5 + [AE, TXT]
+    image = [S] + [IMG] * 4 + [E, TXT]
+    rows = [audio + [AS, TXT, S], image + [AS, AS, TXT, S, PAD]]
+    ids = torch.tensor(rows)
+    mask = (ids != PAD).long()
+    pos = omni_rope_index(thinker(), ids, mask, image_grid_thw=torch.tensor([[1, 4, 4]]),
+                          audio_feature_lengths=torch.tensor([37]))
+    assert pos[0, 0].tolist() == list(range(12))  # the audio counts by one: all text-like
+    assert pos[:, 0].tolist() == [list(range(12))] * 3
+    after_image = [3, 4, 5, 6, 7, 8]  # E, TXT, then the sampled AS, AS, TXT, S by one each
+    assert pos[0, 1].tolist() == [0, 1, 1, 1, 1] + after_image + [0]
+    assert pos[1, 1].tolist() == [0, 1, 1, 2, 2] + after_image + [0]
