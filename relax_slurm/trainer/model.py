@@ -17,23 +17,28 @@ from torch import nn
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.errors import ConfigError
-from relax_slurm.modeling import NOT_SERVED, auto_model_class, checkpoint_names, checkpoint_views
+from relax_slurm.modeling import (NOT_SERVED, auto_model_class, checkpoint_names,
+                                  checkpoint_views, text_only_kwargs)
 from relax_slurm.trainer.schedule import lr_factor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_hf_model(cfg: ModelConfig, device: torch.device, trained: bool = False) -> nn.Module:
+def load_hf_model(cfg: ModelConfig, device: torch.device, trained: bool = False,
+                  text_only: bool = False) -> nn.Module:
     """The causal LM, or the multimodal model (VL, audio, omni) the directory holds.
 
     `trained`: an optimizer updates these weights, so they are kept in float32 whatever
     model.dtype says, and a bfloat16/float16 model.dtype is the forward's compute dtype
     (`compute_in`). AdamW on bf16 parameters rounds most updates away: at lr 1e-6 an update is
-    far below bf16's resolution of a weight (8 bits of mantissa)."""
+    far below bf16's resolution of a weight (8 bits of mantissa). `text_only`: a speech-output
+    model's talker and code2wav are not built (`modeling.text_only_kwargs`: Qwen3-Omni's
+    thinker alone, under its `thinker.*` names)."""
     dtype = DTYPES[cfg.dtype]
     model = auto_model_class(cfg.path).from_pretrained(
         cfg.path, dtype=torch.float32 if trained else dtype,
-        trust_remote_code=cfg.trust_remote_code
+        trust_remote_code=cfg.trust_remote_code,
+        **(text_only_kwargs(cfg.path) if text_only else {})
     )
     model.config.use_cache = False  # training never reuses a KV cache
     model = model.to(device)
@@ -58,10 +63,12 @@ def pad_token_id(config) -> int:
     return 0
 
 
-def load_reference_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
+def load_reference_model(cfg: ModelConfig, device: torch.device, text_only: bool = False
+                         ) -> nn.Module:
     """A frozen copy of `model.path` for the KL loss: eval mode, no gradients, a plain replica on
-    every rank (not sharded: it only runs forward passes, on this rank's micro-batches)."""
-    model = load_hf_model(cfg, device).eval()
+    every rank (not sharded: it only runs forward passes, on this rank's micro-batches).
+    `text_only`: see `load_hf_model`."""
+    model = load_hf_model(cfg, device, text_only=text_only).eval()
     model.requires_grad_(False)
     return model
 

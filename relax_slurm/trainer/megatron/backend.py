@@ -14,7 +14,7 @@ from torch import Tensor
 from relax_slurm.config import TrainConfig
 from relax_slurm.trainer.model import reference_due
 from relax_slurm.trainer.batch import MicroBatch
-from relax_slurm.trainer.megatron import checkpoint, vl
+from relax_slurm.trainer.megatron import checkpoint, omni, vl
 from relax_slurm.trainer.megatron import lora as megatron_lora
 from relax_slurm.trainer.megatron.model import (
     MegatronModel, data_ranks, destroy_model_parallel, init_model_parallel,
@@ -58,6 +58,8 @@ class MegatronBackend:
         self.ref_model = None
         if cfg.algo.uses_reference and self.lora:
             self.ref_model = megatron_lora.AdapterDisabled(self.mm, self.peft, hf_config)
+        elif cfg.algo.uses_reference and omni.is_omni(hf_config):  # the thinker alone
+            self.ref_model = omni.load_reference(cfg.model, device)
         elif cfg.algo.uses_reference:
             from relax_slurm.trainer.model import load_reference_model
 

@@ -40,6 +40,7 @@ from relax_slurm.checkpoint.dcp import (
     load_rng, meta_json, remove_leftovers, save_rng, set_pending, wait_pending,
 )
 from relax_slurm.checkpoint.resume import META, CheckpointError, is_complete, step_dir_name
+from relax_slurm.trainer.megatron import omni
 from relax_slurm.trainer.megatron.model import MegatronModel
 
 log = logging.getLogger("relax_slurm.checkpoint")
@@ -278,8 +279,8 @@ def save_hf(mm: MegatronModel, hf_assets_src: str, out_dir: Path) -> Path | None
             pass
         return None
     try:
-        return write_hf_stream(weights, mm.bridge.hf_pretrained.config, out_dir, hf_assets_src,
-                               overwrite=True)
+        config = omni.thinker_only_config(mm.bridge.hf_pretrained.config)  # the export's parts
+        return write_hf_stream(weights, config, out_dir, hf_assets_src, overwrite=True)
     except BaseException:
         # the other ranks are inside the export's gathers: finish them, then fail
         for _ in weights:

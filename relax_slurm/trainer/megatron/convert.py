@@ -21,7 +21,7 @@ from relax_slurm.checkpoint.hf_files import write_hf_dir
 from relax_slurm.checkpoint.resume import CheckpointError
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.trainer import TrainerConfig
-from relax_slurm.trainer.megatron import cpu_compat, lora, vl
+from relax_slurm.trainer.megatron import cpu_compat, lora, omni, vl
 from relax_slurm.trainer.megatron.checkpoint import load_model_state, model_sharded_state_dict
 from relax_slurm.trainer.model import single_process_group
 from relax_slurm.trainer.megatron.model import (
@@ -50,7 +50,9 @@ def bare_model(src: Path, hf_config: str | Path | None = None
     with single_process_group():
         init_model_parallel(TrainerConfig(backend="megatron", nproc_per_node=1))
         try:
-            bridge = cpu_compat.import_bridge().AutoBridge.from_hf_config(config)
+            bridge_mod = cpu_compat.import_bridge()
+            omni.register()  # before the bridge validates Qwen3-Omni's architecture
+            bridge = bridge_mod.AutoBridge.from_hf_config(config)
             fix_sequential_experts()
             if vl.kind(config) is not None:
                 vl.apply()
@@ -92,8 +94,8 @@ def dist_checkpoint_to_hf(src: Path, out: Path, hf_config: str | Path | None = N
         dispatch = (bridge._causal_lm_architecture, chunks[0])
         tensors = {k: v.clone() for k, v in model_bridge.stream_weights_megatron_to_hf(
             dispatch, chunks, _HFNames(config), cpu=True, show_progress=progress)}
-    return write_hf_dir(tensors, config, out, config_src, dtype, progress=progress,
-                        overwrite=overwrite)
+    return write_hf_dir(tensors, omni.thinker_only_config(config), out, config_src, dtype,
+                        progress=progress, overwrite=overwrite)
 
 
 def dist_checkpoint_adapter(src: Path, hf_config: str | Path | None = None
