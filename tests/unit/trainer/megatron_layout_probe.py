@@ -50,7 +50,20 @@ HF_SHAPES = {
     "Qwen/Qwen3-VL-30B-A3B-Instruct": ("Qwen3VLMoeForConditionalGeneration", QWEN3_MOE,
                                        dict(depth=27, hidden_size=1152, num_heads=16,
                                             intermediate_size=4304, out_hidden_size=2048)),
+    # the thinker: Qwen3-30B-A3B's shapes (vocabulary 152064), Qwen3-VL-MoE's vision tower and
+    # a Whisper-large-sized audio encoder, both replicated on every TP rank; the talker is not
+    # built (trainer/megatron/omni.py)
+    "Qwen/Qwen3-Omni-30B-A3B-Instruct": ("Qwen3OmniMoeForConditionalGeneration",
+                                         dict(QWEN3_MOE, vocab_size=152064),
+                                         dict(depth=27, hidden_size=1152, num_heads=16,
+                                              intermediate_size=4304, out_hidden_size=2048,
+                                              patch_size=16, spatial_merge_size=2,
+                                              deepstack_visual_indexes=[8, 16, 24])),
 }
+OMNI_TOKENS = dict(image_token_id=151655, video_token_id=151656, audio_token_id=151675,
+                   vision_start_token_id=151652, audio_start_token_id=151669)  # no layout role
+OMNI_AUDIO = dict(d_model=1280, encoder_layers=32, encoder_attention_heads=20,
+                  encoder_ffn_dim=5120, output_dim=2048, num_mel_bins=128)
 
 
 def hf_config(model_path: str):
@@ -62,15 +75,20 @@ def hf_config(model_path: str):
     if vision is None:
         return cls(**text, architectures=[arch], dtype="bfloat16")
     tie = text.get("tie_word_embeddings", False)
+    if arch.startswith("Qwen3OmniMoe"):
+        return cls(thinker_config=dict(text_config=dict(text), vision_config=vision,
+                                       audio_config=OMNI_AUDIO, **OMNI_TOKENS),
+                   enable_audio_output=False, architectures=[arch], dtype="bfloat16")
     return cls(text_config=dict(text), vision_config=vision, tie_word_embeddings=tie,
                architectures=[arch], dtype="bfloat16")
 
 
 def provider_for(cfg, bridge_mod):
     """The bridge's provider with our parallel sizes, finalized (megatron's __post_init__)."""
-    from relax_slurm.trainer.megatron import vl
+    from relax_slurm.trainer.megatron import omni, vl
     from relax_slurm.trainer.megatron.model import set_parallel_sizes
 
+    omni.register()  # the project's Qwen3-Omni bridge, as MegatronModel registers it
     config = hf_config(cfg.model.path)
     if vl.kind(config) is not None:
         vl.apply()

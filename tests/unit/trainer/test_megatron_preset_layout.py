@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
 
 ROOT = Path(__file__).resolve().parents[3]
 MEGATRON_PRESETS = ["qwen3_4b_dapo", "qwen3_30b_a3b_dapo", "qwen3_vl_4b_openr1",
-                    "qwen3_vl_30b_a3b_openr1"]
+                    "qwen3_vl_30b_a3b_openr1", "qwen3_omni_30b_a3b_avqa"]
 # valid for relax_slurm's own config checks (EP=3 divides DP=6), not for megatron-core:
 # 128 experts do not split over 3 EP ranks (BaseMoELayer's assert)
 BAD_EP = ["qwen3_30b_a3b_dapo", "trainer.nproc_per_node=6", "trainer.expert_parallel_size=3"]
@@ -46,7 +46,7 @@ def probed() -> list[dict]:
 
 
 def test_megatron_presets_are_all_probed():
-    """Every qwen3_* preset on trainer=megatron is in MEGATRON_PRESETS (Omni is on FSDP2)."""
+    """Every qwen3_* preset on trainer=megatron is in MEGATRON_PRESETS (all of them now)."""
     from relax_slurm.launch.submit import compose_config
 
     on_megatron = sorted(
