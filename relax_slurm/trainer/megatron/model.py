@@ -377,12 +377,32 @@ def fix_sequential_experts() -> None:
     linear_fc1.weight` with a *local* n, so under expert parallelism the bridge loaded every
     EP rank's experts from HF experts 0..E/EP-1 and its export could not parse the number.
     Here local numbers become global ones (as the bridge does for grouped names), and the EP
-    gather is given the number in the form it parses."""
+    gather is given the number in the form it parses.
+
+    The export pairs the EP ranks' experts by position in each rank's sorted name list (the
+    i-th expert of every rank is all-gathered together), and the bridge's sort key reads an
+    expert number only after `weight`/`bias`: these names then sorted as strings, so with 16
+    experts rank 1's came as 10, 11, ..., 15, 8, 9 against rank 0's 0..7, and the export named
+    HF expert 12 `experts.10` (every expert of EP rank 1 shifted; with 4 experts, as in
+    test_megatron_parallel.py, the strings sort like the numbers). The sort key reads the
+    `local_experts.<n>` number too."""
     import re
 
     from megatron.bridge.models.conversion import model_bridge as mb
     from megatron.bridge.models.conversion import param_mapping as pm
     from megatron.core import parallel_state as ps
+
+    sort_key = mb.extract_sort_key
+    if not getattr(sort_key, "_relax_sequential", False):
+        def extract_sort_key(param_name: str):
+            numbers, name = sort_key(param_name)
+            m = re.search(r"\.local_experts\.(\d+)\.", param_name)
+            if m is not None and numbers[1] == -1:
+                numbers = [numbers[0], int(m.group(1))]
+            return numbers, name
+
+        extract_sort_key._relax_sequential = True
+        mb.extract_sort_key = extract_sort_key
 
     to_global = mb._megatron_local_name_to_global
     if not getattr(to_global, "_relax_sequential", False):
