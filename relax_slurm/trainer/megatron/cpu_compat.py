@@ -19,7 +19,11 @@ CUDA is available. What it does and why:
   torch Adam's per-parameter state, "step" included, which the loader does not pass (torch's
   Adam is megatron-core's fallback without TE/Apex): "step" is left as it is; and the loader
   hands every parameter one shared "step" tensor, which Adam would increment once per
-  parameter: each gets its own copy.
+  parameter: each gets its own copy. And building its checkpoint state for a load reads the
+  common "step" off torch Adam's per-parameter state (`state_dict`: `assert len(steps) == 1`),
+  which a fresh optimizer (a run resuming in a new process, before any step) does not have
+  yet: its state is first set to what torch's Adam starts from (step 0, zero moments), which
+  the load then overwrites (the GPU path, with TE/Apex, reads the step off the param groups).
 - sequence parallelism (megatron-core trains MoE layers at TP > 1 only with it): the local
   layers' torch norm asserts it off (torch_norm.py:32), though a norm is per token and so
   exact on each TP rank's slice of the sequence. What the TP ranks' slices still need is their
@@ -169,6 +173,17 @@ def _distributed_optimizer_on_cpu() -> None:
                 tensors = {**tensors, "step": state["step"]}
         set_states(self, model_param, tensors)
 
+    state_dict = DistributedOptimizer.state_dict
+
+    def state_dict_(self):
+        inner = self.optimizer
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) and not inner.state:
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+        return state_dict(self)
+
     load = DistributedOptimizer.load_state_dict
 
     def load_state_dict(self, state_dict):
@@ -182,6 +197,7 @@ def _distributed_optimizer_on_cpu() -> None:
     DistributedOptimizer.__init__ = __init__
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
     DistributedOptimizer.load_state_dict = load_state_dict
+    DistributedOptimizer.state_dict = state_dict_
 
 
 def _sequence_parallel_torch_norm() -> None:
