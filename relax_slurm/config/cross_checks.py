@@ -263,20 +263,25 @@ def check_lora(model: ModelConfig, algo: AlgoConfig, t: TrainerConfig, rollout: 
     if not lora.enabled:
         return
     if t.backend == "megatron":
-        # megatron-bridge's LoRA (trainer/megatron/lora.py), tested with tensor and data
-        # parallelism; the rest is refused until it is
+        # megatron-bridge's LoRA (trainer/megatron/lora.py), tested with tensor, data and
+        # expert parallelism and the distributed optimizer; the rest is refused until it is
         untested = [f"{name}={value}" for name, value in (
             ("trainer.pipeline_parallel_size", t.pipeline_parallel_size),
-            ("trainer.expert_parallel_size", t.expert_parallel_size),
             ("trainer.context_parallel_size", t.context_parallel_size)) if value > 1]
         check(not untested,
               f"model.lora with trainer=megatron and {', '.join(untested)} is not tested yet "
-              "(docs/lora.md#status): set it to 1 (tensor parallelism is supported), or use "
-              "trainer=torch")
-        check(not t.use_distributed_optimizer,
-              "model.lora with trainer=megatron and trainer.use_distributed_optimizer=true is "
-              "not tested yet (docs/lora.md#status): set trainer.use_distributed_optimizer="
-              "false (the adapters' optimizer state is small)")
+              "(docs/lora.md#status): set it to 1 (tensor, data and expert parallelism are "
+              "supported), or use trainer=torch")
+        # expert parallelism means an MoE model, whose MLP targets are its routed experts:
+        # adapters there are refused (lora.py check_no_expert_targets says why); the model's
+        # own config is read at start for the same check at any EP
+        experts = [m for m in lora.target_modules if m in ("gate_proj", "up_proj", "down_proj")]
+        check(t.expert_parallel_size == 1 or not experts,
+              f"model.lora.target_modules has {experts}, which with trainer.expert_parallel_"
+              f"size={t.expert_parallel_size} (an MoE model) are its routed experts: "
+              "trainer=megatron does not adapt MoE experts (docs/lora.md). Fix: "
+              "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj] (add lm_head if "
+              "wanted): the experts stay frozen")
         check(not algo.uses_critic,
               f"model.lora with trainer=megatron and algo={algo.name} (a critic) is not tested "
               "yet (docs/lora.md#status): use trainer=torch, or an algorithm without a critic")

@@ -1,14 +1,17 @@
 """model.lora under trainer=megatron (relax_slurm/trainer/megatron/lora.py, issue #37):
-megatron-bridge's CanonicalLoRA at TP=2 (and at TP=1 x DP=2) on gloo against PEFT on the
-transformers model (trainer=torch's LoRA, relax_slurm/trainer/lora.py), from the same nonzero
-adapter: the first step's loss and every adapter gradient under PEFT's names, the adapter's
-round trip PEFT -> megatron -> PEFT, the merged export, frozen base weights, and the adapters
-disabled as the reference.
+megatron-bridge's CanonicalLoRA at TP=2, at TP=1 x DP=2, at EP=2 on the tiny Qwen3-MoE
+(attention and lm_head adapted, the experts frozen) and at DP=2 with the distributed optimizer,
+on gloo against PEFT on the transformers model (trainer=torch's LoRA,
+relax_slurm/trainer/lora.py), from the same nonzero adapter: the first step's loss and every
+adapter gradient under PEFT's names, the adapter's round trip PEFT -> megatron -> PEFT, the
+merged export, frozen base weights, the adapters disabled as the reference, and the adapter
+one real Adam step leaves, equal under the plain and the distributed optimizer.
 One two-rank torchrun per layout (tests/integration/scripts/megatron_lora_parity.py), ~12 s
 each on 2 cores. And `relax-train experiment=tiny_cpu trainer=megatron model.lora.rank=8` at
-TP=2 end to end: adapter-only syncs, the reference as the adapters disabled, exact resume,
-and its checkpoint through relax-convert to a PEFT adapter and to a merged HF model
-(~35-45 s; the conversions and their checks run beside the resumed run)."""
+TP=2 with the distributed optimizer end to end: adapter-only syncs, the reference as the
+adapters disabled, exact resume, and its checkpoint through relax-convert to a PEFT adapter
+and to a merged HF model (~35-45 s; the conversions and their checks run beside the resumed
+run)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
+from helpers_moe import make_moe_model  # noqa: E402
 from helpers_tiny import (child_env, run_logged, run_tiny_model_tool,  # noqa: E402
                           stop_process)
 
@@ -32,26 +36,35 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "megatron_lora_parity.py"
 # experiment=tiny_cpu's LoRA targets: every projection, and lm_head (tied to the embeddings)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            "lm_head"]
+# on an MoE model the MLP targets are its routed experts, which trainer=megatron refuses
+# (megatron/lora.py check_no_expert_targets): attention and lm_head (tied here too)
+MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
 RANK, ALPHA, MICRO_BATCH = 8, 16.0, 3
+# the parity layouts, two ranks each: (model kind, TP, EP, distributed optimizer, targets);
+# the last two also check their checkpoint's exact resume (megatron_lora_parity.py --resume)
+LAYOUTS = {"tp2": ("text", 2, 1, False, TARGETS), "dp2": ("text", 1, 1, False, TARGETS),
+           "ep2": ("moe", 1, 2, False, MOE_TARGETS),
+           "dp2_distopt": ("text", 1, 1, True, TARGETS)}
+RESUME_CHECKED = ("ep2", "dp2_distopt")
 
 pytestmark = [pytest.mark.slow, NEEDS_MEGATRON]
 
 
-def lora_model_cfg(model_dir: Path):
+def lora_model_cfg(model_dir: Path, targets: list[str] = TARGETS):
     from relax_slurm.config.model import LoraConfig, ModelConfig
 
     return ModelConfig(path=str(model_dir), lora=LoraConfig(rank=RANK, alpha=ALPHA,
-                                                            target_modules=list(TARGETS)))
+                                                            target_modules=list(targets)))
 
 
-def peft_policy(model_dir: Path):
+def peft_policy(model_dir: Path, targets: list[str] = TARGETS):
     """trainer=torch's LoRA policy: PEFT's model on the transformers model, float32."""
     from transformers import AutoModelForCausalLM
 
     from relax_slurm.trainer.lora import apply_lora
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    return apply_lora(model, lora_model_cfg(model_dir))
+    return apply_lora(model, lora_model_cfg(model_dir, targets))
 
 
 def nonzero_adapter(policy, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -104,21 +117,29 @@ def torch_step(policy, tensors: dict[str, torch.Tensor]) -> tuple[float, dict[st
     return total, grads
 
 
-@pytest.fixture(scope="module", params=[2, 1], ids=["tp2", "dp2"])
-def parity(request, tmp_path_factory):
-    """One two-rank torchrun: TP=2, or TP=1 with two data-parallel ranks (half the rows each)."""
-    tp = request.param
-    root = tmp_path_factory.mktemp(f"megatron_lora_tp{tp}")
-    model_dir = run_tiny_model_tool(root / "model")
-    policy = peft_policy(model_dir)
+_RUNS: dict[str, dict] = {}  # one torchrun per layout per test module (a file is one worker's)
+
+
+def parity_run(layout: str, tmp_path_factory) -> dict:
+    """One two-rank torchrun of LAYOUTS[layout] (TP=2; TP=1 with two data-parallel ranks, half
+    the rows each; EP=2 on the tiny MoE, DP=2 for its attention; DP=2 with the distributed
+    optimizer), and the torch PEFT trainer's first step on the same adapter and batch."""
+    if layout in _RUNS:
+        return _RUNS[layout]
+    kind, tp, ep, dist_opt, targets = LAYOUTS[layout]
+    root = tmp_path_factory.mktemp(f"megatron_lora_{layout}")
+    model_dir = (make_moe_model if kind == "moe" else run_tiny_model_tool)(root / "model")
+    policy = peft_policy(model_dir, targets)
     adapter = nonzero_adapter(policy)
     tensors = batch_tensors(policy.config.vocab_size)
     save_file({**adapter, **tensors}, str(root / "inputs.safetensors"))
     out, log = root / "out", root / "torchrun.log"
     rc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
                      "--nproc-per-node", "2", str(SCRIPT), "--model-dir", str(model_dir),
-                     "--tp", str(tp), "--rank", str(RANK), "--alpha", str(ALPHA),
-                     "--targets", ",".join(TARGETS), "--micro-batch-size", str(MICRO_BATCH),
+                     "--tp", str(tp), "--ep", str(ep), *(["--dist-opt"] if dist_opt else []),
+                     *(["--resume"] if layout in RESUME_CHECKED else []),
+                     "--rank", str(RANK), "--alpha", str(ALPHA),
+                     "--targets", ",".join(targets), "--micro-batch-size", str(MICRO_BATCH),
                      "--inputs", str(root / "inputs.safetensors"), "--out", str(out)],
                     log, timeout_s=300)
     assert rc == 0, log.read_text()[-6000:]
@@ -126,12 +147,20 @@ def parity(request, tmp_path_factory):
 
     merged = {k: v.clone() for k, v in merged_parameters(policy)}
     loss, grads = torch_step(policy, tensors)
-    return {"tp": tp, "model_dir": model_dir, "merged": merged,
-            "megatron_merged": load_file(str(out / "merged.safetensors")), "adapter": adapter,
-            "batch": tensors, "loss": loss, "grads": grads,
-            "result": json.loads((out / "result.json").read_text()),
-            "exported": load_file(str(out / "exported.safetensors")),
-            "megatron_grads": load_file(str(out / "grads.safetensors"))}
+    _RUNS[layout] = {
+        "layout": layout, "tp": tp, "ep": ep, "dist_opt": dist_opt, "model_dir": model_dir,
+        "merged": merged, "megatron_merged": load_file(str(out / "merged.safetensors")),
+        "adapter": adapter, "batch": tensors, "loss": loss, "grads": grads,
+        "result": json.loads((out / "result.json").read_text()),
+        "exported": load_file(str(out / "exported.safetensors")),
+        "megatron_grads": load_file(str(out / "grads.safetensors")),
+        "stepped": load_file(str(out / "stepped.safetensors"))}
+    return _RUNS[layout]
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def parity(request, tmp_path_factory):
+    return parity_run(request.param, tmp_path_factory)
 
 
 @pytest.mark.timeout(600)
@@ -151,6 +180,14 @@ def test_merged_export_is_peft_merge(parity):
     weights refuse it, lora.py check_mergeable), so the embeddings stay model.path's in both."""
     eps = torch.finfo(torch.float32).eps
     ours, peft = parity["megatron_merged"], parity["merged"]
+    if parity["ep"] > 1:
+        # the MoE's experts, frozen: transformers 5 holds them fused (mlp.experts.gate_up_proj
+        # [E, 2I, H]), the bridge exports them per expert as model.safetensors stores them,
+        # gathered over the EP ranks: each model.path's exactly
+        original = load_file(str(parity["model_dir"] / "model.safetensors"))
+        experts = {n for n in original if ".mlp.experts." in n}
+        assert experts and all(torch.equal(ours.pop(n), original[n]) for n in experts)
+        peft = {n: w for n, w in peft.items() if ".mlp.experts." not in n}
     assert set(peft) <= set(ours) and set(ours) - set(peft) <= {"lm_head.weight"}  # tied
     for name, w in peft.items():
         torch.testing.assert_close(ours[name], w, rtol=0, atol=16 * eps * float(w.abs().max()),
@@ -167,10 +204,17 @@ def test_only_adapters_train(parity):
     assert r["base_unchanged"] and r["base_grads_none"]
     assert r["trainable"] and all(".adapter." in n for n in r["trainable"])
     # the optimizer holds this rank's adapter shards and nothing else: half of every adapter
-    # at TP=2, all of it at TP=1
+    # at TP=2, all of it at TP=1; the distributed optimizer a part of it on each DP rank,
+    # together all of it once
     total = sum(t.numel() for t in parity["adapter"].values())
     assert r["tp_size"] == parity["tp"] and r["dp_size"] == 2 // parity["tp"]
-    assert r["optimizer_params"] == r["local_adapter_params"] == total // parity["tp"]
+    assert r["ep_size"] == parity["ep"]
+    assert r["local_adapter_params"] == total // parity["tp"]
+    assert (r["optimizers"] == ["DistributedOptimizer"]) == parity["dist_opt"], r["optimizers"]
+    if parity["dist_opt"]:
+        assert 0 < r["optimizer_params"] < total and r["optimizer_params_dp_sum"] == total
+    else:
+        assert r["optimizer_params"] == total // parity["tp"]
 
 
 @pytest.mark.timeout(600)
@@ -206,6 +250,41 @@ def test_first_step_loss_and_adapter_grads_match_peft(parity):
         scale = float(g.abs().max())
         assert scale > 0, name  # B nonzero: A gets a gradient too
         torch.testing.assert_close(mg[name], g, rtol=0, atol=64 * eps * scale, msg=name)
+
+
+@pytest.mark.timeout(900)
+def test_distributed_optimizer_steps_the_adapter_as_the_plain_one(tmp_path_factory):
+    """One real Adam step (Megatron's optimizer, trainer.lr 1e-2) from the same adapter on the
+    same reduced gradients at DP=2: the distributed optimizer shards the adapters' state over
+    the two ranks, steps each shard and all-gathers the parameters; the plain one steps all of
+    it on each rank. Both run the same elementwise Adam on the same gradients (equal within
+    the float32 order of the reduce-scatter against the all-reduce, the first test's bound),
+    so the adapters they leave agree to float32 rounding of the update (measured: bitwise);
+    and the step moved every tensor (a shard left out would stay at the loaded adapter)."""
+    plain, sharded = (parity_run(k, tmp_path_factory) for k in ("dp2", "dp2_distopt"))
+    assert plain["result"]["step_ok"] and sharded["result"]["step_ok"]
+    assert sharded["result"]["step_grad_norm"] == pytest.approx(
+        plain["result"]["step_grad_norm"], rel=1e-6)
+    a, b = plain["stepped"], sharded["stepped"]
+    assert sorted(a) == sorted(b) == sorted(plain["adapter"])
+    for name, t in a.items():
+        assert not torch.equal(t, plain["adapter"][name]), name  # the step moved it
+        torch.testing.assert_close(b[name], t, rtol=1e-6, atol=1e-8, msg=name)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", RESUME_CHECKED)
+def test_adapter_checkpoint_resumes_exactly(layout, tmp_path_factory):
+    """The trainer's adapter-only dist-checkpoint after one real step, at EP=2 (the MoE's
+    experts frozen, not saved) and with the distributed optimizer at DP=2 (Adam's state of the
+    adapters sharded over the two ranks): one more step from it repeats the step taken before
+    the load bit for bit (loss, grad norm, every adapter tensor), and the checkpoint holds
+    adapter keys only. (The end-to-end run below resumes a whole run exactly at TP=2.)"""
+    r = parity_run(layout, tmp_path_factory)["result"]
+    assert r["resume_checkpoint_keys_adapter_only"]
+    assert r["resume_moved"]  # the step after the save changed every adapter tensor
+    assert r["resume_steps_done"] == [2, 2]  # the lr schedule's position came back too
+    assert r["resume_exact"]
 
 
 # ---- end to end: relax-train experiment=tiny_cpu trainer=megatron model.lora.rank=8 --------
@@ -359,9 +438,11 @@ def check_converted_adapter(state: dict[str, torch.Tensor], out: Path, model_dir
 @pytest.mark.timeout(900)
 def test_tiny_lora_on_megatron_tp2_syncs_the_adapter_alone_and_resumes_exactly(tmp_path,
                                                                                tiny_assets):
-    """`relax-train experiment=tiny_cpu trainer=megatron model.lora.rank=8` at TP=2 (the
-    preset's targets, lm_head too), through the real topology with the hf engine serving the
-    adapter: every sync sends the adapter alone (its bytes exactly, a quarter of the model's
+    """`relax-train experiment=tiny_cpu trainer=megatron model.lora.rank=8` at TP=2 with the
+    distributed optimizer (over one DP rank here: its code path, state dict and checkpoint
+    format; its sharding over two DP ranks and that checkpoint's exact resume are the
+    dp2_distopt parity row's), the preset's targets, lm_head too, through the real topology
+    with the hf engine serving the adapter: every sync sends the adapter alone (its bytes exactly, a quarter of the model's
     or less), the engine's log-probs are the trainer's, the KL loss's reference is the policy
     with its adapters off (0 exactly at step 0, where B is zero), and the step-4 checkpoint,
     which holds the adapter alone, resumes the last 2 steps exactly; the final checkpoint
@@ -369,7 +450,8 @@ def test_tiny_lora_on_megatron_tp2_syncs_the_adapter_alone_and_resumes_exactly(t
     from transformers import AutoConfig
 
     common = ("trainer=megatron", "model.lora.rank=8", "trainer.nproc_per_node=2",
-              "trainer.tensor_parallel_size=2", f"trainer.total_steps={E2E_STEPS}",
+              "trainer.tensor_parallel_size=2", "trainer.use_distributed_optimizer=true",
+              f"trainer.total_steps={E2E_STEPS}",
               f"trainer.save_every={E2E_RESUME_AT}", "algo.kl_loss_coef=0.01",
               "model.lora.lr=1e-2", "metrics.progress=false")
 

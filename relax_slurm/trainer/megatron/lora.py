@@ -65,6 +65,33 @@ def canonical_targets(target_modules: Iterable[str]) -> list[str]:
     return [HF_TO_CANONICAL[t] for t in targets]
 
 
+EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
+"""PEFT's MLP targets: on an MoE model they are its routed experts, which stay frozen (below)."""
+
+
+def check_no_expert_targets(target_modules: Iterable[str], what: str) -> None:
+    """Refuse LoRA on the routed experts of an MoE model (`what` says how it is known to be one).
+
+    The three sides do not agree on what an expert adapter is: transformers 5 keeps an MoE
+    layer's experts as two fused 3D parameters (`mlp.experts.gate_up_proj` [E, 2I, H] and
+    `down_proj`), so PEFT adapts them only through `target_parameters`, with one A shared by
+    gate and up per expert, and the hf engine (PEFT's `inject_adapter_in_model` on
+    target_modules) serves none of them; megatron-bridge's CanonicalLoRA matches the name
+    `linear_fc1` / `linear_fc2` of every local expert of megatron's SequentialMLP too, gives
+    gate and up an A each, and exports them under the per-expert names of transformers 4
+    (`mlp.experts.3.gate_proj.lora_A.weight`), which no PEFT model of transformers 5 has. So
+    the MLP targets are refused on an MoE model; attention (and lm_head) adapters train at any
+    expert parallelism, the experts frozen."""
+    experts = [t for t in target_modules if t in EXPERT_TARGETS]
+    if experts:
+        raise ConfigError(
+            f"model.lora.target_modules has {experts}, which on {what} are its routed experts: "
+            "trainer=megatron does not adapt MoE experts (megatron-bridge's per-expert adapters "
+            "are not what PEFT and the engines apply to transformers' fused experts; "
+            "docs/lora.md). Fix: model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj] (add "
+            "lm_head if wanted): the experts stay frozen")
+
+
 def check_rank_split(rank: int, tensor_parallel_size: int) -> None:
     """A's rank dimension is split over TP on column-parallel layers (module docstring)."""
     if rank % tensor_parallel_size:
@@ -92,6 +119,10 @@ def apply_lora(chunks: list, cfg: ModelConfig):
     policy is model.path."""
     from megatron.core import parallel_state as ps
 
+    experts = getattr(chunks[0].config, "num_moe_experts", None)
+    if experts:
+        check_no_expert_targets(cfg.lora.target_modules, f"this MoE model ({experts} experts "
+                                "per layer)")
     check_rank_split(cfg.lora.rank, ps.get_tensor_model_parallel_world_size())
     _fix_library()
     peft = bridge_peft(cfg)

@@ -1,6 +1,8 @@
-"""torchrun --nproc-per-node N megatron_lora_parity.py --model-dir D --tp T --inputs F --out DIR
+"""torchrun --nproc-per-node N megatron_lora_parity.py --model-dir D --tp T [--ep E] [--dist-opt]
+    --inputs F --out DIR
 
-(data parallelism is the rest of the N ranks: each DP rank trains its block of the batch's rows)
+(data parallelism is the rest of the N ranks: each DP rank trains its block of the batch's rows;
+--ep: expert parallelism on an MoE model; --dist-opt: trainer.use_distributed_optimizer)
 
 model.lora under trainer=megatron on gloo (relax_slurm/trainer/megatron/lora.py): builds the
 HF model through megatron-bridge at TP=T with CanonicalLoRA on `--targets` (rank, alpha), loads
@@ -13,7 +15,14 @@ the adapter in F (PEFT's saved names, full tensors; F also holds the batch, `bat
   optimizer's step replaced by a copy of each adapter's main_grad into it: the adapter's
   gradients, exported under PEFT's names, and the step's loss,
 - checks that the step left every base weight as it was, and that the adapters disabled give
-  the logits of the model without adapters (the reference policy).
+  the logits of the model without adapters (the reference policy),
+- then, from the adapter loaded, runs the real optimizer step (Megatron's Adam, sharded over
+  the DP ranks with --dist-opt) on those gradients and exports the adapter it leaves
+  (DIR/stepped.safetensors; the test compares the two optimizers' results),
+- with --resume, saves the trainer's adapter-only dist-checkpoint there (the adapters and the
+  optimizer's state, sharded over the DP ranks with --dist-opt), trains one more step, loads
+  the checkpoint and trains that step again: `resume_exact` when the two steps' loss, grad
+  norm and adapter are bitwise equal.
 """
 
 from __future__ import annotations
@@ -44,8 +53,25 @@ def batch_from(tensors: dict[str, torch.Tensor]) -> MicroBatch:
     return MicroBatch(**fields, seq_lens=(width,) * rows)
 
 
+def gather_reduce_scattered_grads(mm) -> None:
+    """With the distributed optimizer Megatron DDP reduce-scatters the gradient buffers: each
+    DP rank's shard of every bucket (megatron's shard_buffer: equal contiguous parts in rank
+    order) holds the reduced gradient, the rest this rank's own. Each shard is all-gathered
+    over the bucket group's DP group, so every main_grad holds the reduced gradient, as the
+    all-reduce of the plain optimizer leaves it."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for chunk in mm.chunks:
+        for group in [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]:
+            pg = group.intra_distributed_optimizer_instance_group
+            size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+            for bucket in group.buckets:
+                shards = shard_buffer(bucket.grad_data, size)
+                dist.all_gather(shards, shards[rank].clone(), group=pg)
+
+
 @contextmanager
-def adapter_grads_into_weights(mm):
+def adapter_grads_into_weights(mm, distributed_optimizer: bool):
     """Within the block the optimizer's step copies each trainable parameter's main_grad (what
     Megatron DDP accumulated) into it and updates nothing, so the bridge's adapter export
     returns the gradients (as grad_capture.grads_into_weights, for the adapters only: frozen
@@ -53,6 +79,8 @@ def adapter_grads_into_weights(mm):
     real_step = mm.optimizer.step
 
     def step():
+        if distributed_optimizer:
+            gather_reduce_scattered_grads(mm)
         with torch.no_grad():
             for c in mm.chunks:
                 for p in c.module.parameters():
@@ -67,10 +95,46 @@ def adapter_grads_into_weights(mm):
         mm.optimizer.step = real_step
 
 
+def resume_check(mm, model_cfg, rows, args, saved_adapter: dict) -> dict:
+    """Save the trainer's checkpoint (backend.save's adapter-only form), step, load, step
+    again: the second step repeats the first bitwise when the adapters and the optimizer's
+    state came back exactly."""
+    from relax_slurm.trainer.megatron import checkpoint, lora
+    from relax_slurm.trainer.megatron.step import train_step
+
+    record = {lora.CHECKPOINT_KEY: lora.checkpoint_record(model_cfg)}
+    saved = checkpoint.save(args.out / "checkpoints", 1, mm, record, keep_last=1,
+                            hf_assets_src=None, adapter_only=True).path
+
+    def step():
+        m = train_step(mm, rows, AlgoConfig(), micro_batch_size=args.micro_batch_size,
+                       temperature=1.0)
+        return m, lora.adapter_tensors(mm.bridge, mm.chunks)
+
+    (m1, a1), steps_saved = step(), mm.steps_done
+    checkpoint.load(saved, mm, adapter_only=True)
+    m2, a2 = step()
+    same = [m1[k] == m2[k] for k in ("train/loss", "train/grad_norm")]
+    return {"resume_exact": all(same) and all(torch.equal(a1[k], a2[k]) for k in a1),
+            "resume_moved": all(not torch.equal(a1[k], v) for k, v in saved_adapter.items()),
+            "resume_steps_done": [steps_saved, mm.steps_done],
+            "resume_checkpoint_keys_adapter_only": checkpoint_keys_adapter_only(saved)}
+
+
+def checkpoint_keys_adapter_only(path: Path) -> bool:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return bool(keys) and all(".adapter." in k for k in keys)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--dist-opt", action="store_true", help="trainer.use_distributed_optimizer")
+    ap.add_argument("--resume", action="store_true", help="check the checkpoint's exact resume")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--alpha", type=float, default=16.0)
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
@@ -88,6 +152,7 @@ def main() -> None:
     from relax_slurm.trainer.megatron.step import train_step
 
     cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp, lr=1e-2,
+                        expert_parallel_size=args.ep, use_distributed_optimizer=args.dist_opt,
                         micro_batch_size=args.micro_batch_size,
                         nproc_per_node=dist.get_world_size())
     model_cfg = ModelConfig(path=args.model_dir, lora=LoraConfig(
@@ -108,6 +173,9 @@ def main() -> None:
                                                if not p.requires_grad)
     result["optimizer_params"] = sum(p.numel() for g in mm.optimizer.param_groups
                                      for p in g["params"])
+    held = torch.tensor(result["optimizer_params"])  # over the DP ranks: each its shard
+    dist.all_reduce(held, group=ps.get_data_parallel_group())
+    result["optimizer_params_dp_sum"] = int(held)
     result["local_adapter_params"] = sum(p.numel() for _, p in named if p.requires_grad)
 
     lora.load_adapter(mm.bridge, mm.chunks, adapter_in)
@@ -124,7 +192,7 @@ def main() -> None:
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     block = len(batch) // dp
     mine = batch.rows(dp_rank * block, (dp_rank + 1) * block)
-    with adapter_grads_into_weights(mm):
+    with adapter_grads_into_weights(mm, args.dist_opt):
         metrics = train_step(mm, mine, AlgoConfig(), micro_batch_size=args.micro_batch_size,
                              temperature=1.0)
     result["loss"] = metrics["train/loss"]
@@ -143,6 +211,13 @@ def main() -> None:
         with pefts[0].disable_adapter(mm.chunks):
             off = mm.full_logits(mm.forward(mm.chunks[0], ids))
         on = mm.full_logits(mm.forward(mm.chunks[0], ids))
+    # the real step (Adam) on these gradients, from the adapter loaded: the plain and the
+    # distributed optimizer must leave the same adapter
+    ok, grad_norm, _ = mm.optimizer.step()
+    result["step_ok"], result["step_grad_norm"] = bool(ok), float(grad_norm)
+    stepped = lora.adapter_tensors(mm.bridge, mm.chunks)
+    if args.resume:
+        result.update(resume_check(mm, model_cfg, mine, args, stepped))
     if dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
 
@@ -155,8 +230,13 @@ def main() -> None:
         save_file(exported, str(args.out / "exported.safetensors"))
         save_file(grads, str(args.out / "grads.safetensors"))
         save_file(merged, str(args.out / "merged.safetensors"))
+        save_file(stepped, str(args.out / "stepped.safetensors"))
     result["tp_size"] = ps.get_tensor_model_parallel_world_size()
     result["dp_size"] = dp
+    result["ep_size"] = ps.get_expert_model_parallel_world_size()
+    # (a ChainedOptimizer of the dense and the expert parameters' on an MoE model)
+    result["optimizers"] = sorted({type(o).__name__ for o in getattr(
+        mm.optimizer, "chained_optimizers", [mm.optimizer])})
     finish(args.out, result)
 
 

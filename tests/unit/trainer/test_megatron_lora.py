@@ -32,6 +32,20 @@ def test_targets_megatron_cannot_adapt_are_refused(targets):
     assert "trainer=torch" in str(e.value)
 
 
+def test_expert_targets_on_an_moe_model_are_refused_before_anything_is_built():
+    """apply_lora reads the built model's expert count (any EP): the MLP targets of an MoE
+    model are its routed experts, which megatron-bridge and PEFT adapt differently."""
+    from types import SimpleNamespace
+
+    moe = [SimpleNamespace(config=SimpleNamespace(num_moe_experts=16))]
+    cfg = ModelConfig(path="unused", lora=LoraConfig(rank=8))  # the default targets: the MLP
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules has \['gate_proj', "
+                       r"'up_proj', 'down_proj'\], which on this MoE model \(16 experts") as e:
+        lora.apply_lora(moe, cfg)
+    assert "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]" in str(e.value)
+    lora.check_no_expert_targets(["q_proj", "o_proj", "lm_head"], "an MoE model")
+
+
 def test_rank_must_split_over_tp():
     lora.check_rank_split(8, 2)
     with pytest.raises(ConfigError, match="model.lora.rank=6 .*tensor_parallel_size=4"):
@@ -151,12 +165,25 @@ def test_megatron_lora_at_tp_and_dp_is_accepted_with_every_target_it_maps():
     megatron_config()  # TP=1, two data-parallel ranks
 
 
+def test_megatron_lora_at_ep_on_attention_and_with_the_distributed_optimizer_is_accepted():
+    cfg = megatron_config("trainer.expert_parallel_size=2",
+                          "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,lm_head]")
+    assert cfg.trainer.expert_parallel_size == 2
+    assert megatron_config("trainer.use_distributed_optimizer=true",
+                           "trainer.tensor_parallel_size=2").trainer.use_distributed_optimizer
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["trainer.pipeline_parallel_size=2"],
      "model.lora with trainer=megatron and trainer.pipeline_parallel_size=2"),
+    (["trainer.context_parallel_size=2"],
+     "model.lora with trainer=megatron and trainer.context_parallel_size=2"),
+    # the preset's targets include the MLP, which at EP > 1 are the routed experts
     (["trainer.expert_parallel_size=2"],
-     "model.lora with trainer=megatron and trainer.expert_parallel_size=2"),
-    (["trainer.use_distributed_optimizer=true"], "set trainer.use_distributed_optimizer=false"),
+     "model.lora.target_modules has ['gate_proj', 'up_proj', 'down_proj'], which with "
+     "trainer.expert_parallel_size=2"),
+    (["trainer.expert_parallel_size=2", "model.lora.target_modules=[q_proj,down_proj]"],
+     "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"),
     (["algo=ppo"], "model.lora with trainer=megatron and algo=ppo"),
     (["model.lora.target_modules=[q_proj,embed_tokens]"], "['embed_tokens']"),
     (["trainer.tensor_parallel_size=2", "model.lora.rank=5"], "model.lora.rank=5"),
