@@ -282,9 +282,6 @@ def check_lora(model: ModelConfig, algo: AlgoConfig, t: TrainerConfig, rollout: 
               "trainer=megatron does not adapt MoE experts (docs/lora.md). Fix: "
               "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj] (add lm_head if "
               "wanted): the experts stay frozen")
-        check(not algo.uses_critic,
-              f"model.lora with trainer=megatron and algo={algo.name} (a critic) is not tested "
-              "yet (docs/lora.md#status): use trainer=torch, or an algorithm without a critic")
         # the HF modules megatron adapts (trainer/megatron/lora.py HF_TO_CANONICAL)
         served = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                   "lm_head")

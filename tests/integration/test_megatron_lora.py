@@ -30,7 +30,7 @@ from helpers_moe import make_moe_model  # noqa: E402
 from helpers_tiny import (child_env, run_logged, run_tiny_model_tool,  # noqa: E402
                           stop_process)
 
-from tests.conftest import NEEDS_MEGATRON, relax_train  # noqa: E402
+from tests.conftest import NEEDS_MEGATRON, ONE_RANK, relax_train  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "megatron_lora_parity.py"
 # experiment=tiny_cpu's LoRA targets: every projection, and lm_head (tied to the embeddings)
@@ -510,3 +510,51 @@ def test_tiny_lora_on_megatron_tp2_syncs_the_adapter_alone_and_resumes_exactly(t
         assert [r[key] for r in again] == [r[key] for r in rows[E2E_RESUME_AT:]], key
     b = megatron_adapter_state(resumed / "checkpoints" / f"step_{E2E_STEPS}")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- algo=ppo: a critic beside the adapters ------------------------------------------------
+
+PPO_STEPS, PPO_RESUME_AT = 3, 2
+
+
+@pytest.mark.timeout(900)
+def test_tiny_lora_ppo_on_megatron_resumes_adapter_and_critic_exactly(tmp_path, tiny_assets):
+    """`relax-train experiment=tiny_cpu trainer=megatron algo=ppo model.lora.rank=8` (one rank,
+    3 steps, with the reward-side KL to the reference, the policy with its adapters disabled):
+    the policy trains its adapters (every sync the adapter alone), the critic is the
+    megatron value model of algo=ppo as without LoRA (its own full weights from model.path and
+    Adam: trainer/megatron/critic.py, whose parity with the torch critic is
+    test_megatron_critic.py's), and the step-2 checkpoint, which holds the policy's adapters
+    and the whole critic, repeats step 2 exactly: reward, policy loss and grad norm, every
+    critic metric. Makes no learning claim (3 steps); the policy's function with adapters is
+    the parity tests' above."""
+    common = ("trainer=megatron", ONE_RANK, "algo=ppo", "model.lora.rank=8",
+              "algo.kl_coef=0.01", "metrics.progress=false", f"trainer.total_steps={PPO_STEPS}",
+              f"trainer.save_every={PPO_RESUME_AT}")
+
+    def train(run_dir: Path, *extra: str) -> list[dict]:
+        proc = relax_train(run_dir, tiny_assets, *common, *extra, timeout_s=400)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    rows = train(tmp_path / "straight")
+    assert [r["step"] for r in rows] == list(range(PPO_STEPS))
+    assert len({r["weight_sync/bytes"] for r in rows}) == 1
+    assert rows[0]["weight_sync/bytes"] < 301_056 / 4  # the adapter's, not the model's
+    assert rows[0]["critic/values_mean"] == 0.0  # the value head starts at 0
+    assert any(r["critic/values_mean"] != 0.0 for r in rows[1:])  # and the critic trains
+    assert all(r["critic/grad_norm"] > 0 for r in rows)
+
+    ckpt = tmp_path / "straight" / "checkpoints" / f"step_{PPO_RESUME_AT}"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    policy = [k for k in keys if not k.startswith(("critic", "optimizer"))]
+    assert policy and all(".adapter." in k for k in policy)  # the base is model.path
+    assert any(k.startswith("critic.decoder.") for k in keys)  # the critic whole
+
+    again = train(tmp_path / "resumed", f"resume={ckpt}")
+    assert [r["step"] for r in again] == list(range(PPO_RESUME_AT, PPO_STEPS))
+    for key in ("rollout/reward_mean", "train/loss", "train/grad_norm", "critic/vf_loss",
+                "critic/grad_norm", "critic/values_mean", "critic/returns_mean"):
+        assert [r[key] for r in again] == [r[key] for r in rows[PPO_RESUME_AT:]], key

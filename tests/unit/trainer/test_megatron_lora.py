@@ -165,12 +165,13 @@ def test_megatron_lora_at_tp_and_dp_is_accepted_with_every_target_it_maps():
     megatron_config()  # TP=1, two data-parallel ranks
 
 
-def test_megatron_lora_at_ep_on_attention_and_with_the_distributed_optimizer_is_accepted():
+def test_megatron_lora_at_ep_with_the_distributed_optimizer_and_ppo_is_accepted():
     cfg = megatron_config("trainer.expert_parallel_size=2",
                           "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,lm_head]")
     assert cfg.trainer.expert_parallel_size == 2
     assert megatron_config("trainer.use_distributed_optimizer=true",
                            "trainer.tensor_parallel_size=2").trainer.use_distributed_optimizer
+    assert megatron_config("algo=ppo").algo.uses_critic  # the critic: full weights, its own
 
 
 @pytest.mark.parametrize("overrides, words", [
@@ -184,7 +185,6 @@ def test_megatron_lora_at_ep_on_attention_and_with_the_distributed_optimizer_is_
      "trainer.expert_parallel_size=2"),
     (["trainer.expert_parallel_size=2", "model.lora.target_modules=[q_proj,down_proj]"],
      "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"),
-    (["algo=ppo"], "model.lora with trainer=megatron and algo=ppo"),
     (["model.lora.target_modules=[q_proj,embed_tokens]"], "['embed_tokens']"),
     (["trainer.tensor_parallel_size=2", "model.lora.rank=5"], "model.lora.rank=5"),
 ])
