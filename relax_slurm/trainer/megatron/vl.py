@@ -40,8 +40,8 @@ def kind(hf_config) -> str | None:
         return model_type
     if model_type in REFUSED:
         raise ConfigError(f"trainer=megatron: {REFUSED[model_type]}. Fix: trainer=torch "
-                          "trainer.strategy=fsdp2; what a megatron bridge for it would need: "
-                          "docs/backends.md#multimodal-models")
+                          "trainer.strategy=fsdp2 (what a megatron bridge for it would need: "
+                          "docs/backends.md#multimodal-models)")
     if getattr(hf_config, "vision_config", None) is not None or hasattr(hf_config, "audio_config"):
         raise ConfigError(
             "trainer=megatron trains Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and Qwen3-Omni among "
