@@ -8,6 +8,9 @@ its roles, which reap theirs; orphans the launcher adopts count when it reaps th
 
     PYTHONPATH=tools CPU_PROFILE_DIR=/tmp/cpu python -m pytest -p suite_cpu   # rows per worker
     python tools/suite_cpu.py /tmp/cpu                                         # CPU per file
+
+The report also gives each worker's busy time and when it ended: the tail where one worker
+has finished and the other runs alone.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ def pytest_runtest_protocol(item, nextitem):
     out.mkdir(parents=True, exist_ok=True)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(out / f"{worker}.jsonl", "a") as f:
-        f.write(json.dumps({"id": item.nodeid, "worker": worker, "wall_s": time.time() - t0,
-                            "cpu_s": _cpu_s() - c0}) + "\n")
+        f.write(json.dumps({"id": item.nodeid, "worker": worker, "start": t0,
+                            "wall_s": time.time() - t0, "cpu_s": _cpu_s() - c0}) + "\n")
 
 
 def per_file(rows: list[dict]) -> list[tuple[str, float, float, int]]:
@@ -54,6 +57,16 @@ def per_file(rows: list[dict]) -> list[tuple[str, float, float, int]]:
     return sorted(((k, *v) for k, v in files.items()), key=lambda t: -t[1])
 
 
+def per_worker(rows: list[dict]) -> list[tuple[str, float, float, float]]:
+    """(worker, busy s, first start, last end): a worker that ends long before the others
+    leaves its core to them (the schedule's tail, docs/development.md)."""
+    workers: dict[str, list[dict]] = collections.defaultdict(list)
+    for r in rows:
+        workers[r["worker"]].append(r)
+    return sorted((w, sum(r["wall_s"] for r in rs), min(r["start"] for r in rs),
+                   max(r["start"] + r["wall_s"] for r in rs)) for w, rs in workers.items())
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
@@ -62,6 +75,11 @@ def main(argv: list[str]) -> int:
             for line in p.read_text().splitlines()]
     total = sum(r["cpu_s"] for r in rows)
     print(f"{len(rows)} tests, {total:.0f} CPU-s in all")
+    if all("start" in r for r in rows):
+        begin = min(r["start"] for r in rows)
+        for worker, busy, first, last in per_worker(rows):
+            print(f"{worker}: busy {busy:7.1f} s, from {first - begin:6.1f} s to "
+                  f"{last - begin:7.1f} s")
     for name, cpu, wall, n in per_file(rows):
         print(f"{cpu:8.1f} CPU-s {wall:8.1f} wall-s {n:4d} tests  {name}")
     return 0

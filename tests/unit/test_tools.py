@@ -180,3 +180,4 @@ def test_suite_cpu_charges_a_tests_child_processes_to_it(tmp_path):
     assert rows["test_sleeps"]["cpu_s"] < 0.4 and rows["test_sleeps"]["wall_s"] >= 0.5
     report = run_tool("tools/suite_cpu.py", str(out))
     assert "2 tests" in report and "test_burn.py" in report
+    assert "main: busy" in report  # the worker's timeline
