@@ -37,8 +37,10 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "megatron_lora_parity.py"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            "lm_head"]
 # on an MoE model the MLP targets are its routed experts, which trainer=megatron refuses
-# (megatron/lora.py check_no_expert_targets): attention and lm_head (tied here too)
-MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
+# (megatron/lora.py check_no_expert_targets): attention and lm_head (tied here too); k_proj
+# left out, so that a part of the fused q/k/v is adapted (and merged: megatron/lora.py
+# _fix_library) somewhere in these tests
+MOE_TARGETS = ["q_proj", "v_proj", "o_proj", "lm_head"]
 RANK, ALPHA, MICRO_BATCH = 8, 16.0, 3
 # the parity layouts, two ranks each: (model kind, TP, EP, distributed optimizer, targets);
 # the last two also check their checkpoint's exact resume (megatron_lora_parity.py --resume)

@@ -135,7 +135,20 @@ def apply_lora(chunks: list, cfg: ModelConfig):
         peft(chunks, training=True)
     finally:
         quiet.setLevel(level)
+    _drop_missing_parts(chunks)
     return peft
+
+
+def _drop_missing_parts(chunks: list) -> None:
+    """CanonicalLoRA keeps a None in a fused layer's ModuleDict for each part not targeted
+    (adapter_k with q_proj alone); they are removed (_fix_library says why)."""
+    from megatron.bridge.peft.canonical_lora import ModuleDict
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, ModuleDict):
+                for key in [k for k, v in module.items() if v is None]:
+                    del module[key]
 
 
 def is_adapter_param(name: str) -> bool:
@@ -232,7 +245,7 @@ def load_adapter(bridge, chunks: list, tensors: dict[str, Tensor]) -> None:
 # ---- megatron-bridge fixes ----------------------------------------------------------------
 
 def _fix_library() -> None:
-    """Two fixes to megatron-bridge 0.3.1's PEFT, applied once:
+    """Four fixes to megatron-bridge 0.3.1's PEFT, applied once:
 
     - without transformer-engine (CPU), megatron.core.extensions.transformer_engine still
       imports with MagicMock placeholders for its classes, so megatron-bridge's peft/utils.py
@@ -243,6 +256,17 @@ def _fix_library() -> None:
       reshape folds TP tokens into one row: right by luck when the token count divides by TP,
       a RuntimeError otherwise (an odd micro-batch at TP=2). The same interleave with the
       rank's own counts (read off the tensors) replaces it.
+    - its merged HF export (`_merge_lora_adapter_weights`: a merged sync, save_hf) handles a
+      fused q/k/v or gate/up layer only with every part adapted: one CanonicalLoRA adapter
+      alone (q_proj without k and v) went down the plain LoRA path, which splits a fused
+      adapter's B into q/k/v (a reshape error), and two of three raised "Adapter name mapping
+      not found" for the third. The parts with an adapter are merged by the bridge's own
+      canonical merge, the others pass through as they are.
+    - and its forward of such a layer calls every part's adapter, None for a part not
+      targeted ("'NoneType' object is not callable"): a part without an adapter adds nothing
+      (`_fix_partial_canonical_forward`; with every part adapted the bridge's forward runs).
+      Its walks (disable_adapter) and sharded_state_dict (checkpoints) step into those None
+      entries too: apply_lora removes them (`_drop_missing_parts`).
     """
     from megatron.bridge.peft import canonical_lora
     from megatron.bridge.peft import utils as peft_utils
@@ -251,6 +275,8 @@ def _fix_library() -> None:
 
     if cpu_compat.needed():
         peft_utils.HAVE_TE = False
+    _fix_partial_canonical_merge()
+    _fix_partial_canonical_forward()
     cls = canonical_lora.LoRALinearSplitQKV
     if getattr(cls._interleave_qkv, "_relax_local_heads", False):
         return
@@ -263,6 +289,77 @@ def _fix_library() -> None:
 
     interleave_qkv._relax_local_heads = True
     cls._interleave_qkv = interleave_qkv
+
+
+def _fix_partial_canonical_merge() -> None:
+    """`_fix_library`'s third fix: merge the adapted parts of a fused layer, keep the rest."""
+    from megatron.bridge.models.conversion import peft_bridge
+
+    cls = peft_bridge.MegatronPeftBridge
+    merge = cls._merge_lora_adapter_weights
+    if getattr(merge, "_relax_partial", False):
+        return
+    canonical = peft_bridge.ADAPTER_NAME_MAP  # HF weight suffix -> CanonicalLoRA adapter key
+
+    def merge_lora_adapter_weights(self, megatron_model, converted_weights_dict, adapter_weights):
+        keys = {w.adapter_key for w in adapter_weights}
+        if not adapter_weights or not keys <= set(canonical.values()):
+            return merge(self, megatron_model, converted_weights_dict, adapter_weights)
+        adapted = {name: w for name, w in converted_weights_dict.items()
+                   if any(name.endswith(suffix) and key in keys
+                          for suffix, key in canonical.items())}
+        merged = self._merge_canonical_adapter_from_weights(megatron_model, adapted,
+                                                            adapter_weights)
+        return {**converted_weights_dict, **merged}
+
+    merge_lora_adapter_weights._relax_partial = True
+    cls._merge_lora_adapter_weights = merge_lora_adapter_weights
+
+
+def _fix_partial_canonical_forward() -> None:
+    """`_fix_library`'s fourth fix: LoRALinearSplitQKV / LoRALinearSplitFC1UpGate with some
+    parts not adapted add the adapted parts' outputs at their places in megatron's fused
+    layout ([q heads of a group, k, v] per query group; [gate; up]) and nothing elsewhere."""
+    from megatron.bridge.peft import canonical_lora
+
+    qkv, fc1 = canonical_lora.LoRALinearSplitQKV, canonical_lora.LoRALinearSplitFC1UpGate
+    if getattr(qkv.forward, "_relax_partial", False):
+        return
+    qkv_forward, fc1_forward = qkv.forward, fc1.forward
+
+    def qkv_partial(self, x: Tensor, *args: Any, **kwargs: Any):
+        parts = [getattr(self.adapter, f"adapter_{p}", None) for p in "qkv"]
+        if all(part is not None for part in parts):
+            return qkv_forward(self, x, *args, **kwargs)
+        out, bias, layernorm_output = self.base_linear_forward(x, *args, **kwargs)
+        if not self._adapter_enabled:
+            return out, bias
+        config = self.to_wrap.config
+        d = config.kv_channels or config.hidden_size // config.num_attention_heads
+        per_group = config.num_attention_heads // config.num_query_groups
+        lead = out.shape[:-1]
+        delta = torch.zeros_like(out).view(*lead, -1, per_group + 2, d)  # this rank's groups
+        for part, lo, hi in zip(parts, (0, per_group, per_group + 1),
+                                (per_group, per_group + 1, per_group + 2)):
+            if part is not None:
+                delta[..., lo:hi, :] = part(layernorm_output).view(*lead, -1, hi - lo, d)
+        return out + delta.view_as(out), bias
+
+    def fc1_partial(self, x: Tensor, *args: Any, **kwargs: Any):
+        gate = getattr(self.adapter, "adapter_gate", None)
+        up = getattr(self.adapter, "adapter_up", None)
+        if gate is not None and up is not None:
+            return fc1_forward(self, x, *args, **kwargs)
+        out, bias, layernorm_output = self.base_linear_forward(x, *args, **kwargs)
+        if not self._adapter_enabled:
+            return out, bias
+        y = (gate or up)(layernorm_output)
+        delta = torch.cat([y, torch.zeros_like(y)] if gate is not None
+                          else [torch.zeros_like(y), y], dim=-1)
+        return out + delta, bias
+
+    qkv_partial._relax_partial = fc1_partial._relax_partial = True
+    qkv.forward, fc1.forward = qkv_partial, fc1_partial
 
 
 def interleave_local_qkv(query: Tensor, key: Tensor, value: Tensor, heads: int, groups: int,
