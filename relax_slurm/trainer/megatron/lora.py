@@ -72,23 +72,22 @@ EXPERT_TARGETS = ("gate_proj", "up_proj", "down_proj")
 def check_no_expert_targets(target_modules: Iterable[str], what: str) -> None:
     """Refuse LoRA on the routed experts of an MoE model (`what` says how it is known to be one).
 
-    The three sides do not agree on what an expert adapter is: transformers 5 keeps an MoE
-    layer's experts as two fused 3D parameters (`mlp.experts.gate_up_proj` [E, 2I, H] and
-    `down_proj`), so PEFT adapts them only through `target_parameters`, with one A shared by
-    gate and up per expert, and the hf engine (PEFT's `inject_adapter_in_model` on
-    target_modules) serves none of them; megatron-bridge's CanonicalLoRA matches the name
-    `linear_fc1` / `linear_fc2` of every local expert of megatron's SequentialMLP too, gives
-    gate and up an A each, and exports them under the per-expert names of transformers 4
-    (`mlp.experts.3.gate_proj.lora_A.weight`), which no PEFT model of transformers 5 has. So
-    the MLP targets are refused on an MoE model; attention (and lm_head) adapters train at any
-    expert parallelism, the experts frozen."""
+    The two trainers would not train the same thing there: transformers 5 keeps an MoE layer's
+    experts as two fused 3D parameters (`mlp.experts.gate_up_proj` [E, 2I, H] and
+    `down_proj`), and PEFT 0.21 turns the MLP targets into `target_parameters` on them (what
+    trainer=torch trains): one rank-2r adapter per expert on gate_up_proj, its A shared by gate
+    and up, and a rank-r one on down_proj. megatron-bridge's CanonicalLoRA matches the name
+    `linear_fc1` / `linear_fc2` of every local expert of megatron's SequentialMLP, gives gate
+    and up a rank-r adapter each (another function class) and exports them under the
+    per-expert names of transformers 4 (`mlp.experts.3.gate_proj.lora_A.weight`), which PEFT's
+    model of transformers 5 does not have. So the MLP targets are refused on an MoE model;
+    attention (and lm_head) adapters train at any expert parallelism, the experts frozen."""
     experts = [t for t in target_modules if t in EXPERT_TARGETS]
     if experts:
         raise ConfigError(
             f"model.lora.target_modules has {experts}, which on {what} are its routed experts: "
             "trainer=megatron does not adapt MoE experts (megatron-bridge's per-expert adapters "
-            "are not what PEFT and the engines apply to transformers' fused experts; "
-            "docs/lora.md). Fix: model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj] (add "
+            "are not PEFT's adapters on transformers' fused experts; docs/lora.md). Fix: model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj] (add "
             "lm_head if wanted): the experts stay frozen")
 
 
