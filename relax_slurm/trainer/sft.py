@@ -7,7 +7,7 @@ Each step rank 0 takes the next `sft.batch_size` rows (epochs of seeded permutat
 `data.seed + epoch`, batches running on across epoch ends), turns them into the same
 `TrainItem`s and padded `MicroBatch` block an RL step scatters (prompt tokens weigh 0), and
 every rank calls `backend.train_step`: the loss is the registered `sft` algorithm's through the
-shared `micro_batch_loss`, so both trainer backends run it unchanged. No broker, engines,
+shared `token_loss` (trainer/step.py), so both trainer backends run it unchanged. No broker, engines,
 rollout worker or weight sync. Checkpoints are the RL loop's (same `save`/`load`, resumable;
 `extra["sft"]` is the data position); the last step also writes an HF export,
 `run_dir/hf/step_<N>`, which is what an RL run takes as `model.path`.

@@ -81,6 +81,14 @@ def micro_batch_loss(logits: Tensor, mb: MicroBatch, algo: AlgoConfig, loss_kwar
     logp = gather_logprobs(logits, mb.targets)
     # the bonus needs the entropy's gradient; otherwise it is only logged
     entropy = token_entropy(logits if algo.entropy_coef else logits.detach())
+    return token_loss(logp, entropy, mb, algo, loss_kwargs, ref_logp)
+
+
+def token_loss(logp: Tensor, entropy: Tensor, mb: MicroBatch, algo: AlgoConfig,
+               loss_kwargs: dict, ref_logp: Tensor | None) -> tuple[Tensor, dict]:
+    """`micro_batch_loss` from the positions' log-probs and entropies [B, T-1] (a backend that
+    never holds the whole vocabulary's logits computes them itself: megatron/vocab_parallel.py).
+    The entropy carries a gradient only with an entropy bonus (algo.entropy_coef)."""
     # one optimizer step per batch: the "old" policy is the current one, so ratio = 1 in
     # value and the PPO clip only shapes the gradient; detaching avoids a second forward.
     # Several steps per batch (mb.old_logp): the policy before the first of them.

@@ -1,6 +1,6 @@
 """One optimizer step of the megatron backend: Megatron's forward/backward schedule (pipelined
 when pipeline_parallel_size > 1) over this data-parallel rank's micro-batches, the same loss as
-the torch backend (`trainer.step.micro_batch_loss`), Megatron's optimizer step."""
+the torch backend (`trainer.step.token_loss`), Megatron's optimizer step."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ from relax_slurm.trainer.megatron import context_parallel
 from relax_slurm.routing.hooks import RoutingStats
 from relax_slurm.trainer.megatron.model import MegatronModel
 from relax_slurm.trainer.megatron.routing import megatron_routing
-from relax_slurm.trainer.step import (
-    gather_logprobs, micro_batch_loss, mini_batches, reduce_metrics, reference_logprobs,
-)
+from relax_slurm.trainer.megatron import vocab_parallel
+from relax_slurm.trainer.step import mini_batches, reduce_metrics, reference_logprobs, token_loss
 
 
 def micro_batches(batch: MicroBatch, size: int, pipelined: bool) -> list[MicroBatch]:
@@ -58,7 +57,7 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
     # tokens and rank 0 counts. reduce_metrics sums over all ranks: the whole batch's figure
     counts = mm.sequence_parallel or ps.get_tensor_model_parallel_rank() == 0
     routing = RoutingStats() if batch.routed is not None and counts else None
-    sums: dict[str, float] = {"loss": 0.0}
+    sums: dict[str, float | torch.Tensor] = {"loss": 0.0}
     norms, skipped = [], 0.0
     for k, (_, mini) in enumerate(mini_batches(batch, num_steps)):
         for chunk in mm.chunks:
@@ -85,8 +84,8 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
 
 def _forward_backward(mm: MegatronModel, mbs: list[MicroBatch], algo: AlgoConfig,
                       temperature: float, ref_model, routing: RoutingStats | None,
-                      sums: dict[str, float], *, scale: int, width: int, loss_kwargs: dict
-                      ) -> None:
+                      sums: dict[str, float | torch.Tensor], *, scale: int, width: int,
+                      loss_kwargs: dict) -> None:
     """Megatron's schedule over the micro-batches, gradients accumulating; the metric sums of
     one rank per data-parallel block (last stage, TP rank 0, CP rank 0) added to `sums`."""
     from megatron.core import parallel_state as ps
@@ -103,14 +102,17 @@ def _forward_backward(mm: MegatronModel, mbs: list[MicroBatch], algo: AlgoConfig
         output = _forward(mm, chunk, mb, cp, cp_rank, algo=algo, routing=routing)
 
         def loss_func(out):
-            logits = _scaled_logits(mm, out, width, cp, temperature,
-                                    mb.input_ids.shape[1])
-            loss, metrics = micro_batch_loss(logits, mb, algo, loss_kwargs,
-                                             reference_logprobs(ref_model, mb, temperature))
-            if counted:
-                sums["loss"] += loss.item()
+            # the bonus needs the entropy's gradient; otherwise it is only logged
+            logp, entropy = _token_terms(mm, out, width, cp, temperature, mb,
+                                         "grad" if algo.entropy_coef else "metric")
+            loss, metrics = token_loss(logp, entropy, mb, algo, loss_kwargs,
+                                       reference_logprobs(ref_model, mb, temperature))
+            if counted:  # summed on the device, read once per step (reduce_metrics): a
+                # read per micro-batch would wait for the GPU each time (float64, as before)
+                sums["loss"] = sums["loss"] + loss.detach().double()
                 for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
+                    value = value.detach().double() if isinstance(value, torch.Tensor) else value
+                    sums[key] = sums.get(key, 0.0) + value
             # the schedule divides by the micro-batch count (and multiplies by CP), DDP averages
             # over data-parallel (x CP) ranks; the loss is already a share of the batch's loss
             return loss * (n * dp * scale), {}
@@ -140,23 +142,27 @@ def _forward(mm: MegatronModel, chunk, mb: MicroBatch, cp: int, cp_rank: int,
                           media=mb.media.kwargs() if mb.media is not None else None)
 
 
-def _scaled_logits(mm: MegatronModel, out, width: int, cp: int, temperature: float,
-                   tokens: int):
-    """Full-vocabulary logits predicting each next token, / temperature, [B, T-1, V]. A
-    multimodal model's media pad tokens get the lowest logit, as the engine never samples them
-    (trainer.step.scaled_logits does the same under trainer=torch: without it the policy's
-    softmax is not the engine's, ~0.1 apart in log-prob on the tiny VL model)."""
-    logits = mm.full_logits(out)
+def _token_terms(mm: MegatronModel, out, width: int, cp: int, temperature: float,
+                 mb: MicroBatch, entropy: str | None = "metric"):
+    """log p(next token) and the entropy at each position, [B, T-1], under `temperature`,
+    from this TP rank's vocabulary slice of the logits: no rank builds the whole vocabulary's
+    (vocab_parallel.py). A multimodal model's media pad tokens get the lowest logit, as the
+    engine never samples them (trainer.step.scaled_logits does the same under trainer=torch:
+    without it the policy's softmax is not the engine's, ~0.1 apart in log-prob on the tiny VL
+    model)."""
+    from megatron.core import parallel_state as ps
+
     if cp > 1:
-        logits = context_parallel.gather_sequence(logits, width)
-        scaled = logits[:, :-1].float() / temperature
+        out = context_parallel.gather_sequence(out, width)[:, :-1]
     else:
         # the micro-batch's own width (micro-batches are trimmed, narrower than `width`): under
         # sequence parallelism its rows were padded to a multiple of TP (MegatronModel.forward)
-        scaled = logits[:, :tokens - 1].float() / temperature
-    if mm.banned_ids:
-        scaled[..., mm.banned_ids] = torch.finfo(scaled.dtype).min
-    return scaled
+        out = out[:, :mb.input_ids.shape[1] - 1]
+    tp = ps.get_tensor_model_parallel_world_size()
+    start = ps.get_tensor_model_parallel_rank() * out.shape[-1]
+    shard = vocab_parallel.scaled_shard(out, start, mm.vocab_size, temperature, mm.banned_ids)
+    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+    return vocab_parallel.logprobs_and_entropy(shard, mb.targets, start, group, entropy)
 
 
 def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, num_steps: int,
@@ -182,9 +188,7 @@ def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, nu
             output = _forward(mm, chunk, mb, cp, cp_rank, algo=algo, routing=RoutingStats())
 
             def loss_func(out):
-                logits = _scaled_logits(mm, out, width, cp, temperature,
-                                        mb.input_ids.shape[1])
-                logp = gather_logprobs(logits, mb.targets)
+                logp, _ = _token_terms(mm, out, width, cp, temperature, mb, entropy=None)
                 old[row:row + len(mb), :logp.shape[1]] = logp
                 return logp.new_zeros(()), {}
 
@@ -199,7 +203,7 @@ def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, nu
     return dataclasses.replace(batch, old_logp=old)
 
 
-def _same_keys(sums: dict[str, float]) -> dict[str, float]:
+def _same_keys(sums: dict) -> dict:
     """Ranks that computed no loss (earlier pipeline stages, TP ranks > 0) add zeros under the
     keys the counted ranks have, so the all-reduce lines up."""
     keys: list = [None] * dist.get_world_size()
@@ -229,8 +233,7 @@ def eval_sums(mm: MegatronModel, batch: MicroBatch, *, micro_batch_size: int
         output = _forward(mm, chunk, mb, cp, cp_rank)
 
         def loss_func(out):
-            logp = gather_logprobs(_scaled_logits(mm, out, width, cp, 1.0, mb.input_ids.shape[1]),
-                                   mb.targets)  # [B, T-1]
+            logp, _ = _token_terms(mm, out, width, cp, 1.0, mb, entropy=None)  # [B, T-1]
             mask = (mb.weights != 0).float()
             if counted:
                 sums["nll"] -= float((logp * mask).sum())

@@ -38,7 +38,7 @@ from relax_slurm.trainer.batch import MicroBatch
 from relax_slurm.trainer.megatron import checkpoint
 from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel
 from relax_slurm.trainer.megatron.step import train_step, with_old_logprobs
-from relax_slurm.trainer.step import gather_logprobs
+from relax_slurm.trainer.megatron import vocab_parallel
 
 
 def synthetic_batch(vocab: int, rows: int, width: int) -> MicroBatch:
@@ -50,6 +50,19 @@ def synthetic_batch(vocab: int, rows: int, width: int) -> MicroBatch:
                       weights=weights, advantages=torch.randn(rows, width - 1, generator=g),
                       rollout_logp=torch.full((rows, width - 1), -1.0),
                       seq_lens=(width,) * rows)
+
+
+def shard_logprobs(mm: MegatronModel, mb: MicroBatch) -> torch.Tensor:
+    """The step's log-probs of one micro-batch written out: this TP rank's vocabulary slice
+    through vocab_parallel.py, the kernels the step runs."""
+    from megatron.core import parallel_state as ps
+
+    out = mm.forward(mm.chunks[0], mb.input_ids, attention_mask=mb.attention_mask)[:, :-1]
+    start = ps.get_tensor_model_parallel_rank() * out.shape[-1]
+    shard = vocab_parallel.scaled_shard(out, start, mm.vocab_size, 1.0, mm.banned_ids)
+    group = (ps.get_tensor_model_parallel_group()
+             if ps.get_tensor_model_parallel_world_size() > 1 else None)
+    return vocab_parallel.logprobs_and_entropy(shard, mb.targets, start, group, None)[0]
 
 
 def mini_batch_check(mm: MegatronModel, mine: MicroBatch, ckpt: Path, *, pp: int,
@@ -80,11 +93,8 @@ def mini_batch_check(mm: MegatronModel, mine: MicroBatch, ckpt: Path, *, pp: int
         return out
     checkpoint.load(ckpt, mm)
     with torch.no_grad():
-        by_hand_old = torch.cat([gather_logprobs(
-            mm.full_logits(mm.forward(mm.chunks[0], mb.input_ids,
-                                      attention_mask=mb.attention_mask))[:, :-1].float(),
-            mb.targets) for mb in (mine.rows(lo, lo + micro_batch_size)
-                                   for lo in range(0, len(mine), micro_batch_size))])
+        by_hand_old = torch.cat([shard_logprobs(mm, mb) for mb in (
+            mine.rows(lo, lo + micro_batch_size) for lo in range(0, len(mine), micro_batch_size))])
     out["old_equal_by_hand"] = torch.equal(old, by_hand_old)
     half = len(mine) // 2
     for lo in (0, half):
