@@ -13,6 +13,7 @@ from torch import Tensor
 
 from relax_slurm.config import TrainConfig
 from relax_slurm.trainer.model import reference_due
+from relax_slurm.trainer.backend import sync_share
 from relax_slurm.trainer.batch import MicroBatch
 from relax_slurm.trainer.megatron import checkpoint, omni, vl
 from relax_slurm.trainer.megatron import lora as megatron_lora
@@ -160,14 +161,8 @@ class MegatronBackend:
         return eval_sums(self.mm, block, micro_batch_size=self.cfg.trainer.micro_batch_size)
 
     def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Every rank drives the bridge's export (gathers across TP/PP/EP); only rank 0, the
-        sender, keeps the tensors: the others would each hold a host copy of the whole model."""
-        export = self.mm.named_hf_weights()
-        if dist.get_rank() == 0:
-            return export
-        for _ in export:
-            pass
-        return iter(())
+        """The bridge's export: every rank drives it (gathers across TP/PP/EP)."""
+        return self.mm.named_hf_weights()
 
     def engine_weights(self):
         """What a weight sync sends: the HF-named full tensors (with model.lora the bridge's
@@ -179,7 +174,7 @@ class MegatronBackend:
 
             return megatron_lora.adapter_of(self.mm.bridge, self.mm.chunks, self.cfg.model,
                                             DTYPES[self.cfg.model.dtype])
-        return list(self.named_hf_weights())
+        return sync_share(self.named_hf_weights(), dist.get_rank(), collective=True)
 
     def local_weights(self) -> None:
         """Exporting HF weights gathers over TP/PP/EP (a collective): a restarted engine
