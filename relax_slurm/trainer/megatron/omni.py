@@ -11,9 +11,11 @@ neither built, trained nor sent (modeling.NOT_SERVED).
 
 from __future__ import annotations
 
-MODEL_TYPE = "qwen3_omni_moe"
-AUDIO_KEYS = ("input_features", "feature_attention_mask")
-MEDIA_KINDS = frozenset({"image", "video", "audio"})
+# the pure names (vl.py reads them too; this module's register() reaches vl.py through
+# omni_bridge -> omni_model, so vl.py must not import this one)
+from relax_slurm.trainer.megatron.omni_names import (  # noqa: F401 - re-exported
+    AUDIO_KEYS, MEDIA_KINDS, MODEL_TYPE, hf_prefix_to_megatron,
+)
 
 
 def register() -> None:
@@ -44,19 +46,6 @@ def thinker_only_config(hf_config):
     out.enable_audio_output = False
     return out
 
-
-def hf_prefix_to_megatron(prefix: str) -> str | None:
-    """A `trainer.freeze_modules` prefix of the Omni thinker, in transformers' names or the
-    files' (the preset's `thinker.audio_tower`, `thinker.visual`) -> the megatron model's;
-    None if it is not one."""
-    for hf, mg in (("thinker.model.visual", "vision_model"), ("thinker.visual", "vision_model"),
-                   ("thinker.model.audio_tower", "audio_model"),
-                   ("thinker.audio_tower", "audio_model"),
-                   ("thinker.model.language_model", "language_model"),
-                   ("thinker.lm_head", "language_model.output_layer")):
-        if prefix == hf or prefix.startswith(hf + "."):
-            return mg + prefix[len(hf):]
-    return None
 
 
 def load_reference(model_cfg, device):

@@ -17,12 +17,12 @@ import torch
 from torch import Tensor
 
 from relax_slurm.errors import ConfigError
-from relax_slurm.trainer.megatron import omni, vl_moe
+from relax_slurm.trainer.megatron import omni_names, vl_moe
 
 QWEN25 = "qwen2_5_vl"
 QWEN3 = "qwen3_vl"
 QWEN3_MOE = "qwen3_vl_moe"  # experts: vl_moe.py
-OMNI = omni.MODEL_TYPE  # Qwen3-Omni's thinker: omni.py
+OMNI = omni_names.MODEL_TYPE  # Qwen3-Omni's thinker: omni.py
 SUPPORTED = (QWEN25, QWEN3, QWEN3_MOE, OMNI)
 
 # model_type -> why trainer=megatron refuses it (the fix: trainer=torch)
@@ -311,7 +311,7 @@ def media_keys(model_kind: str) -> tuple[str, ...]:
     """The media tensors a VL kind's megatron forward takes: images and videos (Qwen3-VL
     spaces frames by timestamps in the text: no second_per_grid_ts); Qwen3-Omni also audio."""
     if model_kind == OMNI:  # its thinker's name for the seconds (data/processor.py)
-        return IMAGE_KEYS + VIDEO_KEYS[:2] + ("video_second_per_grid",) + omni.AUDIO_KEYS
+        return IMAGE_KEYS + VIDEO_KEYS[:2] + ("video_second_per_grid",) + omni_names.AUDIO_KEYS
     return IMAGE_KEYS + (VIDEO_KEYS if model_kind == QWEN25 else VIDEO_KEYS[:2])
 
 
@@ -319,7 +319,7 @@ def check_media(model_kind: str, media_kinds) -> None:
     """ConfigError when the run's `data.multimodal_keys` has media this model's megatron
     forward does not take (audio: Qwen3-Omni's only). The config admits image, video and
     audio (cross_checks.py); this runs once the model's kind is known."""
-    unknown = set(media_kinds) - (omni.MEDIA_KINDS if model_kind == OMNI else {"image", "video"})
+    unknown = set(media_kinds) - (omni_names.MEDIA_KINDS if model_kind == OMNI else {"image", "video"})
     if unknown:
         raise ConfigError(
             f"trainer=megatron feeds {model_kind} images and video, not {sorted(unknown)} "
@@ -361,7 +361,7 @@ def hf_prefix_to_megatron(model_kind: str, prefix: str) -> str:
     """A `trainer.freeze_modules` prefix in HF names (model.visual, model.language_model...)
     -> the megatron model's parameter prefix."""
     if model_kind == OMNI:
-        return omni.hf_prefix_to_megatron(prefix) or prefix
+        return omni_names.hf_prefix_to_megatron(prefix) or prefix
     vision = "visual" if model_kind == QWEN25 else "vision_model"
     for hf, mg in (("model.visual", vision), ("visual", vision),
                    ("model.language_model", "language_model"),
