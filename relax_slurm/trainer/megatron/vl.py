@@ -319,7 +319,8 @@ def check_media(model_kind: str, media_kinds) -> None:
     """ConfigError when the run's `data.multimodal_keys` has media this model's megatron
     forward does not take (audio: Qwen3-Omni's only). The config admits image, video and
     audio (cross_checks.py); this runs once the model's kind is known."""
-    unknown = set(media_kinds) - (omni_names.MEDIA_KINDS if model_kind == OMNI else {"image", "video"})
+    takes = omni_names.MEDIA_KINDS if model_kind == OMNI else {"image", "video"}
+    unknown = set(media_kinds) - takes
     if unknown:
         raise ConfigError(
             f"trainer=megatron feeds {model_kind} images and video, not {sorted(unknown)} "
