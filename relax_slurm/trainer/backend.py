@@ -4,7 +4,7 @@
     backend.data_ranks                         # rows of the batch each global rank gets
     metrics = backend.train_step(blocks)       # one optimizer step on this rank's rows
     backend.named_hf_weights()                 # HF names, full tensors (collective: all ranks)
-    weights = backend.engine_weights()         # what a sync sends (rank 0's; [] elsewhere)
+    weights = backend.engine_weights(stream)   # what a sync sends (rank 0's; [] elsewhere)
     handle = backend.save(root, step, extra, ...)  /  extra = backend.load(path)
     backend.save_hf(out_dir)
     backend.eval_sums(block)                   # forward only: NLL sums (SFT validation)
@@ -27,22 +27,9 @@ from torch import Tensor
 
 from relax_slurm.config import TrainConfig
 from relax_slurm.trainer.batch import MicroBatch
+from relax_slurm.trainer.export import sync_share
 
 log = logging.getLogger("relax_slurm.trainer")
-
-
-def sync_share(named: Iterable[tuple[str, Tensor]], rank: int, collective: bool) -> list:
-    """This rank's share of what a weight sync sends: rank 0, the sender, keeps every tensor;
-    any other rank keeps none. Where producing them is a collective (FSDP2's full_tensor(),
-    megatron's gathers over TP/PP/EP) the other ranks drive it and drop each tensor as it
-    comes; else they skip it. (Every rank kept the whole model in a list before: a host copy
-    of a 30B model per GPU.)"""
-    if rank == 0:
-        return list(named)
-    if collective:
-        for _ in named:
-            pass
-    return []
 
 
 class TorchBackend:
@@ -161,16 +148,17 @@ class TorchBackend:
 
         return full_named_weights(self.model, DTYPES[self.cfg.model.dtype])
 
-    def engine_weights(self):
-        """What a weight sync sends: the HF-named full tensors, or with model.lora and engines
-        that serve adapters (cfg.adapter_sync) the adapter alone (a weightsync Adapter)."""
+    def engine_weights(self, stream: bool = False):
+        """What a weight sync sends: the HF-named full tensors (rank 0's share: sync_share), or
+        with model.lora and engines that serve adapters (cfg.adapter_sync) the adapter alone
+        (a weightsync Adapter)."""
         if self.lora and self.cfg.adapter_sync:
             from relax_slurm.trainer.lora import adapter_of
             from relax_slurm.trainer.model import DTYPES, unwrap
 
             return adapter_of(unwrap(self.model), DTYPES[self.cfg.model.dtype])
         return sync_share(self.named_hf_weights(), dist.get_rank(),
-                          collective=self.cfg.trainer.strategy == "fsdp2")
+                          collective=self.cfg.trainer.strategy == "fsdp2", stream=stream)
 
     def local_weights(self) -> Callable[[], list[tuple[str, Tensor]]] | None:
         """Rank 0's whole weights without a collective (DDP or one rank), for re-syncing a

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from relax_slurm.trainer.overlap import BackgroundPush
 from relax_slurm.trainer.stream import GroupStream
 from relax_slurm.weightsync import WeightSender, resolve_backend
 from relax_slurm.weightsync.tensor_sender import TensorSender
-from relax_slurm.weightsync.cohort import Cohort
+from relax_slurm.weightsync.cohort import Cohort, ResendNeeded
 
 log = logging.getLogger("relax_slurm.trainer")
 WEIGHT_GROUP = "relax_weights"
@@ -173,6 +173,10 @@ class RankZero:
         self.sync_broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
                                         identity="trainer-sync")
         self.overlap = cfg.algo.max_staleness > 0 and cfg.weight_sync.overlap
+        # a push made now reads the export as the ranks gather it, bucket by bucket; an
+        # overlapped one sends while the next step trains, from a whole copy
+        self.streams = not self.overlap
+        self.resend = False  # a streamed push was spent on a failed sync: export again
         self.pusher = BackgroundPush()
         self.pending: tuple[int, dict, list[Group]] | None = None
         self.settle_wait_s = 0.0  # this step's wait for the previous version's push
@@ -304,8 +308,18 @@ class RankZero:
         report = self.follow_engines()
         before = list(self.cohort.urls)
         self.waits["weight_sync"] = {"version": version, "engines": before}
+        # a stream's tensors are gone once sent: the check reads the digests the send took
+        digests: list | None = [] if self.verify and isinstance(weights, Iterator) else None
         try:
-            stats = self.cohort.send(weights, version=version)
+            stats = self.cohort.send(weights, version=version, digests=digests)
+            if self.verify:
+                self.cohort.verify(weights, version, digests)
+                log.info("version %d: weights verified bit for bit on %d engine(s)", version,
+                         len(self.cohort.urls))
+        except ResendNeeded as e:  # the loop exports again, on every rank (trainer/main.py)
+            log.warning("%s", e)
+            self.resend = True
+            return {}
         finally:
             self.waits.pop("weight_sync", None)
         if self.cohort.urls != before:  # followed the broker while re-forming (a lost engine)
@@ -313,11 +327,12 @@ class RankZero:
             report = True
         if report:
             self.sync_broker.engines(synced=self.cohort.urls)
-        if self.verify:
-            self.cohort.verify(weights, version)
-            log.info("version %d: weights verified bit for bit on %d engine(s)", version,
-                     self.num_engines)
         return stats
+
+    def take_resend(self) -> bool:
+        """Whether the last push must be made again from a new export (read once)."""
+        resend, self.resend = self.resend, False
+        return resend
 
     def push_and_announce(self, weights: list, version: int) -> dict:
         """The overlapped push's thread: engines serve `version`, then the broker says so."""
@@ -351,7 +366,8 @@ class RankZero:
         """Engines started from model.path: give them the trainer's weights (a checkpoint's on
         resume), then open admission: nothing is generated with other weights."""
         self.push_weights(weights, version=version)
-        self.broker.set_version(version)
+        if not self.resend:  # else once the export made again is in (trainer/main.py)
+            self.broker.set_version(version)
 
     def open_stream(self, step: int, local_weights: Callable[[], list] | None) -> GroupStream:
         """This step's batch as it arrives (trainer/stream.py); whole batches are taken in full
@@ -427,6 +443,11 @@ class RankZero:
 class Peer:
     """Ranks > 0 in the step loop: rank 0's calls, each with nothing to do here (the batch
     reaches them through step_blocks' scatter, the weights leave from rank 0)."""
+
+    streams = False  # what the export gives this rank does not depend on it (sync_share)
+
+    def take_resend(self) -> bool:
+        return False  # rank 0's answer is broadcast (trainer/main.py)
 
     def start(self, weights: list, version: int) -> None:
         pass

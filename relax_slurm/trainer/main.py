@@ -26,6 +26,7 @@ from relax_slurm.runtime.exit import exit_now
 from relax_slurm.runtime.heap import freeze_heap
 from relax_slurm.runtime.plan import load_plan
 from relax_slurm.runtime.stacks import register_stack_dumps
+from relax_slurm.trainer import collectives
 from relax_slurm.trainer.backend import build_backend
 from relax_slurm.trainer.lead import Peer, RankZero, StepClock
 from relax_slurm.trainer.ranks import broadcast_request, end_on_request, init_distributed
@@ -75,12 +76,22 @@ class Checkpointer:
             self.backend.save_hf(self.run_dir / "hf" / f"step_{done}")
 
 
+def push_streamed(lead: RankZero | Peer, push: Callable, backend, version: int) -> dict:
+    """`push(weights, version)` of the backend's export (read as the ranks gather it when
+    `lead.streams`), again while rank 0 says the stream was spent on a failed sync (the
+    cohort re-formed: weightsync/cohort.py); every rank makes each export, in step."""
+    out = push(backend.engine_weights(stream=lead.streams), version)
+    while collectives.broadcast_int(int(lead.take_resend())):
+        out = push(backend.engine_weights(stream=lead.streams), version)
+    return out
+
+
 def train_loop(cfg: TrainConfig, backend, lead: RankZero | Peer, saver: Checkpointer,
                start_step: int, positions: Positions, device: torch.device) -> int:
     """The steps from `start_step` to trainer.total_steps, or to a control request (preempt,
     stop: runtime/control.py) after its final checkpoint; the exit code (PREEMPT_EXIT_CODE after
     a preemption, 0 at the end and after a stop)."""
-    lead.start(backend.engine_weights(), start_step)
+    push_streamed(lead, lead.start, backend, start_step)
     clock = StepClock()
     # rank 0 re-sends to a restarted engine on its own where it holds whole tensors
     local_weights = backend.local_weights()
@@ -98,7 +109,7 @@ def train_loop(cfg: TrainConfig, backend, lead: RankZero | Peer, saver: Checkpoi
         done = step + 1
         # the export is a collective under FSDP2 and megatron (gathered over TP/PP); with
         # model.lora the adapter alone (trainer/lora.py)
-        sync = lead.push(backend.engine_weights(), done)
+        sync = push_streamed(lead, lead.push, backend, done)
         clock.mark("synced")
         request = broadcast_request(lead.control_request())  # rank 0 reads it
         saver.maybe_save(done, final=request is not None or done == cfg.trainer.total_steps,

@@ -12,7 +12,7 @@ bytes (`flatten().view(torch.uint8)`), end to end in the order of `names`, no pa
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -25,31 +25,33 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 
 def bucket_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]],
                          bucket_mb: float) -> list[NamedTensors]:
-    """Group by dtype (in order of first appearance), then cut each dtype's run, in the input
-    order, into buckets of at most bucket_mb MiB. A tensor larger than that gets a bucket alone.
-    No bucket is empty; every tensor appears exactly once.
-    """
+    """Buckets of at most bucket_mb MiB, one dtype each, in the input order within a dtype
+    (`stream_buckets`, all at once). A tensor larger than that gets a bucket alone. No bucket
+    is empty; every tensor appears exactly once."""
+    return list(stream_buckets(named_tensors, bucket_mb))
+
+
+def stream_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_mb: float
+                   ) -> Iterator[NamedTensors]:
+    """`bucket_named_tensors` for tensors as they come (an export that gathers each in turn):
+    one open bucket per dtype, each given out once the next tensor of its dtype would overflow
+    it, the rest at the end. So at most one open bucket per dtype is held, never the whole
+    model; every tensor appears exactly once, and a bucket holds one dtype, in input order."""
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb={bucket_mb}: must be > 0 (weight_sync.bucket_mb)")
     limit = int(bucket_mb * 1024 * 1024)
-    by_dtype: dict[torch.dtype, NamedTensors] = {}
+    open_: dict[torch.dtype, tuple[NamedTensors, int]] = {}
     for name, t in named_tensors:
-        by_dtype.setdefault(t.dtype, []).append((name, t))
-
-    buckets: list[NamedTensors] = []
-    for items in by_dtype.values():
-        current: NamedTensors = []
-        size = 0
-        for name, t in items:
-            n = tensor_nbytes(t)
-            if current and size + n > limit:
-                buckets.append(current)
-                current, size = [], 0
-            current.append((name, t))
-            size += n
+        current, size = open_.get(t.dtype, ([], 0))
+        n = tensor_nbytes(t)
+        if current and size + n > limit:
+            yield current
+            current, size = [], 0
+        current.append((name, t))
+        open_[t.dtype] = (current, size + n)
+    for current, _ in open_.values():
         if current:
-            buckets.append(current)
-    return buckets
+            yield current
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -18,6 +18,11 @@ So the cohort is re-formed, all engines together under a new group name (`NAME_c
   send the current weights, so it does not generate with its initial ones. Samples it made in
   between carry its version and are dropped as stale by the broker, never trained on.
 
+Weights given as a stream (an iterator: trainer rank 0 sends an export bucket by bucket as
+the ranks gather it, never holding the whole model) cannot be sent twice: after a failed send
+or check the stream is read to its end (every rank must finish a gathering export), the
+cohort re-forms, and `ResendNeeded` tells the caller to export the weights again.
+
 Once the new cohort has formed, the engines destroy the old group
 (/destroy_weights_update_group), so a long run's replaced cohorts do not pile up on them.
 """
@@ -25,7 +30,7 @@ Once the new cohort has formed, the engines destroy the old group
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from relax_slurm.errors import EngineLost, EngineUnreachable, WeightSyncError
 from relax_slurm.engines.client import EngineClient, wait_until_healthy
@@ -40,6 +45,21 @@ MakeSender = Callable[[str, int, list[str]], WeightSender]
 
 class _EnginesChanged(Exception):
     """The broker's engine set changed during a re-forming's wait (internal)."""
+
+
+class ResendNeeded(WeightSyncError):
+    """A streamed send, or its check, failed and the cohort has re-formed: the stream is
+    spent, so the weights must be exported again (by every rank, where that gathers)."""
+
+
+def _spent(weights) -> bool:
+    """Read a stream to its end (the rest of a gathering export runs on every rank in step);
+    True if `weights` was one."""
+    if not isinstance(weights, Iterator):
+        return False
+    for _ in weights:
+        pass
+    return True
 
 
 class Cohort:
@@ -63,21 +83,29 @@ class Cohort:
     def connect(self) -> None:
         self.sender.connect()
 
-    def send(self, weights: list, version: int) -> dict:
+    def send(self, weights, version: int, digests: list | None = None) -> dict:
+        """`weights`: a list (or an Adapter), or a stream (an iterator, see above);
+        `digests`: a list the send appends each tensor's sha256 to, for `verify`."""
         try:
-            return self.sender.send(weights, version=version)
+            return self.sender.send(weights, version=version, digests=digests)
         except WeightSyncError as e:
             log.warning("weight sync failed (%s); waiting for every engine, then a new cohort",
                         str(e).splitlines()[0])
+            spent = _spent(weights)
         self.reform()
-        return self.sender.send(weights, version=version)
+        if spent:
+            raise ResendNeeded(f"the weights of version {version} were a stream: export them "
+                               "again for the new cohort")
+        return self.sender.send(weights, version=version, digests=digests)
 
-    def verify(self, weights: list, version: int) -> None:
-        """Compare every engine's weights with `weights` bit for bit (weight_sync.verify). An
-        engine lost meanwhile (it died right after the send, or was restarted) is waited for
-        like a failed send: re-form, send, verify again. A mismatch raises WeightSyncError."""
+    def verify(self, weights, version: int, digests: list | None = None) -> None:
+        """Compare every engine's weights with `weights` (or, for a stream, the `digests` its
+        send recorded) bit for bit (weight_sync.verify). An engine lost meanwhile (it died
+        right after the send, or was restarted) is waited for like a failed send: re-form,
+        send, verify again. A mismatch raises WeightSyncError."""
+        stream = isinstance(weights, Iterator)
         try:
-            self.sender.verify(weights)
+            self.sender.verify(None if stream else weights, digests if stream else None)
             return
         except WeightSyncError as e:
             # a mismatch with every engine up at this version is real; an engine that stopped
@@ -87,6 +115,9 @@ class Cohort:
             log.warning("weight check failed (%s); waiting for every engine, then a new cohort",
                         str(e).splitlines()[0])
         self.reform()
+        if stream:
+            raise ResendNeeded(f"the weights of version {version} were a stream: export them "
+                               "again for the new cohort")
         self.sender.send(weights, version=version)
         self.sender.verify(weights)
 

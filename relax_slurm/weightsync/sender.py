@@ -19,7 +19,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from relax_slurm.errors import EngineError, EngineLost, EngineUnreachable, Weigh
 from relax_slurm.engines.client import EngineClient
 from relax_slurm.engines.sglang_api import ADAPTER_NAME, ServerProtocol
 from relax_slurm.weightsync.adapter import Adapter, serialize_tensors
-from relax_slurm.weightsync.bucket import (FlatBuffer, bucket_named_tensors, dtype_name,
+from relax_slurm.weightsync.bucket import (FlatBuffer, dtype_name, stream_buckets,
                                            flatten_bucket, tensor_nbytes)
 from relax_slurm.weightsync.group import (destroy_weight_update_group, host_store,
                                           init_weight_update_group,
@@ -207,22 +207,29 @@ class WeightSender:
             raise
         log.info("weight-sync group %r: rank 0 + %d engines", self.group_name, len(self.clients))
 
-    def send(self, named_tensors: Sequence[tuple[str, torch.Tensor]] | Adapter,
-             version: Optional[str | int] = None, flush_cache: bool = True) -> dict[str, Any]:
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Adapter,
+             version: Optional[str | int] = None, flush_cache: bool = True,
+             digests: list | None = None) -> dict[str, Any]:
         """Broadcast every tensor; engines load them and report `version` as weight_version.
         An `Adapter` (model.lora) goes over HTTP instead: `send_adapter`.
 
+        `named_tensors` may be an iterator (an export that gathers each tensor in turn): it is
+        read bucket by bucket, one bucket ahead (the last carries the version), so at most two
+        buckets per dtype are held. `digests`: a list to append (name, sha256) of every tensor
+        sent to, for `verify` without the tensors.
+
         Returns stats: bytes, seconds, num_buckets, broadcasts. Raises WeightSyncError on any
         failure; the group is then unusable (close() this sender, connect a new one on a new
-        port).
+        port). An iterator is then left where the failure met it: its reader drains it.
         """
         if isinstance(named_tensors, Adapter):
             return self.send_adapter(named_tensors, version)
         if not self.connected:
             raise WeightSyncError("send() before connect(): form the group first")
         start = time.monotonic()
-        buckets = bucket_named_tensors(list(named_tensors), self.bucket_mb)
+        buckets = stream_buckets(named_tensors, self.bucket_mb)
         version = None if version is None else str(version)
+        num_buckets = 0
         try:
             if self.pause_for_sync:
                 self._join("/pause_generation", self._on_engines(
@@ -232,12 +239,17 @@ class WeightSender:
             self._join("/begin_weight_update", self._on_engines(
                 lambda c, i: open_session(c)))
             total = broadcasts = 0
-            for b, bucket in enumerate(buckets):
-                last = b == len(buckets) - 1
+            bucket = next(buckets, None)
+            while bucket is not None:
+                following = next(buckets, None)  # one ahead: is this the last?
+                last = following is None
+                if digests is not None:
+                    digests.extend((n, tensor_sha256(t)) for n, t in bucket)
                 # the version (and the cache flush) come with the last bucket, once all is in
                 nbytes, n = self._send_bucket(bucket, version if last else None,
                                               flush_cache and last)
-                total, broadcasts = total + nbytes, broadcasts + n
+                total, broadcasts, num_buckets = total + nbytes, broadcasts + n, num_buckets + 1
+                bucket = following
             self._join("/end_weight_update", self._on_engines(
                 lambda c, i: c.end_weight_update()))
         except WeightSyncError as e:
@@ -258,10 +270,10 @@ class WeightSender:
         if self.pause_for_sync:
             self._join("/continue_generation", self._on_engines(
                 lambda c, i: c.continue_generation()))
-        stats = {"bytes": total, "seconds": time.monotonic() - start, "num_buckets": len(buckets),
+        stats = {"bytes": total, "seconds": time.monotonic() - start, "num_buckets": num_buckets,
                  "broadcasts": broadcasts}
         log.info("sent %.1f MB in %d buckets (%d broadcasts) in %.2fs (version %s)",
-                 total / 2**20, len(buckets), broadcasts, stats["seconds"], version)
+                 total / 2**20, num_buckets, broadcasts, stats["seconds"], version)
         return stats
 
     def send_adapter(self, adapter: Adapter, version: Optional[str | int]) -> dict[str, Any]:
@@ -343,11 +355,14 @@ class WeightSender:
         self._join(route, http)
         return sum(tensor_nbytes(t) for t in tensors), len(tensors)
 
-    def verify(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Compare sha256 per tensor with every engine's GET /weights_checksum (hf engines)."""
+    def verify(self, named_tensors: Sequence[tuple[str, torch.Tensor]] | None = None,
+               digests: Sequence[tuple[str, str]] | None = None) -> None:
+        """Compare sha256 per tensor with every engine's GET /weights_checksum (hf engines):
+        of `named_tensors`, or the `digests` a streamed send recorded."""
         # the engines hash theirs while this process hashes its own (0.8 s each for 448 MB)
         futures = self._on_engines(lambda c, i: c.weights_checksum())
-        local = [(n, tensor_sha256(t)) for n, t in named_tensors]
+        local = (list(digests) if digests is not None
+                 else [(n, tensor_sha256(t)) for n, t in named_tensors])
         remote = self._join("/weights_checksum", futures)
         for url, sums in zip(self.engine_urls, remote):
             for name, digest in local:

@@ -25,6 +25,8 @@ def test_a_restarted_engine_is_resynced_through_a_new_cohort(tmp_path):
     assert r["verify_after_kill"] == [True, 2]
     # the lost engine is left: the cohort re-formed with the survivor and sent it the weights
     assert r["followed"] == [url] and r["verified_after_loss"] is True
+    # ... from a second export: the first was a stream, read to its end by the failed send
+    assert "version 4 were a stream" in r["resend_needed"] and r["stream_read"] is True
     # every replaced cohort's group was destroyed on the engines still up
     assert r["groups_after_move"] == ["relax_test_cohort_c3"]
     assert r["groups_after_loss"] == ["relax_test_cohort_c4"]

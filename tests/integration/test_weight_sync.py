@@ -72,3 +72,9 @@ def test_weight_sync_two_engines_bit_exact(tmp_path, load_format):
     assert r["generate_after_bogus"].startswith("EngineUnreachable: ")
     assert "HTTP 503" in r["generate_after_bogus"]
     assert set(r["gen_versions3"]) == {"3"}
+    # streamed: the bucket being sent, the next one and the tensor that opened the one after
+    # at most (each bucket is bucket_mb or one larger tensor), never the whole model
+    s = r["stream"]
+    bound = 2 * max(s["bucket"], s["largest"]) + s["largest"]
+    assert s["most_alive"] <= bound < s["total"] / 2, s  # a list: the total
+    assert s["digests"] == r["num_tensors"]

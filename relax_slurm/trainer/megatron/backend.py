@@ -13,8 +13,8 @@ from torch import Tensor
 
 from relax_slurm.config import TrainConfig
 from relax_slurm.trainer.model import reference_due
-from relax_slurm.trainer.backend import sync_share
 from relax_slurm.trainer.batch import MicroBatch
+from relax_slurm.trainer.export import sync_share
 from relax_slurm.trainer.megatron import checkpoint, omni, vl
 from relax_slurm.trainer.megatron import lora as megatron_lora
 from relax_slurm.trainer.megatron.model import (
@@ -160,11 +160,11 @@ class MegatronBackend:
 
         return eval_sums(self.mm, block, micro_batch_size=self.cfg.trainer.micro_batch_size)
 
-    def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+    def named_hf_weights(self, cpu: bool = True) -> Iterator[tuple[str, Tensor]]:
         """The bridge's export: every rank drives it (gathers across TP/PP/EP)."""
-        return self.mm.named_hf_weights()
+        return self.mm.named_hf_weights(cpu=cpu)
 
-    def engine_weights(self):
+    def engine_weights(self, stream: bool = False):
         """What a weight sync sends: the HF-named full tensors (with model.lora the bridge's
         export merges the adapters in), or with model.lora and engines that serve adapters
         (cfg.adapter_sync) the adapter alone under PEFT's names (a weightsync Adapter; every
@@ -174,7 +174,10 @@ class MegatronBackend:
 
             return megatron_lora.adapter_of(self.mm.bridge, self.mm.chunks, self.cfg.model,
                                             DTYPES[self.cfg.model.dtype])
-        return sync_share(self.named_hf_weights(), dist.get_rank(), collective=True)
+        # streamed, each tensor is sent from where it was gathered (on GPUs: no round trip
+        # through host memory); a whole copy is kept in host memory
+        return sync_share(self.named_hf_weights(cpu=not stream), dist.get_rank(),
+                          collective=True, stream=stream)
 
     def local_weights(self) -> None:
         """Exporting HF weights gathers over TP/PP/EP (a collective): a restarted engine

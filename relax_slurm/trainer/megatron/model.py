@@ -286,9 +286,11 @@ class MegatronModel:
         return output[..., :self.vocab_size]
 
     # ---- weights -----------------------------------------------------------------------------
-    def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """HF-named full tensors through the bridge. Collective: every rank iterates."""
-        for name, t in self.bridge.export_hf_weights(self.chunks, cpu=True, show_progress=False):
+    def named_hf_weights(self, cpu: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """HF-named full tensors through the bridge. Collective: every rank iterates. `cpu`:
+        each moved to host memory (a copy kept beyond the next tensor must not hold GPU
+        memory); a streamed sync reads them where they were gathered."""
+        for name, t in self.bridge.export_hf_weights(self.chunks, cpu=cpu, show_progress=False):
             yield name, t.detach()
 
     def train(self) -> None:

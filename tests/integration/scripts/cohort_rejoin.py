@@ -6,7 +6,8 @@ launcher does); `Cohort.resync` must see it unreachable, then stale (version 0),
 the cohort and send the weights, which the new engine then holds bit for bit. Then a second
 engine joins (`move`) and is SIGKILLed for good, and the broker's engine set (`follow`) no
 longer has it (the launcher reported it lost): the next send re-forms the cohort with the
-survivor instead of waiting for the dead one. JSON to --out.
+survivor instead of waiting for the dead one; that send is a stream, which cannot be sent twice:
+it is read to its end and the caller is asked for another. JSON to --out.
 """
 
 import json
@@ -25,7 +26,7 @@ from helpers_tiny import (free_port, script_args, start_engine, stop_process,  #
                           wait_healthy)
 
 from relax_slurm.weightsync import WeightSender  # noqa: E402
-from relax_slurm.weightsync.cohort import Cohort  # noqa: E402
+from relax_slurm.weightsync.cohort import Cohort, ResendNeeded  # noqa: E402
 
 
 def main() -> None:
@@ -94,7 +95,16 @@ def main() -> None:
         cohort.follow = lambda: [url]
         cohort.startup_timeout_s = 30  # waiting for the dead engine would raise EngineDown
         later = [(n, t + 1.0) for n, t in weights]
-        cohort.send(later, version=4)
+        # streamed (the trainer's export read as it is gathered): the failed send reads it
+        # to its end, re-forms, and asks for another export, which then goes to the new cohort
+        read = []
+        try:
+            cohort.send((read.append(n) or (n, t) for n, t in later), version=4)
+            out["resend_needed"] = None
+        except ResendNeeded as e:
+            out["resend_needed"] = str(e)
+        out["stream_read"] = len(read) == len(later)
+        cohort.send(iter(later), version=4)
         out["followed"] = cohort.urls
         cohort.sender.verify(later)
         out["verified_after_loss"] = True

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import time
+import weakref
 from datetime import timedelta
 
 import torch
@@ -32,6 +33,28 @@ def perturbed(named, seed):
 
 def greedy_outputs(clients):
     return [[r.output_ids for r in c.generate(PROMPTS, GREEDY)] for c in clients]
+
+
+class Export:
+    """Copies of `named` made one at a time, as a gathering export makes them; records the
+    most bytes of them alive at once."""
+
+    def __init__(self, named):
+        self.named, self.alive, self.most_alive, self.total = named, 0, 0, 0
+
+    def _freed(self, nbytes):
+        self.alive -= nbytes
+
+    def __iter__(self):
+        for n, t in self.named:
+            copy = t.clone()
+            nbytes = copy.numel() * copy.element_size()
+            weakref.finalize(copy, self._freed, nbytes)
+            self.alive += nbytes
+            self.total += nbytes
+            self.most_alive = max(self.most_alive, self.alive)
+            yield n, copy
+            del copy
 
 
 def run_rank0(args):
@@ -91,8 +114,14 @@ def run_rank0(args):
             out["generate_after_bogus"] = None
         except Exception as e:  # noqa: BLE001 - the engine's refusal, whatever its type
             out["generate_after_bogus"] = f"{type(e).__name__}: {e}"
-        sender.send(second, version="3")
-        sender.verify(second)
+        # the export as the trainer streams it (trainer/export.py sync_share): read bucket
+        # by bucket, never all held, and checked by the digests the send took
+        export, digests = Export(second), []
+        sender.send(iter(export), version="3", digests=digests)
+        sender.verify(digests=digests)
+        out["stream"] = {"most_alive": export.most_alive, "total": export.total,
+                         "largest": max(t.numel() * t.element_size() for _, t in second),
+                         "bucket": int(0.02 * 2**20), "digests": len(digests)}
         out["gen_versions3"] = [r.weight_version for c in clients
                                 for r in c.generate(PROMPTS, GREEDY)]
     finally:

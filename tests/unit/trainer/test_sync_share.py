@@ -1,4 +1,4 @@
-"""What each trainer rank keeps of a weight sync (trainer/backend.py sync_share): rank 0 every
+"""What each trainer rank keeps of a weight sync (trainer/export.py sync_share): rank 0 every
 tensor, the others none; where the export is a collective (FSDP2, megatron) they drive it and
 drop each tensor as it comes. Every rank kept the whole model before (issue #34: a host copy
 of a 30B model per GPU)."""
@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from relax_slurm.trainer.backend import sync_share
+from relax_slurm.trainer.export import sync_share
 
 N = 50
 
