@@ -268,3 +268,23 @@ def start_sglang_engine(python: str | Path, model_dir: str | Path, port: int,
     with open(log_path, "wb") as log:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 cwd=str(REPO_ROOT), start_new_session=True)
+
+
+def spawned_ranks(target, world: int, *args, timeout_s: float = 100) -> list:
+    """Run `target(rank, *args, queue)` in `world` spawned processes; what each put on the
+    queue, sorted (each rank puts one tuple starting with its rank). Every process is joined,
+    or killed if it hangs."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        return sorted(queue.get(timeout=timeout_s) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()

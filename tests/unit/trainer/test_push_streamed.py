@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from relax_slurm.trainer.export import sync_share
+from tests.helpers_tiny import spawned_ranks
 from relax_slurm.trainer.lead import Peer
 
 TENSORS = 5
@@ -71,19 +71,7 @@ def _rank(rank: int, store: str, spent: int, queue) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("spent", [0, 2])
 def test_every_rank_exports_again_while_rank_zeros_stream_was_spent(tmp_path, spent):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), spent, queue))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted(queue.get(timeout=100) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = spawned_ranks(_rank, 2, str(tmp_path / "store"), spent)
     (_, exports0, pushed, out0), (_, exports1, _, out1) = results
     assert exports0 == exports1 == spent + 1
     assert pushed == [(7, [f"w{i}" for i in range(TENSORS)])] * (spent + 1)

@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import NEEDS_MEGATRON
-from tests.helpers_tiny import free_port
+from tests.helpers_tiny import free_port, spawned_ranks
 
 pytestmark = NEEDS_MEGATRON
 B, T, VOCAB, WIDTH = 3, 5, 10, 12  # an output layer padded past the vocabulary: 2 x 6 columns
@@ -75,19 +74,7 @@ def _rank(rank: int, port: int, queue) -> None:
 
 @pytest.mark.timeout(120)
 def test_vocab_parallel_logprobs_and_entropy_equal_the_full_vocabulary_ones():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted(queue.get(timeout=100) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = spawned_ranks(_rank, 2, free_port())
     for rank, widest, d_logp, d_entropy, d_grad, *nans in results:
         assert nans == [False, False], (rank, nans)
         assert widest == WIDTH // 2, (rank, widest)  # never the whole vocabulary
