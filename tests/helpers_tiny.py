@@ -288,3 +288,29 @@ def spawned_ranks(target, world: int, *args, timeout_s: float = 100) -> list:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+
+
+def make_tiny_omni(out: Path) -> Path:
+    """The tiny Qwen3-Omni (`out/model`) and the colour and tone tasks' data (`out/colors`,
+    `out/tones`), made in this process by the project's own builders."""
+    from relax_slurm.tiny.media_tasks import write_colors, write_tones
+    from relax_slurm.tiny.multimodal import build_omni3
+
+    build_omni3(out / "model")
+    write_colors(out / "colors")
+    write_tones(out / "tones")
+    return out
+
+
+def convert_final(run_dir: Path, out: Path, steps: int) -> tuple[dict, dict]:
+    """relax-convert of the run's last dist-checkpoint into `out` (one rank); (the trainer's HF
+    export at `steps`, the converted tensors)."""
+    from safetensors.torch import load_file
+
+    conv = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
+                           str(run_dir), "--output", str(out), "--no-progress"],
+                          cwd=str(REPO_ROOT), env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
+                          timeout=600)
+    assert conv.returncode == 0, conv.stdout[-3000:] + conv.stderr[-3000:]
+    return (load_file(str(run_dir / "hf" / f"step_{steps}" / "model.safetensors")),
+            load_file(str(out / "model.safetensors")))

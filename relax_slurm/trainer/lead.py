@@ -447,7 +447,7 @@ class Peer:
     streams = False  # what the export gives this rank does not depend on it (sync_share)
 
     def take_resend(self) -> bool:
-        return False  # rank 0's answer is broadcast (trainer/main.py)
+        return False  # rank 0's answer is broadcast (ranks.py broadcast_after_push)
 
     def start(self, weights: list, version: int) -> None:
         pass
@@ -465,7 +465,7 @@ class Peer:
         return {}
 
     def control_request(self) -> str | None:
-        return None  # rank 0 reads the request; broadcast_request tells every rank
+        return None  # rank 0 reads the request; broadcast_after_push tells every rank
 
     def checkpoint_extra(self, positions: Positions, version: int) -> dict:
         return {CHECKPOINT_KEY: positions.to_dict(), "broker": {}}

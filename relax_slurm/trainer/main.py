@@ -29,7 +29,7 @@ from relax_slurm.runtime.stacks import register_stack_dumps
 from relax_slurm.trainer import collectives
 from relax_slurm.trainer.backend import build_backend
 from relax_slurm.trainer.lead import Peer, RankZero, StepClock
-from relax_slurm.trainer.ranks import broadcast_request, end_on_request, init_distributed
+from relax_slurm.trainer.ranks import broadcast_after_push, end_on_request, init_distributed
 from relax_slurm.trainer.stream import step_blocks
 
 log = logging.getLogger("relax_slurm.trainer")
@@ -76,14 +76,18 @@ class Checkpointer:
             self.backend.save_hf(self.run_dir / "hf" / f"step_{done}")
 
 
-def push_streamed(lead: RankZero | Peer, push: Callable, backend, version: int) -> dict:
+def push_streamed(lead: RankZero | Peer, push: Callable, backend, version: int
+                  ) -> tuple[dict, str | None]:
     """`push(weights, version)` of the backend's export (read as the ranks gather it when
     `lead.streams`), again while rank 0 says the stream was spent on a failed sync (the
-    cohort re-formed: weightsync/cohort.py); every rank makes each export, in step."""
-    out = push(backend.engine_weights(stream=lead.streams), version)
-    while collectives.broadcast_int(int(lead.take_resend())):
+    cohort re-formed: weightsync/cohort.py); every rank makes each export, in step. Returns
+    the push's stats and rank 0's pending control request, told with the resend answer in
+    one broadcast."""
+    while True:
         out = push(backend.engine_weights(stream=lead.streams), version)
-    return out
+        resend, request = broadcast_after_push(lead.take_resend(), lead.control_request())
+        if not resend:
+            return out, request
 
 
 def train_loop(cfg: TrainConfig, backend, lead: RankZero | Peer, saver: Checkpointer,
@@ -109,9 +113,9 @@ def train_loop(cfg: TrainConfig, backend, lead: RankZero | Peer, saver: Checkpoi
         done = step + 1
         # the export is a collective under FSDP2 and megatron (gathered over TP/PP); with
         # model.lora the adapter alone (trainer/lora.py)
-        sync = push_streamed(lead, lead.push, backend, done)
+        # rank 0 reads the control request (preempt, stop); every rank gets it here
+        sync, request = push_streamed(lead, lead.push, backend, done)
         clock.mark("synced")
-        request = broadcast_request(lead.control_request())  # rank 0 reads it
         saver.maybe_save(done, final=request is not None or done == cfg.trainer.total_steps,
                          extra=lambda: lead.checkpoint_extra(positions, done))
         clock.mark("saved")

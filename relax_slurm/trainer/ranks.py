@@ -50,6 +50,14 @@ def broadcast_request(request: str | None) -> str | None:
     return REQUESTS[collectives.broadcast_int(REQUESTS.index(request))]
 
 
+def broadcast_after_push(resend: bool, request: str | None) -> tuple[bool, str | None]:
+    """Rank 0's two answers after a weight push, on every rank in one broadcast: whether the
+    push must be made again from a new export (its stream was spent on a failed sync:
+    trainer/main.py push_streamed) and the pending control request."""
+    code = collectives.broadcast_int(2 * REQUESTS.index(request) + int(resend))
+    return bool(code % 2), REQUESTS[code // 2]
+
+
 def end_on_request(request: str, done: int) -> int:
     """Say how the run ends on `request` after step `done` (its checkpoint saved); the exit
     code: 0 for a stop (a normal end), PREEMPT_EXIT_CODE for a preemption (requeue)."""

@@ -49,17 +49,25 @@ def host_store(master_address: str, port: int, world_size: int, group_name: str,
     on: the store binds a port the OS picks instead, and the engines are told the store's port.
     """
     timeout = timedelta(seconds=timeout_s)
-    try:
-        return dist.TCPStore(master_address, port, world_size, is_master=True, timeout=timeout,
+
+    def bind(at: int) -> dist.TCPStore:
+        return dist.TCPStore(master_address, at, world_size, is_master=True, timeout=timeout,
                              wait_for_workers=False)
+
+    try:
+        return bind(port)
     except dist.DistNetworkError as e:
-        if "EADDRINUSE" not in str(e) or port == 0:
-            raise WeightSyncError(f"weight-sync group {group_name!r}: could not host its store on "
-                                  f"{master_address}:{port}: {e}") from e
-    store = dist.TCPStore(master_address, 0, world_size, is_master=True, timeout=timeout,
-                          wait_for_workers=False)
-    log.warning("weight-sync group %r: port %d was taken since the launcher chose it; hosting "
-                "on port %d instead (the engines are told)", group_name, port, store.port)
+        planned = e
+    # whatever the bind's reason (its text is torch's, not an API), a port of the OS's choosing
+    # tells a taken port (this binds) from an address this host cannot listen on (this fails too)
+    try:
+        store = bind(0)
+    except dist.DistNetworkError as e:
+        raise WeightSyncError(f"weight-sync group {group_name!r}: could not host its store on "
+                              f"{master_address} (port {port}: {planned}; a free port: {e})"
+                              ) from e
+    log.warning("weight-sync group %r: could not bind port %d (%s); hosting on port %d "
+                "instead (the engines are told)", group_name, port, planned, store.port)
     return store
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import NEEDS_MEGATRON, run_tool
+from tests.helpers_tiny import convert_final
 
 pytestmark = [pytest.mark.slow, NEEDS_MEGATRON]
 
@@ -28,23 +29,6 @@ def assets(tmp_path_factory) -> Path:
     for task in ("colors", "tones"):
         run_tool("prepare_mm_data.py", "--out", str(out), "--task", task)
     return out
-
-
-def convert_final(run_dir: Path, out: Path, steps: int) -> tuple[dict, dict]:
-    """relax-convert of the run's last dist-checkpoint into `out` (one rank); (the trainer's HF
-    export at `steps`, the converted tensors)."""
-    import subprocess
-
-    from safetensors.torch import load_file
-
-    from tests.conftest import REPO, run_env
-
-    conv = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
-                           str(run_dir), "--output", str(out), "--no-progress"], cwd=REPO,
-                          env=run_env(), capture_output=True, text=True, timeout=600)
-    assert conv.returncode == 0, conv.stdout[-3000:] + conv.stderr[-3000:]
-    return (load_file(str(run_dir / "hf" / f"step_{steps}" / "model.safetensors")),
-            load_file(str(out / "model.safetensors")))
 
 
 # The tiny Qwen3-Omni on image and audio rows (the colour and tone tasks, mixed) under

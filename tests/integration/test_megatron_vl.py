@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
-from helpers_tiny import run_logged  # noqa: E402
+from helpers_tiny import convert_final, run_logged  # noqa: E402
 
 from tests.conftest import NEEDS_MEGATRON  # noqa: E402
 
@@ -209,23 +209,6 @@ def megatron_vl_run(run_dir: Path, model: Path, data: Path, steps: int, layout: 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert log.count("weights verified bit for bit") == steps + 1
-
-
-def convert_final(run_dir: Path, out: Path, steps: int) -> tuple[dict, dict]:
-    """relax-convert of the run's last dist-checkpoint into `out` (one rank); (the trainer's HF
-    export at `steps`, the converted tensors)."""
-    import subprocess
-
-    from safetensors.torch import load_file
-
-    from tests.conftest import REPO, run_env
-
-    conv = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
-                           str(run_dir), "--output", str(out), "--no-progress"], cwd=REPO,
-                          env=run_env(), capture_output=True, text=True, timeout=600)
-    assert conv.returncode == 0, conv.stdout[-3000:] + conv.stderr[-3000:]
-    return (load_file(str(run_dir / "hf" / f"step_{steps}" / "model.safetensors")),
-            load_file(str(out / "model.safetensors")))
 
 
 @pytest.mark.timeout(900)

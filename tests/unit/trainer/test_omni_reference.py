@@ -10,19 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers_tiny import make_tiny_omni
+
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory) -> Path:
-    from relax_slurm.tiny.media_tasks import write_colors, write_tones
-    from relax_slurm.tiny.multimodal import build_omni3
-
-    out = tmp_path_factory.mktemp("omni_ref")
-    build_omni3(out / "model")
-    write_colors(out / "colors")
-    write_tones(out / "tones")
-    return out
+    return make_tiny_omni(tmp_path_factory.mktemp("omni_ref"))
 
 
 def batch(omni: Path, response: list[list[int]]) -> dict[str, torch.Tensor]:

@@ -51,6 +51,9 @@ class Lead:
         self.spent -= 1
         return self.spent >= 0
 
+    def control_request(self) -> str | None:
+        return "stop"  # told to every rank with the last resend answer
+
 
 def _rank(rank: int, store: str, spent: int, queue) -> None:
     from relax_slurm.trainer.main import push_streamed
@@ -75,4 +78,4 @@ def test_every_rank_exports_again_while_rank_zeros_stream_was_spent(tmp_path, sp
     (_, exports0, pushed, out0), (_, exports1, _, out1) = results
     assert exports0 == exports1 == spent + 1
     assert pushed == [(7, [f"w{i}" for i in range(TENSORS)])] * (spent + 1)
-    assert out0 == {"bytes": TENSORS} and out1 == {}
+    assert out0 == ({"bytes": TENSORS}, "stop") and out1 == ({}, "stop")

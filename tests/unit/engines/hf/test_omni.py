@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers_tiny import make_tiny_omni
 from fastapi.testclient import TestClient
 
 from relax_slurm.engines.hf.core import HFEngine
@@ -23,14 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory) -> Path:
     """The tiny Qwen3-Omni and one image and one audio of the tiny tasks."""
-    from relax_slurm.tiny.media_tasks import write_colors, write_tones
-    from relax_slurm.tiny.multimodal import build_omni3
-
-    out = tmp_path_factory.mktemp("omni")
-    build_omni3(out / "model")
-    write_colors(out / "colors")
-    write_tones(out / "tones")
-    return out
+    return make_tiny_omni(tmp_path_factory.mktemp("omni"))
 
 
 def test_the_tiny_omni_saves_a_processor_the_loading_code_reads(omni: Path) -> None:
