@@ -207,11 +207,14 @@ class TorchBackend:
             from relax_slurm.trainer.lora import merged_parameters
             from relax_slurm.trainer.model import unwrap
 
+            peft_model = unwrap(self.model)
+            # under FSDP2 the merge gathers: the other ranks drive it and drop each tensor
+            merged = sync_share(merged_parameters(peft_model), dist.get_rank(),
+                                collective=self.cfg.trainer.strategy == "fsdp2")
             if dist.get_rank() == 0:
-                peft_model = unwrap(self.model)
                 base = peft_model.get_base_model()
-                write_hf_dir(dict(merged_parameters(peft_model)), base.config, out_dir,
-                             self.cfg.model.path, None, base, overwrite=True)
+                write_hf_dir(dict(merged), base.config, out_dir, self.cfg.model.path, None,
+                             base, overwrite=True)
             return
         save_hf(self.model, self.cfg.model.path, out_dir)
 

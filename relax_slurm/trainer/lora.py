@@ -96,33 +96,55 @@ def adapter_config(model: PeftModel) -> dict[str, Any]:
 
 @torch.no_grad()
 def adapter_of(model: PeftModel, dtype: torch.dtype | None = None) -> Adapter:
-    """The trained adapter under PEFT's saved names, in the engines' dtype (model.dtype)."""
+    """The trained adapter under PEFT's saved names, in the engines' dtype (model.dtype).
+    Under FSDP2 every rank calls it (each tensor is gathered whole) and gets it all."""
     # save_embedding_layers: PEFT's "auto" would add the whole (frozen) embedding matrix when
     # lm_head is a target, every sync; the engines hold it already
     from peft import get_peft_model_state_dict
 
     tensors = get_peft_model_state_dict(model, adapter_name=ADAPTER, save_embedding_layers=False)
-    cast = {n: (t.detach().to(dtype) if dtype is not None and t.is_floating_point()
-                else t.detach()) for n, t in tensors.items()}
+    cast = {}
+    for n, t in tensors.items():  # the same order on every rank: full() is a collective
+        t = full(t.detach())
+        cast[n] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return Adapter(adapter_config(model), cast)
+
+
+def full(t: Tensor) -> Tensor:
+    """A whole tensor: an FSDP2 shard (DTensor) gathered from every rank (a collective: every
+    rank calls it, in the same order), any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def delta_weight(module) -> Tensor:
+    """scale * B @ A of a PEFT LoRA layer's adapter, whole. Under FSDP2, A and B are gathered
+    first and multiplied as PEFT's Linear does (PEFT's own get_delta_weight would multiply the
+    shards as DTensors, another summation than the one-process merge)."""
+    from peft.utils.other import transpose
+
+    a, b = module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight
+    if not hasattr(a, "full_tensor"):
+        return module.get_delta_weight(ADAPTER)
+    return transpose(full(b) @ full(a), module.fan_in_fan_out) * module.scaling[ADAPTER]
 
 
 @torch.no_grad()
 def merged_parameters(model: PeftModel) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) of the base model's parameters as transformers names them, each adapted
     weight merged (W + scale * B @ A, computed aside: the model's own weights stay as they
-    are, since merging in place and back would not give them back bit for bit)."""
+    are, since merging in place and back would not give them back bit for bit). Whole tensors;
+    under FSDP2 every rank iterates it (each shard is gathered)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
     deltas: dict[str, Tensor] = {}
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
-            deltas[f"{name}.base_layer.weight"] = module.get_delta_weight(ADAPTER)
+            deltas[f"{name}.base_layer.weight"] = delta_weight(module)
     for name, p in base.named_parameters():
         if ".lora_" in name:
             continue
-        t = p.detach()
+        t = full(p.detach())
         if name in deltas:
             t = t + deltas[name].to(t.dtype)
         yield name.replace(".base_layer.", "."), t

@@ -1,5 +1,6 @@
-"""Checkpoints across real processes: 2 torchrun ranks on gloo (DDP and FSDP2), and a process
-SIGKILLed in the middle of a save."""
+"""Checkpoints across real processes: 2 torchrun ranks on gloo (DDP and FSDP2, and FSDP2 with
+model.lora: the adapter's checkpoint, and the adapter and merged weights it sends, gathered
+whole), and a process SIGKILLed in the middle of a save."""
 
 from __future__ import annotations
 
@@ -28,15 +29,16 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("strategy,async_save", [("ddp", False), ("fsdp2", True)])
-def test_two_ranks_save_load_bitwise(tiny_dir, tmp_path, strategy, async_save):
+@pytest.mark.parametrize("strategy,async_save,lora", [("ddp", False, False),
+                                                      ("fsdp2", True, False),
+                                                      ("fsdp2", False, True)])
+def test_two_ranks_save_load_bitwise(tiny_dir, tmp_path, strategy, async_save, lora):
     root, out, log = tmp_path / "checkpoints", tmp_path / "result.json", tmp_path / "torchrun.log"
     # --standalone: a rendezvous on a port the OS picks
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(SCRIPTS / "ckpt_dist_roundtrip.py"), "--model-dir", str(tiny_dir),
            "--strategy", strategy, "--root", str(root), "--out", str(out)]
-    if async_save:
-        cmd.append("--async-save")
+    cmd += ["--async-save"] * async_save + ["--lora"] * lora
     rc = run_logged(cmd, log, timeout_s=900)
     assert rc == 0, log.read_text()[-6000:]
     r = json.loads(out.read_text())
@@ -48,6 +50,11 @@ def test_two_ranks_save_load_bitwise(tiny_dir, tmp_path, strategy, async_save):
     assert r["extra"]["broker"] == {"accepted": 9, "consumed": 8, "dropped": 1}
     assert r["extra"]["data"]["index"] == 8 and r["extra"]["step"] == 2
     assert r["dirs"] == ["latest", "step_2", "step_3"] and r["latest_after"] == "step_3"
+    if lora:
+        # A and B of 7 targets in each layer; every base weight once, merged or as it was
+        assert r["adapter_names"] >= 28 and r["merged_names"] > 20, r
+        assert r["adapter_mismatch"] == [] and r["merged_mismatch"] == [], r
+        return
 
     # DCP reshards: the 2-rank checkpoint converts, and loads with its optimizer, in one process
     import torch

@@ -1,5 +1,5 @@
 """torchrun --nproc-per-node 2 ckpt_dist_roundtrip.py --model-dir D --strategy ddp|fsdp2
-    --root R --out F [--async-save]
+    --root R --out F [--async-save] [--lora]
 
 Trains the tiny model two steps on gloo under DDP or FSDP2, saving a checkpoint after each
 (step 2 asynchronously with --async-save, and the weights keep changing while it is written).
@@ -7,6 +7,12 @@ Then builds a second, perturbed model + optimizer, loads the latest checkpoint i
 compares (bit for bit) the full model and optimizer state, the scheduler, the RNG stream and
 one more training step against the first model. Rank 0 writes findings as JSON to --out and
 the step-2 weights to R/../ref_step2.safetensors.
+
+--lora: PEFT's LoRA on the frozen model (model.lora, trainer/lora.py): the checkpoint holds the
+adapter alone (the trainable parameters) and loads back bit for bit; what a weight sync and
+save_hf send, the adapter (`adapter_of`) and the merged weights (`merged_parameters`), are whole
+tensors equal bit for bit to what one process computes from the same weights (under FSDP2 each
+rank holds shards: DTensors).
 """
 
 from __future__ import annotations
@@ -23,25 +29,33 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from relax_slurm.checkpoint import find_latest, load_checkpoint, save_checkpoint, wait_pending
-from relax_slurm.config.model import ModelConfig
+from relax_slurm.config.model import LoraConfig, ModelConfig
 from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.runtime.exit import exit_now
-from relax_slurm.trainer.model import build_optimizer, load_hf_model, wrap_parallel
+from relax_slurm.trainer.lora import adapter_of, apply_lora, merged_parameters
+from relax_slurm.trainer.model import build_optimizer, load_hf_model, unwrap, wrap_parallel
 
 EXTRA = {"version": 2, "data": {"epoch": 0, "index": 8, "seed": 3, "num_rows": 300},
          "broker": {"accepted": 9, "consumed": 8, "dropped": 1}, "config": {"trainer": {"x": 1}}}
 
 
+def model_config(args) -> ModelConfig:
+    return ModelConfig(path=args.model_dir, lora=LoraConfig(rank=4 if args.lora else 0))
+
+
 def build(args, perturb: bool):
     cfg = TrainerConfig(strategy=args.strategy, lr=1e-2, warmup_steps=3, nproc_per_node=2)
-    raw = load_hf_model(ModelConfig(path=args.model_dir), torch.device("cpu"))
+    raw = load_hf_model(model_config(args), torch.device("cpu"))
+    if args.lora:
+        raw = apply_lora(raw, model_config(args))
     model = wrap_parallel(raw, cfg, torch.device("cpu"))
     opt, sched = build_optimizer(model, cfg)
     if perturb:  # different weights and a non-empty, different optimizer state to overwrite
         train_step(model, opt, sched, step=99)
-        with torch.no_grad():
+        with torch.no_grad():  # with --lora the adapter (the base stays model.path)
             for p in model.parameters():
-                p.add_(1.0)
+                if p.requires_grad:
+                    p.add_(1.0)
     return model, opt, sched
 
 
@@ -85,6 +99,7 @@ def main() -> None:
     ap.add_argument("--root", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--async-save", action="store_true")
+    ap.add_argument("--lora", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -95,12 +110,13 @@ def main() -> None:
         model, opt, sched = build(args, perturb=False)
         train_step(model, opt, sched, step=1)
         save_checkpoint(args.root, 1, model, opt, sched, {"version": 1}, keep_last=2,
-                        hf_assets_src=args.model_dir).wait()
+                        hf_assets_src=args.model_dir, trainable_only=args.lora).wait()
         train_step(model, opt, sched, step=2)
         ref2 = full_state(model, opt)
         t0 = time.monotonic()
         handle = save_checkpoint(args.root, 2, model, opt, sched, EXTRA, keep_last=2,
-                                 async_save=args.async_save, hf_assets_src=args.model_dir)
+                                 async_save=args.async_save, hf_assets_src=args.model_dir,
+                                 trainable_only=args.lora)
         res["save_return_s"] = time.monotonic() - t0
         rng_ref = torch.rand(4)
         sched_ref = sched.state_dict()
@@ -112,13 +128,16 @@ def main() -> None:
         latest = find_latest(args.root)
 
         model2, opt2, sched2 = build(args, perturb=True)
-        extra = load_checkpoint(latest, model2, opt2, sched2)
+        extra = load_checkpoint(latest, model2, opt2, sched2, trainable_only=args.lora)
         res["rng_equal"] = torch.equal(torch.rand(4), rng_ref)
         got2 = full_state(model2, opt2)
         res["sched_equal"] = sched2.state_dict() == sched_ref
         train_step(model2, opt2, sched2, step=3)
         got3 = full_state(model2, opt2)
-        save_checkpoint(args.root, 3, model2, opt2, sched2, {"version": 3}, keep_last=2)
+        save_checkpoint(args.root, 3, model2, opt2, sched2, {"version": 3}, keep_last=2,
+                        trainable_only=args.lora)
+        if args.lora:
+            res.update(exports_against_one_process(args, model2, got3))
         res["rng_equal"] = all(_gather_bool(bool(res["rng_equal"])))
         if rank == 0:
             res.update(
@@ -130,7 +149,8 @@ def main() -> None:
             )
             weights = {k[len("model."):]: v for k, v in ref2.items() if k.startswith("model.")}
             weights.pop("lm_head.weight", None)  # tied to embed_tokens, as in an HF directory
-            save_file(weights, str(args.root.parent / "ref_step2.safetensors"))
+            if not args.lora:
+                save_file(weights, str(args.root.parent / "ref_step2.safetensors"))
             args.out.write_text(json.dumps(res, indent=2, default=str))
     finally:
         dist.destroy_process_group()
@@ -138,6 +158,23 @@ def main() -> None:
     # whose thread can be waiting for the GIL the freeing thread holds (a hang seen here);
     # the trainer role leaves the same way
     exit_now(0)
+
+
+def exports_against_one_process(args, model, state: dict) -> dict:
+    """The adapter and merged weights of `model` (every rank computes them: under FSDP2 each
+    tensor is gathered) against one process's PEFT model holding `state` (its full state:
+    rank 0's); mismatching names, on rank 0."""
+    adapter = adapter_of(unwrap(model))
+    merged = dict(merged_parameters(unwrap(model)))
+    if dist.get_rank() != 0:
+        return {}
+    one = apply_lora(load_hf_model(model_config(args), torch.device("cpu")), model_config(args))
+    one.load_state_dict({k[len("model."):]: v for k, v in state.items()
+                         if k.startswith("model.")})
+    want_adapter, want_merged = adapter_of(one), dict(merged_parameters(one))
+    return {"adapter_names": len(adapter.tensors), "merged_names": len(merged),
+            "adapter_mismatch": compare(adapter.tensors, want_adapter.tensors),
+            "merged_mismatch": compare(merged, want_merged)}
 
 
 def _gather_bool(flag: bool) -> list[bool]:
