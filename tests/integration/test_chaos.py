@@ -4,12 +4,13 @@ the broker, the rollout worker and an engine (one trainer rank) are SIGKILLed on
 other in one run (each once the one before has restarted), and a trainer rank (two ranks) a
 quarter into a run of its own. Every run completes with every accepted
 sample trained or dropped as stale (`samples_lost: 0`), reports its restarts (summary.json,
-restarts.jsonl, roles.json), and ends with a reward no more than REWARD_TOLERANCE below an
-undisturbed run of the same configuration (the mean of the last LAST_STEPS steps). Staleness-1
-runs are not deterministic (what each step trains depends on timing), so two runs of one
-configuration differ like two seeds: 0.838 undisturbed against 0.961 for a disturbed twin in
-one clean-clone run, which a two-sided bound of 0.1 failed on. A recovery that costs learning
-shows as a lower reward; a higher one is not a failure. Restarts are in place for the broker
+restarts.jsonl, roles.json), and ends with a mean reward over its last LAST_STEPS steps of at
+least REWARD_FLOOR. Staleness-1 runs are not deterministic (what each step trains depends on
+timing), so two runs of one configuration differ like two seeds: undisturbed runs of this
+configuration ended at 0.84-0.96 (an undisturbed twin at 0.838 against 0.961 for a disturbed
+one in one clean-clone run; the preset at staleness 2: 0.84-0.94 over three model seeds), and a
+recovery that costs learning shows as a lower reward. (Each test ran an undisturbed twin to
+compare with until session 26: a 150-step run, ~60 CPU-s, for a bound this one holds as well.) Restarts are in place for the broker
 (from its spill file; its clients resend), the rollout worker (with its predecessor's credits
 and data position) and the engine (re-joining the weight sync through a new cohort; its groups
 in flight re-queued); a trainer rank's death restarts the run from its last checkpoint.
@@ -44,7 +45,9 @@ CHAOS = ("algo.max_staleness=1", "trainer.save_every=20")
 KILL_AT = 40  # metrics lines: step_40 is saved before line 41 (step index 40) is written
 KILL_EVERY = 30  # the in-place kills: at 30, 60 and 90 of the 150 steps, each after the last restart
 LAST_STEPS = 10
-REWARD_TOLERANCE = 0.2  # above the same-config spread measured (0.12), below a lost run
+# 0.2 below the lowest undisturbed end measured (0.84: the spread between runs was 0.12); a run
+# that lost its learning in a restart ends near the start's 0.01
+REWARD_FLOOR = 0.64
 SYNC_TIMEOUT_S = 5.0  # weight_sync.timeout_s of the frozen-engine run: well below the hang watch
 
 
@@ -105,23 +108,13 @@ def final_reward(run_dir: Path) -> float:
     return sum(r["rollout/reward_mean"] for r in rows) / len(rows)
 
 
-@pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory, tiny_assets) -> float:
-    """The final reward of the chaos runs' configuration with nothing killed."""
-    run_dir = tmp_path_factory.mktemp("undisturbed") / "run"
-    finish(start(run_dir, tiny_assets, ONE_RANK, *CHAOS))
-    reward = final_reward(run_dir)
-    assert reward >= 0.7, reward  # the reference must have learned for the comparison to mean much
-    return reward
-
-
-def assert_completed_like(run_dir: Path, undisturbed: float, restarts: dict) -> dict:
+def assert_completed_like(run_dir: Path, restarts: dict) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 150 and summary["samples_lost"] == 0, summary
     assert summary["restarts"] == restarts, summary
     assert [r["step"] for r in metrics(run_dir)] == list(range(150))  # none missing or twice
     reward = final_reward(run_dir)
-    assert reward >= undisturbed - REWARD_TOLERANCE, (reward, undisturbed)
+    assert reward >= REWARD_FLOOR, reward
     return summary
 
 
@@ -151,8 +144,7 @@ def wait_restart(proc: subprocess.Popen, run_dir: Path, n: int) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def test_a_killed_broker_worker_and_engine_each_restart_in_place(tmp_path, tiny_assets,
-                                                                 undisturbed):
+def test_a_killed_broker_worker_and_engine_each_restart_in_place(tmp_path, tiny_assets):
     """The broker (from its spill; its clients resend), then the rollout worker (with its
     predecessor's credits and data position), then the engine (re-joining the weight sync
     through a new cohort, every push checked bit for bit), each SIGKILLed once the one before
@@ -175,7 +167,7 @@ def test_a_killed_broker_worker_and_engine_each_restart_in_place(tmp_path, tiny_
         assert f"{name} exited with code -9; restarted in place" in err, name
         assert role(run_dir, name)["pid"] != pids[name], name
     assert "global restart" not in err
-    assert_completed_like(run_dir, undisturbed, {name: 1 for name in pids})
+    assert_completed_like(run_dir, {name: 1 for name in pids})
     rows = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()]
     assert [(r["role"], r["kind"]) for r in rows] == [(name, "in_place") for name in pids]
     logs = run_dir / "logs"
@@ -184,8 +176,7 @@ def test_a_killed_broker_worker_and_engine_each_restart_in_place(tmp_path, tiny_
     assert "weight-sync cohort 1 formed" in (logs / "trainer.log").read_text()
 
 
-def test_a_killed_trainer_rank_restarts_the_run_from_its_checkpoint(tmp_path, tiny_assets,
-                                                                    undisturbed):
+def test_a_killed_trainer_rank_restarts_the_run_from_its_checkpoint(tmp_path, tiny_assets):
     run_dir, first_roles = tmp_path / "run", []
 
     def last_rank(run_dir: Path) -> int:
@@ -199,7 +190,7 @@ def test_a_killed_trainer_rank_restarts_the_run_from_its_checkpoint(tmp_path, ti
     err, _ = kill_mid_run(run_dir, tiny_assets, last_rank, "trainer.nproc_per_node=2", *CHAOS,
                           "cluster.restart.max_global=1", at=KILL_AT + 1)
     assert "global restart 1 of 1" in err
-    summary = assert_completed_like(run_dir, undisturbed, {})
+    summary = assert_completed_like(run_dir, {})
     assert summary["global_restarts"] == 1
     rows = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["kind"] == "global" and "trainer" in rows[0]["cause"]
