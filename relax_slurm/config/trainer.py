@@ -8,6 +8,7 @@ from typing import Optional
 from relax_slurm.config.check import check
 
 SCHEDULES = ("constant", "cosine", "linear")
+RECOMPUTE = ("none", "full", "selective")
 """trainer.lr_schedule's choices (relax_slurm.trainer.schedule computes them)."""
 
 
@@ -68,6 +69,13 @@ class TrainerConfig:
     use_distributed_optimizer: bool = False
     """megatron backend: shard the optimizer state and fp32 main weights over data-parallel
     ranks (ZeRO-1; gradients reduce-scattered, weights all-gathered after each step)."""
+    recompute: str = "none"
+    """Activation recomputation: trade compute for memory in the backward. none: every layer's
+    activations kept from the forward; full: only each transformer layer's input is kept and
+    its forward runs again in the backward (~1/3 more compute; both backends: transformers'
+    gradient checkpointing, megatron-core's recompute_granularity=full, one layer per
+    checkpoint); selective (megatron only): core attention alone is recomputed, which keeps
+    most of the memory saving of long sequences at a few percent of compute."""
     freeze_modules: list[str] = field(default_factory=list)
     """Parameter name prefixes not trained (still synced to engines), e.g. [model.visual] for
     a Qwen-VL vision tower or [model.audio_tower] for Qwen2-Audio's encoder."""
@@ -91,6 +99,12 @@ class TrainerConfig:
                f"trainer.backend={self.backend}: trainer.use_distributed_optimizer is the megatron "
                "backend's; with trainer=torch shard the optimizer with trainer.strategy=fsdp2, and "
                "set trainer.use_distributed_optimizer=false")
+        check(self.recompute in RECOMPUTE,
+               f"trainer.recompute={self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
+        check(self.recompute != "selective" or self.backend == "megatron",
+               "trainer.recompute=selective recomputes megatron-core's core attention; "
+               f"trainer.backend={self.backend} has no such split: use trainer.recompute=full "
+               "(transformers' gradient checkpointing) or trainer=megatron")
         check(self.save_every >= 0, f"trainer.save_every={self.save_every}: must be >= 0")
         check(self.keep_last >= 1, f"trainer.keep_last={self.keep_last}: keep at least 1")
         check(self.backend in ("torch", "megatron"),

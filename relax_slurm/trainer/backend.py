@@ -44,7 +44,7 @@ class TorchBackend:
         self.cfg = cfg
         # the loss's typed parameters, once per run (the config is validated and fixed)
         self.estimator_params = cfg.algo.estimator_params()
-        raw = load_hf_model(cfg.model, device, trained=True)
+        raw = load_hf_model(cfg.model, device, trained=True, recompute=cfg.trainer.recompute)
         self.lora = cfg.model.lora.enabled
         if self.lora:  # adapters on the frozen model.path (trainer/lora.py)
             from relax_slurm.trainer.lora import apply_lora, check_mergeable

@@ -63,8 +63,9 @@ class Critic:
         from relax_slurm.trainer.model import load_hf_model, wrap_parallel
 
         self.cfg = cfg
-        self.model = wrap_parallel(ValueModel(load_hf_model(cfg.model, device, trained=True)), cfg.trainer,
-                                   device)
+        value = ValueModel(load_hf_model(cfg.model, device, trained=True,
+                                         recompute=cfg.trainer.recompute))
+        self.model = wrap_parallel(value, cfg.trainer, device)
         t = cfg.trainer
         self.lr = critic_lr(cfg)
         self.optimizer = torch.optim.AdamW(

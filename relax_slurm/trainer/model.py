@@ -25,7 +25,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_hf_model(cfg: ModelConfig, device: torch.device, trained: bool = False,
-                  text_only: bool = False) -> nn.Module:
+                  text_only: bool = False, recompute: str = "none") -> nn.Module:
     """The causal LM, or the multimodal model (VL, audio, omni) the directory holds.
 
     `trained`: an optimizer updates these weights, so they are kept in float32 whatever
@@ -33,7 +33,8 @@ def load_hf_model(cfg: ModelConfig, device: torch.device, trained: bool = False,
     (`compute_in`). AdamW on bf16 parameters rounds most updates away: at lr 1e-6 an update is
     far below bf16's resolution of a weight (8 bits of mantissa). `text_only`: a speech-output
     model's talker and code2wav are not built (`modeling.text_only_kwargs`: Qwen3-Omni's
-    thinker alone, under its `thinker.*` names)."""
+    thinker alone, under its `thinker.*` names). `recompute`: trainer.recompute of a trained
+    model (`recompute_layers`)."""
     dtype = DTYPES[cfg.dtype]
     model = auto_model_class(cfg.path).from_pretrained(
         cfg.path, dtype=torch.float32 if trained else dtype,
@@ -44,7 +45,21 @@ def load_hf_model(cfg: ModelConfig, device: torch.device, trained: bool = False,
     model = model.to(device)
     if trained and dtype != torch.float32:
         compute_in(model, dtype, device)
+    if trained and recompute == "full":
+        recompute_layers(model)
     return model
+
+
+def recompute_layers(model: nn.Module) -> None:
+    """trainer.recompute=full: transformers' gradient checkpointing, each decoder layer's
+    forward run again in the backward from its saved input (non-reentrant: works under
+    autocast, DDP, FSDP2 and PEFT's frozen inputs alike). Dropout is 0 in RL, so the
+    recomputed forward is the first one exactly."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def compute_in(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

@@ -68,9 +68,12 @@ def parity_runs(model_dir: Path, root: Path, layouts) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def runs(tiny_dir, tmp_path_factory) -> dict[str, Path]:
     return parity_runs(tiny_dir, tmp_path_factory.mktemp("megatron_runs"),
-                       # tp2 writes its checkpoint asynchronously (and a sync one to compare)
-                       (("tp1", 1, 1, 1, 1), ("tp2", 2, 2, 1, 1, "--async-save"),
-                        ("pp2", 2, 1, 2, 1)))
+                       # tp2 writes its checkpoint asynchronously (and a sync one to compare);
+                       # tp2 recomputes every layer in the backward and pp2 the core attention
+                       # (trainer.recompute): the same gradients as tp1, which keeps them
+                       (("tp1", 1, 1, 1, 1),
+                        ("tp2", 2, 2, 1, 1, "--async-save", "--recompute", "full"),
+                        ("pp2", 2, 1, 2, 1, "--recompute", "selective")))
 
 
 def result(d: Path) -> dict:

@@ -45,7 +45,26 @@ def instrument(current: list[dict[str, float]]) -> None:
                 current[0][name] += time.perf_counter() - t0
         return wrapper
 
-    snd.bucket_named_tensors = timed("sender: bucketing", snd.bucket_named_tensors)
+    def timed_stream(name, gen_fn):
+        """A generator's time inside each of its steps (the sender reads its buckets as a
+        stream: timing the call alone would time making the generator)."""
+        def wrapper(*a, **kw):
+            it = gen_fn(*a, **kw)
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                finally:
+                    current[0][name] += time.perf_counter() - t0
+                yield item
+        return wrapper
+
+    if hasattr(snd, "stream_buckets"):  # the sender streams its buckets (since session 25)
+        snd.stream_buckets = timed_stream("sender: bucketing", snd.stream_buckets)
+    else:
+        snd.bucket_named_tensors = timed("sender: bucketing", snd.bucket_named_tensors)
     flat = "sender: flatten into the bucket"
     snd.flatten_bucket = timed(flat, snd.flatten_bucket)
     if hasattr(snd, "FlatBuffer"):  # the kept buffer (absent before it existed)

@@ -4,7 +4,8 @@ Everything that makes Megatron run on a CPU-only torch lives here, and nothing h
 CUDA is available. What it does and why:
 
 - megatron-core forks a CUDA RNG tracker for dropout and initialisation: a tracker backed by
-  CPU generators replaces it (`get_cuda_rng_tracker` keeps its contract: add/fork/get_states).
+  CPU generators replaces it (`get_cuda_rng_tracker` keeps its contract: add/fork/get_states);
+  activation recompute's save and restore of the CUDA generator's state are no-ops.
 - RoPE, the optimizer and the schedules call `torch.cuda.current_device()`, `.cuda()` and pass
   `device="cuda"` literals: those are answered with the CPU (a process-wide TorchFunctionMode
   rewrites a `device=` keyword naming CUDA; `.cuda()`, `synchronize`, `empty_cache` are no-ops).
@@ -111,6 +112,11 @@ def _install_rng_tracker(seed: int) -> None:
     tracker.add(mr._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + 100 * ep + tp)
     mr._CUDA_RNG_STATE_TRACKER = tracker
     mr._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # activation recompute (trainer.recompute) saves the CUDA generator's state before a
+    # checkpointed forward and restores it for the replay: there is none on CPU (torch's CPU
+    # generator is saved beside it, and the tracker's states above are CPU ones)
+    mr._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mr._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):

@@ -78,6 +78,7 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
     dtype = DTYPES[model_cfg.dtype]
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     set_parallel_sizes(provider, cfg)
+    set_recompute(provider, cfg.recompute)
     provider.params_dtype = dtype
     provider.pipeline_dtype = dtype
     provider.autocast_dtype = dtype
@@ -142,6 +143,18 @@ def set_parallel_sizes(provider, cfg: TrainerConfig) -> None:
     provider.expert_model_parallel_size = cfg.expert_parallel_size
     provider.sequence_parallel = needs_sequence_parallel(
         getattr(provider, "num_moe_experts", None), cfg.tensor_parallel_size)
+
+
+def set_recompute(provider, recompute: str) -> None:
+    """trainer.recompute on megatron-core's TransformerConfig: full recomputes every layer from
+    its input (method uniform, one layer per checkpoint), selective the core attention alone
+    (megatron-core's default selective module); none leaves its defaults (no recompute)."""
+    if recompute == "full":
+        provider.recompute_granularity = "full"
+        provider.recompute_method = "uniform"
+        provider.recompute_num_layers = 1
+    elif recompute == "selective":
+        provider.recompute_granularity = "selective"
 
 
 def needs_sequence_parallel(num_moe_experts: int | None, tensor_parallel_size: int) -> bool:
