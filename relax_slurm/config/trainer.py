@@ -8,8 +8,9 @@ from typing import Optional
 from relax_slurm.config.check import check
 
 SCHEDULES = ("constant", "cosine", "linear")
-RECOMPUTE = ("none", "full", "selective")
 """trainer.lr_schedule's choices (relax_slurm.trainer.schedule computes them)."""
+RECOMPUTE = ("none", "full", "selective")
+"""trainer.recompute's choices (trainer/model.py, trainer/megatron/model.py apply them)."""
 
 
 @dataclass(kw_only=True)
