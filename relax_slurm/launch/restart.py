@@ -42,6 +42,12 @@ class InPlace:
             if rc is not None and self._may_restart(role.name):
                 self._restart(role, f"exited with code {rc}")
 
+    def revivable(self) -> tuple[str, ...]:
+        """Roles the next `revive` restarts if they are dead by then: the supervisor's
+        `check_alive` skips them, since a role that dies between `revive` and `check_alive`
+        (one poll apart) would otherwise fail the attempt instead of being restarted."""
+        return tuple(r.name for r in self.procs.roles if self._may_restart(r.name))
+
     def restart_hung(self, name: str, why: str) -> bool:
         """A role alive but silent (launch/health.py names it: `name` is a role or one of its
         heartbeat names, rollout0 for rollout): kill it and start it again, like a dead one.

@@ -152,7 +152,8 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
                 in_place.revive()
             if scaler is not None:
                 scaler.tick()  # elastic rollout: start/stop engines the broker asks for
-            procs.check_alive(skip=("trainer",))
+            # a restartable role that died since revive() is the next tick's to restart
+            procs.check_alive(skip=("trainer", *(in_place.revivable() if in_place else ())))
             stuck = hangs.check() if hangs is not None else None
             if stuck is not None:
                 name, why = stuck[0], with_stacks(run_dir, stuck[1])

@@ -88,3 +88,26 @@ def test_a_hung_role_is_killed_and_started_again(tmp_path: Path, procs: ProcessS
     assert not in_place.restart_hung("rollout", "again")  # past the cap
     assert not in_place.restart_hung("trainer", "sent no heartbeat")  # no restart command
     assert roles["trainer"].proc.poll() is None  # left alone: the caller fails the attempt
+
+
+def test_a_role_dying_after_revive_is_left_for_the_next_tick(tmp_path: Path,
+                                                             procs: ProcessSet) -> None:
+    """The supervisor polls `revive` then `check_alive`: a restartable role that dies between
+    the two (CI saw an engine SIGKILLed there fail the run) is skipped by `check_alive` and
+    restarted by the next `revive`; past its cap it is reported."""
+    specs = two_roles("engine0", "--again", "trainer")
+    roles = {s.name: procs.start(s.name, s.argv) for s in specs}
+    in_place = InPlace(procs, specs, wrap=lambda spec: spec.argv, run_dir=tmp_path, cap=1)
+    in_place.revive()  # all alive: nothing to do
+    first = roles["engine0"].proc
+    first.kill()
+    first.wait(10)
+    assert in_place.revivable() == ("engine0",)
+    procs.check_alive(skip=in_place.revivable())  # the dead engine is the next tick's
+    in_place.revive()
+    assert roles["engine0"].proc is not first and roles["engine0"].proc.poll() is None
+    roles["engine0"].proc.kill()
+    roles["engine0"].proc.wait(10)
+    assert in_place.revivable() == ()  # past the cap: check_alive reports it
+    with pytest.raises(RoleFailed, match="role 'engine0' exited"):
+        procs.check_alive(skip=in_place.revivable())
