@@ -117,6 +117,10 @@ class MicroBatch:
     """[B, T-1]: the policy's log-probs before the step's first optimizer step, set by the
     trainer when one rollout batch takes several (trainer.num_steps_per_rollout); None: the
     ratio's denominator is the micro-batch's own detached log-probs."""
+    ref_logp: Tensor | None = None
+    """[B, T-1]: the KL reference's log-probs, when the backend computes them for the whole
+    batch before the step (trainer=megatron's sharded reference: megatron/reference.py);
+    None: the loss asks the reference model per micro-batch (trainer.step.reference_logprobs)."""
     old_values: Tensor | None = None
     """[B, T-1]: the critic's values before its update (algo=ppo; set on each rank)."""
     returns: Tensor | None = None
@@ -166,8 +170,8 @@ class MicroBatch:
 
 # [B, T-1] float fields; teacher_logp and the ones each rank computes last: they are optional
 _PER_POSITION = ("weights", "advantages", "rollout_logp", "teacher_logp", "old_logp",
-                 "old_values", "returns")
-_RANK_LOCAL = ("old_logp", "old_values", "returns")  # computed by each rank after the scatter
+                 "ref_logp", "old_values", "returns")
+_RANK_LOCAL = ("old_logp", "ref_logp", "old_values", "returns")  # computed by each rank after the scatter
 
 
 def collate(items: list[TrainItem], pad_id: int, device: torch.device) -> MicroBatch:

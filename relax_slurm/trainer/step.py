@@ -69,7 +69,11 @@ def token_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> Tens
 @torch.no_grad()
 def reference_logprobs(ref_model: nn.Module | None, mb: MicroBatch, temperature: float
                        ) -> Tensor | None:
-    """The frozen reference model's log-probs of the same tokens, [B, T-1], or None."""
+    """The frozen reference model's log-probs of the same tokens, [B, T-1], or None: the
+    micro-batch's own (`mb.ref_logp`, computed for the whole batch by a sharded reference)
+    when it carries them, else a forward of `ref_model`."""
+    if mb.ref_logp is not None:
+        return mb.ref_logp
     return None if ref_model is None else token_logprobs(ref_model, mb, temperature)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ONE_RANK, relax_train, run_tool
+from tests.conftest import NEEDS_MEGATRON, ONE_RANK, relax_train, run_tool
 
 RUN_TIMEOUT_S = 900
 TEACHER_SHARPNESS = 6.0
@@ -125,18 +125,22 @@ def test_opd_on_another_estimator_distills(tmp_path, tiny_assets):
 
 
 @pytest.mark.slow
-def test_reward_side_kl_against_a_refreshed_reference(tmp_path, tiny_assets):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("megatron", marks=NEEDS_MEGATRON)])
+def test_reward_side_kl_against_a_refreshed_reference(tmp_path, tiny_assets, backend):
     """algo.kl_coef alone loads the reference; algo.ref_update_interval=2 makes it the policy
     after steps 2 and 4: the KL measured on steps 3 and 5 (before their updates, against the
-    weights just copied) is 0, the others' is not. No learning claim: a wiring run."""
+    weights just copied) is 0, the others' is not. No learning claim: a wiring run. Under
+    megatron with algo=ppo: the critic's reward-side KL against the sharded reference
+    (megatron/reference.py), whose log-probs the rows carry."""
     steps = 5
     run_dir = tmp_path / "reward_kl"
-    proc = relax_train(run_dir, tiny_assets, ONE_RANK, "metrics.progress=false", "algo=grpo",
+    algo = ["algo=grpo"] if backend == "torch" else ["trainer=megatron", "algo=ppo"]
+    proc = relax_train(run_dir, tiny_assets, ONE_RANK, "metrics.progress=false", *algo,
                        "algo.kl_coef=0.05", "algo.kl_loss_type=k3", "algo.ref_update_interval=2",
                        "trainer.lr=1e-3", f"trainer.total_steps={steps}")
     _, rows = finished(run_dir, proc, steps)
     kl = [r["train/reward_kl"] for r in rows]
-    # measured: [0, 0.0064, 0, 0.0018, 0]
+    # measured: [0, 0.0064, 0, 0.0018, 0] (torch), [0, 0.0145, 0, 0.0061, 0] (megatron, ppo)
     assert kl[0] == 0.0  # step 1: the policy is model.path, as the reference
     # the policy and the copy run the same forward on the same weights: exactly equal log-probs
     assert kl[2] == 0.0 and kl[4] == 0.0, kl

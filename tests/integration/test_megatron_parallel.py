@@ -134,6 +134,23 @@ def test_several_optimizer_steps_per_batch_equal_those_steps_by_hand(runs):
 
 
 @pytest.mark.timeout(1200)
+def check_reference(r: dict) -> None:
+    """megatron_parity.py's reference_check: the KL reference sharded as the policy."""
+    ref = r["reference"]
+    # the logits agree with transformers' within 1e-5 (above); a log-softmax moves by at most
+    # twice its logits' largest change
+    assert ref["vs_transformers_max_diff"] < 2e-5, ref
+    assert ref["differs_from_policy"], ref  # model.path, while the policy has trained
+    # a refresh copies the shards: the same kernels on the same weights, bit for bit; and a
+    # checkpoint keeps them
+    assert ref["refreshed_equals_policy"] and ref["loaded_equals_refreshed"], ref
+
+
+def test_sharded_reference_scores_as_transformers_refreshes_and_resumes(runs):
+    for d in runs.values():
+        check_reference(result(d))
+
+
 def test_pp2_trains_like_pp1(runs):
     one, pp = result(runs["tp1"]), result(runs["pp2"])
     for a, b in zip(one["steps"], pp["steps"]):
@@ -245,6 +262,7 @@ def test_moe_expert_parallel_equals_one_rank(moe_runs, tmp_path):
     for r in (one, two):  # experts gathered across EP ranks: the HF checkpoint, bit for bit
         assert r["exported_names"] == r["hf_names"] and r["export_bitwise"]
         assert r["logits_max_diff"] < 1e-5
+        check_reference(r)  # its experts sharded over the EP ranks as the policy's
     g1, g2 = (load_file(str(moe_runs[k] / "grads.safetensors")) for k in ("ep1", "ep2"))
     for k in g1:
         torch.testing.assert_close(g2[k], g1[k], rtol=1e-5, atol=1e-7, msg=k)

@@ -15,11 +15,12 @@ from relax_slurm.config import TrainConfig
 from relax_slurm.trainer.model import reference_due
 from relax_slurm.trainer.batch import MicroBatch
 from relax_slurm.trainer.export import sync_share
-from relax_slurm.trainer.megatron import checkpoint, omni, vl
+from relax_slurm.trainer.megatron import checkpoint, vl
 from relax_slurm.trainer.megatron import lora as megatron_lora
 from relax_slurm.trainer.megatron.model import (
     MegatronModel, data_ranks, destroy_model_parallel, init_model_parallel,
 )
+from relax_slurm.trainer.megatron.reference import MegatronReference
 from relax_slurm.trainer.megatron.step import train_step
 
 log = logging.getLogger("relax_slurm.trainer")
@@ -54,17 +55,14 @@ class MegatronBackend:
         # multimodal configs keep it in the text config (transformers 5)
         pad = hf_config.get_text_config().pad_token_id
         self.pad_id = pad if pad is not None else 0
-        # the KL loss's anchor: a frozen transformers replica of model.path on every rank; with
-        # model.lora the policy with its adapters off, which is model.path itself
+        # the KL loss's anchor: model.path as a frozen megatron model sharded as the policy
+        # (megatron/reference.py); with model.lora the policy with its adapters off, which is
+        # model.path itself
         self.ref_model = None
         if cfg.algo.uses_reference and self.lora:
             self.ref_model = megatron_lora.AdapterDisabled(self.mm, self.peft, hf_config)
-        elif cfg.algo.uses_reference and omni.is_omni(hf_config):  # the thinker alone
-            self.ref_model = omni.load_reference(cfg.model, device)
         elif cfg.algo.uses_reference:
-            from relax_slurm.trainer.model import load_reference_model
-
-            self.ref_model = load_reference_model(cfg.model, device)
+            self.ref_model = MegatronReference(self.mm, cfg.model)
         # algo=ppo: the value model, its own weights and optimizer (megatron/critic.py)
         self.critic = None
         if cfg.algo.uses_critic:
@@ -102,13 +100,18 @@ class MegatronBackend:
         """Whole batches only (one block): see TrainConfig.streaming_blockers for why."""
         [(batch, _)] = list(blocks)
         t = self.cfg.trainer
+        ref_model = self.ref_model
+        if isinstance(ref_model, MegatronReference):  # the whole batch's, before the step
+            batch = ref_model.with_logprobs(self.mm, batch, t.num_steps_per_rollout,
+                                            t.micro_batch_size, self.cfg.rollout.temperature)
+            ref_model = None  # the rows carry them (MicroBatch.ref_logp)
 
         def policy_step(blocks) -> dict[str, float]:
             [(batch, _)] = blocks
             return train_step(self.mm, batch, self.cfg.algo,
                               micro_batch_size=t.micro_batch_size,
                               temperature=self.cfg.rollout.temperature,
-                              ref_model=self.ref_model, before_update=before_update,
+                              ref_model=ref_model, before_update=before_update,
                               num_steps=t.num_steps_per_rollout,
                               params=self.estimator_params)
 
@@ -118,7 +121,7 @@ class MegatronBackend:
             from relax_slurm.trainer.critic_step import train_with_critic
             from relax_slurm.trainer.megatron.critic import reward_kl
 
-            kl = (reward_kl(self.cfg, self.mm, self.ref_model) if self.cfg.algo.kl_coef
+            kl = (reward_kl(self.cfg, self.mm, ref_model) if self.cfg.algo.kl_coef
                   else None)
             metrics = train_with_critic(
                 self.critic, [(batch, True)], kl, policy_step=policy_step,
@@ -135,14 +138,10 @@ class MegatronBackend:
         self.mm.steps_done += 1
 
     def refresh_reference(self) -> None:
-        """The policy's weights into the transformers reference (algo.ref_update_interval):
-        every rank drives the bridge's export (gathered over TP/PP/EP) and keeps it, as every
-        rank holds a reference replica; HF names, fused MoE experts per expert."""
-        from relax_slurm.weightsync.receiver import load_named_tensors
-
-        with torch.no_grad():
-            load_named_tensors(self.ref_model, self.mm.named_hf_weights())
-        if dist.get_rank() == 0:  # every rank refreshes its replica; one line says so
+        """The policy's weights into the reference (algo.ref_update_interval): each rank copies
+        its own shards (megatron/reference.py)."""
+        self.ref_model.refresh(self.mm)
+        if dist.get_rank() == 0:  # every rank refreshes its shards; one line says so
             log.info("reference model refreshed from the policy after step %d",
                      self.mm.steps_done)
 

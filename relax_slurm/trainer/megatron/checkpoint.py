@@ -4,10 +4,11 @@
         .metadata, __*.distcp, metadata.json, common.pt   Megatron dist-checkpoint: model and
                                                           optimizer, sharded by TP/PP/EP, which
                                                           reshards on load (other sizes); with
-                                                          algo=ppo also the critic's (CRITIC)
-        rng/rank_<r>.pt                                   RNG states of rank r
-        reference.pt                                      the reference model, when
+                                                          algo=ppo also the critic's (CRITIC);
+                                                          the KL reference when
                                                           algo.ref_update_interval moves it
+                                                          (megatron/reference.py PREFIX)
+        rng/rank_<r>.pt                                   RNG states of rank r
         hf/                                               config.json, tokenizer (for relax-convert)
         meta.json                                         as the torch backend's, + "backend"
 
@@ -27,11 +28,9 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 from relax_slurm.checkpoint.from_lora import LORA_KEY
 from relax_slurm.checkpoint.hf_files import copy_hf_assets, write_hf_stream
@@ -43,9 +42,14 @@ from relax_slurm.checkpoint.resume import META, CheckpointError, is_complete, st
 from relax_slurm.trainer.megatron import omni
 from relax_slurm.trainer.megatron.model import MegatronModel
 
+if TYPE_CHECKING:
+    from relax_slurm.trainer.megatron.reference import MegatronReference
+
 log = logging.getLogger("relax_slurm.checkpoint")
 BACKEND = "megatron"
-REFERENCE = "reference.pt"  # the moving reference model (algo.ref_update_interval), HF names
+LEGACY_REFERENCE = "reference.pt"
+"""Where checkpoints kept the moving reference while it was a transformers replica (HF names);
+it now lives in the dist-checkpoint, sharded (megatron/reference.py)."""
 
 
 # the distributed optimizer's state in the canonical per-parameter layout (gathered on DP rank 0
@@ -62,10 +66,13 @@ its optimizer's "optimizer.state.exp_avg.critic...."); in the loaded state dict 
 
 
 def sharded_state_dict(mm: MegatronModel, loading: bool = False,
-                       critic: MegatronModel | None = None, adapter_only: bool = False) -> dict:
+                       critic: MegatronModel | None = None, adapter_only: bool = False,
+                       reference: MegatronReference | None = None) -> dict:
     model_sd = model_sharded_state_dict(mm.chunks, adapter_only)
     state = {**model_sd, "optimizer": mm.optimizer.sharded_state_dict(
         model_sd, is_loading=loading, metadata=OPTIMIZER_METADATA)}
+    if reference is not None:  # its keys prefixed (reference.PREFIX); no optimizer state
+        state["reference"] = reference.sharded_state_dict()
     if critic is not None:
         from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
@@ -113,14 +120,14 @@ def load_model_state(module, state: dict, adapter_only: bool) -> None:
 
 def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], *,
          keep_last: int, hf_assets_src: str | None, async_save: bool = False,
-         reference: nn.Module | None = None, critic: MegatronModel | None = None,
+         reference: MegatronReference | None = None, critic: MegatronModel | None = None,
          adapter_only: bool = False) -> SaveHandle:
     """Every rank calls this. Synchronous: returns once the checkpoint is committed. With
     `async_save`, returns once a forked process holds a snapshot of the state and writes it
     (megatron-core's async dist-checkpointing); the commit happens when the handle is waited
     for, on every rank (the next save, the end of the run: `dcp.wait_pending()`).
-    `reference` (algo.ref_update_interval, a replica on every rank): rank 0 writes it, sync,
-    to REFERENCE. `critic`: algo=ppo's, in the same dist-checkpoint (CRITIC). `adapter_only`
+    `reference` (algo.ref_update_interval moves it) and `critic` (algo=ppo's, CRITIC) go in
+    the same dist-checkpoint, sharded as the policy. `adapter_only`
     (model.lora): the policy's adapters and their optimizer state, not the frozen base."""
     from concurrent.futures import Future
 
@@ -143,8 +150,6 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
         tmp.mkdir()
         if hf_assets_src is not None:
             copy_hf_assets(hf_assets_src, tmp / HF_ASSETS, include_config=True)
-        if reference is not None:  # small next to the policy's optimizer state
-            torch.save(reference.state_dict(), tmp / REFERENCE)
     barrier(group)
     save_rng(tmp / RNG_DIR / f"rank_{rank}.pt")
     done: Future = Future()
@@ -158,9 +163,10 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
         done.set_result(final)
 
     try:
-        request = dist_checkpointing.save(sharded_state_dict(mm, critic=critic,
-                                                             adapter_only=adapter_only), str(tmp),
-                                          async_sharded_save=async_save)
+        request = dist_checkpointing.save(
+            sharded_state_dict(mm, critic=critic, adapter_only=adapter_only,
+                               reference=reference),
+            str(tmp), async_sharded_save=async_save)
     except Exception as e:
         raise CheckpointError(f"writing Megatron checkpoint step {step} to {tmp} failed: {e}"
                               ) from e
@@ -211,10 +217,10 @@ def _finalize_all(queue, timeout_s: float = SAVE_TIMEOUT.total_seconds()) -> Non
         time.sleep(0.05)
 
 
-def load(path: Path, mm: MegatronModel, reference: nn.Module | None = None,
+def load(path: Path, mm: MegatronModel, reference: MegatronReference | None = None,
          critic: MegatronModel | None = None, adapter_only: bool = False) -> dict[str, Any]:
     """Load model, optimizer, lr position and this rank's RNG; returns extra_state (+ "step").
-    `reference`: loaded from REFERENCE when the checkpoint has one, else left as it is; likewise
+    `reference`: loaded when the checkpoint has one, else left as it is (model.path); likewise
     `critic` (model and optimizer) from its CRITIC keys."""
     from megatron.core import dist_checkpointing
 
@@ -238,8 +244,19 @@ def load(path: Path, mm: MegatronModel, reference: nn.Module | None = None,
     if not adapter_only and LORA_KEY in extra:
         raise CheckpointError(f"{path} holds a model.lora adapter and no full weights: resume "
                               "it with the run's model.lora settings")
+    if reference is not None and not extra.get("reference_saved"):
+        log.warning("%s holds no reference model (saved without algo.ref_update_interval): "
+                    "the reference stays model.path as loaded", path)
+        reference = None
+    if reference is not None and (path / LEGACY_REFERENCE).exists():
+        raise CheckpointError(
+            f"{path} keeps its moving KL reference in {LEGACY_REFERENCE}, a transformers "
+            "replica's HF-named weights written before the megatron reference was sharded "
+            "(docs/backends.md); this version cannot load it: resume it with the version that "
+            "wrote it, or from model.path with resume=none")
     state = dist_checkpointing.load(sharded_state_dict(mm, loading=True, critic=critic,
-                                                       adapter_only=adapter_only), str(path))
+                                                       adapter_only=adapter_only,
+                                                       reference=reference), str(path))
     for i, chunk in enumerate(mm.chunks):
         load_model_state(chunk.module, state["model" if len(mm.chunks) == 1 else f"model{i}"],
                          adapter_only)
@@ -252,11 +269,7 @@ def load(path: Path, mm: MegatronModel, reference: nn.Module | None = None,
     if rng.is_file():
         load_rng(rng)
     if reference is not None:
-        if extra.get("reference_saved"):
-            reference.load_state_dict(torch.load(path / REFERENCE, weights_only=True))
-        else:
-            log.warning("%s holds no reference model (saved without algo.ref_update_interval): "
-                        "the reference stays model.path as loaded", path)
+        reference.load(state["reference"])
     return dict(extra, step=meta["step"])
 
 

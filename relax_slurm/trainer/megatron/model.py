@@ -125,6 +125,23 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
     return provider
 
 
+def provide_chunks(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, dtype: torch.dtype
+                   ) -> tuple[list, bool]:
+    """model.path's chunks (one per virtual pipeline stage) built by the bridge at our parallel
+    sizes, unwrapped, TP parameters marked; and whether sequence parallelism is on. The policy,
+    the critic and the KL reference (megatron/reference.py) are all built here."""
+    provider = build_provider(bridge, model_cfg, cfg)
+    # wrapped in Megatron DDP by ddp_chunks rather than by the bridge, whose wrapper opens a
+    # CUDA side-stream (for CUDA graphs) that a CPU build cannot create
+    bare = provider.provide_distributed_model(
+        wrap_with_ddp=False, use_cpu_initialization=cpu_compat.needed(),
+        data_parallel_random_init=False,
+        mixed_precision_wrapper=None if dtype == torch.float32 else _float16_module())
+    for chunk in bare:
+        mark_tensor_parallel(chunk)
+    return bare, bool(provider.sequence_parallel)
+
+
 def set_parallel_sizes(provider, cfg: TrainerConfig) -> None:
     """Our TP/PP/CP/EP sizes on the bridge's provider, and sequence parallelism where
     megatron-core requires it: on for an MoE model at TP > 1, off otherwise.
@@ -213,16 +230,7 @@ class MegatronModel:
     def _bare_chunks(self, model_cfg: ModelConfig, cfg: TrainerConfig, dtype: torch.dtype) -> list:
         """The model's chunks (one per virtual pipeline stage) from the bridge, unwrapped, TP
         parameters marked and `trainer.freeze_modules` frozen."""
-        provider = build_provider(self.bridge, model_cfg, cfg)
-        self.sequence_parallel = bool(provider.sequence_parallel)
-        # wrapped in Megatron DDP by ddp_chunks rather than by the bridge, whose wrapper opens a
-        # CUDA side-stream (for CUDA graphs) that a CPU build cannot create
-        bare = provider.provide_distributed_model(
-            wrap_with_ddp=False, use_cpu_initialization=cpu_compat.needed(),
-            data_parallel_random_init=False,
-            mixed_precision_wrapper=None if dtype == torch.float32 else _float16_module())
-        for chunk in bare:
-            mark_tensor_parallel(chunk)
+        bare, self.sequence_parallel = provide_chunks(self.bridge, model_cfg, cfg, dtype)
         if cfg.freeze_modules:
             freeze(bare, [vl.hf_prefix_to_megatron(self.vl, p) if self.vl else p
                           for p in cfg.freeze_modules], cfg.freeze_modules)

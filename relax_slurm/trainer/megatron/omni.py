@@ -45,31 +45,3 @@ def thinker_only_config(hf_config):
     out = copy.deepcopy(hf_config)
     out.enable_audio_output = False
     return out
-
-
-
-def load_reference(model_cfg, device):
-    """The KL reference of a Qwen3-Omni run (`algo.uses_reference`): a frozen transformers
-    replica of the thinker alone (the talker and code2wav, a tenth of the 30B's weights, are not
-    built: they never score a token), under the files' `thinker.*` names that the policy's
-    export refreshes it by. The whole model has no forward of its own, so calls go to the
-    thinker, with positions from `omni_rope.omni_rope_index` (the policy's: a start marker a
-    response holds counts as text; transformers' own positions read it as media and fail)."""
-    from relax_slurm.trainer.megatron.omni_rope import omni_rope_index
-    from relax_slurm.trainer.model import load_reference_model
-
-    model = load_reference_model(model_cfg, device, text_only=True)
-    thinker = model.thinker
-
-    def forward(input_ids, attention_mask=None, **media):
-        audio_mask = media.get("feature_attention_mask")
-        positions = omni_rope_index(
-            thinker.config, input_ids, attention_mask,
-            image_grid_thw=media.get("image_grid_thw"), video_grid_thw=media.get("video_grid_thw"),
-            audio_feature_lengths=None if audio_mask is None else audio_mask.sum(1),
-            second_per_grid=media.get("video_second_per_grid"))
-        return thinker(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=positions, **media)
-
-    model.forward = forward  # an instance attribute: nn.Module's __call__ runs it
-    return model

@@ -171,25 +171,38 @@ def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, nu
     optimizer step, from a forward-only pass over the same micro-batches the update runs (so
     the first mini-batch's ratio is exactly 1). Filled where the loss is computed (the last
     pipeline stage); other stages never read it."""
-    import torch
+    return dataclasses.replace(batch, old_logp=forward_logprobs(
+        mm, mm.chunks, batch, algo, num_steps, micro_batch_size, temperature))
+
+
+def forward_logprobs(mm: MegatronModel, chunks: list, batch: MicroBatch, algo: AlgoConfig | None,
+                     num_steps: int, micro_batch_size: int, temperature: float) -> torch.Tensor:
+    """Log-probs [rows, T-1] of the rows' tokens under `chunks` (the policy's, or a model built
+    like them: the KL reference, megatron/reference.py), from Megatron's forward-only schedule
+    over the micro-batches the update runs (`num_steps` mini-batches of `micro_batch_size`
+    rows), at every layout (TP's vocabulary slices, PP's stages, CP's chunks). Filled on the
+    last pipeline stage, zeros elsewhere. `algo`: MoE rows compare (and, with
+    algo.routing_replay, replay) the rollout's routing, as the update does; None: the chunks
+    route on their own (the reference: as the transformers replica it replaces)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     pipelined = ps.get_pipeline_model_parallel_world_size() > 1
     width = batch.input_ids.shape[1]
-    old = torch.zeros_like(batch.weights)
+    out = torch.zeros_like(batch.weights)
     for lo, mini in mini_batches(batch, num_steps):
         mbs = micro_batches(mini, micro_batch_size, pipelined)
         starts = [lo + i * micro_batch_size for i in range(len(mbs))]
 
         def forward_step(data_iterator, chunk):
             row, mb = next(data_iterator)
-            output = _forward(mm, chunk, mb, cp, cp_rank, algo=algo, routing=RoutingStats())
+            output = _forward(mm, chunk, mb, cp, cp_rank, algo=algo,
+                              routing=RoutingStats() if algo is not None else None)
 
-            def loss_func(out):
-                logp, _ = _token_terms(mm, out, width, cp, temperature, mb, entropy=None)
-                old[row:row + len(mb), :logp.shape[1]] = logp
+            def loss_func(output):
+                logp, _ = _token_terms(mm, output, width, cp, temperature, mb, entropy=None)
+                out[row:row + len(mb), :logp.shape[1]] = logp
                 return logp.new_zeros(()), {}
 
             return output, loss_func
@@ -197,10 +210,10 @@ def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, nu
         with torch.no_grad():
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(list(zip(starts, mbs))),
-                model=mm.chunks, num_microbatches=len(mbs),
+                model=chunks, num_microbatches=len(mbs),
                 seq_length=mm.seq_length(width, cp),
                 micro_batch_size=len(mbs[0]), forward_only=True)
-    return dataclasses.replace(batch, old_logp=old)
+    return out
 
 
 def _same_keys(sums: dict) -> dict:

@@ -14,7 +14,9 @@ for the test to compare across TP/PP sizes,
   with --async-save that checkpoint is written asynchronously during the next step, and a
   synchronous save of the same state goes to DIR/checkpoints_sync/step_2 for comparison,
 - from that checkpoint, trains one batch as two optimizer steps (trainer.num_steps_per_rollout=2)
-  and, without pipeline stages, the same two steps by hand (mini_batch_check).
+  and, without pipeline stages, the same two steps by hand (mini_batch_check),
+- builds the sharded KL reference and checks it against transformers, after a refresh against
+  the policy, and through a checkpoint (reference_check).
 """
 
 from __future__ import annotations
@@ -107,6 +109,55 @@ def mini_batch_check(mm: MegatronModel, mine: MicroBatch, ckpt: Path, *, pp: int
     return out
 
 
+def reference_check(mm: MegatronModel, model_dir: str, mine: MicroBatch, out: Path, *,
+                    micro_batch_size: int) -> dict:
+    """The KL reference (megatron/reference.py), built while the policy has trained: model.path
+    sharded as the policy. Its log-probs against the transformers model's on this rank's rows
+    (max difference over the ranks that compute the loss); after a refresh, bitwise the
+    policy's own (the old log-probs' pass); saved in a checkpoint and loaded into a fresh
+    reference, bitwise the refreshed one's."""
+    from megatron.core import parallel_state as ps
+
+    from relax_slurm.trainer.megatron.reference import MegatronReference
+    from relax_slurm.trainer.model import load_reference_model
+    from relax_slurm.trainer.step import token_logprobs
+
+    counted = ps.is_pipeline_last_stage()
+
+    def agree(flag: bool) -> bool:
+        t = torch.tensor(0.0 if flag else 1.0)
+        dist.all_reduce(t)
+        return float(t) == 0.0
+
+    def logprobs(ref: MegatronReference) -> torch.Tensor:
+        return ref.with_logprobs(mm, mine, 1, micro_batch_size, 1.0).ref_logp
+
+    model_cfg = ModelConfig(path=model_dir)
+    ref = MegatronReference(mm, model_cfg)
+    ours = logprobs(ref)
+    hf = load_reference_model(model_cfg, torch.device("cpu"))
+    theirs = torch.zeros_like(ours)
+    for lo in range(0, len(mine), micro_batch_size):
+        mb = mine.rows(lo, lo + micro_batch_size)
+        theirs[lo:lo + len(mb), :mb.targets.shape[1]] = token_logprobs(hf, mb, 1.0)
+    mask = mine.attention_mask[:, 1:].bool()
+    diff = torch.tensor((ours - theirs)[mask].abs().max().item() if counted else 0.0)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    policy = with_old_logprobs(mm, mine, AlgoConfig(), 1, micro_batch_size, 1.0).old_logp
+    result = {"vs_transformers_max_diff": float(diff),
+              "differs_from_policy": not agree(not counted or torch.equal(ours, policy))}
+    ref.refresh(mm)
+    refreshed = logprobs(ref)
+    result["refreshed_equals_policy"] = agree(not counted or torch.equal(refreshed, policy))
+    checkpoint.save(out / "ref_checkpoints", mm.steps_done, mm, {}, keep_last=1,
+                    hf_assets_src=model_dir, reference=ref)
+    fresh = MegatronReference(mm, model_cfg)
+    checkpoint.load(out / "ref_checkpoints" / f"step_{mm.steps_done}", mm, reference=fresh)
+    loaded = logprobs(fresh)  # every rank: a pipeline's forward
+    result["loaded_equals_refreshed"] = agree(not counted or torch.equal(loaded, refreshed))
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
@@ -194,6 +245,8 @@ def main() -> None:
     }
     result["mini_batches"] = mini_batch_check(mm, mine, root / "step_2", pp=args.pp,
                                               micro_batch_size=cfg.micro_batch_size)
+    result["reference"] = reference_check(mm, args.model_dir, mine, args.out,
+                                          micro_batch_size=cfg.micro_batch_size)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         save_file(trained, str(args.out / "trained.safetensors"))
