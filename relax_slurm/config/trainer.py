@@ -77,6 +77,14 @@ class TrainerConfig:
     gradient checkpointing, megatron-core's recompute_granularity=full, one layer per
     checkpoint); selective (megatron only): core attention alone is recomputed, which keeps
     most of the memory saving of long sequences at a few percent of compute."""
+    logprob_chunk_size: int = 0
+    """Positions per chunk of the log-prob and entropy computation from the logits (0: the
+    whole sequence at once). The float32 copy of the logits, their softmax and what the
+    backward keeps of them exist for one chunk at a time (each chunk recomputed in the
+    backward): for an 8,192-token row of a 151,936-token vocabulary ~5 GB per float32
+    [T, V] tensor become ~0.6 GB at 1024. The model's own logits (in its dtype, each TP rank's
+    vocabulary slice under megatron) remain. Values and gradients are those of the whole
+    sequence (tests/unit/trainer/test_logprob_chunks.py)."""
     freeze_modules: list[str] = field(default_factory=list)
     """Parameter name prefixes not trained (still synced to engines), e.g. [model.visual] for
     a Qwen-VL vision tower or [model.audio_tower] for Qwen2-Audio's encoder."""
@@ -100,6 +108,9 @@ class TrainerConfig:
                f"trainer.backend={self.backend}: trainer.use_distributed_optimizer is the megatron "
                "backend's; with trainer=torch shard the optimizer with trainer.strategy=fsdp2, and "
                "set trainer.use_distributed_optimizer=false")
+        check(self.logprob_chunk_size >= 0,
+               f"trainer.logprob_chunk_size={self.logprob_chunk_size}: positions per chunk, >= 1, "
+               "or 0 for the whole sequence at once")
         check(self.recompute in RECOMPUTE,
                f"trainer.recompute={self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
         check(self.recompute != "selective" or self.backend == "megatron",

@@ -97,7 +97,7 @@ class TorchBackend:
                 micro_batch_size=t.micro_batch_size, grad_clip=t.grad_clip,
                 temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
                 before_update=before_update, num_steps=t.num_steps_per_rollout,
-                params=self.estimator_params)
+                params=self.estimator_params, logprob_chunk_size=t.logprob_chunk_size)
 
         if self.critic is None:
             metrics = policy_step(blocks)

@@ -37,16 +37,48 @@ _LOG_NAMES = {"clipped_tokens": "clipfrac", "tis_masked_tokens": "tis_masked_fra
 
 
 def scaled_logits(model: nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
-    """Logits predicting each next token, divided by the engine's temperature, [B, T-1, V].
-    A multimodal model's media pad tokens get the lowest logit, as the engine never samples
-    them (the finite minimum keeps the entropy's softmax x logits free of NaN)."""
+    """Logits predicting each next token, divided by the engine's temperature, [B, T-1, V],
+    float32."""
+    return scale_logits(next_token_logits(model, mb), temperature, banned_ids(model))
+
+
+def next_token_logits(model: nn.Module, mb: MicroBatch) -> Tensor:
+    """The model's logits predicting each next token, [B, T-1, V], in its dtype."""
     media = mb.media.kwargs() if mb.media is not None else {}
     logits = model(**mb.forward_kwargs(), **mm_token_types(model, mb.input_ids, media)).logits
-    scaled = logits[:, :-1].float() / temperature
-    banned = list(media_token_ids(getattr(model, "module", model).config))
+    return logits[:, :-1]
+
+
+def banned_ids(model: nn.Module) -> list[int]:
+    """A multimodal model's media pad tokens, which the engine never samples."""
+    return list(media_token_ids(getattr(model, "module", model).config))
+
+
+def scale_logits(logits: Tensor, temperature: float, banned: list[int]) -> Tensor:
+    """float32 logits / the engine's temperature; `banned` tokens get the lowest logit (the
+    finite minimum keeps the entropy's softmax x logits free of NaN)."""
+    scaled = logits.float() / temperature
     if banned:
         scaled[..., banned] = torch.finfo(scaled.dtype).min
     return scaled
+
+
+def token_terms(logits: Tensor, targets: Tensor, temperature: float, banned: list[int],
+                entropy: str | None, chunk: int = 0) -> tuple[Tensor, Tensor | None]:
+    """log p(target) and the entropy at each position, [B, T-1], from the model's logits
+    [B, T-1, V] (next_token_logits), over chunks of `chunk` positions (trainer.
+    logprob_chunk_size: trainer/logprob_chunks.py). `entropy`: "grad" (an entropy bonus
+    differentiates it), "metric" (no gradient) or None (not computed)."""
+    from relax_slurm.trainer.logprob_chunks import over_positions
+
+    def terms(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor | None]:
+        scaled = scale_logits(logits, temperature, banned)
+        logp = gather_logprobs(scaled, targets)
+        if entropy is None:
+            return logp, None
+        return logp, token_entropy(scaled if entropy == "grad" else scaled.detach())
+
+    return over_positions(terms, chunk, logits, targets)
 
 
 def gather_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
@@ -125,15 +157,15 @@ def nll_sums(model: torch.nn.Module, block: MicroBatch, micro_batch_size: int
     return {"nll": nll, "tokens": tokens}
 
 
-def _policy_logits(model: nn.Module, mb: MicroBatch, algo: AlgoConfig, temperature: float,
+def _policy_logits(model: nn.Module, mb: MicroBatch, algo: AlgoConfig,
                    routing: RoutingStats | None) -> Tensor:
-    """The policy's scaled logits [B, T-1, V]; MoE rows with the rollout's routing are
-    compared with this router's (and replayed when asked)."""
+    """The policy's logits [B, T-1, V] (next_token_logits); MoE rows with the rollout's
+    routing are compared with this router's (and replayed when asked)."""
     replay = (routing_replay(model, mb.routed, mb.routed_valid(), replay=algo.routing_replay,
                              stats=routing)
               if mb.routed is not None else contextlib.nullcontext())
     with replay:
-        return scaled_logits(model, mb, temperature)
+        return next_token_logits(model, mb)
 
 
 def _micro_batches(block: MicroBatch, size: int) -> list[MicroBatch]:
@@ -142,10 +174,14 @@ def _micro_batches(block: MicroBatch, size: int) -> list[MicroBatch]:
 
 def _accumulate(model: nn.Module, blocks: Iterable[tuple[MicroBatch, bool]], algo: AlgoConfig,
                 loss_kwargs: dict, sums: dict, *, micro_batch_size: int, temperature: float,
-                ref_model: nn.Module | None, scale: float, routing: list) -> None:
+                ref_model: nn.Module | None, scale: float, routing: list, chunk: int) -> None:
     """Forward/backward over the blocks' micro-batches, gradients accumulating; metric sums
     added to `sums`. `scale`: the loss's factor in the backward (the data ranks, times the
-    mini-batches a batch is cut into: each mini-batch's weights then sum to 1)."""
+    mini-batches a batch is cut into: each mini-batch's weights then sum to 1). `chunk`:
+    trainer.logprob_chunk_size."""
+    banned = banned_ids(model)
+    # the bonus needs the entropy's gradient; otherwise it is only logged
+    entropy = "grad" if algo.entropy_coef else "metric"
     for block, last_block in blocks:
         if block.routed is not None and not routing:
             routing.append(RoutingStats())
@@ -156,10 +192,11 @@ def _accumulate(model: nn.Module, blocks: Iterable[tuple[MicroBatch, bool]], alg
             sync = (contextlib.nullcontext() if last or not hasattr(model, "no_sync")
                     else model.no_sync())
             with sync:
-                logits = _policy_logits(model, mb, algo, temperature,
+                logits = _policy_logits(model, mb, algo,
                                         routing[0] if routing else None)  # [B, T-1, V]
-                loss, metrics = micro_batch_loss(logits, mb, algo, loss_kwargs,
-                                                 reference_logprobs(ref_model, mb, temperature))
+                logp, ent = token_terms(logits, mb.targets, temperature, banned, entropy, chunk)
+                loss, metrics = token_loss(logp, ent, mb, algo, loss_kwargs,
+                                           reference_logprobs(ref_model, mb, temperature))
                 # weights sum to 1 over the whole batch across ranks; DDP averages over ranks
                 (loss * scale).backward()
             # summed on the device, read once per step (reduce_metrics): a read per micro-batch
@@ -173,16 +210,17 @@ def _accumulate(model: nn.Module, blocks: Iterable[tuple[MicroBatch, bool]], alg
 
 @torch.no_grad()
 def with_old_logprobs(model: nn.Module, block: MicroBatch, algo: AlgoConfig, num_steps: int,
-                      micro_batch_size: int, temperature: float) -> MicroBatch:
+                      micro_batch_size: int, temperature: float, chunk: int = 0) -> MicroBatch:
     """The block with `old_logp` [rows, T-1]: the policy's log-probs before the first of the
     step's optimizer steps, computed mini-batch by mini-batch in the same micro-batches the
     update runs (so the first mini-batch's ratio is exactly 1, as with one step)."""
     old = torch.zeros_like(block.weights)
     for lo, mini in mini_batches(block, num_steps):
         for j, mb in enumerate(_micro_batches(mini, micro_batch_size)):
-            logits = _policy_logits(model, mb, algo, temperature, RoutingStats())
+            logits = _policy_logits(model, mb, algo, RoutingStats())
             row = lo + j * micro_batch_size
-            old[row:row + len(mb), :mb.targets.shape[1]] = gather_logprobs(logits, mb.targets)
+            old[row:row + len(mb), :mb.targets.shape[1]] = token_terms(
+                logits, mb.targets, temperature, banned_ids(model), None, chunk)[0]
     return dataclasses.replace(block, old_logp=old)
 
 
@@ -210,6 +248,7 @@ def train_step(
     before_update: Callable[[], None] = lambda: None,
     num_steps: int = 1,
     params: EstimatorParams | None = None,
+    logprob_chunk_size: int = 0,
 ) -> dict[str, float]:
     """`blocks`: this rank's rows of the step's batch, one block or several as groups arrive
     (trainer/stream.py), the last one flagged; gradients accumulate over all of them.
@@ -221,7 +260,7 @@ def train_step(
     before the first. The lr schedule advances once per batch; the metrics are one row: sums
     over every mini-batch (`train/loss` the mean of the mini-batches' losses, `train/grad_norm`
     the mean of their norms). `params`: `algo.estimator_params()`, the backend's (built once
-    per run; here without)."""
+    per run; here without). `logprob_chunk_size`: trainer.logprob_chunk_size."""
     model.train()
     world = dist.get_world_size()
     loss_kwargs = loss_params(algo, params)
@@ -229,7 +268,7 @@ def train_step(
     routing: list[RoutingStats] = []
     run = functools.partial(_accumulate, model, algo=algo, loss_kwargs=loss_kwargs, sums=sums,
                             micro_batch_size=micro_batch_size, temperature=temperature,
-                            ref_model=ref_model, routing=routing)
+                            ref_model=ref_model, routing=routing, chunk=logprob_chunk_size)
     if num_steps == 1:
         optimizer.zero_grad(set_to_none=True)
         run(blocks, scale=world)
@@ -240,7 +279,7 @@ def train_step(
         [(block, _)] = list(blocks)
         if algo.old_logprobs == "recompute":
             block = with_old_logprobs(model, block, algo, num_steps, micro_batch_size,
-                                      temperature)
+                                      temperature, logprob_chunk_size)
         norms = []
         for k, (_, mini) in enumerate(mini_batches(block, num_steps)):
             optimizer.zero_grad(set_to_none=True)

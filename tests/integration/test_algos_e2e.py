@@ -93,11 +93,14 @@ def test_opd_distills_a_teacher_engine(tmp_path, tiny_assets):
 def test_several_optimizer_steps_per_rollout_batch_learn(tmp_path, tiny_assets):
     """trainer.num_steps_per_rollout=4: each batch of 512 samples is four mini-batches, four
     optimizer steps, ratios against the policy before the first (clipfrac > 0 from the second
-    on). One metrics row and one policy version per batch."""
+    on). One metrics row and one policy version per batch. The log-probs, old and new, over
+    chunks of 8 positions (trainer.logprob_chunk_size: the same values, a tenth of the float32
+    logits at a time)."""
     steps = 15
     run_dir = tmp_path / "minibatch"
     proc = relax_train(run_dir, tiny_assets, ONE_RANK, "metrics.progress=false", "algo=grpo",
-                       "trainer.num_steps_per_rollout=4", f"trainer.total_steps={steps}")
+                       "trainer.num_steps_per_rollout=4", f"trainer.total_steps={steps}",
+                       "trainer.logprob_chunk_size=8")
     summary, rows = finished(run_dir, proc, steps)
     assert [r["policy/version"] for r in rows] == list(range(1, steps + 1))
     assert all(r["train/tokens"] > 0 for r in rows)

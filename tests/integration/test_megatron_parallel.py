@@ -70,10 +70,15 @@ def runs(tiny_dir, tmp_path_factory) -> dict[str, Path]:
     return parity_runs(tiny_dir, tmp_path_factory.mktemp("megatron_runs"),
                        # tp2 writes its checkpoint asynchronously (and a sync one to compare);
                        # tp2 recomputes every layer in the backward and pp2 the core attention
-                       # (trainer.recompute): the same gradients as tp1, which keeps them
+                       # (trainer.recompute), and both compute the log-probs over chunks of
+                       # positions (trainer.logprob_chunk_size; tp2's chunks hold TP
+                       # reductions, run again in the backward): the same gradients as tp1,
+                       # which keeps them and computes the whole sequence at once
                        (("tp1", 1, 1, 1, 1),
-                        ("tp2", 2, 2, 1, 1, "--async-save", "--recompute", "full"),
-                        ("pp2", 2, 1, 2, 1, "--recompute", "selective")))
+                        ("tp2", 2, 2, 1, 1, "--async-save", "--recompute", "full",
+                         "--logprob-chunk-size", "4"),
+                        ("pp2", 2, 1, 2, 1, "--recompute", "selective",
+                         "--logprob-chunk-size", "3")))
 
 
 def result(d: Path) -> dict:

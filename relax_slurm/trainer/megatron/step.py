@@ -20,6 +20,7 @@ from relax_slurm.routing.hooks import RoutingStats
 from relax_slurm.trainer.megatron.model import MegatronModel
 from relax_slurm.trainer.megatron.routing import megatron_routing
 from relax_slurm.trainer.megatron import vocab_parallel
+from relax_slurm.trainer.logprob_chunks import over_positions
 from relax_slurm.trainer.step import mini_batches, reduce_metrics, reference_logprobs, token_loss
 
 
@@ -160,9 +161,15 @@ def _token_terms(mm: MegatronModel, out, width: int, cp: int, temperature: float
         out = out[:, :mb.input_ids.shape[1] - 1]
     tp = ps.get_tensor_model_parallel_world_size()
     start = ps.get_tensor_model_parallel_rank() * out.shape[-1]
-    shard = vocab_parallel.scaled_shard(out, start, mm.vocab_size, temperature, mm.banned_ids)
     group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-    return vocab_parallel.logprobs_and_entropy(shard, mb.targets, start, group, entropy)
+
+    def terms(out, targets):
+        shard = vocab_parallel.scaled_shard(out, start, mm.vocab_size, temperature,
+                                            mm.banned_ids)
+        return vocab_parallel.logprobs_and_entropy(shard, targets, start, group, entropy)
+
+    # trainer.logprob_chunk_size: the float32 tensors of one chunk of positions at a time
+    return over_positions(terms, mm.cfg.logprob_chunk_size, out, mb.targets)
 
 
 def with_old_logprobs(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, num_steps: int,

@@ -169,6 +169,8 @@ def main() -> None:
                     help="save step 2 synchronously (DIR/checkpoints_sync) and asynchronously "
                          "(DIR/checkpoints); the next step trains while the writer runs")
     ap.add_argument("--recompute", default="none", help="trainer.recompute")
+    ap.add_argument("--logprob-chunk-size", type=int, default=0,
+                    help="trainer.logprob_chunk_size")
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -176,6 +178,7 @@ def main() -> None:
     cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp,
                         pipeline_parallel_size=args.pp, expert_parallel_size=args.ep, lr=1e-2,
                         use_distributed_optimizer=args.dist_opt, recompute=args.recompute,
+                        logprob_chunk_size=args.logprob_chunk_size,
                         grad_clip=1.0, micro_batch_size=4, nproc_per_node=dist.get_world_size())
     init_model_parallel(cfg)
     mm = MegatronModel(ModelConfig(path=args.model_dir), cfg)
