@@ -60,7 +60,7 @@ class MegatronBackend:
         # model.path itself
         self.ref_model = None
         if cfg.algo.uses_reference and self.lora:
-            self.ref_model = megatron_lora.AdapterDisabled(self.mm, self.peft, hf_config)
+            self.ref_model = megatron_lora.AdapterDisabled(self.peft)
         elif cfg.algo.uses_reference:
             self.ref_model = MegatronReference(self.mm, cfg.model)
         # algo=ppo: the value model, its own weights and optimizer (megatron/critic.py)
@@ -100,18 +100,17 @@ class MegatronBackend:
         """Whole batches only (one block): see TrainConfig.streaming_blockers for why."""
         [(batch, _)] = list(blocks)
         t = self.cfg.trainer
-        ref_model = self.ref_model
-        if isinstance(ref_model, MegatronReference):  # the whole batch's, before the step
-            batch = ref_model.with_logprobs(self.mm, batch, t.num_steps_per_rollout,
-                                            t.micro_batch_size, self.cfg.rollout.temperature)
-            ref_model = None  # the rows carry them (MicroBatch.ref_logp)
+        if self.ref_model is not None:  # the whole batch's, before the step: the rows carry
+            # them (MicroBatch.ref_logp) to the loss and the reward-side KL
+            batch = self.ref_model.with_logprobs(self.mm, batch, t.num_steps_per_rollout,
+                                                 t.micro_batch_size, self.cfg.rollout.temperature)
 
         def policy_step(blocks) -> dict[str, float]:
             [(batch, _)] = blocks
             return train_step(self.mm, batch, self.cfg.algo,
                               micro_batch_size=t.micro_batch_size,
                               temperature=self.cfg.rollout.temperature,
-                              ref_model=ref_model, before_update=before_update,
+                              before_update=before_update,
                               num_steps=t.num_steps_per_rollout,
                               params=self.estimator_params)
 
@@ -121,8 +120,7 @@ class MegatronBackend:
             from relax_slurm.trainer.critic_step import train_with_critic
             from relax_slurm.trainer.megatron.critic import reward_kl
 
-            kl = (reward_kl(self.cfg, self.mm, ref_model) if self.cfg.algo.kl_coef
-                  else None)
+            kl = reward_kl(self.cfg, self.mm) if self.cfg.algo.kl_coef else None
             metrics = train_with_critic(
                 self.critic, [(batch, True)], kl, policy_step=policy_step,
                 warming_up=self.mm.steps_done < self.cfg.algo.critic_warmup_steps,

@@ -201,13 +201,12 @@ def _values(output: Tensor, mb: MicroBatch) -> Tensor:
     return output[:, :mb.input_ids.shape[1] - 1, 0].float()
 
 
-def reward_kl(cfg: TrainConfig, mm: MegatronModel, ref: nn.Module | None) -> RewardKL:
+def reward_kl(cfg: TrainConfig, mm: MegatronModel) -> RewardKL:
     """Per-token KL of the sampling-time policy to the reference, [rows, T-1]
     (algo.kl_loss_type): the policy's log-probs before the step from a forward-only pass
     (old_logprobs=recompute), or the engine's (rollout); the reference's from the rows
-    (`ref_logp`: the sharded reference, megatron/reference.py) or from `ref` (model.lora's
-    policy with its adapters off)."""
-    from relax_slurm.trainer.step import reference_logprobs
+    (`ref_logp`, computed before the step: megatron/reference.py, or model.lora's policy with
+    its adapters off)."""
 
     algo, temp, size = cfg.algo, cfg.rollout.temperature, cfg.trainer.micro_batch_size
 
@@ -220,8 +219,7 @@ def reward_kl(cfg: TrainConfig, mm: MegatronModel, ref: nn.Module | None) -> Rew
             mb = block.rows(lo, lo + size)
             width = mb.targets.shape[1]
             kl[lo:lo + len(mb), :width] = kl_penalty(
-                old[lo:lo + len(mb), :width], reference_logprobs(ref, mb, temp),
-                algo.kl_loss_type)
+                old[lo:lo + len(mb), :width], mb.ref_logp, algo.kl_loss_type)
         return kl
 
     return block_kl

@@ -374,28 +374,24 @@ def interleave_local_qkv(query: Tensor, key: Tensor, value: Tensor, heads: int, 
 
 # ---- the reference policy --------------------------------------------------------------------
 
-class _Logits:
-    def __init__(self, logits: Tensor) -> None:
-        self.logits = logits
-
-
 class AdapterDisabled:
     """The reference policy of the KL loss: the megatron policy with its adapters off, which is
     model.path itself (CanonicalLoRA's disable_adapter), with no second copy of the weights.
-    Called like a transformers model (`trainer.step.token_logprobs`): logits [B, T, V].
+    Its log-probs come as the sharded reference's (megatron/reference.py): Megatron's
+    forward-only schedule over the update's micro-batches (step.forward_logprobs: each TP
+    rank's vocabulary slice, every layout), the adapters off around it."""
 
-    Collective (a TP forward): every TP rank calls it on the same rows, which the megatron step
-    does (its loss function runs on every TP rank). Without pipeline stages only: the forward
-    of one chunk is the whole model then."""
+    def __init__(self, peft) -> None:
+        self._peft = peft
 
-    def __init__(self, mm, peft, hf_config) -> None:
-        self._mm, self._peft = mm, peft
-        self.config = hf_config
+    def with_logprobs(self, mm, batch, num_steps: int, micro_batch_size: int,
+                      temperature: float):
+        """The rows with `ref_logp` [rows, T-1]; collective, as the policy's forward."""
+        import dataclasses
 
-    def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None, **_: Any
-                 ) -> _Logits:
-        mm = self._mm
-        with torch.no_grad(), self._peft.disable_adapter(mm.chunks):
-            out = mm.full_logits(mm.forward(mm.chunks[0], input_ids,
-                                            attention_mask=attention_mask))
-        return _Logits(out[:, :input_ids.shape[1]])
+        from relax_slurm.trainer.megatron.step import forward_logprobs
+
+        with self._peft.disable_adapter(mm.chunks):
+            logp = forward_logprobs(mm, mm.chunks, batch, None, num_steps, micro_batch_size,
+                                    temperature)
+        return dataclasses.replace(batch, ref_logp=logp)

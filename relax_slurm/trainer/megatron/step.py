@@ -21,7 +21,7 @@ from relax_slurm.trainer.megatron.model import MegatronModel
 from relax_slurm.trainer.megatron.routing import megatron_routing
 from relax_slurm.trainer.megatron import vocab_parallel
 from relax_slurm.trainer.logprob_chunks import over_positions
-from relax_slurm.trainer.step import mini_batches, reduce_metrics, reference_logprobs, token_loss
+from relax_slurm.trainer.step import mini_batches, reduce_metrics, token_loss
 
 
 def micro_batches(batch: MicroBatch, size: int, pipelined: bool) -> list[MicroBatch]:
@@ -35,7 +35,7 @@ def micro_batches(batch: MicroBatch, size: int, pipelined: bool) -> list[MicroBa
 
 
 def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_batch_size: int,
-               temperature: float, ref_model=None,
+               temperature: float,
                before_update: Callable[[], None] = lambda: None,
                num_steps: int = 1, params: EstimatorParams | None = None) -> dict[str, float]:
     """One rollout batch: `num_steps` optimizer steps (trainer.num_steps_per_rollout), one per
@@ -67,7 +67,7 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
         mbs = micro_batches(mini, micro_batch_size, pipelined)
         # each mini-batch's weights sum to 1 / num_steps of the batch's: x num_steps makes it
         # a whole step's loss
-        _forward_backward(mm, mbs, algo, temperature, ref_model, routing, sums,
+        _forward_backward(mm, mbs, algo, temperature, routing, sums,
                           scale=num_steps, width=batch.input_ids.shape[1],
                           loss_kwargs=loss_params(algo, params))
         if k == 0:
@@ -84,7 +84,7 @@ def train_step(mm: MegatronModel, batch: MicroBatch, algo: AlgoConfig, *, micro_
 
 
 def _forward_backward(mm: MegatronModel, mbs: list[MicroBatch], algo: AlgoConfig,
-                      temperature: float, ref_model, routing: RoutingStats | None,
+                      temperature: float, routing: RoutingStats | None,
                       sums: dict[str, float | torch.Tensor], *, scale: int, width: int,
                       loss_kwargs: dict) -> None:
     """Megatron's schedule over the micro-batches, gradients accumulating; the metric sums of
@@ -107,7 +107,7 @@ def _forward_backward(mm: MegatronModel, mbs: list[MicroBatch], algo: AlgoConfig
             logp, entropy = _token_terms(mm, out, width, cp, temperature, mb,
                                          "grad" if algo.entropy_coef else "metric")
             loss, metrics = token_loss(logp, entropy, mb, algo, loss_kwargs,
-                                       reference_logprobs(ref_model, mb, temperature))
+                                       mb.ref_logp)
             if counted:  # summed on the device, read once per step (reduce_metrics): a
                 # read per micro-batch would wait for the GPU each time (float64, as before)
                 sums["loss"] = sums["loss"] + loss.detach().double()
