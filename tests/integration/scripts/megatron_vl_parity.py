@@ -207,6 +207,8 @@ def main() -> None:
     if hasattr(hf.config.text_config, "num_experts") and args.tp == 1:
         # (at TP > 1 each expert's matrices are split over TP: the EP rows compare them)
         result["moe_grads"] = moe_grads(params, hf_params, hf.config.text_config)
+    if hasattr(hf.config.text_config, "num_experts"):
+        # at TP > 1 under sequence parallelism: each rank's routers see its slice of the rows
         result["replay"] = replayed_logits(mm, hf, ids, mask, media, hf_kw, ours.detach())
     if mm.vl == vl.QWEN3_MOE:
         result["qwen_layout"] = qwen_layout_export(mm, args.model_dir, args.out, cfg)
