@@ -141,7 +141,7 @@ def reward_kl(cfg: TrainConfig, policy: nn.Module, ref: nn.Module) -> RewardKL:
     old_logprobs=recompute, the engine's with rollout), as the loss's reward-side KL."""
     from relax_slurm.trainer.step import token_logprobs
 
-    algo, temp = cfg.algo, cfg.rollout.temperature
+    algo, temp, chunk = cfg.algo, cfg.rollout.temperature, cfg.trainer.logprob_chunk_size
 
     @torch.no_grad()
     def block_kl(block: MicroBatch) -> Tensor:
@@ -150,9 +150,9 @@ def reward_kl(cfg: TrainConfig, policy: nn.Module, ref: nn.Module) -> RewardKL:
         for lo in range(0, len(block), size):
             mb = block.rows(lo, lo + size)
             old = (mb.rollout_logp if algo.old_logprobs == "rollout"
-                   else token_logprobs(policy, mb, temp))
+                   else token_logprobs(policy, mb, temp, chunk))
             kl[lo:lo + len(mb), :mb.targets.shape[1]] = kl_penalty(
-                old, token_logprobs(ref, mb, temp), algo.kl_loss_type)
+                old, token_logprobs(ref, mb, temp, chunk), algo.kl_loss_type)
         return kl
 
     return block_kl

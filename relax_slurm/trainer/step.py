@@ -93,20 +93,23 @@ def token_entropy(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
-def token_logprobs(model: nn.Module, mb: MicroBatch, temperature: float) -> Tensor:
-    """log p(target) at every position, [B, T-1], under the same temperature the engine used."""
-    return gather_logprobs(scaled_logits(model, mb, temperature), mb.targets)
+def token_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, chunk: int = 0
+                   ) -> Tensor:
+    """log p(target) at every position, [B, T-1], under the same temperature the engine used,
+    over chunks of `chunk` positions (trainer.logprob_chunk_size; 0: at once)."""
+    return token_terms(next_token_logits(model, mb), mb.targets, temperature, banned_ids(model),
+                       None, chunk)[0]
 
 
 @torch.no_grad()
-def reference_logprobs(ref_model: nn.Module | None, mb: MicroBatch, temperature: float
-                       ) -> Tensor | None:
+def reference_logprobs(ref_model: nn.Module | None, mb: MicroBatch, temperature: float,
+                       chunk: int = 0) -> Tensor | None:
     """The frozen reference model's log-probs of the same tokens, [B, T-1], or None: the
     micro-batch's own (`mb.ref_logp`, computed for the whole batch by a sharded reference)
-    when it carries them, else a forward of `ref_model`."""
+    when it carries them, else a forward of `ref_model` (over chunks of `chunk` positions)."""
     if mb.ref_logp is not None:
         return mb.ref_logp
-    return None if ref_model is None else token_logprobs(ref_model, mb, temperature)
+    return None if ref_model is None else token_logprobs(ref_model, mb, temperature, chunk)
 
 
 def micro_batch_loss(logits: Tensor, mb: MicroBatch, algo: AlgoConfig, loss_kwargs: dict,
@@ -196,7 +199,8 @@ def _accumulate(model: nn.Module, blocks: Iterable[tuple[MicroBatch, bool]], alg
                                         routing[0] if routing else None)  # [B, T-1, V]
                 logp, ent = token_terms(logits, mb.targets, temperature, banned, entropy, chunk)
                 loss, metrics = token_loss(logp, ent, mb, algo, loss_kwargs,
-                                           reference_logprobs(ref_model, mb, temperature))
+                                           reference_logprobs(ref_model, mb, temperature,
+                                                              chunk))
                 # weights sum to 1 over the whole batch across ranks; DDP averages over ranks
                 (loss * scale).backward()
             # summed on the device, read once per step (reduce_metrics): a read per micro-batch

@@ -74,3 +74,25 @@ def test_no_float32_tensor_of_the_whole_logits():
 def test_a_negative_chunk_size_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match="trainer.logprob_chunk_size=-1"):
         TrainerConfig(logprob_chunk_size=-1)
+
+
+def test_a_models_logprobs_without_gradients_chunked_equal_whole():
+    """The passes without gradients (old log-probs, the KL reference, the reward-side KL):
+    token_logprobs of a transformers model over chunks, bit for bit the whole sequence's."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from relax_slurm.trainer.batch import MicroBatch
+    from relax_slurm.trainer.step import token_logprobs
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+        tie_word_embeddings=True, pad_token_id=0)).eval()
+    ids = torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(1))
+    zeros = torch.zeros(B, T - 1)
+    mb = MicroBatch(input_ids=ids, attention_mask=torch.ones_like(ids), targets=ids[:, 1:],
+                    weights=zeros, advantages=zeros, rollout_logp=zeros, seq_lens=(T,) * B)
+    with torch.no_grad():
+        whole = token_logprobs(model, mb, 0.7)
+        assert torch.equal(token_logprobs(model, mb, 0.7, chunk=5), whole)
