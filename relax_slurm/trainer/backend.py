@@ -141,7 +141,8 @@ class TorchBackend:
         and their count. Collective under FSDP2: every rank calls it on an equal block."""
         from relax_slurm.trainer.step import nll_sums
 
-        return nll_sums(self.model, block, self.cfg.trainer.micro_batch_size)
+        return nll_sums(self.model, block, self.cfg.trainer.micro_batch_size,
+                        self.cfg.trainer.logprob_chunk_size)
 
     def named_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         from relax_slurm.trainer.model import DTYPES, full_named_weights

@@ -144,7 +144,7 @@ def token_loss(logp: Tensor, entropy: Tensor, mb: MicroBatch, algo: AlgoConfig,
 
 
 @torch.no_grad()
-def nll_sums(model: torch.nn.Module, block: MicroBatch, micro_batch_size: int
+def nll_sums(model: torch.nn.Module, block: MicroBatch, micro_batch_size: int, chunk: int = 0
              ) -> dict[str, float]:
     """Forward only: this rank's summed NLL over its rows' trained tokens and their count.
     Every rank calls it with as many micro-batches (FSDP2 gathers weights per forward)."""
@@ -153,7 +153,7 @@ def nll_sums(model: torch.nn.Module, block: MicroBatch, micro_batch_size: int
     for lo in range(0, len(block), micro_batch_size):
         mb = block.rows(lo, lo + micro_batch_size)
         mask = (mb.weights != 0).float()  # [B, T-1]
-        logp = gather_logprobs(scaled_logits(model, mb, 1.0), mb.targets)
+        logp = token_logprobs(model, mb, 1.0, chunk)
         nll -= float((logp * mask).sum())
         tokens += float(mask.sum())
     model.train()
