@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -42,8 +42,14 @@ from relax_slurm.checkpoint.resume import META, CheckpointError, is_complete, st
 from relax_slurm.trainer.megatron import omni
 from relax_slurm.trainer.megatron.model import MegatronModel
 
-if TYPE_CHECKING:
-    from relax_slurm.trainer.megatron.reference import MegatronReference
+
+class ShardedSide(Protocol):
+    """A model kept beside the policy in its dist-checkpoint, no optimizer state: the moving
+    KL reference (megatron/reference.py MegatronReference)."""
+
+    def sharded_state_dict(self) -> dict: ...
+
+    def load(self, state: dict) -> None: ...
 
 log = logging.getLogger("relax_slurm.checkpoint")
 BACKEND = "megatron"
@@ -67,7 +73,7 @@ its optimizer's "optimizer.state.exp_avg.critic...."); in the loaded state dict 
 
 def sharded_state_dict(mm: MegatronModel, loading: bool = False,
                        critic: MegatronModel | None = None, adapter_only: bool = False,
-                       reference: MegatronReference | None = None) -> dict:
+                       reference: ShardedSide | None = None) -> dict:
     model_sd = model_sharded_state_dict(mm.chunks, adapter_only)
     state = {**model_sd, "optimizer": mm.optimizer.sharded_state_dict(
         model_sd, is_loading=loading, metadata=OPTIMIZER_METADATA)}
@@ -120,7 +126,7 @@ def load_model_state(module, state: dict, adapter_only: bool) -> None:
 
 def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], *,
          keep_last: int, hf_assets_src: str | None, async_save: bool = False,
-         reference: MegatronReference | None = None, critic: MegatronModel | None = None,
+         reference: ShardedSide | None = None, critic: MegatronModel | None = None,
          adapter_only: bool = False) -> SaveHandle:
     """Every rank calls this. Synchronous: returns once the checkpoint is committed. With
     `async_save`, returns once a forked process holds a snapshot of the state and writes it
@@ -217,7 +223,7 @@ def _finalize_all(queue, timeout_s: float = SAVE_TIMEOUT.total_seconds()) -> Non
         time.sleep(0.05)
 
 
-def load(path: Path, mm: MegatronModel, reference: MegatronReference | None = None,
+def load(path: Path, mm: MegatronModel, reference: ShardedSide | None = None,
          critic: MegatronModel | None = None, adapter_only: bool = False) -> dict[str, Any]:
     """Load model, optimizer, lr position and this rank's RNG; returns extra_state (+ "step").
     `reference`: loaded when the checkpoint has one, else left as it is (model.path); likewise
