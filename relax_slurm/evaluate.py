@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from relax_slurm.config.schema import TrainConfig
-from relax_slurm.engines import sglang_api
 from relax_slurm.data import Prompt, PromptDataset, load_tokenizer
 from relax_slurm.rewards import RewardInput, build_reward
 from relax_slurm.errors import EngineAborted
 from relax_slurm.engines.client import EngineClient
+from relax_slurm.engines.served_adapter import ServedAdapter
 
 log = logging.getLogger("relax_slurm.eval")
 ABORT_RETRIES = 20
@@ -50,9 +50,10 @@ class Evaluator:
         self.cfg = cfg.eval
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.reward = build_reward(reward_cfg or cfg.reward)
-        # the policy: with model.lora's adapter-only sync, the adapter the engines serve
-        lora_path = sglang_api.ADAPTER_NAME if cfg.adapter_sync else None
-        self.engines = [EngineClient(u, cfg.rollout.generate_timeout_s, lora_path)
+        # the policy: with model.lora's adapter-only sync, the adapter of the version each
+        # engine serves (engines/served_adapter.py)
+        self.engines = [EngineClient(u, cfg.rollout.generate_timeout_s,
+                                     adapter=ServedAdapter() if cfg.adapter_sync else None)
                         for u in engine_urls]
         self.params = {"max_new_tokens": cfg.rollout.max_new_tokens,
                        "temperature": self.cfg.temperature,

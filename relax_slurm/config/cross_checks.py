@@ -311,10 +311,3 @@ def check_lora(model: ModelConfig, algo: AlgoConfig, t: TrainerConfig, rollout: 
           "weight_sync.verify=true compares full weights; with an adapter-only sync the "
           "engines hold the adapter beside model.path: set weight_sync.verify=false, or "
           "model.lora.sync=merged")
-    # SGLang replaces an adapter by unloading it (once no request uses it: paused requests
-    # still do) and loading the new one; a request that arrives in between is refused. With
-    # nothing generating during a sync (on-policy) neither can happen; async is not done yet
-    check(rollout.engine != "sglang" or algo.max_staleness == 0,
-          f"model.lora's adapter-only sync to SGLang runs on-policy only for now "
-          f"(docs/lora.md#status): set algo.max_staleness=0, or model.lora.sync=merged to "
-          f"send merged weights (algo.max_staleness={algo.max_staleness})")

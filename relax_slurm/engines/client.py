@@ -24,6 +24,8 @@ import httpx
 
 from relax_slurm.errors import EngineAborted, EngineDown, EngineError, EngineUnreachable
 from relax_slurm.engines import sglang_api
+from relax_slurm.engines.served_adapter import (ServedAdapter, adapter_name, label_version,
+                                                names_missing, stamped)
 
 # httpx logs every request at INFO: thousands of lines per step in a role's log
 logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -143,11 +145,25 @@ def media_fields(media: Optional[list[dict[str, list[str]]]], n: int) -> dict[st
 
 
 class _Base:
-    def __init__(self, url: str, timeout_s: float, lora_path: Optional[str] = None) -> None:
+    def __init__(self, url: str, timeout_s: float, lora_path: Optional[str] = None,
+                 adapter: Optional[ServedAdapter] = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.lora_path = lora_path
-        """The adapter every /generate names (model.lora's adapter sync); None: the base."""
+        """The adapter every /generate names; None: the base (or `adapter`'s)."""
+        self.adapter = adapter
+        """model.lora's adapter-only sync: each /generate names the newest version's adapter
+        this engine holds (engines/served_adapter.py)."""
+
+    def _adapter_missing(self, e: EngineError) -> bool:
+        return not isinstance(e, EngineUnreachable) and names_missing(str(e))
+
+    def _no_adapter(self, label: Optional[str], e: Optional[EngineError]) -> EngineUnreachable:
+        """The engine serves no adapter a request could name (restarted and not synced yet):
+        the caller tries again later, as for an engine that is down."""
+        why = f" ({e})" if e is not None else ""
+        return EngineUnreachable(f"engine {self.url}: serves no policy adapter under its weight "
+                                 f"version {label!r} yet{why}")
 
     def _check(self, route: str, resp: httpx.Response) -> httpx.Response:
         if resp.status_code == 503:  # not serving now (restoring its weights): try again later
@@ -222,9 +238,9 @@ class _Base:
 class EngineClient(_Base):
     """Synchronous client (thread-safe: httpx.Client shares its connection pool)."""
 
-    def __init__(self, url: str, timeout_s: float = 300.0, lora_path: Optional[str] = None
-                 ) -> None:
-        super().__init__(url, timeout_s, lora_path)
+    def __init__(self, url: str, timeout_s: float = 300.0, lora_path: Optional[str] = None,
+                 adapter: Optional[ServedAdapter] = None) -> None:
+        super().__init__(url, timeout_s, lora_path, adapter)
         # no keep-alive: these calls are seconds apart (weight updates, control), longer than
         # servers keep idle connections, and a weight update must not be retried blindly
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s,
@@ -313,10 +329,25 @@ class EngineClient(_Base):
         {kind: [file name or base64, ...]}, sent as SGLang's image_data / audio_data."""
         if not input_ids:
             return []
-        body = self._generate_body(input_ids, sampling_params, return_logprob, media=media,
-                                   lora_path=self.lora_path)
-        return self._parse_generate(self._json("/generate", self._call("POST", "/generate", body)),
-                                    len(input_ids))
+
+        def send(lora_path: Optional[str]) -> list[GenerateResult]:
+            body = self._generate_body(input_ids, sampling_params, return_logprob, media=media,
+                                       lora_path=lora_path)
+            return self._parse_generate(
+                self._json("/generate", self._call("POST", "/generate", body)), len(input_ids))
+        if self.adapter is None:
+            return send(self.lora_path)
+        # the evaluator's few requests: the engine's own label each time, no cache
+        label = self.weight_version()
+        version = label_version(label)
+        if version is None:
+            raise self._no_adapter(label, None)
+        try:
+            return stamped(send(adapter_name(version)), version)
+        except EngineError as e:
+            if self._adapter_missing(e):
+                raise self._no_adapter(label, e) from e
+            raise
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -479,8 +510,9 @@ class AsyncEngineClient(_Base):
     """asyncio client for rollout workers that keep many requests in flight."""
 
     def __init__(self, url: str, timeout_s: float = 300.0, max_connections: int = 256,
-                 routed_experts: bool = False, lora_path: Optional[str] = None) -> None:
-        super().__init__(url, timeout_s, lora_path)
+                 routed_experts: bool = False, lora_path: Optional[str] = None,
+                 adapter: Optional[ServedAdapter] = None) -> None:
+        super().__init__(url, timeout_s, lora_path, adapter)
         self.routed_experts = routed_experts
         """Ask every /generate for the routed experts (an MoE policy's engines)."""
         limits = httpx.Limits(max_connections=max_connections,
@@ -539,13 +571,44 @@ class AsyncEngineClient(_Base):
         log-probs of these ids at every position too (meta_info.input_token_ids_logprobs)."""
         if not input_ids:
             return []
-        body = self._generate_body(input_ids, sampling_params, return_logprob, logprob_start_len,
-                                   media, self.routed_experts, routed_start, self.lora_path,
-                                   token_ids_logprob)
-        resp = await self._call("POST", "/generate", body)
-        results = self._parse_generate(self._json("/generate", resp), len(input_ids))
+        async def send(lora_path: Optional[str]) -> list[GenerateResult]:
+            body = self._generate_body(input_ids, sampling_params, return_logprob,
+                                       logprob_start_len, media, self.routed_experts,
+                                       routed_start, lora_path, token_ids_logprob)
+            resp = await self._call("POST", "/generate", body)
+            return self._parse_generate(self._json("/generate", resp), len(input_ids))
+        results = (await send(self.lora_path) if self.adapter is None
+                   else await self._adapted(send))
         return [dataclasses.replace(r, routed_start=routed_start) if routed_start else r
                 for r in results]
+
+    async def _adapted(self, send: Callable) -> list[GenerateResult]:
+        """`send(lora_path)` naming the newest adapter this engine is known to hold; once more
+        under the engine's own label when it refuses that name (engines/served_adapter.py)."""
+        adapter, refused = self.adapter, None
+        version = adapter.version()
+        for _ in range(2):
+            label = None
+            if version is None:  # ask the engine
+                label = await self.weight_version()
+                adapter.note(label)
+                version = label_version(label)
+                if version is None:
+                    raise self._no_adapter(label, refused)
+            try:
+                results = await send(adapter_name(version))
+            except EngineError as e:
+                if not self._adapter_missing(e):
+                    raise
+                if label is not None:  # the name of the engine's own label, refused too
+                    raise self._no_adapter(label, e) from e
+                adapter.forget()
+                refused, version = e, None
+                continue
+            for r in results:
+                adapter.note(r.weight_version)
+            return stamped(results, version)
+        raise AssertionError("unreachable")
 
     async def prefill_logprobs(self, input_ids: list[list[int]],
                                media: Optional[list[dict[str, list[str]]]] = None,

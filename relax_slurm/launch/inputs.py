@@ -60,7 +60,8 @@ def say_lora_sync(cfg: TrainConfig) -> None:
         return
     if cfg.adapter_sync:
         say(f"model.lora: each weight sync sends the rank-{cfg.model.lora.rank} adapter alone "
-            f"(the engines serve it as {sglang_api.ADAPTER_NAME!r} beside model.path)")
+            f"(the engines serve each version's as '{sglang_api.ADAPTER_NAME}-v<version>' beside "
+            "model.path)")
     else:
         say("model.lora: each weight sync sends merged weights (model.path + adapter), "
             f"because {'; '.join(adapter_sync_blockers(cfg.model, cfg.rollout))}")

@@ -28,6 +28,7 @@ from relax_slurm.rewards.shaping import is_informative_group
 from relax_slurm.engines import sglang_api
 from relax_slurm.rollout.coalesce import CoalescingEngine
 from relax_slurm.engines.client import AsyncEngineClient, GenerateResult
+from relax_slurm.engines.served_adapter import ServedAdapter
 from relax_slurm.rollout.multiturn import Episode, episode_sample
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.rollout.version_gate import PROBE_TIMEOUT_S, VersionGate
@@ -116,12 +117,20 @@ def check_same_tokenizer(tokenizer, teacher_path: str, model_path: str) -> None:
 def make_engine(cfg: TrainConfig, url: str, routed_experts: bool,
                 gate: VersionGate | None = None) -> CoalescingEngine:
     """An engine to route to (tasks started together share one batched request)."""
-    # model.lora's adapter-only sync: the engines serve the policy as the adapter ADAPTER_NAME
-    lora_path = sglang_api.ADAPTER_NAME if cfg.adapter_sync else None
+    # model.lora's adapter-only sync: the engines serve each version's adapter under its own
+    # name; requests name the newest this engine holds (engines/served_adapter.py)
+    adapter = ServedAdapter(lambda: announced_version(gate, cfg.algo.max_staleness)) \
+        if cfg.adapter_sync else None
     return CoalescingEngine(AsyncEngineClient(url, cfg.rollout.generate_timeout_s,
-                                              routed_experts=routed_experts,
-                                              lora_path=lora_path),
+                                              routed_experts=routed_experts, adapter=adapter),
                             cfg.rollout.groups_per_request, gate)
+
+
+def announced_version(gate: VersionGate | None, max_staleness: int) -> int | None:
+    """The policy version the broker last told this worker of (its floor + max_staleness),
+    which every engine of the cohort loaded before the trainer announced it."""
+    floor = None if gate is None else gate.floor_of()
+    return None if floor is None else floor + max_staleness
 
 
 def version_gate(timeout_s: float) -> VersionGate:

@@ -203,6 +203,8 @@ class RankZero:
                 pause_for_sync=cfg.algo.max_staleness > 0,  # on-policy nothing generates
                 ranks_per_engine=cfg.rollout.engine_tp_size,
                 load_format=cfg.weight_sync.load_format,
+                # model.lora: every version the broker may still accept keeps its adapter
+                adapter_window=cfg.algo.max_staleness + 1,
             )
             sender.on_wait = self.sync_waiting
             return sender

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from relax_slurm.errors import EngineError, EngineLost, EngineUnreachable, WeightSyncError
 from relax_slurm.engines.client import EngineClient
-from relax_slurm.engines.sglang_api import ADAPTER_NAME, ServerProtocol
+from relax_slurm.engines.served_adapter import adapter_name, names_present
+from relax_slurm.engines.sglang_api import ServerProtocol
 from relax_slurm.weightsync.adapter import Adapter, serialize_tensors
 from relax_slurm.weightsync.bucket import (FlatBuffer, dtype_name, stream_buckets,
                                            flatten_bucket, tensor_nbytes)
@@ -72,6 +73,18 @@ def open_session(client: EngineClient) -> None:
         client.begin_weight_update()
 
 
+def load_adapter(client: EngineClient, name: str, config: dict, payload: str,
+                 tp_size: int) -> None:
+    """Load adapter `name`; one the engine holds already is this version's, loaded by a sync
+    that failed after it (a resend carries the same tensors)."""
+    try:
+        client.load_lora_adapter_from_tensors(name, config, payload, tp_size)
+    except EngineError as e:
+        if isinstance(e, EngineUnreachable) or not names_present(str(e)):
+            raise
+        log.info("%s already holds adapter %s (a resend of its version)", client.url, name)
+
+
 class WeightSender:
     """Push full (gathered, HF-named) tensors from trainer rank 0 to a cohort of engines."""
 
@@ -79,7 +92,8 @@ class WeightSender:
                  group_name: str = "weight_update_group", backend: str = "auto",
                  timeout_s: float = 300.0, bucket_mb: float = 512.0,
                  pause_mode: str = "retract", pause_for_sync: bool = True,
-                 ranks_per_engine: int = 1, load_format: Optional[str] = None) -> None:
+                 ranks_per_engine: int = 1, load_format: Optional[str] = None,
+                 adapter_window: int = 1) -> None:
         if not engine_urls:
             raise WeightSyncError("WeightSender needs at least one engine URL")
         self.engine_urls = list(engine_urls)
@@ -102,6 +116,11 @@ class WeightSender:
         TP rank receives the full tensor and keeps its shard)."""
         self.load_format = load_format
         """None: one broadcast per tensor; flattened_bucket: one per bucket (bucket.py)."""
+        self.adapter_window = adapter_window
+        """model.lora's adapter-only sync: how many versions' adapters each engine keeps
+        (algo.max_staleness + 1: a request of any version the broker still accepts finds its
+        adapter); older ones are unloaded after each sync, in the background."""
+        self._unloads: list[Future] = []
         self.world_size = 1 + len(self.engine_urls) * ranks_per_engine
         self.clients = [EngineClient(u, timeout_s) for u in self.engine_urls]
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients),
@@ -277,26 +296,29 @@ class WeightSender:
         return stats
 
     def send_adapter(self, adapter: Adapter, version: Optional[str | int]) -> dict[str, Any]:
-        """The adapter alone, by SGLang's routes: every engine unloads ADAPTER_NAME (none held
-        after a restart: nothing to do), loads the new tensors under that name, and labels its
-        weights `version` (/update_weight_version: the adapter's own load does not). The base
-        weights never change, so the group is not used. On failure the engines stay paused,
-        as after a failed full sync, until the resend."""
+        """The adapter alone, by SGLang's routes: every engine loads it under version
+        `version`'s own name (engines/served_adapter.py) beside the versions before it, and
+        labels its weights `version` (/update_weight_version: the adapter's own load does not);
+        after the sync the version that left the window (`adapter_window`) is unloaded in the
+        background. The base weights never change, so the group is not used. On failure the
+        engines stay paused, as after a failed full sync, until the resend."""
         start = time.monotonic()
         payload = serialize_tensors(adapter.tensors)
-        version = None if version is None else str(version)
+        version = 0 if version is None else int(version)
+        name = adapter_name(version)
+        # SGLang holds its adapter lock while an unload waits for the requests using the
+        # adapter, and a load waits on that lock: the last sync's unloads end before this one
+        # pauses what they wait for
+        self._finish_unloads()
         try:
             if self.pause_for_sync:
                 self._join("/pause_generation", self._on_engines(
                     lambda c, i: c.pause_generation(self.pause_mode)))
-            self._join("/unload_lora_adapter", self._on_engines(
-                lambda c, i: c.unload_lora_adapter(ADAPTER_NAME)))
             self._join("/load_lora_adapter_from_tensors", self._on_engines(
-                lambda c, i: c.load_lora_adapter_from_tensors(ADAPTER_NAME, adapter.config,
-                                                              payload, self.ranks_per_engine)))
-            if version is not None:
-                self._join("/update_weight_version", self._on_engines(
-                    lambda c, i: c.update_weight_version(version)))
+                lambda c, i: load_adapter(c, name, adapter.config, payload,
+                                          self.ranks_per_engine)))
+            self._join("/update_weight_version", self._on_engines(
+                lambda c, i: c.update_weight_version(str(version))))
         except WeightSyncError as e:
             raise WeightSyncError(
                 f"adapter sync of version {version} to {len(self.clients)} engine(s) failed: "
@@ -305,12 +327,26 @@ class WeightSender:
         if self.pause_for_sync:
             self._join("/continue_generation", self._on_engines(
                 lambda c, i: c.continue_generation()))
+        old = version - self.adapter_window
+        if old >= 0:  # an engine that never held it (restarted since) has nothing to unload
+            self._unloads = self._on_engines(lambda c, i: c.unload_lora_adapter(
+                adapter_name(old)))
         stats = {"bytes": adapter.nbytes, "wire_bytes": len(payload),
                  "seconds": time.monotonic() - start, "num_buckets": 1, "broadcasts": 0}
-        log.info("sent the adapter (%d tensors, %.3f MB; %.3f MB on the wire) in %.3fs "
-                 "(version %s)", len(adapter.tensors), adapter.nbytes / 2**20,
-                 len(payload) / 2**20, stats["seconds"], version)
+        log.info("sent the adapter %s (%d tensors, %.3f MB; %.3f MB on the wire) in %.3fs",
+                 name, len(adapter.tensors), adapter.nbytes / 2**20, len(payload) / 2**20,
+                 stats["seconds"])
         return stats
+
+    def _finish_unloads(self) -> None:
+        """Wait for the last sync's unloads (each ends once no request uses its adapter: at most
+        a generation). A failed one is logged: it costs the engine memory, not correctness."""
+        unloads, self._unloads = self._unloads, []
+        for url, fut in zip(self.engine_urls, unloads):
+            try:
+                fut.result(timeout=self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - see above
+                log.warning("engine %s/unload_lora_adapter of an old adapter: %s", url, e)
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: Optional[str],
                      flush_cache: bool) -> tuple[int, int]:

@@ -17,6 +17,11 @@ engine alike (issue #33): what the trainer and the launcher rely on while engine
   into shared memory.
 - /abort_request with abort_all ends a running batch with finish_reason abort (HTTP 200, the
   tokens so far with their log-probs), and the engine serves the next request whole.
+- LoRA adapters (started with --enable-lora): each version's adapter loads under its own name
+  beside the one before, the version that left the window is unloaded, a resend of a loaded
+  version is accepted, and a client told of a version the engine does not hold names the
+  engine's own label; the answer has that version's adapter's log-probs, stamped with it
+  (engines/served_adapter.py, WeightSender.send_adapter).
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ from helpers_tiny import (free_port, make_tiny_model, run_script, start_engine, 
                           start_sglang_engine, stop_process, wait_healthy)
 
 from relax_slurm.engines.client import AsyncEngineClient, EngineClient  # noqa: E402
-from relax_slurm.engines.sglang_api import API_KEY_ENV  # noqa: E402
+from relax_slurm.engines.sglang_api import API_KEY_ENV, lora_flags  # noqa: E402
 from relax_slurm.launch.health import HangWatch  # noqa: E402
 
 KEY = "contract-key"
+LORA_RANK, LORA_TARGETS = 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                              "down_proj"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
@@ -58,9 +65,10 @@ def engine(request, model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp(kind) / "engine.log"
     if kind == "sglang":
         python = request.getfixturevalue("sglang_cpu_python")
-        proc = start_sglang_engine(python, model_dir, port, log, api_key=KEY)
+        proc = start_sglang_engine(python, model_dir, port, log, api_key=KEY,
+                                   extra_args=lora_flags(LORA_RANK, LORA_TARGETS, "cpu"))
     else:
-        proc = start_engine(model_dir, port, log, api_key=KEY)
+        proc = start_engine(model_dir, port, log, ["--enable-lora"], api_key=KEY)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, 300, log)
@@ -137,6 +145,99 @@ def test_weights_by_reference_load_exactly_as_broadcast_ones(engine, client, mod
     assert r["tensor_stats"]["broadcasts"] == 0 and r["tensor_stats"]["num_buckets"] > 1, r
     assert r["shared"] is False, r  # the sender's tensors stay where they were
     # the engine serves model_dir's weights again (tensor0): the later tests see them
+
+
+def lora_policy(model_dir: Path):
+    """The tiny model under PEFT with a nonzero adapter (B random), float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from relax_slurm.config.model import LoraConfig, ModelConfig
+    from relax_slurm.trainer.lora import apply_lora
+
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                       ModelConfig(path=str(model_dir), lora=LoraConfig(
+                           rank=LORA_RANK, target_modules=LORA_TARGETS)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+def teacher_forced(model, prompt: list[int], out_ids: list[int]) -> list[float]:
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + out_ids])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out_ids)]
+
+
+def test_adapter_versions_load_beside_each_other_within_the_window(engine, client, model_dir):
+    """What an async adapter sync relies on: requests keep generating on their version's
+    adapter while the next one loads, and one that names a version the engine does not hold
+    (restarted, or fallen out of the window) is sent again under the engine's own."""
+    import dataclasses
+
+    from relax_slurm.engines.served_adapter import ServedAdapter, adapter_name
+    from relax_slurm.errors import EngineError
+    from relax_slurm.trainer.lora import adapter_of
+    from relax_slurm.weightsync.sender import WeightSender
+
+    kind, url, _ = engine
+    before = client.weight_version()
+    policy = lora_policy(model_dir)
+    adapter = adapter_of(policy)
+    versions = range(100, 104)  # each its own policy: every B x (1 + v - 100)
+    sent = {v: dataclasses.replace(adapter, tensors={
+        n: t * (1 + v - 100) if "lora_B" in n else t for n, t in adapter.tensors.items()})
+        for v in versions}
+    sender = WeightSender([url], "127.0.0.1", 1, timeout_s=60, pause_for_sync=True,
+                          adapter_window=2)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+    try:
+        for v in versions:
+            assert sender.send_adapter(sent[v], v)["bytes"] == adapter.nbytes
+        sender.send_adapter(sent[103], 103)  # a resend after a failed sync: held already
+        sender._finish_unloads()
+        assert client.weight_version() == "103"
+        for v in versions:  # 100 and 101 left the window
+            with EngineClient(url, 30.0, lora_path=adapter_name(v)) as named:
+                if v >= 102:
+                    assert named.generate(prompts, params)[0].weight_version == "103"
+                else:
+                    with pytest.raises(EngineError, match="not loaded|implicitly load"):
+                        named.generate(prompts, params)
+
+        async def told_of(announced: int):
+            served = ServedAdapter(lambda: announced)
+            async with AsyncEngineClient(url, 30.0, adapter=served) as c:
+                return await c.generate(prompts, params), served.seen
+        # the broker announced a version this engine never held
+        results, seen = asyncio.run(told_of(109))
+        assert seen == 103 and {r.weight_version for r in results} == {"103"}, kind
+        import torch
+
+        with torch.no_grad():  # version 103's policy: every B x 4
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(4.0)
+        for prompt, res in zip(prompts, results):
+            # SGLang's torch_native LoRA and the hf engine's PEFT layers against PEFT's,
+            # float32: rounding of batched rows only (the e2e runs measure <= 6.1e-7)
+            want = teacher_forced(policy, prompt, res.output_ids)
+            assert max(abs(a - b) for a, b in zip(res.logprobs, want)) < 1e-5, kind
+        # the evaluator's client names the engine's own label
+        with EngineClient(url, 30.0, adapter=ServedAdapter()) as evaluator:
+            assert {r.weight_version for r in evaluator.generate(prompts, params)} == {"103"}
+    finally:
+        sender.close()
+        for v in versions:  # the engine as the other tests found it
+            client.unload_lora_adapter(adapter_name(v))
+        client.update_weight_version(before)
 
 
 def test_token_ids_logprob_scores_those_ids_at_every_input_position(engine, client):

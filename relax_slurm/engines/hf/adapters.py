@@ -75,6 +75,8 @@ class Adapters:
     def _delete(self, name: str) -> None:
         for module in self._layers():  # the LoRA layers stay, empty: the base forward
             module.delete_adapter(name)
+        # its config too: a run loads a new name every sync
+        getattr(self.model, "peft_config", {}).pop(name, None)
 
     def _layers(self) -> list:
         from peft.tuners.tuners_utils import BaseTunerLayer

@@ -39,13 +39,17 @@ def test_tiny_cpu_sets_loras_lr_and_lm_head_and_full_fine_tuning_ignores_them():
     (["algo.kl_coef=0.01", "algo.ref_update_interval=5"], "algo.ref_update_interval=5"),
     (["trainer.freeze_modules=[model.embed_tokens]"], "trainer.freeze_modules"),
     (["weight_sync.verify=true"], "weight_sync.verify=false"),
-    (["rollout=sglang", "algo.max_staleness=1"], "algo.max_staleness=0"),
     (["rollout=sglang", "model.lora.sync=adapter",
       "model.lora.target_modules=[q_proj,c_attn]"], "model.lora.sync=auto"),
 ])
 def test_what_lora_does_not_combine_with_is_refused_naming_the_fix(overrides, words):
     with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace(".", r"\.")):
         config(*overrides)
+
+
+def test_an_async_run_on_sglang_syncs_the_adapter_alone():
+    # versioned adapter names (engines/served_adapter.py): it used to be refused
+    assert config("rollout=sglang", "algo.max_staleness=1").adapter_sync
 
 
 def test_the_adapter_flags_go_to_the_policys_engines_only_when_syncs_send_it():
