@@ -27,7 +27,9 @@ class WeightSyncConfig:
     """Async runs (algo.max_staleness >= 1): push each version from a background thread while
     the trainer checkpoints and takes, collates and trains on the next batch; only its
     optimizer step waits for the push (trainer/overlap.py). On-policy runs push in line (the
-    worker waits for the new weights anyway)."""
+    worker waits for the new weights anyway). Under FSDP2 or megatron the push keeps a whole
+    copy of the weights in rank 0's host memory; one that would not fit in half of what the
+    host has available is pushed in line, streamed (said once at start)."""
     load_format: Optional[str] = None
     """null: one broadcast per tensor. flattened_bucket: one broadcast per bucket, its tensors'
     bytes end to end (SGLang's load_format of the same name; the hf engine serves both).

@@ -158,8 +158,11 @@ class TorchBackend:
             from relax_slurm.trainer.model import DTYPES, unwrap
 
             return adapter_of(unwrap(self.model), DTYPES[self.cfg.model.dtype])
-        return sync_share(self.named_hf_weights(), dist.get_rank(),
-                          collective=self.cfg.trainer.strategy == "fsdp2", stream=stream)
+        fsdp2 = self.cfg.trainer.strategy == "fsdp2"
+        named = self.named_hf_weights()
+        if fsdp2 and not stream:  # an overlapped push's whole copy: host memory, not the GPU's
+            named = ((n, t.cpu()) for n, t in named)
+        return sync_share(named, dist.get_rank(), collective=fsdp2, stream=stream)
 
     def local_weights(self) -> Callable[[], list[tuple[str, Tensor]]] | None:
         """Rank 0's whole weights without a collective (DDP or one rank), for re-syncing a

@@ -30,7 +30,7 @@ from relax_slurm.runtime.control import pending_request
 from relax_slurm.runtime.plan import address_toward, free_port
 from relax_slurm.sample_meta import SampleMeta
 from relax_slurm.samples import Group
-from relax_slurm.trainer.overlap import BackgroundPush
+from relax_slurm.trainer.overlap import BackgroundPush, overlap_copy_fits
 from relax_slurm.trainer.stream import GroupStream
 from relax_slurm.weightsync import WeightSender, resolve_backend
 from relax_slurm.weightsync.tensor_sender import TensorSender
@@ -172,7 +172,8 @@ class RankZero:
         # (trainer/overlap.py) while the loop takes the next batch (zmq sockets: one thread)
         self.sync_broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
                                         identity="trainer-sync")
-        self.overlap = cfg.algo.max_staleness > 0 and cfg.weight_sync.overlap
+        self.overlap = (cfg.algo.max_staleness > 0 and cfg.weight_sync.overlap
+                        and overlap_copy_fits(cfg))
         # a push made now reads the export as the ranks gather it, bucket by bucket; an
         # overlapped one sends while the next step trains, from a whole copy
         self.streams = not self.overlap

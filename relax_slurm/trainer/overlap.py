@@ -10,16 +10,87 @@ thread-safe); the engines are the thread's alone until the join.
 
 What is exposed is the time the loop waited at that join: `perf/weight_sync_s`; the push's own
 duration is `perf/weight_sync_push_s` (the same in a run without overlap).
+
+Where the export is gathered through every rank (FSDP2, megatron) the push cannot read it as
+the ranks gather it, since the next step needs the ranks: rank 0 keeps a whole copy of the
+served weights in host memory while it sends. `overlap_copy_fits` checks that copy against the
+memory the host has at start, and a copy that would not fit falls back to the inline,
+streamed push, said once.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
+
+HOST_SHARE = 0.5
+"""The share of the host memory available at start that an overlapped push's whole copy may
+take (the rest: the trainer's own host memory, the data, a checkpoint being written)."""
+
+
+def copy_fits(copy_bytes: int, available_bytes: int | None) -> bool:
+    """Whether a whole copy of `copy_bytes` fits beside the trainer (None: unknown: yes)."""
+    return available_bytes is None or copy_bytes <= HOST_SHARE * available_bytes
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes; None where there is none."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def served_bytes(model_path: str, dtype: torch.dtype) -> int:
+    """The bytes of model.path's weights at the dtype the engines serve, from its safetensors
+    headers (no tensor read)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                shape = st.get_slice(name).get_shape()
+                numel = 1
+                for d in shape:
+                    numel *= int(d)
+                total += numel
+    return total * torch.empty((), dtype=dtype).element_size()
+
+
+def overlap_copy_fits(cfg, available: Callable[[], int | None] = host_memory_available
+                      ) -> bool:
+    """Whether an overlapped push may keep its whole copy (module docstring): always under DDP
+    (it sends the model's own tensors) and for an adapter-only sync; else when the served
+    weights fit in HOST_SHARE of the host's `available()` memory. A copy that does not fit is
+    said once, with the fix."""
+    from relax_slurm.trainer.model import DTYPES
+
+    t = cfg.trainer
+    gathered = t.backend == "megatron" or t.strategy == "fsdp2"
+    if not gathered or cfg.adapter_sync:
+        return True
+    need = served_bytes(cfg.model.path, DTYPES[cfg.model.dtype])
+    have = available()
+    if copy_fits(need, have):
+        return True
+    log.warning("weight_sync.overlap: an overlapped push keeps a whole copy of the served "
+                "weights (%.1f GiB) in rank 0's host memory, more than %d%% of the %.1f GiB "
+                "available: pushing inline, streamed, instead (no rank holds the whole model). "
+                "Set weight_sync.overlap=false to say so, or give the trainer's node more memory",
+                need / 2**30, int(HOST_SHARE * 100), have / 2**30)
+    return False
 
 
 def _on_side_stream(fn: Callable[[], Any]) -> Callable[[], Any]:

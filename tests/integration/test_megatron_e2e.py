@@ -26,6 +26,11 @@ from tests.conftest import NEEDS_MEGATRON, ONE_RANK, REPO, relax_train, run_env
 
 STEPS = 30  # reward ~0.002 -> ~0.15-0.2 by step 25 (TP=1, TP=2): 30 keeps a ~2x margin over RISE
 RISE = 0.1
+# The TP=1 run is async (algo.max_staleness=1) with weight_sync.overlap=false: the inline,
+# streamed push a gathered export falls back to when its whole copy would not fit in host
+# memory (trainer/overlap.py), pausing the engine around it. Its samples are a version
+# behind: rises of 0.154 / 0.161 / 0.148 in 30 steps at seeds 0, 1, 2; half the slowest
+ASYNC_RISE = 0.074
 REF_EVERY = 3  # the TP=2 run's algo.ref_update_interval: the step-27 checkpoint follows a refresh
 
 pytestmark = [
@@ -41,6 +46,8 @@ def test_megatron_trainer_learns_with_verified_sync(tmp_path, tiny_assets, tp):
     common = ("trainer=megatron", f"trainer.nproc_per_node={tp}",
               f"trainer.tensor_parallel_size={tp}", "weight_sync.verify=true",
               f"trainer.total_steps={STEPS}", "metrics.progress=false")
+    if tp == 1:
+        common += ("algo.max_staleness=1", "weight_sync.overlap=false")
     if tp == 2:  # a checkpoint 3 steps before the end (resumed below) and the final HF export,
         # both checkpoints written asynchronously (megatron-core's forked writer); one
         # broadcast per tensor (the preset flattens buckets: both are verified); a KL loss
@@ -60,10 +67,13 @@ def test_megatron_trainer_learns_with_verified_sync(tmp_path, tiny_assets, tp):
     assert len(sends) == STEPS + 1
     # flattened: a broadcast per bucket; else one per tensor (the tiny model has 24)
     assert all((n == b) == (tp == 1) for b, n in sends), sends[:3]
-    assert summary["reward_last"] >= summary["reward_first"] + RISE, summary
+    assert summary["reward_last"] >= summary["reward_first"] + (RISE if tp == 2 else ASYNC_RISE), \
+        summary
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["train/update_skipped"] == 0 for r in rows)
-    if tp != 2:
+    if tp == 1:  # ran a version ahead; every push inline: the loop waited for all of it
+        assert {r["broker/staleness_max"] for r in rows[1:]} == {1}
+        assert all(r["perf/weight_sync_s"] == r["perf/weight_sync_push_s"] for r in rows)
         return
     # the batch right after a refresh measures the KL against the policy's own weights, which
     # the sharded reference (megatron/reference.py) runs through the same kernels at the same

@@ -100,8 +100,11 @@ class MegatronBackend:
         """Whole batches only (one block): see TrainConfig.streaming_blockers for why."""
         [(batch, _)] = list(blocks)
         t = self.cfg.trainer
-        if self.ref_model is not None:  # the whole batch's, before the step: the rows carry
-            # them (MicroBatch.ref_logp) to the loss and the reward-side KL
+        warming_up = (self.critic is not None
+                      and self.mm.steps_done < self.cfg.algo.critic_warmup_steps)
+        # the whole batch's, before the step: the rows carry them (MicroBatch.ref_logp) to the
+        # loss and the reward-side KL; a critic warmup batch trains no policy (no KL loss)
+        if self.ref_model is not None and (not warming_up or self.cfg.algo.kl_coef):
             batch = self.ref_model.with_logprobs(self.mm, batch, t.num_steps_per_rollout,
                                                  t.micro_batch_size, self.cfg.rollout.temperature)
 
@@ -123,7 +126,7 @@ class MegatronBackend:
             kl = reward_kl(self.cfg, self.mm) if self.cfg.algo.kl_coef else None
             metrics = train_with_critic(
                 self.critic, [(batch, True)], kl, policy_step=policy_step,
-                warming_up=self.mm.steps_done < self.cfg.algo.critic_warmup_steps,
+                warming_up=warming_up,
                 skip_policy=lambda: self._skip_policy(before_update),
                 num_steps=t.num_steps_per_rollout)
         if reference_due(self.mm.steps_done, self.cfg.algo.ref_update_interval):
