@@ -44,12 +44,14 @@ MOE_TARGETS = ["q_proj", "v_proj", "o_proj", "lm_head"]
 # and at DP=2 gate_proj without up_proj (the other fused layer in part)
 DP_TARGETS = [t for t in TARGETS if t != "up_proj"]
 RANK, ALPHA, MICRO_BATCH = 8, 16.0, 3
-# the parity layouts, two ranks each: (model kind, TP, EP, distributed optimizer, targets);
-# the last two also check their checkpoint's exact resume (megatron_lora_parity.py --resume)
-LAYOUTS = {"tp2": ("text", 2, 1, False, TARGETS), "dp2": ("text", 1, 1, False, DP_TARGETS),
-           "ep2": ("moe", 1, 2, False, MOE_TARGETS),
-           "dp2_distopt": ("text", 1, 1, True, DP_TARGETS)}
-RESUME_CHECKED = ("ep2", "dp2_distopt")
+# the parity layouts, two ranks each: (model kind, TP, EP, PP, distributed optimizer,
+# targets); the last three also check their checkpoint's exact resume
+# (megatron_lora_parity.py --resume)
+LAYOUTS = {"tp2": ("text", 2, 1, 1, False, TARGETS), "dp2": ("text", 1, 1, 1, False, DP_TARGETS),
+           "ep2": ("moe", 1, 2, 1, False, MOE_TARGETS),
+           "dp2_distopt": ("text", 1, 1, 1, True, DP_TARGETS),
+           "pp2": ("text", 1, 1, 2, False, TARGETS)}
+RESUME_CHECKED = ("ep2", "dp2_distopt", "pp2")
 
 pytestmark = [pytest.mark.slow, NEEDS_MEGATRON]
 
@@ -127,10 +129,11 @@ _RUNS: dict[str, dict] = {}  # one torchrun per layout per test module (a file i
 def parity_run(layout: str, tmp_path_factory) -> dict:
     """One two-rank torchrun of LAYOUTS[layout] (TP=2; TP=1 with two data-parallel ranks, half
     the rows each; EP=2 on the tiny MoE, DP=2 for its attention; DP=2 with the distributed
-    optimizer), and the torch PEFT trainer's first step on the same adapter and batch."""
+    optimizer; PP=2, two stages), and the torch PEFT trainer's first step on the same adapter
+    and batch."""
     if layout in _RUNS:
         return _RUNS[layout]
-    kind, tp, ep, dist_opt, targets = LAYOUTS[layout]
+    kind, tp, ep, pp, dist_opt, targets = LAYOUTS[layout]
     root = tmp_path_factory.mktemp(f"megatron_lora_{layout}")
     model_dir = (make_moe_model if kind == "moe" else run_tiny_model_tool)(root / "model")
     policy = peft_policy(model_dir, targets)
@@ -140,7 +143,8 @@ def parity_run(layout: str, tmp_path_factory) -> dict:
     out, log = root / "out", root / "torchrun.log"
     rc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
                      "--nproc-per-node", "2", str(SCRIPT), "--model-dir", str(model_dir),
-                     "--tp", str(tp), "--ep", str(ep), *(["--dist-opt"] if dist_opt else []),
+                     "--tp", str(tp), "--ep", str(ep), "--pp", str(pp),
+                     *(["--dist-opt"] if dist_opt else []),
                      *(["--resume"] if layout in RESUME_CHECKED else []),
                      "--rank", str(RANK), "--alpha", str(ALPHA),
                      "--targets", ",".join(targets), "--micro-batch-size", str(MICRO_BATCH),
@@ -152,7 +156,8 @@ def parity_run(layout: str, tmp_path_factory) -> dict:
     merged = {k: v.clone() for k, v in merged_parameters(policy)}
     loss, grads = torch_step(policy, tensors)
     _RUNS[layout] = {
-        "layout": layout, "tp": tp, "ep": ep, "dist_opt": dist_opt, "model_dir": model_dir,
+        "layout": layout, "tp": tp, "ep": ep, "pp": pp, "dist_opt": dist_opt,
+        "model_dir": model_dir,
         "merged": merged, "megatron_merged": load_file(str(out / "merged.safetensors")),
         "adapter": adapter, "batch": tensors, "loss": loss, "grads": grads,
         "result": json.loads((out / "result.json").read_text()),
@@ -211,7 +216,9 @@ def test_only_adapters_train(parity):
     # at TP=2, all of it at TP=1; the distributed optimizer a part of it on each DP rank,
     # together all of it once
     total = sum(t.numel() for t in parity["adapter"].values())
-    assert r["tp_size"] == parity["tp"] and r["dp_size"] == 2 // parity["tp"]
+    # (counted over the pipeline stages: each holds its own layers' adapters)
+    assert r["tp_size"] == parity["tp"] and r["pp_size"] == parity["pp"]
+    assert r["dp_size"] == 2 // (parity["tp"] * parity["pp"])
     assert r["ep_size"] == parity["ep"]
     assert r["local_adapter_params"] == total // parity["tp"]
     assert (r["optimizers"] == ["DistributedOptimizer"]) == parity["dist_opt"], r["optimizers"]
@@ -224,9 +231,10 @@ def test_only_adapters_train(parity):
 @pytest.mark.timeout(600)
 def test_adapter_disabled_is_the_base_model(parity):
     r = parity["result"]
-    # megatron's local layers against transformers' kernels: float32 rounding of the same
-    # function (test_megatron_parallel.py's bound for the logits)
-    assert r["disabled_logits_max_diff"] < 1e-5
+    # megatron's local layers against transformers' kernels, log-probs by Megatron's
+    # forward-only schedule (pipelined at PP=2): float32 rounding of the same function
+    # (test_megatron_parallel.py's bound for the logits)
+    assert r["disabled_logprobs_max_diff"] < 1e-5
     assert r["enabled_differs_by"] > 1e-2  # the nonzero adapter is on otherwise
 
 

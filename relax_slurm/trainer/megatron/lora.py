@@ -244,7 +244,7 @@ def load_adapter(bridge, chunks: list, tensors: dict[str, Tensor]) -> None:
 # ---- megatron-bridge fixes ----------------------------------------------------------------
 
 def _fix_library() -> None:
-    """Four fixes to megatron-bridge 0.3.1's PEFT, applied once:
+    """Five fixes to megatron-bridge 0.3.1's PEFT, applied once:
 
     - without transformer-engine (CPU), megatron.core.extensions.transformer_engine still
       imports with MagicMock placeholders for its classes, so megatron-bridge's peft/utils.py
@@ -266,6 +266,10 @@ def _fix_library() -> None:
       (`_fix_partial_canonical_forward`; with every part adapted the bridge's forward runs).
       Its walks (disable_adapter) and sharded_state_dict (checkpoints) step into those None
       entries too: apply_lora removes them (`_drop_missing_parts`).
+    - and under pipeline parallelism an adapter on a tied `lm_head` breaks the last stage,
+      whose output layer holds its own copy of the embeddings: megatron-core reads it as
+      `output_layer.weight`, which the adapter's wrapper does not have
+      (`_fix_tied_output_weight`).
     """
     from megatron.bridge.peft import canonical_lora
     from megatron.bridge.peft import utils as peft_utils
@@ -276,6 +280,7 @@ def _fix_library() -> None:
         peft_utils.HAVE_TE = False
     _fix_partial_canonical_merge()
     _fix_partial_canonical_forward()
+    _fix_tied_output_weight()
     cls = canonical_lora.LoRALinearSplitQKV
     if getattr(cls._interleave_qkv, "_relax_local_heads", False):
         return
@@ -288,6 +293,29 @@ def _fix_library() -> None:
 
     interleave_qkv._relax_local_heads = True
     cls._interleave_qkv = interleave_qkv
+
+
+def _fix_tied_output_weight() -> None:
+    """`_fix_library`'s fifth fix: a last pipeline stage's tied output weight read through the
+    adapter's wrapper (the embeddings' gradient all-reduce and the logits use it)."""
+    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    for cls in (LanguageModule, GPTModel):
+        original = cls.__dict__.get("shared_embedding_or_output_weight")
+        if original is None or getattr(original, "_relax_wrapped_output", False):
+            continue
+
+        def shared(self, _original=original):
+            layer = getattr(self, "output_layer", None)
+            first = self.pre_process or getattr(self, "mtp_process", False)
+            if isinstance(layer, AdapterWrapper) and self.post_process and not first:
+                return layer.to_wrap.weight
+            return _original(self)
+
+        shared._relax_wrapped_output = True
+        cls.shared_embedding_or_output_weight = shared
 
 
 def _fix_partial_canonical_merge() -> None:

@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--dist-opt", action="store_true", help="trainer.use_distributed_optimizer")
     ap.add_argument("--resume", action="store_true", help="check the checkpoint's exact resume")
     ap.add_argument("--rank", type=int, default=8)
@@ -152,6 +153,7 @@ def main() -> None:
     from relax_slurm.trainer.megatron.step import train_step
 
     cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp, lr=1e-2,
+                        pipeline_parallel_size=args.pp,
                         expert_parallel_size=args.ep, use_distributed_optimizer=args.dist_opt,
                         micro_batch_size=args.micro_batch_size,
                         nproc_per_node=dist.get_world_size())
@@ -166,7 +168,11 @@ def main() -> None:
     result: dict = {}
 
     named = [(n, p) for c in mm.chunks for n, p in c.module.named_parameters()]
-    result["trainable"] = sorted(n for n, p in named if p.requires_grad)
+    # over the pipeline stages: each holds its layers' (the names are the stage's own)
+    stages = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, sorted(n for n, p in named if p.requires_grad),
+                           group=ps.get_pipeline_model_parallel_group())
+    result["trainable"] = sorted(n for names in stages for n in names)
     result["frozen_not_adapter"] = all(not p.requires_grad for n, p in named
                                        if not lora.is_adapter_param(n))
     result["frozen_have_no_grad_buffer"] = all(not hasattr(p, "main_grad") for _, p in named
@@ -176,7 +182,10 @@ def main() -> None:
     held = torch.tensor(result["optimizer_params"])  # over the DP ranks: each its shard
     dist.all_reduce(held, group=ps.get_data_parallel_group())
     result["optimizer_params_dp_sum"] = int(held)
-    result["local_adapter_params"] = sum(p.numel() for _, p in named if p.requires_grad)
+    local = torch.tensor([sum(p.numel() for _, p in named if p.requires_grad),
+                          result["optimizer_params"]])
+    dist.all_reduce(local, group=ps.get_pipeline_model_parallel_group())
+    result["local_adapter_params"], result["optimizer_params"] = map(int, local)
 
     lora.load_adapter(mm.bridge, mm.chunks, adapter_in)
     exported = lora.adapter_tensors(mm.bridge, mm.chunks)
@@ -205,12 +214,25 @@ def main() -> None:
             if p.requires_grad:
                 p.copy_(adapters_before[n])
 
-    # the reference policy: the adapters disabled are model.path (the HF model's logits)
-    ids = batch.input_ids
+    # the reference policy: the adapters disabled are model.path (the HF model's log-probs),
+    # by the forward-only schedule (every layout; filled on the last pipeline stage)
+    from relax_slurm.trainer.megatron.step import forward_logprobs
+
+    with pefts[0].disable_adapter(mm.chunks):
+        off = forward_logprobs(mm, mm.chunks, batch, None, 1, args.micro_batch_size, 1.0)
+    on = forward_logprobs(mm, mm.chunks, batch, None, 1, args.micro_batch_size, 1.0)
+    from transformers import AutoModelForCausalLM
+
+    from relax_slurm.trainer.step import token_logprobs
+
+    hf = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        with pefts[0].disable_adapter(mm.chunks):
-            off = mm.full_logits(mm.forward(mm.chunks[0], ids))
-        on = mm.full_logits(mm.forward(mm.chunks[0], ids))
+        base = token_logprobs(hf, batch, 1.0)
+    last = ps.is_pipeline_last_stage()
+    diffs = torch.tensor([(off - base).abs().max().item() if last else 0.0,
+                          (on - base).abs().max().item() if last else 0.0])
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    result["disabled_logprobs_max_diff"], result["enabled_differs_by"] = map(float, diffs)
     # the real step (Adam) on these gradients, from the adapter loaded: the plain and the
     # distributed optimizer must leave the same adapter
     ok, grad_norm, _ = mm.optimizer.step()
@@ -219,19 +241,13 @@ def main() -> None:
     if args.resume:
         result.update(resume_check(mm, model_cfg, mine, args, stepped))
     if dist.get_rank() == 0:
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
-        with torch.no_grad():
-            base = hf(ids).logits
-        result["disabled_logits_max_diff"] = (off - base).abs().max().item()
-        result["enabled_differs_by"] = (on - base).abs().max().item()
         args.out.mkdir(parents=True, exist_ok=True)
         save_file(exported, str(args.out / "exported.safetensors"))
         save_file(grads, str(args.out / "grads.safetensors"))
         save_file(merged, str(args.out / "merged.safetensors"))
         save_file(stepped, str(args.out / "stepped.safetensors"))
     result["tp_size"] = ps.get_tensor_model_parallel_world_size()
+    result["pp_size"] = ps.get_pipeline_model_parallel_world_size()
     result["dp_size"] = dp
     result["ep_size"] = ps.get_expert_model_parallel_world_size()
     # (a ChainedOptimizer of the dense and the expert parameters' on an MoE model)

@@ -34,8 +34,8 @@ def test_tiny_cpu_sets_loras_lr_and_lm_head_and_full_fine_tuning_ignores_them():
 
 @pytest.mark.parametrize("overrides, words", [
     (["model.lora.lr=0"], "model.lora.lr=0"),
-    (["trainer=megatron", "trainer.pipeline_parallel_size=2"],
-     "model.lora with trainer=megatron and trainer.pipeline_parallel_size=2"),
+    (["trainer=megatron", "trainer.context_parallel_size=2"],
+     "model.lora with trainer=megatron and trainer.context_parallel_size=2"),
     (["algo.kl_coef=0.01", "algo.ref_update_interval=5"], "algo.ref_update_interval=5"),
     (["trainer.freeze_modules=[model.embed_tokens]"], "trainer.freeze_modules"),
     (["weight_sync.verify=true"], "weight_sync.verify=false"),

@@ -165,18 +165,18 @@ def test_megatron_lora_at_tp_and_dp_is_accepted_with_every_target_it_maps():
     megatron_config()  # TP=1, two data-parallel ranks
 
 
-def test_megatron_lora_at_ep_with_the_distributed_optimizer_and_ppo_is_accepted():
+def test_megatron_lora_at_ep_pp_with_the_distributed_optimizer_and_ppo_is_accepted():
     cfg = megatron_config("trainer.expert_parallel_size=2",
                           "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,lm_head]")
     assert cfg.trainer.expert_parallel_size == 2
     assert megatron_config("trainer.use_distributed_optimizer=true",
                            "trainer.tensor_parallel_size=2").trainer.use_distributed_optimizer
     assert megatron_config("algo=ppo").algo.uses_critic  # the critic: full weights, its own
+    # pipeline parallelism (test_megatron_lora.py's pp2 parity row)
+    assert megatron_config("trainer.pipeline_parallel_size=2").trainer.pipeline_parallel_size == 2
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["trainer.pipeline_parallel_size=2"],
-     "model.lora with trainer=megatron and trainer.pipeline_parallel_size=2"),
     (["trainer.context_parallel_size=2"],
      "model.lora with trainer=megatron and trainer.context_parallel_size=2"),
     # the preset's targets include the MLP, which at EP > 1 are the routed experts
