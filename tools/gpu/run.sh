@@ -3,7 +3,9 @@
 #     bash .gpu/run.sh                 the tiny GPU smoke (below)
 #     bash .gpu/run.sh smoke [K=V...]  the smoke with more Hydra overrides
 #     bash .gpu/run.sh suite           every smoke the image allows: the torch trainer in fp32
-#                                      and bf16, SFT, megatron when the image has megatron-core
+#                                      and bf16, SFT, async LoRA, megatron (plain, with the KL
+#                                      reference and chunked log-probs, LoRA) when the image
+#                                      has megatron-core
 #     bash .gpu/run.sh CMD [ARGS...]   any command (here; $RELAX_GPU_PROJ: the source), kit on the path
 # Installs .gpu/*.whl into $RELAX_GPU_SITE (/tmp/site), puts the project's source first on
 # PYTHONPATH (the checkout copied there, else .gpu/src.tar.gz unpacked in /tmp/relax-src),
@@ -57,8 +59,14 @@ suite() {  # every smoke this image can run; rc 1 if any failed
   RELAX_GPU_NAME=torch smoke || rc=1
   RELAX_GPU_NAME=torch_bf16 smoke model.dtype=bfloat16 || rc=1
   RELAX_GPU_NAME=sft RELAX_GPU_EXPERIMENT=tiny_sft_cpu smoke || rc=1
+  # LoRA, async: versioned adapter names, adapter-only syncs while generation goes on
+  RELAX_GPU_NAME=lora_async smoke model.lora.rank=8 algo.max_staleness=1 || rc=1
   if "$PY" -c 'import megatron.core, megatron.bridge' 2>/dev/null; then
     RELAX_GPU_NAME=megatron smoke trainer=megatron || rc=1
+    # the sharded KL reference, log-probs over chunks of the sequence, megatron's LoRA
+    RELAX_GPU_NAME=megatron_kl smoke trainer=megatron algo.kl_loss_coef=0.01 \
+      trainer.logprob_chunk_size=8 || rc=1
+    RELAX_GPU_NAME=megatron_lora smoke trainer=megatron model.lora.rank=8 || rc=1
   else
     stamp "megatron: megatron-core/megatron-bridge not in this image: skipped"
   fi
