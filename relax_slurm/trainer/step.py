@@ -112,22 +112,14 @@ def reference_logprobs(ref_model: nn.Module | None, mb: MicroBatch, temperature:
     return None if ref_model is None else token_logprobs(ref_model, mb, temperature, chunk)
 
 
-def micro_batch_loss(logits: Tensor, mb: MicroBatch, algo: AlgoConfig, loss_kwargs: dict,
-                     ref_logp: Tensor | None) -> tuple[Tensor, dict]:
-    """The algorithm's loss (a weighted sum: summed over micro-batches and ranks it is the
-    batch's loss) and its metric sums, from the temperature-scaled logits [B, T-1, V]. Shared
-    by every trainer backend. `loss_kwargs`: `batch.loss_params(algo, ...)`, built per step."""
-    logp = gather_logprobs(logits, mb.targets)
-    # the bonus needs the entropy's gradient; otherwise it is only logged
-    entropy = token_entropy(logits if algo.entropy_coef else logits.detach())
-    return token_loss(logp, entropy, mb, algo, loss_kwargs, ref_logp)
-
-
 def token_loss(logp: Tensor, entropy: Tensor, mb: MicroBatch, algo: AlgoConfig,
                loss_kwargs: dict, ref_logp: Tensor | None) -> tuple[Tensor, dict]:
-    """`micro_batch_loss` from the positions' log-probs and entropies [B, T-1] (a backend that
-    never holds the whole vocabulary's logits computes them itself: megatron/vocab_parallel.py).
-    The entropy carries a gradient only with an entropy bonus (algo.entropy_coef)."""
+    """The algorithm's loss (a weighted sum: summed over micro-batches and ranks it is the
+    batch's loss) and its metric sums, from the positions' log-probs and entropies [B, T-1]
+    (token_terms; a backend that never holds the whole vocabulary's logits computes them
+    itself: megatron/vocab_parallel.py). Shared by every trainer backend. `loss_kwargs`:
+    `batch.loss_params(algo, ...)`, built per step. The entropy carries a gradient only with
+    an entropy bonus (algo.entropy_coef)."""
     # one optimizer step per batch: the "old" policy is the current one, so ratio = 1 in
     # value and the PPO clip only shapes the gradient; detaching avoids a second forward.
     # Several steps per batch (mb.old_logp): the policy before the first of them.

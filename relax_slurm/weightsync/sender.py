@@ -300,20 +300,21 @@ class WeightSender:
         `version`'s own name (engines/served_adapter.py) beside the versions before it, and
         labels its weights `version` (/update_weight_version: the adapter's own load does not);
         after the sync the version that left the window (`adapter_window`) is unloaded in the
-        background. The base weights never change, so the group is not used. On failure the
-        engines stay paused, as after a failed full sync, until the resend."""
+        background. The base weights never change, so the group is not used.
+
+        Nothing is paused: no request ever sees a half-loaded adapter (a request names a
+        version's adapter, loaded whole before the engine is labelled with it), so generation
+        goes on through the sync. A pause would also hold SGLang's adapter lock: an unload
+        waits, holding it, for the requests that use its adapter, a paused request never ends,
+        and a load waits on the lock."""
         start = time.monotonic()
         payload = serialize_tensors(adapter.tensors)
         version = 0 if version is None else int(version)
         name = adapter_name(version)
-        # SGLang holds its adapter lock while an unload waits for the requests using the
-        # adapter, and a load waits on that lock: the last sync's unloads end before this one
-        # pauses what they wait for
+        # the last sync's unloads first: this load would wait on them anyway (the lock), and
+        # a failed one is said here
         self._finish_unloads()
         try:
-            if self.pause_for_sync:
-                self._join("/pause_generation", self._on_engines(
-                    lambda c, i: c.pause_generation(self.pause_mode)))
             self._join("/load_lora_adapter_from_tensors", self._on_engines(
                 lambda c, i: load_adapter(c, name, adapter.config, payload,
                                           self.ranks_per_engine)))
@@ -322,11 +323,8 @@ class WeightSender:
         except WeightSyncError as e:
             raise WeightSyncError(
                 f"adapter sync of version {version} to {len(self.clients)} engine(s) failed: "
-                f"{e}. The engines stay paused; the trainer re-forms the cohort once every "
-                "engine answers again, and resends") from e
-        if self.pause_for_sync:
-            self._join("/continue_generation", self._on_engines(
-                lambda c, i: c.continue_generation()))
+                f"{e}. The trainer re-forms the cohort once every engine answers again, and "
+                "resends") from e
         old = version - self.adapter_window
         if old >= 0:  # an engine that never held it (restarted since) has nothing to unload
             self._unloads = self._on_engines(lambda c, i: c.unload_lora_adapter(

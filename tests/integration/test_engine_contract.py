@@ -194,8 +194,7 @@ def test_adapter_versions_load_beside_each_other_within_the_window(engine, clien
     sent = {v: dataclasses.replace(adapter, tensors={
         n: t * (1 + v - 100) if "lora_B" in n else t for n, t in adapter.tensors.items()})
         for v in versions}
-    sender = WeightSender([url], "127.0.0.1", 1, timeout_s=60, pause_for_sync=True,
-                          adapter_window=2)
+    sender = WeightSender([url], "127.0.0.1", 1, timeout_s=60, adapter_window=2)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     params = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
     try:

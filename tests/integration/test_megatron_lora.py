@@ -30,7 +30,7 @@ from helpers_moe import make_moe_model  # noqa: E402
 from helpers_tiny import (child_env, run_logged, run_tiny_model_tool,  # noqa: E402
                           stop_process)
 
-from tests.conftest import NEEDS_MEGATRON, ONE_RANK, relax_train  # noqa: E402
+from tests.conftest import NEEDS_MEGATRON, relax_train  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "megatron_lora_parity.py"
 # experiment=tiny_cpu's LoRA targets: every projection, and lm_head (tied to the embeddings)
@@ -107,15 +107,16 @@ def torch_step(policy, tensors: dict[str, torch.Tensor]) -> tuple[float, dict[st
 
     from relax_slurm.config.algo import AlgoConfig
     from relax_slurm.trainer.batch import loss_params
-    from relax_slurm.trainer.step import micro_batch_loss, scaled_logits
+    from relax_slurm.trainer.step import banned_ids, next_token_logits, token_loss, token_terms
 
     algo, batch = AlgoConfig(), batch_from(tensors)
     policy.train()
     total = 0.0
     for lo in range(0, len(batch), MICRO_BATCH):
         mb = batch.rows(lo, lo + MICRO_BATCH)
-        loss, _ = micro_batch_loss(scaled_logits(policy, mb, 1.0), mb, algo, loss_params(algo),
-                                   None)
+        logp, entropy = token_terms(next_token_logits(policy, mb), mb.targets, 1.0,
+                                    banned_ids(policy), "metric")
+        loss, _ = token_loss(logp, entropy, mb, algo, loss_params(algo), None)
         loss.backward()
         total += float(loss.detach())
     grads = {n.replace(".default", ""): p.grad.detach().clone()

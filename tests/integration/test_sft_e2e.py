@@ -162,7 +162,7 @@ def test_sft_resumes_exactly_where_its_checkpoint_left(tmp_path, tiny_assets):
 @pytest.mark.slow
 @NEEDS_MEGATRON
 def test_sft_under_megatron_trains_as_under_torch(tmp_path, tiny_assets):
-    """The loss is the shared micro_batch_loss on either backend: same rows, same start,
+    """The loss is the shared token_loss on either backend: same rows, same start,
     same first loss (float32 summation order) and the same descent; the validation forward
     (Megatron's forward-only schedule) scores the held-out rows alike. Measured: every one of
     the 10 losses within 1.1e-7 relative, val/loss within 7e-8 (80 steps: 2.4e-4, Adam

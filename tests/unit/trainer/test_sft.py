@@ -1,5 +1,5 @@
 """SFT rows -> the trainer's MicroBatch (prompt positions weigh 0), its loss through the shared
-micro_batch_loss and train_step, the validation forward, and scatter on one gloo rank."""
+token_loss and train_step, the validation forward, and scatter on one gloo rank."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from relax_slurm.errors import ConfigError
 from relax_slurm.trainer.batch import collate, loss_params
 from relax_slurm.trainer.model import build_optimizer, single_process_group
 from relax_slurm.trainer.sft import check_length, padded, scatter_rows, train_items
-from relax_slurm.trainer.step import micro_batch_loss, nll_sums, train_step
+from relax_slurm.trainer.step import nll_sums, token_loss, token_terms, train_step
 
 VOCAB = 16
 SFT = AlgoConfig(name="sft", tis_clip=None, loss_reduction="token_mean")
@@ -57,7 +57,8 @@ def test_only_response_tokens_are_weighted_each_one_over_the_batch_tokens():
 def test_loss_is_the_token_mean_nll_of_the_trained_tokens():
     mb = collate(train_items(ROWS, "token_mean"), 0, torch.device("cpu"))
     logits = torch.randn(2, 4, VOCAB, generator=torch.Generator().manual_seed(1))
-    loss, metrics = micro_batch_loss(logits, mb, SFT, loss_params(SFT), None)
+    logp, entropy = token_terms(logits, mb.targets, 1.0, [], "metric")
+    loss, metrics = token_loss(logp, entropy, mb, SFT, loss_params(SFT), None)
     logp = torch.log_softmax(logits, -1).gather(-1, mb.targets[..., None])[..., 0]
     trained = [logp[0, 2], logp[0, 3], logp[1, 0], logp[1, 2], logp[1, 3]]
     assert loss.item() == pytest.approx(-sum(trained).item() / 5, rel=1e-6)
