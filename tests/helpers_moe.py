@@ -36,7 +36,7 @@ def bf16_routed_batch(moe_dir: Path, log_dir: Path):
     experts included), collated as the trainer does; the engine is stopped on return."""
     from relax_slurm.config.algo import AlgoConfig
     from relax_slurm.engines import sglang_api
-    from relax_slurm.engines.client import AsyncEngineClient
+    from relax_slurm.engines.async_client import AsyncEngineClient
     from relax_slurm.rollout.sampling import sample_routing
     from relax_slurm.routing.shape import routing_shape
     from relax_slurm.samples import Sample

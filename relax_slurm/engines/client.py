@@ -1,6 +1,8 @@
 """HTTP client of an engine: an SGLang server or our hf engine (same routes, same JSON).
 
-Used by rollout workers (generate) and the trainer (weight-sync routes). Only SGLang's native
+Used by the trainer (weight-sync and control routes) and the evaluator; rollout workers keep
+many requests in flight through the asyncio client of engines/async_client.py, which shares
+ClientBase's bodies and answers. Only SGLang's native
 API is used, so the same code works against `python -m sglang.launch_server`; the one hf-only
 route is `weights_checksum` (bit-exact tests), which SGLang servers do not have.
 
@@ -10,26 +12,21 @@ server's message.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
-
-import asyncio
 import logging
 import time
+from typing import Any, Callable, Optional
 
 import httpx
 
 from relax_slurm.errors import EngineAborted, EngineDown, EngineError, EngineUnreachable
 from relax_slurm.engines import sglang_api
-from relax_slurm.engines.served_adapter import (ServedAdapter, adapter_name, label_version,
-                                                names_missing, stamped)
+from relax_slurm.engines.served_adapter import ServedAdapter, by_own_label, names_missing
 
 # httpx logs every request at INFO: thousands of lines per step in a role's log
 logging.getLogger("httpx").setLevel(logging.WARNING)
-STALE_CONNECTION_RETRIES = 2
 # SGLang's sampling_params: one map for every input, or one per input
 SamplingParams = dict[str, Any] | list[dict[str, Any]]
 
@@ -144,7 +141,10 @@ def media_fields(media: Optional[list[dict[str, list[str]]]], n: int) -> dict[st
     return {f"{k}_data": [list(m.get(k) or []) for m in media] for k in kinds}
 
 
-class _Base:
+class ClientBase:
+    """What the sync client (here) and the async one (engines/async_client.py) share: the
+    request bodies and the reading of answers and errors."""
+
     def __init__(self, url: str, timeout_s: float, lora_path: Optional[str] = None,
                  adapter: Optional[ServedAdapter] = None) -> None:
         self.url = url.rstrip("/")
@@ -154,16 +154,6 @@ class _Base:
         self.adapter = adapter
         """model.lora's adapter-only sync: each /generate names the newest version's adapter
         this engine holds (engines/served_adapter.py)."""
-
-    def _adapter_missing(self, e: EngineError) -> bool:
-        return not isinstance(e, EngineUnreachable) and names_missing(str(e))
-
-    def _no_adapter(self, label: Optional[str], e: Optional[EngineError]) -> EngineUnreachable:
-        """The engine serves no adapter a request could name (restarted and not synced yet):
-        the caller tries again later, as for an engine that is down."""
-        why = f" ({e})" if e is not None else ""
-        return EngineUnreachable(f"engine {self.url}: serves no policy adapter under its weight "
-                                 f"version {label!r} yet{why}")
 
     def _check(self, route: str, resp: httpx.Response) -> httpx.Response:
         if resp.status_code == 503:  # not serving now (restoring its weights): try again later
@@ -235,7 +225,7 @@ class _Base:
         return [parse_generate_item(item) for item in items]
 
 
-class EngineClient(_Base):
+class EngineClient(ClientBase):
     """Synchronous client (thread-safe: httpx.Client shares its connection pool)."""
 
     def __init__(self, url: str, timeout_s: float = 300.0, lora_path: Optional[str] = None,
@@ -337,17 +327,7 @@ class EngineClient(_Base):
                 self._json("/generate", self._call("POST", "/generate", body)), len(input_ids))
         if self.adapter is None:
             return send(self.lora_path)
-        # the evaluator's few requests: the engine's own label each time, no cache
-        label = self.weight_version()
-        version = label_version(label)
-        if version is None:
-            raise self._no_adapter(label, None)
-        try:
-            return stamped(send(adapter_name(version)), version)
-        except EngineError as e:
-            if self._adapter_missing(e):
-                raise self._no_adapter(label, e) from e
-            raise
+        return by_own_label(self, send)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                   world_size: int, group_name: str = "weight_update_group",
@@ -400,7 +380,7 @@ class EngineClient(_Base):
         try:
             self._json(route, self._call("POST", route, {"lora_name": name}))
         except EngineError as e:
-            if sglang_api.LORA_ABSENT in str(e) and not isinstance(e, EngineUnreachable):
+            if names_missing(str(e)) and not isinstance(e, EngineUnreachable):
                 return False
             raise
         return True
@@ -504,137 +484,3 @@ def wait_until_healthy(urls: list[str], timeout_s: float, poll_s: float = 0.5,
     finally:
         for client in clients.values():
             client.close()
-
-
-class AsyncEngineClient(_Base):
-    """asyncio client for rollout workers that keep many requests in flight."""
-
-    def __init__(self, url: str, timeout_s: float = 300.0, max_connections: int = 256,
-                 routed_experts: bool = False, lora_path: Optional[str] = None,
-                 adapter: Optional[ServedAdapter] = None) -> None:
-        super().__init__(url, timeout_s, lora_path, adapter)
-        self.routed_experts = routed_experts
-        """Ask every /generate for the routed experts (an MoE policy's engines)."""
-        limits = httpx.Limits(max_connections=max_connections,
-                              max_keepalive_connections=max_connections)
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, limits=limits,
-                                       headers=sglang_api.auth_headers())
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-    async def __aenter__(self) -> "AsyncEngineClient":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def _call(self, method: str, route: str, body: Any = None) -> httpx.Response:
-        for attempt in range(STALE_CONNECTION_RETRIES + 1):
-            try:
-                return await self._http.request(method, route, json=body)
-            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError) as e:
-                # a pooled keep-alive connection the server closed while idle (uvicorn closes
-                # them after 5 s by default, SGLang included): retry on a fresh connection
-                if attempt == STALE_CONNECTION_RETRIES:
-                    raise self._error(route, e) from e
-                await asyncio.sleep(0.05 * (attempt + 1))
-            except httpx.HTTPError as e:
-                raise self._error(route, e) from e
-        raise AssertionError("unreachable")
-
-    async def health(self, timeout_s: float = 10.0) -> bool:
-        """True when GET /health answers 200; raises EngineError otherwise."""
-        try:
-            resp = await self._http.get("/health", timeout=timeout_s)
-        except httpx.HTTPError as e:
-            raise self._error("/health", e) from e
-        return self._healthy(resp)
-
-    async def weight_version(self) -> Optional[str]:
-        """The version label of the weights served now (GET /model_info, else its older name)."""
-        for name in ("/model_info", sglang_api.DEPRECATED_ROUTE["/model_info"]):
-            body = self._info(name, await self._call("GET", name))
-            if body is not None:
-                version = body.get("weight_version")
-                return None if version is None else str(version)
-        raise EngineError(f"engine {self.url}: no /model_info (HTTP 404): not an SGLang server "
-                          f"of {sglang_api.SUPPORTED_SGLANG}?")
-
-    async def generate(self, input_ids: list[list[int]], sampling_params: SamplingParams,
-                       return_logprob: bool = True, logprob_start_len: Optional[int] = None,
-                       media: Optional[list[dict[str, list[str]]]] = None,
-                       routed_start: int = 0, token_ids_logprob: Sequence[int] = ()
-                       ) -> list[GenerateResult]:
-        """`routed_start`: SGLang's routed_experts_start_len (one for the request; at most each
-        input's length), recorded in each result's `routed_start`. `token_ids_logprob`: the
-        log-probs of these ids at every position too (meta_info.input_token_ids_logprobs)."""
-        if not input_ids:
-            return []
-        async def send(lora_path: Optional[str]) -> list[GenerateResult]:
-            body = self._generate_body(input_ids, sampling_params, return_logprob,
-                                       logprob_start_len, media, self.routed_experts,
-                                       routed_start, lora_path, token_ids_logprob)
-            resp = await self._call("POST", "/generate", body)
-            return self._parse_generate(self._json("/generate", resp), len(input_ids))
-        results = (await send(self.lora_path) if self.adapter is None
-                   else await self._adapted(send))
-        return [dataclasses.replace(r, routed_start=routed_start) if routed_start else r
-                for r in results]
-
-    async def _adapted(self, send: Callable) -> list[GenerateResult]:
-        """`send(lora_path)` naming the newest adapter this engine is known to hold; once more
-        under the engine's own label when it refuses that name (engines/served_adapter.py)."""
-        adapter, refused = self.adapter, None
-        version = adapter.version()
-        for _ in range(2):
-            label = None
-            if version is None:  # ask the engine
-                label = await self.weight_version()
-                adapter.note(label)
-                version = label_version(label)
-                if version is None:
-                    raise self._no_adapter(label, refused)
-            try:
-                results = await send(adapter_name(version))
-            except EngineError as e:
-                if not self._adapter_missing(e):
-                    raise
-                if label is not None:  # the name of the engine's own label, refused too
-                    raise self._no_adapter(label, e) from e
-                adapter.forget()
-                refused, version = e, None
-                continue
-            for r in results:
-                adapter.note(r.weight_version)
-            return stamped(results, version)
-        raise AssertionError("unreachable")
-
-    async def prefill_logprobs(self, input_ids: list[list[int]],
-                               media: Optional[list[dict[str, list[str]]]] = None,
-                               lengths: Optional[list[int]] = None,
-                               exclude: Sequence[int] = ()) -> list[list[float]]:
-        """Log-probs of tokens 1..L-1 of each sequence given the ones before it, [L-1] each:
-        the prefill path of /generate (max_new_tokens=0, logprob_start_len=0), no sampling.
-        How a teacher engine scores a student's prompt + response. At temperature 1 on SGLang
-        (its prefill reads no sampling params) and on the hf engine alike. `media`: per sequence,
-        the images / videos / audio its prompt's pads stand for (as `generate` takes them), one
-        pad per item in `input_ids`: the engine expands each to the item's tokens, and
-        `lengths` gives each sequence's length so expanded (what the log-probs then cover).
-        `exclude`: ids the caller's model never samples (a multimodal model's media pads, which
-        the trainer's softmax leaves out); the log-probs are renormalized over the vocabulary
-        without them, from their own log-probs at each position (SGLang's token_ids_logprob)."""
-        params = {"max_new_tokens": 0}
-        results = await self.generate(input_ids, params, return_logprob=True, logprob_start_len=0,
-                                      media=media, token_ids_logprob=exclude)
-        out = []
-        for i, (ids, res) in enumerate(zip(input_ids, results)):
-            n = len(ids) if lengths is None else lengths[i]
-            lps = res.input_logprobs[1:]  # the first token has no log-prob
-            if len(lps) != n - 1 or any(lp is None for lp in lps):
-                raise EngineError(f"engine {self.url}/generate: {len(res.input_logprobs)} input "
-                                  f"log-probs for {n} input tokens (logprob_start_len=0)")
-            if exclude:
-                lps = excluding(lps, res.meta_info.get("input_token_ids_logprobs"), self.url)
-            out.append([float(lp) for lp in lps])
-        return out

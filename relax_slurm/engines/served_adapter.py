@@ -20,10 +20,11 @@ names that once more.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Optional
 
 from relax_slurm.engines.sglang_api import ADAPTER_NAME
+from relax_slurm.errors import EngineError, EngineUnreachable
 
 MISSING = ("not loaded", "never been loaded", "implicitly load", "does not exist")
 """Words of SGLang's (and the hf engine's) refusals of an adapter name it does not hold: at
@@ -83,3 +84,60 @@ def stamped(results: list, version: int) -> list:
     version's (GenerateResult.weight_version; no spans)."""
     return [dataclasses.replace(r, weight_version=str(version), weight_versions=[])
             for r in results]
+
+
+def _refused(e: EngineError) -> bool:
+    """An engine's refusal of an adapter name it does not hold (not an engine down)."""
+    return not isinstance(e, EngineUnreachable) and names_missing(str(e))
+
+
+def _none_served(url: str, label: Optional[str], e: Optional[EngineError]) -> EngineUnreachable:
+    """The engine serves no adapter a request could name (restarted and not synced yet): the
+    caller tries again later, as for an engine that is down."""
+    why = f" ({e})" if e is not None else ""
+    return EngineUnreachable(f"engine {url}: serves no policy adapter under its weight "
+                             f"version {label!r} yet{why}")
+
+
+async def newest_held(client, send: Callable[[str], Awaitable[list]]) -> list:
+    """`send(name)` naming the newest adapter `client`'s engine is known to hold (its
+    `client.adapter`); once more under the engine's own label when it refuses that name."""
+    adapter, refused = client.adapter, None
+    version = adapter.version()
+    for _ in range(2):
+        label = None
+        if version is None:  # ask the engine
+            label = await client.weight_version()
+            adapter.note(label)
+            version = label_version(label)
+            if version is None:
+                raise _none_served(client.url, label, refused)
+        try:
+            results = await send(adapter_name(version))
+        except EngineError as e:
+            if not _refused(e):
+                raise
+            if label is not None:  # the name of the engine's own label, refused too
+                raise _none_served(client.url, label, e) from e
+            adapter.forget()
+            refused, version = e, None
+            continue
+        for r in results:
+            adapter.note(r.weight_version)
+        return stamped(results, version)
+    raise AssertionError("unreachable")
+
+
+def by_own_label(client, send: Callable[[str], list]) -> list:
+    """`send(name)` naming the adapter of the engine's own label, asked first (the evaluator's
+    few requests: no cache)."""
+    label = client.weight_version()
+    version = label_version(label)
+    if version is None:
+        raise _none_served(client.url, label, None)
+    try:
+        return stamped(send(adapter_name(version)), version)
+    except EngineError as e:
+        if _refused(e):
+            raise _none_served(client.url, label, e) from e
+        raise

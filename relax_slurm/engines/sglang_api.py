@@ -132,11 +132,8 @@ ROUTED_EXPERTS_REQUEST = ("return_routed_experts", "routed_experts_start_len")
 sequence); the answer is meta_info.routed_experts (relax_slurm.routing.shape)."""
 
 ADAPTER_NAME = "policy"
-"""The name the trained LoRA adapter is served under (/generate's lora_path); each sync
-replaces it (unload, load) and labels the engine's weights with the new version."""
-LORA_ABSENT = "does not exist"
-"""Words of SGLang's answer to unloading an adapter it does not hold (an engine restarted since
-the last sync): nothing to unload."""
+"""The stem of the names the trained LoRA adapter is served under (/generate's lora_path): one
+name per version, `policy-v<version>` (engines/served_adapter.py)."""
 LORA_FLAGS = ("--enable-lora",)
 """What an engine that serves the adapter is started with (SGLang also needs the rank and
 target modules: `lora_flags`)."""

@@ -18,7 +18,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from relax_slurm.engines.client import AsyncEngineClient, GenerateResult
+from relax_slurm.engines.async_client import AsyncEngineClient
+from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.version_gate import VersionGate
 
 

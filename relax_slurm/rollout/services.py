@@ -27,7 +27,8 @@ from relax_slurm.rewards import RewardPool, build_reward, reward_workers
 from relax_slurm.rewards.shaping import is_informative_group
 from relax_slurm.engines import sglang_api
 from relax_slurm.rollout.coalesce import CoalescingEngine
-from relax_slurm.engines.client import AsyncEngineClient, GenerateResult
+from relax_slurm.engines.async_client import AsyncEngineClient
+from relax_slurm.engines.client import GenerateResult
 from relax_slurm.engines.served_adapter import ServedAdapter
 from relax_slurm.rollout.multiturn import Episode, episode_sample
 from relax_slurm.rollout.router import LeastLoadedRouter

@@ -21,6 +21,7 @@ streamed push, said once.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,20 +54,21 @@ def host_memory_available() -> int | None:
 
 
 def served_bytes(model_path: str, dtype: torch.dtype) -> int:
-    """The bytes of model.path's weights at the dtype the engines serve, from its safetensors
-    headers (no tensor read)."""
+    """The bytes of model.path's weights at the dtype the engines serve: from the safetensors
+    headers, or from .bin files mapped, not read (`checkpoint/hf_files.py hf_weight_files`)."""
     from safetensors import safe_open
 
-    total = 0
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                shape = st.get_slice(name).get_shape()
-                numel = 1
-                for d in shape:
-                    numel *= int(d)
-                total += numel
-    return total * torch.empty((), dtype=dtype).element_size()
+    from relax_slurm.checkpoint.hf_files import hf_weight_files
+
+    numel = 0
+    for f in hf_weight_files(Path(model_path)):
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), framework="pt") as st:
+                numel += sum(math.prod(st.get_slice(name).get_shape()) for name in st.keys())
+        else:
+            state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+            numel += sum(t.numel() for t in state.values())
+    return numel * torch.empty((), dtype=dtype).element_size()
 
 
 def overlap_copy_fits(cfg, available: Callable[[], int | None] = host_memory_available

@@ -104,7 +104,8 @@ class WeightSender:
         self.timeout_s = timeout_s
         self.bucket_mb = bucket_mb
         self.pause_mode = pause_mode
-        """How engines pause (sglang_api.PAUSE_MODES): around a send when pause_for_sync, so
+        """How engines pause (sglang_api.PAUSE_MODES): around a full send when pause_for_sync
+        (an adapter-only sync pauses nothing: `send_adapter`), so
         no batch sees half-updated weights, and before they release memory (SGLang asserts an
         idle engine there). Checked against every engine's protocol at connect."""
         self.pause_for_sync = pause_for_sync

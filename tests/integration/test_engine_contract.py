@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpe
 from helpers_tiny import (free_port, make_tiny_model, run_script, start_engine,  # noqa: E402
                           start_sglang_engine, stop_process, wait_healthy)
 
-from relax_slurm.engines.client import AsyncEngineClient, EngineClient  # noqa: E402
+from relax_slurm.engines.async_client import AsyncEngineClient  # noqa: E402
+from relax_slurm.engines.client import EngineClient  # noqa: E402
 from relax_slurm.engines.sglang_api import API_KEY_ENV, lora_flags  # noqa: E402
 from relax_slurm.launch.health import HangWatch  # noqa: E402
 

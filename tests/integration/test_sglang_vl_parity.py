@@ -30,7 +30,8 @@ from relax_slurm.config.data import DataConfig  # noqa: E402
 from relax_slurm.config.model import ModelConfig  # noqa: E402
 from relax_slurm.data import PromptDataset  # noqa: E402
 from relax_slurm.data.processor import MediaLimits, MediaProcessor  # noqa: E402
-from relax_slurm.engines.client import AsyncEngineClient, EngineClient  # noqa: E402
+from relax_slurm.engines.async_client import AsyncEngineClient  # noqa: E402
+from relax_slurm.engines.client import EngineClient  # noqa: E402
 from relax_slurm.engines.sglang_api import API_KEY_ENV, mm_process_args  # noqa: E402
 from relax_slurm.rollout.sampling import (check_media_tokens, media_pad_ban,  # noqa: E402
                                           seeded_params)

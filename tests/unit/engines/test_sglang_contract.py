@@ -31,13 +31,13 @@ BODIES = {
 
 
 def test_generate_bodies_with_media_build_sglang_requests():
-    from relax_slurm.engines.client import _Base
+    from relax_slurm.engines.client import ClientBase
 
-    body = _Base._generate_body([[1, 2], [3]], {"max_new_tokens": 4}, True, 0,
+    body = ClientBase._generate_body([[1, 2], [3]], {"max_new_tokens": 4}, True, 0,
                                 media=[{"image": ["/a.png"], "audio": ["UklGRg=="]}, {}])
     api.check_body("/generate", body)
     assert body["image_data"] == [["/a.png"], []] and body["audio_data"] == [["UklGRg=="], []]
-    assert "image_data" not in _Base._generate_body([[1]], {}, True)
+    assert "image_data" not in ClientBase._generate_body([[1]], {}, True)
 
 
 @pytest.mark.parametrize("route", BODIES)

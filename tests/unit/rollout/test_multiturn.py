@@ -10,7 +10,7 @@ import pytest
 from helpers_tiny import running_engine
 from relax_slurm.data import load_tokenizer
 from relax_slurm.envs import BaseEnv, StepResult
-from relax_slurm.engines.client import AsyncEngineClient
+from relax_slurm.engines.async_client import AsyncEngineClient
 from relax_slurm.rollout.multiturn import ObservationRenderer, TurnLimits, run_episode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

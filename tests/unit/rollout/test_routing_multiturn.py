@@ -18,7 +18,8 @@ from helpers_tiny import free_port, start_engine, stop_process, wait_healthy
 from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.data import load_tokenizer
 from relax_slurm.engines import sglang_api
-from relax_slurm.engines.client import AsyncEngineClient, raise_if_aborted
+from relax_slurm.engines.async_client import AsyncEngineClient
+from relax_slurm.engines.client import raise_if_aborted
 from relax_slurm.envs import BaseEnv, StepResult
 from relax_slurm.rollout.coalesce import CoalescingEngine
 from relax_slurm.rollout.multiturn import (ObservationRenderer, TurnLimits, episode_sample,

@@ -32,6 +32,16 @@ def test_the_served_bytes_come_from_the_files_headers(tiny_model_dir):
     assert served_bytes(str(tiny_model_dir), torch.bfloat16) == 2 * numel
 
 
+def test_the_served_bytes_of_bin_files_too(tiny_model_dir, tmp_path):
+    # a checkpoint of pytorch_model*.bin files (no safetensors): counted from the mapped files
+    tensors = load_file(str(next(Path(tiny_model_dir).glob("*.safetensors"))))
+    names = sorted(tensors)
+    torch.save({k: tensors[k] for k in names[:3]}, tmp_path / "pytorch_model-00001.bin")
+    torch.save({k: tensors[k] for k in names[3:]}, tmp_path / "pytorch_model-00002.bin")
+    numel = sum(t.numel() for t in tensors.values())
+    assert served_bytes(str(tmp_path), torch.bfloat16) == 2 * numel
+
+
 def test_a_copy_fits_in_its_share_of_the_available_memory():
     assert copy_fits(50, 100) and not copy_fits(51, 100) and HOST_SHARE == 0.5
     assert copy_fits(10**15, None)  # unknown: the copy is kept, as before

@@ -11,7 +11,8 @@ import pytest
 from helpers_tiny import free_port, running_engine
 from relax_slurm.errors import EngineError
 from relax_slurm.engines import sglang_api
-from relax_slurm.engines.client import AsyncEngineClient, EngineClient
+from relax_slurm.engines.async_client import AsyncEngineClient
+from relax_slurm.engines.client import EngineClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
