@@ -131,6 +131,19 @@ ROUTED_EXPERTS_REQUEST = ("return_routed_experts", "routed_experts_start_len")
 """GenerateReqInput's fields: the flag, and the first position returned (0: the whole
 sequence); the answer is meta_info.routed_experts (relax_slurm.routing.shape)."""
 
+HEAD_NEVER_TIED = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+"""Architectures whose SGLang model (0.5.2x models/qwen3_moe.py, qwen2_moe.py) builds its own
+output head whatever config.json's tie_word_embeddings says: a tied checkpoint has no
+lm_head.weight, so the head keeps uninitialised memory and every answer is garbage
+(docs/engines.md#sglang-on-cpu; on GPUs too). Qwen's own MoE checkpoints are untied."""
+
+
+def head_left_empty(config: dict) -> bool:
+    """Whether SGLang would serve this config.json's model with an empty output head."""
+    return bool(config.get("tie_word_embeddings")) and any(
+        a in HEAD_NEVER_TIED for a in config.get("architectures") or [])
+
+
 ADAPTER_NAME = "policy"
 """The stem of the names the trained LoRA adapter is served under (/generate's lora_path): one
 name per version, `policy-v<version>` (engines/served_adapter.py)."""

@@ -8,6 +8,7 @@ sbatch submission (launch/sbatch.py) and `relax_slurm.submit` (launch/submit.py)
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -40,6 +41,7 @@ def check_inputs(cfg: TrainConfig) -> None:
                 )
     check_teacher(cfg)
     check_judge(cfg)
+    check_sglang_serves(cfg)
     if not cfg.supervised:  # the reward's declared traits (rewards/registry.py) settle it
         from relax_slurm.rewards import reward_workers
 
@@ -85,6 +87,25 @@ def check_judge(cfg: TrainConfig) -> None:
     if judge and not (Path(judge) / "config.json").is_file():
         raise ConfigError(f"reward.genrm_model_path={judge}: no config.json there. Point it at a "
                           "Hugging Face model directory, or reward.genrm_url at a judge you run")
+
+
+def check_sglang_serves(cfg: TrainConfig) -> None:
+    """rollout.engine=sglang: every model it serves loads whole there (sglang_api.head_left_empty:
+    SGLang never ties a Qwen3-MoE's output head)."""
+    if cfg.rollout.engine != "sglang":
+        return
+    for key, path in (("model.path", cfg.model.path),
+                      ("algo.teacher_model_path", cfg.algo.teacher_model_path),
+                      ("reward.genrm_model_path", cfg.reward.genrm_model_path)):
+        config = Path(path or "") / "config.json"
+        if path and config.is_file() and sglang_api.head_left_empty(json.loads(config.read_text())):
+            raise ConfigError(
+                f"{key}={path}: a {json.loads(config.read_text())['architectures'][0]} with "
+                "tie_word_embeddings=true, whose output head SGLang never ties (it would serve "
+                "an empty head: every log-prob log(1/vocab)). Save the model untied: load it "
+                "with transformers, set model.config.tie_word_embeddings=False and "
+                "model.lm_head.weight = a copy of the input embedding, then save_pretrained; "
+                "or use rollout.engine=hf")
 
 
 def record_global_restart(run_dir: Path, attempt: int, cap: int, cause: RoleFailed) -> None:

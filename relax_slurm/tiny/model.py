@@ -17,7 +17,8 @@ character tokenizer (see tools/tiny_multimodal.py): a Qwen2.5-VL with a one-bloc
 and its image processor, a Qwen3-VL likewise (patch 16, DeepStack), and a Qwen2-Audio with a
 one-layer audio encoder over 2 s of 16 mel bins and its Whisper feature extractor.
 `--kind moe` builds a `Qwen3MoeForCausalLM` of the same size: every layer's MLP is 16 experts of
-16 dims, 4 routed per token (the routing-replay preset, experiment=tiny_moe_cpu).
+16 dims, 4 routed per token, and its output head is its own (untied, as in Qwen's MoE
+checkpoints) (the routing-replay preset, experiment=tiny_moe_cpu).
 """
 
 from __future__ import annotations
@@ -76,13 +77,19 @@ def build_model(
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
+        # a Qwen3-MoE's head is its own, as in Qwen's MoE checkpoints (SGLang's Qwen3-MoE
+        # never ties it: docs/engines.md#sglang-on-cpu); it starts as a copy of the embedding,
+        # so the untrained model computes what a tied one would
+        tie_word_embeddings=not experts,
         dtype="float32",
         **moe,
         **special,
     )
     torch.manual_seed(seed)
     model = (Qwen3MoeForCausalLM if experts else Qwen3ForCausalLM)(config)
+    if experts:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     model.generation_config = GenerationConfig(**special)
     return model
 

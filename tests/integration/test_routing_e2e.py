@@ -16,6 +16,10 @@ from tests.conftest import (NEEDS_MEGATRON, ONE_RANK, REPO, relax_train, run_env
 
 TIMEOUT_S = 900
 MOE = ("algo.routing_replay=true",)
+# SGLang's routers and the trainer's, both float32, choose other top-k sets only at a near-tie
+# of router logits (test_sglang_moe.py: within ~1e-6): none in three measured 50-step runs; a
+# step compares ~6k token x layer pairs, so this is at most ~3 near-ties in a step
+MISMATCH_MAX = 5e-4
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +39,26 @@ def run(run_dir: Path, assets: Path, *overrides: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(TIMEOUT_S + 100)
-def test_tiny_moe_learns_with_routing_replay(tmp_path, moe_assets):
-    # 150 steps reach 0.77 (0.38 by step 40, 0.53 by 50); 50 steps, asserted at about half
-    rows = run(tmp_path / "run", moe_assets, *MOE, "trainer.total_steps=50",
-               "weight_sync.verify=true")
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+@pytest.mark.sglang_cpu
+@pytest.mark.timeout(TIMEOUT_S + 300)  # + the venv's build on a fresh machine
+def test_tiny_moe_learns_with_routing_replay_on_real_sglang(tmp_path, moe_assets,
+                                                            sglang_cpu_python):
+    """The routing the trainer replays is SGLang's own (--enable-return-routed-experts, which
+    the launcher adds for algo.routing_replay), read from every /generate. The mean reward of
+    the last steps is 0.46 at step 50 (measured three times; 0.53 on the hf engine, which
+    reaches 0.77 in 150 steps): asserted at about half."""
+    run_dir = tmp_path / "run"
+    rows = run(run_dir, moe_assets, *MOE, "rollout=sglang", "trainer.total_steps=50")
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["reward_first"] <= 0.3 and summary["reward_last"] >= 0.25, summary
+    engine_log = (run_dir / "logs" / "engine0.log").read_text()
+    assert "'enable_return_routed_experts': True" in engine_log  # SGLang's own server_args
     # every step's samples carried the engine's routing (the metric exists only then), and the
-    # trainer's own router agreed with it (float32 on both sides: the same choices)
-    assert all(r["train/routing_mismatch_frac"] == 0.0 for r in rows)
-    log = (tmp_path / "run" / "logs" / "trainer.log").read_text()
-    assert "weights verified" in log  # the MoE's fused experts sync under their engine names
+    # trainer's own router chose the same experts (MISMATCH_MAX); every push arrived whole:
+    # SGLang's log-probs are the trainer's on the pushed weights (float32 rounding apart;
+    # measured 1.6e-7)
+    assert max(r["train/routing_mismatch_frac"] for r in rows) <= MISMATCH_MAX, rows
+    assert max(r["train/rollout_train_logprob_diff"] for r in rows) < 1e-4
 
 
 @pytest.mark.slow

@@ -11,8 +11,9 @@ a CPU machine) builds ~/.cache/relax_slurm/sglang-cpu-<SGLANG_VERSION>/venv with
 - NO_DEPS: the real triton (imported at module level everywhere, never run on CPU),
   torchvision (a CUDA build, made importable by the shim below) and xgrammar, without deps;
 - the shims of shims/ in its site-packages: `sgl_kernel`, a pure-torch stand-in for the CPU
-  sgl-kernel (not on PyPI), and `relax_sglang_cpu_shim` (+ its .pth), which defines the two
-  torchvision operator schemas the CUDA torchvision cannot register.
+  sgl-kernel (not on PyPI), and `relax_sglang_cpu_shim` (+ its .pth), which lets SGLang's
+  code paths start without CUDA: the torchvision and sgl_kernel operator schemas a CPU torch
+  cannot register, host memory unpinned, the routed-experts (R3) host cache unregistered.
 
 The venv is rebuilt when this recipe or a shim changes (STAMP holds their hash), built in a
 temporary folder and renamed into place, under a file lock so that two processes asking at once

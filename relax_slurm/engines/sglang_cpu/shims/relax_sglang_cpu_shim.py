@@ -1,5 +1,6 @@
 """Loaded at interpreter start in the CPU SGLang venv (by relax_sglang_cpu_shim.pth), only when
-SGLANG_USE_CPU_ENGINE=1, i.e. in the server and its scheduler and detokenizer processes.
+SGLANG_USE_CPU_ENGINE=1, i.e. in the server and its scheduler and detokenizer processes: what
+a torch without CUDA needs for SGLang's GPU code paths to start (each below, with why).
 
 torchvision 0.28.0 from PyPI is a CUDA build: its _C.so cannot load against the CPU torch, so
 the torchvision::nms and ::qnms operators are never defined and `import torchvision` dies in
@@ -55,5 +56,43 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
 
             for _name in ("tensor", "empty", "zeros", "ones", "full", "arange"):
                 setattr(torch, _name, _unpinned(getattr(torch, _name)))
+    except Exception:  # no torch yet
+        pass
+    # mem_cache/pool_host/common.py, patched when it is first imported (a finder ahead of the
+    # others wraps its exec_module; importing SGLang here, at interpreter start, would be too
+    # early and slow): the host cache of --enable-return-routed-experts (R3;
+    # state_capturer/base.py BaseHostCache) allocates through ALLOC_MEMORY_FUNCS[device], whose
+    # default pins with torch.cuda.cudart().cudaHostRegister; without CUDA the scheduler dies
+    # at start ("Torch not compiled with CUDA enabled"). "cpu" takes SGLang's own torch
+    # pin_memory allocator (its npu/musa one), a plain host tensor here (above).
+    try:
+        import importlib.abc
+        import importlib.machinery
+        import sys
+
+        import torch
+
+        def _host_cache_without_cuda(module):
+            module.ALLOC_MEMORY_FUNCS["cpu"] = module.alloc_with_pin_memory
+
+        _AFTER_IMPORT = ({} if torch.cuda.is_available() else
+                         {"sglang.srt.mem_cache.pool_host.common": _host_cache_without_cuda})
+
+        class _PatchAfterImport(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                patch = _AFTER_IMPORT.get(name)
+                spec = patch and importlib.machinery.PathFinder.find_spec(name, path, target)
+                if not spec or spec.loader is None:
+                    return None
+                run = spec.loader.exec_module
+
+                def exec_module(module):
+                    run(module)
+                    patch(module)
+
+                spec.loader.exec_module = exec_module
+                return spec
+
+        sys.meta_path.insert(0, _PatchAfterImport())
     except Exception:  # no torch yet
         pass
