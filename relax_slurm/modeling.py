@@ -215,3 +215,41 @@ def checkpoint_views(name: str, tensor: Any) -> list[tuple[str, Any]]:
     return [view for e in range(tensor.shape[0])
             for view in ((f"{stem}.{e}.gate_proj.weight", tensor[e, :half]),
                          (f"{stem}.{e}.up_proj.weight", tensor[e, half:]))]
+
+
+def checkpoint_shapes(gate_up: bool, experts: int, hidden: int, ffn: int
+                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(Qwen's released layout, transformers 5's in-memory layout) of one fused expert tensor
+    of a Qwen3-VL-MoE file: gate_up_proj [E, H, 2I] / [E, 2I, H], down_proj [E, I, H] /
+    [E, H, I]. transformers 5 transposes Qwen's on load (its conversion mapping) and its
+    `save_pretrained` of a model it built writes its own."""
+    if gate_up:
+        return (experts, hidden, 2 * ffn), (experts, 2 * ffn, hidden)
+    return (experts, ffn, hidden), (experts, hidden, ffn)
+
+
+def experts_in_transformers_layout(path: str | Path) -> str | None:
+    """The first fused expert tensor of a Qwen3-VL-MoE directory's safetensors that is in
+    transformers 5's layout and not Qwen's (read from the headers), or None. SGLang 0.5.2x's
+    Qwen3-VL-MoE loads only Qwen's layout (models/qwen3_vl_moe.py transposes what it reads)."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    text = config.get("text_config") or {}
+    if "Qwen3VLMoeForConditionalGeneration" not in (config.get("architectures") or []) \
+            or "moe_intermediate_size" not in text:
+        return None
+    from safetensors import safe_open
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if not name.endswith(FUSED_EXPERTS):
+                    continue
+                shape = tuple(st.get_slice(name).get_shape())
+                qwen, hf = checkpoint_shapes(name.endswith(FUSED_EXPERTS[0]), shape[0],
+                                             text["hidden_size"], text["moe_intermediate_size"])
+                if shape == hf and hf != qwen:
+                    return name
+    return None

@@ -138,6 +138,21 @@ lm_head.weight, so the head keeps uninitialised memory and every answer is garba
 (docs/engines.md#sglang-on-cpu; on GPUs too). Qwen's own MoE checkpoints are untied."""
 
 
+QWEN3_VL_MOE_DEEPSTACK = 3
+"""DeepStack layers SGLang 0.5.2x's Qwen3-VL-MoE adds vision features to, whatever the model's
+vision_config.deepstack_visual_indexes says (models/qwen3_vl_moe.py: range(3), Qwen's released
+checkpoints' count): fewer fail its forward at the first image, more are ignored."""
+
+
+def deepstack_unlike_sglangs(config: dict) -> int | None:
+    """A Qwen3-VL-MoE config.json's DeepStack layer count when SGLang would not serve it as
+    transformers computes it, else None."""
+    if "Qwen3VLMoeForConditionalGeneration" not in (config.get("architectures") or []):
+        return None
+    n = len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or [])
+    return None if n == QWEN3_VL_MOE_DEEPSTACK else n
+
+
 def head_left_empty(config: dict) -> bool:
     """Whether SGLang would serve this config.json's model with an empty output head."""
     return bool(config.get("tie_word_embeddings")) and any(

@@ -19,6 +19,7 @@ from relax_slurm.data.validate import check_data_files
 from relax_slurm.engines import sglang_api
 from relax_slurm.errors import ConfigError, RoleFailed
 from relax_slurm.launch.records import record_restart
+from relax_slurm.modeling import experts_in_transformers_layout
 from relax_slurm.routing.shape import routing_shape
 
 
@@ -91,14 +92,34 @@ def check_judge(cfg: TrainConfig) -> None:
 
 def check_sglang_serves(cfg: TrainConfig) -> None:
     """rollout.engine=sglang: every model it serves loads whole there (sglang_api.head_left_empty:
-    SGLang never ties a Qwen3-MoE's output head)."""
+    SGLang never ties a Qwen3-MoE's output head; a Qwen3-VL-MoE's fused experts in Qwen's
+    layout and its 3 DeepStack layers, which SGLang's Qwen3-VL-MoE assumes)."""
     if cfg.rollout.engine != "sglang":
         return
     for key, path in (("model.path", cfg.model.path),
                       ("algo.teacher_model_path", cfg.algo.teacher_model_path),
                       ("reward.genrm_model_path", cfg.reward.genrm_model_path)):
         config = Path(path or "") / "config.json"
-        if path and config.is_file() and sglang_api.head_left_empty(json.loads(config.read_text())):
+        if not (path and config.is_file()):
+            continue
+        transposed = experts_in_transformers_layout(path)
+        if transposed:
+            raise ConfigError(
+                f"{key}={path}: {transposed} is in transformers 5's layout of a Qwen3-VL-MoE's "
+                "fused experts (what its save_pretrained writes for a model it built), which "
+                "SGLang cannot load (it reads Qwen's released layout: gate_up_proj [experts, "
+                "hidden, 2 x moe_intermediate], down_proj [experts, moe_intermediate, hidden]). "
+                "Fix: save the two fused tensors of every layer transposed in their last two "
+                "dimensions (transformers reads either layout), or use rollout.engine=hf")
+        layers = sglang_api.deepstack_unlike_sglangs(json.loads(config.read_text()))
+        if layers is not None:
+            raise ConfigError(
+                f"{key}={path}: a Qwen3-VL-MoE with {layers} DeepStack layers "
+                "(vision_config.deepstack_visual_indexes); SGLang's Qwen3-VL-MoE adds vision "
+                f"features to exactly {sglang_api.QWEN3_VL_MOE_DEEPSTACK} decoder layers, as "
+                "Qwen's checkpoints have (fewer fail at the first image, more are ignored). "
+                "Use rollout.engine=hf for this model")
+        if sglang_api.head_left_empty(json.loads(config.read_text())):
             raise ConfigError(
                 f"{key}={path}: a {json.loads(config.read_text())['architectures'][0]} with "
                 "tie_word_embeddings=true, whose output head SGLang never ties (it would serve "

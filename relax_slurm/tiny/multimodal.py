@@ -115,17 +115,21 @@ def build_vl3(out: Path, seed: int = 0) -> str:
     return _build_qwen3_vl(Qwen3VLConfig, Qwen3VLForConditionalGeneration, {}, out, seed)
 
 
-def build_vl3moe(out: Path, seed: int = 0) -> str:
+def build_vl3moe(out: Path, seed: int = 0, deepstack_layers: int = 1) -> str:
+    """`deepstack_layers`: vision blocks, each feeding the decoder a DeepStack feature (Qwen's
+    Qwen3-VL-MoE checkpoints have 3, which SGLang's Qwen3-VL-MoE assumes)."""
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
     # expert width 16: gate_up 2 x 16 = 32 differs from hidden 64, so transformers' transpose
     # between file and memory layouts (check_dims) cannot mistake one for the other
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                decoder_sparse_step=1, router_aux_loss_coef=0.0)
-    return _build_qwen3_vl(Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, moe, out, seed)
+    return _build_qwen3_vl(Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, moe, out, seed,
+                           deepstack_layers)
 
 
-def _build_qwen3_vl(config_cls, model_cls, text_extra: dict, out: Path, seed: int) -> str:
+def _build_qwen3_vl(config_cls, model_cls, text_extra: dict, out: Path, seed: int,
+                    deepstack_layers: int = 1) -> str:
     from transformers import Qwen2VLImageProcessorPil
 
     tok = _tokenizer(VISION_TOKENS)
@@ -141,9 +145,10 @@ def _build_qwen3_vl(config_cls, model_cls, text_extra: dict, out: Path, seed: in
     text["vocab_size"] += text["vocab_size"] % 2
     config = config_cls(
         text_config=text,
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                           out_hidden_size=64, patch_size=16, num_position_embeddings=16,
-                           deepstack_visual_indexes=[0]),
+        vision_config=dict(depth=deepstack_layers, hidden_size=32, intermediate_size=64,
+                           num_heads=2, out_hidden_size=64, patch_size=16,
+                           num_position_embeddings=16,
+                           deepstack_visual_indexes=list(range(deepstack_layers))),
         vision_start_token_id=start, vision_end_token_id=end, image_token_id=image,
         video_token_id=video, tie_word_embeddings=True, dtype="float32")
     return _save(model_cls, config, tok, out, seed,

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpe
 from helpers_tiny import free_port, run_script, start_sglang_engine, stop_process  # noqa: E402
 from helpers_tiny import wait_healthy  # noqa: E402
 
+from relax_slurm.engines.async_client import AsyncEngineClient  # noqa: E402
 from relax_slurm.engines.sglang_api import API_KEY_ENV, ROUTED_EXPERTS_FLAG  # noqa: E402
 from relax_slurm.tiny.model import main as make_tiny_model  # noqa: E402
 
@@ -52,3 +53,85 @@ def test_sglang_reports_the_routed_experts_transformers_would_choose(tmp_path,
         assert got["max_lp_diff"] < LP_TOL, r
         assert got["mismatched"] == 0 or got["min_gap_mismatched"] < NEAR_TIE, r
         assert got["mismatched"] <= 2, r  # near-ties are rare: none seen in the measured runs
+
+
+def test_sglang_routes_image_prompts_as_the_trainer(tmp_path, sglang_cpu_python, monkeypatch):
+    """The tiny Qwen3-VL-MoE, generated as the rollout worker asks (one pad per image, the
+    image, the pad ban) with the routed experts: SGLang's rows cover the prompt as its own
+    processor expanded it (the image's tokens included) and the trainer's routers, comparing
+    as they do in a training step (routing_replay's RoutingStats), chose the same experts at
+    every position, the image tokens' too; the log-probs are the trainer's."""
+    import asyncio
+
+    import torch
+
+    from safetensors.torch import load_file, save_file
+
+    from relax_slurm.config.algo import AlgoConfig
+    from relax_slurm.modeling import FUSED_EXPERTS, experts_in_transformers_layout
+    from relax_slurm.rollout.sampling import (check_media_tokens, media_pad_ban,
+                                              sample_routing, seeded_params)
+    from relax_slurm.routing.hooks import RoutingStats, routing_replay
+    from relax_slurm.routing.shape import routing_shape
+    from relax_slurm.samples import Sample
+    from relax_slurm.tiny.multimodal import build_vl3moe
+    from relax_slurm.trainer.batch import collate, prepare_items
+    from relax_slurm.trainer.model import pad_token_id
+    from relax_slurm.trainer.step import token_logprobs
+    from tests.conftest import run_tool
+    from tests.integration.test_sglang_vl_parity import N, two_rows
+
+    # the tiny Qwen3-VL-MoE with Qwen's 3 DeepStack layers, which SGLang's Qwen3-VL-MoE assumes
+    build_vl3moe(tmp_path / "vl_model", deepstack_layers=3)
+    run_tool("prepare_mm_data.py", "--out", str(tmp_path), "--task", "colors")
+    # its fused experts are in transformers 5's layout, which SGLang refuses
+    # (experts_in_transformers_layout): Qwen's released layout, as its checkpoints hold them
+    weights = tmp_path / "vl_model" / "model.safetensors"
+    assert experts_in_transformers_layout(tmp_path / "vl_model")
+    save_file({k: v.transpose(1, 2).contiguous() if k.endswith(FUSED_EXPERTS) else v
+               for k, v in load_file(str(weights)).items()}, str(weights),
+              metadata={"format": "pt"})
+    assert experts_in_transformers_layout(tmp_path / "vl_model") is None
+    rows, mp, model = two_rows(tmp_path)
+    shape = routing_shape(tmp_path / "vl_model")
+    processed = [mp.process(list(r.input_ids), r.media) for r in rows]
+    media = [{k: [x.to_engine() for x in refs] for k, refs in r.media.items()} for r in rows]
+    params = [p | media_pad_ban(mp.pad_ids.values())
+              for g in range(len(rows)) for p in seeded_params({"max_new_tokens": 3}, 0, g, N)]
+    port, log = free_port(), tmp_path / "engine.log"
+    proc = start_sglang_engine(sglang_cpu_python, tmp_path / "vl_model", port, log, api_key=KEY,
+                               extra_args=[ROUTED_EXPERTS_FLAG])
+    url = f"http://127.0.0.1:{port}"
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+
+    async def generate():
+        async with AsyncEngineClient(url, 120.0, routed_experts=True) as client:
+            return await client.generate([list(r.input_ids) for r in rows for _ in range(N)],
+                                         params, media=[m for m in media for _ in range(N)])
+    try:
+        wait_healthy(url, proc, 300, log)
+        results = asyncio.run(generate())
+    finally:
+        stop_process(proc)
+    samples = []
+    for i, r in enumerate(results):
+        prompt = processed[i // N].input_ids
+        check_media_tokens([r], len(prompt), f"row {i // N}")
+        samples.append(Sample(prompt_id=str(i // N), group_id=i // N, prompt_ids=prompt,
+                              response_ids=r.output_ids, loss_mask=[1.0] * len(r.output_ids),
+                              rollout_logprobs=r.logprobs, mm_inputs=processed[i // N].tensors,
+                              reward=float(i % 2),
+                              routed_experts=sample_routing(r, len(prompt), shape,
+                                                            required=True)))
+    mb = collate(prepare_items([samples[g * N:(g + 1) * N] for g in range(len(rows))],
+                               AlgoConfig()), pad_token_id(model.config), torch.device("cpu"))
+    stats = RoutingStats()
+    with torch.no_grad(), routing_replay(model, mb.routed, mb.routed_valid(), replay=False,
+                                         stats=stats):
+        logp = token_logprobs(model, mb, 1.0)
+    covered = sum(len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples)
+    image_tokens = sum(p.input_ids.count(t) for p in processed for t in mp.pad_ids.values())
+    assert image_tokens > 0 and stats.pairs == covered * shape.layers, (stats.pairs, covered)
+    assert stats.mismatched == 0, f"{stats.mismatched} of {stats.pairs} pairs differ"
+    mask = mb.weights > 0
+    assert float((logp[mask] - mb.rollout_logp[mask]).abs().max()) < LP_TOL

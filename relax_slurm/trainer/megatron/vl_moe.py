@@ -36,6 +36,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from relax_slurm.errors import ConfigError
+from relax_slurm.modeling import checkpoint_shapes
 
 GATE_UP, DOWN = "gate_up_proj", "down_proj"
 LAYER = "language_model.decoder.layers.*.mlp.experts.local_experts.*"
@@ -45,18 +46,10 @@ HF_LAYER = "model.language_model.layers.*.mlp.experts"
 _APPLIED = False
 
 
-def checkpoint_shapes(kind: str, experts: int, hidden: int, ffn: int
-                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(Qwen's file layout, transformers 5's layout) of one fused expert tensor."""
-    if kind == GATE_UP:
-        return (experts, hidden, 2 * ffn), (experts, 2 * ffn, hidden)
-    return (experts, ffn, hidden), (experts, hidden, ffn)
-
-
 def is_transformers_layout(kind: str, shape: tuple[int, ...], hidden: int, ffn: int) -> bool:
     """Whether a fused expert tensor of `shape` is in transformers 5's layout (else Qwen's);
     ConfigError if it is neither or could be both."""
-    qwen, hf = checkpoint_shapes(kind, shape[0], hidden, ffn)
+    qwen, hf = checkpoint_shapes(kind.endswith(GATE_UP), shape[0], hidden, ffn)
     if qwen == hf:
         raise ConfigError(
             f"trainer=megatron: the Qwen3-VL-MoE experts' {kind} {list(shape)} reads the same in "

@@ -50,3 +50,43 @@ def test_a_tied_moe_is_refused_on_sglang_which_never_ties_its_head(tmp_path, arc
                                           r"never ties.*Save the model untied"):
         check_inputs(cfg)
     check_inputs(on_hf)  # rollout.engine=hf
+
+
+def test_a_qwen3_vl_moe_sglang_cannot_load_as_transformers_does_is_refused(tmp_path):
+    """SGLang's Qwen3-VL-MoE reads the fused experts in Qwen's released layout and adds vision
+    features to exactly 3 decoder layers (docs/engines.md#sglang-on-cpu): a file in
+    transformers 5's layout (what its save_pretrained writes for a model it built) and another
+    DeepStack count are refused with rollout=sglang, naming the field; the hf engine takes
+    both."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    cfg, on_hf = cfg_for(tmp_path, "rollout=sglang"), cfg_for(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"prompt": "3+3=", "label": "6"}\n')
+    E, H, I = 4, 64, 16
+    name = "model.language_model.layers.0.mlp.experts."
+
+    def write(gate_up: tuple, down: tuple, deepstack: int) -> None:
+        (model / "config.json").write_text(json.dumps({
+            "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+            "text_config": {"hidden_size": H, "moe_intermediate_size": I},
+            "vision_config": {"deepstack_visual_indexes": list(range(deepstack))}}))
+        save_file({name + "gate_up_proj": torch.zeros(gate_up),
+                   name + "down_proj": torch.zeros(down)}, str(model / "model.safetensors"))
+
+    write((E, H, 2 * I), (E, I, H), 3)  # Qwen's layout, Qwen's DeepStack
+    check_inputs(cfg)
+    write((E, 2 * I, H), (E, H, I), 3)
+    with pytest.raises(ConfigError, match=r"model\.path=.*: model\.language_model\.layers\.0\.mlp"
+                                          r"\.experts\.down_proj is in transformers 5's "
+                                          r"layout.*Fix: save the two fused tensors"):
+        check_inputs(cfg)
+    check_inputs(on_hf)
+    write((E, H, 2 * I), (E, I, H), 1)
+    with pytest.raises(ConfigError, match=r"model\.path=.*: a Qwen3-VL-MoE with 1 DeepStack "
+                                          r"layers .*exactly 3 decoder layers"):
+        check_inputs(cfg)
+    check_inputs(on_hf)
