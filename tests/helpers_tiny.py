@@ -252,6 +252,18 @@ def run_script(name: str, tmp_path: Path, *extra: str, model_dir: Optional[Path]
     return json.loads(out.read_text())
 
 
+def engine_script_args():
+    """`--model-dir D --out F --url URL`: what `run_script` passes a script that drives the
+    engine at URL."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-dir", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--url", required=True)
+    return p.parse_args()
+
+
 def start_sglang_engine(python: str | Path, model_dir: str | Path, port: int,
                         log_path: str | Path, api_key: str,
                         extra_args: list[str] | None = None) -> subprocess.Popen:

@@ -1,9 +1,10 @@
 """A mixture-of-experts model on the real SGLang (CPU, the venv of relax-sglang-cpu), with the
 routed experts (R3) it reports: the tiny Qwen3-MoE's log-probs and every position's and layer's
 top-k experts are transformers' (float32 on both sides), on its own weights and on other
-weights pushed over the weight-update group as a trainer pushes them. What routing replay
-trains on (docs/algorithms.md, docs/engines.md#sglang-on-cpu): the rollout worker's client and
-decoder read SGLang's answers here."""
+weights pushed over the weight-update group as a trainer pushes them; the tiny Qwen3-VL-MoE's
+likewise on image prompts, the image's tokens included. What routing replay trains on
+(docs/algorithms.md, docs/engines.md#sglang-on-cpu): the rollout worker's client and decoder
+read SGLang's answers here."""
 
 from __future__ import annotations
 

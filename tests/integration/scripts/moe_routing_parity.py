@@ -14,7 +14,6 @@ weight set (`own`, `other`):
                  the (k+1)-th expert at a mismatched pair (a near-tie; inf when none)
 """
 
-import argparse
 import asyncio
 import json
 import math
@@ -25,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # helpers_tiny
 import torch  # noqa: E402
-from helpers_tiny import free_port  # noqa: E402
+from helpers_tiny import engine_script_args, free_port  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from relax_slurm.engines.async_client import AsyncEngineClient  # noqa: E402
@@ -93,11 +92,7 @@ def compare(model_dir: Path, url: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model-dir", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--url", required=True)
-    args = p.parse_args()
+    args = engine_script_args()
     served = list(load_file(str(args.model_dir / "model.safetensors")).items())
     other_dir = args.out.parent / "other_model"  # the other weights, for transformers to read
     shutil.copytree(args.model_dir, other_dir, dirs_exist_ok=True)

@@ -10,7 +10,6 @@ new group (the wait accepts paused engines) and the weights resent: the engine t
 again and serves version 2. JSON to --out.
 """
 
-import argparse
 import json
 import os
 import signal
@@ -20,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # helpers_tiny
-from helpers_tiny import free_port, start_engine, stop_process, wait_healthy  # noqa: E402
+from helpers_tiny import (engine_script_args, free_port, start_engine,  # noqa: E402
+                          stop_process, wait_healthy)
 from safetensors.torch import load_file  # noqa: E402
 
 from relax_slurm.engines.client import EngineClient, wait_until_healthy  # noqa: E402
@@ -31,11 +31,7 @@ TIMEOUT_S = 8.0
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model-dir", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--url", required=True)
-    args = p.parse_args()
+    args = engine_script_args()
     named = list(load_file(str(args.model_dir / "model.safetensors")).items())
     weights = [(n, t + 0.25) for n, t in named]
     port, log = free_port(), args.out.with_suffix(".frozen.log")

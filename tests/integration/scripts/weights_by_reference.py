@@ -13,7 +13,6 @@ broadcast over a gloo group (WeightSender). JSON to --out:
   shared      whether any of the sender's source tensors was moved into shared memory
 """
 
-import argparse
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # helpers_tiny
-from helpers_tiny import free_port  # noqa: E402
+from helpers_tiny import engine_script_args, free_port  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from relax_slurm.engines.client import EngineClient  # noqa: E402
@@ -39,11 +38,7 @@ def logprobs(client: EngineClient) -> list[float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model-dir", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--url", required=True)
-    args = p.parse_args()
+    args = engine_script_args()
     # the shared-memory manager torch starts for the first CPU tensor by reference inherits
     # this process's stdout and stderr, and lives as long as the engine holds what it opened:
     # not run_script's pipes, or its read would wait for the engine's end
