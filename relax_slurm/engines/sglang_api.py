@@ -139,18 +139,41 @@ lm_head.weight, so the head keeps uninitialised memory and every answer is garba
 
 
 QWEN3_VL_MOE_DEEPSTACK = 3
-"""DeepStack layers SGLang 0.5.2x's Qwen3-VL-MoE adds vision features to, whatever the model's
-vision_config.deepstack_visual_indexes says (models/qwen3_vl_moe.py: range(3), Qwen's released
-checkpoints' count): fewer fail its forward at the first image, more are ignored."""
+"""DeepStack layers SGLang 0.5.2x's Qwen3-VL-MoE language model (the Qwen3-Omni thinker's
+too) adds vision features to, whatever the model's vision_config.deepstack_visual_indexes
+says (models/qwen3_vl_moe.py: range(3), Qwen's released checkpoints' count): fewer fail its
+forward at the first image, more are ignored."""
+_DEEPSTACK_3 = ("Qwen3VLMoeForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration")
+_INTERLEAVED_MROPE = ("Qwen3VLForConditionalGeneration", *_DEEPSTACK_3)
+"""transformers always interleaves these models' M-RoPE sections; SGLang does only when the
+text config's rope dict says mrope_interleaved (layers/rotary_embedding/factory.py)."""
+
+
+def _thinker(config: dict) -> dict:
+    """The part of a config.json that holds text_config / vision_config (Qwen3-Omni nests them
+    under thinker_config)."""
+    return config.get("thinker_config") or config
 
 
 def deepstack_unlike_sglangs(config: dict) -> int | None:
-    """A Qwen3-VL-MoE config.json's DeepStack layer count when SGLang would not serve it as
+    """A Qwen3-VL-MoE's or Qwen3-Omni's DeepStack layer count when SGLang would not serve it as
     transformers computes it, else None."""
-    if "Qwen3VLMoeForConditionalGeneration" not in (config.get("architectures") or []):
+    if not any(a in _DEEPSTACK_3 for a in config.get("architectures") or []):
         return None
-    n = len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or [])
+    vision = _thinker(config).get("vision_config") or {}
+    n = len(vision.get("deepstack_visual_indexes") or [])
     return None if n == QWEN3_VL_MOE_DEEPSTACK else n
+
+
+def mrope_sectioned_on_sglang(config: dict) -> bool:
+    """Whether SGLang would compute this Qwen3-VL / Qwen3-Omni's M-RoPE in sections where
+    transformers interleaves them (no mrope_interleaved in its text rope settings): media
+    prompts' log-probs then differ (3e-4 to 5e-4 on the tiny Qwen3-Omni's images)."""
+    if not any(a in _INTERLEAVED_MROPE for a in config.get("architectures") or []):
+        return False
+    text = _thinker(config).get("text_config") or {}
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    return "mrope_section" in rope and not rope.get("mrope_interleaved")
 
 
 def head_left_empty(config: dict) -> bool:

@@ -93,7 +93,8 @@ def check_judge(cfg: TrainConfig) -> None:
 def check_sglang_serves(cfg: TrainConfig) -> None:
     """rollout.engine=sglang: every model it serves loads whole there (sglang_api.head_left_empty:
     SGLang never ties a Qwen3-MoE's output head; a Qwen3-VL-MoE's fused experts in Qwen's
-    layout and its 3 DeepStack layers, which SGLang's Qwen3-VL-MoE assumes)."""
+    layout and its 3 DeepStack layers, which SGLang's Qwen3-VL-MoE assumes; the interleaved
+    M-RoPE of Qwen3-VL and Qwen3-Omni said in config.json, which SGLang reads)."""
     if cfg.rollout.engine != "sglang":
         return
     for key, path in (("model.path", cfg.model.path),
@@ -111,17 +112,27 @@ def check_sglang_serves(cfg: TrainConfig) -> None:
                 "hidden, 2 x moe_intermediate], down_proj [experts, moe_intermediate, hidden]). "
                 "Fix: save the two fused tensors of every layer transposed in their last two "
                 "dimensions (transformers reads either layout), or use rollout.engine=hf")
-        layers = sglang_api.deepstack_unlike_sglangs(json.loads(config.read_text()))
+        hf_config = json.loads(config.read_text())
+        layers = sglang_api.deepstack_unlike_sglangs(hf_config)
         if layers is not None:
             raise ConfigError(
-                f"{key}={path}: a Qwen3-VL-MoE with {layers} DeepStack layers "
-                "(vision_config.deepstack_visual_indexes); SGLang's Qwen3-VL-MoE adds vision "
-                f"features to exactly {sglang_api.QWEN3_VL_MOE_DEEPSTACK} decoder layers, as "
-                "Qwen's checkpoints have (fewer fail at the first image, more are ignored). "
-                "Use rollout.engine=hf for this model")
-        if sglang_api.head_left_empty(json.loads(config.read_text())):
+                f"{key}={path}: a {hf_config['architectures'][0]} with {layers} DeepStack "
+                "layers (vision_config.deepstack_visual_indexes); SGLang's Qwen3-VL-MoE "
+                f"language model adds vision features to exactly "
+                f"{sglang_api.QWEN3_VL_MOE_DEEPSTACK} decoder layers, as Qwen's checkpoints "
+                "have (fewer fail at the first image, more are ignored). Use rollout.engine=hf "
+                "for this model")
+        if sglang_api.mrope_sectioned_on_sglang(hf_config):
             raise ConfigError(
-                f"{key}={path}: a {json.loads(config.read_text())['architectures'][0]} with "
+                f"{key}={path}: its text_config's rope settings (rope_scaling / "
+                "rope_parameters) have mrope_section but no \"mrope_interleaved\": true; "
+                "transformers interleaves this model's M-RoPE sections always, SGLang only with "
+                "that key, so its log-probs of image and video prompts would differ from the "
+                "trainer's. Fix: add \"mrope_interleaved\": true there in config.json (Qwen's "
+                "released configs have it)")
+        if sglang_api.head_left_empty(hf_config):
+            raise ConfigError(
+                f"{key}={path}: a {hf_config['architectures'][0]} with "
                 "tie_word_embeddings=true, whose output head SGLang never ties (it would serve "
                 "an empty head: every log-prob log(1/vocab)). Save the model untied: load it "
                 "with transformers, set model.config.tie_word_embeddings=False and "

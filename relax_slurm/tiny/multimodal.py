@@ -175,7 +175,9 @@ def build_audio(out: Path, seed: int = 0) -> str:
                                      chat_template=tok.chat_template))
 
 
-def build_omni3(out: Path, seed: int = 0) -> str:
+def build_omni3(out: Path, seed: int = 0, deepstack_layers: int = 1) -> str:
+    """`deepstack_layers`: vision blocks, each feeding the decoder a DeepStack feature (Qwen's
+    Qwen3-Omni has 3, which SGLang's assumes)."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     tok = _tokenizer(VISION_TOKENS + AUDIO_TOKENS)
@@ -187,16 +189,19 @@ def build_omni3(out: Path, seed: int = 0) -> str:
     text = dict(small, vocab_size=vocab, num_hidden_layers=2, moe_intermediate_size=16,
                 num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                 router_aux_loss_coef=0.0, max_position_embeddings=512,
+                # transformers' Qwen3-Omni always interleaves; SGLang reads mrope_interleaved
+                # (else sectioned M-RoPE), as Qwen's released config.json carries it
                 rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1],
-                              "interleaved": True})
+                              "interleaved": True, "mrope_interleaved": True})
     thinker = dict(
         text_config=text,
         audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2,
                           encoder_ffn_dim=32, output_dim=32, num_mel_bins=MEL_BINS,
                           downsample_hidden_size=8, n_window=50, n_window_infer=100),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
-                           out_hidden_size=32, patch_size=16, spatial_merge_size=2,
-                           temporal_patch_size=2, deepstack_visual_indexes=[0]),
+        vision_config=dict(depth=deepstack_layers, hidden_size=16, intermediate_size=32,
+                           num_heads=2, out_hidden_size=32, patch_size=16, spatial_merge_size=2,
+                           temporal_patch_size=2,
+                           deepstack_visual_indexes=list(range(deepstack_layers))),
         audio_token_id=audio, image_token_id=image, video_token_id=video,
         vision_start_token_id=start, vision_end_token_id=end,
         # M-RoPE finds an audio by its start marker (get_rope_index): the tokenizer's, not the
@@ -215,7 +220,23 @@ def build_omni3(out: Path, seed: int = 0) -> str:
                                 code2wav_config=code2wav, enable_audio_output=True)
     line = _save(Qwen3OmniMoeForConditionalGeneration, config, tok, out, seed)
     _save_omni_preprocessor(out)
+    _name_omni_tokens(out)
     return line
+
+
+def _name_omni_tokens(out: Path) -> None:
+    """tokenizer_config.json's names of the media tokens, as Qwen's released Qwen3-Omni has
+    them: transformers' Qwen3OmniMoeProcessor reads them from the tokenizer (SGLang builds
+    it; the project's own processing reads the ids from config.json)."""
+    import json
+
+    path = out / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config.update(image_token="<|image_pad|>", video_token="<|video_pad|>",
+                  audio_token=AUDIO_TOKENS[1], vision_bos_token=VISION_TOKENS[0],
+                  vision_eos_token=VISION_TOKENS[1], audio_bos_token=AUDIO_TOKENS[0],
+                  audio_eos_token=AUDIO_TOKENS[2])
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _save_omni_preprocessor(out: Path) -> None:

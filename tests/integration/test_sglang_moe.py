@@ -136,3 +136,100 @@ def test_sglang_routes_image_prompts_as_the_trainer(tmp_path, sglang_cpu_python,
     assert stats.mismatched == 0, f"{stats.mismatched} of {stats.pairs} pairs differ"
     mask = mb.weights > 0
     assert float((logp[mask] - mb.rollout_logp[mask]).abs().max()) < LP_TOL
+
+
+def test_sglang_routes_the_omni_thinkers_image_audio_and_text_prompts_as_the_trainer(
+        tmp_path, sglang_cpu_python, monkeypatch):
+    """The tiny Qwen3-Omni (thinker) on SGLang: one batch of an image prompt, an audio prompt
+    and a text prompt sent as the rollout worker sends them; SGLang expands each medium to the
+    worker's token count, reports the experts of every position (media tokens included) that
+    the thinker's routers choose, and its log-probs are the thinker's. Built as Qwen's
+    Qwen3-Omni is in what SGLang reads (3 DeepStack layers, mrope_interleaved, the processor's
+    token names in tokenizer_config.json)."""
+    import asyncio
+    import json
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from relax_slurm.config.algo import AlgoConfig
+    from relax_slurm.config.data import DataConfig
+    from relax_slurm.config.model import ModelConfig
+    from relax_slurm.data import PromptDataset
+    from relax_slurm.data.processor import MediaProcessor
+    from relax_slurm.modeling import text_model
+    from relax_slurm.rollout.sampling import (check_media_tokens, media_pad_ban,
+                                              sample_routing, seeded_params)
+    from relax_slurm.routing.hooks import RoutingStats, routing_replay
+    from relax_slurm.routing.shape import routing_shape
+    from relax_slurm.samples import Sample
+    from relax_slurm.tiny.multimodal import build_omni3
+    from relax_slurm.trainer.batch import collate, prepare_items
+    from relax_slurm.trainer.megatron.omni_rope import media_markers_only
+    from relax_slurm.trainer.model import load_hf_model, pad_token_id
+    from relax_slurm.trainer.step import token_logprobs
+    from tests.conftest import run_tool
+    from tests.integration.test_sglang_vl_parity import N
+
+    model_dir = tmp_path / "omni"
+    build_omni3(model_dir, deepstack_layers=3)
+    for task in ("colors", "tones"):
+        run_tool("prepare_mm_data.py", "--out", str(tmp_path), "--task", task)
+    (tmp_path / "text.jsonl").write_text(json.dumps({"prompt": "1+2=", "label": "3"}) + "\n")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = [PromptDataset(DataConfig(train_files=[str(tmp_path / f)], shuffle=False,
+                                     multimodal_keys=keys), tok)[0]
+            for f, keys in (("colors_test.jsonl", {"image": "images"}),
+                            ("tones_test.jsonl", {"audio": "audios"}), ("text.jsonl", {}))]
+    mp = MediaProcessor(model_dir, tok.get_vocab())
+    shape = routing_shape(model_dir)
+    processed = [mp.process(list(r.input_ids), r.media) for r in rows]
+    media = [{k: [x.to_engine() for x in refs] for k, refs in r.media.items()} for r in rows]
+    params = [p | media_pad_ban(mp.pad_ids.values())
+              for g in range(len(rows)) for p in seeded_params({"max_new_tokens": 4}, 0, g, N)]
+    port, log = free_port(), tmp_path / "engine.log"
+    proc = start_sglang_engine(sglang_cpu_python, model_dir, port, log, api_key=KEY,
+                               extra_args=[ROUTED_EXPERTS_FLAG])
+    url = f"http://127.0.0.1:{port}"
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+
+    async def generate():
+        async with AsyncEngineClient(url, 120.0, routed_experts=True) as client:
+            return await client.generate([list(r.input_ids) for r in rows for _ in range(N)],
+                                         params, media=[m for m in media for _ in range(N)])
+    try:
+        wait_healthy(url, proc, 300, log)
+        results = asyncio.run(generate())
+    finally:
+        stop_process(proc)
+    samples = []
+    for i, r in enumerate(results):
+        prompt = processed[i // N].input_ids
+        check_media_tokens([r], len(prompt), f"row {i // N}")
+        samples.append(Sample(prompt_id=str(i // N), group_id=i // N, prompt_ids=prompt,
+                              response_ids=r.output_ids, loss_mask=[1.0] * len(r.output_ids),
+                              rollout_logprobs=r.logprobs, mm_inputs=processed[i // N].tensors,
+                              reward=float(i % 2),
+                              routed_experts=sample_routing(r, len(prompt), shape,
+                                                            required=True)))
+    thinker = text_model(load_hf_model(ModelConfig(path=str(model_dir)), torch.device("cpu"),
+                                       text_only=True)).eval()
+    # the positions from the ids with sampled media markers renamed, as trainer=megatron
+    # computes them (omni_rope.media_markers_only): transformers' get_rope_index takes a
+    # sampled <|audio_bos|> for an audio's start
+    for module in (thinker, thinker.model):  # transformers calls the inner model's
+        module.get_rope_index = (lambda f: lambda ids, *a, **k: f(
+            media_markers_only(thinker.config, ids), *a, **k))(module.get_rope_index)
+    mb = collate(prepare_items([samples[g * N:(g + 1) * N] for g in range(len(rows))],
+                               AlgoConfig()), pad_token_id(thinker.config), torch.device("cpu"))
+    stats = RoutingStats()
+    with torch.no_grad(), routing_replay(thinker, mb.routed, mb.routed_valid(), replay=False,
+                                         stats=stats):
+        logp = token_logprobs(thinker, mb, 1.0)
+    covered = sum(len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples)
+    media_tokens = [sum(p.input_ids.count(t) for t in mp.pad_ids.values()) for p in processed]
+    assert media_tokens[0] > 0 and media_tokens[1] > 0 and media_tokens[2] == 0, media_tokens
+    assert stats.pairs == covered * shape.layers, (stats.pairs, covered)
+    assert stats.mismatched == 0, f"{stats.mismatched} of {stats.pairs} pairs differ"
+    mask = mb.weights > 0
+    assert float((logp[mask] - mb.rollout_logp[mask]).abs().max()) < LP_TOL

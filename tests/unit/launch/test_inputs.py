@@ -86,7 +86,32 @@ def test_a_qwen3_vl_moe_sglang_cannot_load_as_transformers_does_is_refused(tmp_p
         check_inputs(cfg)
     check_inputs(on_hf)
     write((E, H, 2 * I), (E, I, H), 1)
-    with pytest.raises(ConfigError, match=r"model\.path=.*: a Qwen3-VL-MoE with 1 DeepStack "
-                                          r"layers .*exactly 3 decoder layers"):
+    with pytest.raises(ConfigError, match=r"model\.path=.*: a Qwen3VLMoeForConditionalGeneration "
+                                          r"with 1 DeepStack layers .*exactly 3 decoder layers"):
         check_inputs(cfg)
     check_inputs(on_hf)
+
+
+def test_a_qwen3_vl_whose_interleaved_mrope_sglang_would_not_read_is_refused(tmp_path):
+    """transformers always interleaves Qwen3-VL's and Qwen3-Omni's M-RoPE sections; SGLang only
+    when the text rope settings say mrope_interleaved (else image prompts' log-probs differ):
+    refused with rollout=sglang without it, for a Qwen3-Omni's thinker too."""
+    import json
+
+    cfg, on_hf = cfg_for(tmp_path, "rollout=sglang"), cfg_for(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"prompt": "3+3=", "label": "6"}\n')
+    rope = {"rope_type": "default", "mrope_section": [4, 2, 2], "interleaved": True}
+    config = tmp_path / "model" / "config.json"
+    for arch, nest in (("Qwen3VLForConditionalGeneration", lambda c: c),
+                       ("Qwen3OmniMoeForConditionalGeneration",
+                        lambda c: {"thinker_config": c})):
+        for key in ("rope_scaling", "rope_parameters"):
+            body = {"text_config": {key: rope},
+                    "vision_config": {"deepstack_visual_indexes": [0, 1, 2]}}
+            config.write_text(json.dumps({"architectures": [arch], **nest(body)}))
+            with pytest.raises(ConfigError, match=r"no \"mrope_interleaved\": true.*Fix: add"):
+                check_inputs(cfg)
+            check_inputs(on_hf)
+            body["text_config"][key] = dict(rope, mrope_interleaved=True)
+            config.write_text(json.dumps({"architectures": [arch], **nest(body)}))
+            check_inputs(cfg)

@@ -96,3 +96,47 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         sys.meta_path.insert(0, _PatchAfterImport())
     except Exception:  # no torch yet
         pass
+    # SGLang reads audio (utils/common.py load_audio, the soundfile fallback used without
+    # torchcodec/FFmpeg) with `import torchaudio` before it knows whether it must resample
+    # (common.py:1971; torchaudio.functional.resample only when the file's rate differs from the
+    # processor's, common.py:1990). The venv leaves torchaudio out (PyPI's is a CUDA build), so
+    # every audio request failed with HTTP 500 ("No module named 'torchaudio'"). Without a real
+    # torchaudio a stand-in answers that import: reading a file already at the processor's rate
+    # needs nothing of it; a resample raises, naming the fix (the rollout worker resamples by
+    # linear interpolation, data/media.py, not torchaudio's sinc filter: convert offline).
+    try:
+        import importlib.abc
+        import importlib.machinery
+        import importlib.util
+        import sys
+        import types
+
+        if importlib.util.find_spec("torchaudio") is None:
+            def _resample(waveform, orig_freq, new_freq, *args, **kwargs):
+                raise NotImplementedError(
+                    f"audio at {orig_freq} Hz, the model's processor takes {new_freq} Hz: this "
+                    "CPU SGLang venv has no torchaudio to resample with; convert the audio to "
+                    f"{new_freq} Hz offline (relax_sglang_cpu_shim)")
+
+            class _TorchaudioStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+                NAMES = ("torchaudio", "torchaudio.functional")
+
+                def find_spec(self, name, path, target=None):
+                    if name not in self.NAMES:
+                        return None
+                    return importlib.machinery.ModuleSpec(name, self,
+                                                          is_package=name == "torchaudio")
+
+                def create_module(self, spec):
+                    return types.ModuleType(spec.name)
+
+                def exec_module(self, module):
+                    if module.__name__ == "torchaudio.functional":
+                        module.resample = _resample
+                    else:
+                        module.__path__ = []
+                        module.functional = importlib.import_module("torchaudio.functional")
+
+            sys.meta_path.append(_TorchaudioStandIn())
+    except Exception:
+        pass
