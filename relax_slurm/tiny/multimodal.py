@@ -166,7 +166,9 @@ def build_audio(out: Path, seed: int = 0) -> str:
         audio_config=dict(num_mel_bins=MEL_BINS, encoder_layers=1, encoder_attention_heads=2,
                           encoder_ffn_dim=64, d_model=32,
                           max_source_positions=AUDIO_SECONDS * 50),  # 100 frames/s, /2 by conv
-        text_config=_text_config(tok, model_type="qwen2", tie_word_embeddings=True),
+        # untied, as transformers builds it (it ties by the top-level config, unset here) and
+        # saves it; SGLang ties by text_config's key and served a head the files did not hold
+        text_config=_text_config(tok, model_type="qwen2", tie_word_embeddings=False),
         audio_token_id=tok.convert_tokens_to_ids("<|AUDIO|>"), dtype="float32")
     fe = WhisperFeatureExtractor(feature_size=MEL_BINS, chunk_length=AUDIO_SECONDS,
                                  sampling_rate=16000)
