@@ -134,7 +134,8 @@ def check_sglang_serves(cfg: TrainConfig) -> None:
             raise ConfigError(
                 f"{key}={path}: a {hf_config['architectures'][0]} with "
                 "tie_word_embeddings=true, whose output head SGLang never ties (it would serve "
-                "an empty head: every log-prob log(1/vocab)). Save the model untied: load it "
+                "a head the checkpoint does not hold: uninitialised memory, garbage log-probs). "
+                "Save the model untied: load it "
                 "with transformers, set model.config.tie_word_embeddings=False and "
                 "model.lm_head.weight = a copy of the input embedding, then save_pretrained; "
                 "or use rollout.engine=hf")
