@@ -59,6 +59,11 @@ def declared() -> dict[str, set[str]]:
     return out
 
 
+OTHER_ENV = REPO / "relax_slurm" / "engines" / "sglang_cpu" / "shims"
+"""Files run by another interpreter: the CPU SGLang venv's shims (engines/sglang_cpu), whose
+packages its own recipe installs; their torchaudio stand-in defines the module it names."""
+
+
 def local_modules() -> set[str]:
     """Names a script imports from its own folder (tools/bench/common.py, tests' helpers)."""
     trees = [REPO / d for d in ("relax_slurm", "tests", "tools") if (REPO / d).is_dir()]
@@ -71,6 +76,8 @@ def imports(root: str) -> dict[str, set[str]]:
     own = local_modules() | {"relax_slurm", "tests", "__future__"}
     out: dict[str, set[str]] = {}
     for path in sorted((REPO / root).rglob("*.py")):
+        if path.is_relative_to(OTHER_ENV):
+            continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 mods = [a.name for a in node.names]
