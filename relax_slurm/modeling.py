@@ -228,28 +228,26 @@ def checkpoint_shapes(gate_up: bool, experts: int, hidden: int, ffn: int
     return (experts, ffn, hidden), (experts, hidden, ffn)
 
 
-def experts_in_transformers_layout(path: str | Path) -> str | None:
+def experts_in_transformers_layout(path: str | Path, config: dict | None = None) -> str | None:
     """The first fused expert tensor of a Qwen3-VL-MoE directory's safetensors that is in
     transformers 5's layout and not Qwen's (read from the headers), or None. SGLang 0.5.2x's
-    Qwen3-VL-MoE loads only Qwen's layout (models/qwen3_vl_moe.py transposes what it reads)."""
-    config_path = Path(path) / "config.json"
-    if not config_path.is_file():
-        return None
-    config = json.loads(config_path.read_text())
+    Qwen3-VL-MoE loads only Qwen's layout (models/qwen3_vl_moe.py transposes what it reads).
+    `config`: its config.json when the caller has read it."""
+    if config is None:
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            return None
+        config = json.loads(config_path.read_text())
     text = config.get("text_config") or {}
     if "Qwen3VLMoeForConditionalGeneration" not in (config.get("architectures") or []) \
             or "moe_intermediate_size" not in text:
         return None
-    from safetensors import safe_open
+    from relax_slurm.checkpoint.hf_files import weight_shapes
 
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                if not name.endswith(FUSED_EXPERTS):
-                    continue
-                shape = tuple(st.get_slice(name).get_shape())
-                qwen, hf = checkpoint_shapes(name.endswith(FUSED_EXPERTS[0]), shape[0],
-                                             text["hidden_size"], text["moe_intermediate_size"])
-                if shape == hf and hf != qwen:
-                    return name
+    for name, shape in sorted(weight_shapes(Path(path)).items()):
+        if name.endswith(FUSED_EXPERTS):
+            qwen, hf = checkpoint_shapes(name.endswith(FUSED_EXPERTS[0]), shape[0],
+                                         text["hidden_size"], text["moe_intermediate_size"])
+            if shape == hf and hf != qwen:
+                return name
     return None

@@ -36,6 +36,23 @@ def hf_weight_files(p: Path) -> list[Path]:
     return files or sorted(p.glob("pytorch_model*.bin"))
 
 
+def file_shapes(f: Path) -> dict[str, tuple[int, ...]]:
+    """One weight file's tensor shapes without reading its tensors: a safetensors header, or a
+    .bin file mapped (torch.load mmap)."""
+    if f.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(f), framework="pt") as st:
+            return {name: tuple(st.get_slice(name).get_shape()) for name in st.keys()}
+    state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+    return {name: tuple(t.shape) for name, t in state.items()}
+
+
+def weight_shapes(p: Path) -> dict[str, tuple[int, ...]]:
+    """Every weight's shape in a HF directory (file_shapes of each of its weight files)."""
+    return {name: shape for f in hf_weight_files(Path(p)) for name, shape in file_shapes(f).items()}
+
+
 def write_hf_dir(tensors: dict[str, torch.Tensor], config, out_dir: str | Path,
                  assets_src: str | Path | None, dtype: torch.dtype | None = None,
                  names_model: nn.Module | None = None, progress: bool = False,

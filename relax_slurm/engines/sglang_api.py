@@ -182,6 +182,63 @@ def head_left_empty(config: dict) -> bool:
         a in HEAD_NEVER_TIED for a in config.get("architectures") or [])
 
 
+def _experts_transposed(config: dict, model_dir: Path) -> str | None:
+    from relax_slurm.modeling import experts_in_transformers_layout
+
+    name = experts_in_transformers_layout(model_dir, config)
+    return name and (
+        f"{name} is in transformers 5's layout of a Qwen3-VL-MoE's fused experts (what its "
+        "save_pretrained writes for a model it built), which SGLang cannot load (it reads "
+        "Qwen's released layout: gate_up_proj [experts, hidden, 2 x moe_intermediate], "
+        "down_proj [experts, moe_intermediate, hidden]). Fix: save the two fused tensors of "
+        "every layer transposed in their last two dimensions (transformers reads either "
+        "layout), or use rollout.engine=hf")
+
+
+def _deepstack(config: dict, model_dir: Path) -> str | None:
+    layers = deepstack_unlike_sglangs(config)
+    return None if layers is None else (
+        f"a {config['architectures'][0]} with {layers} DeepStack layers "
+        "(vision_config.deepstack_visual_indexes); SGLang's Qwen3-VL-MoE language model adds "
+        f"vision features to exactly {QWEN3_VL_MOE_DEEPSTACK} decoder layers, as Qwen's "
+        "checkpoints have (fewer fail at the first image, more are ignored). Use "
+        "rollout.engine=hf for this model")
+
+
+def _mrope_sections(config: dict, model_dir: Path) -> str | None:
+    return None if not mrope_sectioned_on_sglang(config) else (
+        "its text_config's rope settings (rope_scaling / rope_parameters) have mrope_section "
+        "but no \"mrope_interleaved\": true; transformers interleaves this model's M-RoPE "
+        "sections always, SGLang only with that key, so its log-probs of image and video "
+        "prompts would differ from the trainer's. Fix: add \"mrope_interleaved\": true there "
+        "in config.json (Qwen's released configs have it)")
+
+
+def _untied_head(config: dict, model_dir: Path) -> str | None:
+    return None if not head_left_empty(config) else (
+        f"a {config['architectures'][0]} with tie_word_embeddings=true, whose output head "
+        "SGLang never ties (it would serve a head the checkpoint does not hold: uninitialised "
+        "memory, garbage log-probs). Save the model untied: load it with transformers, set "
+        "model.config.tie_word_embeddings=False and model.lm_head.weight = a copy of the input "
+        "embedding, then save_pretrained; or use rollout.engine=hf")
+
+
+UNSERVABLE = (_experts_transposed, _deepstack, _mrope_sections, _untied_head)
+"""What SGLang 0.5.2x assumes of a checkpoint that transformers does not: each rule reads
+config.json (and the weights' headers) and says why and the fix, or None."""
+
+
+def why_unservable(model_dir: Path) -> str | None:
+    """Why SGLang would not serve model_dir as the trainer computes it (the first UNSERVABLE
+    rule that applies), or None. relax-train checks every model rollout=sglang serves."""
+    config = json.loads((model_dir / "config.json").read_text())
+    for rule in UNSERVABLE:
+        why = rule(config, model_dir)
+        if why:
+            return why
+    return None
+
+
 ADAPTER_NAME = "policy"
 """The stem of the names the trained LoRA adapter is served under (/generate's lora_path): one
 name per version, `policy-v<version>` (engines/served_adapter.py)."""

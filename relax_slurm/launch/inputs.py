@@ -8,7 +8,6 @@ sbatch submission (launch/sbatch.py) and `relax_slurm.submit` (launch/submit.py)
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from relax_slurm.data.validate import check_data_files
 from relax_slurm.engines import sglang_api
 from relax_slurm.errors import ConfigError, RoleFailed
 from relax_slurm.launch.records import record_restart
-from relax_slurm.modeling import experts_in_transformers_layout
 from relax_slurm.routing.shape import routing_shape
 
 
@@ -91,10 +89,8 @@ def check_judge(cfg: TrainConfig) -> None:
 
 
 def check_sglang_serves(cfg: TrainConfig) -> None:
-    """rollout.engine=sglang: every model it serves loads whole there (sglang_api.head_left_empty:
-    SGLang never ties a Qwen3-MoE's output head; a Qwen3-VL-MoE's fused experts in Qwen's
-    layout and its 3 DeepStack layers, which SGLang's Qwen3-VL-MoE assumes; the interleaved
-    M-RoPE of Qwen3-VL and Qwen3-Omni said in config.json, which SGLang reads)."""
+    """rollout.engine=sglang: every model it serves loads whole there and computes as the
+    trainer does (sglang_api.why_unservable)."""
     if cfg.rollout.engine != "sglang":
         return
     for key, path in (("model.path", cfg.model.path),
@@ -103,42 +99,9 @@ def check_sglang_serves(cfg: TrainConfig) -> None:
         config = Path(path or "") / "config.json"
         if not (path and config.is_file()):
             continue
-        transposed = experts_in_transformers_layout(path)
-        if transposed:
-            raise ConfigError(
-                f"{key}={path}: {transposed} is in transformers 5's layout of a Qwen3-VL-MoE's "
-                "fused experts (what its save_pretrained writes for a model it built), which "
-                "SGLang cannot load (it reads Qwen's released layout: gate_up_proj [experts, "
-                "hidden, 2 x moe_intermediate], down_proj [experts, moe_intermediate, hidden]). "
-                "Fix: save the two fused tensors of every layer transposed in their last two "
-                "dimensions (transformers reads either layout), or use rollout.engine=hf")
-        hf_config = json.loads(config.read_text())
-        layers = sglang_api.deepstack_unlike_sglangs(hf_config)
-        if layers is not None:
-            raise ConfigError(
-                f"{key}={path}: a {hf_config['architectures'][0]} with {layers} DeepStack "
-                "layers (vision_config.deepstack_visual_indexes); SGLang's Qwen3-VL-MoE "
-                f"language model adds vision features to exactly "
-                f"{sglang_api.QWEN3_VL_MOE_DEEPSTACK} decoder layers, as Qwen's checkpoints "
-                "have (fewer fail at the first image, more are ignored). Use rollout.engine=hf "
-                "for this model")
-        if sglang_api.mrope_sectioned_on_sglang(hf_config):
-            raise ConfigError(
-                f"{key}={path}: its text_config's rope settings (rope_scaling / "
-                "rope_parameters) have mrope_section but no \"mrope_interleaved\": true; "
-                "transformers interleaves this model's M-RoPE sections always, SGLang only with "
-                "that key, so its log-probs of image and video prompts would differ from the "
-                "trainer's. Fix: add \"mrope_interleaved\": true there in config.json (Qwen's "
-                "released configs have it)")
-        if sglang_api.head_left_empty(hf_config):
-            raise ConfigError(
-                f"{key}={path}: a {hf_config['architectures'][0]} with "
-                "tie_word_embeddings=true, whose output head SGLang never ties (it would serve "
-                "a head the checkpoint does not hold: uninitialised memory, garbage log-probs). "
-                "Save the model untied: load it "
-                "with transformers, set model.config.tie_word_embeddings=False and "
-                "model.lm_head.weight = a copy of the input embedding, then save_pretrained; "
-                "or use rollout.engine=hf")
+        why = sglang_api.why_unservable(Path(path))
+        if why:
+            raise ConfigError(f"{key}={path}: {why}")
 
 
 def record_global_restart(run_dir: Path, attempt: int, cap: int, cause: RoleFailed) -> None:

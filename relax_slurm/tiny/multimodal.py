@@ -234,7 +234,7 @@ def _name_omni_tokens(out: Path) -> None:
 
     path = out / "tokenizer_config.json"
     config = json.loads(path.read_text())
-    config.update(image_token="<|image_pad|>", video_token="<|video_pad|>",
+    config.update(image_token=VISION_TOKENS[2], video_token=VISION_TOKENS[3],
                   audio_token=AUDIO_TOKENS[1], vision_bos_token=VISION_TOKENS[0],
                   vision_eos_token=VISION_TOKENS[1], audio_bos_token=AUDIO_TOKENS[0],
                   audio_eos_token=AUDIO_TOKENS[2])

@@ -55,19 +55,10 @@ def host_memory_available() -> int | None:
 
 def served_bytes(model_path: str, dtype: torch.dtype) -> int:
     """The bytes of model.path's weights at the dtype the engines serve: from the safetensors
-    headers, or from .bin files mapped, not read (`checkpoint/hf_files.py hf_weight_files`)."""
-    from safetensors import safe_open
+    headers, or from .bin files mapped, not read (`checkpoint/hf_files.py weight_shapes`)."""
+    from relax_slurm.checkpoint.hf_files import weight_shapes
 
-    from relax_slurm.checkpoint.hf_files import hf_weight_files
-
-    numel = 0
-    for f in hf_weight_files(Path(model_path)):
-        if f.suffix == ".safetensors":
-            with safe_open(str(f), framework="pt") as st:
-                numel += sum(math.prod(st.get_slice(name).get_shape()) for name in st.keys())
-        else:
-            state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
-            numel += sum(t.numel() for t in state.values())
+    numel = sum(math.prod(shape) for shape in weight_shapes(Path(model_path)).values())
     return numel * torch.empty((), dtype=dtype).element_size()
 
 

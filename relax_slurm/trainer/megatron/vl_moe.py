@@ -77,10 +77,9 @@ def file_shape(hf_state, name: str) -> tuple[int, ...] | None:
     source = getattr(hf_state, "source", None)
     names = getattr(source, "key_to_filename_map", None)
     if names and name in names:
-        from safetensors import safe_open
+        from relax_slurm.checkpoint.hf_files import file_shapes
 
-        with safe_open(str(source.path / names[name]), framework="pt") as f:
-            return tuple(f.get_slice(name).get_shape())
+        return file_shapes(source.path / names[name])[name]
     try:
         return tuple(hf_state[name].shape)
     except KeyError:

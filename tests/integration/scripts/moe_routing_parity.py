@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # helpers_tiny
+import helpers_moe  # noqa: E402
 import torch  # noqa: E402
 from helpers_tiny import engine_script_args, free_port  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -33,7 +34,7 @@ from relax_slurm.rollout.sampling import sample_routing  # noqa: E402
 from relax_slurm.routing.shape import routing_shape  # noqa: E402
 from relax_slurm.weightsync import WeightSender  # noqa: E402
 
-PROMPTS = [[4, 5, 13, 6, 14], [9, 10], [3, 3, 3, 3, 3, 3, 3], [7, 13, 8, 14]]
+PROMPTS = helpers_moe.PROMPTS[:4]
 SAMPLES, MAX_NEW = 4, 8
 
 
