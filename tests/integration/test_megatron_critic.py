@@ -1,7 +1,7 @@
 """algo=ppo's critic under trainer=megatron (relax_slurm/trainer/megatron/critic.py) on
 CPU/gloo: its values and value-loss gradient at TP=2 and at DP=2 equal TP=1's, and TP=1's
 equal the torch critic's (trainer/critic.py) on the same trunk weights, head and batch
-(tests/integration/scripts/megatron_critic_parity.py, one torchrun per layout)."""
+(tests/integration/scripts/megatron_critic_parity.py, one torchrun per rank count)."""
 
 from __future__ import annotations
 
@@ -34,16 +34,17 @@ pytestmark = [pytest.mark.slow, NEEDS_MEGATRON]
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("megatron_critic")
     model = run_tiny_model_tool(root / "model")
-    out = {}
-    for name, ranks, tp, flags in (("tp1", 1, 1, ["--torch"]), ("tp2", 2, 2, []),
-                                   ("dp2", 2, 1, [])):
-        log = root / f"{name}.log"
+    # one torchrun per rank count, its layouts in turn (script_result.each_layout)
+    layouts = {1: [("tp1", 1, ["--torch"])], 2: [("tp2", 2, []), ("dp2", 1, [])]}
+    for ranks, runs_here in layouts.items():
+        args = [a for i, (name, tp, flags) in enumerate(runs_here)
+                for a in [*(["+"] if i else []), "--model-dir", str(model), "--tp", str(tp),
+                          "--out", str(root / name), *flags]]
+        log = root / f"ranks{ranks}.log"
         rc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                         "--nproc-per-node", str(ranks), str(SCRIPT), "--model-dir", str(model),
-                         "--tp", str(tp), "--out", str(root / name), *flags], log, 600)
+                         "--nproc-per-node", str(ranks), str(SCRIPT), *args], log, 900)
         assert rc == 0, log.read_text()[-6000:]
-        out[name] = root / name
-    return out
+    return {name: root / name for name in ("tp1", "tp2", "dp2")}
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

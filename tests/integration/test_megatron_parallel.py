@@ -1,6 +1,7 @@
 """The megatron backend on CPU/gloo (megatron-core 0.16 + megatron-bridge, through
 relax_slurm/trainer/megatron/cpu_compat.py): the tiny HF Qwen3 built through the bridge at
-TP=1, TP=2 and PP=2 (tests/integration/scripts/megatron_parity.py, one torchrun each)."""
+TP=1, TP=2 and PP=2, DP=2 with either optimizer, and a tiny Qwen3-MoE at EP=1 and EP=2
+(tests/integration/scripts/megatron_parity.py, one torchrun per rank count)."""
 
 from __future__ import annotations
 
@@ -50,45 +51,77 @@ def tiny_dir(tmp_path_factory) -> Path:
     return d
 
 
-def parity_runs(model_dir: Path, root: Path, layouts) -> dict[str, Path]:
-    """One torchrun per layout (name, ranks, TP, PP, EP[, extra script flags]); each writes
-    result.json, grads and trained weights into root/name."""
-    out = {}
-    for name, ranks, tp, pp, ep, *flags in layouts:
-        d = root / name
-        log = root / f"{name}.log"
-        rc = torchrun(ranks, [str(SCRIPT), "--model-dir", str(model_dir), "--tp", str(tp),
-                              "--pp", str(pp), "--ep", str(ep), "--out", str(d), *flags],
-                      log, timeout_s=600)
+def parity_runs(root: Path, layouts) -> dict[str, Path]:
+    """Every layout (name, model dir, ranks, TP, PP, EP[, extra script flags]) into root/name
+    (result.json, grads and trained weights): one torchrun per rank count, running its layouts
+    one after another (script_result.each_layout: one start of megatron for all of them)."""
+    out: dict[str, Path] = {}
+    argv: dict[int, list[str]] = {}
+    for name, model_dir, ranks, tp, pp, ep, *flags in layouts:
+        out[name] = root / name
+        args = argv.setdefault(ranks, [])
+        args += [*(["+"] if args else []), "--model-dir", str(model_dir), "--tp", str(tp),
+                 "--pp", str(pp), "--ep", str(ep), "--out", str(out[name]), *flags]
+    for ranks, args in argv.items():
+        log = root / f"ranks{ranks}.log"
+        rc = torchrun(ranks, [str(SCRIPT), *args], log, timeout_s=900)
         assert rc == 0, log.read_text()[-6000:]
-        out[name] = d
     return out
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_dir, tmp_path_factory) -> dict[str, Path]:
-    return parity_runs(tiny_dir, tmp_path_factory.mktemp("megatron_runs"),
-                       # tp2 writes its checkpoint asynchronously (and a sync one to compare);
-                       # tp2 recomputes every layer in the backward and pp2 the core attention
-                       # (trainer.recompute), and both compute the log-probs over chunks of
-                       # positions (trainer.logprob_chunk_size; tp2's chunks hold TP
-                       # reductions, run again in the backward): the same gradients as tp1,
-                       # which keeps them and computes the whole sequence at once
-                       (("tp1", 1, 1, 1, 1),
-                        ("tp2", 2, 2, 1, 1, "--async-save", "--recompute", "full",
-                         "--logprob-chunk-size", "4"),
-                        ("pp2", 2, 1, 2, 1, "--recompute", "selective",
-                         "--logprob-chunk-size", "3")))
+def moe_dir(tiny_dir, tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE (4 experts, top-2; transformers writes one tensor per expert, the
+    layout megatron-bridge reads)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    model_dir = tmp_path_factory.mktemp("megatron_moe") / "model"
+    config = Qwen3MoeConfig(
+        vocab_size=18, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        router_aux_loss_coef=0.0,  # no load-balancing term: EP=2 (DP=2) then equals EP=1
+        tie_word_embeddings=True, max_position_embeddings=512, pad_token_id=0, eos_token_id=1,
+        bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(model_dir)
+    for f in tiny_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            (model_dir / f.name).write_bytes(f.read_bytes())
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dir, moe_dir, tmp_path_factory) -> dict[str, Path]:
+    """Every parity layout of this module, run once. The tiny model at TP=1, TP=2 and PP=2
+    (tp2 writes its checkpoint asynchronously, and a sync one to compare; tp2 recomputes every
+    layer in the backward and pp2 the core attention (trainer.recompute), and both compute the
+    log-probs over chunks of positions (trainer.logprob_chunk_size; tp2's chunks hold TP
+    reductions, run again in the backward): the same gradients as tp1, which keeps them and
+    computes the whole sequence at once); DP=2 with Megatron's optimizer and with its
+    distributed optimizer; the tiny MoE at EP=1 on one rank and EP=2 on two (DP=2)."""
+    return parity_runs(tmp_path_factory.mktemp("megatron_runs"), (
+        ("tp1", tiny_dir, 1, 1, 1, 1),
+        ("tp2", tiny_dir, 2, 2, 1, 1, "--async-save", "--recompute", "full",
+         "--logprob-chunk-size", "4"),
+        ("pp2", tiny_dir, 2, 1, 2, 1, "--recompute", "selective", "--logprob-chunk-size", "3"),
+        ("dp2", tiny_dir, 2, 1, 1, 1), ("dp2_distopt", tiny_dir, 2, 1, 1, 1, "--dist-opt"),
+        ("ep1", moe_dir, 1, 1, 1, 1), ("ep2", moe_dir, 2, 1, 1, 2)))
 
 
 def result(d: Path) -> dict:
     return json.loads((d / "result.json").read_text())
 
 
+def tp_pp(runs: dict[str, Path]) -> dict[str, Path]:
+    """The tiny dense model's TP and PP layouts (the DP and MoE ones have tests of their own)."""
+    return {k: runs[k] for k in ("tp1", "tp2", "pp2")}
+
+
 @pytest.mark.timeout(1200)
 def test_bridge_export_equals_hf_bitwise(runs, tiny_dir):
     hf = load_file(str(tiny_dir / "model.safetensors"))
-    for name, d in runs.items():
+    for name, d in tp_pp(runs).items():
         r = result(d)
         assert r["exported_names"] == sorted(hf), name  # tied lm_head exported once, as HF saves
         assert r["export_bitwise"], name
@@ -130,7 +163,7 @@ def test_several_optimizer_steps_per_batch_equal_those_steps_by_hand(runs):
     every layout's old log-probs (PP=2: through the pipeline's forward-only schedule) equal
     TP=1's up to float32 rounding of the logits (same weights: the order of sums)."""
     ref = result(runs["tp1"])["mini_batches"]
-    for name, d in runs.items():
+    for name, d in tp_pp(runs).items():
         r = result(d)["mini_batches"]
         assert r["moved"] and r["lr_steps"] == 1, name
         assert r.get("old_equal_by_hand", True) and r.get("equal_by_hand", True), name
@@ -152,7 +185,7 @@ def check_reference(r: dict) -> None:
 
 
 def test_sharded_reference_scores_as_transformers_refreshes_and_resumes(runs):
-    for d in runs.values():
+    for d in tp_pp(runs).values():
         check_reference(result(d))
 
 
@@ -238,60 +271,30 @@ def test_async_save_killed_before_commit_is_not_a_checkpoint(tiny_dir, tmp_path)
     assert not (root / "step_2").exists() and not (root / "step_2.tmp" / "meta.json").exists()
 
 
-@pytest.fixture(scope="module")
-def moe_runs(tiny_dir, tmp_path_factory) -> dict[str, Path]:
-    """A tiny Qwen3-MoE (4 experts, top-2; transformers writes one tensor per expert, the
-    layout megatron-bridge reads), trained at EP=1 on one rank and EP=2 on two (DP=2)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    root = tmp_path_factory.mktemp("megatron_moe")
-    model_dir = root / "model"
-    config = Qwen3MoeConfig(
-        vocab_size=18, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-        router_aux_loss_coef=0.0,  # no load-balancing term: EP=2 (DP=2) then equals EP=1
-        tie_word_embeddings=True, max_position_embeddings=512, pad_token_id=0, eos_token_id=1,
-        bos_token_id=None)
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(config).save_pretrained(model_dir)
-    for f in tiny_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
-            (model_dir / f.name).write_bytes(f.read_bytes())
-    return parity_runs(model_dir, root, (("ep1", 1, 1, 1, 1), ("ep2", 2, 1, 1, 2)))
-
-
 @pytest.mark.timeout(1200)
-def test_moe_expert_parallel_equals_one_rank(moe_runs, tmp_path):
-    one, two = result(moe_runs["ep1"]), result(moe_runs["ep2"])
+def test_moe_expert_parallel_equals_one_rank(runs, tmp_path):
+    one, two = result(runs["ep1"]), result(runs["ep2"])
     for r in (one, two):  # experts gathered across EP ranks: the HF checkpoint, bit for bit
         assert r["exported_names"] == r["hf_names"] and r["export_bitwise"]
         assert r["logits_max_diff"] < 1e-5
         check_reference(r)  # its experts sharded over the EP ranks as the policy's
-    g1, g2 = (load_file(str(moe_runs[k] / "grads.safetensors")) for k in ("ep1", "ep2"))
+    g1, g2 = (load_file(str(runs[k] / "grads.safetensors")) for k in ("ep1", "ep2"))
     for k in g1:
         torch.testing.assert_close(g2[k], g1[k], rtol=1e-5, atol=1e-7, msg=k)
     for a, b in zip(one["steps"], two["steps"]):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
-    check_resumed_and_converted(moe_runs["ep2"], tmp_path / "hf")
-
-
-@pytest.fixture(scope="module")
-def distopt_runs(tiny_dir, tmp_path_factory) -> dict[str, Path]:
-    """DP=2 (two ranks, TP=PP=1) with Megatron's optimizer and with its distributed optimizer."""
-    return parity_runs(tiny_dir, tmp_path_factory.mktemp("megatron_distopt"),
-                       (("dp2", 2, 1, 1, 1), ("dp2_distopt", 2, 1, 1, 1, "--dist-opt")))
+    check_resumed_and_converted(runs["ep2"], tmp_path / "hf")
 
 
 @pytest.mark.timeout(1200)
-def test_distributed_optimizer_equals_plain_and_resumes(distopt_runs, tmp_path):
-    plain, sharded = result(distopt_runs["dp2"]), result(distopt_runs["dp2_distopt"])
+def test_distributed_optimizer_equals_plain_and_resumes(runs, tmp_path):
+    plain, sharded = result(runs["dp2"]), result(runs["dp2_distopt"])
     for a, b in zip(plain["steps"], sharded["steps"]):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-6)
         # the sharded grad norm sums the squares of each rank's shard: float32 order only
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-6)
-    w1, w2 = (load_file(str(distopt_runs[k] / "trained.safetensors"))
+    w1, w2 = (load_file(str(runs[k] / "trained.safetensors"))
               for k in ("dp2", "dp2_distopt"))
     assert sorted(w1) == sorted(w2)
     for k in w1:
@@ -299,4 +302,4 @@ def test_distributed_optimizer_equals_plain_and_resumes(distopt_runs, tmp_path):
         # equal after two steps; the tolerance allows the reduce-scatter's float32 sum order)
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-6, atol=1e-8, msg=k)
     # its dist-checkpoint (optimizer state gathered per parameter) resumes exactly, and converts
-    check_resumed_and_converted(distopt_runs["dp2_distopt"], tmp_path / "hf")
+    check_resumed_and_converted(runs["dp2_distopt"], tmp_path / "hf")

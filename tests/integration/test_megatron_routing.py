@@ -2,7 +2,7 @@
 CPU/gloo) compare and replay the routing a bf16 hf engine reported, at TP=1, with expert
 parallelism (EP=2 over 2 ranks) and at TP=2, where megatron-core trains the MoE with sequence
 parallelism (each TP rank's routers see a slice of the sequence).
-tests/integration/scripts/megatron_routing.py, one torchrun each, all on one batch from
+tests/integration/scripts/megatron_routing.py, one torchrun per rank count, all on one batch from
 tests/helpers_moe.py (generated once, like the torch trainer's test)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def routing_runs(tmp_path_factory) -> tuple[dict[str, Path], object]:
-    """(each layout's output directory, the batch), one torchrun per layout on one batch."""
+    """(each layout's output directory, the batch), every layout on one batch."""
     root = tmp_path_factory.mktemp("megatron_routing")
     moe_dir = make_moe_model(root / "model")
     mb = bf16_routed_batch(moe_dir, root)
@@ -41,16 +41,17 @@ def routing_runs(tmp_path_factory) -> tuple[dict[str, Path], object]:
                 "weights": mb.weights, "advantages": mb.advantages,
                 "rollout_logp": mb.rollout_logp, "seq_lens": list(mb.seq_lens),
                 "routed": mb.routed}, batch)
-    outs = {}
+    argv: dict[int, list[str]] = {}  # one torchrun per rank count (script_result.each_layout)
     for name, (ranks, tp, ep) in LAYOUTS.items():
-        log = root / f"{name}.log"
+        args = argv.setdefault(ranks, [])
+        args += [*(["+"] if args else []), "--model-dir", str(moe_dir), "--batch", str(batch),
+                 "--tp", str(tp), "--ep", str(ep), "--out", str(root / name)]
+    for ranks, args in argv.items():
+        log = root / f"ranks{ranks}.log"
         rc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                         "--nproc-per-node", str(ranks), str(SCRIPT), "--model-dir",
-                         str(moe_dir), "--batch", str(batch), "--tp", str(tp), "--ep", str(ep),
-                         "--out", str(root / name)], log, 600)
+                         "--nproc-per-node", str(ranks), str(SCRIPT), *args], log, 900)
         assert rc == 0, log.read_text()[-6000:]
-        outs[name] = root / name
-    return outs, mb
+    return {name: root / name for name in LAYOUTS}, mb
 
 
 def result(d: Path) -> dict:

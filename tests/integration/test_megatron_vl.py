@@ -3,7 +3,7 @@ the tiny Qwen2.5-VL and Qwen3-VL built through megatron-bridge at TP=1 and TP=2,
 Qwen3-VL-MoE at EP=2 (vl_moe.py) and the tiny Qwen3-Omni thinker at EP=2 (the project's bridge,
 omni*.py), against the transformers model, on two right-padded rows with images of different
 sizes, Qwen3-Omni's with audio and a video too (tests/integration/scripts/
-megatron_vl_parity.py, one torchrun each)."""
+megatron_vl_parity.py, one torchrun per rank count)."""
 
 from __future__ import annotations
 
@@ -31,17 +31,25 @@ pytestmark = [pytest.mark.slow, NEEDS_MEGATRON]
 REL_TOL = 1e-5
 
 
+PARITY_RUNS = ("vl_tp1", "vl_tp2", "vl3_tp1", "vl3_tp2", "vl3moe_tp1_ep2", "vl3moe_tp2",
+               "omni3_tp1_ep2", "omni3_tp2")
+
+
 class Runs:
-    """The parity runs, each started when a test first asks for it (`runs["vl3_tp2"]`: kind
-    vl3 at TP=2; `runs["vl3moe_tp1_ep2"]`: at EP=2) and kept for the module; `runs["vl3"]` is
-    the tiny model's directory."""
+    """The parity runs (`runs["vl3_tp2"]`: kind vl3 at TP=2; `runs["vl3moe_tp1_ep2"]`: at
+    EP=2), all started when a test first asks for one, one torchrun per rank count running its
+    layouts in turn (script_result.each_layout: one start of megatron for all), and kept for
+    the module; `runs["vl3"]` is the tiny model's directory."""
 
     def __init__(self, root: Path) -> None:
         self.root, self.done = root, {}
 
     def __getitem__(self, name: str) -> Path:
         if name not in self.done:
-            self.done[name] = self._model(name) if "_tp" not in name else self._run(name)
+            if "_tp" in name:
+                self._run_all()
+            else:
+                self.done[name] = self._model(name)
         return self.done[name]
 
     def _model(self, kind: str) -> Path:
@@ -51,17 +59,22 @@ class Runs:
         assert main(["--out", str(model), "--kind", kind]) == 0
         return model
 
-    def _run(self, name: str) -> Path:
-        kind, sizes = name.split("_tp")
-        tp, _, ep = sizes.partition("_ep")
-        tp, ep = int(tp), int(ep or 1)
-        d, log = self.root / name, self.root / f"{name}.log"
-        rc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                         "--nproc-per-node", str(tp * ep), str(SCRIPT), "--model-dir",
-                         str(self[kind]), "--tp", str(tp), "--ep", str(ep), "--out", str(d)],
-                        log, timeout_s=600)
-        assert rc == 0, log.read_text()[-6000:]
-        return d
+    def _run_all(self) -> None:
+        argv: dict[int, list[str]] = {}
+        for name in PARITY_RUNS:
+            kind, sizes = name.split("_tp")
+            tp, _, ep = sizes.partition("_ep")
+            tp, ep = int(tp), int(ep or 1)
+            args = argv.setdefault(tp * ep, [])
+            args += [*(["+"] if args else []), "--model-dir", str(self[kind]), "--tp", str(tp),
+                     "--ep", str(ep), "--out", str(self.root / name)]
+        for ranks, args in argv.items():
+            log = self.root / f"ranks{ranks}.log"
+            rc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node", str(ranks), str(SCRIPT), *args], log,
+                            timeout_s=1100)
+            assert rc == 0, log.read_text()[-6000:]
+        self.done.update({name: self.root / name for name in PARITY_RUNS})
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +93,7 @@ def result(d: Path) -> dict:
 # one (vl.split_deepstack, shared with Qwen3-VL-MoE; ~30% off before). Its audio tower is
 # compared too (first convolution, first layer). Qwen3-VL-MoE at TP=2 too: its provider and
 # per-expert mappings are its own (vl_moe.py), the split only is shared
-@pytest.mark.parametrize("run", ["vl_tp1", "vl_tp2", "vl3_tp1", "vl3_tp2", "vl3moe_tp1_ep2",
-                                 "vl3moe_tp2", "omni3_tp1_ep2", "omni3_tp2"])
+@pytest.mark.parametrize("run", PARITY_RUNS)
 def test_logits_and_vision_gradients_equal_transformers(runs, run):
     r = result(runs[run])
     assert r["logits_max_diff"] <= REL_TOL * r["logits_scale"], r["logits_max_diff"]

@@ -18,7 +18,6 @@ batch of right-padded rows of different lengths (rank 0 writes DIR/result.json a
 from __future__ import annotations
 
 import argparse
-import datetime
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from grad_capture import grads_into_weights
-from script_result import finish
+from script_result import each_layout, finish
 
 from relax_slurm.algos.ppo import value_loss
 from relax_slurm.config.algo import AlgoConfig
@@ -188,15 +187,13 @@ def torch_side(args) -> None:
     save_file(grads, str(args.out / "torch_grads.safetensors"))
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--torch", action="store_true", help="also the torch critic (one rank)")
     ap.add_argument("--out", required=True, type=Path)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    args = ap.parse_args(argv)
     result: dict = {}
     megatron_side(args, result)
     if args.torch:
@@ -205,4 +202,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    each_layout(main)

@@ -28,7 +28,6 @@ the adapter in F (PEFT's saved names, full tensors; F also holds the batch, `bat
 from __future__ import annotations
 
 import argparse
-import datetime
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from script_result import finish
+from script_result import each_layout, finish
 
 from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.config.model import LoraConfig, ModelConfig
@@ -128,7 +127,7 @@ def checkpoint_keys_adapter_only(path: Path) -> bool:
     return bool(keys) and all(".adapter." in k for k in keys)
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--tp", type=int, default=1)
@@ -142,9 +141,7 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=3)
     ap.add_argument("--inputs", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    args = ap.parse_args(argv)
 
     from megatron.core import parallel_state as ps
 
@@ -257,4 +254,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    each_layout(main)

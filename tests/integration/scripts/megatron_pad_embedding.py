@@ -14,13 +14,12 @@ without the fix's gap to the reference (non-zero: the case tests something).
 from __future__ import annotations
 
 import argparse
-import datetime
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from script_result import finish
+from script_result import each_layout, finish
 
 from relax_slurm.trainer.megatron import cpu_compat
 from relax_slurm.trainer.megatron.pad_embedding import skip_padding_embedding_grads
@@ -91,11 +90,10 @@ def run_case(pad: int, sp: bool) -> dict:
             "grad_scale": want_grad.abs().max().item(), "unfixed_gap": gaps[2].item()}
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    args = ap.parse_args(argv)
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -106,4 +104,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    each_layout(main)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from grad_capture import grads_into_weights
-from script_result import finish
+from script_result import each_layout, finish
 
 from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.config.model import ModelConfig
@@ -158,7 +157,7 @@ def reference_check(mm: MegatronModel, model_dir: str, mine: MicroBatch, out: Pa
     return result
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--tp", type=int, default=1)
@@ -172,9 +171,7 @@ def main() -> None:
     ap.add_argument("--logprob-chunk-size", type=int, default=0,
                     help="trainer.logprob_chunk_size")
     ap.add_argument("--out", required=True, type=Path)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    args = ap.parse_args(argv)
     cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp,
                         pipeline_parallel_size=args.pp, expert_parallel_size=args.ep, lr=1e-2,
                         use_distributed_optimizer=args.dist_opt, recompute=args.recompute,
@@ -258,4 +255,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    each_layout(main)

@@ -20,7 +20,6 @@ rollout's at every covered token; the comparison counts are summed over the TP g
 from __future__ import annotations
 
 import argparse
-import datetime
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from grad_capture import grads_into_weights
-from script_result import finish
+from script_result import each_layout, finish
 
 from relax_slurm.config.algo import AlgoConfig
 from relax_slurm.config.model import ModelConfig
@@ -111,16 +110,14 @@ def replayed_step(mm: MegatronModel, mb: MicroBatch, out: Path) -> dict:
     return metrics
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--batch", required=True, type=Path)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--out", required=True, type=Path)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    args = ap.parse_args(argv)
     cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp,
                         expert_parallel_size=args.ep, nproc_per_node=dist.get_world_size())
     init_model_parallel(cfg)
@@ -139,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    each_layout(main)

@@ -23,7 +23,6 @@ with, against the transformers model on two right-padded rows with images of dif
 from __future__ import annotations
 
 import argparse
-import datetime
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from PIL import Image
 from safetensors.torch import load_file
 
-from script_result import finish
+from script_result import each_layout, finish
 
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.trainer import TrainerConfig
@@ -142,15 +141,13 @@ def video_tokens(media: dict) -> int:
     return int(media["video_grid_thw"].prod()) // 4  # after the 2x2 merge
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--out", required=True, type=Path)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    args = ap.parse_args(argv)
     cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp,
                         expert_parallel_size=args.ep, lr=1e-2, micro_batch_size=2,
                         nproc_per_node=dist.get_world_size())
@@ -323,4 +320,4 @@ def qwen_layout_export(mm, model_dir: str, out: Path, cfg) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    each_layout(main)
