@@ -3,7 +3,7 @@
 Every rank calls `save_checkpoint` / `load_checkpoint`. A checkpoint directory holds
 
     .metadata, __<rank>_0.distcp   DCP: model, optimizer, scheduler (each rank writes its shard)
-    rng/rank_<r>.pt                RNG states of rank r (torch, cuda, python, numpy)
+    rng/rank_<r>.pt                RNG states of rank r (torch, cuda, python, numpy; rng.py)
     hf/                            config.json, generation_config.json, tokenizer (for conversion)
     meta.json                      step, world size, extra_state (data position, policy version,
                                    broker counters, config snapshot); written last by rank 0
@@ -24,7 +24,6 @@ import datetime
 import json
 import logging
 import os
-import random
 import shutil
 import time
 import warnings
@@ -33,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -46,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from relax_slurm.checkpoint.resume import (
     LATEST, META, CheckpointError, is_complete, list_checkpoints, step_dir_name,
 )
+from relax_slurm.checkpoint.rng import load_rng, save_rng
 
 log = logging.getLogger("relax_slurm.checkpoint")
 FORMAT = "relax-slurm-dcp"
@@ -416,36 +415,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# ---- RNG ------------------------------------------------------------------------------------
-def save_rng(path: Path) -> None:
-    """Plain tensors, ints and lists only, so it loads with torch.load(weights_only=True)."""
-    np_state = np.random.get_state(legacy=False)
-    py_version, py_state, py_gauss = random.getstate()
-    state = {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": [py_version, list(py_state), py_gauss],
-        "numpy": {"key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
-                  "gauss": float(np_state["gauss"])},
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, path)
-
-
-def load_rng(path: Path) -> None:
-    state = torch.load(path, weights_only=True)
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    version, py_state, gauss = state["python"]
-    random.setstate((version, tuple(py_state), gauss))
-    n = state["numpy"]
-    np.random.set_state({"bit_generator": "MT19937",
-                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
-                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
 
 
 # ---- helpers --------------------------------------------------------------------------------

@@ -200,17 +200,38 @@ def test_pp2_trains_like_pp1(runs):
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+CONVERTED = ("tp2", "pp2", "ep2", "dp2_distopt")  # the layouts whose checkpoint is converted
+CONVERT_EACH = """
+import sys
+from pathlib import Path
+from relax_slurm.checkpoint.cli import main
+root = Path(sys.argv[1])
+sys.exit(max(main(["--input", str(root / n / "checkpoints"), "--output", str(root / n / "hf")])
+             for n in sys.argv[2:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def converted(runs) -> dict[str, Path]:
+    """relax-convert of each CONVERTED layout's checkpoints directory into its run's hf/: it
+    detects the Megatron dist-checkpoint and writes HF through the bridge, resharded to one
+    rank. One Python for the four (megatron imported once); relax-convert's command line is
+    main's argv."""
+    root = runs["tp2"].parent
+    assert all(runs[n].parent == root for n in CONVERTED)
+    proc = subprocess.run([sys.executable, "-c", CONVERT_EACH, str(root), *CONVERTED],
+                          env=child_env(), cwd=str(REPO_ROOT), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {n: runs[n] / "hf" for n in CONVERTED}
+
+
 def check_resumed_and_converted(run: Path, out: Path) -> None:
+    """The run's checkpoint resumed exactly (megatron_parity.py), and relax-convert's HF files
+    in `out` (the `converted` fixture) are the trained weights, bit for bit."""
     r = result(run)["resume"]
     assert r["extra"] == {"marker": 7, "step": 2, "lr_steps_done": 2}
     assert r["weights_restored"] and r["next_step_equal"], r
-    # relax-convert detects the Megatron dist-checkpoint (from the checkpoints directory) and
-    # writes HF through the bridge, resharded to one rank: the trained weights, bit for bit
-    proc = subprocess.run([sys.executable, "-m", "relax_slurm.checkpoint.cli", "--input",
-                           str(run / "checkpoints"), "--output", str(out)],
-                          env=child_env(), cwd=str(REPO_ROOT), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trained = load_file(str(run / "trained.safetensors"))
     converted = load_file(str(out / "model.safetensors"))
     assert sorted(converted) == sorted(trained)
@@ -221,8 +242,8 @@ def check_resumed_and_converted(run: Path, out: Path) -> None:
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_dist_checkpoint_resumes_and_converts_to_hf(runs, layout, tmp_path):
-    check_resumed_and_converted(runs[layout], tmp_path / "hf")
+def test_dist_checkpoint_resumes_and_converts_to_hf(runs, converted, layout):
+    check_resumed_and_converted(runs[layout], converted[layout])
 
 
 def dcp_entries(ckpt: Path, tmp: Path) -> dict:
@@ -272,7 +293,7 @@ def test_async_save_killed_before_commit_is_not_a_checkpoint(tiny_dir, tmp_path)
 
 
 @pytest.mark.timeout(1200)
-def test_moe_expert_parallel_equals_one_rank(runs, tmp_path):
+def test_moe_expert_parallel_equals_one_rank(runs, converted):
     one, two = result(runs["ep1"]), result(runs["ep2"])
     for r in (one, two):  # experts gathered across EP ranks: the HF checkpoint, bit for bit
         assert r["exported_names"] == r["hf_names"] and r["export_bitwise"]
@@ -284,11 +305,11 @@ def test_moe_expert_parallel_equals_one_rank(runs, tmp_path):
     for a, b in zip(one["steps"], two["steps"]):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
-    check_resumed_and_converted(runs["ep2"], tmp_path / "hf")
+    check_resumed_and_converted(runs["ep2"], converted["ep2"])
 
 
 @pytest.mark.timeout(1200)
-def test_distributed_optimizer_equals_plain_and_resumes(runs, tmp_path):
+def test_distributed_optimizer_equals_plain_and_resumes(runs, converted):
     plain, sharded = result(runs["dp2"]), result(runs["dp2_distopt"])
     for a, b in zip(plain["steps"], sharded["steps"]):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-6)
@@ -302,4 +323,4 @@ def test_distributed_optimizer_equals_plain_and_resumes(runs, tmp_path):
         # equal after two steps; the tolerance allows the reduce-scatter's float32 sum order)
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-6, atol=1e-8, msg=k)
     # its dist-checkpoint (optimizer state gathered per parameter) resumes exactly, and converts
-    check_resumed_and_converted(runs["dp2_distopt"], tmp_path / "hf")
+    check_resumed_and_converted(runs["dp2_distopt"], converted["dp2_distopt"])

@@ -36,9 +36,10 @@ from relax_slurm.checkpoint.from_lora import LORA_KEY
 from relax_slurm.checkpoint.hf_files import copy_hf_assets, write_hf_stream
 from relax_slurm.checkpoint.dcp import (
     HF_ASSETS, RNG_DIR, SAVE_TIMEOUT, SaveHandle, barrier, checkpoint_group, commit_checkpoint,
-    load_rng, meta_json, remove_leftovers, save_rng, set_pending, wait_pending,
+    meta_json, remove_leftovers, set_pending, wait_pending,
 )
 from relax_slurm.checkpoint.resume import META, CheckpointError, is_complete, step_dir_name
+from relax_slurm.checkpoint.rng import load_rng, save_rng
 from relax_slurm.trainer.megatron import omni
 from relax_slurm.trainer.megatron.model import MegatronModel
 
