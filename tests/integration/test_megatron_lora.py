@@ -134,7 +134,13 @@ def parity_run(layout: str, tmp_path_factory) -> dict:
     first call runs every layout, one after another in one two-rank torchrun
     (script_result.each_layout): one start of megatron for the five."""
     if not _RUNS:
-        _run_every_layout(tmp_path_factory)
+        try:
+            _run_every_layout(tmp_path_factory)
+        except BaseException as e:  # every later test fails at once, not after another launch
+            _RUNS["failed"] = e
+            raise
+    if "failed" in _RUNS:
+        pytest.fail(f"the parity launch failed (the first test's error): {_RUNS['failed']!r}"[:3000])
     return _RUNS[layout]
 
 

@@ -42,12 +42,19 @@ class Runs:
     the module; `runs["vl3"]` is the tiny model's directory."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.done = root, {}
+        self.root, self.done, self.failed = root, {}, None
 
     def __getitem__(self, name: str) -> Path:
+        if "_tp" in name and self.failed is not None:  # at once, not after another launch
+            pytest.fail(f"the parity launch failed (the first test's error): "
+                        f"{self.failed!r}"[:3000])
         if name not in self.done:
             if "_tp" in name:
-                self._run_all()
+                try:
+                    self._run_all()
+                except BaseException as e:
+                    self.failed = e
+                    raise
             else:
                 self.done[name] = self._model(name)
         return self.done[name]
