@@ -51,9 +51,22 @@ class DataConfig:
     null: data.image_max_pixels. Video tokens <= frames / 2 x this / (patch x merge)^2."""
     audio_sampling_rate_hz: int = 16000
     """Audio is resampled to this rate before the feature extractor (Whisper-style: 16 kHz)."""
+    audio_from_video: bool = False
+    """A video file's audio stream becomes an audio item of its own, right after the video
+    (an <audio> after its <video>): Qwen-Omni models hear the clip. Not Qwen's interleaved
+    `use_audio_in_video` layout, which SGLang does not compute
+    (docs/multimodal.md#video-with-sound). Clips without sound and frame folders stay
+    pictures only."""
     media_num_workers: int = 4
     """Threads of the rollout worker that decode and process media (PIL and numpy release the
     GIL for most of it), so rollout is not bound by one core's decoding."""
+
+    @property
+    def media_kinds(self) -> list[str]:
+        """The kinds of media a row may carry: data.multimodal_keys', and audio with
+        data.audio_from_video."""
+        extra = ["audio"] if self.audio_from_video and "audio" not in self.multimodal_keys else []
+        return [*self.multimodal_keys, *extra]
 
     def __post_init__(self) -> None:
         check(self.train_files == MISSING or len(self.train_files) > 0,
@@ -73,6 +86,10 @@ class DataConfig:
                or 0 < self.image_min_pixels <= self.video_max_pixels,
                f"data.video_max_pixels={self.video_max_pixels} must be > 0 and >= "
                f"data.image_min_pixels={self.image_min_pixels}")
+        check(not self.audio_from_video or "video" in self.multimodal_keys,
+               "data.audio_from_video=true takes the audio of the rows' videos, but "
+               "data.multimodal_keys has no video column: add one (e.g. "
+               "data.multimodal_keys={video: videos}) or set data.audio_from_video=false")
         check(self.audio_sampling_rate_hz > 0,
                f"data.audio_sampling_rate_hz={self.audio_sampling_rate_hz}: must be > 0")
         check(self.media_num_workers >= 1,

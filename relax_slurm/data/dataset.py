@@ -22,10 +22,10 @@ import numpy as np
 
 from relax_slurm.config.data import DataConfig
 from relax_slurm.data.chat import encode_batch, to_messages
-from relax_slurm.data.media import (MediaRef, add_placeholders, check_counts, check_image,
-                                    replace_placeholders, row_media)
+from relax_slurm.data.media import (MediaRef, add_placeholders, add_video_tracks, check_counts,
+                                    check_image, replace_placeholders, row_media)
 from relax_slurm.data.validate import json_rows
-from relax_slurm.data.video import check_video
+from relax_slurm.data.video import check_video, has_audio_track
 from relax_slurm.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -215,14 +215,19 @@ def media_markers(tokenizer: Any, cfg: DataConfig) -> dict[str, str]:
     from relax_slurm.data.processor import model_markers
 
     found = model_markers(tokenizer.get_vocab())
-    missing = [k for k in cfg.multimodal_keys if k not in found]
+    kinds = cfg.media_kinds
+    if cfg.audio_from_video and "audio" not in found:
+        raise ConfigError("data.audio_from_video=true, but the tokenizer has no audio tokens "
+                          "(<|audio_bos|><|AUDIO|><|audio_eos|>): the model does not hear. Fix: "
+                          "set data.audio_from_video=false, or use an Omni model")
+    missing = [k for k in kinds if k not in found]
     if missing:
         raise ConfigError(
             f"data.multimodal_keys has {missing} but the tokenizer has no tokens for them (it "
             "needs e.g. <|vision_start|><|image_pad|><|vision_end|> or "
             "<|audio_bos|><|AUDIO|><|audio_eos|>, <|video_pad|> for videos). Fix: use the "
             "multimodal model's tokenizer")
-    return {k: "".join(found[k]) for k in cfg.multimodal_keys}
+    return {k: "".join(found[k]) for k in kinds}
 
 
 def _row_media(messages: list[dict[str, str]], columns: dict[str, list[Any]], row: int,
@@ -241,6 +246,10 @@ def _row_media(messages: list[dict[str, str]], columns: dict[str, list[Any]], ro
         check_image(ref)
     for ref in items.get("video", ()):
         check_video(ref)
+    if cfg.audio_from_video:
+        messages, items = add_video_tracks(
+            messages, items, [has_audio_track(ref) for ref in items.get("video", ())],
+            cfg.audio_sampling_rate_hz)
     return ([{**m, "content": replace_placeholders(m["content"], markers)} for m in messages],
             items)
 

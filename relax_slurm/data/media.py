@@ -44,10 +44,21 @@ class MediaRef:
     """Decoded audio (samples, sampling rate) of `{"array", "sampling_rate"}` items."""
     where: str = ""
     """File, row, key and item, for error messages."""
+    track: bool = False
+    """An audio item that is the audio stream of the video file `path` (or bytes `data`):
+    data.audio_from_video (video.audio_track decodes it)."""
+    track_rate_hz: int = 16000
+    """The rate a track is resampled to when decoded (data.audio_sampling_rate_hz), so that
+    neither engine resamples what it is sent."""
 
     def to_engine(self) -> str:
         """The item as SGLang's `image_data` / `video_data` / `audio_data` take it: a file name
-        (a folder of frames for a video), or base64."""
+        (a folder of frames for a video), or base64 (a video's audio track as WAV: engines
+        read audio files, not a video's sound)."""
+        if self.track:
+            from relax_slurm.data.video import track_wav
+
+            return base64.b64encode(track_wav(self)).decode()
         if self.path is not None:
             return self.path
         if self.array is not None:
@@ -143,6 +154,43 @@ def add_placeholders(messages: list[dict[str, str]], media: Mapping[str, Sequenc
     return out
 
 
+def add_video_tracks(messages: list[dict[str, str]], media: Mapping[str, Sequence[MediaRef]],
+                     sounding: Sequence[bool], rate_hz: int = 16000
+                     ) -> tuple[list[dict[str, str]], dict]:
+    """data.audio_from_video: an <audio> right after each <video> whose clip has sound
+    (`sounding`, one flag per video item) and, at its place among the row's own audio items
+    (placeholder order), an audio item for that clip's track, decoded at `rate_hz`. Counts
+    already checked.
+
+    >>> video = MediaRef(kind="video", path="/a.mp4")
+    >>> msgs, items = add_video_tracks([{"role": "user", "content": "<video>Heard?<audio>"}],
+    ...     {"video": [video], "audio": [MediaRef(kind="audio", path="/b.wav")]}, [True])
+    >>> msgs[0]["content"], [(a.path, a.track) for a in items["audio"]]
+    ('<video><audio>Heard?<audio>', [('/a.mp4', True), ('/b.wav', False)])
+    """
+    if not any(sounding):
+        return messages, dict(media)
+    videos = iter(zip(media.get("video", ()), sounding))
+    own = iter(media.get("audio", ()))
+    audio: list[MediaRef] = []
+
+    def place(match: re.Match) -> str:
+        tag = match.group(0)
+        if tag == PLACEHOLDERS["audio"]:
+            audio.append(next(own))
+        elif tag == PLACEHOLDERS["video"]:
+            video, sound = next(videos)
+            if sound:
+                audio.append(MediaRef(kind="audio", path=video.path, data=video.data,
+                                      where=f"{video.where} (its audio track)", track=True,
+                                      track_rate_hz=rate_hz))
+                return tag + PLACEHOLDERS["audio"]
+        return tag
+
+    out = [{**m, "content": _PLACEHOLDER_RE.sub(place, m["content"])} for m in messages]
+    return out, {**media, "audio": audio}
+
+
 def replace_placeholders(text: str, tokens: Mapping[str, str]) -> str:
     """`<image>` etc. -> the model's own markers (`<|vision_start|><|image_pad|><|vision_end|>`),
     one pad token per item; the processor expands each pad to the item's token count."""
@@ -190,11 +238,16 @@ def check_image(ref: MediaRef) -> None:
 
 
 def load_audio(ref: MediaRef, rate_hz: int) -> np.ndarray:
-    """Mono float32 samples at `rate_hz` from a WAV file (PCM 8/16/32-bit) or an array item.
+    """Mono float32 samples at `rate_hz` from a WAV file (PCM 8/16/32-bit), an array item or a
+    video's audio track.
 
     Other rates are resampled by linear interpolation (enough for speech features; convert
     offline with a proper resampler for anything demanding)."""
-    if ref.array is not None:
+    if ref.track:
+        from relax_slurm.data.video import audio_track
+
+        samples, rate = audio_track(ref)
+    elif ref.array is not None:
         samples, rate = ref.array
     else:
         try:

@@ -49,7 +49,7 @@ class MegatronBackend:
         self.mm = MegatronModel(cfg.model, trainer_cfg, adapt=adapt)
         hf_config = self.mm.bridge.hf_pretrained.config
         if self.mm.vl is not None:  # before step 1: the model's kind is known only now
-            vl.check_media(self.mm.vl, cfg.data.multimodal_keys)
+            vl.check_media(self.mm.vl, cfg.data.media_kinds)
         if self.lora:
             self._check_lora(hf_config)
         # multimodal configs keep it in the text config (transformers 5)

@@ -101,3 +101,75 @@ def test_the_engine_generates_with_the_thinker_and_takes_the_files_names(omni: P
                 == "1"
     finally:
         engine.shutdown()
+
+
+def test_a_videos_sound_is_an_audio_item_after_it_that_the_engine_hears_as_the_worker(
+        omni: Path, tmp_path: Path) -> None:
+    """data.audio_from_video: a clip with sound (a 440 Hz tone at 44.1 kHz in a .mkv) is a
+    video item and, right after it, an audio item of its track, resampled to the processor's
+    rate by FFmpeg; a clip without sound stays a picture. The engine is sent the track as the
+    worker reads it, bit for bit (a WAV at the processor's rate), so both count the same tokens
+    and compute the same features; the thinker generates from the row."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from relax_slurm.config.data import DataConfig
+    from relax_slurm.data import PromptDataset
+    from relax_slurm.data.media import from_engine
+    from relax_slurm.data.processor import MediaProcessor
+    from relax_slurm.data.video import audio_track, write_mp4, write_video_with_audio
+    from relax_slurm.errors import ConfigError
+
+    model = omni / "model"
+    frames = [np.full((32, 32, 3), 40 * t + 10, np.uint8) for t in range(4)]
+    rate = 44100
+    tone = 0.5 * np.sin(2 * np.pi * 440 * np.arange(rate) / rate)  # 1 s
+    write_video_with_audio(tmp_path / "sound.mkv", frames, 4, tone, rate)
+    write_mp4(tmp_path / "silent.mp4", frames, 4)
+    rows = [{"prompt": "<video>heard?", "label": "a", "videos": ["sound.mkv"]},
+            {"prompt": "<video> and <audio>", "label": "b", "videos": ["silent.mp4"],
+             "audios": [str(next((omni / "tones").glob("*.wav")))]}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(train_files=[str(tmp_path / "rows.jsonl")], shuffle=False,
+                     apply_chat_template=False, video_min_frames=2,
+                     multimodal_keys={"video": "videos", "audio": "audios"},
+                     audio_from_video=True)
+    tok = AutoTokenizer.from_pretrained(model)
+    ds = PromptDataset(cfg, tok)
+    sound, silent = ds[0], ds[1]
+    assert [a.track for a in sound.media["audio"]] == [True]
+    heard, at = audio_track(sound.media["audio"][0])
+    want = 0.5 * np.sin(2 * np.pi * 440 * np.arange(len(heard)) / at)
+    assert at == cfg.audio_sampling_rate_hz and len(heard) == at  # 1 s, at 16 kHz
+    assert np.corrcoef(heard, want)[0, 1] > 0.999  # the tone (a wrong rate: another pitch)
+    assert [a.track for a in silent.media["audio"]] == [False]  # its own audio only
+    audio_markers = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+    assert sound.text.startswith("<|vision_start|><|video_pad|><|vision_end|>" + audio_markers)
+    assert silent.text.count(audio_markers) == 1
+
+    mp = MediaProcessor(model, tok.get_vocab())
+    sent = {k: [from_engine(k, x.to_engine(), "sent") for x in refs]
+            for k, refs in sound.media.items()}
+    worker = mp.process(list(sound.input_ids), sound.media)
+    engine_side = mp.process(list(sound.input_ids), sent)  # what the engine decodes
+    assert worker.input_ids == engine_side.input_ids
+    for key, value in worker.tensors.items():
+        assert np.array_equal(np.asarray(value), np.asarray(engine_side.tensors[key])), key
+    assert worker.input_ids.count(mp.pad_ids["audio"]) > 1  # the second of sound, heard
+
+    engine = HFEngine(str(model), None, "float32", "cpu", 8, 1.0, "0", 30.0)
+    engine.start()
+    try:
+        with TestClient(build_app(engine, 30.0)) as http:
+            r = http.post("/generate", json={
+                "input_ids": list(sound.input_ids),
+                "video_data": [x.to_engine() for x in sound.media["video"]],
+                "audio_data": [x.to_engine() for x in sound.media["audio"]],
+                "sampling_params": {"max_new_tokens": 3, "temperature": 1.0}})
+            assert r.status_code == 200, r.text
+            assert r.json()["meta_info"]["prompt_tokens"] == len(worker.input_ids)
+    finally:
+        engine.shutdown()
+
+    with pytest.raises(ConfigError, match="data.multimodal_keys has no video column"):
+        DataConfig(train_files=["x"], audio_from_video=True)
