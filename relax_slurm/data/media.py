@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from relax_slurm.data.tracks import track_samples, track_wav
 from relax_slurm.errors import DataError
 
 MODALITIES = ("image", "video", "audio")
@@ -46,7 +47,7 @@ class MediaRef:
     """File, row, key and item, for error messages."""
     track: bool = False
     """An audio item that is the audio stream of the video file `path` (or bytes `data`):
-    data.audio_from_video (video.audio_track decodes it)."""
+    data.audio_from_video (tracks.py decodes it)."""
     track_rate_hz: int = 16000
     """The rate a track is resampled to when decoded (data.audio_sampling_rate_hz), so that
     neither engine resamples what it is sent."""
@@ -56,9 +57,8 @@ class MediaRef:
         (a folder of frames for a video), or base64 (a video's audio track as WAV: engines
         read audio files, not a video's sound)."""
         if self.track:
-            from relax_slurm.data.video import track_wav
-
-            return base64.b64encode(track_wav(self)).decode()
+            wav = track_wav(self.path, self.data, self.track_rate_hz, self.where)
+            return base64.b64encode(wav).decode()
         if self.path is not None:
             return self.path
         if self.array is not None:
@@ -244,9 +244,8 @@ def load_audio(ref: MediaRef, rate_hz: int) -> np.ndarray:
     Other rates are resampled by linear interpolation (enough for speech features; convert
     offline with a proper resampler for anything demanding)."""
     if ref.track:
-        from relax_slurm.data.video import audio_track
-
-        samples, rate = audio_track(ref)
+        samples = track_samples(ref.path, ref.data, ref.track_rate_hz, ref.where)
+        rate = ref.track_rate_hz
     elif ref.array is not None:
         samples, rate = ref.array
     else:

@@ -12,7 +12,6 @@ numpy, PIL and PyAV only (no torch): the rollout worker decodes here.
 
 from __future__ import annotations
 
-import functools
 import io
 from dataclasses import dataclass
 from fractions import Fraction
@@ -90,53 +89,6 @@ def has_audio_track(ref: MediaRef) -> bool:
         return False
     with _open(ref) as container:
         return bool(container.streams.audio)
-
-
-def audio_track(ref: MediaRef) -> tuple[np.ndarray, int]:
-    """(mono float32 samples, `ref.track_rate_hz`) of the first audio stream of the video file
-    or bytes that `ref` names (data.audio_from_video's items): decoded by PyAV, mixed down and
-    resampled by FFmpeg's resampler to 16-bit PCM. The samples are what `track_wav` gives an
-    engine, bit for bit, so the worker's features and the engine's are the same."""
-    pcm = _decode_track(ref.path, ref.data, ref.track_rate_hz, ref.where)
-    return pcm.astype(np.float32) / 32768.0, ref.track_rate_hz  # as a 16-bit WAV reads
-
-
-def track_wav(ref: MediaRef) -> bytes:
-    """The audio track as a 16-bit PCM mono WAV file at `ref.track_rate_hz` (what an engine is
-    sent: at the processor's rate, so no engine resamples it)."""
-    import wave
-
-    pcm = _decode_track(ref.path, ref.data, ref.track_rate_hz, ref.where)
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(ref.track_rate_hz)
-        w.writeframes(pcm.astype("<i2").tobytes())
-    return buf.getvalue()
-
-
-@functools.lru_cache(maxsize=8)  # a group's N requests send one clip's track N times
-def _decode_track(path: str | None, data: bytes | None, rate_hz: int, where: str) -> np.ndarray:
-    import av
-
-    ref = MediaRef(kind="video", path=path, data=data, where=where)
-    try:
-        with _open(ref) as container:
-            if not container.streams.audio:
-                raise DataError(f"{where}: {_what(ref)} has no audio stream. Fix: set "
-                                "data.audio_from_video=false, or add the sound to the file")
-            stream = container.streams.audio[0]
-            resampler = av.AudioResampler(format="s16", layout="mono", rate=rate_hz)
-            parts = [out.to_ndarray().reshape(-1)
-                     for frame in container.decode(stream) for out in resampler.resample(frame)]
-            parts += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
-    except av.FFmpegError as e:
-        raise DataError(f"{where}: the audio of {_what(ref)} is not readable ({e}). Fix: "
-                        "re-encode the file, or set data.audio_from_video=false") from e
-    pcm = np.concatenate(parts) if parts else np.zeros(0, np.int16)
-    pcm.setflags(write=False)  # shared by the cache's callers
-    return pcm
 
 
 def frame_files(ref: MediaRef) -> list[Path]:

@@ -117,7 +117,8 @@ def test_a_videos_sound_is_an_audio_item_after_it_that_the_engine_hears_as_the_w
     from relax_slurm.data import PromptDataset
     from relax_slurm.data.media import from_engine
     from relax_slurm.data.processor import MediaProcessor
-    from relax_slurm.data.video import audio_track, write_mp4, write_video_with_audio
+    from relax_slurm.data.tracks import track_samples
+    from relax_slurm.data.video import write_mp4, write_video_with_audio
     from relax_slurm.errors import ConfigError
 
     model = omni / "model"
@@ -138,7 +139,9 @@ def test_a_videos_sound_is_an_audio_item_after_it_that_the_engine_hears_as_the_w
     ds = PromptDataset(cfg, tok)
     sound, silent = ds[0], ds[1]
     assert [a.track for a in sound.media["audio"]] == [True]
-    heard, at = audio_track(sound.media["audio"][0])
+    track = sound.media["audio"][0]
+    at = track.track_rate_hz
+    heard = track_samples(track.path, track.data, at, track.where)
     want = 0.5 * np.sin(2 * np.pi * 440 * np.arange(len(heard)) / at)
     assert at == cfg.audio_sampling_rate_hz and len(heard) == at  # 1 s, at 16 kHz
     assert np.corrcoef(heard, want)[0, 1] > 0.999  # the tone (a wrong rate: another pitch)
