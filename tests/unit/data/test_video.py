@@ -239,3 +239,13 @@ def test_the_videos_seconds_go_by_the_name_the_models_forward_takes(model_type, 
     module, name = cls.rsplit(".", 1)
     forward = getattr(importlib.import_module(module), name).forward
     assert video_seconds_key(model_type) in inspect.signature(forward).parameters
+
+
+def test_audio_from_video_needs_a_model_that_hears(tiny_mm_assets: Path) -> None:
+    """The tiny Qwen2.5-VL's tokenizer has no audio tokens: its clips' sound is refused at
+    start, naming the key and the fix (docs/multimodal.md#video-with-sound)."""
+    with pytest.raises(ConfigError, match=r"data.audio_from_video=true, but the tokenizer has "
+                                          r"no audio tokens.*Fix: set data.audio_from_video=false"):
+        video_dataset(tiny_mm_assets, [{"prompt": "<video>=", "label": "2",
+                                        "videos": ["change/red_to_blue_0.mp4"]}],
+                      audio_from_video=True)
