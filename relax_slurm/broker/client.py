@@ -198,6 +198,8 @@ class AsyncBrokerClient:
         self._send_lock = asyncio.Lock()
         self.floor: int | None = None
         """The oldest policy version the broker accepts, from its latest grant or accept."""
+        self._puts: list[tuple[Group, asyncio.Future[None]]] = []
+        self._put_sends: set[asyncio.Task[None]] = set()
 
     async def _receive_loop(self) -> None:
         while True:
@@ -269,8 +271,38 @@ class AsyncBrokerClient:
         return int(fields["granted"])
 
     async def put_group(self, group: Group) -> None:
-        fields, _ = await self._call("put_group", {}, [group])
-        self._note_floor(fields)
+        """The groups put in the same turn of the loop go as one put_group: a sync step's
+        groups finish together (one batched /generate, rollout/coalesce.py), and 32 messages
+        were 32 broker turns and spill records; one is acknowledged for all."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        if not self._puts:  # the first of this turn: send them all once the turn is over
+            loop.call_soon(self._flush_puts)
+        self._puts.append((group, done))
+        await done
+
+    def _flush_puts(self) -> None:
+        puts, self._puts = self._puts, []
+        task = asyncio.ensure_future(self._put_all(puts))
+        self._put_sends.add(task)
+        task.add_done_callback(self._put_sends.discard)
+
+    async def _put_all(self, puts: list[tuple[Group, asyncio.Future[None]]]) -> None:
+        try:
+            fields, _ = await self._call("put_group", {}, [g for g, _ in puts])
+            self._note_floor(fields)
+        except asyncio.CancelledError:
+            for _, done in puts:
+                done.cancel()
+            raise
+        except Exception as e:  # every caller sees the message's failure
+            for _, done in puts:
+                if not done.done():
+                    done.set_exception(e)
+            return
+        for _, done in puts:
+            if not done.done():  # a caller cancelled meanwhile (shutdown) no longer waits
+                done.set_result(None)
 
     async def release(self, n: int) -> None:
         await self._call("release", {"n": n})
@@ -307,6 +339,8 @@ class AsyncBrokerClient:
     def close(self) -> None:
         if self._receiver is not None:
             self._receiver.cancel()
+        for task in self._put_sends:
+            task.cancel()
         for fut in self._pending.values():
             fut.cancel()
         self._sock.close(linger=0)

@@ -122,12 +122,14 @@ class Operations:
 
     def put_group(self, identity: bytes, rid: Any, _: dict[str, Any],
                   groups: list[Group] | None) -> None:
-        if groups is None or len(groups) != 1:
-            raise BrokerError("put_group carries exactly one group")
+        """One finished group, or several (the groups a worker finished in one turn of its
+        loop: broker/client.py), each for a credit: one message, one spill record."""
+        if not groups:
+            raise BrokerError("put_group carries no group; send one or more")
         if self.roles.retired(identity):
             raise BrokerError("put_group from a worker process that a restarted one replaced "
                               "(its credits were given back at the rejoin); dropped")
-        self.state.accept(groups[0], holder_of(identity))
+        self.state.accept_all(groups, holder_of(identity))
         self._reply(identity, rid, {"floor": self.floor()})
         self.wake()
 

@@ -77,24 +77,36 @@ class BrokerState:
 
     def accept(self, group: Group, holder: str | None = None) -> None:
         """A worker returns a finished group for a credit it holds."""
-        if not group:
-            raise BrokerError("put_group with an empty group; send at least one sample")
-        if self.in_flight < 1:
-            raise BrokerError("put_group without a credit: call acquire before generating")
-        try:  # first: a group whose metadata breaks the contract changes nothing
-            for s in group[1:]:
-                SampleMeta.of(s)
+        self.accept_all([group], holder)
+
+    def accept_all(self, groups: list[Group], holder: str | None = None) -> None:
+        """Finished groups for credits the worker holds (several: those its loop finished in
+        one turn, sent as one put_group): all accepted, or, if one breaks the contract, none."""
+        if self.in_flight < len(groups):
+            raise BrokerError(f"put_group without a credit for each group ({len(groups)} "
+                              f"group(s), {self.in_flight} credit(s) in flight): call acquire "
+                              "before generating")
+        for group in groups:  # first: a group whose metadata breaks the contract changes nothing
+            if not group:
+                raise BrokerError("put_group with an empty group; send at least one sample")
+            try:
+                checked = None  # a group's samples mostly carry one map: check it once
+                for s in group:
+                    if s.metadata != checked:
+                        SampleMeta.of(s)
+                        checked = s.metadata
+            except MetadataError as e:
+                raise BrokerError(f"put_group: {e}") from e
+        for group in groups:
             self.positions.note(group)
-        except MetadataError as e:
-            raise BrokerError(f"put_group: {e}") from e
-        self.in_flight -= 1
-        self._give_back(holder, 1)
-        self.accepted += 1
-        if self._is_stale(group, self.version):
-            # too old for any trainer at >= self.version: drop now so its credit frees at once
-            self.dropped += 1
-        else:
-            self.queue.append(group)
+            self.in_flight -= 1
+            self._give_back(holder, 1)
+            self.accepted += 1
+            if self._is_stale(group, self.version):
+                # too old for any trainer at >= self.version: drop now so its credit frees at once
+                self.dropped += 1
+            else:
+                self.queue.append(group)
 
     def release(self, n: int, holder: str | None = None) -> None:
         """A worker gives back `n` credits it will not turn into groups."""

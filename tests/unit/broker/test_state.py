@@ -106,6 +106,22 @@ def test_misuse_raises() -> None:
         BrokerState(max_staleness=-1, batch_size=1)
 
 
+def test_groups_of_one_message_are_accepted_all_or_none() -> None:
+    """A worker sends the groups it finished in one turn as one put_group: a bad one among
+    them (metadata that breaks the contract, too few credits) changes nothing."""
+    st_ = BrokerState(max_staleness=0, batch_size=3)
+    assert st_.admit(3) == 3
+    bad = group(0, gid=2)
+    bad[1].metadata = {"worker": 0, "wrker": 1}
+    with pytest.raises(BrokerError, match="wrker"):
+        st_.accept_all([group(0, gid=1), bad])
+    with pytest.raises(BrokerError, match="4 group.*3 credit"):
+        st_.accept_all([group(0, gid=g) for g in range(4)])
+    assert (st_.in_flight, st_.accepted, len(st_.queue)) == (3, 0, 0)
+    st_.accept_all([group(0, gid=g) for g in range(3)])
+    assert (st_.in_flight, st_.accepted, len(st_.queue)) == (0, 3, 3)
+
+
 def test_counters_and_restore() -> None:
     st_ = BrokerState(max_staleness=1, batch_size=1)
     st_.admit(2)
