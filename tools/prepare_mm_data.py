@@ -1,6 +1,7 @@
-"""Write the multimodal tasks of the tiny CPU demos: coloured squares, colour changes, tones.
+"""Write the multimodal tasks of the tiny CPU demos: coloured squares, colour changes, tones,
+videos with sound.
 
-    python tools/prepare_mm_data.py --out tiny --task colors|change|tones
+    python tools/prepare_mm_data.py --out tiny --task colors|change|tones|sounding
 
 The command line of `relax_slurm.tiny.media_tasks` (see its docstring); `relax-train experiment=tiny_*` also builds
 what it needs on first use (relax_slurm/tiny/assets.py).

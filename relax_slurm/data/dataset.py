@@ -25,7 +25,7 @@ from relax_slurm.data.chat import encode_batch, to_messages
 from relax_slurm.data.media import (MediaRef, add_placeholders, add_video_tracks, check_counts,
                                     check_image, replace_placeholders, row_media)
 from relax_slurm.data.validate import json_rows
-from relax_slurm.data.video import check_video, has_audio_track
+from relax_slurm.data.video import check_video
 from relax_slurm.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -244,12 +244,9 @@ def _row_media(messages: list[dict[str, str]], columns: dict[str, list[Any]], ro
                  f"{path}, row {row}, key {cfg.prompt_key!r}")
     for ref in items.get("image", ()):
         check_image(ref)
-    for ref in items.get("video", ()):
-        check_video(ref)
+    sounding = [check_video(ref) for ref in items.get("video", ())]
     if cfg.audio_from_video:
-        messages, items = add_video_tracks(
-            messages, items, [has_audio_track(ref) for ref in items.get("video", ())],
-            cfg.audio_sampling_rate_hz)
+        messages, items = add_video_tracks(messages, items, sounding, cfg.audio_sampling_rate_hz)
     return ([{**m, "content": replace_placeholders(m["content"], markers)} for m in messages],
             items)
 

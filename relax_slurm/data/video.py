@@ -72,22 +72,17 @@ def load_video(ref: MediaRef, limits: VideoLimits) -> Frames:
                   indices=list(keep), native_fps=native_fps)
 
 
-def check_video(ref: MediaRef) -> None:
-    """Cheap check when the dataset loads: a folder holds frames, a file has a video stream."""
+def check_video(ref: MediaRef) -> bool:
+    """Cheap check when the dataset loads: a folder holds frames, a file has a video stream.
+    Returns whether the item has an audio stream too (a frame folder never has;
+    data.audio_from_video hears it), from the same opening of the file."""
     if ref.path is not None and Path(ref.path).is_dir():
         frame_files(ref)
-        return
+        return False
     with _open(ref) as container:
         if not container.streams.video:
             raise DataError(f"{ref.where}: {_what(ref)} has no video stream. Fix: replace the "
                             "file or drop the row")
-
-
-def has_audio_track(ref: MediaRef) -> bool:
-    """Whether a video item (a file or its bytes; a frame folder never) has an audio stream."""
-    if ref.path is not None and Path(ref.path).is_dir():
-        return False
-    with _open(ref) as container:
         return bool(container.streams.audio)
 
 
@@ -163,39 +158,29 @@ def _decode(ref: MediaRef, limits: VideoLimits) -> tuple[list[Any], int, float, 
     return images, total, float(rate), sorted(keep)
 
 
-def write_mp4(path: str | Path, frames: list[np.ndarray], fps: int) -> None:
-    """Encode RGB frames ([H, W, 3] uint8, even sizes) as an H.264 mp4 (tools and tests)."""
+def write_video(path: str | Path, frames: list[np.ndarray], fps: int,
+                audio: tuple[np.ndarray, int] | None = None) -> None:
+    """Encode RGB frames ([H, W, 3] uint8, even sizes) as H.264 (MPEG-4 where PyAV lacks it)
+    in the container `path` names (tools and tests). `audio`: (mono float samples in [-1, 1],
+    rate in Hz) as a 16-bit PCM stream, which a .mkv or .mov holds bit for bit (so a test knows
+    the samples the file carries; an .mp4 does not hold PCM)."""
     import av
 
     with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("libx264" if "libx264" in av.codecs_available
-                                      else "mpeg4", rate=fps)
-        stream.height, stream.width = frames[0].shape[:2]
-        stream.pix_fmt = "yuv420p"
-        for arr in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-
-
-def write_video_with_audio(path: str | Path, frames: list[np.ndarray], fps: int,
-                           samples: np.ndarray, rate_hz: int) -> None:
-    """RGB frames ([H, W, 3] uint8, even sizes) and mono float samples in [-1, 1] as one file
-    (tools and tests): MPEG-4 video and 16-bit PCM audio, which a .mov or .mkv holds bit for
-    bit (so a test knows the samples the file carries)."""
-    import av
-
-    with av.open(str(path), mode="w") as container:
-        video = container.add_stream("mpeg4", rate=fps)
+        video = container.add_stream("libx264" if "libx264" in av.codecs_available
+                                     else "mpeg4", rate=fps)
         video.height, video.width = frames[0].shape[:2]
         video.pix_fmt = "yuv420p"
-        audio = container.add_stream("pcm_s16le", rate=rate_hz, layout="mono")
-        pcm = (np.clip(samples, -1, 1) * 32767).astype(np.int16).reshape(1, -1)
-        frame = av.AudioFrame.from_ndarray(pcm, format="s16", layout="mono")
-        frame.sample_rate = rate_hz
         for arr in frames:
             for packet in video.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
                 container.mux(packet)
-        for packet in [*video.encode(), *audio.encode(frame), *audio.encode()]:
+        packets = list(video.encode())
+        if audio is not None:
+            samples, rate_hz = audio
+            stream = container.add_stream("pcm_s16le", rate=rate_hz, layout="mono")
+            pcm = (np.clip(samples, -1, 1) * 32767).astype(np.int16).reshape(1, -1)
+            frame = av.AudioFrame.from_ndarray(pcm, format="s16", layout="mono")
+            frame.sample_rate = rate_hz
+            packets += [*stream.encode(frame), *stream.encode()]
+        for packet in packets:
             container.mux(packet)

@@ -44,6 +44,8 @@ ASSETS: dict[str, Callable[[Path], list[str]]] = {
     "change_test.jsonl": _task("relax_slurm.tiny.media_tasks", "--task", "change"),
     "tones_train.jsonl": _task("relax_slurm.tiny.media_tasks", "--task", "tones"),
     "tones_test.jsonl": _task("relax_slurm.tiny.media_tasks", "--task", "tones"),
+    "sounding_train.jsonl": _task("relax_slurm.tiny.media_tasks", "--task", "sounding"),
+    "sounding_test.jsonl": _task("relax_slurm.tiny.media_tasks", "--task", "sounding"),
 }
 
 

@@ -1,8 +1,10 @@
-"""Write the multimodal tasks of the tiny CPU demos: coloured squares, colour changes, tones.
+"""Write the multimodal tasks of the tiny CPU demos: coloured squares, colour changes, tones,
+videos with sound.
 
     python tools/prepare_mm_data.py --out tiny --task colors   # tiny/colors_{train,test}.jsonl
     python tools/prepare_mm_data.py --out tiny --task change   # tiny/change_{train,test}.jsonl
     python tools/prepare_mm_data.py --out tiny --task tones    # tiny/tones_{train,test}.jsonl
+    python tools/prepare_mm_data.py --out tiny --task sounding # tiny/sounding_{train,test}.jsonl
 
 colors: PNG images (56x56, rendered with PIL) of one of 4 colours (red, green, blue, yellow) in
 5 shades each, under OUT/colors/; a row is {"prompt": "<image>=", "images": ["colors/red_2.png"],
@@ -19,6 +21,11 @@ reward at all.
 tones: 1 s WAV files at 16 kHz (numpy sine, 16-bit PCM) of one of 4 frequencies (220, 440, 880,
 1760 Hz) at 5 loudness levels, under OUT/tones/; rows {"prompt": "<audio>=", "audios":
 ["tones/440_3.wav"], "label": "1"}.
+sounding: 1 s clips with sound (.mkv: 4 frames of 56x56 at 4 fps, MPEG-4 or H.264, and the tone
+task's tones as a 16 kHz PCM track) under OUT/sounding/; rows {"prompt": "<video>=", "videos":
+["sounding/440_3.mkv"], "label": "1"}: the label is the tone's index, the frames' colour
+(one of the 4, by loudness) says nothing of it, so only a model that hears the video's sound
+(data.audio_from_video=true) can answer.
 Paths in rows are relative to the jsonl file's folder (see docs/multimodal.md).
 """
 
@@ -62,7 +69,7 @@ CLIP_FRAMES, CLIP_FPS = 4, 4
 def write_change(folder: Path) -> list[tuple[str, str]]:
     """One mp4 per (first colour, last colour) pair and shade; [(relative path, label)]."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
-    from relax_slurm.data.video import write_mp4
+    from relax_slurm.data.video import write_video
 
     folder.mkdir(parents=True, exist_ok=True)
     items = []
@@ -77,7 +84,7 @@ def write_change(folder: Path) -> list[tuple[str, str]]:
                 frames = [np.full((56, 56, 3), colors[t >= CLIP_FRAMES // 2], np.uint8)
                           for t in range(CLIP_FRAMES)]
                 path = folder / f"{first}_to_{last}_{shade}.mp4"
-                write_mp4(path, frames, CLIP_FPS)
+                write_video(path, frames, CLIP_FPS)
                 items.append((f"{folder.name}/{path.name}", str(label)))
     return items
 
@@ -104,12 +111,34 @@ def write_tones(folder: Path, seconds: float = 1.0) -> list[tuple[str, str]]:
     return items
 
 
+def write_sounding(folder: Path) -> list[tuple[str, str]]:
+    """One .mkv per tone and loudness: the tone task's sound as the track of a 1 s clip whose
+    colour (one of the 4, by loudness) says nothing of the label; [(relative path, label)]."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
+    from relax_slurm.data.video import write_video
+
+    folder.mkdir(parents=True, exist_ok=True)
+    t = np.arange(SAMPLE_RATE_HZ) / SAMPLE_RATE_HZ
+    colors = list(COLORS.values())
+    items = []
+    for label, hz in enumerate(TONES_HZ):
+        for level in range(SHADES):
+            frames = [np.full((56, 56, 3), colors[level % len(colors)], np.uint8)] * CLIP_FRAMES
+            path = folder / f"{hz}_{level}.mkv"
+            write_video(path, frames, CLIP_FPS,
+                        audio=((0.2 + 0.15 * level) * np.sin(2 * np.pi * hz * t),
+                               SAMPLE_RATE_HZ))
+            items.append((f"{folder.name}/{path.name}", str(label)))
+    return items
+
+
 def prepare(out: Path, task: str, n_train: int = 2000, n_test: int = 200, seed: int = 0
             ) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     write, placeholder, column = {"colors": (write_colors, "<image>", "images"),
                                   "change": (write_change, "<video>", "videos"),
-                                  "tones": (write_tones, "<audio>", "audios")}[task]
+                                  "tones": (write_tones, "<audio>", "audios"),
+                                  "sounding": (write_sounding, "<video>", "videos")}[task]
     items = write(out / task)
     rng = random.Random(seed)
     paths = []
@@ -127,7 +156,8 @@ def prepare(out: Path, task: str, n_train: int = 2000, n_test: int = 200, seed: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory to write files into")
-    parser.add_argument("--task", choices=["colors", "change", "tones"], default="colors")
+    parser.add_argument("--task", choices=["colors", "change", "tones", "sounding"],
+                        default="colors")
     parser.add_argument("--n-train", type=int, default=2000)
     parser.add_argument("--n-test", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)

@@ -124,30 +124,21 @@ def torch_step(policy, tensors: dict[str, torch.Tensor]) -> tuple[float, dict[st
     return total, grads
 
 
-_RUNS: dict[str, dict] = {}  # every layout's run, for the test module (a file is one worker's)
+@pytest.fixture(scope="module")
+def every_layout(tmp_path_factory) -> dict[str, dict]:
+    """LAYOUTS' runs (TP=2; TP=1 with two data-parallel ranks, half the rows each; EP=2 on the
+    tiny MoE, DP=2 for its attention; DP=2 with the distributed optimizer; PP=2, two stages),
+    and the torch PEFT trainer's first step on the same adapter and batch, by layout: every
+    layout one after another in one two-rank torchrun (script_result.each_layout), one start
+    of megatron for the five. A failed launch fails every test of the module at once: pytest
+    keeps a module fixture's error."""
+    return _run_every_layout(tmp_path_factory)
 
 
-def parity_run(layout: str, tmp_path_factory) -> dict:
-    """LAYOUTS[layout]'s run (TP=2; TP=1 with two data-parallel ranks, half the rows each;
-    EP=2 on the tiny MoE, DP=2 for its attention; DP=2 with the distributed optimizer; PP=2,
-    two stages), and the torch PEFT trainer's first step on the same adapter and batch. The
-    first call runs every layout, one after another in one two-rank torchrun
-    (script_result.each_layout): one start of megatron for the five."""
-    if not _RUNS:
-        try:
-            _run_every_layout(tmp_path_factory)
-        except BaseException as e:  # every later test fails at once, not after another launch
-            _RUNS["failed"] = e
-            raise
-    if "failed" in _RUNS:
-        pytest.fail(f"the parity launch failed (the first test's error): {_RUNS['failed']!r}"[:3000])
-    return _RUNS[layout]
-
-
-def _run_every_layout(tmp_path_factory) -> None:
+def _run_every_layout(tmp_path_factory) -> dict[str, dict]:
     from relax_slurm.trainer.lora import merged_parameters
 
-    prepared, argv = {}, []
+    prepared, argv, runs = {}, [], {}
     for layout, (kind, tp, ep, pp, dist_opt, targets) in LAYOUTS.items():
         root = tmp_path_factory.mktemp(f"megatron_lora_{layout}")
         model_dir = (make_moe_model if kind == "moe" else run_tiny_model_tool)(root / "model")
@@ -171,7 +162,7 @@ def _run_every_layout(tmp_path_factory) -> None:
         kind, tp, ep, pp, dist_opt, _ = LAYOUTS[layout]
         merged = {k: v.clone() for k, v in merged_parameters(policy)}
         loss, grads = torch_step(policy, tensors)
-        _RUNS[layout] = {
+        runs[layout] = {
             "layout": layout, "tp": tp, "ep": ep, "pp": pp, "dist_opt": dist_opt,
             "model_dir": model_dir,
             "merged": merged, "megatron_merged": load_file(str(out / "merged.safetensors")),
@@ -180,11 +171,12 @@ def _run_every_layout(tmp_path_factory) -> None:
             "exported": load_file(str(out / "exported.safetensors")),
             "megatron_grads": load_file(str(out / "grads.safetensors")),
             "stepped": load_file(str(out / "stepped.safetensors"))}
+    return runs
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def parity(request, tmp_path_factory):
-    return parity_run(request.param, tmp_path_factory)
+def parity(request, every_layout):
+    return every_layout[request.param]
 
 
 @pytest.mark.timeout(600)
@@ -281,7 +273,7 @@ def test_first_step_loss_and_adapter_grads_match_peft(parity):
 
 
 @pytest.mark.timeout(900)
-def test_distributed_optimizer_steps_the_adapter_as_the_plain_one(tmp_path_factory):
+def test_distributed_optimizer_steps_the_adapter_as_the_plain_one(every_layout):
     """One real Adam step (Megatron's optimizer, trainer.lr 1e-2) from the same adapter on the
     same reduced gradients at DP=2: the distributed optimizer shards the adapters' state over
     the two ranks, steps each shard and all-gathers the parameters; the plain one steps all of
@@ -289,7 +281,7 @@ def test_distributed_optimizer_steps_the_adapter_as_the_plain_one(tmp_path_facto
     the float32 order of the reduce-scatter against the all-reduce, the first test's bound),
     so the adapters they leave agree to float32 rounding of the update (measured: bitwise);
     and the step moved every tensor (a shard left out would stay at the loaded adapter)."""
-    plain, sharded = (parity_run(k, tmp_path_factory) for k in ("dp2", "dp2_distopt"))
+    plain, sharded = every_layout["dp2"], every_layout["dp2_distopt"]
     assert plain["result"]["step_ok"] and sharded["result"]["step_ok"]
     assert sharded["result"]["step_grad_norm"] == pytest.approx(
         plain["result"]["step_grad_norm"], rel=1e-6)
@@ -302,13 +294,13 @@ def test_distributed_optimizer_steps_the_adapter_as_the_plain_one(tmp_path_facto
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", RESUME_CHECKED)
-def test_adapter_checkpoint_resumes_exactly(layout, tmp_path_factory):
+def test_adapter_checkpoint_resumes_exactly(layout, every_layout):
     """The trainer's adapter-only dist-checkpoint after one real step, at EP=2 (the MoE's
     experts frozen, not saved) and with the distributed optimizer at DP=2 (Adam's state of the
     adapters sharded over the two ranks): one more step from it repeats the step taken before
     the load bit for bit (loss, grad norm, every adapter tensor), and the checkpoint holds
     adapter keys only. (The end-to-end run below resumes a whole run exactly at TP=2.)"""
-    r = parity_run(layout, tmp_path_factory)["result"]
+    r = every_layout[layout]["result"]
     assert r["resume_checkpoint_keys_adapter_only"]
     assert r["resume_moved"]  # the step after the save changed every adapter tensor
     assert r["resume_steps_done"] == [2, 2]  # the lr schedule's position came back too

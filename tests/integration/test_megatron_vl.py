@@ -35,58 +35,48 @@ PARITY_RUNS = ("vl_tp1", "vl_tp2", "vl3_tp1", "vl3_tp2", "vl3moe_tp1_ep2", "vl3m
                "omni3_tp1_ep2", "omni3_tp2")
 
 
-class Runs:
-    """The parity runs (`runs["vl3_tp2"]`: kind vl3 at TP=2; `runs["vl3moe_tp1_ep2"]`: at
-    EP=2), all started when a test first asks for one, one torchrun per rank count running its
-    layouts in turn (script_result.each_layout: one start of megatron for all), and kept for
-    the module; `runs["vl3"]` is the tiny model's directory."""
+class Models(dict):
+    """The tiny models by kind (`models["vl3"]`: its directory), made when a test first asks."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.done, self.failed = root, {}, None
+        super().__init__()
+        self.root = root
 
-    def __getitem__(self, name: str) -> Path:
-        if "_tp" in name and self.failed is not None:  # at once, not after another launch
-            pytest.fail(f"the parity launch failed (the first test's error): "
-                        f"{self.failed!r}"[:3000])
-        if name not in self.done:
-            if "_tp" in name:
-                try:
-                    self._run_all()
-                except BaseException as e:
-                    self.failed = e
-                    raise
-            else:
-                self.done[name] = self._model(name)
-        return self.done[name]
-
-    def _model(self, kind: str) -> Path:
+    def __missing__(self, kind: str) -> Path:
         from relax_slurm.tiny.model import main
 
-        model = self.root / f"{kind}_model"
+        model = self[kind] = self.root / f"{kind}_model"
         assert main(["--out", str(model), "--kind", kind]) == 0
         return model
 
-    def _run_all(self) -> None:
-        argv: dict[int, list[str]] = {}
-        for name in PARITY_RUNS:
-            kind, sizes = name.split("_tp")
-            tp, _, ep = sizes.partition("_ep")
-            tp, ep = int(tp), int(ep or 1)
-            args = argv.setdefault(tp * ep, [])
-            args += [*(["+"] if args else []), "--model-dir", str(self[kind]), "--tp", str(tp),
-                     "--ep", str(ep), "--out", str(self.root / name)]
-        for ranks, args in argv.items():
-            log = self.root / f"ranks{ranks}.log"
-            rc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", str(ranks), str(SCRIPT), *args], log,
-                            timeout_s=1100)
-            assert rc == 0, log.read_text()[-6000:]
-        self.done.update({name: self.root / name for name in PARITY_RUNS})
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Models:
+    return Models(tmp_path_factory.mktemp("megatron_vl_models"))
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("megatron_vl"))
+def parity(models, tmp_path_factory) -> dict[str, Path]:
+    """The parity runs' output directories (`parity["vl3_tp2"]`: kind vl3 at TP=2;
+    `parity["vl3moe_tp1_ep2"]`: at EP=2): one torchrun per rank count running its layouts in
+    turn (script_result.each_layout: one start of megatron for all). A failed launch fails
+    every test that asks at once: pytest keeps a module fixture's error."""
+    root = tmp_path_factory.mktemp("megatron_vl")
+    argv: dict[int, list[str]] = {}
+    for name in PARITY_RUNS:
+        kind, sizes = name.split("_tp")
+        tp, _, ep = sizes.partition("_ep")
+        tp, ep = int(tp), int(ep or 1)
+        args = argv.setdefault(tp * ep, [])
+        args += [*(["+"] if args else []), "--model-dir", str(models[kind]), "--tp", str(tp),
+                 "--ep", str(ep), "--out", str(root / name)]
+    for ranks, args in argv.items():
+        log = root / f"ranks{ranks}.log"
+        rc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc-per-node", str(ranks), str(SCRIPT), *args], log,
+                        timeout_s=1100)
+        assert rc == 0, log.read_text()[-6000:]
+    return {name: root / name for name in PARITY_RUNS}
 
 
 def result(d: Path) -> dict:
@@ -101,8 +91,8 @@ def result(d: Path) -> dict:
 # compared too (first convolution, first layer). Qwen3-VL-MoE at TP=2 too: its provider and
 # per-expert mappings are its own (vl_moe.py), the split only is shared
 @pytest.mark.parametrize("run", PARITY_RUNS)
-def test_logits_and_vision_gradients_equal_transformers(runs, run):
-    r = result(runs[run])
+def test_logits_and_vision_gradients_equal_transformers(parity, run):
+    r = result(parity[run])
     assert r["logits_max_diff"] <= REL_TOL * r["logits_scale"], r["logits_max_diff"]
     assert ("audio_grads" in r) == run.startswith("omni")
     for name, g in {**r["vision_grads"], **r.get("audio_grads", {})}.items():
@@ -113,7 +103,7 @@ def test_logits_and_vision_gradients_equal_transformers(runs, run):
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("kind", ["vl", "vl3"])
-def test_export_is_what_the_hf_engine_loads(runs, kind):
+def test_export_is_what_the_hf_engine_loads(parity, models, kind):
     """The bridge's export equals the checkpoint file bit for bit at TP=2 and every name is one
     the hf engine receives (Qwen2.5-VL: the files' names, aliases of transformers 5's).
     The Qwen3-VL-MoE's (at EP=2): test_vl_moe_export_is_the_file_in_either_layout."""
@@ -122,16 +112,16 @@ def test_export_is_what_the_hf_engine_loads(runs, kind):
 
     from relax_slurm.weightsync.receiver import parameter_views
 
-    r = result(runs[f"{kind}_tp2"])
+    r = result(parity[f"{kind}_tp2"])
     assert r["exported_names"] == r["file_names"]
     assert r["export_bitwise"]
-    model = AutoModelForImageTextToText.from_pretrained(runs[kind], dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(models[kind], dtype=torch.float32)
     assert set(r["exported_names"]) <= set(parameter_views(model))
 
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("run", ["vl3moe_tp1_ep2", "omni3_tp1_ep2"])
-def test_vl_moe_expert_and_router_gradients_equal_transformers(runs, run):
+def test_vl_moe_expert_and_router_gradients_equal_transformers(parity, run):
     """Qwen3-VL-MoE at EP=2: every expert's gradient on the rank holding it (fc1 against
     transformers' fused gate_up_proj[e], fc2 against down_proj[e]) and the routers', after
     Megatron's DP/EP reduction, to REL_TOL of the layer's largest reference gradient (same
@@ -140,7 +130,7 @@ def test_vl_moe_expert_and_router_gradients_equal_transformers(runs, run):
     (router_aux_loss_coef=0, taken over by the provider); with the bridge's fixed 1e-3 the
     vision tower's gradient differed by ~4e-6 relative. The Qwen3-Omni thinker's experts are
     per expert in its file, fused in transformers' memory: compared the same way."""
-    r = result(runs[run])
+    r = result(parity[run])
     assert set(r["moe_grads"]) == {f"rank{k}/layer{n}" for k in (0, 1) for n in (0, 1)}
     for name, g in r["moe_grads"].items():
         assert g["scale"] > 0, name
@@ -149,7 +139,7 @@ def test_vl_moe_expert_and_router_gradients_equal_transformers(runs, run):
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("run", ["vl3moe_tp1_ep2", "omni3_tp1_ep2", "vl3moe_tp2", "omni3_tp2"])
-def test_vl_moe_routing_replay_matches_transformers(runs, run):
+def test_vl_moe_routing_replay_matches_transformers(parity, run):
     """algo.routing_replay's trainer side for Qwen3-VL-MoE and the Qwen3-Omni thinker under
     megatron: random experts for every token (image and audio tokens too) and layer, replayed
     by megatron-core's routers (trainer/megatron/routing.py) and by transformers'
@@ -157,14 +147,14 @@ def test_vl_moe_routing_replay_matches_transformers(runs, run):
     moved them by >= 100x that (measured 1e-2 to 3e-2): the language model routes the rows'
     tokens in the order the rollout reports them. At TP=2 under sequence parallelism too, where
     each rank's routers see its slice of the rows (measured 1.5e-7 and 2.4e-7)."""
-    r = result(runs[run])["replay"]
+    r = result(parity[run])["replay"]
     assert r["max_diff"] <= REL_TOL * r["scale"], r
     assert r["moved"] >= 100 * REL_TOL * r["scale"], r
     assert r["mismatch_frac"] > 0.5, r  # random sets: the router's own choice mostly differs
 
 
 @pytest.mark.timeout(1200)
-def test_vl_moe_export_is_the_file_in_either_layout(runs):
+def test_vl_moe_export_is_the_file_in_either_layout(parity, models):
     """The export at EP=2 equals the file bit for bit (transformers 5's layout of the fused
     experts, as save_pretrained writes it), and every name is one the hf engine receives; the
     same weights from a file in Qwen's released layout ([E, H, 2I], [E, I, H]) load to the same
@@ -174,11 +164,11 @@ def test_vl_moe_export_is_the_file_in_either_layout(runs):
 
     from relax_slurm.weightsync.receiver import parameter_views
 
-    r = result(runs["vl3moe_tp1_ep2"])
+    r = result(parity["vl3moe_tp1_ep2"])
     assert r["exported_names"] == r["file_names"]
     assert any(".mlp.experts.gate_up_proj" in n for n in r["exported_names"])
     assert r["export_bitwise"]
-    model = AutoModelForImageTextToText.from_pretrained(runs["vl3moe"], dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(models["vl3moe"], dtype=torch.float32)
     assert set(r["exported_names"]) <= set(parameter_views(model))
     assert r["qwen_layout"] == {"names_equal": True, "export_bitwise": True,
                                 "same_weights": True}
@@ -186,7 +176,7 @@ def test_vl_moe_export_is_the_file_in_either_layout(runs):
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("run", ["omni3_tp1_ep2", "omni3_tp2"])
-def test_omni_export_is_the_files_thinker(runs, run):
+def test_omni_export_is_the_files_thinker(parity, models, run):
     """The Qwen3-Omni bridge's export at EP=2 and at TP=2 is the file's thinker, bit for bit
     and under the file's names (`thinker.model.layers.N.mlp.experts.E.gate_proj.weight`,
     `thinker.visual.*`, `thinker.audio_tower.*`: what SGLang loads and trainer=torch sends,
@@ -198,14 +188,14 @@ def test_omni_export_is_the_files_thinker(runs, run):
     from relax_slurm.modeling import NOT_SERVED
     from relax_slurm.weightsync.receiver import parameter_views
 
-    r = result(runs[run])
+    r = result(parity[run])
     thinker = [n for n in r["file_names"] if not n.startswith(NOT_SERVED)]
     assert all(n.startswith("thinker.") for n in thinker)
     assert r["exported_names"] == thinker
     assert any(n.startswith("thinker.audio_tower.") for n in thinker)
     assert any(".mlp.experts.3.gate_proj." in n for n in thinker)
     assert r["export_bitwise"]
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(runs["omni3"],
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(models["omni3"],
                                                                  dtype=torch.float32)
     assert set(r["exported_names"]) <= set(parameter_views(model))
 
@@ -233,7 +223,7 @@ def megatron_vl_run(run_dir: Path, model: Path, data: Path, steps: int, layout: 
 
 
 @pytest.mark.timeout(900)
-def test_tiny_vl_moe_trains_at_ep2_syncs_and_converts(runs, vl_assets, tmp_path):
+def test_tiny_vl_moe_trains_at_ep2_syncs_and_converts(models, vl_assets, tmp_path):
     """Two steps of the colour task with the tiny Qwen3-VL-MoE at EP=2 (~75 s on a loaded
     2-core machine, with the conversion): every weight sync into the hf engine verified bit
     for bit (the fused experts under the file's names and layout), and the EP=2
@@ -242,10 +232,10 @@ def test_tiny_vl_moe_trains_at_ep2_syncs_and_converts(runs, vl_assets, tmp_path)
     from safetensors.torch import load_file
 
     run_dir, steps = tmp_path / "run", 2
-    megatron_vl_run(run_dir, runs["vl3moe"], vl_assets, steps, "trainer.expert_parallel_size=2",
+    megatron_vl_run(run_dir, models["vl3moe"], vl_assets, steps, "trainer.expert_parallel_size=2",
                     timeout_s=600)
     exported, converted = convert_final(run_dir, tmp_path / "converted", steps)
-    initial = load_file(str(runs["vl3moe"] / "model.safetensors"))
+    initial = load_file(str(models["vl3moe"] / "model.safetensors"))
     assert sorted(converted) == sorted(exported) == sorted(initial)
     for k in exported:
         assert torch.equal(converted[k], exported[k]), k

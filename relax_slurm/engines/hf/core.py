@@ -4,11 +4,11 @@ It mirrors the protocol of SGLang sglang_api.HF_PROTOCOL (the newest supported r
 routes and JSON shapes of its entrypoints/http_server.py and managers/io_struct.py, the
 weight-update session, the pause modes' treatment of the running batch and the version spans
 of its results, so a rollout worker or trainer cannot tell this server from `python -m
-sglang.launch_server`. Here: the engine (model, queue, generation thread, pause and weight
-control); its state in one object, state.py, reported by `HFEngine.status()`; the routes
-are in server.py, the command line in __main__.py, request parsing in parsing.py,
-per-row sampling in batch.py, the teacher-forced forward and media tensors in forward.py, the
-weight updates (session, group, shared tensors, adapters, label) in weights.py.
+sglang.launch_server`. Here: the engine (model, queue, generation thread, pauses); its state
+in one object, state.py, reported by `HFEngine.status()`; the weight updates (session, group,
+shared tensors, adapters, label) are a mixin from weights.py; the routes are in server.py,
+the command line in __main__.py, request parsing in parsing.py, per-row sampling in batch.py,
+the teacher-forced forward and media tensors in forward.py.
 
 Prefill log-probs (how a teacher scores a student's response): `return_logprob=true` with
 `logprob_start_len=k >= 0` adds `meta_info.input_token_logprobs`, one `[logprob, token_id, None]`

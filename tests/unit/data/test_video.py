@@ -15,7 +15,7 @@ from relax_slurm.config.data import DataConfig
 from relax_slurm.data import PromptDataset
 from relax_slurm.data.media import MediaRef
 from relax_slurm.data.processor import MediaLimits, MediaProcessor
-from relax_slurm.data.video import VideoLimits, load_video, write_mp4
+from relax_slurm.data.video import VideoLimits, load_video, write_video
 from relax_slurm.errors import ConfigError, DataError
 
 VIDEO_MARKERS = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -34,7 +34,7 @@ def frame_folder(folder: Path, frames: list[np.ndarray]) -> Path:
 
 
 def test_decode_file_and_bytes_sampled_at_fps(tmp_path: Path) -> None:
-    write_mp4(tmp_path / "v.mp4", gray_frames(12), fps=4)  # 3 s
+    write_video(tmp_path / "v.mp4", gray_frames(12), fps=4)  # 3 s
     ref = MediaRef(kind="video", path=str(tmp_path / "v.mp4"), where="r")
     frames = load_video(ref, VideoLimits(fps=2.0, min_frames=2, max_frames=100))
     assert len(frames.images) == 6 and frames.sampled_fps == pytest.approx(2.0)
@@ -95,7 +95,7 @@ def test_video_patches_match_the_image_path(tiny_mm_assets: Path, tmp_path: Path
 
 def test_pixel_limits_apply_to_frames(tiny_mm_assets: Path, tmp_path: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_mm_assets / "vl_model")
-    write_mp4(tmp_path / "wide.mp4", [np.zeros((100, 200, 3), np.uint8)] * 4, fps=4)
+    write_video(tmp_path / "wide.mp4", [np.zeros((100, 200, 3), np.uint8)] * 4, fps=4)
     ref = MediaRef(kind="video", path=str(tmp_path / "wide.mp4"))
     ids = tok(VIDEO_MARKERS)["input_ids"]
 
@@ -151,7 +151,7 @@ def test_dataset_rows_and_errors(tiny_mm_assets: Path) -> None:
 
 
 def test_too_few_frames_and_mixed_sizes(tmp_path: Path) -> None:
-    write_mp4(tmp_path / "short.mp4", gray_frames(3), fps=4)
+    write_video(tmp_path / "short.mp4", gray_frames(3), fps=4)
     short = MediaRef(kind="video", path=str(tmp_path / "short.mp4"), where="rows.jsonl, row 2")
     with pytest.raises(DataError, match=r"row 2: .*short.mp4 has 3 frame\(s\), fewer than "
                                         r"data.video_min_frames=4. Fix: lower"):
@@ -191,7 +191,7 @@ def test_qwen3_vl_video_tokens_are_its_processors(tiny_mm_assets: Path, tmp_path
 
     model = tiny_mm_assets / "vl3_model"
     tok = AutoTokenizer.from_pretrained(model)
-    write_mp4(tmp_path / "v.mp4", gray_frames(10), fps=4)  # 2.5 s
+    write_video(tmp_path / "v.mp4", gray_frames(10), fps=4)  # 2.5 s
     limits = MediaLimits(video=VideoLimits(fps=2.0, min_frames=2, max_frames=100))
     ref = MediaRef(kind="video", path=str(tmp_path / "v.mp4"), where="r")
     frames = load_video(ref, limits.video)

@@ -118,15 +118,15 @@ def test_a_videos_sound_is_an_audio_item_after_it_that_the_engine_hears_as_the_w
     from relax_slurm.data.media import from_engine
     from relax_slurm.data.processor import MediaProcessor
     from relax_slurm.data.tracks import track_samples
-    from relax_slurm.data.video import write_mp4, write_video_with_audio
+    from relax_slurm.data.video import write_video
     from relax_slurm.errors import ConfigError
 
     model = omni / "model"
     frames = [np.full((32, 32, 3), 40 * t + 10, np.uint8) for t in range(4)]
     rate = 44100
     tone = 0.5 * np.sin(2 * np.pi * 440 * np.arange(rate) / rate)  # 1 s
-    write_video_with_audio(tmp_path / "sound.mkv", frames, 4, tone, rate)
-    write_mp4(tmp_path / "silent.mp4", frames, 4)
+    write_video(tmp_path / "sound.mkv", frames, 4, audio=(tone, rate))
+    write_video(tmp_path / "silent.mp4", frames, 4)
     rows = [{"prompt": "<video>heard?", "label": "a", "videos": ["sound.mkv"]},
             {"prompt": "<video> and <audio>", "label": "b", "videos": ["silent.mp4"],
              "audios": [str(next((omni / "tones").glob("*.wav")))]}]
