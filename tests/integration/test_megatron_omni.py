@@ -23,10 +23,11 @@ pytestmark = [pytest.mark.slow, NEEDS_MEGATRON]
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
     """DIR/omni3_model, DIR/colors_*.jsonl + DIR/colors/*.png, DIR/tones_*.jsonl +
-    DIR/tones/*.wav (the scripts' own code, in this process: ~3 s)."""
+    DIR/tones/*.wav, DIR/sounding_*.jsonl + DIR/sounding/*.mkv (the scripts' own code, in this
+    process: ~4 s)."""
     out = tmp_path_factory.mktemp("omni")
     run_tool("make_tiny_model.py", "--out", str(out / "omni3_model"), "--kind", "omni3")
-    for task in ("colors", "tones"):
+    for task in ("colors", "tones", "sounding"):
         run_tool("prepare_mm_data.py", "--out", str(out), "--task", task)
     return out
 
@@ -42,20 +43,28 @@ OMNI_STEPS = 24
 OMNI_RISE = 0.1
 # two ranks: TP=2 (the experts' matrices split over TP: expert-TP=2; no EP beside it, since EP
 # divides DP), or EP=2 (each rank two of the four experts, DP=2 for the rest)
-LAYOUTS = {"tp2": ("trainer.tensor_parallel_size=2",), "ep2": ("trainer.expert_parallel_size=2",)}
+IMAGES_AND_SOUNDS = {"colors": "images", "tones": "audios"}
+# at TP=2 the sounding task's clips too, heard (data.audio_from_video): each video's frames,
+# then its track as an audio item; the dumps show what the trainer trained on
+HEARD_VIDEOS = ({**IMAGES_AND_SOUNDS, "sounding": "videos"},
+                ("+data.multimodal_keys.video=videos", "data.audio_from_video=true",
+                 "debug.dump_rollouts=true"))
+LAYOUTS = {"tp2": (("trainer.tensor_parallel_size=2", *HEARD_VIDEOS[1]), HEARD_VIDEOS[0]),
+           "ep2": (("trainer.expert_parallel_size=2",), IMAGES_AND_SOUNDS)}
 
 
-def omni_rows(assets: Path, out: Path) -> Path:
-    """The colour task's image rows and the tone task's audio rows in one shuffled file, each
-    row with both columns (an empty list for the other kind), media paths made absolute."""
+def omni_rows(assets: Path, out: Path, tasks: dict[str, str]) -> Path:
+    """The rows of `tasks` (task -> its media column) in one shuffled file, each row with every
+    column (an empty list for the other kinds), ids prefixed with the task, media paths made
+    absolute."""
     import random
 
     rows = []
-    for task, column in (("colors", "images"), ("tones", "audios")):
+    for task, column in tasks.items():
         for line in (assets / f"{task}_train.jsonl").read_text().splitlines():
             row = json.loads(line)
             row[column] = [str(assets / x) for x in row[column]]
-            rows.append({"images": [], "audios": [], **row})
+            rows.append({**{c: [] for c in tasks.values()}, **row, "id": f"{task}-{row['id']}"})
     random.Random(0).shuffle(rows)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
@@ -85,12 +94,13 @@ def test_tiny_omni_learns_under_megatron_and_converts(assets, tmp_path, layout):
     from tests.conftest import REPO, run_env
 
     model, run_dir = assets / "omni3_model", tmp_path / "run"
-    data = omni_rows(assets, tmp_path / "omni_train.jsonl")
+    overrides, tasks = LAYOUTS[layout]
+    data = omni_rows(assets, tmp_path / "omni_train.jsonl", tasks)
     proc = subprocess.run(
         [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_vl_cpu",
          f"run_dir={run_dir}", f"model.path={model}", f"data.train_files=[{data}]",
          "+data.multimodal_keys.audio=audios", "metrics.progress=false", "trainer=megatron",
-         *LAYOUTS[layout], "trainer.nproc_per_node=2", "trainer.lr=1e-2",
+         *overrides, "trainer.nproc_per_node=2", "trainer.lr=1e-2",
          f"trainer.total_steps={OMNI_STEPS}", f"trainer.save_hf_every={OMNI_STEPS}",
          "algo.kl_loss_coef=0.01", "weight_sync.verify=true"],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=run_env())
@@ -107,6 +117,8 @@ def test_tiny_omni_learns_under_megatron_and_converts(assets, tmp_path, layout):
     # the reference is the policy at step 0 (the same model, kernels and layout: exactly),
     # then they part
     assert rows[0]["train/kl_loss"] == 0.0 and rows[-1]["train/kl_loss"] > 1e-3, rows[-1]
+    if "sounding" in tasks:  # the clips' sound reached the trainer, right after their frames
+        check_heard_videos(run_dir, model)
 
     out = tmp_path / "converted"
     exported, converted = convert_final(run_dir, out, OMNI_STEPS)
@@ -134,3 +146,23 @@ def test_tiny_omni_learns_under_megatron_and_converts(assets, tmp_path, layout):
         gen = loaded.thinker.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                       max_new_tokens=2, do_sample=False, **media)
     assert gen.shape[1] > ids.shape[1]  # generated, from the converted weights and an audio
+
+
+def check_heard_videos(run_dir: Path, model: Path) -> None:
+    """Every trained sample of a sounding clip holds the clip's frames, then its track (the
+    tokens an audio item expands to), and nothing else's; the log-prob check above then says
+    the trainer placed both as the engine's thinker did."""
+    from transformers import AutoTokenizer
+
+    from relax_slurm.data.processor import MediaProcessor
+
+    markers = MediaProcessor(model, AutoTokenizer.from_pretrained(model).get_vocab()).markers
+    video, audio = markers["video"][1], markers["audio"][1]  # (start, pad, end) token strings
+    heard = [json.loads(x) for f in sorted((run_dir / "rollouts").glob("*.jsonl"))
+             for x in f.read_text().splitlines()]
+    heard = [r for r in heard if r["prompt_id"].startswith("sounding-")]
+    assert heard, "no sounding clip was trained on"
+    for r in heard:
+        prompt = r["prompt"]
+        assert video in prompt and audio in prompt, prompt[:300]
+        assert prompt.rindex(video) < prompt.index(audio), prompt[:300]
