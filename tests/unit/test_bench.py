@@ -128,6 +128,31 @@ def test_the_headline_table_shows_spread_load_and_quick_beside_full():
     assert report.results_name(True) != report.results_name(False)
 
 
+def test_the_sglang_part_reports_its_ratios_and_modes():
+    """Part 10 (the real SGLang server): the ratios of repeat i's runs and a row per mode in
+    the generated page, beside the hf engine's headlines."""
+    run_py = bench_module("run")
+    sglang = bench_module("sglang_bench")
+
+    def run(samples_per_s: float, wait_s: float) -> object:
+        row = {"perf/step_time_s": 512 / samples_per_s, "train/samples": 512,
+               "perf/gen_time_s": 1.0, "perf/trainer_wait_s": wait_s,
+               "perf/train_time_s": 0.1, "perf/weight_sync_s": 0.01, "rollout/reward_mean": 0.5}
+        return common.Run(rows=[row] * 6, wall_s=10.0)
+    res = {"sglang": sglang.summarize({"sync": [run(100, 1.1), run(100, 1.3)],
+                                       "async": [run(150, 0.1), run(160, 0.1)],
+                                       "colocated": [run(75, 1.2), run(80, 1.2)]})}
+    sg = res["sglang"]
+    assert sg["async_speedup"]["median"] == pytest.approx(1.55)  # 1.5 and 1.6, paired
+    assert sg["async_over_colocated"]["median"] == pytest.approx(2.0)
+    assert sg["rollout_overhead_ratio"]["median"] == pytest.approx(1.2)
+    res["headline"] = run_py.headline(res)
+    assert set(res["headline"]) == {"sglang_async_speedup", "sglang_async_over_colocate",
+                                    "sglang_rollout_overhead_ratio"}
+    page = "\n".join(report.headline_table(res) + report.detail_tables(res))
+    assert "| `sglang_async_speedup` |" in page and "| colocated | " in page
+
+
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc")
 def test_run_refuses_to_start_while_other_processes_keep_the_machine_busy(tmp_path):
     """Two orphans spin (foreign to run.py whatever else runs: at least a quarter of a core

@@ -57,6 +57,15 @@ TARGETS = {
     "longtail_sync_share_overlap": (None, False, "long tail async: weight_sync_s / step_time_s, "
                                                  "overlap on"),
     "longtail_sync_share_no_overlap": (None, False, "the same, weight_sync.overlap=false"),
+    "sglang_async_speedup": (None, True, "the real SGLang server (CPU venv), tiny_cpu pinned: "
+                                         "samples/s async (max_staleness=1) / sync (0); "
+                                         "`async_speedup` is the hf engine's"),
+    "sglang_async_over_colocate": (None, True, "the same, async / colocated (sync with "
+                                               "rollout.release_memory_during_train)"),
+    "sglang_rollout_overhead_ratio": (None, False, "the same, sync run: trainer wait for a "
+                                                   "batch / its generation span; "
+                                                   "`rollout_overhead_ratio_tiny` is the hf "
+                                                   "engine's"),
 }
 
 
@@ -107,7 +116,10 @@ def _path(key: str) -> tuple[str, ...]:
              "rollout_overhead_ratio_1t": ("longtail", "rollout_overhead_ratio_1t"),
              "longtail_sync_share_overlap": ("longtail", "modes", "async", "sync_share"),
              "longtail_sync_share_no_overlap": ("longtail", "modes", "async_no_overlap",
-                                                "sync_share")}
+                                                "sync_share"),
+             "sglang_async_speedup": ("sglang", "async_speedup"),
+             "sglang_async_over_colocate": ("sglang", "async_over_colocated"),
+             "sglang_rollout_overhead_ratio": ("sglang", "rollout_overhead_ratio")}
     return paths[key]
 
 
@@ -117,7 +129,8 @@ def results_name(quick: bool) -> str:
 
 
 PART_OF = {"async": "async", "trl": "trl", "weight_sync": "sync", "broker": "broker",
-           "engines": "engines", "routing": "routing", "longtail": "longtail"}
+           "engines": "engines", "routing": "routing", "longtail": "longtail",
+           "sglang": "sglang"}
 
 
 def _median_cell(res: dict, key: str) -> str:
@@ -265,6 +278,15 @@ def detail_tables(res: dict) -> list[str]:
                 s = d[part]
                 out.append(f"| {mode} | {part} | {s['p50']} | {s['p90']} | {s['p99']} | "
                            f"{s['max']} | {_fmt(s['mean'])} | {_fmt(d['tail'])} |")
+    if "sglang" in res:
+        out += ["", "### The real SGLang server (experiment=tiny_cpu rollout=sglang, pinned)", "",
+                "| mode | samples/s | step s | generate s | trainer wait s | train s | "
+                "weight sync s | final reward | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+        for mode, m in res["sglang"]["modes"].items():
+            cells = [" / ".join(_spread(m.get(k, {}))) for k in
+                     ("samples_per_s", "step_s", "gen_time_s", "trainer_wait_s", "train_time_s",
+                      "weight_sync_s", "final_reward", "wall_s")]
+            out.append(f"| {mode} | " + " | ".join(cells) + " |")
     if "scaling_longtail" in res:
         out += ["", "### Scaling sketch, long-tail costs", "",
                 "Costs from the long-tail colocated run (1 thread per process where measured; "

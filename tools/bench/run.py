@@ -1,6 +1,7 @@
 """Run every benchmark, write bench_results.json, docs/benchmarks.md and the reward plots.
 
     python tools/bench/run.py [--quick] [--out bench_out] [--parts async,trl,sync,broker,engines]
+    python tools/bench/run.py --quick --parts sglang  # the real SGLang server (~10 min)
     python tools/bench/run.py --parts longtail --repeats 2  # the long-tail workload (~30 min)
 
 Needs the bench extra (`pip install -e ".[bench]"`: TRL for the peer comparison, matplotlib
@@ -36,11 +37,12 @@ import longtail  # noqa: E402
 import report  # noqa: E402
 import routing_bench  # noqa: E402
 import scaling  # noqa: E402
+import sglang_bench  # noqa: E402
 import weight_sync_bench  # noqa: E402
 from common import REPO, Run, machine, make_assets, spread  # noqa: E402
 from load import ForeignLoad, idle_check  # noqa: E402
 
-PARTS = ("async", "trl", "sync", "broker", "engines", "routing", "longtail")
+PARTS = ("async", "trl", "sync", "broker", "engines", "routing", "longtail", "sglang")
 
 
 # TRL's best lr on this task: final reward (mean of the last 10 of 150 steps) over seeds 0/1/2,
@@ -124,6 +126,11 @@ def headline(res: dict) -> dict[str, float]:
         out["longtail_sync_share_overlap"] = lt["modes"]["async"]["sync_share"]["median"]
         out["longtail_sync_share_no_overlap"] = (
             lt["modes"]["async_no_overlap"]["sync_share"]["median"])
+    if res.get("sglang"):
+        sg = res["sglang"]
+        out["sglang_async_speedup"] = sg["async_speedup"]["median"]
+        out["sglang_async_over_colocate"] = sg["async_over_colocated"]["median"]
+        out["sglang_rollout_overhead_ratio"] = sg["rollout_overhead_ratio"]["median"]
     return out
 
 
@@ -256,6 +263,13 @@ def main() -> int:
                                        if m != "tiny_sync"}, REPO / "docs" / "img",
                                       filename=report.LONGTAIL_PLOT,
                                       title="tiny GRPO, long tail (d*n=, 16 prompts x 16)")
+    if "sglang" in parts:
+        part_load.part("sglang")
+        print("[10] the real SGLang server: sync, async, colocated", flush=True)
+        res["sglang"], sg_runs = sglang_bench.measure(args.out / "sglang", model, data,
+                                                      steps=40 if args.quick else 60,
+                                                      repeats=repeats)
+        runs |= {f"sglang {m}": rs for m, rs in sg_runs.items()}
     if "async" in res:
         c = res["async"]["sync_components"]
         costs = scaling.Costs(G=c["G_s"]["median"], T=c["T_s"]["median"] - c["weight_sync_s"]
