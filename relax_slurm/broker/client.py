@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from relax_slurm.auth import run_secret
 from relax_slurm.broker.stats import BatchStats, BrokerStats
-from relax_slurm.broker.wire import decode, encode
+from relax_slurm.broker.wire import decode, encode, group_nbytes
 from relax_slurm.errors import BrokerError, BrokerShutdown, BrokerTimeout
 from relax_slurm.samples import Group
 
@@ -187,9 +187,13 @@ class AsyncBrokerClient:
     """
 
     def __init__(self, addr: str, timeout_s: float, identity: str | None = None,
-                 secret: str | None = None) -> None:
+                 secret: str | None = None, max_put_bytes: int = 256 << 20) -> None:
+        """`max_put_bytes`: the groups of one loop turn go in messages of at most about this
+        many bytes (a larger group alone): the broker drops, unread, any message over
+        broker.max_message_mb, and 32 groups of video frames could pass it where one did not."""
         self.addr = addr
         self.timeout_s = timeout_s
+        self.max_put_bytes = max_put_bytes
         self._auth = secret or run_secret()
         self._sock = _dealer(zmq.asyncio.Context.instance(), addr, identity, timeout_s)
         self._rids = itertools.count()
@@ -283,6 +287,18 @@ class AsyncBrokerClient:
 
     def _flush_puts(self) -> None:
         puts, self._puts = self._puts, []
+        message: list[tuple[Group, asyncio.Future[None]]] = []
+        size = 0
+        for put in puts:
+            n = group_nbytes(put[0])
+            if message and size + n > self.max_put_bytes:
+                self._send_puts(message)
+                message, size = [], 0
+            message.append(put)
+            size += n
+        self._send_puts(message)
+
+    def _send_puts(self, puts: list[tuple[Group, asyncio.Future[None]]]) -> None:
         task = asyncio.ensure_future(self._put_all(puts))
         self._put_sends.add(task)
         task.add_done_callback(self._put_sends.discard)

@@ -125,6 +125,20 @@ def _encode_mm(gi: int, group: Group, frames: list[Frame]) -> list[dict[str, lis
     return out
 
 
+def group_nbytes(group: Group) -> int:
+    """About the bytes `group` takes on the wire: its arrays (a media array its samples share
+    counted once), without the small msgpack header."""
+    arrays: dict[int, int] = {}
+    for s in group:
+        for name in _ALL_ARRAYS:
+            a = getattr(s, name)
+            if a is not None:
+                arrays[id(a)] = np.asarray(a).nbytes
+        for a in s.mm_inputs.values():
+            arrays[id(a)] = getattr(a, "nbytes", 0)
+    return sum(arrays.values())
+
+
 def encode(op: str, fields: dict[str, Any], groups: list[Group] | None = None) -> list[Frame]:
     """Frames for one message: a msgpack header, then per group one frame per array field."""
     frames: list[Frame] = [b""]

@@ -176,7 +176,8 @@ class RolloutServices:
         reward_pool = RewardPool(reward_workers(cfg.reward), cfg.reward.timeout_s,
                                  warm_up=grades_like_math(cfg.reward.name))
         broker = AsyncBrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
-                                   identity=f"rollout{worker_rank}")
+                                   identity=f"rollout{worker_rank}",
+                                   max_put_bytes=(cfg.broker.max_message_mb << 20) // 2)
         routing = routing_shape(cfg.model.path) if cfg.rollout.return_routed_experts else None
         gate = version_gate(cfg.rollout.generate_timeout_s)
         router = LeastLoadedRouter([make_engine(cfg, u, routing is not None, gate)

@@ -17,7 +17,7 @@ import zmq
 
 from relax_slurm.broker import AsyncBrokerClient, BrokerClient, Subscriber
 from relax_slurm.broker.spill import iter_records
-from relax_slurm.broker.wire import decode, encode
+from relax_slurm.broker.wire import decode, encode, group_nbytes
 from relax_slurm.errors import BrokerError, BrokerShutdown, BrokerTimeout
 from tests.helpers_broker import SECRET, TIMEOUT_S, Broker, group, wait_for
 
@@ -213,27 +213,34 @@ def test_async_concurrency_and_shutdown(start_broker: Callable[..., Broker]) -> 
 def test_groups_put_in_one_turn_travel_as_one_message(start_broker: Callable[..., Broker],
                                                      tmp_path: Path) -> None:
     """A sync step's groups finish together: their puts go as one message (one broker turn,
-    one spill record), and each caller hears the message's outcome, failure included."""
+    one spill record), and each caller hears the message's outcome, failure included; a
+    message stays under the client's byte cap (the broker drops one over
+    broker.max_message_mb unread), a group over it going alone."""
     spill = tmp_path / "spill.bin"
-    broker = start_broker(max_staleness=0, batch_size=8, extra_args=("--spill", str(spill)))
+    broker = start_broker(max_staleness=0, batch_size=16, extra_args=("--spill", str(spill)))
     bad = group(9)
     bad[1].metadata = {"worker": 0, "wrker": 1}
+    cap = 3 * group_nbytes(group(0))
 
     async def main() -> None:
         async with AsyncBrokerClient(broker.router, TIMEOUT_S, "workers") as workers, \
+                AsyncBrokerClient(broker.router, TIMEOUT_S, "capped",
+                                  max_put_bytes=cap) as capped, \
                 AsyncBrokerClient(broker.router, TIMEOUT_S, "trainer") as trainer:
             await trainer.set_version(0)
-            assert await workers.acquire(8) == 8
+            assert await workers.acquire(8) == 8 and await capped.acquire(8) == 8
             refused = await asyncio.gather(workers.put_group(group(0)), workers.put_group(bad),
                                            return_exceptions=True)
             assert all(isinstance(e, BrokerError) and "wrker" in str(e) for e in refused)
             assert (await trainer.stats()).counters.queue_depth == 0  # all or none
             await asyncio.gather(*(workers.put_group(group(gid)) for gid in range(8)))
             assert (await trainer.stats()).counters.queue_depth == 8
+            await asyncio.gather(*(capped.put_group(group(gid)) for gid in range(8, 16)))
+            assert (await trainer.stats()).counters.queue_depth == 16
     asyncio.run(main())
     puts = [gs for _, frames in iter_records(spill.read_bytes())
             for _, _, gs in [decode(frames)] if gs]
-    assert [len(gs) for gs in puts] == [8], [len(gs) for gs in puts]
+    assert [len(gs) for gs in puts] == [8, 3, 3, 2], [len(gs) for gs in puts]
 
 
 def test_a_parked_request_learns_of_shutdown(start_broker: Callable[..., Broker]) -> None:

@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from relax_slurm.broker.wire import SCALAR_FIELDS, decode, encode
+from relax_slurm.broker.wire import SCALAR_FIELDS, decode, encode, group_nbytes
 from relax_slurm.errors import BrokerError
 from relax_slurm.samples import ARRAY_FIELDS, Sample
 
@@ -274,6 +274,9 @@ def test_mm_inputs_round_trip_shared_per_group() -> None:
     assert text[0].mm_inputs == {}
     # re-encoding what was decoded (the broker hands groups on) keeps the sharing
     assert len(encode("batch", {}, [back])) == 1 + 4 + 2
+    # the size a put's byte cap counts: the arrays as sent, shared media once
+    sent = sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames[1:7])
+    assert group_nbytes(group) == sent == group_nbytes(back)
 
 
 def test_mm_inputs_bad() -> None:
