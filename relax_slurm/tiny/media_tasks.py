@@ -99,14 +99,19 @@ def write_wav(path: Path, samples: np.ndarray, rate_hz: int = SAMPLE_RATE_HZ) ->
         w.writeframes(pcm.tobytes())
 
 
+def tone(hz: float, level: int, seconds: float = 1.0) -> np.ndarray:
+    """A sine at `hz`, loudness `level` (0..SHADES-1), at SAMPLE_RATE_HZ."""
+    t = np.arange(int(seconds * SAMPLE_RATE_HZ)) / SAMPLE_RATE_HZ
+    return (0.2 + 0.15 * level) * np.sin(2 * np.pi * hz * t)
+
+
 def write_tones(folder: Path, seconds: float = 1.0) -> list[tuple[str, str]]:
     folder.mkdir(parents=True, exist_ok=True)
-    t = np.arange(int(seconds * SAMPLE_RATE_HZ)) / SAMPLE_RATE_HZ
     items = []
     for label, hz in enumerate(TONES_HZ):
         for level in range(SHADES):
             path = folder / f"{hz}_{level}.wav"
-            write_wav(path, (0.2 + 0.15 * level) * np.sin(2 * np.pi * hz * t))
+            write_wav(path, tone(hz, level, seconds))
             items.append((f"{folder.name}/{path.name}", str(label)))
     return items
 
@@ -118,16 +123,13 @@ def write_sounding(folder: Path) -> list[tuple[str, str]]:
     from relax_slurm.data.video import write_video
 
     folder.mkdir(parents=True, exist_ok=True)
-    t = np.arange(SAMPLE_RATE_HZ) / SAMPLE_RATE_HZ
     colors = list(COLORS.values())
     items = []
     for label, hz in enumerate(TONES_HZ):
         for level in range(SHADES):
             frames = [np.full((56, 56, 3), colors[level % len(colors)], np.uint8)] * CLIP_FRAMES
             path = folder / f"{hz}_{level}.mkv"
-            write_video(path, frames, CLIP_FPS,
-                        audio=((0.2 + 0.15 * level) * np.sin(2 * np.pi * hz * t),
-                               SAMPLE_RATE_HZ))
+            write_video(path, frames, CLIP_FPS, audio=(tone(hz, level), SAMPLE_RATE_HZ))
             items.append((f"{folder.name}/{path.name}", str(label)))
     return items
 

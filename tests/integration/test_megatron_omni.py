@@ -150,8 +150,8 @@ def test_tiny_omni_learns_under_megatron_and_converts(assets, tmp_path, layout):
 
 def check_heard_videos(run_dir: Path, model: Path) -> None:
     """Every trained sample of a sounding clip holds the clip's frames, then its track (the
-    tokens an audio item expands to), and nothing else's; the log-prob check above then says
-    the trainer placed both as the engine's thinker did."""
+    tokens an audio item expands to); the log-prob check above then says the trainer placed
+    both as the engine's thinker did."""
     from transformers import AutoTokenizer
 
     from relax_slurm.data.processor import MediaProcessor
