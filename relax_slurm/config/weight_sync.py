@@ -49,15 +49,22 @@ class WeightSyncConfig:
     keep their tokens and continue on the new weights; a sample then spans two versions, see
     meta_info.weight_versions), abort (they end with finish_reason abort; the worker continues
     them from their prefix, or with rollout.partial_rollout=false generates their groups
-    again) or in_place (refused by every supported SGLang: the sync's
-    cache flush cannot run beside requests paused in place). Checked against each engine's
-    version when the weight-sync group forms."""
+    again). in_place (running requests stay in the batch) is refused when the run is
+    configured: every sync flushes the engines' cache, which no supported engine can do beside
+    requests paused in place (SGLang 0.5.21 kills its scheduler, 0.5.22+ answer HTTP 400); the
+    sender checks each engine's protocol again when the weight-sync group forms."""
 
     def __post_init__(self) -> None:
         check(self.backend in ("auto", "gloo", "nccl"),
                f"weight_sync.backend={self.backend!r}: use auto, gloo or nccl")
-        check(self.pause_mode in ("abort", "retract", "in_place"),
-               f"weight_sync.pause_mode={self.pause_mode!r}: use retract, abort or in_place")
+        check(self.pause_mode != "in_place",
+              "weight_sync.pause_mode=in_place: every sync flushes the engines' cache, which "
+              "no supported engine can do beside requests paused in place (SGLang 0.5.21 kills "
+              "its scheduler, 0.5.22+ answer HTTP 400); use retract (running requests go back "
+              "to the queue and continue on the new weights) or abort (they end and the worker "
+              "continues them from their prefix)")
+        check(self.pause_mode in ("abort", "retract"),
+              f"weight_sync.pause_mode={self.pause_mode!r}: use retract or abort")
         check(self.transport in TRANSPORTS,
               f"weight_sync.transport={self.transport!r}: use auto, distributed or tensor")
         check(self.load_format in (None, FLATTENED_BUCKET),

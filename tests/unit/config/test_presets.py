@@ -78,6 +78,12 @@ def test_cross_field_check_names_the_override():
     assert cfg.weight_sync.pause_mode == "retract"  # what every supported SGLang flushes with
     with pytest.raises(ConfigError, match=r"weight_sync\.pause_mode='nap': use retract"):
         to_train_config(_compose(["weight_sync.pause_mode=nap"]))
+    # in_place: refused at launch, not when the weight-sync group forms after the engines
+    # started (every sync flushes, which no supported engine does beside paused requests)
+    with pytest.raises(ConfigError, match=r"weight_sync\.pause_mode=in_place: every sync "
+                                          r"flushes.*use retract"):
+        to_train_config(_compose(["rollout=sglang", "algo.max_staleness=1",
+                                  "weight_sync.pause_mode=in_place"]))
     # sampling seeds are seed << 40 + ...: the largest must stay in int64 (SGLang checks it)
     with pytest.raises(ConfigError, match=r"seed=4194304: must be in \[0, 4194304\)"):
         to_train_config(_compose(["seed=4194304"]))
