@@ -23,8 +23,9 @@
   by 4 experts of width 16, top-2 (transformers 5 holds them fused, `mlp.experts.gate_up_proj`
   [4, 32, 64]; the file keeps Qwen's layout [4, 64, 32], transposed on load and save), no
   load-balancing loss; same tokenizer and image processor as `vl3`.
-- `audio`: `Qwen2AudioForConditionalGeneration` (text as above; audio encoder: one layer of
-  width 32 over 16 mel bins and 200 frames = 2 s) and a `Qwen2AudioProcessor` (Whisper
+- `audio`: `Qwen2AudioForConditionalGeneration` (text as above, vocab_size 22, one past the
+  tokenizer's 21, for TP=2 under trainer=megatron; audio encoder: one layer of width 32 over 16
+  mel bins and 200 frames = 2 s) and a `Qwen2AudioProcessor` (Whisper
   feature extractor with chunk_length=2 s at 16 kHz), loadable with `AutoProcessor`.
 - `omni3`: `Qwen3OmniMoeForConditionalGeneration`, the whole model as Qwen3-Omni ships: a thinker
   (text: hidden 32, 2 layers of 4 experts of width 16, top-2, M-RoPE [2, 1, 1] interleaved over
@@ -167,8 +168,11 @@ def build_audio(out: Path, seed: int = 0) -> str:
                           encoder_ffn_dim=64, d_model=32,
                           max_source_positions=AUDIO_SECONDS * 50),  # 100 frames/s, /2 by conv
         # untied, as transformers builds it (it ties by the top-level config, unset here) and
-        # saves it; SGLang ties by text_config's key and served a head the files did not hold
-        text_config=_text_config(tok, model_type="qwen2", tie_word_embeddings=False),
+        # saves it; SGLang ties by text_config's key and served a head the files did not hold.
+        # vocab rounded up to even (22 > the tokenizer's 21), as vl3's: trainer=megatron
+        # splits the embedding over tensor_parallel_size=2 unpadded
+        text_config={**_text_config(tok, model_type="qwen2", tie_word_embeddings=False),
+                     "vocab_size": len(tok) + len(tok) % 2},
         audio_token_id=tok.convert_tokens_to_ids("<|AUDIO|>"), dtype="float32")
     fe = WhisperFeatureExtractor(feature_size=MEL_BINS, chunk_length=AUDIO_SECONDS,
                                  sampling_rate=16000)

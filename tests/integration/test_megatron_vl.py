@@ -1,9 +1,10 @@
-"""Vision-language models under trainer=megatron on CPU/gloo (relax_slurm/trainer/megatron/vl.py):
+"""Multimodal models under trainer=megatron on CPU/gloo (relax_slurm/trainer/megatron/vl.py):
 the tiny Qwen2.5-VL and Qwen3-VL built through megatron-bridge at TP=1 and TP=2, the tiny
-Qwen3-VL-MoE at EP=2 (vl_moe.py) and the tiny Qwen3-Omni thinker at EP=2 (the project's bridge,
-omni*.py), against the transformers model, on two right-padded rows with images of different
-sizes, Qwen3-Omni's with audio and a video too (tests/integration/scripts/
-megatron_vl_parity.py, one torchrun per rank count)."""
+Qwen3-VL-MoE at EP=2 (vl_moe.py), the tiny Qwen3-Omni thinker at EP=2 and the tiny Qwen2-Audio
+at TP=1 and TP=2 (the project's bridges, omni*.py, audio_*.py), against the transformers model,
+on two right-padded rows with images of different sizes, Qwen3-Omni's with audio and a video
+too, Qwen2-Audio's with an audio each (tests/integration/scripts/megatron_vl_parity.py, one
+torchrun per rank count)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ REL_TOL = 1e-5
 
 
 PARITY_RUNS = ("vl_tp1", "vl_tp2", "vl3_tp1", "vl3_tp2", "vl3moe_tp1_ep2", "vl3moe_tp2",
-               "omni3_tp1_ep2", "omni3_tp2")
+               "omni3_tp1_ep2", "omni3_tp2", "audio_tp1", "audio_tp2")
 
 
 class Models(dict):
@@ -89,33 +90,35 @@ def result(d: Path) -> dict:
 # are split over the ranks and the replicated vision tower's gradient must still be the whole
 # one (vl.split_deepstack, shared with Qwen3-VL-MoE; ~30% off before). Its audio tower is
 # compared too (first convolution, first layer). Qwen3-VL-MoE at TP=2 too: its provider and
-# per-expert mappings are its own (vl_moe.py), the split only is shared
+# per-expert mappings are its own (vl_moe.py), the split only is shared. Qwen2-Audio has no
+# vision tower: its encoder's first convolution and query and its projector are compared
 @pytest.mark.parametrize("run", PARITY_RUNS)
 def test_logits_and_vision_gradients_equal_transformers(parity, run):
     r = result(parity[run])
     assert r["logits_max_diff"] <= REL_TOL * r["logits_scale"], r["logits_max_diff"]
-    assert ("audio_grads" in r) == run.startswith("omni")
-    for name, g in {**r["vision_grads"], **r.get("audio_grads", {})}.items():
+    assert ("audio_grads" in r) == run.startswith(("omni", "audio"))
+    assert ("vision_grads" in r) == (not run.startswith("audio"))
+    for name, g in {**r.get("vision_grads", {}), **r.get("audio_grads", {})}.items():
         assert g["scale"] > 0, name  # the tower is in the graph
         assert g["max_diff"] <= REL_TOL * g["scale"], (name, g)
         assert g["equal_across_ranks"], name  # replicated over TP, same gradient
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("kind", ["vl", "vl3"])
+@pytest.mark.parametrize("kind", ["vl", "vl3", "audio"])
 def test_export_is_what_the_hf_engine_loads(parity, models, kind):
     """The bridge's export equals the checkpoint file bit for bit at TP=2 and every name is one
-    the hf engine receives (Qwen2.5-VL: the files' names, aliases of transformers 5's).
-    The Qwen3-VL-MoE's (at EP=2): test_vl_moe_export_is_the_file_in_either_layout."""
+    the hf engine receives (Qwen2.5-VL, Qwen2-Audio: the files' names, aliases of transformers
+    5's). The Qwen3-VL-MoE's (at EP=2): test_vl_moe_export_is_the_file_in_either_layout."""
     import torch
-    from transformers import AutoModelForImageTextToText
 
+    from relax_slurm.modeling import auto_model_class
     from relax_slurm.weightsync.receiver import parameter_views
 
     r = result(parity[f"{kind}_tp2"])
     assert r["exported_names"] == r["file_names"]
     assert r["export_bitwise"]
-    model = AutoModelForImageTextToText.from_pretrained(models[kind], dtype=torch.float32)
+    model = auto_model_class(models[kind]).from_pretrained(models[kind], dtype=torch.float32)
     assert set(r["exported_names"]) <= set(parameter_views(model))
 
 

@@ -21,7 +21,7 @@ from relax_slurm.checkpoint.hf_files import write_hf_dir
 from relax_slurm.checkpoint.resume import CheckpointError
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.trainer import TrainerConfig
-from relax_slurm.trainer.megatron import cpu_compat, lora, omni, vl
+from relax_slurm.trainer.megatron import bridges, cpu_compat, lora, omni, vl
 from relax_slurm.trainer.megatron.checkpoint import load_model_state, model_sharded_state_dict
 from relax_slurm.trainer.model import single_process_group
 from relax_slurm.trainer.megatron.model import (
@@ -51,7 +51,7 @@ def bare_model(src: Path, hf_config: str | Path | None = None
         init_model_parallel(TrainerConfig(backend="megatron", nproc_per_node=1))
         try:
             bridge_mod = cpu_compat.import_bridge()
-            omni.register()  # before the bridge validates Qwen3-Omni's architecture
+            bridges.register()  # before the bridge validates Qwen3-Omni's, Qwen2-Audio's
             bridge = bridge_mod.AutoBridge.from_hf_config(config)
             fix_sequential_experts()
             if vl.kind(config) is not None:

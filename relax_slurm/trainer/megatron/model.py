@@ -20,7 +20,7 @@ from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.trainer import TrainerConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.modeling import media_token_ids
-from relax_slurm.trainer.megatron import context_parallel, cpu_compat, omni, vl
+from relax_slurm.trainer.megatron import bridges, context_parallel, cpu_compat, vl
 from relax_slurm.trainer.megatron.pad_embedding import skip_padding_embedding_grads
 from relax_slurm.trainer.schedule import lr_factor
 
@@ -204,7 +204,7 @@ class MegatronModel:
         self.sequence_parallel = False  # build_provider's decision, once the chunks are built
         dtype = DTYPES[model_cfg.dtype]
         bridge_mod = cpu_compat.import_bridge()
-        omni.register()  # the project's Qwen3-Omni bridge (megatron-bridge 0.3.1 has none)
+        bridges.register()  # the project's: Qwen3-Omni, Qwen2-Audio (megatron-bridge has none)
         fix_sequential_experts()
         check_cpu_dtype(model_cfg.dtype, dtype)
         self.bridge = bridge or bridge_mod.AutoBridge.from_hf_pretrained(

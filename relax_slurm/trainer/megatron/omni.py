@@ -1,7 +1,7 @@
 """Qwen3-Omni (the thinker) under trainer=megatron.
 
 megatron-bridge 0.3.1 has no Qwen3-Omni bridge; the project's is registered through the
-bridge's public extension point (omni_bridge.py: the provider, every part's parameter mappings)
+bridge's public extension point (bridges.register, omni_bridge.py: the provider, every part's parameter mappings)
 and builds omni_model.py's OmniThinkerModel: megatron-bridge's Qwen3-VL model (megatron-core's
 MoE language model with interleaved M-RoPE and DeepStack) holding Qwen3-Omni's vision and audio
 encoders as replicated HF modules, with a forward that places audio, image and video embeddings
@@ -11,21 +11,11 @@ neither built, trained nor sent (modeling.NOT_SERVED).
 
 from __future__ import annotations
 
-# the pure names (vl.py reads them too; this module's register() reaches vl.py through
-# omni_bridge -> omni_model, so vl.py must not import this one)
+# the pure names (vl.py reads them too; bridges.register() reaches vl.py through
+# omni_bridge -> omni_model, so vl.py imports omni_names, not omni_bridge)
 from relax_slurm.trainer.megatron.omni_names import (  # noqa: F401 - re-exported
     AUDIO_KEYS, MEDIA_KINDS, MODEL_TYPE, hf_prefix_to_megatron,
 )
-
-
-def register() -> None:
-    """Registers the bridge with megatron-bridge's dispatch (once: a module import), before
-    AutoBridge.from_hf_pretrained / from_hf_config of a Qwen3-Omni model (which validate the
-    architecture against the registry). Imports megatron-bridge the CPU-safe way first."""
-    from relax_slurm.trainer.megatron import cpu_compat
-
-    cpu_compat.import_bridge()
-    from relax_slurm.trainer.megatron import omni_bridge  # noqa: F401 - registers on import
 
 
 def is_omni(hf_config) -> bool:

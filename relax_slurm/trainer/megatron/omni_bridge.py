@@ -8,7 +8,7 @@ per expert (`thinker.model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`), 
 Qwen3-MoE bridge maps them. The talker's and code2wav's tensors map to nothing: never loaded,
 never exported.
 
-Imported only after cpu_compat.import_bridge (omni.register).
+Imported only after cpu_compat.import_bridge (bridges.register).
 """
 
 from __future__ import annotations

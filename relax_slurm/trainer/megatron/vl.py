@@ -1,5 +1,6 @@
-"""Vision-language models under trainer=megatron: Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (its
-experts: vl_moe.py), built by megatron-bridge 0.3.1 (megatron/bridge/models/qwen_vl/).
+"""Multimodal models under trainer=megatron: Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (its
+experts: vl_moe.py), built by megatron-bridge 0.3.1 (megatron/bridge/models/qwen_vl/); the
+Qwen3-Omni thinker and Qwen2-Audio by the project's bridges (omni*.py, audio_*.py).
 
 The bridge's VL code was written against transformers 4 and for transformer-engine; `apply()`
 installs small overrides, each naming the upstream line it works around (idempotent). The
@@ -23,17 +24,17 @@ QWEN25 = "qwen2_5_vl"
 QWEN3 = "qwen3_vl"
 QWEN3_MOE = "qwen3_vl_moe"  # experts: vl_moe.py
 OMNI = omni_names.MODEL_TYPE  # Qwen3-Omni's thinker: omni.py
-SUPPORTED = (QWEN25, QWEN3, QWEN3_MOE, OMNI)
+AUDIO = "qwen2_audio"  # Qwen2-Audio: audio_model.py
+SUPPORTED = (QWEN25, QWEN3, QWEN3_MOE, OMNI, AUDIO)
 
 # model_type -> why trainer=megatron refuses it (the fix: trainer=torch)
 REFUSED = {
     "qwen2_5_omni": "megatron-bridge 0.3.1 has no Qwen2.5-Omni bridge",
-    "qwen2_audio": "megatron-bridge 0.3.1 has no Qwen2-Audio bridge",
 }
 
 
 def kind(hf_config) -> str | None:
-    """QWEN25/QWEN3/QWEN3_MOE/OMNI for a supported multimodal model, None for a text decoder;
+    """QWEN25/QWEN3/QWEN3_MOE/OMNI/AUDIO for a supported multimodal model, None for a text decoder;
     ConfigError for a multimodal model trainer=megatron cannot train."""
     model_type = getattr(hf_config, "model_type", "")
     if model_type in SUPPORTED:
@@ -44,7 +45,8 @@ def kind(hf_config) -> str | None:
                           "docs/backends.md#multimodal-models)")
     if getattr(hf_config, "vision_config", None) is not None or hasattr(hf_config, "audio_config"):
         raise ConfigError(
-            "trainer=megatron trains Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and Qwen3-Omni among "
+            "trainer=megatron trains Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3-Omni and "
+            "Qwen2-Audio among "
             f"multimodal models, not model_type={model_type!r}. Fix: trainer=torch "
             "(docs/backends.md#multimodal-models)")
     return None
@@ -309,7 +311,10 @@ VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 def media_keys(model_kind: str) -> tuple[str, ...]:
     """The media tensors a VL kind's megatron forward takes: images and videos (Qwen3-VL
-    spaces frames by timestamps in the text: no second_per_grid_ts); Qwen3-Omni also audio."""
+    spaces frames by timestamps in the text: no second_per_grid_ts); Qwen3-Omni also audio;
+    Qwen2-Audio audio alone."""
+    if model_kind == AUDIO:
+        return omni_names.AUDIO_KEYS
     if model_kind == OMNI:  # its thinker's name for the seconds (data/processor.py)
         return IMAGE_KEYS + VIDEO_KEYS[:2] + ("video_second_per_grid",) + omni_names.AUDIO_KEYS
     return IMAGE_KEYS + (VIDEO_KEYS if model_kind == QWEN25 else VIDEO_KEYS[:2])
@@ -317,15 +322,16 @@ def media_keys(model_kind: str) -> tuple[str, ...]:
 
 def check_media(model_kind: str, media_kinds) -> None:
     """ConfigError when the run's `data.multimodal_keys` has media this model's megatron
-    forward does not take (audio: Qwen3-Omni's only). The config admits image, video and
-    audio (cross_checks.py); this runs once the model's kind is known."""
-    takes = omni_names.MEDIA_KINDS if model_kind == OMNI else {"image", "video"}
+    forward does not take (audio: Qwen3-Omni's and Qwen2-Audio's only; Qwen2-Audio takes
+    nothing else). The config admits image, video and audio (cross_checks.py); this runs once
+    the model's kind is known."""
+    takes = {OMNI: omni_names.MEDIA_KINDS, AUDIO: {"audio"}}.get(model_kind, {"image", "video"})
     unknown = set(media_kinds) - takes
     if unknown:
         raise ConfigError(
-            f"trainer=megatron feeds {model_kind} images and video, not {sorted(unknown)} "
-            "(data.multimodal_keys; audio: Qwen3-Omni only). Fix: trainer=torch "
-            "(docs/backends.md#multimodal-models)")
+            f"trainer=megatron feeds {model_kind} {' and '.join(sorted(takes))}, not "
+            f"{sorted(unknown)} (data.multimodal_keys; audio: Qwen3-Omni and Qwen2-Audio "
+            "only). Fix: trainer=torch (docs/backends.md#multimodal-models)")
 
 
 def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | None,
@@ -335,10 +341,12 @@ def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | 
     known = media_keys(model_kind)
     unknown = set(media) - set(known)
     if unknown:
-        raise ConfigError(f"trainer=megatron cannot feed {sorted(unknown)} to {model_kind} "
-                          "(audio). Fix: trainer=torch "
-                          "(docs/backends.md#multimodal-models)")
+        raise ConfigError(f"trainer=megatron cannot feed {sorted(unknown)} to {model_kind}. "
+                          "Fix: trainer=torch (docs/backends.md#multimodal-models)")
     kw = {k: media[k] for k in known if k in media}
+    if model_kind == AUDIO:  # 1-D RoPE: positions 0..T-1, the causal mask the whole mask
+        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).triu(1)
+        return chunk(input_ids=input_ids, attention_mask=causal.view(1, 1, T, T), **kw)
     if model_kind == QWEN25:
         pad = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).triu(1)
@@ -363,6 +371,15 @@ def hf_prefix_to_megatron(model_kind: str, prefix: str) -> str:
     -> the megatron model's parameter prefix."""
     if model_kind == OMNI:
         return omni_names.hf_prefix_to_megatron(prefix) or prefix
+    if model_kind == AUDIO:  # transformers 5's names in memory, and the files' names
+        pairs = (("model.audio_tower", "audio_tower"),
+                 ("model.multi_modal_projector", "multi_modal_projector"),
+                 ("model.language_model", "language_model"),
+                 ("language_model.model", "language_model"),
+                 ("language_model.lm_head", "language_model.output_layer"),
+                 ("lm_head", "language_model.output_layer"))
+        return next((mg + prefix[len(hf):] for hf, mg in pairs
+                     if prefix == hf or prefix.startswith(hf + ".")), prefix)
     vision = "visual" if model_kind == QWEN25 else "vision_model"
     for hf, mg in (("model.visual", vision), ("visual", vision),
                    ("model.language_model", "language_model"),

@@ -1,9 +1,10 @@
 """torchrun --nproc-per-node N megatron_vl_parity.py --model-dir D --tp T [--ep E] --out DIR
 
-A tiny Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3-Omni thinker under trainer=megatron on
-gloo (relax_slurm/trainer/megatron/vl.py, vl_moe.py, omni*.py); rank 0 writes DIR/result.json
-with, against the transformers model on two right-padded rows with images of different sizes
-(Qwen3-Omni: also an audio in each row and a video in one, `omni_inputs`):
+A tiny Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3-Omni thinker / Qwen2-Audio under
+trainer=megatron on gloo (relax_slurm/trainer/megatron/vl.py, vl_moe.py, omni*.py, audio_*.py);
+rank 0 writes DIR/result.json with, against the transformers model on two right-padded rows
+with images of different sizes (Qwen3-Omni: also an audio in each row and a video in one,
+`omni_inputs`; Qwen2-Audio: an audio of its own length in each row, `audio_inputs`):
 - the largest logit difference on the rows' tokens (MegatronModel.forward with the media,
   a video too: Qwen2.5-VL's placed and spaced in time by M-RoPE's second_per_grid_ts,
   Qwen3-VL's one run of pads per frame after the frame's timestamp text, as its processor
@@ -117,10 +118,38 @@ def omni_inputs(path: str):
     return ids, mask, media
 
 
+AUDIO_FRAMES = (200, 130)  # mel frames of 200 (2 s, the encoder's window): 50 and 33 tokens
+
+
+def audio_inputs(path: str):
+    """Two right-padded rows for the tiny Qwen2-Audio, laid out as its processor lays them
+    (each audio's <|AUDIO|> pads expanded to its token count between <|audio_bos|> and
+    <|audio_eos|>): row 0 text, a whole 2 s audio, text; row 1 text, a shorter audio (the
+    rest of its 200 frames padding, masked), text. Mel features random: both models take the
+    same tensors."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok, cfg = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
+    frames = torch.tensor(AUDIO_FRAMES)
+    width = cfg.audio_config.max_source_positions * 2
+    feature_mask = (torch.arange(width)[None] < frames[:, None]).long()
+    g = torch.Generator().manual_seed(13)
+    mel = torch.randn(len(frames), cfg.audio_config.num_mel_bins, width,
+                      generator=g) * feature_mask[:, None]
+    n = (((frames - 1) // 2 + 1 - 2) // 2 + 1).tolist()  # the encoder's conv and pooling
+    AB, A, AE = tok.convert_tokens_to_ids(["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"])
+    txt = tok("ab cd", add_special_tokens=False)["input_ids"]
+    rows = [txt + [AB] + [A] * n[0] + [AE] + txt, txt[:2] + [AB] + [A] * n[1] + [AE] + txt + txt]
+    T, pad = max(map(len, rows)), tok.pad_token_id or 0
+    ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
+    return ids, mask, {"input_features": mel, "feature_attention_mask": feature_mask}
+
+
 def hf_kwargs(hf, ids, media: dict) -> dict:
     """The transformers model's media kwargs: VL models take `mm_token_type_ids` (1 image, 2
-    video: their M-RoPE input); Qwen3-Omni's thinker the media alone."""
-    if hf.config.model_type.startswith("qwen3_omni"):
+    video: their M-RoPE input); Qwen3-Omni's thinker and Qwen2-Audio the media alone."""
+    if hf.config.model_type.startswith(("qwen3_omni", "qwen2_audio")):
         return dict(media)
     return {"mm_token_type_ids": vl.token_types(hf.config, ids), **media}
 
@@ -170,6 +199,12 @@ def main(argv: list[str]) -> None:
         hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
             args.model_dir, dtype=torch.float32).thinker
         ids, mask, media = omni_inputs(args.model_dir)
+    elif mm.vl == vl.AUDIO:
+        from transformers import Qwen2AudioForConditionalGeneration
+
+        hf = Qwen2AudioForConditionalGeneration.from_pretrained(args.model_dir,
+                                                                dtype=torch.float32)
+        ids, mask, media = audio_inputs(args.model_dir)
     else:
         hf = AutoModelForImageTextToText.from_pretrained(args.model_dir, dtype=torch.float32)
         ids, mask, media = inputs(args.model_dir)
@@ -195,7 +230,15 @@ def main(argv: list[str]) -> None:
 
     params = dict(chunk.module.named_parameters())
     hf_params = dict(hf.named_parameters())
-    result["vision_grads"] = vision_grads(chunk.module, params, hf_params)
+    if mm.vl == vl.AUDIO:  # the encoder's first convolution and query, the projector
+        result["audio_grads"] = tower_grads(params, hf_params, (
+            ("audio_tower.conv1.weight", "model.audio_tower.conv1.weight"),
+            ("audio_tower.layers.0.self_attn.q_proj.weight",
+             "model.audio_tower.layers.0.self_attn.q_proj.weight"),
+            ("multi_modal_projector.linear.weight",
+             "model.multi_modal_projector.linear.weight")))
+    else:
+        result["vision_grads"] = vision_grads(chunk.module, params, hf_params)
     if mm.vl == vl.OMNI:
         result["audio_grads"] = tower_grads(params, hf_params, (
             ("audio_model.conv2d1.weight", "model.audio_tower.conv2d1.weight"),

@@ -85,10 +85,10 @@ def hf_config(model_path: str):
 
 def provider_for(cfg, bridge_mod):
     """The bridge's provider with our parallel sizes, finalized (megatron's __post_init__)."""
-    from relax_slurm.trainer.megatron import omni, vl
+    from relax_slurm.trainer.megatron import bridges, vl
     from relax_slurm.trainer.megatron.model import set_parallel_sizes
 
-    omni.register()  # the project's Qwen3-Omni bridge, as MegatronModel registers it
+    bridges.register()  # the project's bridges (Qwen3-Omni...), as MegatronModel registers them
     config = hf_config(cfg.model.path)
     if vl.kind(config) is not None:
         vl.apply()

@@ -72,8 +72,6 @@ def test_qwen25_token_types():
 
 
 def test_unsupported_architectures_name_the_reason():
-    with pytest.raises(ConfigError, match="no Qwen2-Audio bridge"):
-        vl.kind(Qwen2AudioConfig())
     # megatron-bridge 0.3.1 has no Qwen2.5-Omni bridge; the message says what to use instead
     # and where the page lists what a bridge would need
     with pytest.raises(ConfigError, match=r"no Qwen2.5-Omni bridge.* Fix: trainer=torch "
@@ -81,6 +79,24 @@ def test_unsupported_architectures_name_the_reason():
         vl.kind(Qwen2_5OmniConfig())
     assert vl.kind(Qwen3OmniMoeConfig()) == vl.OMNI  # the project's bridge: omni*.py
     assert vl.kind(Qwen3VLMoeConfig()) == vl.QWEN3_MOE  # its experts: vl_moe.py
+    assert vl.kind(Qwen2AudioConfig()) == vl.AUDIO  # the project's bridge: audio_*.py
+
+
+def test_qwen2_audio_takes_audio_alone():
+    """Qwen2-Audio's megatron forward takes its mel features and their mask; a run with images
+    or video is refused naming what it feeds, and freeze_modules prefixes in transformers 5's
+    names or the files' reach its parts."""
+    vl.check_media(vl.AUDIO, ["audio"])
+    assert vl.media_keys(vl.AUDIO) == ("input_features", "feature_attention_mask")
+    with pytest.raises(ConfigError, match=r"feeds qwen2_audio audio, not \['image'\]"):
+        vl.check_media(vl.AUDIO, ["audio", "image"])
+    for hf, ours in (("model.audio_tower", "audio_tower"),
+                     ("audio_tower.layers.0", "audio_tower.layers.0"),
+                     ("model.multi_modal_projector", "multi_modal_projector"),
+                     ("model.language_model", "language_model"),
+                     ("language_model.lm_head", "language_model.output_layer"),
+                     ("lm_head", "language_model.output_layer")):
+        assert vl.hf_prefix_to_megatron(vl.AUDIO, hf) == ours, hf
 
 
 @pytest.mark.parametrize("kind, qwen, hf", [
