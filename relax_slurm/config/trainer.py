@@ -85,6 +85,13 @@ class TrainerConfig:
     [T, V] tensor become ~0.6 GB at 1024. The model's own logits (in its dtype, each TP rank's
     vocabulary slice under megatron) remain. Values and gradients are those of the whole
     sequence (tests/unit/trainer/test_logprob_chunks.py)."""
+    towers: str = "replicated"
+    """megatron backend, multimodal models at TP > 1: how the vision and audio towers (whole on
+    every TP rank) share a micro-batch's media. replicated: every TP rank encodes every image,
+    video and audio (TP times the towers' compute); split: each TP rank encodes a contiguous
+    share of them, of about equal patches or mel frames, and the features are all-gathered
+    over TP (the gradients are those of replicated towers; trainer/megatron/tower_split.py).
+    docs/backends.md#multimodal-models has the measured step times."""
     freeze_modules: list[str] = field(default_factory=list)
     """Parameter name prefixes not trained (still synced to engines), e.g. [model.visual] for
     a Qwen-VL vision tower or [model.audio_tower] for Qwen2-Audio's encoder."""
@@ -111,6 +118,11 @@ class TrainerConfig:
         check(self.logprob_chunk_size >= 0,
                f"trainer.logprob_chunk_size={self.logprob_chunk_size}: positions per chunk, >= 1, "
                "or 0 for the whole sequence at once")
+        check(self.towers in ("replicated", "split"),
+              f"trainer.towers={self.towers!r}: use replicated or split")
+        check(self.towers == "replicated" or self.backend == "megatron",
+              f"trainer.towers=split shares the media over megatron's tensor-parallel ranks; "
+              f"trainer.backend={self.backend} has none: set trainer.towers=replicated")
         check(self.recompute in RECOMPUTE,
                f"trainer.recompute={self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
         check(self.recompute != "selective" or self.backend == "megatron",

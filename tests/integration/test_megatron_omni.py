@@ -49,7 +49,10 @@ IMAGES_AND_SOUNDS = {"colors": "images", "tones": "audios"}
 HEARD_VIDEOS = ({**IMAGES_AND_SOUNDS, "sounding": "videos"},
                 ("+data.multimodal_keys.video=videos", "data.audio_from_video=true",
                  "debug.dump_rollouts=true"))
-LAYOUTS = {"tp2": (("trainer.tensor_parallel_size=2", *HEARD_VIDEOS[1]), HEARD_VIDEOS[0]),
+# (at TP=2 with trainer.towers=split: each rank encodes half of a micro-batch's images and
+# audios, the features all-gathered, tower_split.py; parity: test_megatron_vl.py's *_split rows)
+LAYOUTS = {"tp2": (("trainer.tensor_parallel_size=2", "trainer.towers=split", *HEARD_VIDEOS[1]),
+                   HEARD_VIDEOS[0]),
            "ep2": (("trainer.expert_parallel_size=2",), IMAGES_AND_SOUNDS)}
 
 
@@ -107,6 +110,7 @@ def test_tiny_omni_learns_under_megatron_and_converts(assets, tmp_path, layout):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert log.count("weights verified bit for bit") == OMNI_STEPS + 1  # the start, each step
+    assert ("each of the 2 TP ranks encodes its share" in log) == (layout == "tp2")
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == OMNI_STEPS

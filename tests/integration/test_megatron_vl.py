@@ -33,7 +33,10 @@ REL_TOL = 1e-5
 
 
 PARITY_RUNS = ("vl_tp1", "vl_tp2", "vl3_tp1", "vl3_tp2", "vl3moe_tp1_ep2", "vl3moe_tp2",
-               "omni3_tp1_ep2", "omni3_tp2", "audio_tp1", "audio_tp2")
+               "omni3_tp1_ep2", "omni3_tp2", "audio_tp1", "audio_tp2",
+               # trainer.towers=split (tower_split.py): each TP rank encodes its share of the
+               # images / audios (a call with one item, the video, stays replicated)
+               "vl_tp2_split", "vl3_tp2_split", "omni3_tp2_split", "audio_tp2_split")
 
 
 class Models(dict):
@@ -66,11 +69,13 @@ def parity(models, tmp_path_factory) -> dict[str, Path]:
     argv: dict[int, list[str]] = {}
     for name in PARITY_RUNS:
         kind, sizes = name.split("_tp")
+        sizes, split, _ = sizes.partition("_split")
         tp, _, ep = sizes.partition("_ep")
         tp, ep = int(tp), int(ep or 1)
         args = argv.setdefault(tp * ep, [])
         args += [*(["+"] if args else []), "--model-dir", str(models[kind]), "--tp", str(tp),
-                 "--ep", str(ep), "--out", str(root / name)]
+                 "--ep", str(ep), "--towers", "split" if split else "replicated",
+                 "--out", str(root / name)]
     for ranks, args in argv.items():
         log = root / f"ranks{ranks}.log"
         rc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -98,6 +103,11 @@ def test_logits_and_vision_gradients_equal_transformers(parity, run):
     assert r["logits_max_diff"] <= REL_TOL * r["logits_scale"], r["logits_max_diff"]
     assert ("audio_grads" in r) == run.startswith(("omni", "audio"))
     assert ("vision_grads" in r) == (not run.startswith("audio"))
+    # split: every call of two items or more (images, audios) cut in two blocks, one a rank
+    assert bool(r["tower_cuts"]) == run.endswith("_split"), r["tower_cuts"]
+    for rows, cut in r["tower_cuts"]:
+        assert len(cut) == 2 and cut[0][0] == 0 and cut[0][1] == cut[1][0] and \
+            cut[1][1] == len(rows), (rows, cut)
     for name, g in {**r.get("vision_grads", {}), **r.get("audio_grads", {})}.items():
         assert g["scale"] > 0, name  # the tower is in the graph
         assert g["max_diff"] <= REL_TOL * g["scale"], (name, g)

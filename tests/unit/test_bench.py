@@ -153,6 +153,27 @@ def test_the_sglang_part_reports_its_ratios_and_modes():
     assert "| `sglang_async_speedup` |" in page and "| colocated | " in page
 
 
+def test_the_towers_part_reports_split_over_replicated():
+    """Part 11 (megatron's towers at TP=2): split over replicated per repeat's pair, a row per
+    mode in the generated page."""
+    run_py = bench_module("run")
+    towers = bench_module("towers_bench")
+
+    def run(train_s: float, step_s: float) -> object:
+        row = {"perf/step_time_s": step_s, "perf/train_time_s": train_s,
+               "rollout/reward_mean": 0.3}
+        return common.Run(rows=[row] * 6, wall_s=10.0)
+    res = {"towers": towers.summarize({"replicated": [run(0.4, 1.0), run(0.5, 1.0)],
+                                       "split": [run(0.3, 0.9), run(0.3, 0.8)]})}
+    t = res["towers"]
+    assert t["split_train_ratio"]["median"] == pytest.approx((0.75 + 0.6) / 2)
+    assert t["split_step_ratio"]["median"] == pytest.approx(0.85)
+    res["headline"] = run_py.headline(res)
+    assert set(res["headline"]) == {"towers_split_train_ratio", "towers_split_step_ratio"}
+    page = "\n".join(report.headline_table(res) + report.detail_tables(res))
+    assert "| `towers_split_train_ratio` |" in page and "| split | " in page
+
+
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc")
 def test_run_refuses_to_start_while_other_processes_keep_the_machine_busy(tmp_path):
     """Two orphans spin (foreign to run.py whatever else runs: at least a quarter of a core

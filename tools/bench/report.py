@@ -66,6 +66,10 @@ TARGETS = {
                                                    "batch / its generation span; "
                                                    "`rollout_overhead_ratio_tiny` is the hf "
                                                    "engine's"),
+    "towers_split_train_ratio": (None, False, "trainer time per step, tiny Qwen3-Omni at TP=2 "
+                                              "under megatron, trainer.towers=split / "
+                                              "replicated"),
+    "towers_split_step_ratio": (None, False, "step time, the same two runs"),
 }
 
 
@@ -119,7 +123,9 @@ def _path(key: str) -> tuple[str, ...]:
                                                 "sync_share"),
              "sglang_async_speedup": ("sglang", "async_speedup"),
              "sglang_async_over_colocate": ("sglang", "async_over_colocated"),
-             "sglang_rollout_overhead_ratio": ("sglang", "rollout_overhead_ratio")}
+             "sglang_rollout_overhead_ratio": ("sglang", "rollout_overhead_ratio"),
+             "towers_split_train_ratio": ("towers", "split_train_ratio"),
+             "towers_split_step_ratio": ("towers", "split_step_ratio")}
     return paths[key]
 
 
@@ -130,7 +136,7 @@ def results_name(quick: bool) -> str:
 
 PART_OF = {"async": "async", "trl": "trl", "weight_sync": "sync", "broker": "broker",
            "engines": "engines", "routing": "routing", "longtail": "longtail",
-           "sglang": "sglang"}
+           "sglang": "sglang", "towers": "towers"}
 
 
 def _median_cell(res: dict, key: str) -> str:
@@ -256,6 +262,18 @@ def detail_tables(res: dict) -> list[str]:
                 f"{' / '.join(_spread(r['recorded_step_ratio']))}; replayed trainer "
                 f"{' / '.join(_spread(r['replayed_train_ratio']))}, step "
                 f"{' / '.join(_spread(r['replayed_step_ratio']))}."]
+    if "towers" in res:
+        t = res["towers"]
+        out += ["", "### Towers at TP=2 (tiny Qwen3-Omni, trainer=megatron)", "",
+                "| trainer.towers | trainer s a step | step s | final reward |",
+                "|---|---|---|---|"]
+        for mode, m in t["modes"].items():
+            out.append(f"| {mode} | {' / '.join(_spread(m['train_s']))} | "
+                       f"{' / '.join(_spread(m['step_s']))} | "
+                       f"{' / '.join(_spread(m['final_reward']))} |")
+        out += ["", "split over replicated (min / median / max): trainer "
+                f"{' / '.join(_spread(t['split_train_ratio']))}, step "
+                f"{' / '.join(_spread(t['split_step_ratio']))}."]
     if "longtail" in res:
         lt = res["longtail"]
         out += ["", "### Long tail (experiment=tiny_longtail_cpu)", "",

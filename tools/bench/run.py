@@ -2,6 +2,7 @@
 
     python tools/bench/run.py [--quick] [--out bench_out] [--parts async,trl,sync,broker,engines]
     python tools/bench/run.py --quick --parts sglang  # the real SGLang server (~10 min)
+    python tools/bench/run.py --quick --parts towers  # megatron's towers at TP=2 (~6 min)
     python tools/bench/run.py --parts longtail --repeats 2  # the long-tail workload (~30 min)
 
 Needs the bench extra (`pip install -e ".[bench]"`: TRL for the peer comparison, matplotlib
@@ -38,11 +39,12 @@ import report  # noqa: E402
 import routing_bench  # noqa: E402
 import scaling  # noqa: E402
 import sglang_bench  # noqa: E402
+import towers_bench  # noqa: E402
 import weight_sync_bench  # noqa: E402
 from common import REPO, Run, machine, make_assets, spread  # noqa: E402
 from load import ForeignLoad, idle_check  # noqa: E402
 
-PARTS = ("async", "trl", "sync", "broker", "engines", "routing", "longtail", "sglang")
+PARTS = ("async", "trl", "sync", "broker", "engines", "routing", "longtail", "sglang", "towers")
 
 
 # TRL's best lr on this task: final reward (mean of the last 10 of 150 steps) over seeds 0/1/2,
@@ -131,6 +133,9 @@ def headline(res: dict) -> dict[str, float]:
         out["sglang_async_speedup"] = sg["async_speedup"]["median"]
         out["sglang_async_over_colocate"] = sg["async_over_colocated"]["median"]
         out["sglang_rollout_overhead_ratio"] = sg["rollout_overhead_ratio"]["median"]
+    if res.get("towers"):
+        out["towers_split_train_ratio"] = res["towers"]["split_train_ratio"]["median"]
+        out["towers_split_step_ratio"] = res["towers"]["split_step_ratio"]["median"]
     return out
 
 
@@ -270,6 +275,11 @@ def main() -> int:
                                                       steps=40 if args.quick else 60,
                                                       repeats=repeats)
         runs |= {f"sglang {m}": rs for m, rs in sg_runs.items()}
+    if "towers" in parts:
+        part_load.part("towers")
+        print("[11] towers: the tiny Qwen3-Omni at TP=2, replicated vs split", flush=True)
+        res["towers"] = towers_bench.measure(args.out, steps=10 if args.quick else 20,
+                                             repeats=repeats)
     if "async" in res:
         c = res["async"]["sync_components"]
         costs = scaling.Costs(G=c["G_s"]["median"], T=c["T_s"]["median"] - c["weight_sync_s"]

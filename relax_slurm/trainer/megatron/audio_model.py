@@ -29,6 +29,8 @@ from transformers.models.qwen2_audio.modeling_qwen2_audio import (
     Qwen2AudioEncoder, Qwen2AudioMultiModalProjector,
 )
 
+from relax_slurm.trainer.megatron import tower_split
+
 
 def audio_embeddings(encoder, projector, features: Tensor, feature_mask: Tensor) -> Tensor:
     """Every audio's embeddings at its valid positions, concatenated in order [N, H]: the
@@ -87,9 +89,11 @@ class Qwen2AudioMegatronModel(MegatronModule):
             emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [T,B,H]
             if input_features is not None:
                 emb = emb.transpose(0, 1).clone()  # [B,T,H], indexed by the [B,T] mask
-                emb[input_ids == self.audio_token_id] = audio_embeddings(
-                    self.audio_tower, self.multi_modal_projector, input_features,
-                    feature_attention_mask).to(emb.dtype)
+                encode = tower_split.audio(
+                    lambda f, m: audio_embeddings(self.audio_tower, self.multi_modal_projector,
+                                                  f, m), tower_split.is_split(self.config))
+                emb[input_ids == self.audio_token_id] = encode(
+                    input_features, feature_attention_mask).to(emb.dtype)
                 emb = emb.transpose(0, 1).contiguous()
             if self.config.sequence_parallel:
                 from megatron.core import tensor_parallel

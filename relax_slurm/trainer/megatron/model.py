@@ -87,6 +87,7 @@ def build_provider(bridge, model_cfg: ModelConfig, cfg: TrainerConfig, load_weig
     # RL: the policy the engines sample from has no dropout; train the same function
     provider.hidden_dropout = 0.0
     provider.attention_dropout = 0.0
+    provider.towers = cfg.towers  # the multimodal forwards read it (tower_split.is_split)
     # from_hf_config (relax-convert) holds the config itself, from_hf_pretrained the model
     hf_config = getattr(bridge.hf_pretrained, "config", bridge.hf_pretrained)
     theta = rope_theta(hf_config)
@@ -217,6 +218,12 @@ class MegatronModel:
         if self.vl is not None:
             check_vl_parallel(cfg)
             vl.apply()
+        if cfg.towers == "split" and dist.get_rank() == 0:
+            if self.vl is not None and cfg.tensor_parallel_size > 1:
+                log.info("trainer.towers=split: each of the %d TP ranks encodes its share of a "
+                         "micro-batch's media", cfg.tensor_parallel_size)
+            else:
+                log.info("trainer.towers=split: nothing to split (a text model, or TP=1)")
         self.vocab_size = hf_config.get_text_config().vocab_size
         check_vocab_split(self.vocab_size, cfg.tensor_parallel_size)
         bare = self._bare_chunks(model_cfg, cfg, dtype)

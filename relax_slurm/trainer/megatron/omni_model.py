@@ -22,6 +22,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeAudioEncoder, Qwen3OmniMoeVisionEncoder,
 )
 
+from relax_slurm.trainer.megatron import tower_split
 from relax_slurm.trainer.megatron.omni_rope import omni_rope_index
 from relax_slurm.trainer.megatron.vl import language_forward, merge_vision
 
@@ -77,16 +78,19 @@ class OmniThinkerModel(m.Qwen3VLModel):
         cfg = self.config
         emb = visual_mask = deepstack = None
         if self.pre_process:
+            split = tower_split.is_split(cfg)
             emb = self.language_model.embedding(input_ids=input_ids, position_ids=None).clone()
             emb = emb.transpose(0, 1).contiguous()  # [B,T,H], indexed by the [B,T] masks
             if input_features is not None:
                 audio = input_ids == self.audio_token_id
-                emb[audio] = self._audio(input_features, feature_attention_mask).to(emb.dtype)
+                emb[audio] = tower_split.audio(self._audio, split)(
+                    input_features, feature_attention_mask).to(emb.dtype)
             items = [(pixels, grid, input_ids == token) for pixels, grid, token in (
                 (pixel_values, image_grid_thw, self.image_token_id),
                 (pixel_values_videos, video_grid_thw, self.video_token_id)) if pixels is not None]
             if items:
-                emb, visual_mask, deepstack = merge_vision(emb, items, self._vision)
+                emb, visual_mask, deepstack = merge_vision(
+                    emb, items, tower_split.vision(self._vision, split))
             emb = emb.transpose(0, 1).contiguous()
             if cfg.sequence_parallel:
                 emb = tensor_parallel.scatter_to_sequence_parallel_region(emb).contiguous()

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from relax_slurm.errors import ConfigError
-from relax_slurm.trainer.megatron import omni_names, vl_moe
+from relax_slurm.trainer.megatron import omni_names, tower_split, vl_moe
 
 QWEN25 = "qwen2_5_vl"
 QWEN3 = "qwen3_vl"
@@ -119,11 +119,14 @@ def _qwen25_forward() -> None:
         emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [T,B,H]
         if pixel_values is not None or pixel_values_videos is not None:
             emb = emb.transpose(0, 1).clone()  # [B,T,H], indexed by the tokens' [B,T] mask
+            tower = tower_split.vision(
+                lambda pixels, grid: (self.visual(pixels, grid_thw=grid).pooler_output, []),
+                tower_split.is_split(self.config))
             if pixel_values is not None:
-                features = self.visual(pixel_values, grid_thw=image_grid_thw).pooler_output
+                features, _ = tower(pixel_values, image_grid_thw)
                 emb[input_ids == self.config.image_token_id] = features.to(emb.dtype)
             if pixel_values_videos is not None:
-                features = self.visual(pixel_values_videos, grid_thw=video_grid_thw).pooler_output
+                features, _ = tower(pixel_values_videos, video_grid_thw)
                 emb[input_ids == self.config.video_token_id] = features.to(emb.dtype)
             emb = emb.transpose(0, 1).contiguous()
         if position_ids is None:
@@ -214,9 +217,9 @@ def _qwen3_forward() -> None:
                 (pixel_values_videos, video_grid_thw, self.video_token_id)) if pixels is not None]
             if items:
                 emb = emb.transpose(0, 1).contiguous()  # [B,T,H], indexed by the [B,T] masks
-                emb, visual_mask, deepstack = merge_vision(
-                    emb, items,
-                    lambda pixels, grid: self.vision_model(hidden_states=pixels, grid_thw=grid))
+                emb, visual_mask, deepstack = merge_vision(emb, items, tower_split.vision(
+                    lambda pixels, grid: self.vision_model(hidden_states=pixels, grid_thw=grid),
+                    tower_split.is_split(cfg)))
                 emb = emb.transpose(0, 1).contiguous()
             if cfg.sequence_parallel:
                 emb = tensor_parallel.scatter_to_sequence_parallel_region(emb).contiguous()

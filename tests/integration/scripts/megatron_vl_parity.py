@@ -36,7 +36,7 @@ from script_result import each_layout, finish
 
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.trainer import TrainerConfig
-from relax_slurm.trainer.megatron import vl
+from relax_slurm.trainer.megatron import tower_split, vl
 from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel
 
 
@@ -175,11 +175,12 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--towers", default="replicated")
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)
     cfg = TrainerConfig(backend="megatron", tensor_parallel_size=args.tp,
                         expert_parallel_size=args.ep, lr=1e-2, micro_batch_size=2,
-                        nproc_per_node=dist.get_world_size())
+                        nproc_per_node=dist.get_world_size(), towers=args.towers)
     init_model_parallel(cfg)
     mm = MegatronModel(ModelConfig(path=args.model_dir), cfg)
     result: dict = {}
@@ -220,8 +221,16 @@ def main(argv: list[str]) -> None:
     mm.train()
     for c in mm.chunks:
         c.zero_grad_buffer()
-    # (under sequence parallelism the rows are padded to a multiple of TP: cut back)
-    ours = mm.full_logits(mm.forward(chunk, ids, attention_mask=mask, media=media))
+    # (under sequence parallelism the rows are padded to a multiple of TP: cut back); with
+    # trainer.towers=split, the cuts of each tower call's items over the TP ranks recorded
+    cuts, blocks = [], tower_split.blocks
+    tower_split.blocks = lambda rows, parts: cuts.append([list(rows), blocks(rows, parts)]) \
+        or cuts[-1][1]
+    try:
+        ours = mm.full_logits(mm.forward(chunk, ids, attention_mask=mask, media=media))
+    finally:
+        tower_split.blocks = blocks
+    result["tower_cuts"] = cuts
     ours = ours[:, :ids.shape[1]]
     (ours * w).sum().backward()
     chunk.config.finalize_model_grads_func(mm.chunks)  # DP/EP reduction, as a train step does
