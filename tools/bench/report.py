@@ -139,6 +139,13 @@ PART_OF = {"async": "async", "trl": "trl", "weight_sync": "sync", "broker": "bro
            "sglang": "sglang", "towers": "towers"}
 
 
+def _train_step_rows(modes: dict) -> list[str]:
+    """A table row per mode: trainer s a step, step s, final reward (min / median / max)."""
+    return [f"| {mode} | {' / '.join(_spread(m['train_s']))} | "
+            f"{' / '.join(_spread(m['step_s']))} | {' / '.join(_spread(m['final_reward']))} |"
+            for mode, m in modes.items()]
+
+
 def _median_cell(res: dict, key: str) -> str:
     """A headline's median, its relative spread over the repeats, and a mark when the part
     that measured it met foreign load (load.py)."""
@@ -253,10 +260,7 @@ def detail_tables(res: dict) -> list[str]:
         r = res["routing"]
         out += ["", "### Routing replay (tiny MoE)", "",
                 "| routing | trainer s a step | step s | final reward |", "|---|---|---|---|"]
-        for mode, m in r["modes"].items():
-            out.append(f"| {mode} | {' / '.join(_spread(m['train_s']))} | "
-                       f"{' / '.join(_spread(m['step_s']))} | "
-                       f"{' / '.join(_spread(m['final_reward']))} |")
+        out += _train_step_rows(r["modes"])
         out += ["", "Over the off mode (min / median / max): recorded trainer "
                 f"{' / '.join(_spread(r['recorded_train_ratio']))}, step "
                 f"{' / '.join(_spread(r['recorded_step_ratio']))}; replayed trainer "
@@ -267,10 +271,7 @@ def detail_tables(res: dict) -> list[str]:
         out += ["", "### Towers at TP=2 (tiny Qwen3-Omni, trainer=megatron)", "",
                 "| trainer.towers | trainer s a step | step s | final reward |",
                 "|---|---|---|---|"]
-        for mode, m in t["modes"].items():
-            out.append(f"| {mode} | {' / '.join(_spread(m['train_s']))} | "
-                       f"{' / '.join(_spread(m['step_s']))} | "
-                       f"{' / '.join(_spread(m['final_reward']))} |")
+        out += _train_step_rows(t["modes"])
         out += ["", "split over replicated (min / median / max): trainer "
                 f"{' / '.join(_spread(t['split_train_ratio']))}, step "
                 f"{' / '.join(_spread(t['split_step_ratio']))}."]
