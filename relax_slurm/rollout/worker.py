@@ -33,6 +33,7 @@ import logging
 import signal
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from relax_slurm.broker.heartbeat import Pacer
@@ -46,10 +47,11 @@ from relax_slurm.runtime.plan import load_plan
 from relax_slurm.runtime.stacks import register_stack_dumps
 from relax_slurm.engines.client import wait_until_healthy
 from relax_slurm.rollout.episodes import EnvEpisodes
-from relax_slurm.rollout.proxy import AgentProxy
-from relax_slurm.rollout.proxy_server import serve_proxy
 from relax_slurm.rollout.services import GroupIds, RolloutServices
 from relax_slurm.rollout.single_turn import SingleTurn
+
+if TYPE_CHECKING:
+    from relax_slurm.rollout.proxy import AgentProxy
 
 log = logging.getLogger("relax_slurm.rollout")
 ENGINE_RETRY_S = 2.0  # a group whose engine is unreachable waits this long before its retry
@@ -103,6 +105,8 @@ class RolloutWorker:
 
     def proxy(self) -> AgentProxy:
         """rollout.agent_mode=proxy: the sessions external agents drive, on our services."""
+        from relax_slurm.rollout.proxy import AgentProxy
+
         return AgentProxy(self.services)
 
     async def wait_for_engines(self) -> None:
@@ -278,6 +282,9 @@ async def _serve(worker: RolloutWorker) -> None:
         url = urlparse(worker.proxy_url)  # bound at the address agents use, as the broker
         await worker.rejoin()  # a restarted worker frees its predecessor's credits (its
         # sessions are gone with it) and continues its group ids
+        # (imported here: FastAPI costs every other run's worker ~0.5 CPU-s at start)
+        from relax_slurm.rollout.proxy_server import serve_proxy
+
         await serve_proxy(worker.proxy(), worker.stop, worker.role,
                           url.hostname or "127.0.0.1", int(url.port or 0))
     else:
