@@ -2,7 +2,7 @@
 
     python tools/bench/run.py [--quick] [--out bench_out] [--parts async,trl,sync,broker,engines]
     python tools/bench/run.py --quick --parts sglang  # the real SGLang server (~10 min)
-    python tools/bench/run.py --quick --parts towers  # megatron's towers at TP=2 (~6 min)
+    python tools/bench/run.py --quick --parts towers  # megatron's towers at TP=2 (~12 min)
     python tools/bench/run.py --parts longtail --repeats 2  # the long-tail workload (~30 min)
 
 Needs the bench extra (`pip install -e ".[bench]"`: TRL for the peer comparison, matplotlib
