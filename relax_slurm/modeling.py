@@ -33,6 +33,13 @@ def auto_model_class(path: str | Path) -> Any:
     return AutoModelForMultimodalLM if is_multimodal(path) else AutoModelForCausalLM
 
 
+def has_thinker(path: str | Path) -> bool:
+    """Whether the directory holds an Omni model (Qwen2.5-Omni, Qwen3-Omni: a thinker_config),
+    whose whole model has no forward: its thinker generates and trains (no torch import)."""
+    config = Path(path) / "config.json"
+    return config.is_file() and "thinker_config" in json.loads(config.read_text())
+
+
 SPEECH_OUTPUT_KEY = "enable_audio_output"
 """Qwen3-Omni's (and Qwen2.5-Omni's) config switch that builds the speech talker and code2wav."""
 
@@ -121,11 +128,11 @@ def _forward_params(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
 
 
-NOT_SERVED = ("talker.", "code2wav.")
+NOT_SERVED = ("talker.", "code2wav.", "token2wav.")
 """Top-level parts of a model that produce no token the policy is trained on, never sent to the
-engines: Qwen3-Omni's speech talker and code-to-waveform decoder. RL trains the thinker's text;
-these get no gradient and never change, and SGLang's loader drops them anyway unless it serves
-speech (`qwen3_omni_moe.py`: `if ("talker" in name or "code2wav" in name) and not
+engines: Qwen3-Omni's speech talker and code-to-waveform decoder, Qwen2.5-Omni's talker and
+token2wav. RL trains the thinker's text; these get no gradient and never change, and SGLang's
+loader drops them anyway unless it serves speech (`qwen3_omni_moe.py`: `if ("talker" in name or "code2wav" in name) and not
 self.enable_talker: continue`): every sync broadcast them for nothing."""
 
 

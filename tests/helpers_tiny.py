@@ -302,13 +302,14 @@ def spawned_ranks(target, world: int, *args, timeout_s: float = 100) -> list:
                 proc.kill()
 
 
-def make_tiny_omni(out: Path) -> Path:
-    """The tiny Qwen3-Omni (`out/model`) and the colour and tone tasks' data (`out/colors`,
-    `out/tones`), made in this process by the project's own builders."""
+def make_tiny_omni(out: Path, kind: str = "omni3") -> Path:
+    """The tiny Qwen3-Omni (or `kind="omni25"`: Qwen2.5-Omni) at `out/model` and the colour and
+    tone tasks' data (`out/colors`, `out/tones`), made in this process by the project's own
+    builders."""
     from relax_slurm.tiny.media_tasks import write_colors, write_tones
-    from relax_slurm.tiny.multimodal import build_omni3
+    from relax_slurm.tiny.multimodal import build_multimodal
 
-    build_omni3(out / "model")
+    build_multimodal(kind, out / "model")
     write_colors(out / "colors")
     write_tones(out / "tones")
     return out

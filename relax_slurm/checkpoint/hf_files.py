@@ -28,6 +28,8 @@ ASSET_PATTERNS = (
     "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
     "chat_template.json", "generation_config.json", "preprocessor_config.json",
     "processor_config.json", "*.py",
+    # Qwen2.5-Omni's speakers: transformers' from_pretrained of it refuses a directory without
+    "spk_dict.pt",
 )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from relax_slurm import modeling
 from relax_slurm.checkpoint import find_latest
 from relax_slurm.config import TrainConfig
 from relax_slurm.config.cross_checks import adapter_sync_blockers
@@ -38,6 +39,7 @@ def check_inputs(cfg: TrainConfig) -> None:
                     f"{key}: {f} does not exist. For the demo data run "
                     "`python tools/prepare_data.py --out tiny`"
                 )
+    check_trainer_takes(cfg)
     check_teacher(cfg)
     check_judge(cfg)
     check_sglang_serves(cfg)
@@ -66,6 +68,18 @@ def say_lora_sync(cfg: TrainConfig) -> None:
     else:
         say("model.lora: each weight sync sends merged weights (model.path + adapter), "
             f"because {'; '.join(adapter_sync_blockers(cfg.model, cfg.rollout))}")
+
+
+def check_trainer_takes(cfg: TrainConfig) -> None:
+    """trainer=torch runs the model's own forward; an Omni model's whole model has none (its
+    thinker's is what trains): refused here, not as a TypeError in the first step."""
+    if cfg.trainer.backend == "torch" and modeling.has_thinker(cfg.model.path):
+        raise ConfigError(
+            f"model.path={cfg.model.path}: an Omni model (its config.json has a "
+            "thinker_config) trains under trainer=megatron only: trainer=torch calls the whole "
+            "model's forward, which Qwen2.5-Omni and Qwen3-Omni leave unimplemented (their "
+            "thinker generates and trains). Fix: trainer=megatron "
+            "(docs/backends.md#multimodal-models)")
 
 
 def check_teacher(cfg: TrainConfig) -> None:

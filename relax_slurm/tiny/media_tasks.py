@@ -155,6 +155,23 @@ def prepare(out: Path, task: str, n_train: int = 2000, n_test: int = 200, seed: 
     return paths
 
 
+def mix_rows(folder: Path, tasks: dict[str, str], out: Path, split: str = "train",
+             seed: int = 0) -> Path:
+    """The `split` rows of `tasks` (task -> its media column, each task prepared in `folder`)
+    shuffled into one file `out`: each row with every column (an empty list for the other
+    kinds), its id prefixed with its task, its media paths made absolute (so `out` may live
+    anywhere). The mixed image + audio rows the omni thinker trains on."""
+    rows = []
+    for task, column in tasks.items():
+        for line in (folder / f"{task}_{split}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            row[column] = [str(folder / x) for x in row[column]]
+            rows.append({**{c: [] for c in tasks.values()}, **row, "id": f"{task}-{row['id']}"})
+    random.Random(seed).shuffle(rows)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory to write files into")

@@ -120,9 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--intermediate-size", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kind", choices=["text", "moe", "vl", "vl3", "vl3moe", "audio", "omni3"],
+    parser.add_argument("--kind", choices=["text", "moe", "vl", "vl3", "vl3moe", "audio", "omni3",
+                                           "omni25"],
                         default="text", help="text: Qwen3; moe: Qwen3-MoE; vl: Qwen2.5-VL; "
-                        "vl3: Qwen3-VL; vl3moe: Qwen3-VL-MoE; audio: Qwen2-Audio; omni3: Qwen3-Omni")
+                        "vl3: Qwen3-VL; vl3moe: Qwen3-VL-MoE; audio: Qwen2-Audio; omni3: "
+                        "Qwen3-Omni; omni25: Qwen2.5-Omni")
     args = parser.parse_args(argv)
     if args.kind not in ("text", "moe"):
         from relax_slurm.tiny.multimodal import build_multimodal

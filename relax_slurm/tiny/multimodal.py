@@ -5,6 +5,7 @@
     python tools/make_tiny_model.py --out tiny/vl3moe_model --kind vl3moe
     python tools/make_tiny_model.py --out tiny/audio_model --kind audio
     python tools/make_tiny_model.py --out tiny/omni3_model --kind omni3
+    python tools/make_tiny_model.py --out tiny/omni25_model --kind omni25
 
 - `vl`: `Qwen2_5_VLForConditionalGeneration` (text: hidden 64, 2 layers, M-RoPE sections
   [2, 3, 3]; vision: one block of width 32, patch 14, 2x2 merge) and a `Qwen2VLImageProcessor`
@@ -41,6 +42,15 @@
   lack; `data/processor.py` falls back to those two). Transformers 5 renames the thinker's
   parts in memory, `thinker.model.audio_tower.*`, while the files and SGLang say
   `thinker.audio_tower.*`.
+- `omni25`: `Qwen2_5OmniForConditionalGeneration`, the whole model as Qwen2.5-Omni ships: a
+  thinker (text: Qwen2's layout, hidden 32, 2 layers, sectioned M-RoPE [1, 1, 2] over head_dim
+  8, vocabulary rounded up to even for TP=2; one-layer audio encoder of width 16 over 16 mel
+  bins in 100-frame windows, Qwen2-Audio's token count; one-block vision encoder of patch 14,
+  2x2 merge), a one-layer talker and a tiny token2wav (DiT + BigVGAN), `spk_dict.pt` (one
+  speaker, which transformers' from_pretrained always loads), Qwen2.5-Omni's own media tokens
+  (`<|vision_bos|><|IMAGE|><|vision_eos|>`, `<|VIDEO|>`, `<|audio_bos|><|AUDIO|><|audio_eos|>`)
+  and a `preprocessor_config.json` of `omni3`'s kind with `vl`'s image processor (patch 14,
+  28x28..56x56 pixels) and `processor_class` `Qwen2_5OmniProcessor`.
 
 All share the character tokenizer of relax_slurm/tiny/tokenizer.py plus the model's own special
 tokens (`<|vision_start|><|image_pad|><|vision_end|>`, `<|audio_bos|><|AUDIO|><|audio_eos|>`).
@@ -230,32 +240,36 @@ def build_omni3(out: Path, seed: int = 0, deepstack_layers: int = 1) -> str:
     return line
 
 
-def _name_omni_tokens(out: Path) -> None:
-    """tokenizer_config.json's names of the media tokens, as Qwen's released Qwen3-Omni has
-    them: transformers' Qwen3OmniMoeProcessor reads them from the tokenizer (SGLang builds
-    it; the project's own processing reads the ids from config.json)."""
+def _name_omni_tokens(out: Path, tokens: list[str] = VISION_TOKENS + AUDIO_TOKENS) -> None:
+    """tokenizer_config.json's names of the media tokens (`tokens`: vision start, end, image,
+    video pads, then audio start, pad, end), as Qwen's released Omni models have them:
+    transformers' Omni processors read them from the tokenizer (SGLang builds them; the
+    project's own processing reads the ids from config.json)."""
     import json
 
     path = out / "tokenizer_config.json"
     config = json.loads(path.read_text())
-    config.update(image_token=VISION_TOKENS[2], video_token=VISION_TOKENS[3],
-                  audio_token=AUDIO_TOKENS[1], vision_bos_token=VISION_TOKENS[0],
-                  vision_eos_token=VISION_TOKENS[1], audio_bos_token=AUDIO_TOKENS[0],
-                  audio_eos_token=AUDIO_TOKENS[2])
+    config.update(image_token=tokens[2], video_token=tokens[3], audio_token=tokens[5],
+                  vision_bos_token=tokens[0], vision_eos_token=tokens[1],
+                  audio_bos_token=tokens[4], audio_eos_token=tokens[6])
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _save_omni_preprocessor(out: Path) -> None:
-    """Qwen3-Omni's one preprocessor_config.json: the image processor's keys and the feature
-    extractor's side by side (no key in common), as the released model's file has them."""
+def _save_omni_preprocessor(out: Path, patch_size: int = 16,
+                            pixels: tuple[int, int] = (VL3_MIN_PIXELS, VL3_MAX_PIXELS),
+                            processor_class: str = "Qwen3OmniMoeProcessor",
+                            mean_std: float | None = 0.5) -> None:
+    """An Omni model's one preprocessor_config.json: the image processor's keys and the
+    feature extractor's side by side (no key in common), as the released models' files have
+    them (Qwen3-Omni's by default; Qwen2.5-Omni's: patch 14, CLIP's mean and std)."""
     import json
     import tempfile
 
     from transformers import Qwen2VLImageProcessorPil, WhisperFeatureExtractor
 
+    norm = {} if mean_std is None else dict(image_mean=[mean_std] * 3, image_std=[mean_std] * 3)
     parts = {"image": Qwen2VLImageProcessorPil(
-                 patch_size=16, min_pixels=VL3_MIN_PIXELS, max_pixels=VL3_MAX_PIXELS,
-                 image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]),
+                 patch_size=patch_size, min_pixels=pixels[0], max_pixels=pixels[1], **norm),
              "audio": WhisperFeatureExtractor(feature_size=MEL_BINS, chunk_length=AUDIO_SECONDS,
                                               sampling_rate=16000, return_attention_mask=True)}
     merged: dict = {}
@@ -265,11 +279,66 @@ def _save_omni_preprocessor(out: Path) -> None:
             keys = json.loads((Path(tmp) / name / "preprocessor_config.json").read_text())
             assert not set(keys) & set(merged), sorted(set(keys) & set(merged))
             merged.update(keys)
-    merged["processor_class"] = "Qwen3OmniMoeProcessor"
+    merged["processor_class"] = processor_class
     (out / "preprocessor_config.json").write_text(json.dumps(merged, indent=2, sort_keys=True)
                                                   + "\n")
 
 
+# Qwen2.5-Omni's own names of the media tokens (its processor's; data/processor.py knows both)
+OMNI25_TOKENS = ["<|vision_bos|>", "<|vision_eos|>", "<|IMAGE|>", "<|VIDEO|>"] + AUDIO_TOKENS
+
+
+def build_omni25(out: Path, seed: int = 0) -> str:
+    """The whole model as Qwen2.5-Omni ships (thinker, talker, token2wav, spk_dict.pt)."""
+    import torch
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+
+    tok = _tokenizer(OMNI25_TOKENS)
+    start, end, image, video, audio_start, audio, audio_end = tok.convert_tokens_to_ids(
+        OMNI25_TOKENS)
+    ids = dict(audio_token_index=audio, image_token_index=image, video_token_index=video,
+               vision_start_token_id=start, vision_end_token_id=end,
+               audio_start_token_id=audio_start, audio_end_token_id=audio_end)
+    # sectioned M-RoPE (Qwen2-VL's, not Qwen3's interleaving) over head_dim 8: t 1, h 1, w 2
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]}
+    text = dict(vocab_size=len(tok) + len(tok) % 2, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512, rope_parameters=rope, tie_word_embeddings=False)
+    thinker = dict(
+        text_config=text,
+        audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2,
+                          encoder_ffn_dim=32, output_dim=32, num_mel_bins=MEL_BINS,
+                          max_source_positions=AUDIO_SECONDS * 50, n_window=50),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                           out_hidden_size=32, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, window_size=56, fullatt_block_indexes=[0]),
+        **ids)
+    talker = dict(vocab_size=64, embedding_size=32, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  rope_parameters=rope, tts_text_start_token_id=0, tts_text_end_token_id=1,
+                  tts_text_pad_token_id=2, tts_codec_start_token_id=60,
+                  tts_codec_end_token_id=61, tts_codec_pad_token_id=62,
+                  tts_codec_mask_token_id=63, **ids)
+    token2wav = dict(
+        dit_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                        emb_dim=16, enc_emb_dim=16, enc_dim=16, enc_channels=[16, 16, 16, 16, 48],
+                        enc_attention_channels=8, enc_se_channels=8, num_embeds=65,
+                        mel_dim=MEL_BINS, look_ahead_layers=[0], look_backward_layers=[0]),
+        bigvgan_config=dict(mel_dim=MEL_BINS, upsample_initial_channel=16, upsample_rates=[2, 2],
+                            upsample_kernel_sizes=[4, 4], resblock_kernel_sizes=[3],
+                            resblock_dilation_sizes=[[1, 3, 5]]))
+    config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker,
+                               token2wav_config=token2wav, enable_audio_output=True)
+    line = _save(Qwen2_5OmniForConditionalGeneration, config, tok, out, seed)
+    # the speakers transformers' from_pretrained always loads (used only to speak)
+    torch.save({"Chelsie": {"cond": torch.zeros(1, 16), "ref_mel": torch.zeros(1, 30, MEL_BINS),
+                            "bos_token": 60}}, out / "spk_dict.pt")
+    _save_omni_preprocessor(out, patch_size=14, pixels=(MIN_PIXELS, MAX_PIXELS),
+                            processor_class="Qwen2_5OmniProcessor", mean_std=None)
+    _name_omni_tokens(out, OMNI25_TOKENS)
+    return line
+
+
 def build_multimodal(kind: str, out: Path, seed: int = 0) -> str:
     return {"vl": build_vl, "vl3": build_vl3, "vl3moe": build_vl3moe, "audio": build_audio,
-            "omni3": build_omni3}[kind](out, seed)
+            "omni3": build_omni3, "omni25": build_omni25}[kind](out, seed)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from relax_slurm.tiny.media_tasks import mix_rows
 from tests.conftest import NEEDS_MEGATRON, run_tool
 from tests.helpers_tiny import convert_final
 
@@ -26,7 +27,8 @@ def assets(tmp_path_factory) -> Path:
     DIR/tones/*.wav, DIR/sounding_*.jsonl + DIR/sounding/*.mkv (the scripts' own code, in this
     process: ~4 s)."""
     out = tmp_path_factory.mktemp("omni")
-    run_tool("make_tiny_model.py", "--out", str(out / "omni3_model"), "--kind", "omni3")
+    for kind in ("omni3", "omni25"):
+        run_tool("make_tiny_model.py", "--out", str(out / f"{kind}_model"), "--kind", kind)
     for task in ("colors", "tones", "sounding"):
         run_tool("prepare_mm_data.py", "--out", str(out), "--task", task)
     return out
@@ -51,26 +53,15 @@ HEARD_VIDEOS = ({**IMAGES_AND_SOUNDS, "sounding": "videos"},
                  "debug.dump_rollouts=true"))
 # (at TP=2 with trainer.towers=split: each rank encodes half of a micro-batch's images and
 # audios, the features all-gathered, tower_split.py; parity: test_megatron_vl.py's *_split rows)
-LAYOUTS = {"tp2": (("trainer.tensor_parallel_size=2", "trainer.towers=split", *HEARD_VIDEOS[1]),
-                   HEARD_VIDEOS[0]),
-           "ep2": (("trainer.expert_parallel_size=2",), IMAGES_AND_SOUNDS)}
-
-
-def omni_rows(assets: Path, out: Path, tasks: dict[str, str]) -> Path:
-    """The rows of `tasks` (task -> its media column) in one shuffled file, each row with every
-    column (an empty list for the other kinds), ids prefixed with the task, media paths made
-    absolute."""
-    import random
-
-    rows = []
-    for task, column in tasks.items():
-        for line in (assets / f"{task}_train.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            row[column] = [str(assets / x) for x in row[column]]
-            rows.append({**{c: [] for c in tasks.values()}, **row, "id": f"{task}-{row['id']}"})
-    random.Random(0).shuffle(rows)
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return out
+LAYOUTS = {"tp2": ("omni3", ("trainer.tensor_parallel_size=2", "trainer.towers=split",
+                             *HEARD_VIDEOS[1]), HEARD_VIDEOS[0]),
+           "ep2": ("omni3", ("trainer.expert_parallel_size=2",), IMAGES_AND_SOUNDS),
+           # the tiny Qwen2.5-Omni thinker (dense: TP=2 without sequence parallelism; the
+           # project's omni25 bridge) on image and audio rows, the towers split. Its videos'
+           # placement and TMRoPE positions: test_megatron_vl.py's omni25_* rows (with the
+           # sounding clips mixed in it reached only 0.04 by step 24)
+           "omni25_tp2": ("omni25", ("trainer.tensor_parallel_size=2", "trainer.towers=split"),
+                          IMAGES_AND_SOUNDS)}
 
 
 @pytest.mark.timeout(900)
@@ -96,9 +87,9 @@ def test_tiny_omni_learns_under_megatron_and_converts(assets, tmp_path, layout):
     from relax_slurm.data.processor import MediaProcessor
     from tests.conftest import REPO, run_env
 
-    model, run_dir = assets / "omni3_model", tmp_path / "run"
-    overrides, tasks = LAYOUTS[layout]
-    data = omni_rows(assets, tmp_path / "omni_train.jsonl", tasks)
+    kind, overrides, tasks = LAYOUTS[layout]
+    model, run_dir = assets / f"{kind}_model", tmp_path / "run"
+    data = mix_rows(assets, tasks, tmp_path / "omni_train.jsonl")
     proc = subprocess.run(
         [sys.executable, "-m", "relax_slurm.launch.cli", "experiment=tiny_vl_cpu",
          f"run_dir={run_dir}", f"model.path={model}", f"data.train_files=[{data}]",
@@ -110,11 +101,14 @@ def test_tiny_omni_learns_under_megatron_and_converts(assets, tmp_path, layout):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert log.count("weights verified bit for bit") == OMNI_STEPS + 1  # the start, each step
-    assert ("each of the 2 TP ranks encodes its share" in log) == (layout == "tp2")
+    assert ("each of the 2 TP ranks encodes its share" in log) == ("trainer.towers=split"
+                                                                   in overrides)
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == OMNI_STEPS
-    assert summary["reward_last"] >= summary["reward_first"] + OMNI_RISE, summary
+    # the last 4 steps' mean: one step's reward of 512 samples swings by ~0.1 once it rises
+    late = sum(r["rollout/reward_mean"] for r in rows[-4:]) / 4
+    assert late >= summary["reward_first"] + OMNI_RISE, [r["rollout/reward_mean"] for r in rows]
     # float32 on both sides, the weights verified equal (measured ~1e-7): the trainer placed
     # the images' and audios' features and positions as the engine's thinker did
     assert all(r["train/rollout_train_logprob_diff"] < 1e-3 for r in rows), rows[0]
@@ -128,11 +122,13 @@ def test_tiny_omni_learns_under_megatron_and_converts(assets, tmp_path, layout):
     exported, converted = convert_final(run_dir, out, OMNI_STEPS)
     initial = load_file(str(model / "model.safetensors"))
     thinker = sorted(n for n in initial if n.startswith("thinker."))
-    assert sorted(converted) == sorted(exported) == thinker  # no talker, no code2wav
+    # no talker, no code2wav (Qwen2.5-Omni: token2wav)
+    assert sorted(converted) == sorted(exported) == thinker
     for k in exported:
         assert torch.equal(converted[k], exported[k]), k
-    expert = "thinker.model.layers.0.mlp.experts.3.gate_proj.weight"
-    assert not torch.equal(converted[expert], initial[expert])  # the experts trained
+    trained = {"omni3": "thinker.model.layers.0.mlp.experts.3.gate_proj.weight",
+               "omni25": "thinker.model.layers.0.mlp.gate_proj.weight"}[kind]
+    assert not torch.equal(converted[trained], initial[trained])  # the experts trained
 
     loaded = AutoModelForMultimodalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert not loaded.has_talker  # its config says enable_audio_output: false

@@ -13,13 +13,13 @@ own copy of the prompt's media) against the all-gather of their features.
 
 from __future__ import annotations
 
-import json
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 from common import REPO, Run, relax_train, spread
+
+from relax_slurm.tiny.media_tasks import mix_rows
 
 MODES = ("replicated", "split")
 TASKS = {"colors": "images", "tones": "audios"}
@@ -32,18 +32,11 @@ def make_omni(out: Path) -> tuple[Path, Path]:
         subprocess.run([sys.executable, "tools/make_tiny_model.py", "--out", str(model),
                         "--kind", "omni3"], cwd=REPO, check=True, capture_output=True)
     if not data.exists():
-        rows = []
-        for task, column in TASKS.items():
+        for task in TASKS:
             if not (out / f"{task}_train.jsonl").exists():
                 subprocess.run([sys.executable, "tools/prepare_mm_data.py", "--out", str(out),
                                 "--task", task], cwd=REPO, check=True, capture_output=True)
-            for line in (out / f"{task}_train.jsonl").read_text().splitlines():
-                row = json.loads(line)
-                row[column] = [str(out / x) for x in row[column]]
-                rows.append({**{c: [] for c in TASKS.values()}, **row,
-                             "id": f"{task}-{row['id']}"})
-        random.Random(0).shuffle(rows)
-        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        mix_rows(out, TASKS, data)
     return model, data
 
 

@@ -64,7 +64,7 @@ class Qwen2AudioBridge(MegatronModelBridge):
         config = hf_pretrained.config
         text = config.text_config
         kwargs = self.hf_config_to_provider_kwargs(text)
-        config.audio_config.torch_dtype = kwargs.get("params_dtype", torch.float32)
+        config.audio_config.dtype = kwargs.get("params_dtype", torch.float32)
         p = Qwen2AudioProvider(**kwargs)
         # Qwen2's layout (megatron-bridge's Qwen2Bridge.provider_bridge)
         p.normalization, p.gated_linear_unit, p.position_embedding_type = "RMSNorm", True, "rope"

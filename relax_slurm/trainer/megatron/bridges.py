@@ -1,6 +1,7 @@
 """The project's own megatron-bridge bridges, for models megatron-bridge 0.3.1 has none for:
-Qwen3-Omni's thinker (omni_bridge.py) and Qwen2-Audio (audio_bridge.py). Each registers with
-megatron-bridge's dispatch when its module is imported."""
+Qwen3-Omni's thinker (omni_bridge.py), Qwen2.5-Omni's (omni25_bridge.py) and Qwen2-Audio
+(audio_bridge.py). Each registers with megatron-bridge's dispatch when its module is
+imported."""
 
 from __future__ import annotations
 
@@ -12,4 +13,6 @@ def register() -> None:
     from relax_slurm.trainer.megatron import cpu_compat
 
     cpu_compat.import_bridge()
-    from relax_slurm.trainer.megatron import audio_bridge, omni_bridge  # noqa: F401 - register
+    from relax_slurm.trainer.megatron import (  # noqa: F401 - register
+        audio_bridge, omni25_bridge, omni_bridge,
+    )

@@ -86,7 +86,7 @@ class Qwen3OmniThinkerBridge(MegatronModelBridge):
                               "megatron router equivalent. Fix: trainer=torch")
         kwargs = self.hf_config_to_provider_kwargs(text)
         dtype = kwargs.get("params_dtype", torch.float32)
-        thinker.vision_config.torch_dtype = thinker.audio_config.torch_dtype = dtype
+        thinker.vision_config.dtype = thinker.audio_config.dtype = dtype
         p = OmniThinkerProvider(**kwargs)
         p.normalization, p.gated_linear_unit, p.qk_layernorm = "RMSNorm", True, True
         p.add_qkv_bias, p.add_bias_linear = bool(getattr(text, "attention_bias", False)), False

@@ -11,13 +11,19 @@ AUDIO_KEYS = ("input_features", "feature_attention_mask")
 MEDIA_KINDS = frozenset({"image", "video", "audio"})
 
 
-def hf_prefix_to_megatron(prefix: str) -> str | None:
-    """A `trainer.freeze_modules` prefix of the Omni thinker, in transformers' names or the
+TOWERS = {"visual": "vision_model", "audio_tower": "audio_model"}
+"""The thinker's towers (HF name -> the megatron model's): Qwen3-Omni's (omni_model.py);
+Qwen2.5-Omni's keep their HF names (omni25_model.py)."""
+
+
+def hf_prefix_to_megatron(prefix: str, towers: dict[str, str] = TOWERS) -> str | None:
+    """A `trainer.freeze_modules` prefix of an Omni thinker, in transformers' names or the
     files' (the preset's `thinker.audio_tower`, `thinker.visual`) -> the megatron model's;
     None if it is not one."""
-    for hf, mg in (("thinker.model.visual", "vision_model"), ("thinker.visual", "vision_model"),
-                   ("thinker.model.audio_tower", "audio_model"),
-                   ("thinker.audio_tower", "audio_model"),
+    for hf, mg in (("thinker.model.visual", towers["visual"]),
+                   ("thinker.visual", towers["visual"]),
+                   ("thinker.model.audio_tower", towers["audio_tower"]),
+                   ("thinker.audio_tower", towers["audio_tower"]),
                    ("thinker.model.language_model", "language_model"),
                    ("thinker.lm_head", "language_model.output_layer")):
         if prefix == hf or prefix.startswith(hf + "."):

@@ -1,4 +1,5 @@
-"""Qwen3-Omni thinker's M-RoPE positions for trainer=megatron (omni.py's forward).
+"""The Omni thinkers' M-RoPE positions for trainer=megatron (omni_model.py's forward,
+Qwen3-Omni; omni25_model.py's, Qwen2.5-Omni, by its own transformers function, the same rules).
 
 The positions are transformers 5's own `get_rope_index` of Qwen3-Omni (run on a shim holding
 only the thinker's config), so they are the reference's by construction: text runs count by one;
@@ -65,3 +66,29 @@ def media_markers_only(thinker_config, input_ids: Tensor) -> Tensor:
     unpaired = (((input_ids == c.vision_start_token_id) & ~vision)
                 | ((input_ids == c.audio_start_token_id) & (after != c.audio_token_id)))
     return input_ids.masked_fill(unpaired, -1) if bool(unpaired.any()) else input_ids
+
+
+def omni25_rope_index(thinker_config, input_ids: Tensor, attention_mask: Tensor | None = None,
+                      *, image_grid_thw: Tensor | None = None,
+                      video_grid_thw: Tensor | None = None,
+                      audio_feature_lengths: Tensor | None = None,
+                      second_per_grid: Tensor | None = None) -> Tensor:
+    """Qwen2.5-Omni's thinker's TMRoPE positions [3, B, T] of right-padded rows, by transformers'
+    Qwen2_5OmniPreTrainedModelForConditionalGeneration.get_rope_index (the arguments as
+    `omni_rope_index`'s; sampled start markers read as text the same way)."""
+    import torch
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniPreTrainedModelForConditionalGeneration as HF,
+    )
+
+    if attention_mask is None or attention_mask.dim() != 2:
+        attention_mask = torch.ones_like(input_ids)
+    shim = types.SimpleNamespace(config=thinker_config,
+                                 spatial_merge_size=thinker_config.vision_config.spatial_merge_size)
+    for name in ("get_llm_pos_ids_for_vision", "get_chunked_index"):
+        setattr(shim, name, types.MethodType(getattr(HF, name), shim))
+    positions, _ = HF.get_rope_index(
+        shim, media_markers_only(thinker_config, input_ids), image_grid_thw, video_grid_thw,
+        attention_mask, use_audio_in_video=False, audio_seqlens=audio_feature_lengths,
+        second_per_grids=second_per_grid)
+    return positions

@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 REPLICATED, SPLIT = "replicated", "split"
-PLACEMENTS = (REPLICATED, SPLIT)
 
 
 def blocks(rows: Sequence[int], parts: int) -> list[tuple[int, int]]:

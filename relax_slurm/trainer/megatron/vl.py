@@ -1,6 +1,7 @@
 """Multimodal models under trainer=megatron: Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (its
 experts: vl_moe.py), built by megatron-bridge 0.3.1 (megatron/bridge/models/qwen_vl/); the
-Qwen3-Omni thinker and Qwen2-Audio by the project's bridges (omni*.py, audio_*.py).
+Qwen3-Omni and Qwen2.5-Omni thinkers and Qwen2-Audio by the project's bridges (omni_*.py,
+omni25_*.py, audio_*.py).
 
 The bridge's VL code was written against transformers 4 and for transformer-engine; `apply()`
 installs small overrides, each naming the upstream line it works around (idempotent). The
@@ -25,28 +26,21 @@ QWEN3 = "qwen3_vl"
 QWEN3_MOE = "qwen3_vl_moe"  # experts: vl_moe.py
 OMNI = omni_names.MODEL_TYPE  # Qwen3-Omni's thinker: omni.py
 AUDIO = "qwen2_audio"  # Qwen2-Audio: audio_model.py
-SUPPORTED = (QWEN25, QWEN3, QWEN3_MOE, OMNI, AUDIO)
-
-# model_type -> why trainer=megatron refuses it (the fix: trainer=torch)
-REFUSED = {
-    "qwen2_5_omni": "megatron-bridge 0.3.1 has no Qwen2.5-Omni bridge",
-}
+OMNI25 = "qwen2_5_omni"  # Qwen2.5-Omni's thinker: omni25_model.py
+SUPPORTED = (QWEN25, QWEN3, QWEN3_MOE, OMNI, AUDIO, OMNI25)
 
 
 def kind(hf_config) -> str | None:
-    """QWEN25/QWEN3/QWEN3_MOE/OMNI/AUDIO for a supported multimodal model, None for a text decoder;
-    ConfigError for a multimodal model trainer=megatron cannot train."""
+    """QWEN25/QWEN3/QWEN3_MOE/OMNI/AUDIO/OMNI25 for a supported multimodal model, None for a
+    text decoder; ConfigError for a multimodal model trainer=megatron cannot train."""
     model_type = getattr(hf_config, "model_type", "")
     if model_type in SUPPORTED:
         return model_type
-    if model_type in REFUSED:
-        raise ConfigError(f"trainer=megatron: {REFUSED[model_type]}. Fix: trainer=torch "
-                          "trainer.strategy=fsdp2 (what a megatron bridge for it would need: "
-                          "docs/backends.md#multimodal-models)")
-    if getattr(hf_config, "vision_config", None) is not None or hasattr(hf_config, "audio_config"):
+    if (getattr(hf_config, "vision_config", None) is not None or hasattr(hf_config, "audio_config")
+            or hasattr(hf_config, "thinker_config")):
         raise ConfigError(
-            "trainer=megatron trains Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3-Omni and "
-            "Qwen2-Audio among "
+            "trainer=megatron trains Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3-Omni, "
+            "Qwen2.5-Omni and Qwen2-Audio among "
             f"multimodal models, not model_type={model_type!r}. Fix: trainer=torch "
             "(docs/backends.md#multimodal-models)")
     return None
@@ -318,23 +312,24 @@ def media_keys(model_kind: str) -> tuple[str, ...]:
     Qwen2-Audio audio alone."""
     if model_kind == AUDIO:
         return omni_names.AUDIO_KEYS
-    if model_kind == OMNI:  # its thinker's name for the seconds (data/processor.py)
+    if model_kind in (OMNI, OMNI25):  # the thinkers' name for the seconds (data/processor.py)
         return IMAGE_KEYS + VIDEO_KEYS[:2] + ("video_second_per_grid",) + omni_names.AUDIO_KEYS
     return IMAGE_KEYS + (VIDEO_KEYS if model_kind == QWEN25 else VIDEO_KEYS[:2])
 
 
 def check_media(model_kind: str, media_kinds) -> None:
     """ConfigError when the run's `data.multimodal_keys` has media this model's megatron
-    forward does not take (audio: Qwen3-Omni's and Qwen2-Audio's only; Qwen2-Audio takes
+    forward does not take (audio: the Omni thinkers' and Qwen2-Audio's only; Qwen2-Audio takes
     nothing else). The config admits image, video and audio (cross_checks.py); this runs once
     the model's kind is known."""
-    takes = {OMNI: omni_names.MEDIA_KINDS, AUDIO: {"audio"}}.get(model_kind, {"image", "video"})
+    takes = {OMNI: omni_names.MEDIA_KINDS, OMNI25: omni_names.MEDIA_KINDS,
+             AUDIO: {"audio"}}.get(model_kind, {"image", "video"})
     unknown = set(media_kinds) - takes
     if unknown:
         raise ConfigError(
             f"trainer=megatron feeds {model_kind} {' and '.join(sorted(takes))}, not "
-            f"{sorted(unknown)} (data.multimodal_keys; audio: Qwen3-Omni and Qwen2-Audio "
-            "only). Fix: trainer=torch (docs/backends.md#multimodal-models)")
+            f"{sorted(unknown)} (data.multimodal_keys; audio: Qwen3-Omni, Qwen2.5-Omni and "
+            "Qwen2-Audio only). Fix: trainer=torch (docs/backends.md#multimodal-models)")
 
 
 def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | None,
@@ -350,11 +345,12 @@ def forward(model_kind: str, chunk, input_ids: Tensor, attention_mask: Tensor | 
     if model_kind == AUDIO:  # 1-D RoPE: positions 0..T-1, the causal mask the whole mask
         causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).triu(1)
         return chunk(input_ids=input_ids, attention_mask=causal.view(1, 1, T, T), **kw)
-    if model_kind == QWEN25:
+    if model_kind in (QWEN25, OMNI25):  # Qwen2's language model: the causal mask given
         pad = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).triu(1)
+        if model_kind == QWEN25:
+            kw["mm_token_type_ids"] = token_types(chunk_config(chunk), input_ids)
         return chunk(input_ids=input_ids, attention_mask=causal.view(1, 1, T, T),
-                     mm_token_type_ids=token_types(chunk_config(chunk), input_ids),
                      pad_mask=pad, **kw)
     # Qwen3-VL (_qwen3_forward) and Qwen3-Omni (omni_model.py): no mask means the layers'
     # causal mask (rows right-padded); the padding only shapes the M-RoPE positions
@@ -374,6 +370,9 @@ def hf_prefix_to_megatron(model_kind: str, prefix: str) -> str:
     -> the megatron model's parameter prefix."""
     if model_kind == OMNI:
         return omni_names.hf_prefix_to_megatron(prefix) or prefix
+    if model_kind == OMNI25:  # the towers keep their HF names (omni25_bridge.py)
+        return omni_names.hf_prefix_to_megatron(
+            prefix, {"visual": "visual", "audio_tower": "audio_tower"}) or prefix
     if model_kind == AUDIO:  # transformers 5's names in memory, and the files' names
         pairs = (("model.audio_tower", "audio_tower"),
                  ("model.multi_modal_projector", "multi_modal_projector"),

@@ -1,10 +1,11 @@
 """torchrun --nproc-per-node N megatron_vl_parity.py --model-dir D --tp T [--ep E] --out DIR
 
-A tiny Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3-Omni thinker / Qwen2-Audio under
-trainer=megatron on gloo (relax_slurm/trainer/megatron/vl.py, vl_moe.py, omni*.py, audio_*.py);
-rank 0 writes DIR/result.json with, against the transformers model on two right-padded rows
-with images of different sizes (Qwen3-Omni: also an audio in each row and a video in one,
-`omni_inputs`; Qwen2-Audio: an audio of its own length in each row, `audio_inputs`):
+A tiny Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3-Omni thinker / Qwen2.5-Omni thinker /
+Qwen2-Audio under trainer=megatron on gloo (relax_slurm/trainer/megatron/vl.py, vl_moe.py,
+omni*.py, audio_*.py); rank 0 writes DIR/result.json with, against the transformers model on
+two right-padded rows with images of different sizes (the Omni thinkers: also an audio in each
+row and a video in one, `omni_inputs`, `omni25_inputs`; Qwen2-Audio: an audio of its own
+length in each row, `audio_inputs`):
 - the largest logit difference on the rows' tokens (MegatronModel.forward with the media,
   a video too: Qwen2.5-VL's placed and spaced in time by M-RoPE's second_per_grid_ts,
   Qwen3-VL's one run of pads per frame after the frame's timestamp text, as its processor
@@ -118,6 +119,47 @@ def omni_inputs(path: str):
     return ids, mask, media
 
 
+OMNI25_AUDIO_FRAMES = (130, 37)  # mel frames, in the encoder's 100-frame windows: 32 and 9 tokens
+
+
+def omni25_inputs(path: str):
+    """Two right-padded rows for the tiny Qwen2.5-Omni thinker, laid out as its processor lays
+    them (<|vision_bos|> pads <|vision_eos|>, <|audio_bos|> pads <|audio_eos|>): row 0 text,
+    an image, text, an audio, text; row 1 an image, text, a video (spaced in time by its
+    video_second_per_grid: TMRoPE's 25 positions a second), an audio, text. Pixels and mel
+    features random: both models take the same tensors."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok, cfg = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path).thinker_config
+    vision = cfg.vision_config
+    g = torch.Generator().manual_seed(17)
+    dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    grids = torch.tensor([[1, 4, 4], [1, 2, 4]])
+    clip = video(vision)
+    clip["video_second_per_grid"] = clip.pop("second_per_grid_ts")  # the thinker's own name
+    frames = torch.tensor(OMNI25_AUDIO_FRAMES)
+    width = cfg.audio_config.max_source_positions * 2  # the processor pads to 2 s
+    feature_mask = (torch.arange(width)[None] < frames[:, None]).long()
+    mel = torch.randn(len(frames), cfg.audio_config.num_mel_bins, width,
+                      generator=g) * feature_mask[:, None]
+    media = {"pixel_values": torch.randn(int(grids.prod(-1).sum()), dim, generator=g),
+             "image_grid_thw": grids, **clip, "input_features": mel,
+             "feature_attention_mask": feature_mask}
+    n_img = (grids.prod(-1) // 4).tolist()
+    n_audio = (((frames - 1) // 2 + 1 - 2) // 2 + 1).tolist()
+    S, E, I, V = (cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id,
+                  cfg.video_token_id)
+    AS, A, AE = cfg.audio_start_token_id, cfg.audio_token_id, cfg.audio_end_token_id
+    txt = tok("ab cd", add_special_tokens=False)["input_ids"]
+    rows = [txt + [S] + [I] * n_img[0] + [E] + txt + [AS] + [A] * n_audio[0] + [AE] + txt,
+            txt[:2] + [S] + [I] * n_img[1] + [E] + txt + [S] + [V] * video_tokens(clip) + [E]
+            + [AS] + [A] * n_audio[1] + [AE] + txt]
+    T, pad = max(map(len, rows)), tok.pad_token_id or 0
+    ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
+    return ids, mask, media
+
+
 AUDIO_FRAMES = (200, 130)  # mel frames of 200 (2 s, the encoder's window): 50 and 33 tokens
 
 
@@ -149,7 +191,7 @@ def audio_inputs(path: str):
 def hf_kwargs(hf, ids, media: dict) -> dict:
     """The transformers model's media kwargs: VL models take `mm_token_type_ids` (1 image, 2
     video: their M-RoPE input); Qwen3-Omni's thinker and Qwen2-Audio the media alone."""
-    if hf.config.model_type.startswith(("qwen3_omni", "qwen2_audio")):
+    if hf.config.model_type.startswith(("qwen3_omni", "qwen2_5_omni", "qwen2_audio")):
         return dict(media)
     return {"mm_token_type_ids": vl.token_types(hf.config, ids), **media}
 
@@ -200,6 +242,12 @@ def main(argv: list[str]) -> None:
         hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
             args.model_dir, dtype=torch.float32).thinker
         ids, mask, media = omni_inputs(args.model_dir)
+    elif mm.vl == vl.OMNI25:
+        from transformers import Qwen2_5OmniForConditionalGeneration
+
+        hf = Qwen2_5OmniForConditionalGeneration.from_pretrained(
+            args.model_dir, dtype=torch.float32, enable_audio_output=False).thinker
+        ids, mask, media = omni25_inputs(args.model_dir)
     elif mm.vl == vl.AUDIO:
         from transformers import Qwen2AudioForConditionalGeneration
 
@@ -246,6 +294,14 @@ def main(argv: list[str]) -> None:
              "model.audio_tower.layers.0.self_attn.q_proj.weight"),
             ("multi_modal_projector.linear.weight",
              "model.multi_modal_projector.linear.weight")))
+    elif mm.vl == vl.OMNI25:  # q of its own in the vision blocks; the audio encoder's conv, query
+        result["vision_grads"] = tower_grads(params, hf_params, (
+            ("visual.patch_embed.proj.weight", "model.visual.patch_embed.proj.weight"),
+            ("visual.blocks.0.attn.q.weight", "model.visual.blocks.0.attn.q.weight")))
+        result["audio_grads"] = tower_grads(params, hf_params, (
+            ("audio_tower.conv1.weight", "model.audio_tower.conv1.weight"),
+            ("audio_tower.layers.0.self_attn.q_proj.weight",
+             "model.audio_tower.layers.0.self_attn.q_proj.weight")))
     else:
         result["vision_grads"] = vision_grads(chunk.module, params, hf_params)
     if mm.vl == vl.OMNI:

@@ -227,7 +227,9 @@ def test_qwen3_vl_video_tokens_are_its_processors(tiny_mm_assets: Path, tmp_path
     ("qwen2_5_vl", "transformers.Qwen2_5_VLForConditionalGeneration"),
     # what trainer=torch and the hf engine run of Qwen3-Omni: its thinker (modeling.py)
     ("qwen3_omni_moe", "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe."
-                       "Qwen3OmniMoeThinkerForConditionalGeneration")])
+                       "Qwen3OmniMoeThinkerForConditionalGeneration"),
+    ("qwen2_5_omni", "transformers.models.qwen2_5_omni.modeling_qwen2_5_omni."
+                     "Qwen2_5OmniThinkerForConditionalGeneration")])
 def test_the_videos_seconds_go_by_the_name_the_models_forward_takes(model_type, cls):
     """Under another name the tensor falls into the forward's **kwargs and the model spaces
     no frame in time (Qwen3-Omni's position code then indexes None)."""

@@ -95,10 +95,12 @@ def test_a_qwen3_vl_moe_sglang_cannot_load_as_transformers_does_is_refused(tmp_p
 def test_a_qwen3_vl_whose_interleaved_mrope_sglang_would_not_read_is_refused(tmp_path):
     """transformers always interleaves Qwen3-VL's and Qwen3-Omni's M-RoPE sections; SGLang only
     when the text rope settings say mrope_interleaved (else image prompts' log-probs differ):
-    refused with rollout=sglang without it, for a Qwen3-Omni's thinker too."""
+    refused with rollout=sglang without it, for a Qwen3-Omni's thinker too (trained under
+    trainer=megatron)."""
     import json
 
-    cfg, on_hf = cfg_for(tmp_path, "rollout=sglang"), cfg_for(tmp_path)
+    cfg, on_hf = (cfg_for(tmp_path, "rollout=sglang", "trainer=megatron"),
+                  cfg_for(tmp_path, "trainer=megatron"))
     (tmp_path / "d.jsonl").write_text('{"prompt": "3+3=", "label": "6"}\n')
     rope = {"rope_type": "default", "mrope_section": [4, 2, 2], "interleaved": True}
     config = tmp_path / "model" / "config.json"
@@ -115,3 +117,21 @@ def test_a_qwen3_vl_whose_interleaved_mrope_sglang_would_not_read_is_refused(tmp
             body["text_config"][key] = dict(rope, mrope_interleaved=True)
             config.write_text(json.dumps({"architectures": [arch], **nest(body)}))
             check_inputs(cfg)
+
+
+def test_an_omni_model_under_trainer_torch_is_refused_naming_megatron(tmp_path):
+    """Qwen2.5-Omni's and Qwen3-Omni's whole model has no forward (the thinker's trains): under
+    trainer=torch the first step failed with `_forward_unimplemented() got an unexpected
+    keyword argument 'input_ids'` after every role had started."""
+    import json
+
+    config = tmp_path / "model" / "config.json"
+    torch_cfg, megatron_cfg = cfg_for(tmp_path), cfg_for(tmp_path, "trainer=megatron")
+    (tmp_path / "d.jsonl").write_text('{"prompt": "3+3=", "label": "6"}\n')
+    config.write_text(json.dumps({"model_type": "qwen2_5_omni", "thinker_config": {}}))
+    with pytest.raises(ConfigError, match=r"model\.path=.*model: an Omni model .* trains under "
+                                          r"trainer=megatron only.*Fix: trainer=megatron"):
+        check_inputs(torch_cfg)
+    check_inputs(megatron_cfg)
+    config.write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": {}}))
+    check_inputs(torch_cfg)

@@ -62,6 +62,10 @@ def test_video_composes_and_every_vl_kind_takes_it():
     assert {"input_features", "feature_attention_mask", "video_second_per_grid"} <= set(
         vl.media_keys(vl.OMNI))
     assert video_seconds_key("qwen3_omni_moe") in vl.media_keys(vl.OMNI)
+    # Qwen2.5-Omni's thinker: the same media and names (omni25_model.py)
+    vl.check_media(vl.OMNI25, ["image", "video", "audio"])
+    assert video_seconds_key("qwen2_5_omni") in vl.media_keys(vl.OMNI25)
+    assert set(vl.media_keys(vl.OMNI25)) == set(vl.media_keys(vl.OMNI))
     assert video_seconds_key("qwen2_5_vl") in vl.media_keys(vl.QWEN25)
 
 
@@ -72,11 +76,14 @@ def test_qwen25_token_types():
 
 
 def test_unsupported_architectures_name_the_reason():
-    # megatron-bridge 0.3.1 has no Qwen2.5-Omni bridge; the message says what to use instead
-    # and where the page lists what a bridge would need
-    with pytest.raises(ConfigError, match=r"no Qwen2.5-Omni bridge.* Fix: trainer=torch "
-                                          r"trainer.strategy=fsdp2 .*docs/backends.md#multimodal"):
-        vl.kind(Qwen2_5OmniConfig())
+    # a multimodal model no bridge knows: the message names the ones trainer=megatron trains,
+    # the model's type, the fix and the page
+    unknown = type("Config", (), {"model_type": "qwen2_vl", "vision_config": object()})()
+    with pytest.raises(ConfigError, match=r"Qwen2.5-Omni and Qwen2-Audio.*not "
+                                          r"model_type='qwen2_vl'. Fix: trainer=torch "
+                                          r"\(docs/backends.md#multimodal"):
+        vl.kind(unknown)
+    assert vl.kind(Qwen2_5OmniConfig()) == vl.OMNI25  # the project's bridge: omni25_*.py
     assert vl.kind(Qwen3OmniMoeConfig()) == vl.OMNI  # the project's bridge: omni*.py
     assert vl.kind(Qwen3VLMoeConfig()) == vl.QWEN3_MOE  # its experts: vl_moe.py
     assert vl.kind(Qwen2AudioConfig()) == vl.AUDIO  # the project's bridge: audio_*.py

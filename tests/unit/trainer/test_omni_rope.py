@@ -1,4 +1,4 @@
-"""Qwen3-Omni's thinker under trainer=megatron, its pure pieces: the M-RoPE positions
+"""The Omni thinkers under trainer=megatron, their pure pieces: the M-RoPE positions
 (trainer/megatron/omni_rope.py) of hand-worked rows in the layout Qwen3-Omni's processor writes
 (marker, pads, marker), and the freeze prefixes."""
 
@@ -85,3 +85,37 @@ def test_sampled_start_markers_are_text():
     after_image = [3, 4, 5, 6, 7, 8]  # E, TXT, then the sampled AS, AS, TXT, S by one each
     assert pos[0, 1].tolist() == [0, 1, 1, 1, 1] + after_image + [0]
     assert pos[1, 1].tolist() == [0, 1, 1, 2, 2] + after_image + [0]
+
+
+def test_qwen25_omni_positions_follow_the_same_rules_with_its_own_lengths():
+    """Qwen2.5-Omni's thinker (omni25_rope_index, transformers' own function): an image's
+    grid after its marker, an audio of 37 mel frames as 9 tokens (stride-2 conv, pooling by 2)
+    counting by one, padding at 1 (its reference's fill); a video's t steps by
+    second_per_grid x 25, truncated to an integer (0.5 s -> 12); and a sampled start marker
+    (`<|audio_bos|>`, `<|vision_bos|>` in a response) counts by one as text, where
+    transformers' function looked for a second audio's pads (ValueError in the first
+    end-to-end run, a shape mismatch in the reference model's forward)."""
+    from relax_slurm.trainer.megatron.omni_rope import omni25_rope_index
+
+    cfg = thinker()
+    cfg.seconds_per_chunk = 2
+    image = [TXT, TXT, S] + [IMG] * 4 + [E, AS] + [AUD] * 9 + [AE, TXT]
+    sampled = [TXT, AS] + [AUD] * 9 + [AE, TXT, AS, TXT, S]
+    rows = [image + [AS, PAD], sampled + [PAD] * (len(image) + 2 - len(sampled))]
+    ids = torch.tensor(rows)
+    mask = (ids != PAD).long()
+    pos = omni25_rope_index(cfg, ids, mask, image_grid_thw=torch.tensor([[1, 4, 4]]),
+                            audio_feature_lengths=torch.tensor([37, 37]))
+    t, h, w = (pos[k, 0].tolist() for k in range(3))
+    text, audio = [0, 1, 2], list(range(7, 16))
+    assert t == text + [3, 3, 3, 3] + [5, 6] + audio + [16, 17, 18, 1]
+    assert h == text + [3, 3, 4, 4] + [5, 6] + audio + [16, 17, 18, 1]
+    assert w == text + [3, 4, 3, 4] + [5, 6] + audio + [16, 17, 18, 1]
+    n = len(sampled)
+    assert pos[:, 1].tolist() == [list(range(n)) + [1] * (len(rows[1]) - n)] * 3
+
+    clip = torch.tensor([[S, VID, VID, E, TXT]])
+    pos = omni25_rope_index(cfg, clip, video_grid_thw=torch.tensor([[2, 2, 2]]),
+                            second_per_grid=torch.tensor([0.5]))
+    assert pos[0, 0].tolist() == [0, 1, 13, 14, 15]
+    assert pos[1, 0].tolist() == pos[2, 0].tolist() == [0, 1, 1, 14, 15]

@@ -28,15 +28,34 @@ def omni(tmp_path_factory) -> Path:
     return make_tiny_omni(tmp_path_factory.mktemp("omni"))
 
 
-def test_the_tiny_omni_saves_a_processor_the_loading_code_reads(omni: Path) -> None:
+@pytest.fixture(scope="module")
+def omni25(tmp_path_factory) -> Path:
+    """The tiny Qwen2.5-Omni (thinker, talker, token2wav, spk_dict.pt) and the same media."""
+    return make_tiny_omni(tmp_path_factory.mktemp("omni25"), "omni25")
+
+
+# Qwen2.5-Omni: its own names of the media tokens (<|IMAGE|>, <|vision_bos|>...), its
+# audio encoder's token count (Qwen2-Audio's), its token2wav never built
+OMNIS = {"omni3": ("qwen3_omni_moe", "Qwen3OmniMoeThinkerForConditionalGeneration"),
+         "omni25": ("qwen2_5_omni", "Qwen2_5OmniThinkerForConditionalGeneration")}
+
+
+@pytest.fixture(params=list(OMNIS))
+def any_omni(request) -> tuple[Path, str, str]:
+    return (request.getfixturevalue("omni" if request.param == "omni3" else "omni25"),
+            *OMNIS[request.param])
+
+
+def test_the_tiny_omni_saves_a_processor_the_loading_code_reads(any_omni) -> None:
     from transformers import AutoTokenizer
 
     from relax_slurm.data.media import MediaRef
     from relax_slurm.data.processor import MediaProcessor, audio_token_count
 
+    omni, model_type, _ = any_omni
     model = omni / "model"
     mp = MediaProcessor(model, AutoTokenizer.from_pretrained(model).get_vocab())
-    assert mp.model_type == "qwen3_omni_moe"
+    assert mp.model_type == model_type
     assert type(mp.image_processor()).__name__.startswith("Qwen2VLImageProcessor")
     assert type(mp.feature_extractor()).__name__ == "WhisperFeatureExtractor"
     image = next((omni / "colors").glob("*.png"))
@@ -47,20 +66,22 @@ def test_the_tiny_omni_saves_a_processor_the_loading_code_reads(omni: Path) -> N
                       "audio": [MediaRef(kind="audio", path=str(audio))]})
     assert out.tensors["input_features"].shape[1] == 16  # the thinker's mel bins
     frames = int(out.tensors["feature_attention_mask"].sum())
-    assert out.input_ids.count(pads["audio"]) == audio_token_count("qwen3_omni_moe", frames)
+    assert out.input_ids.count(pads["audio"]) == audio_token_count(model_type, frames)
     assert out.input_ids.count(pads["image"]) == int(out.tensors["image_grid_thw"].prod()) // 4
 
 
-def test_the_engine_generates_with_the_thinker_and_takes_the_files_names(omni: Path) -> None:
+def test_the_engine_generates_with_the_thinker_and_takes_the_files_names(any_omni) -> None:
     from safetensors.torch import load_file
 
     from relax_slurm.modeling import NOT_SERVED, media_token_ids
     from relax_slurm.weightsync.receiver import tensor_sha256
 
+    omni, _, thinker_class = any_omni
     model = omni / "model"
     engine = HFEngine(str(model), None, "float32", "cpu", 8, 1.0, "0", 30.0)
-    assert type(engine.lm).__name__ == "Qwen3OmniMoeThinkerForConditionalGeneration"
-    assert not hasattr(engine.model, "talker") and not hasattr(engine.model, "code2wav")
+    assert type(engine.lm).__name__ == thinker_class
+    for part in ("talker", "code2wav", "token2wav"):
+        assert not hasattr(engine.model, part), part
     engine.start()
     try:
         with TestClient(build_app(engine, 30.0)) as http:
@@ -68,7 +89,9 @@ def test_the_engine_generates_with_the_thinker_and_takes_the_files_names(omni: P
             audio = str(next((omni / "tones").glob("*.wav")))
             cfg = json.loads((model / "config.json").read_text())["thinker_config"]
             start, end = cfg["vision_start_token_id"], cfg["vision_end_token_id"]
-            ids = [[start, cfg["image_token_id"], end, 5], [cfg["audio_token_id"], 5]]
+            pad = {k: cfg.get(f"{k}_token_id", cfg.get(f"{k}_token_index"))  # 2.5: *_index
+                   for k in ("image", "audio")}
+            ids = [[start, pad["image"], end, 5], [pad["audio"], 5]]
             r = http.post("/generate", json={
                 "input_ids": ids, "image_data": [[image], None], "audio_data": [None, [audio]],
                 "sampling_params": {"max_new_tokens": 4, "temperature": 1.0,
