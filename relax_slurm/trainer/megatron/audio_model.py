@@ -22,14 +22,12 @@ from typing import Any, Optional
 
 import torch
 from megatron.bridge.models.gpt_provider import GPTModelProvider
-from megatron.bridge.utils.common_utils import hook_hf_module_setattr_for_tp_grad_sync
-from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 from transformers.models.qwen2_audio.modeling_qwen2_audio import (
     Qwen2AudioEncoder, Qwen2AudioMultiModalProjector,
 )
 
-from relax_slurm.trainer.megatron import tower_split
+from relax_slurm.trainer.megatron import qwen2_parts, tower_split
 
 
 def audio_embeddings(encoder, projector, features: Tensor, feature_mask: Tensor) -> Tensor:
@@ -52,33 +50,21 @@ def audio_embeddings(encoder, projector, features: Tensor, feature_mask: Tensor)
     return out[keep]
 
 
-class Qwen2AudioMegatronModel(MegatronModule):
+class Qwen2AudioMegatronModel(qwen2_parts.TowersModel):
     """megatron-core's GPT language model (`language_model`) with Qwen2-Audio's encoder
     (`audio_tower`) and projector (`multi_modal_projector`) under their HF names."""
 
     def __init__(self, config: "Qwen2AudioProvider", pre_process: bool = True,
                  post_process: bool = True, vp_stage: Optional[int] = None) -> None:
-        super().__init__(config=config)
-        self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
+        super().__init__(config, pre_process, post_process, vp_stage)
         self.audio_token_id = config.audio_token_id
         self.audio_tower = self.multi_modal_projector = None
         if pre_process:
             self.audio_tower = Qwen2AudioEncoder._from_config(config.audio_config)
             self.multi_modal_projector = Qwen2AudioMultiModalProjector(config.hf_config)
-            for tower in (self.audio_tower, self.multi_modal_projector):
-                tower.to(config.params_dtype)
-                hook_hf_module_setattr_for_tp_grad_sync(tower)
-                if torch.cuda.is_available():
-                    tower.to("cuda")
-        self.language_model = config.provide_language_model(
-            pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-        # megatron's finalize of the gradients reads these on the model chunk
-        self.share_embeddings_and_output_weights = config.share_embeddings_and_output_weights
-        self.shared_embedding_or_output_weight = (
-            self.language_model.shared_embedding_or_output_weight)
-
-    def set_input_tensor(self, input_tensor) -> None:
-        self.language_model.set_input_tensor(input_tensor)
+            qwen2_parts.replicate((self.audio_tower, self.multi_modal_projector),
+                                  config.params_dtype)
+        self.build_language_model()
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None,
                 attention_mask: Tensor | None = None, labels: Tensor | None = None,

@@ -16,39 +16,16 @@ from __future__ import annotations
 import torch
 from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
 from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
-from megatron.bridge.models.conversion.param_mapping import (
-    AutoMapping, GatedMLPMapping, QKVMapping, ReplicatedMapping,
-)
+from megatron.bridge.models.conversion.param_mapping import ReplicatedMapping
 from transformers import Qwen2_5OmniForConditionalGeneration
 
+from relax_slurm.trainer.megatron import qwen2_parts
 from relax_slurm.trainer.megatron.omni25_model import Omni25ThinkerModel, Omni25ThinkerProvider
-
-LAYER, HF_LAYER = "language_model.decoder.layers.*", "thinker.model.layers.*"
 
 
 def mappings() -> list:
-    """Every thinker parameter: megatron name -> the file's name(s). The layer norms under
-    transformer-engine's fused names; megatron-bridge's registry maps megatron-core's local
-    layers' own (`input_layernorm`, `pre_mlp_layernorm`: CPU) to the same."""
-    plain = {
-        "language_model.embedding.word_embeddings.weight": "thinker.model.embed_tokens.weight",
-        "language_model.output_layer.weight": "thinker.lm_head.weight",
-        "language_model.decoder.final_layernorm.weight": "thinker.model.norm.weight",
-        f"{LAYER}.self_attention.linear_qkv.layer_norm_weight":
-            f"{HF_LAYER}.input_layernorm.weight",
-        f"{LAYER}.mlp.linear_fc1.layer_norm_weight": f"{HF_LAYER}.post_attention_layernorm.weight",
-        f"{LAYER}.self_attention.linear_proj.weight": f"{HF_LAYER}.self_attn.o_proj.weight",
-        f"{LAYER}.mlp.linear_fc2.weight": f"{HF_LAYER}.mlp.down_proj.weight",
-    }
-    out: list = [AutoMapping(megatron_param=k, hf_param=v) for k, v in plain.items()]
-    for part in ("weight", "bias"):
-        out.append(QKVMapping(megatron_param=f"{LAYER}.self_attention.linear_qkv.{part}",
-                              q=f"{HF_LAYER}.self_attn.q_proj.{part}",
-                              k=f"{HF_LAYER}.self_attn.k_proj.{part}",
-                              v=f"{HF_LAYER}.self_attn.v_proj.{part}"))
-    out.append(GatedMLPMapping(megatron_param=f"{LAYER}.mlp.linear_fc1.weight",
-                               gate=f"{HF_LAYER}.mlp.gate_proj.weight",
-                               up=f"{HF_LAYER}.mlp.up_proj.weight"))
+    """Every thinker parameter: megatron name -> the file's name(s)."""
+    out = qwen2_parts.language_mappings("thinker.model", "thinker.lm_head.weight")
     # the towers: HF modules under their HF names, whole on every rank
     for tower in ("visual", "audio_tower"):
         out.append(ReplicatedMapping(megatron_param=f"{tower}.**",
@@ -69,12 +46,9 @@ class Qwen25OmniThinkerBridge(MegatronModelBridge):
         dtype = kwargs.get("params_dtype", torch.float32)
         thinker.vision_config.dtype = thinker.audio_config.dtype = dtype
         p = Omni25ThinkerProvider(**kwargs)
-        # Qwen2's layout (megatron-bridge's Qwen2Bridge.provider_bridge)
-        p.normalization, p.gated_linear_unit, p.qk_layernorm = "RMSNorm", True, False
-        p.add_qkv_bias, p.add_bias_linear, p.hidden_dropout = True, False, 0.0
-        # the thinker's own key, as transformers ties it (its text config defaults to True)
-        p.share_embeddings_and_output_weights = bool(getattr(thinker, "tie_word_embeddings",
-                                                             False))
+        # tied by the thinker's own key, as transformers ties it (its text config's defaults
+        # to True)
+        qwen2_parts.qwen2_layout(p, tied=getattr(thinker, "tie_word_embeddings", False))
         p.position_embedding_type = "mrope"  # sectioned (Qwen2-VL's), not Qwen3's interleaving
         p.mrope_section = list((getattr(text, "rope_parameters", None) or {}).get(
             "mrope_section", [16, 24, 24]))

@@ -22,17 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
 from megatron.bridge.models.gpt_provider import GPTModelProvider
 from megatron.bridge.models.qwen_vl.qwen25_vl_provider import Qwen25VLModelProvider
-from megatron.bridge.utils.common_utils import hook_hf_module_setattr_for_tp_grad_sync
-from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniAudioEncoder, Qwen2_5OmniVisionEncoder,
 )
 
-from relax_slurm.trainer.megatron import tower_split
+from relax_slurm.trainer.megatron import qwen2_parts, tower_split
 from relax_slurm.trainer.megatron.omni_rope import omni25_rope_index
 
 
@@ -46,14 +43,13 @@ def thinker_audio(encoder, features: Tensor, feature_mask: Tensor) -> Tensor:
                    aftercnn_lens=after_cnn).last_hidden_state
 
 
-class Omni25ThinkerModel(MegatronModule):
+class Omni25ThinkerModel(qwen2_parts.TowersModel):
     """megatron-core's GPT language model (`language_model`) with the thinker's vision encoder
     (`visual`) and audio encoder (`audio_tower`) under their HF names."""
 
     def __init__(self, config: "Omni25ThinkerProvider", pre_process: bool = True,
                  post_process: bool = True, vp_stage: Optional[int] = None) -> None:
-        super().__init__(config=config)
-        self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
+        super().__init__(config, pre_process, post_process, vp_stage)
         thinker = config.thinker_config
         self.thinker_config = thinker
         self.image_token_id, self.video_token_id = thinker.image_token_id, thinker.video_token_id
@@ -62,20 +58,8 @@ class Omni25ThinkerModel(MegatronModule):
         if pre_process:
             self.visual = Qwen2_5OmniVisionEncoder._from_config(config.vision_config)
             self.audio_tower = Qwen2_5OmniAudioEncoder._from_config(config.audio_config)
-            for tower in (self.visual, self.audio_tower):
-                tower.to(config.params_dtype)
-                hook_hf_module_setattr_for_tp_grad_sync(tower)
-                if torch.cuda.is_available():
-                    tower.to("cuda")
-        self.language_model = config.provide_language_model(
-            pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-        # megatron's finalize of the gradients reads these on the model chunk
-        self.share_embeddings_and_output_weights = config.share_embeddings_and_output_weights
-        self.shared_embedding_or_output_weight = (
-            self.language_model.shared_embedding_or_output_weight)
-
-    def set_input_tensor(self, input_tensor) -> None:
-        self.language_model.set_input_tensor(input_tensor)
+            qwen2_parts.replicate((self.visual, self.audio_tower), config.params_dtype)
+        self.build_language_model()
 
     def _vision(self, pixels: Tensor, grid: Tensor) -> tuple[Tensor, list[Tensor]]:
         return self.visual(pixels.to(self.visual.dtype), grid_thw=grid).pooler_output, []

@@ -4,7 +4,7 @@ A tiny Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE / Qwen3-Omni thinker / Qwen2.5-Omni 
 Qwen2-Audio under trainer=megatron on gloo (relax_slurm/trainer/megatron/vl.py, vl_moe.py,
 omni*.py, audio_*.py); rank 0 writes DIR/result.json with, against the transformers model on
 two right-padded rows with images of different sizes (the Omni thinkers: also an audio in each
-row and a video in one, `omni_inputs`, `omni25_inputs`; Qwen2-Audio: an audio of its own
+row and a video in one, `omni_inputs`; Qwen2-Audio: an audio of its own
 length in each row, `audio_inputs`):
 - the largest logit difference on the rows' tokens (MegatronModel.forward with the media,
   a video too: Qwen2.5-VL's placed and spaced in time by M-RoPE's second_per_grid_ts,
@@ -76,20 +76,25 @@ def inputs(path: str):
     return ids, mask, media
 
 
-OMNI_AUDIO_FRAMES = (130, 37)  # mel frames: one 100-frame chunk (13 tokens) and a partial one
+# mel frames: Qwen3-Omni one 100-frame chunk (13 tokens) and a partial one; Qwen2.5-Omni 32
+# and 9 tokens
+OMNI_AUDIO_FRAMES = (130, 37)
 
 
 def omni_inputs(path: str):
-    """Two right-padded rows for the tiny Qwen3-Omni thinker (no processor: ids and tensors
-    laid out as Qwen3-Omni's processor lays them): row 0 text, an image, text, an audio, text;
-    row 1 an image, text, a video (one run of pads, spaced in time by its
-    video_second_per_grid), an audio, text. Pixels and mel features random: both models take the same tensors."""
+    """Two right-padded rows for the tiny Qwen3-Omni or Qwen2.5-Omni thinker (no processor: ids
+    and tensors laid out as the model's processor lays them): row 0 text, an image, text, an
+    audio, text; row 1 an image, text, a video (one run of pads, spaced in time by its
+    video_second_per_grid: 25 positions a second), an audio, text. Pixels and mel features
+    random: both models take the same tensors. Qwen3-Omni's audio tokens come per 100-frame
+    chunk, Qwen2.5-Omni's as Qwen2-Audio's from mel padded to its 2 s window."""
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         _get_feat_extract_output_lengths,
     )
 
-    tok, cfg = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path).thinker_config
+    tok, whole = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
+    cfg = whole.thinker_config
     vision = cfg.vision_config
     g = torch.Generator().manual_seed(11)
     dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
@@ -97,59 +102,22 @@ def omni_inputs(path: str):
     clip = video(vision)
     clip["video_second_per_grid"] = clip.pop("second_per_grid_ts")  # the thinker's own name
     frames = torch.tensor(OMNI_AUDIO_FRAMES)
-    feature_mask = (torch.arange(int(frames.max()))[None] < frames[:, None]).long()
-    mel = torch.randn(len(frames), cfg.audio_config.num_mel_bins, int(frames.max()),
-                      generator=g) * feature_mask[:, None]  # zero past each audio's end
+    if whole.model_type == "qwen2_5_omni":
+        mel, feature_mask = padded_mel(frames, cfg.audio_config, g)
+        n_audio = (((frames - 1) // 2 + 1 - 2) // 2 + 1).tolist()
+    else:
+        feature_mask = (torch.arange(int(frames.max()))[None] < frames[:, None]).long()
+        mel = torch.randn(len(frames), cfg.audio_config.num_mel_bins, int(frames.max()),
+                          generator=g) * feature_mask[:, None]  # zero past each audio's end
+        n_audio = _get_feat_extract_output_lengths(frames, cfg.audio_config.n_window).tolist()
     media = {"pixel_values": torch.randn(int(grids.prod(-1).sum()), dim, generator=g),
              "image_grid_thw": grids, **clip, "input_features": mel,
              "feature_attention_mask": feature_mask}
     n_img = (grids.prod(-1) // 4).tolist()
-    n_audio = _get_feat_extract_output_lengths(frames, cfg.audio_config.n_window).tolist()
     S, E, I, V = (cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id,
                   cfg.video_token_id)
     AS, A = cfg.audio_start_token_id, cfg.audio_token_id
     AE = tok.convert_tokens_to_ids("<|audio_eos|>")
-    txt = tok("ab cd", add_special_tokens=False)["input_ids"]
-    rows = [txt + [S] + [I] * n_img[0] + [E] + txt + [AS] + [A] * n_audio[0] + [AE] + txt,
-            txt[:2] + [S] + [I] * n_img[1] + [E] + txt + [S] + [V] * video_tokens(clip) + [E]
-            + [AS] + [A] * n_audio[1] + [AE] + txt]
-    T, pad = max(map(len, rows)), tok.pad_token_id or 0
-    ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows])
-    mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
-    return ids, mask, media
-
-
-OMNI25_AUDIO_FRAMES = (130, 37)  # mel frames, in the encoder's 100-frame windows: 32 and 9 tokens
-
-
-def omni25_inputs(path: str):
-    """Two right-padded rows for the tiny Qwen2.5-Omni thinker, laid out as its processor lays
-    them (<|vision_bos|> pads <|vision_eos|>, <|audio_bos|> pads <|audio_eos|>): row 0 text,
-    an image, text, an audio, text; row 1 an image, text, a video (spaced in time by its
-    video_second_per_grid: TMRoPE's 25 positions a second), an audio, text. Pixels and mel
-    features random: both models take the same tensors."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    tok, cfg = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path).thinker_config
-    vision = cfg.vision_config
-    g = torch.Generator().manual_seed(17)
-    dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
-    grids = torch.tensor([[1, 4, 4], [1, 2, 4]])
-    clip = video(vision)
-    clip["video_second_per_grid"] = clip.pop("second_per_grid_ts")  # the thinker's own name
-    frames = torch.tensor(OMNI25_AUDIO_FRAMES)
-    width = cfg.audio_config.max_source_positions * 2  # the processor pads to 2 s
-    feature_mask = (torch.arange(width)[None] < frames[:, None]).long()
-    mel = torch.randn(len(frames), cfg.audio_config.num_mel_bins, width,
-                      generator=g) * feature_mask[:, None]
-    media = {"pixel_values": torch.randn(int(grids.prod(-1).sum()), dim, generator=g),
-             "image_grid_thw": grids, **clip, "input_features": mel,
-             "feature_attention_mask": feature_mask}
-    n_img = (grids.prod(-1) // 4).tolist()
-    n_audio = (((frames - 1) // 2 + 1 - 2) // 2 + 1).tolist()
-    S, E, I, V = (cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id,
-                  cfg.video_token_id)
-    AS, A, AE = cfg.audio_start_token_id, cfg.audio_token_id, cfg.audio_end_token_id
     txt = tok("ab cd", add_special_tokens=False)["input_ids"]
     rows = [txt + [S] + [I] * n_img[0] + [E] + txt + [AS] + [A] * n_audio[0] + [AE] + txt,
             txt[:2] + [S] + [I] * n_img[1] + [E] + txt + [S] + [V] * video_tokens(clip) + [E]
@@ -173,11 +141,7 @@ def audio_inputs(path: str):
 
     tok, cfg = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
     frames = torch.tensor(AUDIO_FRAMES)
-    width = cfg.audio_config.max_source_positions * 2
-    feature_mask = (torch.arange(width)[None] < frames[:, None]).long()
-    g = torch.Generator().manual_seed(13)
-    mel = torch.randn(len(frames), cfg.audio_config.num_mel_bins, width,
-                      generator=g) * feature_mask[:, None]
+    mel, feature_mask = padded_mel(frames, cfg.audio_config, torch.Generator().manual_seed(13))
     n = (((frames - 1) // 2 + 1 - 2) // 2 + 1).tolist()  # the encoder's conv and pooling
     AB, A, AE = tok.convert_tokens_to_ids(["<|audio_bos|>", "<|AUDIO|>", "<|audio_eos|>"])
     txt = tok("ab cd", add_special_tokens=False)["input_ids"]
@@ -186,6 +150,16 @@ def audio_inputs(path: str):
     ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
     return ids, mask, {"input_features": mel, "feature_attention_mask": feature_mask}
+
+
+def padded_mel(frames, audio_config, g) -> tuple:
+    """Random mel features [A, mel, window] of audios `frames` long, zero past each one's end
+    (the window: the encoder's, max_source_positions x 2 frames), and their feature mask."""
+    width = audio_config.max_source_positions * 2
+    feature_mask = (torch.arange(width)[None] < frames[:, None]).long()
+    mel = torch.randn(len(frames), audio_config.num_mel_bins, width,
+                      generator=g) * feature_mask[:, None]
+    return mel, feature_mask
 
 
 def hf_kwargs(hf, ids, media: dict) -> dict:
@@ -247,7 +221,7 @@ def main(argv: list[str]) -> None:
 
         hf = Qwen2_5OmniForConditionalGeneration.from_pretrained(
             args.model_dir, dtype=torch.float32, enable_audio_output=False).thinker
-        ids, mask, media = omni25_inputs(args.model_dir)
+        ids, mask, media = omni_inputs(args.model_dir)
     elif mm.vl == vl.AUDIO:
         from transformers import Qwen2AudioForConditionalGeneration
 
