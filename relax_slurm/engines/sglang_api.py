@@ -182,6 +182,20 @@ def head_left_empty(config: dict) -> bool:
         a in HEAD_NEVER_TIED for a in config.get("architectures") or [])
 
 
+NO_SGLANG_MODEL = ("Qwen2_5OmniForConditionalGeneration",)
+"""Architectures the project trains that SGLang 0.5.21-0.5.23 has no model class for (no
+`EntryClass` in sglang/srt/models names them: tests/unit/engines/test_sglang_source.py reads
+every tested release)."""
+
+
+def _no_model(config: dict, model_dir: Path) -> str | None:
+    arch = next((a for a in config.get("architectures") or [] if a in NO_SGLANG_MODEL), None)
+    return arch and (
+        f"a {arch}, which SGLang {', '.join(TESTED_SGLANG)} has no model for (none of "
+        "sglang/srt/models names it). Use rollout.engine=hf for this model (its thinker "
+        "generates there)")
+
+
 def _experts_transposed(config: dict, model_dir: Path) -> str | None:
     from relax_slurm.modeling import experts_in_transformers_layout
 
@@ -223,7 +237,7 @@ def _untied_head(config: dict, model_dir: Path) -> str | None:
         "embedding, then save_pretrained; or use rollout.engine=hf")
 
 
-UNSERVABLE = (_experts_transposed, _deepstack, _mrope_sections, _untied_head)
+UNSERVABLE = (_no_model, _experts_transposed, _deepstack, _mrope_sections, _untied_head)
 """What SGLang 0.5.2x assumes of a checkpoint that transformers does not: each rule reads
 config.json (and the weights' headers) and says why and the fix, or None."""
 

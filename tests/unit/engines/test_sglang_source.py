@@ -119,6 +119,29 @@ def test_every_route_we_call_exists_and_the_removed_ones_do_not(src):
     assert "/get_weight_version" not in served  # removed in 0.5.21: /model_info carries it
 
 
+def entry_classes(models: Path) -> set[str]:
+    """The architectures SGLang serves: every name its model files' `EntryClass` gives."""
+    names = set()
+    for f in models.glob("*.py"):
+        for node in ast.walk(parse(f)):
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "EntryClass" for t in node.targets):
+                value = node.value
+                items = value.elts if isinstance(value, (ast.List, ast.Tuple)) else [value]
+                names |= {x.id for x in items if isinstance(x, ast.Name)}
+    return names
+
+
+def test_the_architectures_refused_on_sglang_have_no_model_there(src):
+    """sglang_api.NO_SGLANG_MODEL (refused at start with rollout=sglang) has no model class in
+    the release; the multimodal architectures the project serves on SGLang do."""
+    served = entry_classes(src / "models")
+    assert {"Qwen3OmniMoeForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
+            "Qwen2_5_VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+            "Qwen3ForCausalLM"} <= served
+    assert not served & set(api.NO_SGLANG_MODEL), served & set(api.NO_SGLANG_MODEL)
+
+
 def test_the_hf_engine_serves_the_same_routes(src):
     from relax_slurm.engines.hf.server import build_app
 

@@ -135,3 +135,21 @@ def test_an_omni_model_under_trainer_torch_is_refused_naming_megatron(tmp_path):
     check_inputs(megatron_cfg)
     config.write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": {}}))
     check_inputs(torch_cfg)
+
+
+def test_a_model_sglang_has_no_class_for_is_refused_on_sglang(tmp_path):
+    """SGLang 0.5.21-0.5.23 serve no Qwen2.5-Omni (test_sglang_source.py reads their model
+    files): refused before anything starts with rollout=sglang, naming rollout.engine=hf,
+    which serves its thinker."""
+    import json
+
+    on_sglang = cfg_for(tmp_path, "rollout=sglang", "trainer=megatron")
+    on_hf = cfg_for(tmp_path, "trainer=megatron")
+    (tmp_path / "d.jsonl").write_text('{"prompt": "3+3=", "label": "6"}\n')
+    (tmp_path / "model" / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen2_5OmniForConditionalGeneration"], "thinker_config": {}}))
+    with pytest.raises(ConfigError, match=r"model\.path=.*a Qwen2_5OmniForConditionalGeneration, "
+                                          r"which SGLang 0.5.21, 0.5.22, 0.5.23 has no model "
+                                          r"for.*rollout.engine=hf"):
+        check_inputs(on_sglang)
+    check_inputs(on_hf)
