@@ -66,6 +66,11 @@ def test_freeze_prefixes_of_the_omni_thinker():
         "audio_model.conv2d1")
     assert vl.hf_prefix_to_megatron(vl.OMNI, "thinker.model.language_model") == "language_model"
     assert vl.hf_prefix_to_megatron(vl.OMNI, "thinker.lm_head") == "language_model.output_layer"
+    # Qwen2.5-Omni's towers keep their HF names in the megatron model (omni25_model.py)
+    assert vl.hf_prefix_to_megatron(vl.OMNI25, "thinker.audio_tower") == "audio_tower"
+    assert vl.hf_prefix_to_megatron(vl.OMNI25, "thinker.model.visual.blocks") == "visual.blocks"
+    assert vl.hf_prefix_to_megatron(vl.OMNI25, "thinker.lm_head") == (
+        "language_model.output_layer")
 
 
 def test_sampled_start_markers_are_text():
