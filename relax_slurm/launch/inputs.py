@@ -72,14 +72,23 @@ def say_lora_sync(cfg: TrainConfig) -> None:
 
 def check_trainer_takes(cfg: TrainConfig) -> None:
     """trainer=torch runs the model's own forward; an Omni model's whole model has none (its
-    thinker's is what trains): refused here, not as a TypeError in the first step."""
-    if cfg.trainer.backend == "torch" and modeling.has_thinker(cfg.model.path):
+    thinker's is what trains): refused here, not as a TypeError in the first step. And
+    model.lora under trainer=megatron on a multimodal model (not tested: the megatron backend
+    refuses it when the model is built), here before anything starts, with the fix that
+    applies (an Omni model has no other trainer)."""
+    path, omni = cfg.model.path, modeling.has_thinker(cfg.model.path)
+    if cfg.trainer.backend == "torch" and omni:
         raise ConfigError(
-            f"model.path={cfg.model.path}: an Omni model (its config.json has a "
-            "thinker_config) trains under trainer=megatron only: trainer=torch calls the whole "
-            "model's forward, which Qwen2.5-Omni and Qwen3-Omni leave unimplemented (their "
-            "thinker generates and trains). Fix: trainer=megatron "
-            "(docs/backends.md#multimodal-models)")
+            f"model.path={path}: an Omni model (its config.json has a thinker_config) trains "
+            "under trainer=megatron only: trainer=torch calls the whole model's forward, which "
+            "Qwen2.5-Omni and Qwen3-Omni leave unimplemented (their thinker generates and "
+            "trains). Fix: trainer=megatron (docs/backends.md#multimodal-models)")
+    if cfg.trainer.backend == "megatron" and cfg.model.lora.enabled \
+            and modeling.is_multimodal(path):
+        fix = "model.lora.rank=0" if omni else "trainer=torch, or model.lora.rank=0"
+        raise ConfigError(
+            f"model.lora with trainer=megatron and a multimodal model (model.path={path}) is "
+            f"not tested (docs/lora.md#status). Fix: {fix}")
 
 
 def check_teacher(cfg: TrainConfig) -> None:

@@ -153,3 +153,24 @@ def test_a_model_sglang_has_no_class_for_is_refused_on_sglang(tmp_path):
                                           r"for.*rollout.engine=hf"):
         check_inputs(on_sglang)
     check_inputs(on_hf)
+
+
+def test_lora_on_a_multimodal_model_under_megatron_is_refused_with_the_fix_that_applies(
+        tmp_path):
+    """Refused before anything starts (the megatron backend refused it only once its model was
+    built); an Omni model has no trainer=torch to fall back on, so its fix is the rank."""
+    import json
+
+    config = tmp_path / "model" / "config.json"
+    lora = cfg_for(tmp_path, "trainer=megatron", "model.lora.rank=8")
+    (tmp_path / "d.jsonl").write_text('{"prompt": "3+3=", "label": "6"}\n')
+    for body, fix in (({"model_type": "qwen2_5_vl", "vision_config": {}},
+                       "trainer=torch, or model.lora.rank=0"),
+                      ({"model_type": "qwen3_omni_moe", "thinker_config": {}},
+                       "model.lora.rank=0")):
+        config.write_text(json.dumps(body))
+        with pytest.raises(ConfigError, match=r"model.lora with trainer=megatron and a "
+                                              r"multimodal model .* Fix: " + fix + "$"):
+            check_inputs(lora)
+    config.write_text(json.dumps({"model_type": "qwen3"}))
+    check_inputs(lora)
