@@ -55,7 +55,10 @@ HEARD_VIDEOS = ({**IMAGES_AND_SOUNDS, "sounding": "videos"},
 # audios, the features all-gathered, tower_split.py; parity: test_megatron_vl.py's *_split rows)
 LAYOUTS = {"tp2": ("omni3", ("trainer.tensor_parallel_size=2", "trainer.towers=split",
                              *HEARD_VIDEOS[1]), HEARD_VIDEOS[0]),
-           "ep2": ("omni3", ("trainer.expert_parallel_size=2",), IMAGES_AND_SOUNDS),
+           # with routing replay (R3): the trainer's routers take the hf engine's reported
+           # experts for every token, the images' and audios' included
+           "ep2": ("omni3", ("trainer.expert_parallel_size=2", "algo.routing_replay=true"),
+                   IMAGES_AND_SOUNDS),
            # the tiny Qwen2.5-Omni thinker (dense: TP=2 without sequence parallelism; the
            # project's omni25 bridge) on image and audio rows, the towers split. Its videos'
            # placement and TMRoPE positions: test_megatron_vl.py's omni25_* rows (with the
@@ -112,6 +115,8 @@ def test_tiny_omni_learns_under_megatron_and_converts(assets, tmp_path, layout):
     # float32 on both sides, the weights verified equal (measured ~1e-7): the trainer placed
     # the images' and audios' features and positions as the engine's thinker did
     assert all(r["train/rollout_train_logprob_diff"] < 1e-3 for r in rows), rows[0]
+    if "algo.routing_replay=true" in overrides:  # float32 both sides: the same experts
+        assert all(r["train/routing_mismatch_frac"] == 0.0 for r in rows), rows[0]
     # the reference is the policy at step 0 (the same model, kernels and layout: exactly),
     # then they part
     assert rows[0]["train/kl_loss"] == 0.0 and rows[-1]["train/kl_loss"] > 1e-3, rows[-1]
