@@ -132,8 +132,9 @@ NOT_SERVED = ("talker.", "code2wav.", "token2wav.")
 """Top-level parts of a model that produce no token the policy is trained on, never sent to the
 engines: Qwen3-Omni's speech talker and code-to-waveform decoder, Qwen2.5-Omni's talker and
 token2wav. RL trains the thinker's text; these get no gradient and never change, and SGLang's
-loader drops them anyway unless it serves speech (`qwen3_omni_moe.py`: `if ("talker" in name or "code2wav" in name) and not
-self.enable_talker: continue`): every sync broadcast them for nothing."""
+loader drops them anyway unless it serves speech (`qwen3_omni_moe.py`: `if ("talker" in name
+or "code2wav" in name) and not self.enable_talker: continue`): every sync broadcast them for
+nothing."""
 
 
 FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")

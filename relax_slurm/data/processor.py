@@ -52,8 +52,8 @@ VIDEO_SECONDS_KEYS = {"qwen3_omni": "video_second_per_grid",
 def video_seconds_key(model_type: str) -> str:
     """The name the model's forward (and its processor) gives a video's seconds per temporal
     patch, which M-RoPE spaces its frames by: Qwen2/2.5-VL's `second_per_grid_ts`, the Omni
-    thinkers' (Qwen3's, Qwen2.5's) `video_second_per_grid` (under the other name it was dropped into **kwargs, and
-    transformers' position code indexed None)."""
+    thinkers' (Qwen3's, Qwen2.5's) `video_second_per_grid` (under the other name it was
+    dropped into **kwargs, and transformers' position code indexed None)."""
     for prefix, key in VIDEO_SECONDS_KEYS.items():
         if model_type.startswith(prefix):
             return key

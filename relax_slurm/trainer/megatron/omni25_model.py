@@ -75,19 +75,20 @@ class Omni25ThinkerModel(qwen2_parts.TowersModel):
         if self.pre_process:
             split = tower_split.is_split(self.config)
             emb = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [T,B,H]
-            emb = emb.transpose(0, 1).clone()  # [B,T,H], indexed by the tokens' [B,T] masks
-            if input_features is not None:
-                encode = tower_split.audio(lambda f, m: thinker_audio(self.audio_tower, f, m),
-                                           split)
-                emb[input_ids == self.audio_token_id] = encode(
-                    input_features, feature_attention_mask).to(emb.dtype)
-            tower = tower_split.vision(self._vision, split)
-            for pixels, grid, token in ((pixel_values, image_grid_thw, self.image_token_id),
-                                        (pixel_values_videos, video_grid_thw,
-                                         self.video_token_id)):
-                if pixels is not None:
+            visual = [(pixels, grid, token) for pixels, grid, token in (
+                (pixel_values, image_grid_thw, self.image_token_id),
+                (pixel_values_videos, video_grid_thw, self.video_token_id)) if pixels is not None]
+            if input_features is not None or visual:  # text-only micro-batches: as embedded
+                emb = emb.transpose(0, 1).clone()  # [B,T,H], indexed by the tokens' [B,T] masks
+                if input_features is not None:
+                    encode = tower_split.audio(
+                        lambda f, m: thinker_audio(self.audio_tower, f, m), split)
+                    emb[input_ids == self.audio_token_id] = encode(
+                        input_features, feature_attention_mask).to(emb.dtype)
+                tower = tower_split.vision(self._vision, split)
+                for pixels, grid, token in visual:
                     emb[input_ids == token] = tower(pixels, grid)[0].to(emb.dtype)
-            emb = emb.transpose(0, 1).contiguous()
+                emb = emb.transpose(0, 1).contiguous()
             if self.config.sequence_parallel:
                 from megatron.core import tensor_parallel
 
