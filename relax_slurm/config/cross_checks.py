@@ -221,7 +221,8 @@ def check_streaming(algo: AlgoConfig, t: TrainerConfig) -> None:
           + ". Set trainer.streaming=null (streams where it applies) or false")
 
 
-def supervised_problems(algo: AlgoConfig, rollout: RolloutConfig, data: DataConfig) -> list[str]:
+def supervised_problems(algo: AlgoConfig, rollout: RolloutConfig, data: DataConfig,
+                        trainer: TrainerConfig) -> list[str]:
     """What an SFT run's config gets wrong (empty: nothing). Its loss goes through the shared
     policy_loss with the rows' log-probs standing in for an engine's (there is none), so the
     knobs that read those must be off."""
@@ -239,6 +240,9 @@ def supervised_problems(algo: AlgoConfig, rollout: RolloutConfig, data: DataConf
     if data.multimodal_keys:
         out.append("algo=sft reads text rows only (multimodal SFT is not implemented): "
                    "unset data.multimodal_keys")
+    if trainer.stop_at.reward is not None:
+        out.append("algo=sft has no rollout reward for trainer.stop_at.reward="
+                   f"{trainer.stop_at.reward} to reach: unset it (trainer.stop_at.reward=null)")
     return out
 
 

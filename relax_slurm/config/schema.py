@@ -121,7 +121,7 @@ class TrainConfig:
         """What an SFT run's config gets wrong (empty: nothing, or not an SFT run)."""
         if not self.supervised:
             return []
-        return supervised_problems(self.algo, self.rollout, self.data)
+        return supervised_problems(self.algo, self.rollout, self.data, self.trainer)
 
     @property
     def streams(self) -> bool:

@@ -14,6 +14,23 @@ RECOMPUTE = ("none", "full", "selective")
 
 
 @dataclass(kw_only=True)
+class StopAtConfig:
+    """`trainer.stop_at`: end the run before trainer.total_steps once it has learned enough
+    (trainer/stop_at.py). The trainer then does what `relax-ctl stop` asks: a final checkpoint,
+    exit 0, summary.json's `stopped_early` giving the step and the reason."""
+
+    reward: Optional[float] = None
+    """Stop after the first step at which the mean of rollout/reward_mean over the last
+    `steps` steps is at least this; null: run to trainer.total_steps."""
+    steps: int = 3
+    """How many steps' rewards that mean takes (summary.json's reward_last takes 3). Counted
+    from the run's (or the resumed attempt's) first step."""
+
+    def __post_init__(self) -> None:
+        check(self.steps >= 1, f"trainer.stop_at.steps={self.steps}: must be >= 1")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     backend: str = "torch"
     """torch (transformers model, DDP/FSDP2) or megatron (megatron-core through megatron-bridge,
@@ -57,7 +74,8 @@ class TrainerConfig:
     async_save: bool = False
     """Write checkpoints in the background while training continues."""
     save_hf_every: int = 0
-    """Export a Hugging Face directory every this many steps (0: never), for evaluation."""
+    """Export a Hugging Face directory every this many steps (0: never), for evaluation; when
+    set, a run that stops early (relax-ctl stop, trainer.stop_at) exports its last step too."""
     tensor_parallel_size: int = 1
     """megatron backend: ranks a layer's matrices are split over (divides the attention heads)."""
     pipeline_parallel_size: int = 1
@@ -95,6 +113,8 @@ class TrainerConfig:
     freeze_modules: list[str] = field(default_factory=list)
     """Parameter name prefixes not trained (still synced to engines), e.g. [model.visual] for
     a Qwen-VL vision tower or [model.audio_tower] for Qwen2-Audio's encoder."""
+    stop_at: StopAtConfig = field(default_factory=StopAtConfig)
+    """End the run early at a reward target (trainer.stop_at.reward); off by default."""
     streaming: Optional[bool] = None
     """Start forward/backward on complete groups as they arrive instead of waiting for the whole
     batch; the optimizer steps once all of the step's groups are in (same update as the whole

@@ -26,11 +26,12 @@ from relax_slurm.metrics.fanout import open_sinks
 from relax_slurm.metrics.jsonl import truncate_metrics
 from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.evaluate import EvalSchedule, Evaluator
-from relax_slurm.runtime.control import pending_request
+from relax_slurm.runtime.control import pending_request, request_stop
 from relax_slurm.runtime.plan import address_toward, free_port
 from relax_slurm.sample_meta import SampleMeta
 from relax_slurm.samples import Group
 from relax_slurm.trainer.overlap import BackgroundPush, overlap_copy_fits
+from relax_slurm.trainer.stop_at import RewardTarget, batch_reward
 from relax_slurm.trainer.stream import GroupStream
 from relax_slurm.weightsync import WeightSender, resolve_backend
 from relax_slurm.weightsync.tensor_sender import TensorSender
@@ -84,7 +85,7 @@ def batch_metrics(groups: list[Group], stats: BatchStats) -> dict[str, float]:
     turns = [m.turns for m in episodes]
     cut = [(m.episode_end or "done") != "done" for m in episodes]
     return {
-        "rollout/reward_mean": sum(s.reward for s in samples) / n,
+        "rollout/reward_mean": batch_reward(groups),
         "rollout/response_len_mean": sum(s.response_len for s in samples) / n,
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / n,
         # samples whose tokens come from more than one policy version (a sync mid-generation)
@@ -164,6 +165,8 @@ class RankZero:
         self.stream: GroupStream | None = None
         self.groups: list[Group] = []
         self.stats = BatchStats.empty()
+        self.step = start_step  # the step whose batch the loop takes or trains now
+        self.reward_target = RewardTarget(cfg.trainer.stop_at)
         # the advantages' typed parameters, once per run (the config is validated and fixed)
         self.estimator_params = cfg.algo.estimator_params()
         self.broker = BrokerClient(plan.broker_router, cfg.broker.request_timeout_s,
@@ -375,7 +378,7 @@ class RankZero:
     def open_stream(self, step: int, local_weights: Callable[[], list] | None) -> GroupStream:
         """This step's batch as it arrives (trainer/stream.py); whole batches are taken in full
         here, before the engines free their memory for the trainer."""
-        cfg = self.cfg
+        cfg, self.step = self.cfg, step
 
         def take(n: int, least: int) -> tuple[list[Group], BatchStats]:
             self.waits["batch"] = {"version": step, "groups": n}
@@ -398,6 +401,7 @@ class RankZero:
         self.groups, self.stats = self.stream.batch()
         for g in self.groups:
             positions.note(g)
+        self.reward_target.note(self.step + 1, self.groups)
 
     def push(self, weights: list, version: int) -> dict:
         """The new weights to the engines: beside what follows in an async run with overlap
@@ -409,7 +413,11 @@ class RankZero:
         return self.push_weights(weights, version=version)
 
     def control_request(self) -> str | None:
-        """A preempt or stop request on file (runtime/control.py `pending_request`)."""
+        """A preempt or stop request on file (runtime/control.py `pending_request`), filed
+        here first once trainer.stop_at's reward target is met (trainer/stop_at.py)."""
+        reason = self.reward_target.stop_reason()
+        if reason is not None:
+            request_stop(self.run_dir, reason)
         return pending_request(self.run_dir)
 
     def checkpoint_extra(self, positions: Positions, version: int) -> dict:

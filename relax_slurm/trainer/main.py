@@ -22,6 +22,7 @@ from relax_slurm.checkpoint.dcp import wait_pending
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.data_position import Positions, checkpoint_positions
 from relax_slurm.errors import ConfigError
+from relax_slurm.runtime.control import STOP
 from relax_slurm.runtime.exit import exit_now
 from relax_slurm.runtime.heap import freeze_heap
 from relax_slurm.runtime.plan import load_plan
@@ -57,13 +58,15 @@ def check_batch_divides(cfg: TrainConfig, world: int) -> None:
 class Checkpointer:
     """Decides its own cadence: a checkpoint every trainer.save_every steps, at the last step
     and on a preemption or a stop (waited for: the run ends next); an HF export every
-    trainer.save_hf_every steps."""
+    trainer.save_hf_every steps and, when that is set, at a stop (relax-ctl stop,
+    trainer.stop_at): the export a run that ended early would otherwise lack."""
 
     def __init__(self, backend, cfg: TrainConfig, run_dir: Path) -> None:
         self.backend, self.cfg, self.run_dir = backend, cfg, run_dir
         self.root = checkpoints_dir(run_dir)
 
-    def maybe_save(self, done: int, final: bool, extra: Callable[[], dict]) -> None:
+    def maybe_save(self, done: int, final: bool, extra: Callable[[], dict],
+                   stopped: bool = False) -> None:
         t = self.cfg.trainer
         if final or (t.save_every and done % t.save_every == 0):
             # before set_version: in sync mode the worker is idle, so the data position
@@ -72,7 +75,7 @@ class Checkpointer:
                                        async_save=t.async_save, hf_assets_src=self.cfg.model.path)
             if final:
                 handle.wait()
-        if t.save_hf_every and done % t.save_hf_every == 0:
+        if t.save_hf_every and (done % t.save_hf_every == 0 or stopped):
             self.backend.save_hf(self.run_dir / "hf" / f"step_{done}")
 
 
@@ -117,7 +120,8 @@ def train_loop(cfg: TrainConfig, backend, lead: RankZero | Peer, saver: Checkpoi
         sync, request = push_streamed(lead, lead.push, backend, done)
         clock.mark("synced")
         saver.maybe_save(done, final=request is not None or done == cfg.trainer.total_steps,
-                         extra=lambda: lead.checkpoint_extra(positions, done))
+                         extra=lambda: lead.checkpoint_extra(positions, done),
+                         stopped=request == STOP)
         clock.mark("saved")
         lead.finish_step(step, train, clock, sync)
         clock.end()

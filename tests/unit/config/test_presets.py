@@ -307,6 +307,8 @@ def test_sft_refuses_the_rollout_knobs_it_has_no_data_for():
         to_train_config(_compose(["experiment=tiny_sft_cpu", "rollout.temperature=0.7"]))
     with pytest.raises(ConfigError, match=r"unset data\.multimodal_keys"):
         to_train_config(_compose(["experiment=tiny_sft_cpu", "+data.multimodal_keys={image: i}"]))
+    with pytest.raises(ConfigError, match=r"no rollout reward .*trainer\.stop_at\.reward=null"):
+        to_train_config(_compose(["experiment=tiny_sft_cpu", "trainer.stop_at.reward=0.5"]))
     assert to_train_config(_compose(["experiment=tiny_sft_cpu", "trainer=megatron"])).supervised
 
 
