@@ -13,7 +13,7 @@ well under a second); the length filter and `len()` need the token counts anyway
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,35 +54,64 @@ class Prompt:
     one pad token per item until `MediaProcessor.process` expands it."""
 
 
-def read_table(path: str | Path) -> Any:
-    """One file or saved dataset folder as a `datasets.Dataset`; `DataError` if it cannot be."""
-    import datasets  # imported here: it is slow to import and only readers need it
+@dataclass(frozen=True)
+class Table:
+    """A data file's columns: their names in the file's order and each one's values, row by
+    row (None where a row lacks the key)."""
 
+    column_names: list[str]
+    read: Callable[[str], list[Any]]
+
+
+def read_table(path: str | Path) -> Table:
+    """One file or saved dataset folder as a `Table`; `DataError` if it cannot be. A .jsonl
+    file is read with the json module, line by line (each row's values as written: no schema
+    unified across rows); .json, .parquet and folders through `datasets`, which the rollout
+    worker then imports (~1.5 CPU-s, paid by every start of a worker that reads none)."""
     p = Path(path)
     if not p.exists():
         raise DataError(
             f"{p}: no such file or folder. Fix: set data.train_files=[...] to existing "
             ".jsonl/.parquet files or folders written by datasets' save_to_disk"
         )
-    if p.is_dir():
-        return _load_from_disk(p, datasets)
-    builder = _BUILDERS.get(p.suffix.lower())
-    if builder is None:
+    builder = None if p.is_dir() else _BUILDERS.get(p.suffix.lower())
+    if not p.is_dir() and builder is None:
         raise DataError(
             f"{p}: unknown file type {p.suffix!r}. Fix: use .jsonl, .json or .parquet files, "
             "or a folder written by datasets' save_to_disk"
         )
-    if p.stat().st_size == 0:
+    if not p.is_dir() and p.stat().st_size == 0:
         raise DataError(f"{p}: the file is empty. Fix: remove it from data.train_files")
-    try:
-        return datasets.load_dataset(builder, data_files=str(p), split="train")
-    except Exception as e:  # pyarrow, json and datasets errors all mean "cannot read it"
-        where = _diagnose_jsonl(p) if builder == "json" else None
-        raise DataError(
-            f"{p}: cannot read it as {builder}"
-            + (f": {where}" if where else f" ({type(e).__name__}: {e})")
-            + ". Fix the file or remove it from data.train_files"
-        ) from e
+    if p.suffix.lower() == ".jsonl":
+        return _jsonl_table(p)
+    import datasets  # imported here: it is slow to import and only these readers need it
+
+    if p.is_dir():
+        ds = _load_from_disk(p, datasets)
+    else:
+        try:
+            ds = datasets.load_dataset(builder, data_files=str(p), split="train")
+        except Exception as e:  # pyarrow, json and datasets errors all mean "cannot read it"
+            where = _diagnose_jsonl(p) if builder == "json" else None
+            raise DataError(
+                f"{p}: cannot read it as {builder}"
+                + (f": {where}" if where else f" ({type(e).__name__}: {e})")
+                + ". Fix the file or remove it from data.train_files"
+            ) from e
+    # one slice formats the whole column at once (iterating a column goes row by row, slowly)
+    # and decodes datasets' Json columns (a key whose type varies between rows)
+    return Table(list(ds.column_names), lambda key: ds.select_columns([key])[:][key])
+
+
+def _jsonl_table(p: Path) -> Table:
+    rows: list[dict[str, Any]] = []
+    for line_no, row in json_rows(p):
+        if not isinstance(row, dict):
+            raise DataError(f"{p}:{line_no}: a JSON {type(row).__name__}, not an object. Fix: "
+                            'one object per line, e.g. {"prompt": "1+1=", "label": "2"}')
+        rows.append(row)
+    names = list(dict.fromkeys(k for row in rows for k in row))  # first seen, first
+    return Table(names, lambda key: [row.get(key) for row in rows])
 
 
 def _load_from_disk(p: Path, datasets: Any) -> Any:
@@ -148,20 +177,18 @@ def read_prompts(cfg: DataConfig, tokenizer: Any) -> tuple[list[Prompt], int]:
     return prompts, filtered
 
 
-def table_column(table: Any, key: str, option: str, path: Path) -> list[Any]:
+def table_column(table: Table, key: str, option: str, path: Path) -> list[Any]:
     """The column `key` of a read table (DataError naming the config `option` if absent)."""
     if key not in table.column_names:
         raise DataError(
             f"{path}: no column {key!r} ({option}); the columns are {table.column_names}. "
             f"Fix: set {option}=<one of the columns>"
         )
-    # One slice formats the whole column at once (iterating a column goes row by row, slowly)
-    # and decodes datasets' Json columns (a jsonl key whose type varies between rows).
-    return table.select_columns([key])[:][key]
+    return table.read(key)
 
 
 def _table_prompts(
-    table: Any, path: Path, cfg: DataConfig, tokenizer: Any
+    table: Table, path: Path, cfg: DataConfig, tokenizer: Any
 ) -> tuple[list[Prompt], int]:
     cells = table_column(table, cfg.prompt_key, "data.prompt_key", path)
     labels = table_column(table, cfg.label_key, "data.label_key", path)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from relax_slurm.config.data import DataConfig
-from relax_slurm.data import PromptDataset, chat, encode, to_messages
+from relax_slurm.data import PromptDataset, chat, encode, read_table, to_messages
 from relax_slurm.data.chat import _as_ids
 from relax_slurm.errors import ConfigError, DataError
 
@@ -51,6 +51,19 @@ def test_jsonl(tmp_path, tok):
     # the batched path gives what apply_chat_template(tokenize=True) gives, row by row
     for q in ds.prompts:
         assert q.input_ids == chat_ids(tok, [{"role": "user", "content": q.text}])
+
+
+def test_jsonl_rows_keep_their_own_values_and_lack_keys_as_none(tmp_path):
+    """A .jsonl file is read line by line (no datasets schema across rows): a key a row lacks
+    reads None, a column's values keep each row's type, nested dicts their own keys."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"prompt": "1+1=", "label": 2, "meta": {"a": 1}}\n\n'
+                    '{"prompt": "2+2=", "label": "4", "meta": {"b": [1, 2]}, "id": "x"}\n')
+    table = read_table(path)
+    assert table.column_names == ["prompt", "label", "meta", "id"]
+    assert table.read("label") == [2, "4"]
+    assert table.read("meta") == [{"a": 1}, {"b": [1, 2]}]
+    assert table.read("id") == [None, "x"]
 
 
 def test_parquet_with_metadata_and_no_id_column(tmp_path, tok):

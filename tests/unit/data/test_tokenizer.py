@@ -28,12 +28,14 @@ def test_same_tokenizer_as_autotokenizer(tiny_assets):
 
 
 def test_the_rollout_worker_never_imports_torch(tiny_assets):
+    """Nor `datasets` (pandas, pyarrow: ~1.5 CPU-s a start) for the .jsonl files it reads."""
     code = ("import sys; import relax_slurm.rollout.worker; from relax_slurm.data import "
-            f"load_tokenizer; load_tokenizer({str(tiny_assets / 'model')!r}); "
-            "print('torch' in sys.modules)")
+            f"load_tokenizer, read_table; load_tokenizer({str(tiny_assets / 'model')!r}); "
+            f"read_table({str(tiny_assets / 'arith_train.jsonl')!r}); "
+            "print('torch' in sys.modules, 'datasets' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          timeout=120, check=True)
-    assert out.stdout.strip() == "False", out.stderr[-2000:]
+    assert out.stdout.strip() == "False False", out.stderr[-2000:]
 
 
 def test_unnamed_or_custom_classes_go_through_autotokenizer(tiny_assets, tmp_path):
