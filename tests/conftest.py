@@ -23,6 +23,24 @@ NEEDS_MEGATRON = pytest.mark.skipif(
 """The megatron tests' marker: they skip, naming the install command, without the bridge."""
 
 
+def until_reward(reward: float, steps: int = 3) -> tuple[str, str]:
+    """A learning run's end: trainer.stop_at (trainer/stop_at.py) stops it at the first step
+    whose last `steps` rewards average at least `reward`. Its trainer.total_steps stays the
+    bound the test asserts (2x the slowest crossing measured); a run pays for the crossing it
+    makes, not for the bound."""
+    return f"trainer.stop_at.reward={reward}", f"trainer.stop_at.steps={steps}"
+
+
+def stopped_on_reward(summary: dict, rewards: list[float]) -> int:
+    """The step a run given `until_reward` ended at, asserting it ended on its reward target
+    before trainer.total_steps (the rewards of every step in the failure's message)."""
+    early = summary.get("stopped_early")
+    assert early and early["reason"].startswith("trainer.stop_at.reward="), (
+        summary, [round(r, 3) for r in rewards])
+    assert summary["steps"] == early["at_step"] < early["total_steps"], summary
+    return early["at_step"]
+
+
 def tiny_command(run_dir: Path, tiny: Path, *overrides: str, experiment: str = "tiny_cpu"
                  ) -> list[str]:
     """`relax-train experiment=tiny_cpu` (or another tiny experiment) on the session's tiny

@@ -10,9 +10,12 @@ import subprocess
 
 import pytest
 
-from tests.conftest import REPO, run_env, tiny_command
+from tests.conftest import REPO, run_env, stopped_on_reward, tiny_command, until_reward
 
-STEPS = 40  # one rank, lr 2e-3: reward 0.03 -> 0.40 and 2.96 -> 2.43 tries by step 40 (measured)
+# one rank, lr 2e-3: reward 0.03 -> 0.40 and 2.96 -> 2.43 tries by step 40 (measured); on session
+# 34's machine the 3-step mean passed 0.2 at step ~32. The run ends there (tests/conftest.py
+# until_reward), 0.15 above a start of at most 0.05; 60 steps the bound
+STEPS, RISE_TO = 60, 0.2
 
 
 @pytest.mark.slow
@@ -20,14 +23,15 @@ STEPS = 40  # one rank, lr 2e-3: reward 0.03 -> 0.40 and 2.96 -> 2.43 tries by s
 def test_tiny_agent_learns_to_answer_in_fewer_tries(tmp_path, tiny_assets):
     run_dir = tmp_path / "agent"
     cmd = tiny_command(run_dir, tiny_assets, f"trainer.total_steps={STEPS}",
-                       "metrics.progress=false", experiment="tiny_agent_cpu")
+                       "metrics.progress=false", *until_reward(RISE_TO),
+                       experiment="tiny_agent_cpu")
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=800,
                           env=run_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == STEPS
-    assert summary["reward_last"] >= summary["reward_first"] + 0.15, summary
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    stopped_on_reward(summary, [r["rollout/reward_mean"] for r in rows])
+    assert summary["reward_last"] >= summary["reward_first"] + 0.15, summary
     turns = [r["rollout/turns_mean"] for r in rows]
     assert all(1 <= t <= 3 for t in turns)  # env.max_turns=3
     assert sum(turns[-5:]) < sum(turns[:5])  # right answers come sooner

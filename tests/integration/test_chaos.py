@@ -1,11 +1,12 @@
-"""Chaos on the real topology (relax-train, the tiny preset's 150 steps at staleness 1):
+"""Chaos on the real topology (relax-train, the tiny preset at staleness 1, at most its 150 steps):
 
 the broker, the rollout worker and an engine (one trainer rank) are SIGKILLed one after the
-other in one run (each once the one before has restarted), and a trainer rank (two ranks) a
-quarter into a run of its own. Every run completes with every accepted
+other in one run (each once the one before has restarted), and a trainer rank (two ranks)
+early in a run of its own. Every run completes with every accepted
 sample trained or dropped as stale (`samples_lost: 0`), reports its restarts (summary.json,
-restarts.jsonl, roles.json), and ends with a mean reward over its last LAST_STEPS steps of at
-least REWARD_FLOOR. Staleness-1 runs are not deterministic (what each step trains depends on
+restarts.jsonl, roles.json), and reaches a mean reward over LAST_STEPS steps of at
+least REWARD_FLOOR within the 150 steps, where it ends (trainer.stop_at: a run pays for the
+learning it shows, not for the rest of the preset). Staleness-1 runs are not deterministic (what each step trains depends on
 timing), so two runs of one configuration differ like two seeds: undisturbed runs of this
 configuration ended at 0.84-0.96 (an undisturbed twin at 0.838 against 0.961 for a disturbed
 one in one clean-clone run; the preset at staleness 2: 0.84-0.94 over three model seeds), and a
@@ -34,20 +35,23 @@ from typing import Callable
 import httpx
 import pytest
 
-from tests.conftest import ONE_RANK, REPO, run_env, tiny_command
+from tests.conftest import ONE_RANK, REPO, run_env, stopped_on_reward, tiny_command, until_reward
 from tests.integration.test_launcher_failures import alive
 
 TIMEOUT_S = 900
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S + 60)]
-# the preset's run (150 steps) at staleness 1, so that chaos meets samples in flight and the
-# stale-drop path; a checkpoint every 20 steps bounds what a global restart redoes
-CHAOS = ("algo.max_staleness=1", "trainer.save_every=20")
-KILL_AT = 40  # metrics lines: step_40 is saved before line 41 (step index 40) is written
-KILL_EVERY = 30  # the in-place kills: at 30, 60 and 90 of the 150 steps, each after the last restart
 LAST_STEPS = 10
 # 0.2 below the lowest undisturbed end measured (0.84: the spread between runs was 0.12); a run
-# that lost its learning in a restart ends near the start's 0.01
+# that lost its learning in a restart stays near the start's 0.01
 REWARD_FLOOR = 0.64
+# the preset's run (150 steps at most) at staleness 1, so that chaos meets samples in flight and
+# the stale-drop path, ended once the floor is reached; a checkpoint every 20 steps bounds what a
+# global restart redoes
+CHAOS = ("algo.max_staleness=1", "trainer.save_every=20", *until_reward(REWARD_FLOOR, LAST_STEPS))
+KILL_AT = 40  # metrics lines: step_40 is saved before line 41 (step index 40) is written
+# the in-place kills: at 12, 24 and 36, each after the last restart, all before the reward can
+# reach the floor (the 3-step mean first reaches 0.3 at steps 36-55 at staleness 1)
+KILL_EVERY = 12
 SYNC_TIMEOUT_S = 5.0  # weight_sync.timeout_s of the frozen-engine run: well below the hang watch
 
 
@@ -110,9 +114,11 @@ def final_reward(run_dir: Path) -> float:
 
 def assert_completed_like(run_dir: Path, restarts: dict) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 150 and summary["samples_lost"] == 0, summary
+    rows = metrics(run_dir)
+    steps = stopped_on_reward(summary, [r["rollout/reward_mean"] for r in rows])
+    assert summary["samples_lost"] == 0, summary
     assert summary["restarts"] == restarts, summary
-    assert [r["step"] for r in metrics(run_dir)] == list(range(150))  # none missing or twice
+    assert [r["step"] for r in rows] == list(range(steps))  # none missing or twice
     reward = final_reward(run_dir)
     assert reward >= REWARD_FLOOR, reward
     return summary
@@ -149,7 +155,7 @@ def test_a_killed_broker_worker_and_engine_each_restart_in_place(tmp_path, tiny_
     predecessor's credits and data position), then the engine (re-joining the weight sync
     through a new cohort, every push checked bit for bit), each SIGKILLed once the one before
     has restarted and the run has gone KILL_EVERY steps further: three in-place restarts in one
-    run of the preset's length (a run each cost ~50 s and as much CPU for the same paths)."""
+    run (a run each cost ~50 s and as much CPU for the same paths), which then learns on."""
     run_dir, pids = tmp_path / "run", {}
     proc = start(run_dir, tiny_assets, ONE_RANK, *CHAOS, "weight_sync.verify=true")
     try:
