@@ -6,8 +6,8 @@ early in a run of its own. Every run completes with every accepted
 sample trained or dropped as stale (`samples_lost: 0`), reports its restarts (summary.json,
 restarts.jsonl, roles.json), and reaches a mean reward over LAST_STEPS steps of at
 least REWARD_FLOOR within the 150 steps, where it ends (trainer.stop_at: a run pays for the
-learning it shows, not for the rest of the preset). Staleness-1 runs are not deterministic (what each step trains depends on
-timing), so two runs of one configuration differ like two seeds: undisturbed runs of this
+learning it shows, not for the rest of the preset). Staleness-1 runs are not deterministic
+(what each step trains depends on timing), so two runs of one configuration differ like two seeds: undisturbed runs of this
 configuration ended at 0.84-0.96 (an undisturbed twin at 0.838 against 0.961 for a disturbed
 one in one clean-clone run; the preset at staleness 2: 0.84-0.94 over three model seeds), and a
 recovery that costs learning shows as a lower reward. (Each test ran an undisturbed twin to
