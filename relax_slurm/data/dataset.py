@@ -74,32 +74,39 @@ def read_table(path: str | Path) -> Table:
             f"{p}: no such file or folder. Fix: set data.train_files=[...] to existing "
             ".jsonl/.parquet files or folders written by datasets' save_to_disk"
         )
-    builder = None if p.is_dir() else _BUILDERS.get(p.suffix.lower())
-    if not p.is_dir() and builder is None:
+    if p.is_dir():
+        import datasets  # imported here: it is slow to import and only these readers need it
+
+        ds = _load_from_disk(p, datasets)
+        return _datasets_table(ds)
+    builder = _BUILDERS.get(p.suffix.lower())
+    if builder is None:
         raise DataError(
             f"{p}: unknown file type {p.suffix!r}. Fix: use .jsonl, .json or .parquet files, "
             "or a folder written by datasets' save_to_disk"
         )
-    if not p.is_dir() and p.stat().st_size == 0:
+    if p.stat().st_size == 0:
         raise DataError(f"{p}: the file is empty. Fix: remove it from data.train_files")
     if p.suffix.lower() == ".jsonl":
         return _jsonl_table(p)
-    import datasets  # imported here: it is slow to import and only these readers need it
+    import datasets
 
-    if p.is_dir():
-        ds = _load_from_disk(p, datasets)
-    else:
-        try:
-            ds = datasets.load_dataset(builder, data_files=str(p), split="train")
-        except Exception as e:  # pyarrow, json and datasets errors all mean "cannot read it"
-            where = _diagnose_jsonl(p) if builder == "json" else None
-            raise DataError(
-                f"{p}: cannot read it as {builder}"
-                + (f": {where}" if where else f" ({type(e).__name__}: {e})")
-                + ". Fix the file or remove it from data.train_files"
-            ) from e
-    # one slice formats the whole column at once (iterating a column goes row by row, slowly)
-    # and decodes datasets' Json columns (a key whose type varies between rows)
+    try:
+        ds = datasets.load_dataset(builder, data_files=str(p), split="train")
+    except Exception as e:  # pyarrow, json and datasets errors all mean "cannot read it"
+        where = _diagnose_jsonl(p) if builder == "json" else None
+        raise DataError(
+            f"{p}: cannot read it as {builder}"
+            + (f": {where}" if where else f" ({type(e).__name__}: {e})")
+            + ". Fix the file or remove it from data.train_files"
+        ) from e
+    return _datasets_table(ds)
+
+
+def _datasets_table(ds) -> Table:
+    """A `datasets.Dataset` as a `Table`: one slice formats a whole column at once (iterating
+    a column goes row by row, slowly) and decodes datasets' Json columns (a key whose type
+    varies between rows)."""
     return Table(list(ds.column_names), lambda key: ds.select_columns([key])[:][key])
 
 

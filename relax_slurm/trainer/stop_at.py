@@ -38,8 +38,8 @@ class RewardTarget:
 
     def __init__(self, cfg: StopAtConfig) -> None:
         self.target, self.window = cfg.reward, cfg.steps
-        self.rewards: list[float] = []
-        self.steps: list[int] = []
+        self.rewards: list[float] = []  # one a step, the steps consecutive up to last_step
+        self.last_step: int | None = None
 
     @property
     def active(self) -> bool:
@@ -47,8 +47,8 @@ class RewardTarget:
 
     def note(self, done: int, groups: list[Group]) -> None:
         """Step `done`'s batch (called once per step, before its weight push)."""
-        if self.active and groups and (not self.steps or self.steps[-1] != done):
-            self.steps.append(done)
+        if self.active and groups and done != self.last_step:
+            self.last_step = done
             self.rewards.append(batch_reward(groups))
 
     def stop_reason(self) -> str | None:
@@ -58,5 +58,6 @@ class RewardTarget:
         mean = reached(self.rewards, self.target, self.window)
         if mean is None:
             return None
-        return (f"trainer.stop_at.reward={self.target} reached at step {self.steps[-1]}: mean "
-                f"reward {mean:.4f} over steps {self.steps[-self.window]}-{self.steps[-1]}")
+        last = self.last_step
+        return (f"trainer.stop_at.reward={self.target} reached at step {last}: mean "
+                f"reward {mean:.4f} over steps {last - self.window + 1}-{last}")
