@@ -33,7 +33,8 @@ def bench_module(name: str):
                 del sys.modules[plain]  # `common` as report imports it: not for other tests
 
 
-common, load, report = (bench_module(n) for n in ("common", "load", "report"))
+common, load, report, weight_sync_bench = (
+    bench_module(n) for n in ("common", "load", "report", "weight_sync_bench"))
 
 
 def test_spread_reports_the_relative_spread_of_the_repeats():
@@ -44,6 +45,18 @@ def test_spread_reports_the_relative_spread_of_the_repeats():
     assert math.isnan(common.spread([None])["rel_spread"])
     # a repeat that never reached a reward (inf) is left out of the spread, not made inf of it
     assert common.spread([1.0, 1.1, float("inf")])["rel_spread"] == pytest.approx(0.1 / 1.1)
+
+
+def test_a_weight_sync_repeat_is_the_median_of_its_rounds():
+    # one wild round (a 2x slower sync: seen on a shared machine) moves no repeat's figure
+    rounds = [0.7, 0.72, 0.35, 0.71, 0.69,  0.8, 0.78, 0.79, 0.81, 1.6]
+    assert weight_sync_bench.per_repeat(rounds, 5) == [0.7, 0.8]
+    table = "\n".join(report.detail_tables({"weight_sync": {"large": {
+        "mb": 448.2, "tensors": 79, "buckets": 1, "rounds": 5,
+        **{k: common.spread([0.7, 0.8]) for k in ("full_gbps", "raw_gbps", "efficiency",
+                                                   "efficiency_flattened")}}}}))
+    assert "| large | 448.2 | 79 | 1 | 0.7 / 0.75 / 0.8 |" in table
+    assert "the median of its 5 back-to-back rounds" in table
 
 
 def test_proc_stat_lines_are_read_even_with_odd_command_names():

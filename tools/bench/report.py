@@ -239,6 +239,11 @@ def detail_tables(res: dict) -> list[str]:
                        f"{' / '.join(_spread(w['raw_gbps']))} | "
                        f"{' / '.join(_spread(w['efficiency']))} | "
                        f"{' / '.join(_spread(w.get('efficiency_flattened', {})))} |")
+        rounds = {w.get("rounds") for w in res["weight_sync"].values()}
+        if rounds != {None}:
+            out += ["", f"Min / median / max over repeats; each repeat's value is the median of "
+                        f"its {'/'.join(map(str, sorted(r for r in rounds if r)))} back-to-back "
+                        "rounds (a sync per tensor, a flattened one, the raw broadcast)."]
     if "broker" in res:
         b = res["broker"]
         out += ["", "### Broker", "",

@@ -220,9 +220,11 @@ def main() -> int:
                                                  480)
         res["weight_sync"] = {}
         for name, m in (("tiny", model), ("large", big)):
-            r = weight_sync_bench.measure(m, 3 if args.quick else 5, args.out)
+            # the same rounds quick or full (weight_sync_bench.ROUNDS): no steps to shorten
+            r = weight_sync_bench.measure(m, repeats, args.out)
             res["weight_sync"][name] = {
                 "mb": r["mb"], "tensors": r["tensors"], "buckets": r["buckets"],
+                "rounds": r["rounds"],
                 "full_gbps": spread(r["full_gbps"]), "raw_gbps": spread(r["raw_gbps"]),
                 "full_s": spread(r["full_s"]), "raw_s": spread(r["raw_s"]),
                 "efficiency": spread(r["efficiency"]),

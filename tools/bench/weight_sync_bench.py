@@ -118,10 +118,19 @@ FORMATS = {"full_s": None, "flat_s": "flattened_bucket"}
 """The full sync's formats: one broadcast per tensor (the default), one per flattened bucket."""
 
 
-def measure(model: Path, repeats: int, workdir: Path) -> dict:
-    """Per repeat, back to back: a full sync per tensor, one per flattened bucket (the same
-    engine and sender), and a raw broadcast of the same bytes, so that a drift of the (shared)
-    machine hits the three alike; after one warm-up of each. GB/s and ratios per repeat."""
+ROUNDS = 5
+"""Timed rounds per repeat. One sync's time moves by 2x from one round to the next on a shared
+2-core machine (a 448 MB sync: efficiency 0.36-0.88 over 15 rounds), so a repeat's figure is
+the median of its rounds (3 repeats of 5: medians within ~5% of each other). The quick and
+the full run time the same rounds: this part has no steps to shorten."""
+
+
+def measure(model: Path, repeats: int, workdir: Path, rounds: int = ROUNDS) -> dict:
+    """`repeats` x `rounds` rounds after one warm-up round; a round is, back to back, a full
+    sync per tensor, one per flattened bucket (the same engine and sender) and a raw broadcast
+    of the same bytes, so that a drift of the (shared) machine hits the three alike. Per
+    repeat: the median over its rounds of each time, GB/s and ratio (a ratio per round first,
+    then the median); `rounds_*` keep every round's values."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -138,6 +147,7 @@ def measure(model: Path, repeats: int, workdir: Path) -> dict:
     url = f"http://127.0.0.1:{port}"
     engine = start_engine(model, port, workdir / f"engine_{model.name}.log")
     sender = raw = None
+    count = repeats * rounds + 1  # the first round is warm-up
     try:
         wait_until_healthy([url], timeout_s=600)
         weights = [(n, p.detach()) for n, p in
@@ -149,14 +159,14 @@ def measure(model: Path, repeats: int, workdir: Path) -> dict:
         times: dict[str, list[float]] = {"full_s": [], "flat_s": [], "raw_s": []}
         stats: dict = {}
         version = 0
-        for _ in range(repeats + 1):  # the first round is warm-up
+        for _ in range(count):
             for key, load_format in FORMATS.items():
                 sender.load_format = load_format
                 version += 1
                 stats = sender.send(weights, version=version)
                 times[key].append(stats["seconds"])
             if raw is None:
-                raw = RawBroadcast(stats["bytes"], repeats + 1)
+                raw = RawBroadcast(stats["bytes"], count)
             times["raw_s"].append(raw.once())
         times = {k: v[1:] for k, v in times.items()}
     finally:
@@ -170,12 +180,20 @@ def measure(model: Path, repeats: int, workdir: Path) -> dict:
         torch.set_num_threads(threads)
     gb = stats["bytes"] / 1e9
     full, flat, raw_s = times["full_s"], times["flat_s"], times["raw_s"]
+    per_round = {"full_s": full, "raw_s": raw_s, "flat_s": flat,
+                 "full_gbps": [gb / t for t in full], "raw_gbps": [gb / t for t in raw_s],
+                 # per round, as measured back to back
+                 "efficiency": [r / f for r, f in zip(raw_s, full)],
+                 "efficiency_flattened": [r / f for r, f in zip(raw_s, flat)]}
     return {"mb": stats["bytes"] / 2**20, "tensors": len(weights),
-            "buckets": stats["num_buckets"], "full_s": full, "raw_s": raw_s, "flat_s": flat,
-            "full_gbps": [gb / t for t in full], "raw_gbps": [gb / t for t in raw_s],
-            # per repeat, as measured back to back
-            "efficiency": [r / f for r, f in zip(raw_s, full)],
-            "efficiency_flattened": [r / f for r, f in zip(raw_s, flat)]}
+            "buckets": stats["num_buckets"], "rounds": rounds,
+            **{k: per_repeat(v, rounds) for k, v in per_round.items()},
+            **{f"rounds_{k}": v for k, v in per_round.items()}}
+
+
+def per_repeat(values: list[float], rounds: int) -> list[float]:
+    """The median of each repeat's `rounds` consecutive values."""
+    return [statistics.median(values[i:i + rounds]) for i in range(0, len(values), rounds)]
 
 
 def main() -> None:
@@ -184,14 +202,16 @@ def main() -> None:
     ap.add_argument("--port", type=int)
     ap.add_argument("--nbytes", type=int)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--model", type=Path)
     args = ap.parse_args()
     if args.raw_receiver:
         raw_receiver(args.port, args.nbytes, args.repeats)
         return
     os.sched_setaffinity(0, [1 % os.cpu_count()])
-    r = measure(args.model, args.repeats, Path("."))
-    print({k: (statistics.median(v) if isinstance(v, list) else v) for k, v in r.items()})
+    r = measure(args.model, args.repeats, Path("."), args.rounds)
+    print({k: (statistics.median(v) if isinstance(v, list) else v) for k, v in r.items()
+           if not k.startswith("rounds_")})
 
 
 if __name__ == "__main__":
