@@ -81,7 +81,8 @@ def _math_verify():
     except ImportError as e:
         raise ConfigError(
             "the math reward's symbolic check needs math-verify. Fix: "
-            "pip install 'math-verify[antlr4_9_3]' (the antlr4 4.9.3 runtime Hydra also uses)"
+            "pip install math-verify 'antlr4-python3-runtime==4.9.*' (the antlr4 runtime Hydra "
+            "also uses)"
         ) from e
     return math_verify
 

@@ -90,3 +90,43 @@ def test_bridge_requirements_are_provided_or_excluded_with_a_reason():
     docs = (REPO / "docs" / "backends.md").read_text()
     for name in EXCLUDED:
         assert f"`{name}" in docs, f"docs/backends.md does not say why {name} is not installed"
+
+
+def _legacy_extra(name: str) -> str:
+    """An extra's name as pip compares a requested extra with those a package provides
+    (setuptools' safe_extra): an underscore and a hyphen are different names, so
+    `x[antlr4_9_3]` of a package providing `antlr4-9-3` installs without it, with a warning."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", name).lower()
+
+
+def test_every_extra_asked_for_on_the_way_down_is_provided():
+    # issue #39: `pip install -e .` warned "latex2sympy2-extended 1.11.0 does not provide the
+    # extra 'antlr4_9_3'": math-verify[antlr4-9-3] asks its dependency for an extra under the
+    # other spelling. Walk what the README's commands install (the package and its dev extra)
+    # through every extra requested, as pip does, and find each extra where it is asked for.
+    cfg = setup_cfg()
+    todo = [Requirement(x) for lines in (cfg["options"]["install_requires"],
+                                         cfg["options.extras_require"]["dev"])
+            for x in lines.strip().splitlines() if x.strip() and not x.strip().startswith("#")]
+    seen, missing = set(), []
+    while todo:
+        req = todo.pop()
+        try:
+            dist = importlib.metadata.distribution(req.name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # not installed here (a marker, a GPU-only package): nothing to walk
+        provided = {_legacy_extra(e) for e in dist.metadata.get_all("Provides-Extra") or []}
+        for extra in req.extras:
+            if _legacy_extra(extra) not in provided:
+                missing.append(f"{req} (asked of {dist.metadata['Name']} {dist.version}, "
+                               f"which provides {sorted(provided)})")
+        key = (req.name.lower(), frozenset(map(_legacy_extra, req.extras)))
+        if key in seen:
+            continue
+        seen.add(key)
+        for line in dist.requires or []:
+            sub = Requirement(line)
+            env = [{"extra": e} for e in req.extras] or [{"extra": ""}]
+            if sub.marker is None or any(sub.marker.evaluate(e) for e in env):
+                todo.append(sub)
+    assert not missing, missing
