@@ -32,10 +32,17 @@ def until_reward(reward: float, steps: int = 3) -> tuple[str, str]:
 
 
 def stopped_on_reward(summary: dict, rewards: list[float]) -> int:
-    """The step a run given `until_reward` ended at, asserting it ended on its reward target
-    before trainer.total_steps (the rewards of every step in the failure's message)."""
+    """The step a run given `until_reward` ended at, asserting it ended on its reward target:
+    stopped by it before trainer.total_steps, or (nothing left to stop) reaching it at its
+    last step, which summary.json's `stop_at.reached_at_step` records (the rewards of every
+    step in the failure's message)."""
     early = summary.get("stopped_early")
-    assert early and early["reason"].startswith("trainer.stop_at.reward="), (
+    if early is None:
+        reached = (summary.get("stop_at") or {}).get("reached_at_step")
+        assert reached is not None and reached == summary["steps"], (
+            summary, [round(r, 3) for r in rewards])
+        return reached
+    assert early["reason"].startswith("trainer.stop_at.reward="), (
         summary, [round(r, 3) for r in rewards])
     assert summary["steps"] == early["at_step"] < early["total_steps"], summary
     return early["at_step"]

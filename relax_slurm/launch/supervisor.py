@@ -35,7 +35,7 @@ from relax_slurm.metrics.fanout import check_installed
 from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsTail, iter_metrics
 from relax_slurm.metrics.notify import Notifier
 from relax_slurm.metrics.progress import Progress
-from relax_slurm.metrics.summary import samples_lost, summarize, write_summary
+from relax_slurm.metrics.summary import first_reached, samples_lost, summarize, write_summary
 from relax_slurm.engines.client import wait_until_healthy
 
 POLL_S = 0.5
@@ -191,6 +191,14 @@ def run_summary(run_dir: Path, cfg: TrainConfig, wall_s: float, extra: dict | No
         summary["samples_lost"] = samples_lost(final_status.counters.to_dict(), rows,
                                                cfg.rollout.batch_size,
                                                cfg.rollout.n_samples_per_prompt)
+    target = cfg.trainer.stop_at
+    if target.reward is not None:  # where it was reached, stopped there or ended there anyway
+        rewarded = [r for r in rows if r.get("rollout/reward_mean") is not None]
+        done = first_reached([r["rollout/reward_mean"] for r in rewarded], target.reward,
+                             target.steps)
+        summary["stop_at"] = {"reward": target.reward, "steps": target.steps,
+                              "reached_at_step": None if done is None
+                              else rewarded[done - 1]["step"] + 1}
     # by the last step logged, not the row count: a run resumed from another run's
     # checkpoint (resume=PATH) logs only the steps after it in this run dir
     reached = rows[-1]["step"] + 1 if rows else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,26 @@ def summarize(rows: list[dict[str, Any]], wall_s: float, max_staleness: int) -> 
         "wall_s": round(wall_s, 3),
         "max_staleness": max_staleness,
     }
+
+
+def reached(rewards: Sequence[float], target: float, window: int) -> float | None:
+    """The mean of the last `window` rewards when there are that many and it is at least
+    `target`; None otherwise."""
+    if len(rewards) < window:
+        return None
+    mean = sum(rewards[-window:]) / window
+    return mean if mean >= target else None
+
+
+def first_reached(rewards: Sequence[float], target: float, window: int) -> int | None:
+    """The number of steps after which the mean of the last `window` of `rewards` (one per
+    step) first was at least `target`, or None: where a run given that target stops (or, when
+    that is its last step, ends anyway). summary.json's `stop_at.reached_at_step`
+    (trainer.stop_at, trainer/stop_at.py)."""
+    for done in range(window, len(rewards) + 1):
+        if reached(rewards[:done], target, window) is not None:
+            return done
+    return None
 
 
 def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> Path:

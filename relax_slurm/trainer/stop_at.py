@@ -7,24 +7,16 @@ rollout/reward_mean) and, after the first step at which the mean of the last
 `trainer.stop_at.steps` of them is at least R, files a stop request itself
 (runtime/control.py `request_stop`, the file `relax-ctl stop` writes): the trainer saves its
 final checkpoint and exits 0 as on any stop, and summary.json's `stopped_early` records the
-step and this reason. A run that never reaches R runs to trainer.total_steps.
+step and this reason. A run that never reaches R runs to trainer.total_steps. Either way
+summary.json's `stop_at.reached_at_step` says where (and whether) the target was reached
+(launch/supervisor.py, from metrics.jsonl: `metrics/summary.py` `first_reached`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from relax_slurm.config.trainer import StopAtConfig
+from relax_slurm.metrics.summary import reached
 from relax_slurm.samples import Group
-
-
-def reached(rewards: Sequence[float], target: float, window: int) -> float | None:
-    """The mean of the last `window` rewards when there are that many and it is at least
-    `target`; None otherwise."""
-    if len(rewards) < window:
-        return None
-    mean = sum(rewards[-window:]) / window
-    return mean if mean >= target else None
 
 
 def batch_reward(groups: list[Group]) -> float:

@@ -203,3 +203,27 @@ def test_a_new_run_clears_a_stale_stop_and_a_global_restart_keeps_one(tmp_path):
     assert control.stop_requested(tmp_path)
     prepare_run_dir(cfg, local_plan(cfg), attempt=0)  # started again: a new run
     assert not control.stop_requested(tmp_path)
+
+
+def test_the_summary_says_where_a_reward_target_was_reached_stopped_there_or_not(tmp_path):
+    # trainer.stop_at reached at the bound's last step: nothing is left to stop (no
+    # stopped_early), and summary.json still says the target was reached, and where
+    cfg = _short_run(tmp_path, reached=5, total=5)
+    rows = [{"step": s, "rollout/reward_mean": r, "train/samples": 4}
+            for s, r in enumerate((0.0, 0.25, 0.5, 0.75, 1.0))]  # exact in binary
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg.trainer.stop_at.reward, cfg.trainer.stop_at.steps = 0.75, 3
+    control.request_stop(tmp_path, reason="trainer.stop_at.reward=0.75 reached at step 5")
+    summary = run_summary(tmp_path, cfg, 1.0, None, {}, None)
+    assert "stopped_early" not in summary
+    assert summary["stop_at"] == {"reward": 0.75, "steps": 3, "reached_at_step": 5}
+    cfg.trainer.stop_at.reward = 0.9  # never reached: said so
+    assert run_summary(tmp_path, cfg, 1.0, None, {}, None)["stop_at"]["reached_at_step"] is None
+    # a run resumed from another run's checkpoint logs only its own steps (here 10-14): the
+    # step is the run's, not the row's index
+    rows = [dict(r, step=r["step"] + 10) for r in rows]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg.trainer.total_steps, cfg.trainer.stop_at.reward = 15, 0.5
+    assert run_summary(tmp_path, cfg, 1.0, None, {}, None)["stop_at"]["reached_at_step"] == 14
+    cfg.trainer.stop_at.reward = None  # no target, no record
+    assert "stop_at" not in run_summary(tmp_path, cfg, 1.0, None, {}, None)

@@ -9,7 +9,8 @@ import pytest
 from relax_slurm.config.trainer import StopAtConfig
 from relax_slurm.errors import ConfigError
 from relax_slurm.samples import Sample
-from relax_slurm.trainer.stop_at import RewardTarget, batch_reward, reached
+from relax_slurm.metrics.summary import first_reached, reached
+from relax_slurm.trainer.stop_at import RewardTarget, batch_reward
 
 
 def group(*rewards: float) -> list[Sample]:
@@ -24,6 +25,13 @@ def test_reached_needs_a_full_window_at_or_above_the_target():
     assert reached([0.0, 0.5, 0.5, 0.5], 0.5, window=3) == 0.5  # at the target: reached
     assert reached([0.9, 0.9, 0.0], 0.7, window=3) is None  # the mean, not any one step
     assert reached([0.1, 0.7], 0.7, window=1) == pytest.approx(0.7)
+
+
+def test_first_reached_is_the_step_count_at_the_first_full_window_at_the_target():
+    assert first_reached([0.0, 0.6, 0.6, 0.6, 0.0], 0.5, window=2) == 3  # steps 2-3
+    assert first_reached([0.0, 0.6, 0.6], 0.5, window=3) is None  # (0.0 + 0.6 + 0.6) / 3
+    assert first_reached([0.9], 0.5, window=1) == 1
+    assert first_reached([], 0.5, window=1) is None
 
 
 def test_batch_reward_is_the_mean_over_every_sample_of_the_step():
