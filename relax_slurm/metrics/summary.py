@@ -51,8 +51,8 @@ def first_reached(rewards: Sequence[float], target: float, window: int) -> int |
     step) first was at least `target`, or None: where a run given that target stops (or, when
     that is its last step, ends anyway). summary.json's `stop_at.reached_at_step`
     (trainer.stop_at, trainer/stop_at.py)."""
-    for done in range(window, len(rewards) + 1):
-        if reached(rewards[:done], target, window) is not None:
+    for done in range(window, len(rewards) + 1):  # the live check's arithmetic, window by window
+        if reached(rewards[done - window:done], target, window) is not None:
             return done
     return None
 
