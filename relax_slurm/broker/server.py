@@ -151,7 +151,7 @@ class BrokerServer:
         identity = frames[0].bytes
         rid = None
         try:
-            op, fields, groups = decode(frames[1:])
+            op, fields, groups = decode(frames[1:], keep_frames=True)
             rid = fields.get("rid")
             if not secret_matches(self._secret, fields.pop("auth", None)):
                 self.auth_refused += 1

@@ -94,7 +94,7 @@ def replay(path: Path) -> Replayed:
     data = path.read_bytes() if path.exists() else b""
     for end, frames in iter_records(data):
         try:
-            op, f, groups = decode(frames)
+            op, f, groups = decode(frames, keep_frames=True)
         except BrokerError:
             break  # cannot happen for a record whose CRC matched, short of a bug: stop there
         if f.get("base"):

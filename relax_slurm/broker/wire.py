@@ -27,6 +27,13 @@ buffer (no further copy with `copy=False`); `decode` never copies: the arrays vi
 frames (callers that keep or modify them decide whether to copy). The request id `rid` travels
 as an ordinary field.
 
+The broker passes groups through: it decodes a put (`keep_frames=True`) into samples, which it
+checks and reads, and encodes the same groups twice more, into its spill record and into the
+trainer's batch. A group decoded so is a `Received` list that keeps the header it came with and
+its own frames, and `encode` sends those again (frame numbers renumbered, no array copied, no
+sample read), so the broker's two encodes cost a header each. Nothing may change such a group
+or its samples after decoding (the broker never does; its frames would no longer match).
+
 `decode` raises BrokerError on anything malformed: bad msgpack or header layout, a scalar of the
 wrong type, a count of values or lengths that differs from "n", a negative or non-integer
 length, a wrong dtype, a frame whose byte size is not sum(lengths) * itemsize, an unknown array
@@ -35,7 +42,7 @@ name, a missing required array, a frame index out of range or used twice, an unr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any, Union
 
@@ -73,7 +80,43 @@ def _pack(obj: Any, what: str) -> bytes:
         ) from e
 
 
+class Received(list):
+    """The samples of one decoded group, with the header and frames they arrived in (see
+    `decode(keep_frames=True)`): `head` numbers its own frames 0..len(frames)-1."""
+
+    def __init__(self, samples: list[Sample], head: dict[str, Any], frames: list[Frame]) -> None:
+        super().__init__(samples)
+        self.head = head
+        self.frames = frames
+
+
+def _renumbered(head: dict[str, Any], number: Callable[[int], int]) -> dict[str, Any]:
+    """`head` with every frame index i of its arrays and media replaced by number(i)."""
+    out = {**head, "a": {k: [dtype, number(i), lengths]
+                         for k, (dtype, i, lengths) in head["a"].items()}}
+    if "m" in head:
+        out["m"] = [{k: [dtype, shape, number(i)] for k, (dtype, shape, i) in refs.items()}
+                    for refs in head["m"]]
+    return out
+
+
+def _pass_through(group: Received, frames: list[Frame]) -> dict[str, Any]:
+    base = len(frames)
+    frames.extend(group.frames)
+    return _renumbered(group.head, lambda i: base + i)
+
+
+def _keep(head: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str, Any], list[Frame]]:
+    """A checked group header and the frames it uses, numbered from 0 in order of use."""
+    own: dict[int, int] = {}
+    local = _renumbered(head, lambda i: own.setdefault(i, len(own)))
+    local["s"] = {**head["s"], "reward": [float(r) for r in head["s"]["reward"]]}
+    return local, [_buffer(frames[i]) for i in own]
+
+
 def _encode_group(gi: int, group: Group, frames: list[Frame]) -> dict[str, Any]:
+    if isinstance(group, Received):
+        return _pass_through(group, frames)
     scalars = {k: [getattr(s, k) for s in group] for k in SCALAR_FIELDS}
     scalars["reward"] = [float(r) for r in scalars["reward"]]
     arrays: dict[str, list[Any]] = {}
@@ -223,7 +266,8 @@ def _decode_mm(where: str, refs: Any, n: int, frames: Sequence[Any], used: set[i
     return out
 
 
-def _decode_group(gi: int, head: Any, frames: Sequence[Any], used: set[int]) -> Group:
+def _decode_group(gi: int, head: Any, frames: Sequence[Any], used: set[int],
+                  keep_frames: bool = False) -> Group:
     where = f"group {gi}"
     if not isinstance(head, dict) or not _GROUP_KEYS <= set(head) <= _GROUP_KEYS | {"m"}:
         raise BrokerError(f"{where}: header must be a map with keys n, s, a (and m)")
@@ -257,14 +301,17 @@ def _decode_group(gi: int, head: Any, frames: Sequence[Any], used: set[int]) -> 
         names = (*names, "mm_inputs")
         columns.append(_decode_mm(where, head["m"], n, frames, used))
     try:
-        return [Sample(**dict(zip(names, row))) for row in zip(*columns)]
+        samples = [Sample(**dict(zip(names, row))) for row in zip(*columns)]
     except ValueError as e:
         raise BrokerError(f"{where}: invalid sample: {e}") from e
+    return Received(samples, *_keep(head, frames)) if keep_frames else samples
 
 
-def decode(frames: Sequence[Any]) -> tuple[str, dict[str, Any], list[Group] | None]:
+def decode(frames: Sequence[Any], keep_frames: bool = False
+           ) -> tuple[str, dict[str, Any], list[Group] | None]:
     """Inverse of `encode`; raises BrokerError on anything malformed. The arrays of the
-    returned samples are views of `frames` (no copy)."""
+    returned samples are views of `frames` (no copy). With `keep_frames` each group is a
+    `Received` that `encode` sends on as it came (the broker's pass-through)."""
     if len(frames) < 1:
         raise BrokerError("empty message")
     try:
@@ -283,7 +330,8 @@ def decode(frames: Sequence[Any]) -> tuple[str, dict[str, Any], list[Group] | No
     if not isinstance(group_headers, list):
         raise BrokerError(f"message {op!r}: g must be a list of group headers")
     used: set[int] = set()
-    groups = [_decode_group(gi, h, frames, used) for gi, h in enumerate(group_headers)]
+    groups = [_decode_group(gi, h, frames, used, keep_frames)
+              for gi, h in enumerate(group_headers)]
     if len(used) != len(frames) - 1:
         raise BrokerError(f"message {op!r}: {len(frames) - 1 - len(used)} unreferenced frames")
     return op, fields, groups

@@ -5,7 +5,9 @@
 Times `encode` and `decode` (relax_slurm/broker/wire.py) of one message holding `groups` groups
 of `samples` samples (prompt 6 tokens, response 3 tokens, no teacher log-probs) and prints the
 per-message time in ms (median and best over `repeat` runs). Decode reads the frames as bytes,
-as a receiver would; the bytes copy is outside the timing.
+as a receiver would; the bytes copy is outside the timing. The broker's side: its decode of a put
+(`keep_frames=True`) and its encode of those groups again (for its spill record and for the
+trainer's batch), which sends the frames as they came.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=200)
     args = ap.parse_args()
     groups = make_groups(args.groups, args.samples)
-    enc, dec = [], []
+    enc, dec, keep, again = [], [], [], []
     for _ in range(args.repeat + 5):  # the first 5 are warm-up
         t0 = time.perf_counter()
         frames = encode("batch", {"rid": 1}, groups)
@@ -48,14 +50,21 @@ def main() -> None:
         t2 = time.perf_counter()
         _, _, out = decode(received)
         t3 = time.perf_counter()
+        _, _, kept = decode(received, keep_frames=True)
+        t4 = time.perf_counter()
+        encode("batch", {"rid": 2}, kept)
+        t5 = time.perf_counter()
         enc.append(t1 - t0)
         dec.append(t3 - t2)
-    enc, dec = enc[5:], dec[5:]
+        keep.append(t4 - t3)
+        again.append(t5 - t4)
+    enc, dec, keep, again = enc[5:], dec[5:], keep[5:], again[5:]
     tot = [a + b for a, b in zip(enc, dec)]
     assert out is not None and sum(map(len, out)) == args.groups * args.samples
     print(f"{args.groups} groups x {args.samples} samples, {len(frames)} frames, "
           f"header {len(frames[0])} bytes")
-    for name, xs in (("encode", enc), ("decode", dec), ("encode+decode", tot)):
+    for name, xs in (("encode", enc), ("decode", dec), ("encode+decode", tot),
+                     ("broker decode", keep), ("broker encode", again)):
         print(f"{name:14s} median {statistics.median(xs) * 1e3:7.3f} ms/message   "
               f"best {min(xs) * 1e3:7.3f} ms")
 

@@ -305,3 +305,31 @@ def test_version_spans_round_trip_and_malformed_ones_are_refused() -> None:
     head["g"][0]["s"]["version_spans"] = [{}, []]
     with pytest.raises(BrokerError, match="version_spans"):
         decode([msgpack.packb(head, use_bin_type=True), *frames[1:]])
+
+
+def test_the_broker_sends_a_received_group_on_as_it_came() -> None:
+    """decode(keep_frames=True) then encode: the same samples, renumbered frames that are the
+    received ones (no array copied), media shared across samples still sent once, and plain
+    groups mixed in encoded as usual."""
+    pixels, grid = np.arange(12, dtype=np.float32).reshape(3, 4), np.int64([[1, 2, 3]])
+    media = [make_sample(mm_inputs={"pixel_values": pixels, "grid": grid},
+                         teacher_logprobs=np.zeros(4)) for _ in range(2)]
+    sent = [[make_sample(group_id=1), make_sample(6, 2, group_id=1, reward=1)], media]
+    received = decode(encode("put_group", {"rid": 1}, sent), keep_frames=True)[2]
+    assert received is not None
+    plain = [make_sample(group_id=9)]
+    frames = encode("ok", {"rid": 2}, [plain, received[1], received[0]])
+    out = decode(frames)[2]
+    assert out is not None and [len(g) for g in out] == [1, 2, 2]
+    for a, b in zip(plain + media + sent[0], [s for g in out for s in g]):
+        assert_same(a, b)
+    for s in out[1]:
+        np.testing.assert_array_equal(s.mm_inputs["pixel_values"], pixels)
+    assert out[1][0].mm_inputs["pixel_values"].base is out[1][1].mm_inputs["pixel_values"].base
+    assert len(frames) == 1 + 4 + (5 + 2) + 4  # each group's frames exactly once
+    for group, mine in ((received[1], frames[5:12]), (received[0], frames[12:])):
+        assert [bytes(f) for f in mine] == [bytes(f) for f in group.frames]
+        assert all(np.shares_memory(np.frombuffer(f, np.uint8), np.frombuffer(g, np.uint8))
+                   for f, g in zip(mine, group.frames) if len(f))
+    # an ordinary decode gives plain lists, which encode reads sample by sample
+    assert type(decode(frames)[2][0]) is list
