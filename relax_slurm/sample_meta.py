@@ -28,6 +28,7 @@ rows): `SampleMeta.of` gives None, and it carries no data position.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 from relax_slurm.errors import check_map_keys
@@ -98,6 +99,19 @@ class SampleMeta:
         return cls.from_dict(sample.metadata, f"sample {sample.prompt_id}/{sample.group_id} "
                                               "metadata")
 
+
+
+def metas_of(samples: Iterable[Any]) -> list[SampleMeta | None]:
+    """`SampleMeta.of` of each sample, parsed once per run of equal maps: a group's samples
+    carry equal maps (one worker's stamp), and parsing 512 of them was ~5 ms of a tiny
+    step's trainer and broker alike."""
+    out: list[SampleMeta | None] = []
+    last_map: Any = None
+    for s in samples:
+        if not out or s.metadata != last_map:
+            meta, last_map = SampleMeta.of(s), s.metadata
+        out.append(meta)
+    return out
 
 def _check_type(key: str, value: Any, where: str) -> None:
     types = _TYPES[key]

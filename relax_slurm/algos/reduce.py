@@ -22,17 +22,29 @@ def reduction_weights(masks: list[Tensor], reduction: str, batch_samples: int | 
     streaming trainer weighs groups as they arrive); token_mean needs every mask.
     """
     n = len(masks) if batch_samples is None else batch_samples
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
+    if reduction == "token_mean" and batch_samples is not None and batch_samples != len(masks):
+        raise ValueError("loss_reduction=token_mean divides by the whole batch's token "
+                         "count: pass every sample's mask")
+    if not masks:
+        return []
+    # one flat tensor and a handful of ops for the whole batch, not a few per sample (a batch
+    # of 512 short samples spent ~8 ms here); each weight is the same float32 division as a
+    # per-sample m / (m.sum() * n) (a 0/1 mask's sums are exact in any order)
+    lengths = [len(m) for m in masks]
+    flat = torch.cat(masks)
     if reduction == "seq_mean_token_mean":
-        return [m / (m.sum().clamp(min=1.0) * n) for m in masks]
-    if reduction == "token_mean":
-        if batch_samples is not None and batch_samples != len(masks):
-            raise ValueError("loss_reduction=token_mean divides by the whole batch's token "
-                             "count: pass every sample's mask")
-        total = sum(float(m.sum()) for m in masks)
-        return [m / max(total, 1.0) for m in masks]
-    if reduction == "token_sum":
-        return [m / n for m in masks]
-    raise ValueError(f"unknown loss reduction {reduction!r}; choose one of {REDUCTIONS}")
+        row = torch.repeat_interleave(torch.arange(len(masks), device=flat.device),
+                                      torch.tensor(lengths, device=flat.device))
+        sums = torch.zeros(len(masks), dtype=flat.dtype, device=flat.device)
+        sums.index_add_(0, row, flat)
+        flat = flat / (sums.clamp(min=1.0) * n)[row]
+    elif reduction == "token_mean":
+        flat = flat / max(float(flat.sum()), 1.0)
+    else:  # token_sum
+        flat = flat / n
+    return list(flat.split(lengths))
 
 
 def reduce(token_loss: Tensor, loss_mask: Tensor, reduction: str) -> Tensor:

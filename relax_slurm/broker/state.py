@@ -26,7 +26,7 @@ from typing import Any
 from relax_slurm.errors import BrokerError
 from relax_slurm.broker.stats import BatchStats, Counters
 from relax_slurm.data_position import Positions
-from relax_slurm.sample_meta import MetadataError, SampleMeta
+from relax_slurm.sample_meta import MetadataError, metas_of
 from relax_slurm.samples import Group, group_version_min
 
 COUNTER_NAMES = ("version", "accepted", "dropped", "consumed", "in_flight", "released")
@@ -90,11 +90,7 @@ class BrokerState:
             if not group:
                 raise BrokerError("put_group with an empty group; send at least one sample")
             try:
-                checked = None  # a group's samples mostly carry one map: check it once
-                for s in group:
-                    if s.metadata != checked:
-                        SampleMeta.of(s)
-                        checked = s.metadata
+                metas_of(group)  # (a group's samples mostly carry one map: checked once)
             except MetadataError as e:
                 raise BrokerError(f"put_group: {e}") from e
         for group in groups:

@@ -97,12 +97,13 @@ class SingleTurn:
                           data_state=data_state, **counts,
                           resumed=sum(bool(r.meta_info.get("num_resumes")) for r in results)
                           or None)
-        group: Group = [self.sample(prompt, gid, processed, res, reward, teacher_lp, meta)
+        stamp = meta.to_dict()  # one map for the group's samples (never changed after)
+        group: Group = [self.sample(prompt, gid, processed, res, reward, teacher_lp, stamp)
                         for res, reward, teacher_lp in zip(results, rewards, teacher)]
         await svc.broker.put_group(group)
 
     def sample(self, prompt: Prompt, gid: int, processed: Processed, res: GenerateResult,
-               reward: float, teacher_lp, metadata: SampleMeta) -> Sample:
+               reward: float, teacher_lp, metadata: dict) -> Sample:
         # tokens from several versions when a sync paused the engine mid-way (retract, or
         # abort and resumed): the staleness rule judges the oldest
         spans = version_record(res)
@@ -116,7 +117,7 @@ class SingleTurn:
             mm_inputs=processed.tensors,  # one dict: the group's samples share its arrays
             reward=float(reward), version=max(versions), version_min=min(versions),
             version_spans=spans, finish_reason=res.finish_reason,
-            metadata=metadata.to_dict())
+            metadata=metadata)
 
     def close(self) -> None:
         if self.media_pool is not None:

@@ -28,7 +28,7 @@ from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.evaluate import EvalSchedule, Evaluator
 from relax_slurm.runtime.control import pending_request, request_stop
 from relax_slurm.runtime.plan import address_toward, free_port
-from relax_slurm.sample_meta import SampleMeta
+from relax_slurm.sample_meta import SampleMeta, metas_of
 from relax_slurm.samples import Group
 from relax_slurm.trainer.overlap import BackgroundPush, overlap_copy_fits
 from relax_slurm.trainer.stop_at import RewardTarget, batch_reward
@@ -73,7 +73,7 @@ def staleness_histogram(stats: BatchStats, max_staleness: int) -> dict[str, floa
 
 def batch_metrics(groups: list[Group], stats: BatchStats) -> dict[str, float]:
     samples = [s for g in groups for s in g]
-    metas = [m for m in map(SampleMeta.of, samples) if m is not None]  # (none: no worker's)
+    metas = [m for m in metas_of(samples) if m is not None]  # (none: no worker's)
     # per group (the same on each of its samples), including groups the worker did not send
     counts = [m for m in map(SampleMeta.of, (g[0] for g in groups)) if m is not None]
     starts = [m.t_start for m in metas if m.t_start is not None]

@@ -11,7 +11,7 @@ import pytest
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.broker.wire import SCALAR_FIELDS, decode, encode
 from relax_slurm.errors import BrokerError
-from relax_slurm.sample_meta import MetadataError, SampleMeta
+from relax_slurm.sample_meta import MetadataError, SampleMeta, metas_of
 from relax_slurm.samples import ARRAY_FIELDS, OPTIONAL_ARRAY_FIELDS, Sample
 
 
@@ -83,3 +83,14 @@ def test_the_wire_carries_every_field_of_a_sample() -> None:
     wired = {*SCALAR_FIELDS, *ARRAY_FIELDS, *OPTIONAL_ARRAY_FIELDS, "mm_inputs"}
     assert names == wired
     assert np.dtype(ARRAY_FIELDS["loss_mask"]) == np.float32
+
+
+def test_metas_of_parses_each_run_of_equal_maps_once_and_still_names_a_bad_one() -> None:
+    stamp = SampleMeta(worker=1, data_state={"epoch": 0}, t_start=1.0, t_end=2.0).to_dict()
+    other = SampleMeta(worker=2).to_dict()
+    group = [sample(dict(stamp)) for _ in range(3)] + [sample(other), sample({})]
+    metas = metas_of(group)
+    assert metas[0] is metas[1] is metas[2] and metas[0] == SampleMeta.of(group[0])
+    assert metas[3] == SampleMeta(worker=2) and metas[4] is None
+    with pytest.raises(MetadataError, match="'wroker'"):
+        metas_of(group[:2] + [sample({**stamp, "wroker": 1})])

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -63,6 +64,25 @@ def test_reduction_weights_seq_mean_token_mean():
     with pytest.raises(ValueError):
         reduction_weights(masks, "nope")
 
+
+
+@pytest.mark.parametrize("reduction", ["seq_mean_token_mean", "token_mean", "token_sum"])
+def test_batched_reduction_weights_are_the_per_sample_formula_bit_for_bit(reduction):
+    """One flat computation for the batch gives each sample exactly what its own formula did
+    (empty and all-zero masks included, a streaming part of a larger batch too)."""
+    rng = np.random.default_rng(0)
+    masks = [torch.from_numpy((rng.random(int(k)) > 0.3).astype(np.float32))
+             for k in rng.integers(0, 30, 200)] + [torch.zeros(4), torch.zeros(0)]
+    n = len(masks) if reduction == "token_mean" else 500
+    total = sum(float(m.sum()) for m in masks)
+    expected = {"seq_mean_token_mean": lambda m: m / (m.sum().clamp(min=1.0) * n),
+                "token_mean": lambda m: m / max(total, 1.0),
+                "token_sum": lambda m: m / n}[reduction]
+    got = reduction_weights(masks, reduction, batch_samples=n)
+    assert len(got) == len(masks)
+    for m, w in zip(masks, got):
+        assert w.dtype == torch.float32 and torch.equal(w, expected(m))
+    assert reduction_weights([], reduction) == []
 
 def test_tis_weights_are_capped_and_detached():
     train = torch.tensor([0.0, 2.0], requires_grad=True)
