@@ -11,7 +11,8 @@ from typing import Any, Optional
 import httpx
 
 from relax_slurm.engines import sglang_api
-from relax_slurm.engines.client import ClientBase, GenerateResult, SamplingParams, excluding
+from relax_slurm.engines.client import (ClientBase, GenerateResult, SamplingParams, excluding,
+                                        json_body)
 from relax_slurm.errors import EngineError
 from relax_slurm.engines.served_adapter import ServedAdapter, newest_held
 
@@ -45,7 +46,7 @@ class AsyncEngineClient(ClientBase):
     async def _call(self, method: str, route: str, body: Any = None) -> httpx.Response:
         for attempt in range(STALE_CONNECTION_RETRIES + 1):
             try:
-                return await self._http.request(method, route, json=body)
+                return await self._http.request(method, route, **json_body(body))
             except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError) as e:
                 # a pooled keep-alive connection the server closed while idle (uvicorn closes
                 # them after 5 s by default, SGLang included): retry on a fresh connection
