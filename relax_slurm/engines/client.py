@@ -123,7 +123,8 @@ def json_body(body: Any) -> dict[str, Any]:
     standard library's encoder and decoder took ~3x as long on them."""
     if body is None:
         return {}
-    return {"content": orjson.dumps(body), "headers": {"content-type": "application/json"}}
+    return {"content": orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS),
+            "headers": {"content-type": "application/json"}}
 
 def _server_message(resp: httpx.Response) -> str:
     """The error text of a response: {message}, {error: {message}}, {detail} or the body."""

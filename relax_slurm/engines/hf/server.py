@@ -53,7 +53,8 @@ class JSONResponse(_StdJSONResponse):
     generation and before the worker sees anything."""
 
     def render(self, content: object) -> bytes:
-        return orjson.dumps(content)
+        # non-str keys become strings, as json.dumps writes them
+        return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
 
 def _error(status: int, message: str) -> JSONResponse:
     # {success, message} as SGLang's weight routes; {error: {message}} as its /generate errors
