@@ -21,8 +21,9 @@ writing 256 samples lands in the next step's time, so their sync share is a litt
 
 Figures: samples/s and time to a fixed reward, async / colocated; final rewards;
 `rollout_overhead_ratio` = the trainer's wait for a batch in a sync run / the batch's
-generation span (`perf/gen_time_s`: first sample's start to last sample's end on the
-engines), so 1.0 means the worker, reward and broker add nothing to generation; the sync
+generation span (`perf/gen_time_s`: the worker's first request sent to its last answer parsed,
+the engines' HTTP and JSON inside), so 1.0 means the worker's scoring and building, the broker
+and the trainer's take add nothing to generation; the sync
 share of the step (`perf/weight_sync_s / perf/step_time_s`) with the overlap on and off.
 """
 
