@@ -27,8 +27,8 @@ rows): `SampleMeta.of` gives None, and it carries no data position.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from relax_slurm.errors import check_map_keys

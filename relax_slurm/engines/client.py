@@ -116,7 +116,6 @@ def raise_if_aborted(results: list[GenerateResult], url: str) -> list[GenerateRe
     return results
 
 
-
 def json_body(body: Any) -> dict[str, Any]:
     """httpx keywords for a JSON request body (none for None), encoded by orjson: a step's
     /generate of 512 prompts and its answer are the largest JSON the run handles, and the
@@ -125,6 +124,7 @@ def json_body(body: Any) -> dict[str, Any]:
         return {}
     return {"content": orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS),
             "headers": {"content-type": "application/json"}}
+
 
 def _server_message(resp: httpx.Response) -> str:
     """The error text of a response: {message}, {error: {message}}, {detail} or the body."""

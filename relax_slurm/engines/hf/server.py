@@ -27,8 +27,8 @@ import asyncio
 import functools
 import logging
 
-from fastapi import FastAPI, Request
 import orjson
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse as _StdJSONResponse
 from fastapi.responses import Response
 
@@ -46,7 +46,6 @@ from relax_slurm.weightsync.adapter import read_tensors
 log = logging.getLogger("relax_slurm.hf_engine")
 
 
-
 class JSONResponse(_StdJSONResponse):
     """Starlette's JSONResponse rendered by orjson, as SGLang's server answers: the answer to a
     step's /generate of 512 sequences (ids and log-probs) took ~10 ms in json.dumps, after
@@ -55,6 +54,7 @@ class JSONResponse(_StdJSONResponse):
     def render(self, content: object) -> bytes:
         # non-str keys become strings, as json.dumps writes them
         return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
+
 
 def _error(status: int, message: str) -> JSONResponse:
     # {success, message} as SGLang's weight routes; {error: {message}} as its /generate errors
