@@ -68,3 +68,52 @@ def test_rows_cut_a_block_to_its_longest_sequence():
     assert tail.targets.tolist() == [[6, 0], [7, 8]]
     assert tail.weights.shape == (2, 2) and tail.teacher_logp is None
     assert torch.equal(tail.advantages, mb.advantages[1:3, :2])
+
+
+@pytest.mark.parametrize("teacher", [False, True])
+def test_collate_places_every_row_as_a_row_by_row_copy_would(teacher):
+    """The batch-wide scatter gives the tensors a slice assignment per row gave, bit for bit
+    (varied prompt and response lengths, empty responses, teacher log-probs or not)."""
+    rng = np.random.default_rng(1)
+    groups = []
+    for g in range(6):
+        group = []
+        for _ in range(4):
+            p, r = int(rng.integers(1, 9)), int(rng.integers(0, 7))
+            group.append(Sample(
+                prompt_id=f"p{g}", group_id=g, prompt_ids=rng.integers(1, 50, p),
+                response_ids=rng.integers(1, 50, r), loss_mask=(rng.random(r) > 0.2) * 1.0,
+                rollout_logprobs=-rng.random(r), reward=float(rng.random()),
+                teacher_logprobs=-rng.random(r) if teacher else None))
+        groups.append(group)
+    items = prepare_items(groups, AlgoConfig())
+    mb = collate(items, pad_id=99, device=torch.device("cpu"))
+    T = max(len(it.sample.prompt_ids) + it.sample.response_len for it in items)
+    ids = torch.full((len(items), T), 99, dtype=torch.long)
+    per = {k: torch.zeros((len(items), T - 1)) for k in ("w", "adv", "lp", "t")}
+    for i, it in enumerate(items):
+        s = it.sample
+        P, R = len(s.prompt_ids), s.response_len
+        ids[i, :P] = torch.from_numpy(s.prompt_ids)
+        ids[i, P:P + R] = torch.from_numpy(s.response_ids)
+        span = slice(P - 1, P - 1 + R)
+        per["w"][i, span] = torch.from_numpy(it.weights)
+        per["adv"][i, span] = it.advantage
+        per["lp"][i, span] = torch.from_numpy(s.rollout_logprobs)
+        if teacher:
+            per["t"][i, span] = torch.from_numpy(s.teacher_logprobs)
+    assert torch.equal(mb.input_ids, ids) and torch.equal(mb.targets, ids[:, 1:])
+    assert mb.attention_mask.tolist() == [
+        [int(t < len(it.sample.prompt_ids) + it.sample.response_len) for t in range(T)]
+        for it in items]
+    assert torch.equal(mb.weights, per["w"]) and torch.equal(mb.advantages, per["adv"])
+    assert torch.equal(mb.rollout_logp, per["lp"])
+    assert (torch.equal(mb.teacher_logp, per["t"]) if teacher else mb.teacher_logp is None)
+    assert mb.weights.dtype == mb.advantages.dtype == torch.float32
+    assert mb.input_ids.dtype == mb.attention_mask.dtype == torch.long
+
+
+def test_collate_refuses_a_sample_without_a_prompt():
+    with pytest.raises(ValueError, match="empty prompt"):
+        collate(prepare_items([[_sample(0, [], [3], 1.0)]], AlgoConfig()), 0,
+                torch.device("cpu"))
