@@ -100,7 +100,6 @@ class SampleMeta:
                                               "metadata")
 
 
-
 def metas_of(samples: Iterable[Any]) -> list[SampleMeta | None]:
     """`SampleMeta.of` of each sample, parsed once per run of equal maps: a group's samples
     carry equal maps (one worker's stamp), and parsing 512 of them was ~5 ms of a tiny
@@ -112,6 +111,7 @@ def metas_of(samples: Iterable[Any]) -> list[SampleMeta | None]:
             meta, last_map = SampleMeta.of(s), s.metadata
         out.append(meta)
     return out
+
 
 def _check_type(key: str, value: Any, where: str) -> None:
     types = _TYPES[key]
