@@ -65,7 +65,6 @@ def test_reduction_weights_seq_mean_token_mean():
         reduction_weights(masks, "nope")
 
 
-
 @pytest.mark.parametrize("reduction", ["seq_mean_token_mean", "token_mean", "token_sum"])
 def test_batched_reduction_weights_are_the_per_sample_formula_bit_for_bit(reduction):
     """One flat computation for the batch gives each sample exactly what its own formula did
@@ -83,6 +82,7 @@ def test_batched_reduction_weights_are_the_per_sample_formula_bit_for_bit(reduct
     for m, w in zip(masks, got):
         assert w.dtype == torch.float32 and torch.equal(w, expected(m))
     assert reduction_weights([], reduction) == []
+
 
 def test_tis_weights_are_capped_and_detached():
     train = torch.tensor([0.0, 2.0], requires_grad=True)
