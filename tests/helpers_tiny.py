@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from relax_slurm.runtime.plan import free_port as plan_free_port
+from relax_slurm.runtime.ports import free_port as plan_free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -46,7 +46,7 @@ from relax_slurm.launch.roles import child_env, engine_spec
 from relax_slurm.launch.slurm_env import node_name, read_allocation, without_job_env
 from relax_slurm.launch.slurm_options import container_srun_args, in_container, sbatch_params
 from relax_slurm.launch.submitit_jobs import job_classes
-from relax_slurm.runtime.plan import free_port
+from relax_slurm.runtime.ports import free_port
 
 log = logging.getLogger(__name__)
 ENGINES_DIR = "engines"

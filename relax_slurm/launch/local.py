@@ -29,7 +29,8 @@ from relax_slurm.launch.rerun import plan_rerun
 from relax_slurm.launch.roles import run_specs
 from relax_slurm.launch.supervisor import supervise
 from relax_slurm.runtime.control import clear_preempt, clear_stop
-from relax_slurm.runtime.plan import RunPlan, free_port, save_plan
+from relax_slurm.runtime.plan import RunPlan, save_plan
+from relax_slurm.runtime.ports import free_port
 
 LOCALHOST = "127.0.0.1"
 

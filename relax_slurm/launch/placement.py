@@ -26,7 +26,8 @@ from relax_slurm.errors import ConfigError
 from relax_slurm.launch.roles import RoleSpec, Wrap, run_specs
 from relax_slurm.launch.slurm_env import SlurmAllocation
 from relax_slurm.launch.slurm_options import container_srun_args, in_container
-from relax_slurm.runtime.plan import RunPlan, free_port
+from relax_slurm.runtime.plan import RunPlan
+from relax_slurm.runtime.ports import free_port
 
 ANY_HOST = "0.0.0.0"
 GPU_STEP_SHARING = (22, 5)

@@ -43,7 +43,7 @@ from relax_slurm.broker.heartbeat import Pacer
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineError
 from relax_slurm.launch.engine_job import EngineJobs
-from relax_slurm.runtime.plan import free_port
+from relax_slurm.runtime.ports import free_port
 from relax_slurm.launch.processes import ProcessSet, Role
 from relax_slurm.launch.records import record_restart, write_roles
 from relax_slurm.launch.restart import InPlace

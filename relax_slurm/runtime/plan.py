@@ -4,13 +4,13 @@ The launcher (local, or inside a Slurm allocation) decides the plan and writes
 `RUN_DIR/plan.json` before starting the roles; each role reads it with `load_plan`. Only the
 launcher decides addresses; roles never read `SLURM_*`. One exception picks a port: trainer
 rank 0 re-forming the weight-sync group with a restarted engine (weightsync/cohort.py) takes a
-free one on its own host, as the first group's port may still be held.
+free one on its own host, as the first group's port may still be held. Ports come from
+runtime/ports.py (free_port).
 """
 
 from __future__ import annotations
 
 import json
-import random
 import socket
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -60,20 +60,6 @@ class RunPlan:
         return replace(reward, genrm_url=self.genrm_url)
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-# Ports this process has handed out. A plan asks for several ports before any role binds one,
-# and "free now" is true of the same port each time until then: two roles of one run were given
-# the same port, and the second failed to bind (seen in CI: an engine on the broker's port).
-_HANDED_OUT: set[int] = set()
-
-
 def address_toward(urls: list[str]) -> str:
     """This host's address on the interface that routes to the first of `urls`' hosts: where
     engines connect back to (the weight-sync group's master on trainer rank 0). Not
@@ -93,41 +79,6 @@ def address_toward(urls: list[str]) -> str:
         except OSError:
             continue
     return socket.gethostname()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free now and not handed out before by this process, below the OS's
-    ephemeral range when there is room.
-
-    A port is chosen here and bound later by a role, seconds after. The OS hands out ephemeral
-    ports to every outgoing connection (HTTP clients, gloo, ZMQ), so a port taken from that range
-    (bind to 0) can be taken by a connection in between: a broker failed to bind its admin port
-    that way on a busy machine. Ports below the range are only ever taken by an explicit bind.
-    """
-    lo, _ = _ephemeral_range()
-    rng = random.SystemRandom()
-    for _ in range(256 if lo > 12000 else 0):
-        port = rng.randrange(10000, lo)
-        if port not in _HANDED_OUT and _bindable(host, port):
-            _HANDED_OUT.add(port)
-            return port
-    for _ in range(256):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise OSError(f"no free TCP port on {host}")
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
 
 
 def save_plan(plan: RunPlan, run_dir: str | Path) -> Path:

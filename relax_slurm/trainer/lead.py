@@ -27,7 +27,8 @@ from relax_slurm.metrics.jsonl import truncate_metrics
 from relax_slurm.metrics.rollout_dump import tokenizer_decode, write_dump
 from relax_slurm.evaluate import EvalSchedule, Evaluator
 from relax_slurm.runtime.control import pending_request, request_stop
-from relax_slurm.runtime.plan import address_toward, free_port
+from relax_slurm.runtime.plan import address_toward
+from relax_slurm.runtime.ports import free_port
 from relax_slurm.sample_meta import SampleMeta, metas_of
 from relax_slurm.samples import Group
 from relax_slurm.trainer.overlap import BackgroundPush, overlap_copy_fits

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from relax_slurm.runtime.control import request_stop
-from relax_slurm.runtime.plan import free_port
+from relax_slurm.runtime.ports import free_port
 from tests.conftest import ONE_RANK
 from tests.helpers_tiny import start_engine, stop_process, wait_healthy
 from tests.integration.test_chaos import TIMEOUT_S, finish, role, start, stop, wait_steps

@@ -19,7 +19,7 @@ from relax_slurm.broker.spill import Spill, iter_records, pack_record, replay
 from relax_slurm.broker.state import BrokerState
 from relax_slurm.broker.wire import decode, encode
 from relax_slurm.errors import BrokerError
-from relax_slurm.runtime.plan import free_port
+from relax_slurm.runtime.ports import free_port
 from tests.helpers_broker import SECRET, TIMEOUT_S, Broker, group
 
 

@@ -184,7 +184,7 @@ def test_real_sglang_server_answers_the_client(tmp_path):
     import subprocess
     import sys
 
-    from relax_slurm.runtime.plan import free_port
+    from relax_slurm.runtime.ports import free_port
     from relax_slurm.engines.client import EngineClient, wait_until_healthy
 
     port = free_port()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from relax_slurm.launch.health import HangWatch
-from relax_slurm.runtime.plan import free_port
+from relax_slurm.runtime.ports import free_port
 from tests.helpers_broker import SECRET, Broker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]

@@ -19,7 +19,8 @@ import pytest
 from relax_slurm.config.data import DataConfig
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.config.schema import TrainConfig
-from relax_slurm.runtime.plan import RunPlan, free_port, save_plan
+from relax_slurm.runtime.plan import RunPlan, save_plan
+from relax_slurm.runtime.ports import free_port
 from relax_slurm.launch.processes import ProcessSet
 from relax_slurm.launch.scale import Scaler
 from tests.helpers_tiny import start_engine, stop_process, wait_healthy

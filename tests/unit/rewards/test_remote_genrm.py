@@ -12,7 +12,8 @@ from relax_slurm.config.reward import RewardConfig
 from relax_slurm.config.schema import TrainConfig
 from relax_slurm.rewards import genrm as genrm_module
 from relax_slurm.errors import ConfigError
-from relax_slurm.runtime.plan import RunPlan, free_port
+from relax_slurm.runtime.plan import RunPlan
+from relax_slurm.runtime.ports import free_port
 from relax_slurm.rewards import RewardError, RewardInput, build_reward, score
 from relax_slurm.rewards.genrm import DEFAULT_TEMPLATE, EngineJudge, GenRM, render
 from relax_slurm.rewards.remote import RemoteReward

@@ -1,21 +1,30 @@
-"""runtime.plan: the ports the launcher hands out, and the roles a local plan holds."""
+"""runtime.plan and runtime.ports: the ports the launcher hands out, and the roles a local plan
+holds."""
 
+import json
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
 from relax_slurm.errors import ConfigError
-from relax_slurm.runtime.plan import _ephemeral_range, free_port
+from relax_slurm.runtime import ports
+from relax_slurm.runtime.ports import ephemeral_range, free_port
 
 
 def test_free_ports_avoid_the_ephemeral_range_and_are_bindable():
-    lo, hi = _ephemeral_range()
-    ports = {free_port() for _ in range(20)}
-    assert len(ports) > 1  # chosen at random, not one fixed port
-    for port in ports:
+    lo, hi = ephemeral_range()
+    drawn = {free_port() for _ in range(20)}
+    assert len(drawn) > 1  # chosen at random, not one fixed port
+    for port in drawn:
         # outgoing connections take ports in [lo, hi]: a port handed out there can be gone
         # before the role binds it
         assert 10000 <= port < lo or lo <= 12000
+        # nor SGLang's own draw for its scheduler's port (0.5.22+: 22000-29999), bound while
+        # our engine's HTTP port is not yet
+        assert port < ports.SGLANG_LOW or lo <= 12000
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
     # a connection's own port is in the ephemeral range, never one of ours
@@ -26,12 +35,56 @@ def test_free_ports_avoid_the_ephemeral_range_and_are_bindable():
         assert lo <= client.getsockname()[1] <= hi
 
 
-def test_one_process_never_hands_out_a_port_twice():
+def test_one_process_never_hands_out_a_port_twice(tmp_path, monkeypatch):
     # a plan asks for every port before any role binds one: "free now" alone gave two roles of
-    # one run the same port (an engine then failed to bind). 3000 draws from ~22k ports repeat
-    # one almost surely (birthday bound) unless handed-out ports are remembered.
-    ports = [free_port() for _ in range(3000)]
-    assert len(set(ports)) == len(ports)
+    # one run the same port (an engine then failed to bind). 3000 draws from 12k ports repeat
+    # one almost surely (birthday bound) unless handed-out ports are remembered: here by the
+    # process alone (the host's file cannot be opened)
+    monkeypatch.setenv(ports.PORTS_FILE_ENV, str(tmp_path / "no such dir" / "ports"))
+    drawn = [free_port() for _ in range(3000)]
+    assert len(set(drawn)) == len(drawn)
+
+
+DRAW = """
+import json, sys
+from relax_slurm.runtime import ports
+ports.SGLANG_LOW = ports.LOW + 2000  # a narrow range: unremembered draws would repeat
+print(json.dumps([ports.free_port() for _ in range(int(sys.argv[1]))]))
+"""
+
+
+def draw_in_processes(files: list, n: int) -> list[set[int]]:
+    procs = [subprocess.Popen([sys.executable, "-c", DRAW, str(n)], stdout=subprocess.PIPE,
+                              env={**__import__("os").environ, ports.PORTS_FILE_ENV: str(f)})
+             for f in files]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    return [set(json.loads(o)) for o in outs]
+
+
+def test_two_processes_on_one_host_never_hand_out_the_same_port(tmp_path):
+    # another run's launcher, the other test worker: each chooses "free now" too, and the port
+    # one chose is not bound until its role has started (an SGLang server: tens of seconds).
+    # 2 x 400 draws from 2000 ports share ~80 (400 * 400 / 2000) unless the host remembers
+    # them; the control, each process with a file of its own, shows the overlap the shared
+    # file prevents
+    a, b = draw_in_processes([tmp_path / "ports"] * 2, 400)
+    assert len(a) == len(b) == 400 and not a & b
+    c, d = draw_in_processes([tmp_path / "c", tmp_path / "d"], 400)
+    assert c & d
+    # the file holds every hand-out, each for RESERVE_S
+    held = dict(line.split() for line in (tmp_path / "ports").read_text().splitlines())
+    assert set(map(int, held)) == a | b
+
+
+def test_a_reservation_expires(tmp_path, monkeypatch):
+    path = tmp_path / "ports"
+    old, recent = time.time() - ports.RESERVE_S - 1, time.time()
+    path.write_text(f"12345 {old}\n12346 {recent}\nnot a line\n")
+    monkeypatch.setenv(ports.PORTS_FILE_ENV, str(path))
+    port = free_port()
+    held = dict(line.split() for line in path.read_text().splitlines())
+    assert set(held) == {"12346", str(port)}  # the expired one and the torn line are gone
 
 
 def test_a_local_run_plans_and_specs_the_managed_judge(tmp_path):

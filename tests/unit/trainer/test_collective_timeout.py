@@ -39,7 +39,7 @@ print(backend.options._timeout.total_seconds())
 
 
 def test_the_group_is_formed_with_that_timeout():
-    from relax_slurm.runtime.plan import free_port
+    from relax_slurm.runtime.ports import free_port
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
