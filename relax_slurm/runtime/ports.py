@@ -21,12 +21,14 @@ it in between, and each has cost a run:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import random
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 LOW = 10000
@@ -83,48 +85,35 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no free TCP port on {host}")
 
 
-class _reservations:
+@contextlib.contextmanager
+def _reservations() -> Iterator[dict[int, float]]:
     """The host's recent hand-outs as {port: time}, under an exclusive lock on the file; written
-    back (without the expired ones) on exit. An unreadable or unwritable file (a read-only temp
-    directory) leaves only this process's own memory of its ports, as before the file."""
-
-    def __enter__(self) -> dict[int, float]:
-        self.fd: int | None = None
-        self.ports: dict[int, float] = {}
+    back (without the expired ones) on exit. A file that cannot be opened or locked (a read-only
+    temp directory, NFS without locks) leaves only this process's own memory of its ports."""
+    try:
+        f = open(ports_file(), "a+")
+    except OSError:
+        yield {}
+        return
+    with f:  # closing the file releases the lock
         try:
-            self.fd = os.open(ports_file(), os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-            text = os.read(self.fd, 1 << 20).decode(errors="replace")
+            fcntl.flock(f, fcntl.LOCK_EX)
         except OSError:
-            self._close()
-            return self.ports
-        cutoff = time.time() - RESERVE_S
-        for line in text.splitlines():
+            yield {}
+            return
+        f.seek(0)
+        cutoff, ports = time.time() - RESERVE_S, {}
+        for line in f.read().splitlines():
             try:
                 port, at = line.split()
                 if float(at) > cutoff:
-                    self.ports[int(port)] = float(at)
+                    ports[int(port)] = float(at)
             except ValueError:
                 continue  # a torn or foreign line: ignored, dropped on write-back
-        return self.ports
-
-    def __exit__(self, *exc: object) -> None:
-        if self.fd is None:
-            return
-        try:
-            data = "".join(f"{p} {t:.3f}\n" for p, t in self.ports.items()).encode()
-            os.lseek(self.fd, 0, os.SEEK_SET)
-            os.ftruncate(self.fd, 0)
-            os.write(self.fd, data)
-        except OSError:
-            pass
-        finally:
-            self._close()
-
-    def _close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # releases the lock
-            self.fd = None
+        yield ports
+        f.seek(0)
+        f.truncate()
+        f.write("".join(f"{p} {t:.3f}\n" for p, t in ports.items()))
 
 
 def _bindable(host: str, port: int) -> bool:

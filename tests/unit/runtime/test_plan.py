@@ -2,6 +2,7 @@
 holds."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -55,7 +56,7 @@ print(json.dumps([ports.free_port() for _ in range(int(sys.argv[1]))]))
 
 def draw_in_processes(files: list, n: int) -> list[set[int]]:
     procs = [subprocess.Popen([sys.executable, "-c", DRAW, str(n)], stdout=subprocess.PIPE,
-                              env={**__import__("os").environ, ports.PORTS_FILE_ENV: str(f)})
+                              env={**os.environ, ports.PORTS_FILE_ENV: str(f)})
              for f in files]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
