@@ -275,7 +275,7 @@ def start_sglang_engine(python: str | Path, model_dir: str | Path, port: int,
                        base_gpu_id=0, tp_size=1, ep_size=1, mem_fraction_static=0.8,
                        dtype="float32", seed=0, trust_remote_code=False, api_key=True,
                        enable_memory_saver=False, extra_args=list(extra_args or []),
-                       device="cpu")
+                       device="cpu", nccl_port=free_port())
     env = child_env() | {API_KEY_ENV: api_key}
     with open(log_path, "wb") as log:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,

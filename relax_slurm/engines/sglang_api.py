@@ -462,7 +462,8 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
                 trust_remote_code: bool, api_key: bool, enable_memory_saver: bool,
                 extra_args: list[str], deterministic: bool = False,
                 routed_experts: bool = False, device: str = "cuda",
-                lora: Optional[tuple[int, list[str]]] = None) -> list[str]:
+                lora: Optional[tuple[int, list[str]]] = None,
+                nccl_port: Optional[int] = None) -> list[str]:
     """`python -m sglang.launch_server ...` for one engine (flags of SGLang 0.5.x server_args).
 
     --base-gpu-id places engines that share a node (with each other or the trainer) on
@@ -475,7 +476,12 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
     device="cpu": SGLang's CPU engine (sglang_cpu.SERVER_ENV, set with `env`, and CPU_FLAGS
     instead of --base-gpu-id; docs/engines.md#sglang-on-cpu). Every engine gets RL_ENV.
     `lora`: (rank, target modules) of the adapter each sync loads (`lora_flags`,
-    docs/lora.md)."""
+    docs/lora.md).
+    `nccl_port`: --nccl-port, the port of the scheduler's own torch.distributed store (bound
+    by SGLang's scheduler a few seconds into its start). Without it SGLang draws one itself
+    (0.5.22+: 22000-29999; earlier: its HTTP port + 100..1000, inside our own range) where
+    no other process of the run or of the host can see it; the launcher hands out one it
+    reserved (runtime/ports.py), so every port on the host is drawn in one place."""
     env = RL_ENV | (SERVER_ENV if device == "cpu" else {})
     prefix = ["env", *(f"{k}={v}" for k, v in env.items())]
     placement = list(CPU_FLAGS) if device == "cpu" else ["--base-gpu-id", str(base_gpu_id)]
@@ -484,6 +490,8 @@ def server_argv(python: str, *, model_path: str, host: str, port: int, base_gpu_
             "--tp-size", str(tp_size),
             "--mem-fraction-static", str(mem_fraction_static), "--dtype", dtype,
             "--random-seed", str(seed), "--weight-version", "0"]
+    if nccl_port is not None:
+        argv += ["--nccl-port", str(nccl_port)]
     if trust_remote_code:
         argv.append("--trust-remote-code")
     if ep_size > 1:

@@ -21,6 +21,7 @@ from relax_slurm.runtime.plan import RunPlan
 from relax_slurm.engines import sglang_api
 from relax_slurm.engines.sglang_api import API_KEY_ENV
 from relax_slurm.routing.shape import routing_shape
+from relax_slurm.runtime.ports import free_port
 
 TRAINER_GROUP, ROLLOUT_GROUP = 0, 1
 SPILL_FILE = "broker/spill.bin"  # Slurm het groups: trainer + broker, engines + workers
@@ -201,7 +202,9 @@ def _sglang_engine_spec(cfg: TrainConfig, name: str, url: str, model_path: str, 
             routed_experts=returns_routing(cfg, model_path),
             device="cpu" if cpu else "cuda",
             lora=((cfg.model.lora.rank, list(cfg.model.lora.target_modules))
-                  if serves_adapter(cfg, model_path) else None)),
+                  if serves_adapter(cfg, model_path) else None),
+            # drawn and reserved where the HTTP port was (a restart reuses both)
+            nccl_port=free_port()),
     )
 
 

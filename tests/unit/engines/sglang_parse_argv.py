@@ -14,7 +14,8 @@ FIELDS = ("model_path", "host", "port", "base_gpu_id", "tp_size", "ep_size",
           "mem_fraction_static", "dtype", "random_seed", "weight_version", "trust_remote_code",
           "enable_memory_saver", "enable_deterministic_inference", "api_key", "context_length",
           "enable_return_routed_experts", "device", "attention_backend", "disable_cuda_graph",
-          "skip_server_warmup", "max_total_tokens", "sleep_on_idle", "mm_process_config")
+          "skip_server_warmup", "max_total_tokens", "sleep_on_idle", "mm_process_config",
+          "nccl_port")
 
 
 def main() -> None:

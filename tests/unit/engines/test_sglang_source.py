@@ -199,7 +199,7 @@ def launch_lines() -> list[list[str]]:
     base = dict(model_path="/m", host="0.0.0.0", port=30000, base_gpu_id=4, tp_size=2,
                 ep_size=1, mem_fraction_static=0.7, dtype="bfloat16", seed=3,
                 trust_remote_code=False, api_key=False, enable_memory_saver=False,
-                extra_args=[])
+                extra_args=[], nccl_port=12345)
     variants = [base, {**base, "ep_size": 2, "trust_remote_code": True},
                 {**base, "enable_memory_saver": True, "deterministic": True,
                  "extra_args": ["--context-length", "8192"]},
@@ -240,6 +240,7 @@ def test_every_launch_line_parses_with_sglangs_own_parser(src):
         ("/m", 30000, 4, 2)
     assert plain["mem_fraction_static"] == 0.7 and plain["dtype"] == "bfloat16"
     assert plain["random_seed"] == 3 and plain["weight_version"] == "0"
+    assert plain["nccl_port"] == 12345  # the store port the launcher reserved for it
     assert not plain["enable_deterministic_inference"] and not plain["enable_memory_saver"]
     assert ep["ep_size"] == 2 and ep["trust_remote_code"]
     assert det["enable_deterministic_inference"] and det["enable_memory_saver"]

@@ -32,7 +32,7 @@ def dry_run(preset: str, *overrides: str) -> str:
     # ports are picked free in the allocation and the interpreter is this one's: normalise
     text = text.replace(sys.executable, "PYTHON")
     text = re.sub(r"(?<=:)\d{4,5}\b", "PORT", text)
-    return re.sub(r"--port \d+", "--port PORT", text)
+    return re.sub(r"--(nccl-)?port \d+", r"--\1port PORT", text)
 
 
 def sruns(text: str, expand: bool = True) -> dict[str, list[str]]:

@@ -15,6 +15,7 @@ from relax_slurm.launch import inputs
 from relax_slurm.launch.compose import compose_config
 from relax_slurm.launch.local import local_plan
 from relax_slurm.launch.roles import engine_specs
+from relax_slurm.runtime.ports import SGLANG_LOW, draw_range
 
 VENV_PY = "/venvs/sglang/bin/python"
 
@@ -46,6 +47,24 @@ def test_cpu_engines_run_sglang_from_their_python_with_the_cpu_engine_and_flags(
     assert "--base-gpu-id" not in argv and argv[argv.index("--tp-size") + 1] == "1"
     assert spec.cpus == [1]  # pinned like an hf engine
     assert spec.restart_argv == spec.argv  # restarted from the same python
+
+
+def test_each_engine_gets_a_reserved_port_for_sglangs_own_store():
+    """--nccl-port: SGLang's scheduler binds a torch.distributed store port a few seconds into
+    its start; left to itself SGLang draws it where our reservations cannot see it (0.5.22+:
+    22000-29999; earlier: its HTTP port + 100..1000, inside our range), and a clean run lost
+    an SGLang server to a port race (docs/development.md, session 37). Each engine's comes from
+    runtime/ports.py like every other port: below SGLang's range, distinct, and reserved."""
+    c = cfg("rollout.engine_device=cpu", f"rollout.engine_python={VENV_PY}",
+            "rollout.num_engines=3")
+    specs = engine_specs(c, local_plan(c))
+    argvs = [server_argv(s) for s in specs]
+    stores = [int(a[a.index("--nccl-port") + 1]) for a in argvs]
+    https = [int(a[a.index("--port") + 1]) for a in argvs]
+    lo, hi = draw_range()
+    assert all(lo <= p < hi <= SGLANG_LOW for p in stores)
+    assert len(set(stores + https)) == 6  # no two alike, none an engine's HTTP port
+    assert all(s.restart_argv == s.argv for s in specs)  # a restart binds the same ones
 
 
 def test_gpu_engines_keep_the_launchers_python_and_their_gpu():
