@@ -248,10 +248,11 @@ def collate_routed(items: list[TrainItem], width: int) -> Tensor | None:
     if len(per) != 1 or any(len(a) != n * next(iter(per)) for a, n in zip(arrays, tokens)):
         raise ValueError("samples' routed_experts do not cover prompt + response - 1 tokens "
                          "of one layers x top-k width each")
-    out = torch.zeros((len(items), width, per.pop()), dtype=torch.int32)
-    for i, (a, n) in enumerate(zip(arrays, tokens)):
-        out[i, :n] = torch.from_numpy(a.astype(np.int32).reshape(n, -1))
-    return out
+    per = per.pop()
+    out = np.zeros((len(items), width, per), dtype=np.int32)
+    lens = np.array(tokens, dtype=np.int64)
+    _place(out, np.concatenate(arrays).reshape(-1, per), lens, np.zeros_like(lens))
+    return torch.from_numpy(out)
 
 
 def mini_batch_order(rows: int, blocks: int, num_steps: int) -> list[int]:

@@ -113,6 +113,33 @@ def test_collate_places_every_row_as_a_row_by_row_copy_would(teacher):
     assert mb.input_ids.dtype == mb.attention_mask.dtype == torch.long
 
 
+def test_collate_places_routed_experts_as_a_row_by_row_copy_would():
+    """The rollout's routing ([tokens, layers x top-k] int16 a sample, NOT_ROUTED -1 where a
+    multi-turn sample's turn sent none) lands in [B, T, layers x top-k] int32 as one scatter,
+    bit for bit what a copy per row gave; zeros past each row's prompt + response - 1."""
+    rng = np.random.default_rng(2)
+    width = 6  # 3 layers x top-2
+    samples = []
+    for g in range(5):
+        p, r = int(rng.integers(2, 9)), int(rng.integers(0, 6))
+        routed = rng.integers(0, 8, (p + r - 1) * width).astype(np.int16)
+        if g == 3:
+            routed[:width] = -1  # a position no turn's report covered
+        samples.append(Sample(prompt_id=f"p{g}", group_id=g, prompt_ids=rng.integers(1, 50, p),
+                              response_ids=rng.integers(1, 50, r), loss_mask=np.ones(r),
+                              rollout_logprobs=-rng.random(r), reward=float(g % 2),
+                              routed_experts=routed))
+    items = prepare_items([[s] for s in samples], AlgoConfig())
+    mb = collate(items, pad_id=0, device=torch.device("cpu"))
+    T = max(len(it.sample.prompt_ids) + it.sample.response_len for it in items)
+    want = torch.zeros((len(items), T, width), dtype=torch.int32)
+    for i, it in enumerate(items):
+        n = len(it.sample.prompt_ids) + it.sample.response_len - 1
+        want[i, :n] = torch.from_numpy(it.sample.routed_experts.astype(np.int32).reshape(n, -1))
+    assert mb.routed.dtype == torch.int32 and torch.equal(mb.routed, want)
+    assert (mb.routed == -1).sum() == width
+
+
 def test_collate_refuses_a_sample_without_a_prompt():
     with pytest.raises(ValueError, match="empty prompt"):
         collate(prepare_items([[_sample(0, [], [3], 1.0)]], AlgoConfig()), 0,
