@@ -40,6 +40,7 @@ The command line: __main__.py (`python -m relax_slurm.engines.hf`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -114,6 +115,9 @@ class HFEngine(WeightUpdates):
         self.receiver = WeightReceiver(sync_timeout_s)
         self.sync_timeout_s = sync_timeout_s
         self.stats = {"num_batches": 0, "num_sequences": 0, "max_batch_seen": 0}
+        # response ids as SGLang's (32 hex digits, unique): one random prefix per engine and a
+        # counter, not a uuid4 per response (an os.urandom each, 512 a tiny step)
+        self._id_prefix, self._id_count = uuid.uuid4().hex[:16], itertools.count()
         self.state = EngineState()  # changed under _cond (partial_weights: under _model_lock)
         self._cond = threading.Condition()
         self._stop = False
@@ -322,7 +326,7 @@ class HFEngine(WeightUpdates):
             text = text[:text.find(finish["matched"])]
         spans = row.weight_versions(version)
         meta: dict[str, Any] = {
-            "id": uuid.uuid4().hex, "finish_reason": finish,
+            "id": f"{self._id_prefix}{next(self._id_count):016x}", "finish_reason": finish,
             "prompt_tokens": len(row.input_ids), "completion_tokens": len(out_ids),
             "cached_tokens": 0, "num_retractions": row.retractions,
             # the final result's version is its last span's, as SGLang reports it

@@ -155,6 +155,9 @@ def test_concurrent_requests_are_batched(engine_url):
     assert not errors
     for r in results:
         check_item(r, 4)
+    # every response its own id, shaped as SGLang's (32 hex digits), batched or not
+    ids = [r["meta_info"]["id"] for r in results]
+    assert len(set(ids)) == 8 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
     after = httpx.get(engine_url + "/get_server_info").json()["internal_states"][0]
     assert after["num_sequences"] - before["num_sequences"] == 8
     assert after["num_batches"] - before["num_batches"] < 8  # some requests shared a batch
