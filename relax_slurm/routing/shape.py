@@ -98,7 +98,8 @@ def decode_routed_experts(text: str, shape: RoutingShape, tokens: int) -> np.nda
     if got != tokens:
         raise ValueError(f"meta_info.routed_experts covers {got} tokens, expected {tokens} "
                          "(prompt + response - 1 - routed_experts_start_len)")
-    if len(ids) and (ids.min() < 0 or ids.max() >= shape.experts):
+    # one reduction for both bounds: a negative int32 read as uint32 is above any expert count
+    if len(ids) and ids.view(np.uint32).max() >= shape.experts:
         raise ValueError("meta_info.routed_experts holds expert ids outside "
                          f"0..{shape.experts - 1}")
     return ids.astype(ROUTING_DTYPE)

@@ -55,6 +55,8 @@ def test_routed_experts_wire_format_round_trip_and_errors():
         decode_routed_experts(text, shape, tokens=6)
     with pytest.raises(ValueError, match="outside 0..7"):
         decode_routed_experts(encode_routed_experts(ids + 8), shape, tokens=5)
+    with pytest.raises(ValueError, match="outside 0..7"):  # below as well as above
+        decode_routed_experts(encode_routed_experts(ids - 1), shape, tokens=5)
     with pytest.raises(ValueError, match="whole number of tokens"):
         decode_routed_experts(encode_routed_experts(ids.ravel()[:-1]), shape, tokens=5)
     with pytest.raises(ValueError, match="not base64"):
