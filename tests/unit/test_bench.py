@@ -33,8 +33,8 @@ def bench_module(name: str):
                 del sys.modules[plain]  # `common` as report imports it: not for other tests
 
 
-common, load, report, weight_sync_bench = (
-    bench_module(n) for n in ("common", "load", "report", "weight_sync_bench"))
+common, load, report, weight_sync_bench, routing_parts = (
+    bench_module(n) for n in ("common", "load", "report", "weight_sync_bench", "routing_parts"))
 
 
 def test_spread_reports_the_relative_spread_of_the_repeats():
@@ -218,3 +218,41 @@ def test_run_refuses_to_start_while_other_processes_keep_the_machine_busy(tmp_pa
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "cores of" in proc.stderr and "--allow-load" in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "doc.md").exists()
+
+
+def test_the_routing_parts_baselines_compute_what_the_project_does():
+    """tools/bench/routing_parts.py times R3's parts beside the way each rewritten part was done
+    before: a baseline is only one if it gives the same ids, bit for bit, and the bench runs."""
+    import numpy as np
+    import torch
+
+    from relax_slurm.config.algo import AlgoConfig
+    from relax_slurm.routing.hooks import RoutingTrace
+    from relax_slurm.routing.shape import (RoutingShape, decode_routed_experts,
+                                           encode_routed_experts)
+    from relax_slurm.samples import Sample
+    from relax_slurm.trainer.batch import collate_routed, prepare_items
+
+    trace = RoutingTrace(3)
+    trace.calls = {layer: [torch.randint(0, 4, (3, w, 2), dtype=torch.int32) for w in (5, 1, 1)]
+                   for layer in range(2)}
+    lengths, pads = [6, 4, 7], [1, 3, 0]  # left-padded rows of a generate call
+    for got, want in zip(trace.rows(2, lengths, pads),
+                         routing_parts.rows_per_row(trace, 2, lengths, pads)):
+        assert torch.equal(got, want)
+    shape = RoutingShape(layers=2, topk=2, experts=4, moe_layers=(0, 1))
+    ids = np.random.default_rng(0).integers(0, 4, (6, 2, 2))
+    text = encode_routed_experts(ids)
+    assert np.array_equal(decode_routed_experts(text, shape, 6),
+                          routing_parts.decode_two_reductions(text, shape, 6))
+    items = prepare_items([[Sample(prompt_id="p", group_id=0, prompt_ids=np.arange(1, 1 + p),
+                                   response_ids=np.arange(2), loss_mask=np.ones(2),
+                                   rollout_logprobs=-np.ones(2), reward=float(p % 2),
+                                   routed_experts=np.arange((p + 1) * 4, dtype=np.int16))
+                            for p in (2, 4, 3)]], AlgoConfig())
+    assert torch.equal(collate_routed(items, 6), routing_parts.collate_per_sample(items, 6))
+    res = routing_parts.measure(groups=2, samples_per_group=4, tokens=8, layers=2, topk=2,
+                                experts=4, repeat=1)
+    assert all(math.isfinite(v) for v in res.values())
+    assert {k for k in res if not k.endswith("_before")} == {
+        "engine_rows", "engine_base64", "worker_decode", "broker_put", "trainer_collate"}
