@@ -111,9 +111,12 @@ def _reservations() -> Iterator[dict[int, float]]:
             except ValueError:
                 continue  # a torn or foreign line: ignored, dropped on write-back
         yield ports
-        f.seek(0)
-        f.truncate()
-        f.write("".join(f"{p} {t:.3f}\n" for p, t in ports.items()))
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write("".join(f"{p} {t:.3f}\n" for p, t in ports.items()))
+        except OSError:
+            pass  # a full disk: the port handed out stands, the host file just misses it
 
 
 def _bindable(host: str, port: int) -> bool:

@@ -1,6 +1,7 @@
 """runtime.plan and runtime.ports: the ports the launcher hands out, and the roles a local plan
 holds."""
 
+import io
 import json
 import os
 import socket
@@ -86,6 +87,24 @@ def test_a_reservation_expires(tmp_path, monkeypatch):
     port = free_port()
     held = dict(line.split() for line in path.read_text().splitlines())
     assert set(held) == {"12346", str(port)}  # the expired one and the torn line are gone
+
+
+def test_a_host_file_that_cannot_be_written_back_still_hands_out_ports(tmp_path, monkeypatch):
+    """A full disk at the write-back costs the host-wide record, not the run: the port is
+    handed out (and this process still never repeats it)."""
+    monkeypatch.setenv(ports.PORTS_FILE_ENV, str(tmp_path / "ports"))
+
+    class Full(io.TextIOWrapper):
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+    real_open = open
+    monkeypatch.setattr(ports, "open", lambda path, mode: Full(real_open(path, mode + "b")),
+                        raising=False)
+    got = [ports.free_port() for _ in range(5)]
+    lo, hi = ports.draw_range()
+    assert len(set(got)) == 5 and all(lo <= p < hi for p in got)
+    assert (tmp_path / "ports").read_text() == ""  # nothing written back
 
 
 def test_a_local_run_plans_and_specs_the_managed_judge(tmp_path):
