@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_slurm.sample_meta import SampleMeta
-from relax_slurm.samples import Group
+from relax_slurm.samples import Group, scalar_rows
 
 CHECKPOINT_KEY = "rollout"
 """The key of a checkpoint's extra_state under which the trainer saves `Positions`."""
@@ -70,10 +70,11 @@ class Positions:
     def note(self, group: Group) -> None:
         """The group moves its worker's position if it is that worker's newest so far; a group
         no worker stamped (empty metadata) has no position."""
-        meta = SampleMeta.of(group[0])
+        first = scalar_rows(group)[0]
+        meta = SampleMeta.of(first)
         if meta is None:
             return
-        rank, next_id = str(meta.worker), group[0].group_id + 1
+        rank, next_id = str(meta.worker), first.group_id + 1
         known = self.by_rank.get(rank)
         if known is None or next_id > known.next_group_id:
             self.by_rank[rank] = DataPosition(meta.data_state, next_id)

@@ -11,6 +11,7 @@ mask to 0 on observation tokens, omni-modal rollouts put references to processed
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,19 +86,11 @@ class Sample:
             if getattr(self, name) is not None:
                 setattr(self, name, np.ascontiguousarray(getattr(self, name), dtype=dtype))
         n = len(self.response_ids)
-        if len(self.loss_mask) != n or len(self.rollout_logprobs) != n:
-            raise ValueError(
-                f"sample {self.prompt_id}/{self.group_id}: response_ids has {n} tokens but "
-                f"loss_mask has {len(self.loss_mask)} and rollout_logprobs "
-                f"{len(self.rollout_logprobs)}; all three must match"
-            )
+        where = f"sample {self.prompt_id}/{self.group_id}"
+        check_lengths(where, n, len(self.loss_mask), len(self.rollout_logprobs),
+                      None if self.teacher_logprobs is None else len(self.teacher_logprobs))
         self.version_spans = check_spans(self.version_spans, n, self.version_min, self.version,
-                                         f"sample {self.prompt_id}/{self.group_id}")
-        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
-            raise ValueError(
-                f"sample {self.prompt_id}/{self.group_id}: response_ids has {n} tokens but "
-                f"teacher_logprobs has {len(self.teacher_logprobs)}; they must match"
-            )
+                                         where)
 
     @property
     def response_len(self) -> int:
@@ -110,6 +103,37 @@ class Sample:
         if self.version_spans:
             return len({v for v, _, _ in self.version_spans}) > 1
         return self.version != self.version_min
+
+
+def check_lengths(where: str, n: int, loss_mask: int, rollout_logprobs: int,
+                  teacher_logprobs: int | None) -> None:
+    """ValueError unless a sample's per-token arrays all have its `n` response tokens."""
+    if loss_mask != n or rollout_logprobs != n:
+        raise ValueError(f"{where}: response_ids has {n} tokens but loss_mask has {loss_mask} "
+                         f"and rollout_logprobs {rollout_logprobs}; all three must match")
+    if teacher_logprobs is not None and teacher_logprobs != n:
+        raise ValueError(f"{where}: response_ids has {n} tokens but teacher_logprobs has "
+                         f"{teacher_logprobs}; they must match")
+
+
+def check_columns(scalars: dict[str, list], lengths: dict[str, list[int]]) -> None:
+    """`Sample.__post_init__`'s checks of a whole group given as columns, without making its
+    samples (the broker's pass-through, broker/wire.py): `scalars` holds a list per scalar
+    field (prompt_id, group_id, version, version_min, version_spans), `lengths` the per-sample
+    lengths of each array field the group carries. Raises the ValueError the first bad
+    sample's constructor would. The same functions check both ways, so the two cannot drift
+    apart (tests/unit/broker/test_wire.py feeds every malformed group to both)."""
+    def where(i: int) -> str:
+        return f"sample {scalars['prompt_id'][i]}/{scalars['group_id'][i]}"
+    n = lengths["response_ids"]
+    others = [lengths.get(k) for k in ("loss_mask", "rollout_logprobs", "teacher_logprobs")]
+    if any(col is not None and col != n for col in others):  # list equality: one C loop
+        for i, rows in enumerate(zip(n, *(c or [None] * len(n) for c in others))):
+            check_lengths(where(i), *rows)
+    for i, spans in enumerate(scalars["version_spans"]):
+        if spans:  # (most groups record none, or one run per sample)
+            check_spans(spans, n[i], scalars["version_min"][i], scalars["version"][i],
+                        where(i))
 
 
 def check_spans(spans: Any, n: int, version_min: int, version: int, where: str
@@ -143,6 +167,15 @@ def check_spans(spans: Any, n: int, version_min: int, version: int, where: str
 Group = list[Sample]
 
 
-def group_version_min(group: Group) -> int:
+def scalar_rows(group: Any) -> Sequence[Any]:
+    """What the broker reads of a group's samples, their scalar fields (version_min, metadata,
+    ids): a group it decoded (`broker.wire.Received`, which never makes its samples) as light
+    rows, any other group as its samples."""
+    rows = getattr(group, "rows", None)
+    return rows() if rows is not None else group
+
+
+def group_version_min(group: Any) -> int:
     """The oldest weight version that touched any sample of the group."""
-    return min(s.version_min for s in group)
+    column = getattr(group, "column", None)
+    return min(column("version_min") if column is not None else (s.version_min for s in group))

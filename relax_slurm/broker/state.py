@@ -27,7 +27,7 @@ from relax_slurm.errors import BrokerError
 from relax_slurm.broker.stats import BatchStats, Counters
 from relax_slurm.data_position import Positions
 from relax_slurm.sample_meta import MetadataError, metas_of
-from relax_slurm.samples import Group, group_version_min
+from relax_slurm.samples import Group, group_version_min, scalar_rows
 
 COUNTER_NAMES = ("version", "accepted", "dropped", "consumed", "in_flight", "released")
 
@@ -90,7 +90,7 @@ class BrokerState:
             if not group:
                 raise BrokerError("put_group with an empty group; send at least one sample")
             try:
-                metas_of(group)  # (a group's samples mostly carry one map: checked once)
+                metas_of(scalar_rows(group))  # (mostly one map a group: checked once)
             except MetadataError as e:
                 raise BrokerError(f"put_group: {e}") from e
         for group in groups:
@@ -147,7 +147,7 @@ class BrokerState:
         taken = min(num_groups, len(self.queue))
         groups = [self.queue.popleft() for _ in range(taken)]
         self.consumed += taken
-        staleness = [trainer_version - s.version_min for g in groups for s in g]
+        staleness = [trainer_version - s.version_min for g in groups for s in scalar_rows(g)]
         stats = BatchStats(
             staleness_max=max(staleness),
             staleness_mean=sum(staleness) / len(staleness),

@@ -27,12 +27,13 @@ buffer (no further copy with `copy=False`); `decode` never copies: the arrays vi
 frames (callers that keep or modify them decide whether to copy). The request id `rid` travels
 as an ordinary field.
 
-The broker passes groups through: it decodes a put (`keep_frames=True`) into samples, which it
-checks and reads, and encodes the same groups twice more, into its spill record and into the
-trainer's batch. A group decoded so is a `Received` list that keeps the header it came with and
-its own frames, and `encode` sends those again (frame numbers renumbered, no array copied, no
-sample read), so the broker's two encodes cost a header each. Nothing may change such a group
-or its samples after decoding (the broker never does; its frames would no longer match).
+The broker passes groups through: it decodes a put (`keep_frames=True`), checks it and reads
+its scalar fields, and encodes the same groups twice more, into its spill record and into the
+trainer's batch. A group decoded so is a `Received`: the header it came with and its own frames,
+checked as `Sample` checks each sample (`samples.check_columns`, on the columns: no sample is
+made), which `encode` sends again (frame numbers renumbered, no array copied), so the broker's
+two encodes cost a header each. Nothing may change such a group after decoding (the broker
+never does; its frames would no longer match).
 
 `decode` raises BrokerError on anything malformed: bad msgpack or header layout, a scalar of the
 wrong type, a count of values or lengths that differs from "n", a negative or non-integer
@@ -42,15 +43,17 @@ name, a missing required array, a frame index out of range or used twice, an unr
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Callable, Sequence
 from itertools import accumulate
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import msgpack
 import numpy as np
 
 from relax_slurm.errors import BrokerError
-from relax_slurm.samples import ARRAY_FIELDS, OPTIONAL_ARRAY_FIELDS, Group, Sample
+from relax_slurm.samples import (ARRAY_FIELDS, OPTIONAL_ARRAY_FIELDS, Group, Sample,
+                                 check_columns)
 
 Frame = Union[bytes, memoryview]
 SCALAR_FIELDS = (
@@ -80,14 +83,48 @@ def _pack(obj: Any, what: str) -> bytes:
         ) from e
 
 
-class Received(list):
-    """The samples of one decoded group, with the header and frames they arrived in (see
-    `decode(keep_frames=True)`): `head` numbers its own frames 0..len(frames)-1."""
+Row = namedtuple("Row", SCALAR_FIELDS)
+"""A sample's scalar fields, all the broker reads of it (`Received.rows`)."""
 
-    def __init__(self, samples: list[Sample], head: dict[str, Any], frames: list[Frame]) -> None:
-        super().__init__(samples)
+
+class Received(Sequence[Sample]):
+    """One group decoded with `decode(keep_frames=True)`: checked as `Sample` would check each
+    of its samples, but kept as the header and frames it arrived in (`head` numbers its own
+    frames 0..len(frames)-1), which `encode` sends on as they came. The broker reads only its
+    scalar fields (`rows`, `column`); its samples are made the first time something indexes or
+    iterates it (a test, a tool), never on the broker's own path: making 512 of them was
+    a third of the broker's CPU in a tiny step."""
+
+    def __init__(self, head: dict[str, Any], frames: list[Frame]) -> None:
         self.head = head
         self.frames = frames
+        self._samples: list[Sample] | None = None
+        self._rows: list[Row] | None = None
+
+    def __len__(self) -> int:
+        return self.head["n"]
+
+    def column(self, name: str) -> list[Any]:
+        """One scalar field (`SCALAR_FIELDS`) of every sample, in order."""
+        return self.head["s"][name]
+
+    def rows(self) -> list[Row]:
+        """Each sample's scalar fields as a `Row` (attributes named as `Sample`'s)."""
+        if self._rows is None:
+            self._rows = list(map(Row._make, zip(*(self.head["s"][k] for k in SCALAR_FIELDS))))
+        return self._rows
+
+    def samples(self) -> list[Sample]:
+        if self._samples is None:  # (checked at decode: this cannot fail)
+            head = _renumbered(self.head, lambda i: i + 1)  # frame 0 is a message's header
+            self._samples = _samples(_columns("group", head, [b"", *self.frames], set()))
+        return self._samples
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.samples()[i]
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
 
 
 def _renumbered(head: dict[str, Any], number: Callable[[int], int]) -> dict[str, Any]:
@@ -106,12 +143,12 @@ def _pass_through(group: Received, frames: list[Frame]) -> dict[str, Any]:
     return _renumbered(group.head, lambda i: base + i)
 
 
-def _keep(head: dict[str, Any], frames: Sequence[Any]) -> tuple[dict[str, Any], list[Frame]]:
+def _keep(head: dict[str, Any], frames: Sequence[Any]) -> Received:
     """A checked group header and the frames it uses, numbered from 0 in order of use."""
     own: dict[int, int] = {}
     local = _renumbered(head, lambda i: own.setdefault(i, len(own)))
     local["s"] = {**head["s"], "reward": [float(r) for r in head["s"]["reward"]]}
-    return local, [_buffer(frames[i]) for i in own]
+    return Received(local, [_buffer(frames[i]) for i in own])
 
 
 def _encode_group(gi: int, group: Group, frames: list[Frame]) -> dict[str, Any]:
@@ -202,8 +239,9 @@ def _is_int(x: Any) -> bool:
 
 
 def _decode_array(where: str, name: str, spec: Any, n: int, frames: Sequence[Any],
-                  used: set[int]) -> list[np.ndarray]:
-    """The n per-sample views of one field of one group."""
+                  used: set[int]) -> tuple[np.ndarray, list[int]]:
+    """One field of one group: the whole buffer (a view of its frame) and each sample's
+    length, checked against each other."""
     what = f"{where}, array {name!r}"
     if not (isinstance(spec, list) and len(spec) == 3):
         raise BrokerError(f"{what}: expected [dtype, frame, lengths], got {spec!r}")
@@ -226,8 +264,13 @@ def _decode_array(where: str, name: str, spec: Any, n: int, frames: Sequence[Any
     if buf.nbytes != size:
         raise BrokerError(f"{what}: frame {index} has {buf.nbytes} bytes, lengths {lengths} "
                           f"need {size}")
-    flat = np.frombuffer(buf, dtype=expected)
-    # slices of one buffer: views, no copy (np.split does the same with more overhead)
+    return np.frombuffer(buf, dtype=expected), lengths
+
+
+def _views(flat: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
+    """Each sample's slice of a field's buffer: views, no copy (np.split does the same with
+    more overhead)."""
+    ends = accumulate(lengths)
     return [flat[end - length:end] for length, end in zip(lengths, ends)]
 
 
@@ -266,9 +309,16 @@ def _decode_mm(where: str, refs: Any, n: int, frames: Sequence[Any], used: set[i
     return out
 
 
-def _decode_group(gi: int, head: Any, frames: Sequence[Any], used: set[int],
-                  keep_frames: bool = False) -> Group:
-    where = f"group {gi}"
+class _Columns(NamedTuple):
+    where: str
+    n: int
+    scalars: dict[str, list[Any]]
+    arrays: dict[str, tuple[np.ndarray, list[int]]]
+    mm: list[dict[str, np.ndarray]] | None
+
+
+def _columns(where: str, head: Any, frames: Sequence[Any], used: set[int]) -> _Columns:
+    """A group header's layout and types checked, its frames marked used, nothing per sample."""
     if not isinstance(head, dict) or not _GROUP_KEYS <= set(head) <= _GROUP_KEYS | {"m"}:
         raise BrokerError(f"{where}: header must be a map with keys n, s, a (and m)")
     n, scalars, specs = head["n"], head["s"], head["a"]
@@ -295,20 +345,38 @@ def _decode_group(gi: int, head: Any, frames: Sequence[Any], used: set[int],
                           f"{sorted(OPTIONAL_ARRAY_FIELDS)}; got {got!r}")
     arrays = {name: _decode_array(where, name, specs[name], n, frames, used)
               for name in _ALL_ARRAYS if name in specs}
-    names = (*SCALAR_FIELDS, *arrays)
-    columns = [*(scalars[k] for k in SCALAR_FIELDS), *arrays.values()]
-    if "m" in head:
+    mm = _decode_mm(where, head["m"], n, frames, used) if "m" in head else None
+    return _Columns(where, n, scalars, arrays, mm)
+
+
+def _samples(c: _Columns) -> list[Sample]:
+    """The group's samples; their arrays view the frames."""
+    names = (*SCALAR_FIELDS, *c.arrays)
+    columns = [*(c.scalars[k] for k in SCALAR_FIELDS),
+               *(_views(flat, lengths) for flat, lengths in c.arrays.values())]
+    if c.mm is not None:
         names = (*names, "mm_inputs")
-        columns.append(_decode_mm(where, head["m"], n, frames, used))
+        columns.append(c.mm)
     try:
-        samples = [Sample(**dict(zip(names, row))) for row in zip(*columns)]
+        return [Sample(**dict(zip(names, row))) for row in zip(*columns)]
     except ValueError as e:
-        raise BrokerError(f"{where}: invalid sample: {e}") from e
-    return Received(samples, *_keep(head, frames)) if keep_frames else samples
+        raise BrokerError(f"{c.where}: invalid sample: {e}") from e
+
+
+def _decode_group(gi: int, head: Any, frames: Sequence[Any], used: set[int],
+                  keep_frames: bool = False) -> Group | Received:
+    c = _columns(f"group {gi}", head, frames, used)
+    if not keep_frames:
+        return _samples(c)
+    try:  # what each sample's constructor checks, on the columns
+        check_columns(c.scalars, {k: lengths for k, (_, lengths) in c.arrays.items()})
+    except ValueError as e:
+        raise BrokerError(f"{c.where}: invalid sample: {e}") from e
+    return _keep(head, frames)
 
 
 def decode(frames: Sequence[Any], keep_frames: bool = False
-           ) -> tuple[str, dict[str, Any], list[Group] | None]:
+           ) -> tuple[str, dict[str, Any], list[Group] | list[Received] | None]:
     """Inverse of `encode`; raises BrokerError on anything malformed. The arrays of the
     returned samples are views of `frames` (no copy). With `keep_frames` each group is a
     `Received` that `encode` sends on as it came (the broker's pass-through)."""

@@ -41,6 +41,26 @@ def assert_same(a: Sample, b: Sample) -> None:
         np.testing.assert_array_equal(a.teacher_logprobs, b.teacher_logprobs)
 
 
+def decode_both(frames: list) -> Any:
+    """`decode` the trainer's way and the broker's (`keep_frames`: each sample checked on the
+    group's columns, none made): the same refusal both ways, or the same samples."""
+    answers = []
+    for keep in (False, True):
+        try:
+            answers.append(decode(frames, keep_frames=keep))
+        except BrokerError as e:
+            answers.append(e)
+    plain, kept = answers
+    if isinstance(plain, BrokerError) or isinstance(kept, BrokerError):
+        assert str(plain) == str(kept)
+        raise plain
+    for a, b in zip(plain[2] or [], kept[2] or []):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    return plain
+
+
 def header_of(frames: list) -> dict:
     return msgpack.unpackb(frames[0], strict_map_key=False)
 
@@ -51,7 +71,7 @@ def test_round_trip_all_fields() -> None:
               [make_sample(0, 2, group_id=8)], []]
     frames = encode("put_group", {"rid": 3, "x": [1, 2]}, groups)
     assert len(frames) == 1 + 4 * 3  # one frame per array field per group, even an empty one
-    op, fields, out = decode(frames)
+    op, fields, out = decode_both(frames)
     assert op == "put_group" and fields == {"rid": 3, "x": [1, 2]}
     assert out is not None and [len(g) for g in out] == [2, 1, 0]
     for ga, gb in zip(groups, out):
@@ -77,7 +97,7 @@ def test_layout_is_columnar_per_group() -> None:
 def test_decoded_arrays_are_views_of_the_frame() -> None:
     group = [make_sample(3, 4), make_sample(5, 2)]
     frames = [bytes(f) if i == 0 else bytearray(f) for i, f in enumerate(encode("g", {}, [group]))]
-    _, _, out = decode(frames)
+    _, _, out = decode_both(frames)
     assert out is not None
     a, b = out[0]
     flat = np.frombuffer(frames[1], np.int64)
@@ -174,29 +194,29 @@ MALFORMED = {
 @pytest.mark.parametrize("frames", MALFORMED.values(), ids=MALFORMED.keys())
 def test_malformed_raises_broker_error(frames: list) -> None:
     with pytest.raises(BrokerError):
-        decode(frames)
+        decode_both(frames)
 
 
 def test_wrong_dtype_is_named() -> None:
     with pytest.raises(BrokerError, match=r"group 0, array 'loss_mask': dtype '<f8'"):
-        decode(MALFORMED["wrong dtype"])
+        decode_both(MALFORMED["wrong dtype"])
 
 
 def test_wrong_byte_size_is_named() -> None:
     with pytest.raises(BrokerError, match=r"frame 3 has 20 bytes, lengths \[4, 2\] need 24"):
-        decode(MALFORMED["wrong byte size"])
+        decode_both(MALFORMED["wrong byte size"])
 
 
 def test_length_count_must_match_the_group() -> None:
     for case in ("lengths too few", "lengths too many"):
         with pytest.raises(BrokerError, match=r"expected a list of 2 lengths"):
-            decode(MALFORMED[case])
+            decode_both(MALFORMED[case])
 
 
 def test_negative_length_rejected() -> None:
     # [-1, 7] sums to the frame's 6 elements: only the sign check catches it
     with pytest.raises(BrokerError, match="non-negative"):
-        decode(MALFORMED["negative length"])
+        decode_both(MALFORMED["negative length"])
 
 
 def test_frame_referenced_twice() -> None:
@@ -204,17 +224,17 @@ def test_frame_referenced_twice() -> None:
     # can catch it); its own frame would be left over
     frames = _tamper(_set(("a", "rollout_logprobs", 1), 3))
     with pytest.raises(BrokerError, match="used twice"):
-        decode(frames)
+        decode_both(frames)
 
 
 def test_unreferenced_frame() -> None:
     with pytest.raises(BrokerError, match="1 unreferenced frames"):
-        decode(_tamper(lambda g, f: f.append(b"x")))
+        decode_both(_tamper(lambda g, f: f.append(b"x")))
     # a frame dropped from the header but kept in the message is also unreferenced
     frames = _tamper(lambda g, f: g["a"].pop("teacher_logprobs"),
                      [make_sample(teacher_logprobs=np.zeros(4))])
     with pytest.raises(BrokerError, match="1 unreferenced frames"):
-        decode(frames)
+        decode_both(frames)
 
 
 def test_inconsistent_lengths_rejected() -> None:
@@ -223,7 +243,7 @@ def test_inconsistent_lengths_rejected() -> None:
         g["a"]["loss_mask"][2] = [3, 2]
         f[3] = np.ones(5, np.float32).tobytes()
     with pytest.raises(BrokerError, match="must match"):
-        decode(_tamper(mutate))
+        decode_both(_tamper(mutate))
 
 
 def test_group_with_teacher_logprobs_round_trips() -> None:
@@ -233,7 +253,7 @@ def test_group_with_teacher_logprobs_round_trips() -> None:
     frames = encode("put_group", {}, [group, plain])
     assert len(frames) == 1 + 5 + 4  # the optional array only for the group that has it
     assert header_of(frames)["g"][0]["a"]["teacher_logprobs"] == ["<f4", 5, [4, 2]]
-    _, _, out = decode(frames)
+    _, _, out = decode_both(frames)
     assert out is not None
     for a, b in zip(group + plain, out[0] + out[1]):
         assert_same(a, b)
@@ -252,10 +272,10 @@ def test_bad_teacher_logprobs_are_rejected() -> None:
         make_sample(teacher_logprobs=np.zeros(3))  # 4 response tokens
     with_teacher = [make_sample(teacher_logprobs=np.zeros(4))]
     with pytest.raises(BrokerError, match="teacher_logprobs"):
-        decode(_tamper(_set(("a", "teacher_logprobs", 0), "<f8"), with_teacher))
+        decode_both(_tamper(_set(("a", "teacher_logprobs", 0), "<f8"), with_teacher))
     with pytest.raises(BrokerError, match="teacher_logprobs.*must match"):
-        decode(_tamper(lambda g, f: (g["a"]["teacher_logprobs"].__setitem__(2, [3]),
-                                     f.__setitem__(5, bytes(12))), with_teacher))
+        decode_both(_tamper(lambda g, f: (g["a"]["teacher_logprobs"].__setitem__(2, [3]),
+                                          f.__setitem__(5, bytes(12))), with_teacher))
 
 
 def test_mm_inputs_round_trip_shared_per_group() -> None:
@@ -266,7 +286,7 @@ def test_mm_inputs_round_trip_shared_per_group() -> None:
     frames = encode("put", {}, [group, [make_sample()]])
     # 4 arrays + 2 media frames for the first group (shared by its 4 samples), 4 for the second
     assert len(frames) == 1 + 4 + 2 + 4
-    _, _, (back, text) = decode(frames)
+    _, _, (back, text) = decode_both(frames)
     for s in back:
         np.testing.assert_array_equal(s.mm_inputs["pixel_values"], pixels)
         assert s.mm_inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
@@ -285,13 +305,13 @@ def test_mm_inputs_bad() -> None:
     frames = encode("put", {}, [[make_sample(mm_inputs={"x": np.zeros((2, 3), np.float32)})]])
     frames[-1] = b"\0" * 8
     with pytest.raises(BrokerError, match=r"shape \[2, 3\].*needs 24"):
-        decode(frames)
+        decode_both(frames)
 
 
 def test_version_spans_round_trip_and_malformed_ones_are_refused() -> None:
     spans = [[2, 0, 3], [3, 3, 4]]  # a sync after 3 tokens: the 4th came from version 3
     frames = encode("put_group", {}, [[make_sample(version_spans=spans), make_sample()]])
-    _, _, [[a, b]] = decode(frames)
+    _, _, [[a, b]] = decode_both(frames)
     assert a.version_spans == spans and b.version_spans == [] and a.multi_version
     head = header_of(frames)
     for bad in ([[2, 0, 3], [3, 2, 4]],  # overlapping
@@ -301,10 +321,10 @@ def test_version_spans_round_trip_and_malformed_ones_are_refused() -> None:
                 [[2, 1, 1]]):  # empty
         head["g"][0]["s"]["version_spans"][0] = bad
         with pytest.raises(BrokerError, match="version_spans"):
-            decode([msgpack.packb(head, use_bin_type=True), *frames[1:]])
+            decode_both([msgpack.packb(head, use_bin_type=True), *frames[1:]])
     head["g"][0]["s"]["version_spans"] = [{}, []]
     with pytest.raises(BrokerError, match="version_spans"):
-        decode([msgpack.packb(head, use_bin_type=True), *frames[1:]])
+        decode_both([msgpack.packb(head, use_bin_type=True), *frames[1:]])
 
 
 def test_the_broker_sends_a_received_group_on_as_it_came() -> None:
