@@ -5,11 +5,17 @@ group.
     frame 1..N   per group, one frame per array field: that field of every sample of the group,
                  concatenated in sample order (raw bytes, C order, the field's dtype)
 
-A group header is a map with three keys, and a fourth for multimodal samples:
+A group header is a map with three keys, and two optional ones:
 
     "n"   the number of samples in the group
     "s"   {scalar field: [value of sample 0, ..., value of sample n-1]}, one list per field of
-          `SCALAR_FIELDS`
+          `SCALAR_FIELDS` that is not in "c"
+    "c"   (optional) {scalar field: value}: the fields every sample of the group holds alike,
+          sent once (the group's id, its version, the worker's stamp map: in a tiny step's
+          put 80% of an 87 KB header was one metadata map repeated 16 times a group). A
+          map or list counts as alike only when the samples hold the same object (a worker
+          stamps a group's samples with one), a str/int/float/bool/None when type and value
+          are equal, so nothing is merged that the sample-by-sample form would tell apart
     "a"   {array field: [dtype.str, frame index, [length of sample 0, ..., of sample n-1]]}
     "m"   (optional) per sample {name: [dtype.str, shape, frame index]}: the N-D processed media
           of `Sample.mm_inputs` (pixel values, grids, audio features). Samples of a group that
@@ -70,6 +76,8 @@ _SCALAR_TYPES: dict[str, type | tuple[type, ...]] = {
 _EXACT_TYPES = {k: frozenset(t if isinstance(t, tuple) else (t,)) for k, t in _SCALAR_TYPES.items()}
 _ALL_ARRAYS = {**ARRAY_FIELDS, **OPTIONAL_ARRAY_FIELDS}
 _GROUP_KEYS = {"n", "s", "a"}
+_OPTIONAL_GROUP_KEYS = {"m", "c"}
+_PLAIN = (str, int, float, bool, type(None))
 _MM_DTYPES = frozenset(np.dtype(t).str for t in ("<f4", "<f2", "<i8", "<i4", "|u1", "|b1"))
 
 
@@ -95,9 +103,12 @@ class Received(Sequence[Sample]):
     iterates it (a test, a tool), never on the broker's own path: making 512 of them was
     a third of the broker's CPU in a tiny step."""
 
-    def __init__(self, head: dict[str, Any], frames: list[Frame]) -> None:
+    def __init__(self, head: dict[str, Any], frames: list[Frame],
+                 scalars: dict[str, list[Any]]) -> None:
         self.head = head
         self.frames = frames
+        self.scalars = scalars
+        """Every scalar field's list of values, the header's "c" spread out."""
         self._samples: list[Sample] | None = None
         self._rows: list[Row] | None = None
 
@@ -106,12 +117,12 @@ class Received(Sequence[Sample]):
 
     def column(self, name: str) -> list[Any]:
         """One scalar field (`SCALAR_FIELDS`) of every sample, in order."""
-        return self.head["s"][name]
+        return self.scalars[name]
 
     def rows(self) -> list[Row]:
         """Each sample's scalar fields as a `Row` (attributes named as `Sample`'s)."""
         if self._rows is None:
-            self._rows = list(map(Row._make, zip(*(self.head["s"][k] for k in SCALAR_FIELDS))))
+            self._rows = list(map(Row._make, zip(*(self.scalars[k] for k in SCALAR_FIELDS))))
         return self._rows
 
     def samples(self) -> list[Sample]:
@@ -143,12 +154,18 @@ def _pass_through(group: Received, frames: list[Frame]) -> dict[str, Any]:
     return _renumbered(group.head, lambda i: base + i)
 
 
-def _keep(head: dict[str, Any], frames: Sequence[Any]) -> Received:
-    """A checked group header and the frames it uses, numbered from 0 in order of use."""
+def _keep(head: dict[str, Any], frames: Sequence[Any], scalars: dict[str, list[Any]]
+          ) -> Received:
+    """A checked group header and the frames it uses, numbered from 0 in order of use;
+    `scalars` its columns with "c" spread out."""
     own: dict[int, int] = {}
     local = _renumbered(head, lambda i: own.setdefault(i, len(own)))
-    local["s"] = {**head["s"], "reward": [float(r) for r in head["s"]["reward"]]}
-    return Received(local, [_buffer(frames[i]) for i in own])
+    rewards = [float(r) for r in scalars["reward"]]  # (an int reward is sent on as a float)
+    if "reward" in head["s"]:
+        local["s"] = {**head["s"], "reward": rewards}
+    else:
+        local["c"] = {**head["c"], "reward": float(head["c"]["reward"])}
+    return Received(local, [_buffer(frames[i]) for i in own], {**scalars, "reward": rewards})
 
 
 def _encode_group(gi: int, group: Group, frames: list[Frame]) -> dict[str, Any]:
@@ -156,6 +173,7 @@ def _encode_group(gi: int, group: Group, frames: list[Frame]) -> dict[str, Any]:
         return _pass_through(group, frames)
     scalars = {k: [getattr(s, k) for s in group] for k in SCALAR_FIELDS}
     scalars["reward"] = [float(r) for r in scalars["reward"]]
+    consts = _alike(scalars)
     arrays: dict[str, list[Any]] = {}
     for name, dtype in _ALL_ARRAYS.items():
         values = [getattr(s, name) for s in group]
@@ -182,10 +200,30 @@ def _encode_group(gi: int, group: Group, frames: list[Frame]) -> dict[str, Any]:
                               f"format carries 1-D arrays only){detail}")
         arrays[name] = [flat.dtype.str, len(frames), lengths]
         frames.append(flat.data)
-    head = {"n": len(group), "s": scalars, "a": arrays}
+    head = {"n": len(group), "s": {k: v for k, v in scalars.items() if k not in consts},
+            "a": arrays}
+    if consts:
+        head["c"] = consts
     if any(s.mm_inputs for s in group):
         head["m"] = _encode_mm(gi, group, frames)
     return head
+
+
+def _alike(scalars: dict[str, list[Any]]) -> dict[str, Any]:
+    """The fields every sample holds alike (see "c" in the module docstring)."""
+    out = {}
+    for k, column in scalars.items():
+        if len(column) < 2:
+            continue
+        first = column[0]
+        if isinstance(first, _PLAIN):
+            kind = type(first)
+            same = all(type(v) is kind and v == first for v in column)
+        else:
+            same = all(v is first for v in column)
+        if same:
+            out[k] = first
+    return out
 
 
 def _encode_mm(gi: int, group: Group, frames: list[Frame]) -> list[dict[str, list]]:
@@ -319,13 +357,20 @@ class _Columns(NamedTuple):
 
 def _columns(where: str, head: Any, frames: Sequence[Any], used: set[int]) -> _Columns:
     """A group header's layout and types checked, its frames marked used, nothing per sample."""
-    if not isinstance(head, dict) or not _GROUP_KEYS <= set(head) <= _GROUP_KEYS | {"m"}:
-        raise BrokerError(f"{where}: header must be a map with keys n, s, a (and m)")
+    if not (isinstance(head, dict)
+            and _GROUP_KEYS <= set(head) <= _GROUP_KEYS | _OPTIONAL_GROUP_KEYS):
+        raise BrokerError(f"{where}: header must be a map with keys n, s, a (and m, c)")
     n, scalars, specs = head["n"], head["s"], head["a"]
     if not (_is_int(n) and n >= 0):
         raise BrokerError(f"{where}: n must be a non-negative integer, got {n!r}")
     if not isinstance(scalars, dict):
         raise BrokerError(f"{where}: s must be a map of per-sample scalar lists")
+    consts = head.get("c", {})
+    if not (isinstance(consts, dict) and set(consts) <= set(SCALAR_FIELDS)
+            and not set(consts) & set(scalars)):
+        raise BrokerError(f"{where}: c must be a map of scalar fields that s does not have, "
+                          f"got {consts!r}")
+    scalars = {**scalars, **{k: [v] * n for k, v in consts.items()}}
     missing = [k for k in SCALAR_FIELDS if k not in scalars]
     if missing:
         raise BrokerError(f"{where}: scalar fields {missing} are missing")
@@ -372,7 +417,7 @@ def _decode_group(gi: int, head: Any, frames: Sequence[Any], used: set[int],
         check_columns(c.scalars, {k: lengths for k, (_, lengths) in c.arrays.items()})
     except ValueError as e:
         raise BrokerError(f"{c.where}: invalid sample: {e}") from e
-    return _keep(head, frames)
+    return _keep(head, frames, c.scalars)
 
 
 def decode(frames: Sequence[Any], keep_frames: bool = False

@@ -19,18 +19,24 @@ import time
 import numpy as np
 
 from relax_slurm.broker.wire import decode, encode
+from relax_slurm.sample_meta import SampleMeta
 from relax_slurm.samples import Sample
 
 
 def make_groups(n_groups: int, n_samples: int, prompt_len: int = 6,
                 response_len: int = 3) -> list[list[Sample]]:
+    """Groups as a rollout worker puts them: one stamp map per group (its samples share it, as
+    rollout/single_turn.py does), one version span per sample."""
     rng = np.random.default_rng(0)
+    stamps = [SampleMeta(t_start=1.0, t_end=2.0, worker=0,
+                         data_state={"epoch": 0, "index": g, "seed": 0, "num_rows": 5000}
+                         ).to_dict() for g in range(n_groups)]
     return [[Sample(prompt_id=f"p{g}", group_id=g, prompt_ids=rng.integers(0, 1000, prompt_len),
                     response_ids=rng.integers(0, 1000, response_len),
                     loss_mask=np.ones(response_len, np.float32),
                     rollout_logprobs=rng.standard_normal(response_len).astype(np.float32),
                     reward=float(i % 2), version=3, version_min=3, finish_reason="stop",
-                    metadata={"t_start": 1.0, "t_end": 2.0, "worker": 0})
+                    version_spans=[[3, 0, response_len]], metadata=stamps[g])
              for i in range(n_samples)] for g in range(n_groups)]
 
 

@@ -84,8 +84,11 @@ def test_layout_is_columnar_per_group() -> None:
     group = [make_sample(3, 4), make_sample(5, 2, prompt_id="p2", version=4)]
     frames = encode("put_group", {}, [group])
     g = header_of(frames)["g"][0]
-    assert set(g) == {"n", "s", "a"} and g["n"] == 2
+    assert set(g) == {"n", "s", "a", "c"} and g["n"] == 2
     assert g["s"]["prompt_id"] == ["p1", "p2"] and g["s"]["version"] == [3, 4]
+    # what both samples hold alike goes once; maps held as two equal objects go per sample
+    assert g["c"] == {"group_id": 7, "reward": 0.5, "version_min": 2, "finish_reason": "length"}
+    assert len(g["s"]["metadata"]) == 2 and set(g["s"]) | set(g["c"]) == set(SCALAR_FIELDS)
     assert g["a"]["prompt_ids"] == ["<i8", 1, [3, 5]]
     assert g["a"]["response_ids"] == ["<i8", 2, [4, 2]]
     assert g["a"]["loss_mask"] == ["<f4", 3, [4, 2]]
@@ -141,7 +144,10 @@ def _tamper(mutate: Callable[[dict, list], Any], group: list[Sample] | None = No
     group = group or [make_sample(), make_sample(5, 2, prompt_id="p2")]
     frames = encode("put_group", {}, [group])
     header = header_of(frames)
-    mutate(header["g"][0], frames)
+    g = header["g"][0]
+    for k, v in g.pop("c", {}).items():  # the fields sent once, per sample again (also valid)
+        g["s"][k] = [v] * g["n"]
+    mutate(g, frames)
     frames[0] = msgpack.packb(header)
     return frames
 
@@ -173,6 +179,12 @@ MALFORMED = {
     "scalar bool": _tamper(_set(("s", "version"), [3, True])),
     "scalar column short": _tamper(_set(("s", "reward"), [0.5])),
     "scalar column not list": _tamper(_set(("s", "reward"), 0.5)),
+    "alike not a map": _tamper(_set(("c",), [1])),
+    "alike unknown field": _tamper(_set(("c",), {"bogus": 1})),
+    "alike also per sample": _tamper(_set(("c",), {"version": 3})),
+    "alike wrong type": _tamper(lambda g, f: g.update(c={"version": True},
+                                                      s={**g["s"], "version": None})
+                                or g["s"].pop("version")),
     "array missing": _tamper(lambda g, f: g["a"].pop("loss_mask")),
     "array unknown": _tamper(_set(("a", "bogus"), ["<f4", 4, [4, 2]])),
     "spec not a triple": _tamper(_set(("a", "loss_mask"), ["<f4", 3])),
@@ -353,3 +365,28 @@ def test_the_broker_sends_a_received_group_on_as_it_came() -> None:
                    for f, g in zip(mine, group.frames) if len(f))
     # an ordinary decode gives plain lists, which encode reads sample by sample
     assert type(decode(frames)[2][0]) is list
+
+
+def test_what_a_groups_samples_hold_alike_travels_once() -> None:
+    """A worker stamps a group's samples with one metadata map: it is sent once (the put's
+    header shrinks by that much) and every decoded sample holds it; values that only compare
+    equal (1 and True, 1 and 1.0, two equal maps) stay per sample, so nothing decodes
+    differently from the sample-by-sample form."""
+    stamp = {"worker": 0, "data_state": {"epoch": 0, "index": 5, "num_rows": 5000}}
+    shared = [make_sample(5, 2, prompt_id=f"p{i}", metadata=stamp) for i in range(16)]
+    apart = [make_sample(5, 2, prompt_id=f"p{i}", metadata=dict(stamp)) for i in range(16)]
+    one, many = encode("put_group", {}, [shared]), encode("put_group", {}, [apart])
+    assert header_of(one)["g"][0]["c"]["metadata"] == stamp
+    assert "metadata" in header_of(many)["g"][0]["s"]
+    assert len(one[0]) < len(many[0]) - 15 * len(msgpack.packb(stamp))
+    for frames, sent in ((one, shared), (many, apart)):
+        [got] = decode_both(frames)[2]
+        for a, b in zip(sent, got):
+            assert_same(a, b)
+    kept = decode(one, keep_frames=True)[2][0]
+    assert kept.column("metadata") == [stamp] * 16 and kept.rows()[3].prompt_id == "p3"
+    # equal but of another type: sent per sample, so the bool is refused as it always was
+    frames = encode("g", {}, [[make_sample(), make_sample(version=True)]])
+    assert header_of(frames)["g"][0]["s"]["version"] == [3, True]
+    with pytest.raises(BrokerError, match="'version': unexpected type bool"):
+        decode_both(frames)
