@@ -256,3 +256,20 @@ def test_the_routing_parts_baselines_compute_what_the_project_does():
     assert all(math.isfinite(v) for v in res.values())
     assert {k for k in res if not k.endswith("_before")} == {
         "engine_rows", "engine_base64", "worker_decode", "broker_put", "trainer_collate"}
+
+
+def test_the_broker_part_puts_a_workers_groups_through_the_real_broker(tmp_path):
+    """Part 5 as run.py runs it, shortened (4 groups of 3, 2 timed rounds): the real broker
+    process accepts every put of groups made as a worker makes them (one stamp map per group,
+    a version span per sample, restamped for each round's version) and the trainer's get_batch
+    takes them; session 39's first bench run died here on spans left at the old version."""
+    bb = bench_module("broker_bench")
+    proc, router = bb.start_broker(bb.write_config(tmp_path, 4))
+    try:
+        r = bb.through_broker(router, bb.make_groups(4, 3), 2)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert r["samples_per_batch"] == 12 and len(r["get_batch_s"]) == 2
+    assert all(t > 0 for t in r["get_batch_s"])
