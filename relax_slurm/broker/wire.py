@@ -134,9 +134,6 @@ class Received(Sequence[Sample]):
     def __getitem__(self, i):  # type: ignore[override]
         return self.samples()[i]
 
-    def __eq__(self, other: object) -> bool:
-        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
-
 
 def _renumbered(head: dict[str, Any], number: Callable[[int], int]) -> dict[str, Any]:
     """`head` with every frame index i of its arrays and media replaced by number(i)."""

@@ -273,3 +273,14 @@ def test_the_broker_part_puts_a_workers_groups_through_the_real_broker(tmp_path)
             proc.kill()
     assert r["samples_per_batch"] == 12 and len(r["get_batch_s"]) == 2
     assert all(t > 0 for t in r["get_batch_s"])
+
+
+def test_the_broker_part_gives_the_bench_its_cores_back(tmp_path):
+    """Part 5 pins its own process to core 1 while it measures; run.py starts the later parts'
+    relax-train runs from that process, and an unpinned mode inherits its cores: left pinned,
+    every later part ran on one core (the colocated long tail at half its speed)."""
+    bb = bench_module("broker_bench")
+    before = os.sched_getaffinity(0)
+    r = bb.measure(tmp_path, 1, n_groups=2, n_samples=2)
+    assert os.sched_getaffinity(0) == before
+    assert len(r["broker"]["get_batch_s"]) == 1 and len(r["throughput_ratio"]) == 1

@@ -146,16 +146,24 @@ def raw_pushpull(groups: list, batches: int) -> dict:
 
 
 def measure(workdir: Path, batches: int, n_groups: int = 32, n_samples: int = 16) -> dict:
+    """Both paths with this process on core 1 (the broker and the sink on core 0); the
+    process's own cores are given back at the end: run.py's later parts start relax-train
+    runs from it, and unpinned modes inherit its cores (session 39 found every part after this
+    one running on core 1 alone)."""
+    cores = os.sched_getaffinity(0)
     os.sched_setaffinity(0, [1 % os.cpu_count()])
     groups = make_groups(n_groups, n_samples)
-    proc, router = start_broker(write_config(workdir, n_groups))
     try:
-        broker = through_broker(router, groups, batches)
-        proc.wait(timeout=30)
+        proc, router = start_broker(write_config(workdir, n_groups))
+        try:
+            broker = through_broker(router, groups, batches)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        raw = raw_pushpull(groups, batches)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    raw = raw_pushpull(groups, batches)
+        os.sched_setaffinity(0, cores)
     return {"broker": broker, "raw": raw,
             "throughput_ratio": [b / r for b, r in zip(broker["samples_per_s"],
                                                          raw["samples_per_s"])]}

@@ -181,18 +181,29 @@ def main() -> int:
     part_load = ForeignLoad(interval_s=1.0)
     t_start = time.monotonic()
     part_load.__enter__()
+    cores = os.sched_getaffinity(0)
+
+    def start_part(name: str) -> None:
+        # every part starts on the cores the bench was given: runs of an unpinned mode inherit
+        # this process's, and a part that pinned it and kept it so put every later part's runs
+        # on one core (session 39: part 5 did, which halved the colocated long tail)
+        if (now := os.sched_getaffinity(0)) != cores:
+            print(f"warning: the bench was left pinned to cores {sorted(now)} before part "
+                  f"{name!r}; back on {sorted(cores)}", flush=True)
+            os.sched_setaffinity(0, cores)
+        part_load.part(name)
     runs: dict[str, list[Run]] = {}
     lt_plot: list[Path] = []
 
     if "async" in parts:
-        part_load.part("async")
+        start_part("async")
         print("[1-2] async vs sync", flush=True)
         modes = async_sync.run_modes(args.out / "async", model, data, steps=steps,
                                      repeats=repeats)
         res["async"] = async_sync.summarize(modes)
         runs |= {f"ours max_staleness={s}": rs for s, rs in modes.items()}
     if "trl" in parts:
-        part_load.part("trl")
+        start_part("trl")
         print("[3] TRL GRPOTrainer", flush=True)
         trl = run_trl(args.out / "trl", model, data, steps, repeats)
         trl_sps = [r.samples_per_s() for r in trl]
@@ -214,7 +225,7 @@ def main() -> int:
                            o.time_to(async_sync.TRL_THRESHOLD)) for o, t in zip(modes[1], trl)])
         runs["TRL GRPOTrainer"] = trl
     if "sync" in parts:
-        part_load.part("sync")
+        start_part("sync")
         print("[4] weight sync", flush=True)
         big = weight_sync_bench.make_state_model(args.out / "assets" / "state500",
                                                  480)
@@ -230,7 +241,7 @@ def main() -> int:
                 "efficiency": spread(r["efficiency"]),
                 "efficiency_flattened": spread(r["efficiency_flattened"])}
     if "broker" in parts:
-        part_load.part("broker")
+        start_part("broker")
         print("[5] broker", flush=True)
         b = broker_bench.measure(args.out, 10 if args.quick else 50)
         step = (res["async"]["sync_components"]["step_s"]["median"] if "async" in res
@@ -246,17 +257,17 @@ def main() -> int:
             "step_share": spread([g / step for g in b["broker"]["get_batch_s"]] if step else []),
         }
     if "engines" in parts:
-        part_load.part("engines")
+        start_part("engines")
         print("[7] engines: rollout throughput with 1 and 3 engines", flush=True)
         res["engines"] = engine_scaling.measure(args.out / "engines", model, data,
                                                 steps=40 if args.quick else 60, repeats=repeats)
     if "routing" in parts:
-        part_load.part("routing")
+        start_part("routing")
         print("[8] routing replay: the tiny MoE with routing off, recorded, replayed", flush=True)
         res["routing"] = routing_bench.measure(args.out, data, steps=40 if args.quick else 60,
                                                repeats=repeats)
     if "longtail" in parts:
-        part_load.part("longtail")
+        start_part("longtail")
         print("[9] long tail: colocated sync vs async with streaming and overlap", flush=True)
         lt_data = args.out / "assets" / "longtail_train.jsonl"
         if not lt_data.exists():
@@ -271,14 +282,14 @@ def main() -> int:
                                       filename=report.LONGTAIL_PLOT,
                                       title="tiny GRPO, long tail (d*n=, 16 prompts x 16)")
     if "sglang" in parts:
-        part_load.part("sglang")
+        start_part("sglang")
         print("[10] the real SGLang server: sync, async, colocated", flush=True)
         res["sglang"], sg_runs = sglang_bench.measure(args.out / "sglang", model, data,
                                                       steps=40 if args.quick else 60,
                                                       repeats=repeats)
         runs |= {f"sglang {m}": rs for m, rs in sg_runs.items()}
     if "towers" in parts:
-        part_load.part("towers")
+        start_part("towers")
         print("[11] towers: the tiny Qwen3-Omni at TP=2, replicated vs split", flush=True)
         res["towers"] = towers_bench.measure(args.out, steps=10 if args.quick else 20,
                                              repeats=repeats)
