@@ -126,11 +126,13 @@ def check_columns(scalars: dict[str, list], lengths: dict[str, list[int]]) -> No
     def where(i: int) -> str:
         return f"sample {scalars['prompt_id'][i]}/{scalars['group_id'][i]}"
     n = lengths["response_ids"]
-    others = [lengths.get(k) for k in ("loss_mask", "rollout_logprobs", "teacher_logprobs")]
-    if any(col is not None and col != n for col in others):  # list equality: one C loop
-        for i, rows in enumerate(zip(n, *(c or [None] * len(n) for c in others))):
-            check_lengths(where(i), *rows)
+    others = [lengths.get(k) or [None] * len(n)
+              for k in ("loss_mask", "rollout_logprobs", "teacher_logprobs")]
+    # list equality, one C loop; else each sample's lengths, in the constructor's order
+    lengths_ok = all(col == n for col in others[:2]) and others[2] in (n, [None] * len(n))
     for i, spans in enumerate(scalars["version_spans"]):
+        if not lengths_ok:
+            check_lengths(where(i), n[i], *(col[i] for col in others))
         if spans:  # (most groups record none, or one run per sample)
             check_spans(spans, n[i], scalars["version_min"][i], scalars["version"][i],
                         where(i))

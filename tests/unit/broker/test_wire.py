@@ -390,3 +390,14 @@ def test_what_a_groups_samples_hold_alike_travels_once() -> None:
     assert header_of(frames)["g"][0]["s"]["version"] == [3, True]
     with pytest.raises(BrokerError, match="'version': unexpected type bool"):
         decode_both(frames)
+
+
+def test_a_group_with_two_bad_samples_is_refused_for_the_first_both_ways() -> None:
+    """The columnar check (the broker's) meets a group's faults in the order the constructors
+    (the trainer's decode) do: sample 0's spans before sample 1's lengths."""
+    def mutate(g: dict, f: list) -> None:
+        g["s"]["version_spans"] = [[[2, 0, 5]], []]  # past sample 0's 4 response tokens
+        g["a"]["loss_mask"][2] = [4, 1]  # sample 1 has 2 response tokens
+        f[3] = np.ones(5, np.float32).tobytes()
+    with pytest.raises(BrokerError, match="sample p1/7: version_spans"):
+        decode_both(_tamper(mutate))
