@@ -367,17 +367,20 @@ def _columns(where: str, head: Any, frames: Sequence[Any], used: set[int]) -> _C
             and not set(consts) & set(scalars)):
         raise BrokerError(f"{where}: c must be a map of scalar fields that s does not have, "
                           f"got {consts!r}")
-    scalars = {**scalars, **{k: [v] * n for k, v in consts.items()}}
-    missing = [k for k in SCALAR_FIELDS if k not in scalars]
+    missing = [k for k in SCALAR_FIELDS if k not in scalars and k not in consts]
     if missing:
         raise BrokerError(f"{where}: scalar fields {missing} are missing")
-    for k, types in _SCALAR_TYPES.items():
-        column = scalars[k]
-        if not (isinstance(column, list) and len(column) == n):
-            raise BrokerError(f"{where}: sample field {k!r} must be a list of {n} values")
-        # msgpack decodes to exact builtin types, so comparing type sets is an isinstance check
-        # (bool, a subclass of int, is rejected as before) done in C for the whole column
-        bad = set(map(type, column)) - _EXACT_TYPES[k]
+    for k in SCALAR_FIELDS:
+        if k in consts:
+            types = {type(consts[k])}
+        else:
+            column = scalars[k]
+            if not (isinstance(column, list) and len(column) == n):
+                raise BrokerError(f"{where}: sample field {k!r} must be a list of {n} values")
+            # msgpack decodes to exact builtin types, so comparing type sets is an isinstance
+            # check (bool, a subclass of int, is rejected as before) done in C for the column
+            types = set(map(type, column))
+        bad = types - _EXACT_TYPES[k]
         if bad:
             raise BrokerError(f"{where}: sample field {k!r}: unexpected type "
                               f"{' / '.join(sorted(t.__name__ for t in bad))}")
@@ -388,6 +391,9 @@ def _columns(where: str, head: Any, frames: Sequence[Any], used: set[int]) -> _C
     arrays = {name: _decode_array(where, name, specs[name], n, frames, used)
               for name in _ALL_ARRAYS if name in specs}
     mm = _decode_mm(where, head["m"], n, frames, used) if "m" in head else None
+    # "c" spread out only now that n is backed by what the message carries (each array's n
+    # lengths): a header claiming a huge n beside a small "c" must not make us allocate it
+    scalars = {**scalars, **{k: [v] * n for k, v in consts.items()}}
     return _Columns(where, n, scalars, arrays, mm)
 
 

@@ -401,3 +401,15 @@ def test_a_group_with_two_bad_samples_is_refused_for_the_first_both_ways() -> No
         f[3] = np.ones(5, np.float32).tobytes()
     with pytest.raises(BrokerError, match="sample p1/7: version_spans"):
         decode_both(_tamper(mutate))
+
+
+def test_a_huge_n_beside_shared_fields_is_refused_before_anything_is_spread() -> None:
+    """n is only believed once the message backs it (each array's n lengths): a header that
+    claims 2**40 samples and sends every scalar field once in "c" is refused, not spread into
+    lists of 2**40 entries (a MemoryError, or the broker killed, on the old order)."""
+    def mutate(g: dict, f: list) -> None:
+        g["c"] = {k: column[0] for k, column in g["s"].items()}
+        g["s"] = {}
+        g["n"] = 2**40
+    with pytest.raises(BrokerError, match="expected a list of 1099511627776 lengths"):
+        decode_both(_tamper(mutate))
