@@ -284,3 +284,19 @@ def test_the_broker_part_gives_the_bench_its_cores_back(tmp_path):
     r = bb.measure(tmp_path, 1, n_groups=2, n_samples=2)
     assert os.sched_getaffinity(0) == before
     assert len(r["broker"]["get_batch_s"]) == 1 and len(r["throughput_ratio"]) == 1
+
+
+def test_a_missing_bench_extra_is_named_before_any_part_runs(monkeypatch):
+    """TRL (part 3) and matplotlib (the plots) come from the bench extra; without them the
+    bench used to run the parts before part 3 and then die in a CalledProcessError (session
+    39 lost two async runs so). Now they are named, with the install command, at the start."""
+    run_py = bench_module("run")
+    present = importlib.util.find_spec
+    monkeypatch.setattr(run_py.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "trl" else present(name, *a))
+    assert run_py.missing_extras({"async", "trl"}) == ["trl"]
+    assert run_py.missing_extras({"async", "longtail"}) == []
+    monkeypatch.setattr(sys, "argv", ["run.py", "--parts", "async,trl"])
+    with pytest.raises(SystemExit) as stop:
+        run_py.main()
+    assert stop.value.code == 2

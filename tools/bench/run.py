@@ -23,6 +23,7 @@ command).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -139,6 +140,13 @@ def headline(res: dict) -> dict[str, float]:
     return out
 
 
+def missing_extras(parts: set[str]) -> list[str]:
+    """The bench extra's modules that `parts` need and this interpreter cannot import: TRL for
+    part 3, matplotlib for the reward plots (written at the end of any run)."""
+    need = {"matplotlib"} | ({"trl"} if "trl" in parts else set())
+    return sorted(m for m in need if importlib.util.find_spec(m) is None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
@@ -157,6 +165,9 @@ def main() -> int:
     parts = set(args.parts.split(","))
     if unknown := parts - set(PARTS):
         ap.error(f"--parts: unknown {sorted(unknown)}; choose from {','.join(PARTS)}")
+    if missing := missing_extras(parts):  # (at the start, not after the parts before it)
+        ap.error(f"{' and '.join(missing)} cannot be imported: install the bench extra, "
+                 f"pip install -e \".[bench]\", or leave part 3 out (--parts without trl)")
     steps = 40 if args.quick else 150  # the preset's length
     repeats = args.repeats or 3
     idle = idle_check()
