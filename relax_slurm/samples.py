@@ -134,8 +134,11 @@ def check_columns(scalars: dict[str, list], lengths: dict[str, list[int]]) -> No
         if not lengths_ok:
             check_lengths(where(i), n[i], *(col[i] for col in others))
         if spans:  # (most groups record none, or one run per sample)
-            check_spans(spans, n[i], scalars["version_min"][i], scalars["version"][i],
-                        where(i))
+            bounds = n[i], scalars["version_min"][i], scalars["version"][i]
+            try:
+                check_spans(spans, *bounds, "")
+            except ValueError:  # the same refusal again, named (no name made per sample)
+                check_spans(spans, *bounds, where(i))
 
 
 def check_spans(spans: Any, n: int, version_min: int, version: int, where: str
@@ -151,7 +154,7 @@ def check_spans(spans: Any, n: int, version_min: int, version: int, where: str
     end = 0
     for span in spans:
         try:
-            v, a, b = (int(x) for x in span)
+            v, a, b = map(int, span)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: version_spans must be [version, start, end] integer "
                              f"triples, got {span!r}") from e
@@ -171,7 +174,7 @@ Group = list[Sample]
 
 def scalar_rows(group: Any) -> Sequence[Any]:
     """What the broker reads of a group's samples, their scalar fields (version_min, metadata,
-    ids): a group it decoded (`broker.wire.Received`, which never makes its samples) as light
+    ids): a group it decoded (`broker.wire.Packed`, which never makes its samples) as light
     rows, any other group as its samples."""
     rows = getattr(group, "rows", None)
     return rows() if rows is not None else group
@@ -179,5 +182,4 @@ def scalar_rows(group: Any) -> Sequence[Any]:
 
 def group_version_min(group: Any) -> int:
     """The oldest weight version that touched any sample of the group."""
-    column = getattr(group, "column", None)
-    return min(column("version_min") if column is not None else (s.version_min for s in group))
+    return min(s.version_min for s in scalar_rows(group))

@@ -13,16 +13,16 @@ import asyncio
 import concurrent.futures
 import time
 
+from relax_slurm.broker.wire import Packed, pack_group
 from relax_slurm.data import Prompt
 from relax_slurm.data.processor import MediaLimits, MediaProcessor, Processed
 from relax_slurm.rewards import RewardInput
 from relax_slurm.engines.client import GenerateResult
 from relax_slurm.rollout.partial import generate_resuming, version_record
 from relax_slurm.rollout.sampling import (check_media_tokens, cut_at_media_pads,
-                                         shaped_rewards)
+                                          shaped_rewards)
 from relax_slurm.rollout.services import RolloutServices
 from relax_slurm.sample_meta import SampleMeta
-from relax_slurm.samples import Group, Sample
 
 
 class SingleTurn:
@@ -98,26 +98,33 @@ class SingleTurn:
                           resumed=sum(bool(r.meta_info.get("num_resumes")) for r in results)
                           or None)
         stamp = meta.to_dict()  # one map for the group's samples (never changed after)
-        group: Group = [self.sample(prompt, gid, processed, res, reward, teacher_lp, stamp)
-                        for res, reward, teacher_lp in zip(results, rewards, teacher)]
-        await svc.broker.put_group(group)
+        await svc.broker.put_group(self.group(prompt, gid, processed, results, rewards,
+                                              teacher, stamp))
 
-    def sample(self, prompt: Prompt, gid: int, processed: Processed, res: GenerateResult,
-               reward: float, teacher_lp, metadata: dict) -> Sample:
+    def group(self, prompt: Prompt, gid: int, processed: Processed,
+              results: list[GenerateResult], rewards: list[float], teacher: list,
+              stamp: dict) -> Packed:
+        """The group as the columns the broker's wire carries, no `Sample` made (broker/wire.py
+        `pack_group`, the same checks as `Sample`'s constructor)."""
+        n = len(results)
         # tokens from several versions when a sync paused the engine mid-way (retract, or
         # abort and resumed): the staleness rule judges the oldest
-        spans = version_record(res)
-        versions = [v for v, _, _ in spans] or res.versions() or [0]
-        return Sample(
-            prompt_id=prompt.prompt_id, group_id=gid,
-            prompt_ids=processed.input_ids, response_ids=res.output_ids,
-            loss_mask=[1.0] * len(res.output_ids), rollout_logprobs=res.logprobs,
-            teacher_logprobs=teacher_lp,
-            routed_experts=self.svc.routed_experts(processed.input_ids, res),
-            mm_inputs=processed.tensors,  # one dict: the group's samples share its arrays
-            reward=float(reward), version=max(versions), version_min=min(versions),
-            version_spans=spans, finish_reason=res.finish_reason,
-            metadata=metadata)
+        spans = [version_record(res) for res in results]
+        versions = [[v for v, _, _ in s] or res.versions() or [0]
+                    for s, res in zip(spans, results)]
+        outputs = [res.output_ids for res in results]
+        return pack_group(
+            {"prompt_id": [prompt.prompt_id] * n, "group_id": [gid] * n, "reward": rewards,
+             "version": list(map(max, versions)), "version_min": list(map(min, versions)),
+             "version_spans": spans, "finish_reason": [res.finish_reason for res in results],
+             "multimodal": [{}] * n, "metadata": [stamp] * n},
+            {"prompt_ids": [processed.input_ids] * n, "response_ids": outputs,
+             "loss_mask": [[1.0] * len(ids) for ids in outputs],
+             "rollout_logprobs": [res.logprobs for res in results],
+             "teacher_logprobs": teacher,
+             "routed_experts": [self.svc.routed_experts(processed.input_ids, res)
+                                for res in results]},
+            mm_inputs=processed.tensors)  # one dict: the group's samples share its arrays
 
     def close(self) -> None:
         if self.media_pool is not None:

@@ -384,7 +384,7 @@ def test_what_a_groups_samples_hold_alike_travels_once() -> None:
         for a, b in zip(sent, got):
             assert_same(a, b)
     kept = decode(one, keep_frames=True)[2][0]
-    assert kept.column("metadata") == [stamp] * 16 and kept.rows()[3].prompt_id == "p3"
+    assert kept.scalars["metadata"] == [stamp] * 16 and kept.rows()[3].prompt_id == "p3"
     # equal but of another type: sent per sample, so the bool is refused as it always was
     frames = encode("g", {}, [[make_sample(), make_sample(version=True)]])
     assert header_of(frames)["g"][0]["s"]["version"] == [3, True]
