@@ -92,10 +92,11 @@ def test_a_packed_group_is_on_the_wire_the_group_of_its_samples(monkeypatch) -> 
             for s in (a, b):
                 assert_same(want, s)
                 assert s.metadata == want.metadata and s.multimodal == want.multimodal
-                assert s.routed_experts is None or s.routed_experts.dtype == np.int16
-                np.testing.assert_array_equal(
-                    s.routed_experts if want.routed_experts is None else s.routed_experts,
-                    want.routed_experts if want.routed_experts is not None else s.routed_experts)
+                if want.routed_experts is None:
+                    assert s.routed_experts is None
+                else:
+                    assert s.routed_experts is not None and s.routed_experts.dtype == np.int16
+                    np.testing.assert_array_equal(s.routed_experts, want.routed_experts)
                 assert s.mm_inputs.keys() == want.mm_inputs.keys()
                 for k, v in want.mm_inputs.items():
                     np.testing.assert_array_equal(s.mm_inputs[k], v)
