@@ -10,6 +10,7 @@ tokenizer_config.json, no class named, remote code) goes through `AutoTokenizer`
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +35,32 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
         return cls.from_pretrained(str(path))
     return transformers.AutoTokenizer.from_pretrained(str(path),
                                                       trust_remote_code=trust_remote_code)
+
+
+# the `_decode`s that only call the tokenizers library and then, if asked, clean up spaces
+_LIBRARY_DECODES = frozenset({"TokenizersBackend._decode", "PreTrainedTokenizerFast._decode"})
+
+
+def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)` as a function of one token list, taken
+    straight from the tokenizers library when that is all transformers would do with it: a fast
+    tokenizer whose `decode` and `_decode` are transformers' own and that cleans up no spaces.
+    The wrapper's ~2 us an answer (converting the list, the keywords) were 1.2 ms of a tiny
+    step's 512 rewards, against 0.2 ms for the library's own decode. Any other tokenizer, and
+    ids the library does not take (numpy integers), go through `tokenizer.decode`."""
+    def wrapped(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    cls, library = type(tokenizer), getattr(tokenizer, "backend_tokenizer", None)
+    if (library is None or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+            or getattr(cls, "_decode", None) is None
+            or cls._decode.__qualname__ not in _LIBRARY_DECODES
+            or cls.decode.__qualname__ != "PreTrainedTokenizerBase.decode"):
+        return wrapped
+
+    def direct(ids: list[int]) -> str:
+        try:
+            return library.decode(ids, skip_special_tokens=True)
+        except TypeError:
+            return wrapped(ids)
+    return direct

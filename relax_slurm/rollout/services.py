@@ -20,6 +20,7 @@ import numpy as np
 from relax_slurm.broker.client import AsyncBrokerClient
 from relax_slurm.config import TrainConfig
 from relax_slurm.data import load_tokenizer
+from relax_slurm.data.tokenizer import text_decoder
 from relax_slurm.errors import ConfigError
 from relax_slurm.modeling import model_media_token_ids
 from relax_slurm.runtime.plan import RunPlan
@@ -167,6 +168,9 @@ class RolloutServices:
     told never to sample them (in `params`, whatever the data: a VL model on text prompts
     too), and a teacher's log-probs are renormalized without them."""
 
+    def __post_init__(self) -> None:
+        self._text = text_decoder(self.tokenizer)
+
     @classmethod
     def build(cls, cfg: TrainConfig, plan: RunPlan, tokenizer, worker_rank: int,
               group_ids: GroupIds) -> RolloutServices:
@@ -212,7 +216,8 @@ class RolloutServices:
         return seeded_params(self.params, self.cfg.seed, gid, self.cfg.rollout.n_samples_per_prompt)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        """A response's text (special tokens skipped), as the reward reads it."""
+        return self._text(ids)
 
     def routed_experts(self, prompt_ids: list[int], res: GenerateResult) -> np.ndarray | None:
         """The sample's routed experts (None for a dense model, or, with a warning, from an

@@ -51,3 +51,34 @@ def test_unnamed_or_custom_classes_go_through_autotokenizer(tiny_assets, tmp_pat
     assert load_tokenizer(path)("1+2=")["input_ids"] == \
         AutoTokenizer.from_pretrained(tiny_assets / "model")("1+2=")["input_ids"]
     assert tokenizer_class_name(tmp_path / "missing") is None
+
+
+def test_the_text_decoder_is_the_tokenizers_decode(tiny_assets):
+    """The rewards' text straight from the tokenizers library gives `decode`'s string for every
+    answer (special tokens, an empty one, numpy ids); a tokenizer that cleans up spaces or
+    decodes its own way keeps transformers' path."""
+    import numpy as np
+    from transformers import PreTrainedTokenizerFast
+
+    from relax_slurm.data.tokenizer import text_decoder
+
+    tok = load_tokenizer(tiny_assets / "model")
+    direct = text_decoder(tok)
+    assert direct.__name__ == "direct"  # (the fast path is taken for the tiny model's)
+    rng = np.random.default_rng(0)
+    answers = [rng.integers(0, len(tok), int(n)).tolist() for n in rng.integers(0, 12, 200)]
+    answers += [[], [tok.eos_token_id], tok("<|im_start|>user\n1+2=<|im_end|>")["input_ids"],
+                np.array([5, 6, 7]), [np.int64(5), np.int64(9)]]
+    for ids in answers:
+        assert direct(ids) == tok.decode(ids, skip_special_tokens=True), ids
+
+    tok.clean_up_tokenization_spaces = True
+    assert text_decoder(tok).__name__ == "wrapped"
+
+    class OwnDecode(type(tok)):  # type: ignore[misc,valid-type]
+        def _decode(self, token_ids, **kw):
+            return "mine"
+
+    own = OwnDecode.from_pretrained(tiny_assets / "model")
+    own.clean_up_tokenization_spaces = False
+    assert isinstance(own, PreTrainedTokenizerFast) and text_decoder(own)([5]) == "mine"
