@@ -61,7 +61,7 @@ import numpy as np
 
 from relax_slurm.errors import BrokerError
 from relax_slurm.samples import (ARRAY_FIELDS, OPTIONAL_ARRAY_FIELDS, Group, Sample,
-                                 check_columns)
+                                 check_columns, samples_of_columns)
 
 Frame = Union[bytes, memoryview]
 SCALAR_FIELDS = (
@@ -195,11 +195,7 @@ def pack_group(scalars: dict[str, list[Any]], arrays: dict[str, list[Any] | None
     head = _head("group", scalars, arrays, frames)
     check_columns(scalars, {k: lengths for k, (_, _, lengths) in head["a"].items()})
     if mm_inputs:
-        refs = {}
-        for name, arr in mm_inputs.items():
-            refs[name] = _mm_spec("group", name, arr, len(frames))
-            frames.append(np.ascontiguousarray(arr).reshape(-1).data)
-        head["m"] = [refs] * head["n"]
+        head["m"] = [_media("group", mm_inputs, frames, {})] * head["n"]
     return Packed(head, frames, scalars)
 
 
@@ -270,17 +266,21 @@ def _alike(scalars: dict[str, list[Any]]) -> dict[str, Any]:
 
 def _encode_mm(gi: int, group: Group, frames: list[Frame]) -> list[dict[str, list]]:
     shared: dict[int, int] = {}  # id(array) -> frame: one prompt's media sent once per group
-    out = []
-    for s in group:
-        refs = {}
-        for name, arr in s.mm_inputs.items():
-            spec = _mm_spec(f"group {gi}", name, arr, shared.get(id(arr), len(frames)))
-            if id(arr) not in shared:
-                shared[id(arr)] = len(frames)
-                frames.append(np.ascontiguousarray(arr).reshape(-1).data)
-            refs[name] = spec
-        out.append(refs)
-    return out
+    return [_media(f"group {gi}", s.mm_inputs, frames, shared) for s in group]
+
+
+def _media(where: str, mm_inputs: dict[str, Any], frames: list[Frame], shared: dict[int, int]
+           ) -> dict[str, list]:
+    """One sample's media as header refs; an array not yet in `shared` (id -> frame) appended
+    to `frames` as one frame."""
+    refs = {}
+    for name, arr in mm_inputs.items():
+        frame = shared.get(id(arr))
+        refs[name] = _mm_spec(where, name, arr, len(frames) if frame is None else frame)
+        if frame is None:
+            shared[id(arr)] = len(frames)
+            frames.append(np.ascontiguousarray(arr).reshape(-1).data)
+    return refs
 
 
 def _mm_spec(where: str, name: str, arr: Any, frame: int) -> list:
@@ -325,21 +325,11 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-class _Where:
-    """Where in a message a check is (its error's first words), joined only if it fails."""
-
-    def __init__(self, *parts: str) -> None:
-        self.parts = parts
-
-    def __format__(self, spec: str) -> str:
-        return "".join(self.parts)
-
-
 def _decode_array(where: str, name: str, spec: Any, n: int, frames: Sequence[Any],
                   used: set[int]) -> tuple[np.ndarray, list[int]]:
     """One field of one group: the whole buffer (a view of its frame) and each sample's
     length, checked against each other."""
-    what = _Where(where, f", array {name!r}")  # (formatted only for an error)
+    what = f"{where}, array {name!r}"
     if not (isinstance(spec, list) and len(spec) == 3):
         raise BrokerError(f"{what}: expected [dtype, frame, lengths], got {spec!r}")
     dtype_str, index, lengths = spec
@@ -459,15 +449,21 @@ def _columns(where: str, head: Any, frames: Sequence[Any], used: set[int]) -> _C
 
 
 def _samples(c: _Columns) -> list[Sample]:
-    """The group's samples; their arrays view the frames."""
-    names = (*SCALAR_FIELDS, *c.arrays)
-    columns = [*(c.scalars[k] for k in SCALAR_FIELDS),
-               *(_views(flat, lengths) for flat, lengths in c.arrays.values())]
+    """The group's samples; their arrays view the frames. Checked on the columns by the
+    constructor's own checks, then made without running them again per sample."""
+    spans = _checked(c)
+    columns: dict[str, Sequence[Any]] = {**c.scalars, "version_spans": spans}
+    for name, (flat, lengths) in c.arrays.items():
+        columns[name] = _views(flat, lengths)
     if c.mm is not None:
-        names = (*names, "mm_inputs")
-        columns.append(c.mm)
+        columns["mm_inputs"] = c.mm
+    return samples_of_columns(columns)
+
+
+def _checked(c: _Columns) -> list[list[list[int]]]:
+    """What each sample's constructor checks, on the columns; the samples' version_spans."""
     try:
-        return [Sample(**dict(zip(names, row))) for row in zip(*columns)]
+        return check_columns(c.scalars, {k: lengths for k, (_, lengths) in c.arrays.items()})
     except ValueError as e:
         raise BrokerError(f"{c.where}: invalid sample: {e}") from e
 
@@ -477,10 +473,7 @@ def _decode_group(gi: int, head: Any, frames: Sequence[Any], used: set[int],
     c = _columns(f"group {gi}", head, frames, used)
     if not keep_frames:
         return _samples(c)
-    try:  # what each sample's constructor checks, on the columns
-        check_columns(c.scalars, {k: lengths for k, (_, lengths) in c.arrays.items()})
-    except ValueError as e:
-        raise BrokerError(f"{c.where}: invalid sample: {e}") from e
+    _checked(c)
     return _keep(head, frames, c.scalars)
 
 

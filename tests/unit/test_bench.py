@@ -286,7 +286,7 @@ def test_the_broker_part_gives_the_bench_its_cores_back(tmp_path):
     assert len(r["broker"]["get_batch_s"]) == 1 and len(r["throughput_ratio"]) == 1
 
 
-def test_a_missing_bench_extra_is_named_before_any_part_runs(monkeypatch):
+def test_a_missing_bench_extra_is_named_before_any_part_runs(monkeypatch, capsys):
     """TRL (part 3) and matplotlib (the plots) come from the bench extra; without them the
     bench used to run the parts before part 3 and then die in a CalledProcessError (session
     39 lost two async runs so). Now they are named, with the install command, at the start."""
@@ -296,7 +296,13 @@ def test_a_missing_bench_extra_is_named_before_any_part_runs(monkeypatch):
                         lambda name, *a: None if name == "trl" else present(name, *a))
     assert run_py.missing_extras({"async", "trl"}) == ["trl"]
     assert run_py.missing_extras({"async", "longtail"}) == []
-    monkeypatch.setattr(sys, "argv", ["run.py", "--parts", "async,trl"])
-    with pytest.raises(SystemExit) as stop:
-        run_py.main()
-    assert stop.value.code == 2
+    for missing, hint in (("trl", True), ("matplotlib", False)):
+        monkeypatch.setattr(run_py.importlib.util, "find_spec",
+                            lambda name, *a, m=missing: None if name == m else object())
+        monkeypatch.setattr(sys, "argv", ["run.py", "--parts", "async,trl"])
+        with pytest.raises(SystemExit) as stop:
+            run_py.main()
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        # leaving part 3 out is offered only where it helps (the plots need matplotlib always)
+        assert f"{missing} cannot be imported" in err and ("leave part 3 out" in err) == hint

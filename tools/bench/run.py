@@ -166,8 +166,10 @@ def main() -> int:
     if unknown := parts - set(PARTS):
         ap.error(f"--parts: unknown {sorted(unknown)}; choose from {','.join(PARTS)}")
     if missing := missing_extras(parts):  # (at the start, not after the parts before it)
+        # (leaving part 3 out helps only without TRL: the plots need matplotlib in any run)
+        other = ", or leave part 3 out (--parts without trl)" if missing == ["trl"] else ""
         ap.error(f"{' and '.join(missing)} cannot be imported: install the bench extra, "
-                 f"pip install -e \".[bench]\", or leave part 3 out (--parts without trl)")
+                 f"pip install -e \".[bench]\"{other}")
     steps = 40 if args.quick else 150  # the preset's length
     repeats = args.repeats or 3
     idle = idle_check()
