@@ -141,6 +141,43 @@ def test_the_headline_table_shows_spread_load_and_quick_beside_full():
     assert report.results_name(True) != report.results_name(False)
 
 
+def test_each_part_is_probed_at_its_start_and_end_and_a_drift_is_marked():
+    """A shared VM ran ~30% slower for minutes with nothing of its own running (session 41),
+    which the load count cannot see: each part times a fixed piece of CPU work at its start
+    and end, a part whose two probes differ by more than DRIFT is marked, and two runs that
+    disagree say whether their machine's speed differed."""
+    probes = iter([1.0, 1.05, 1.5, 1.5])
+    with load.ForeignLoad(interval_s=0.05, probe=lambda: next(probes)) as mon:
+        for name in ("async", "trl", "sync"):
+            mon.part(name)
+    parts = mon.parts()
+    assert [parts[p]["probe_s"] for p in ("async", "trl", "sync")] == [
+        [1.0, 1.05], [1.05, 1.5], [1.5, 1.5]]
+    assert [parts[p]["drifted"] for p in ("async", "trl", "sync")] == [False, True, False]
+    assert load.speed_probe(repeats=1) > 0.0  # the real probe runs
+    # the table: a figure of a drifted part is marked as a loaded one is; a disagreement
+    # names the machine's speed when the two runs' probes of its parts differ by over 10%
+    full = results(False, 1.10, 1.0, 1.2, [])
+    quick = results(True, 1.30, 1.2, 1.4, []) | {"drifted": ["async"]}
+    full["load"] = {"async": {"probe_s": [0.10, 0.10]}}
+    quick["load"] = {"async": {"probe_s": [0.12, 0.14]}}
+    row = next(x for x in report.headline_table(full, quick)
+               if x.startswith("| `async_bound_ratio`"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[5].endswith("**drifted**") and "**drifted**" not in cells[3]
+    assert cells[7] == "**no** (1.18; the quick run's machine 1.30x slower)"
+    assert report.agreement(1.0, 1.3, machine=0.8) == (
+        "**no** (1.3; the quick run's machine 1.25x faster)")
+    assert report.agreement(1.0, 1.3, machine=1.05) == "**no** (1.3)"  # within DRIFT: no note
+    assert report.machine_ratio(full, {}, "async_bound_ratio") is None
+    note = report.load_note({"load": {"idle_check": {"available": True, "mean_cores": 0.0},
+                                      "async": {"available": True, "samples": 3,
+                                                "mean_cores": 0.0, "probe_s": [0.1, 0.2],
+                                                "drifted": True}},
+                             "drifted": ["async"]})
+    assert "async 0.100 -> 0.200" in note and "**drifted** by more than 10%: async" in note
+
+
 def test_the_sglang_part_reports_its_ratios_and_modes():
     """Part 10 (the real SGLang server): the ratios of repeat i's runs and a row per mode in
     the generated page, beside the hf engine's headlines."""

@@ -13,6 +13,14 @@ second of wall time = the foreign cores busy.
     load.summary()  # {"mean_cores": .., "max_cores": .., "samples": ..}
 
 Linux only (/proc); elsewhere the summary says so and nothing is refused.
+
+Load is not the only way the machine changes under a run: a shared VM also runs ~30% slower
+for minutes at a time with nothing of its own running and no steal counted (session 41: TRL's
+first 40 steps took 103-144 ms a step in a full run and 133-197 ms in a quick one minutes
+later), which moves figures between invocations though each is a ratio. So each part also
+times a fixed piece of CPU work at its start and at its end (`speed_probe`): a part whose two
+probes differ by more than DRIFT is marked drifted, and two runs' probes of one part say
+whether their disagreement is the machine's (report.py).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -27,6 +36,9 @@ TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # a run whose foreign load averaged more than this many cores is marked loaded: a quarter of
 # a core is about what made the same commit's ratios differ by more than 10% on 2 cores
 LOADED_CORES = 0.25
+# a part whose probe at its end differs from the one at its start by more than this share is
+# marked drifted: the machine's own speed moved by more than the 10% two runs must agree within
+DRIFT = 0.10
 
 
 def machine_busy_s(stat: str) -> float:
@@ -85,6 +97,31 @@ def foreign_cores(before: tuple[float, float, float], after: tuple[float, float,
     return max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / dt)
 
 
+def speed_probe(repeats: int = 3) -> float:
+    """Seconds of one fixed piece of single-threaded CPU work (small matrix products and a
+    Python loop, the two kinds of work a tiny step is made of), the best of `repeats`: lower
+    is a faster machine. ~0.1 s a repeat."""
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((64, 64)) / 8.0
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x = a
+        for _ in range(1500):
+            x = np.tanh(x @ a)
+        total = 0
+        for i in range(1_000_000):
+            total += i & 7
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def drifted(start: float, end: float) -> bool:
+    """Whether the machine's speed moved by more than DRIFT between two probes."""
+    return abs(end / start - 1.0) > DRIFT
+
+
 def summarize(xs: list[float]) -> dict:
     mean = sum(xs) / len(xs) if xs else 0.0
     return {"available": True, "samples": len(xs), "mean_cores": mean,
@@ -93,11 +130,15 @@ def summarize(xs: list[float]) -> dict:
 
 class ForeignLoad:
     """Samples the foreign load every `interval_s` in a thread while entered; `part(name)`
-    starts a named span (the previous one ends there), `parts()` summarizes each."""
+    starts a named span (the previous one ends there) and runs `probe` (speed_probe) at its
+    start, exit runs it once more after the last; `parts()` summarizes each span."""
 
-    def __init__(self, interval_s: float = 2.0, root: int | None = None) -> None:
+    def __init__(self, interval_s: float = 2.0, root: int | None = None,
+                 probe: Callable[[], float] | None = speed_probe) -> None:
         self.interval_s = interval_s
         self.root = os.getpid() if root is None else root
+        self.probe = probe
+        self.probes: list[float] = []  # at each span's start, then once after the last
         self.samples: list[float] = []
         self.times: list[float] = []  # each sample's end (monotonic)
         self.spans: list[tuple[str, float]] = []
@@ -106,15 +147,25 @@ class ForeignLoad:
         self._thread: threading.Thread | None = None
 
     def part(self, name: str) -> None:
+        if self.probe is not None:  # (before the span starts: its time is no part's)
+            self.probes.append(self.probe())
         self.spans.append((name, time.monotonic()))
 
     def parts(self) -> dict[str, dict]:
-        """{span: summary of the samples that ended inside it}."""
+        """{span: summary of the samples that ended inside it, with the probes at its start
+        and end (`probe_s`, seconds) and whether they differ by more than DRIFT}."""
         if not self.available:
-            return {name: {"available": False} for name, _ in self.spans}
-        ends = [t for _, t in self.spans[1:]] + [float("inf")]
-        return {name: summarize([x for x, t in zip(self.samples, self.times) if t0 < t <= t1])
-                for (name, t0), t1 in zip(self.spans, ends)}
+            out = {name: {"available": False} for name, _ in self.spans}
+        else:
+            ends = [t for _, t in self.spans[1:]] + [float("inf")]
+            out = {name: summarize([x for x, t in zip(self.samples, self.times)
+                                    if t0 < t <= t1])
+                   for (name, t0), t1 in zip(self.spans, ends)}
+        for i, (name, _) in enumerate(self.spans):
+            if i + 1 < len(self.probes):
+                start, end = self.probes[i], self.probes[i + 1]
+                out[name] |= {"probe_s": [start, end], "drifted": drifted(start, end)}
+        return out
 
     def __enter__(self) -> ForeignLoad:
         if self.available:
@@ -126,6 +177,8 @@ class ForeignLoad:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self.probe is not None and self.spans and len(self.probes) == len(self.spans):
+            self.probes.append(self.probe())  # the last span's end
 
     def _run(self) -> None:
         last = snapshot(self.root)

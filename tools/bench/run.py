@@ -336,6 +336,7 @@ def main() -> int:
     res["load"].update(part_load.parts())
     res["loaded"] = sorted(p for p, load in res["load"].items()
                            if p != "idle_check" and load.get("loaded"))
+    res["drifted"] = sorted(p for p, load in res["load"].items() if load.get("drifted"))
     if parts == set(PARTS) or "elapsed_s" not in res:  # a partial run keeps the full one's
         res["elapsed_s"] = time.monotonic() - t_start
     res["headline"] = headline(res)
@@ -354,6 +355,9 @@ def main() -> int:
     print(json.dumps(res["headline"], indent=2))
     if res["loaded"]:
         print(f"foreign load met in {res['loaded']}: those figures are marked", file=sys.stderr)
+    if res["drifted"]:
+        print(f"the machine's speed moved during {res['drifted']} (load.py speed_probe): those "
+              "figures are marked", file=sys.stderr)
     print(f"wrote {name}, {args.doc}, {len(plots)} plot(s) in {res['elapsed_s']:.0f} s")
     return 0
 
