@@ -35,6 +35,12 @@ CUDA is available. What it does and why:
   installs on CPU: stub modules are registered, *after* every megatron.core module was
   imported, so megatron.core still sees `HAVE_TE=False` and builds its local (non-TE) layers.
   Anything that actually uses a stubbed class raises a clear error.
+- megatron-core's `jit_fuser` is torch.compile (megatron/core/jit.py, at import), which ~40
+  functions (the fusions, a few activations) are decorated with while megatron.core imports;
+  the first torch.compile call of a process costs ~1.2 CPU-s (dynamo's set-up), in every
+  rank and conversion. On CPU the fusions are off (model.py) and none of those functions runs
+  on the paths used here, so `megatron.core.jit` is registered before megatron.core imports
+  with its fuser left as its own no-op decorator (what its `disable_jit_fuser` sets).
 - megatron-bridge's row-parallel mapping scatters `torch.chunk(dim=1)` views; on GPU the
   `.to("cuda")` copies them, on CPU gloo sends the views' raw storage (wrong bytes at TP>1).
   The splits are made contiguous before the scatter.
@@ -342,6 +348,31 @@ def _preimport_megatron_core() -> None:
     sys.modules.setdefault("megatron.core.extensions.transformer_engine", None)
 
 
+def plain_jit_fuser() -> None:
+    """`megatron.core.jit` with `jit_fuser` the no-op decorator, registered before
+    megatron.core is imported (after that it has decorated everything: nothing to do). Its
+    names and functions are the real module's; only the import-time `enable_jit_fuser()` is
+    left out."""
+    if "megatron.core.jit" in sys.modules or "megatron.core" in sys.modules:
+        return
+    jit = types.ModuleType("megatron.core.jit")
+    jit.__spec__ = importlib.machinery.ModuleSpec("megatron.core.jit", None)
+    jit.__file__ = "<relax_slurm cpu_compat: megatron.core.jit without torch.compile>"
+
+    def noop_decorator(func):
+        return func
+
+    def enable_jit_fuser() -> None:
+        jit.jit_fuser = torch.compile
+
+    def disable_jit_fuser() -> None:
+        jit.jit_fuser = noop_decorator
+
+    jit.noop_decorator, jit.jit_fuser = noop_decorator, noop_decorator
+    jit.enable_jit_fuser, jit.disable_jit_fuser = enable_jit_fuser, disable_jit_fuser
+    sys.modules["megatron.core.jit"] = jit
+
+
 def install_triton_stub() -> None:
     """`triton` as a stub module when it is not installed (CPU): the packages that import it
     at module level (megatron-bridge, SGLang's server_args) then import; nothing calls it."""
@@ -388,3 +419,7 @@ def import_bridge():
     if needed():
         _contiguous_row_splits()
     return bridge
+
+
+if needed():  # every megatron path imports this module before megatron.core (plain_jit_fuser)
+    plain_jit_fuser()
