@@ -37,10 +37,11 @@ CUDA is available. What it does and why:
   Anything that actually uses a stubbed class raises a clear error.
 - megatron-core's `jit_fuser` is torch.compile (megatron/core/jit.py, at import), which ~40
   functions (the fusions, a few activations) are decorated with while megatron.core imports;
-  the first torch.compile call of a process costs ~1.2 CPU-s (dynamo's set-up), in every
-  rank and conversion. On CPU the fusions are off (model.py) and none of those functions runs
-  on the paths used here, so `megatron.core.jit` is registered before megatron.core imports
-  with its fuser left as its own no-op decorator (what its `disable_jit_fuser` sets).
+  the first torch.compile call of a process sets up dynamo (0.4-1.6 CPU-s of a rank's import,
+  median 0.8 over four alternated pairs), in every rank and conversion. On CPU the fusions
+  are off (model.py) and none of those functions runs on the paths used here, so
+  `megatron.core.jit` is registered before megatron.core imports with its fuser left as its
+  own no-op decorator (what its `disable_jit_fuser` sets).
 - megatron-bridge's row-parallel mapping scatters `torch.chunk(dim=1)` views; on GPU the
   `.to("cuda")` copies them, on CPU gloo sends the views' raw storage (wrong bytes at TP>1).
   The splits are made contiguous before the scatter.
