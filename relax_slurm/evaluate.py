@@ -120,6 +120,11 @@ class EvalSchedule:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="eval") if background else None
         self.pending: tuple[int, Future] | None = None
 
+    def inline(self, done: int) -> bool:
+        """Whether `after_step(done)` evaluates in the caller's thread (a sync run's due eval,
+        which must have the engines to itself: the caller announces the version after it)."""
+        return self.pool is None and eval_due(self.every, done, self.total_steps)
+
     def after_step(self, done: int) -> dict[str, float]:
         """Call once the engines serve version `done`; returns metrics for this step's row."""
         out = self._collect(wait=False)

@@ -59,6 +59,25 @@ def test_a_weight_sync_repeat_is_the_median_of_its_rounds():
     assert "the median of its 5 back-to-back rounds" in table
 
 
+def test_the_sync_bound_is_taken_step_by_step_not_from_a_sum_of_medians():
+    """Each step is exactly 1% over its wait + train + weight sync, while the parts swap sizes
+    from step to step (skewed, as on a loaded machine): the sum of their medians (2 + 2 + 1)
+    says nothing of a step's (~1.0-10), the ratio step by step is 1.01 in both parts."""
+    async_sync, longtail = bench_module("async_sync"), bench_module("longtail")
+    parts = [(1.0, 9.0), (2.0, 1.0), (9.0, 2.0)] * 4  # (wait, train)
+    rows = [{"perf/trainer_wait_s": w, "perf/train_time_s": t, "perf/weight_sync_s": 1.0,
+             "perf/gen_time_s": w, "perf/step_time_s": 1.01 * (w + t + 1.0),
+             "train/samples": 512, "rollout/reward_mean": 0.5, "broker/staleness_mean": 0.0}
+            for w, t in parts]
+    run = common.Run(rows=[rows[0]] * common.WARMUP_STEPS + rows, wall_s=10.0)
+    median_of_step = common.statistics.median(r["perf/step_time_s"] for r in rows)
+    assert median_of_step / (2.0 + 2.0 + 1.0) > 2  # what the medians' sum said
+    assert longtail.sync_bound(run) == pytest.approx(1.01)
+    out = async_sync.summarize({0: [run, run], 1: [run, run]})
+    assert out["sync_bound_ratio"]["median"] == pytest.approx(1.01)
+    assert out["sync_bound_ratio_compute"]["median"] == pytest.approx(1.01)
+
+
 def test_proc_stat_lines_are_read_even_with_odd_command_names():
     # field 2 may hold spaces and parentheses; utime+stime+cutime+cstime = 100+50+30+20 ticks
     fields = ["S", "7"] + ["0"] * 9 + ["100", "50", "30", "20"] + ["0"] * 30

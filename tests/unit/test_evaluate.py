@@ -31,6 +31,8 @@ def test_sync_schedule_evaluates_inline_on_the_due_steps():
     ev = GatedEvaluator()
     ev.gate.set()
     sched = EvalSchedule(ev, every=2, total_steps=3, background=False)
+    # rank 0 announces a version after an inline eval of it, before any other step's row
+    assert [sched.inline(d) for d in (1, 2, 3)] == [False, True, True]
     rows = [sched.after_step(d) for d in (1, 2, 3)]
     assert rows == [{}, {"eval/x/mean@1": 1.0, "policy/eval_version": 2},
                     {"eval/x/mean@1": 2.0, "policy/eval_version": 3}]
@@ -39,6 +41,7 @@ def test_sync_schedule_evaluates_inline_on_the_due_steps():
 def test_async_schedule_runs_aside_skips_overlaps_and_waits_at_the_end():
     ev = GatedEvaluator()
     sched = EvalSchedule(ev, every=1, total_steps=4, background=True)
+    assert not any(sched.inline(d) for d in (1, 2, 3, 4))  # never holds the announcement
     assert sched.after_step(1) == {}  # started in the background; training goes on
     assert sched.after_step(2) == {}  # still running: version 2's eval is skipped
     ev.gate.set()

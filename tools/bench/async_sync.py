@@ -10,7 +10,8 @@ Bounds (part 2), from per-step metrics of the same bench invocation:
   (engine generation + worker + broker transfer);
 - T, the trainer's own time per step: the sync run's step time minus that wait (train step,
   weight sync, batch preparation, metrics);
-- sync:  step time vs G + T's parts (generate + train + weight_sync, the rest is bookkeeping);
+- sync:  step time vs G + T's parts (generate + train + weight_sync, the rest is bookkeeping),
+  step by step;
 - async: step time vs max(G, T), the best any overlap can do; and vs max(generate, train)
   where both are pure compute (`perf/gen_time_s`, `perf/train_time_s`).
 """
@@ -80,9 +81,12 @@ def summarize(runs: dict[int, list[Run]]) -> dict:
                 a.median("perf/step_time_s") / max(c["generate_s"], c["train_s"])
                 for (b, a), c in zip(pairs, comps)]),
         }
+    # step by step (Run.per_step): a sum of medians is not the median of a step's sum
     out["sync_bound_ratio"] = spread([
-        c["step_s"] / (c["G_s"] + c["train_s"] + c["weight_sync_s"]) for c in comps])
+        r.per_step("perf/step_time_s", "perf/trainer_wait_s", "perf/train_time_s",
+                   "perf/weight_sync_s") for r in sync])
     out["sync_bound_ratio_compute"] = spread([
-        c["step_s"] / (c["generate_s"] + c["train_s"] + c["weight_sync_s"]) for c in comps])
+        r.per_step("perf/step_time_s", "perf/gen_time_s", "perf/train_time_s",
+                   "perf/weight_sync_s") for r in sync])
     out["best_staleness"] = best
     return out

@@ -82,6 +82,17 @@ class Run:
     def median(self, key: str) -> float:
         return statistics.median(r[key] for r in self.steady())
 
+    def per_step(self, num: str, *den: str) -> float:
+        """Median over steady steps of num / (the sum of den), steps with a zero sum left out.
+
+        A step's parts add up within the step, not across medians: a median of a sum is not
+        the sum of its medians once the parts' distributions are skewed, and on a tiny
+        workload the sync run's step / (median wait + median train + median sync) moved
+        1.00-1.06 between repeats of one invocation while the same ratio taken step by step
+        stayed 1.012-1.013 (session 42, docs/benchmarks.md)."""
+        ratios = [r[num] / d for r in self.steady() if (d := sum(r[k] for k in den)) > 0]
+        return statistics.median(ratios)
+
     def samples_per_s(self) -> float:
         rows = self.steady()
         return sum(r["train/samples"] for r in rows) / sum(r["perf/step_time_s"] for r in rows)

@@ -53,14 +53,13 @@ MODES = {"colocated": COLOCATED,
 
 def _ratio(run: Run, num: str, den: str) -> float:
     """Median over steady steps of num / den (steps with den == 0 left out)."""
-    return statistics.median(r[num] / r[den] for r in run.steady() if r[den] > 0)
+    return run.per_step(num, den)
 
 
 def sync_bound(run: Run) -> float:
-    """A sync run's step / (its wait for a batch + train + weight sync), medians."""
-    return run.median("perf/step_time_s") / (
-        run.median("perf/trainer_wait_s") + run.median("perf/train_time_s")
-        + run.median("perf/weight_sync_s"))
+    """A sync run's step / (its wait for a batch + train + weight sync), step by step."""
+    return run.per_step("perf/step_time_s", "perf/trainer_wait_s", "perf/train_time_s",
+                        "perf/weight_sync_s")
 
 
 def lengths(run_dir: Path) -> dict[str, float]:
