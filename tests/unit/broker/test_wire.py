@@ -404,6 +404,9 @@ def test_decoded_samples_are_made_once_from_checked_columns(monkeypatch) -> None
     assert b.version_spans == spans
     with pytest.raises(TypeError, match="required"):
         samples_of_columns({"prompt_id": ["p"]})
+    # a column the samples would carry as a stray attribute, outside every field's checks
+    with pytest.raises(TypeError, match=r"\['rewrd'\] name no Sample field"):
+        samples_of_columns({**{k: [getattr(a, k)] for k in vars(a)}, "rewrd": [1.0]})
 
 
 def test_the_broker_sends_a_received_group_on_as_it_came() -> None:
