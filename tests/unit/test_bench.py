@@ -76,6 +76,10 @@ def test_the_sync_bound_is_taken_step_by_step_not_from_a_sum_of_medians():
     out = async_sync.summarize({0: [run, run], 1: [run, run]})
     assert out["sync_bound_ratio"]["median"] == pytest.approx(1.01)
     assert out["sync_bound_ratio_compute"]["median"] == pytest.approx(1.01)
+    # T, the trainer's own time (async_bound_ratio's max(G, T)): each step's, then the median
+    own = [r["perf/step_time_s"] - r["perf/trainer_wait_s"] for r in rows]
+    assert out["sync_components"]["T_s"]["median"] == pytest.approx(common.statistics.median(own))
+    assert common.statistics.median(own) != pytest.approx(median_of_step - 2.0)
 
 
 def test_proc_stat_lines_are_read_even_with_odd_command_names():

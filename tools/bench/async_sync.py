@@ -18,6 +18,7 @@ Bounds (part 2), from per-step metrics of the same bench invocation:
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from common import Run, relax_train, spread
@@ -47,7 +48,10 @@ def run_modes(out: Path, model: Path, data: Path, *, steps: int, repeats: int,
 def sync_components(run: Run) -> dict[str, float]:
     wait = run.median("perf/trainer_wait_s")
     step = run.median("perf/step_time_s")
-    return {"step_s": step, "G_s": wait, "T_s": step - wait,
+    # T step by step: a difference of medians is not the median of the steps' differences
+    own = statistics.median(r["perf/step_time_s"] - r["perf/trainer_wait_s"]
+                            for r in run.steady())
+    return {"step_s": step, "G_s": wait, "T_s": own,
             "generate_s": run.median("perf/gen_time_s"),
             "train_s": run.median("perf/train_time_s"),
             "weight_sync_s": run.median("perf/weight_sync_s")}
