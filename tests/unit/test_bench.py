@@ -73,7 +73,12 @@ def test_the_sync_bound_is_taken_step_by_step_not_from_a_sum_of_medians():
     median_of_step = common.statistics.median(r["perf/step_time_s"] for r in rows)
     assert median_of_step / (2.0 + 2.0 + 1.0) > 2  # what the medians' sum said
     assert longtail.sync_bound(run) == pytest.approx(1.01)
-    out = async_sync.summarize({0: [run, run], 1: [run, run]})
+    # the async run: the same work, its train step 20% slower beside generation
+    beside = common.Run(rows=[r | {"perf/train_time_s": 1.2 * r["perf/train_time_s"]}
+                              for r in run.rows], wall_s=10.0)
+    out = async_sync.summarize({0: [run, run], 1: [beside, beside]})
+    assert out["staleness1"]["train_slowdown"]["median"] == pytest.approx(1.2)
+    assert out["staleness1"]["gen_slowdown"]["median"] == pytest.approx(1.0)
     assert out["sync_bound_ratio"]["median"] == pytest.approx(1.01)
     assert out["sync_bound_ratio_compute"]["median"] == pytest.approx(1.01)
     # T, the trainer's own time (async_bound_ratio's max(G, T)): each step's, then the median

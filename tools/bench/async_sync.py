@@ -13,7 +13,9 @@ Bounds (part 2), from per-step metrics of the same bench invocation:
 - sync:  step time vs G + T's parts (generate + train + weight_sync, the rest is bookkeeping),
   step by step;
 - async: step time vs max(G, T), the best any overlap can do; and vs max(generate, train)
-  where both are pure compute (`perf/gen_time_s`, `perf/train_time_s`).
+  where both are pure compute (`perf/gen_time_s`, `perf/train_time_s`);
+- interference: the async run's train and generate times over the sync run's (each on the
+  same core, beside the other's work or alone).
 """
 
 from __future__ import annotations
@@ -84,6 +86,14 @@ def summarize(runs: dict[int, list[Run]]) -> dict:
             "bound_ratio_compute": spread([
                 a.median("perf/step_time_s") / max(c["generate_s"], c["train_s"])
                 for (b, a), c in zip(pairs, comps)]),
+            # the same work on the same pinned core, once beside the other core's work and
+            # once alone: what the two cores take from each other when both are busy (a VM's
+            # neighbours, shared caches), which no overlap can win back and which moves
+            # between invocations by itself (session 42: 1.0 one day, 1.1-1.3 the next)
+            "train_slowdown": spread([a.median("perf/train_time_s") / b.median("perf/train_time_s")
+                                      for b, a in pairs]),
+            "gen_slowdown": spread([a.median("perf/gen_time_s") / b.median("perf/gen_time_s")
+                                    for b, a in pairs]),
         }
     # step by step (Run.per_step): a sum of medians is not the median of a step's sum
     out["sync_bound_ratio"] = spread([

@@ -22,6 +22,9 @@ TARGETS = {
     "async_reward_delta": (-0.05, True, "final reward async - sync (mean of last 10 steps)"),
     "async_bound_ratio": (1.05, False, "async step / max(G, T) of the sync run"),
     "sync_bound_ratio": (1.03, False, "sync step / (G + train + weight sync)"),
+    "async_train_slowdown": (None, False, "train time per step, async / sync run: the cores' "
+                                          "interference when both are busy (1.0: none)"),
+    "async_gen_slowdown": (None, False, "generation span per step, the same"),
     "trl_speedup": (1.0, True, "samples/s ours async / TRL GRPOTrainer (at TRL's best lr)"),
     "trl_speedup_sync": (None, True, "samples/s ours sync / TRL GRPOTrainer"),
     "trl_time_to_0.8_ratio": (1.0, True, "training s to reward 0.8 (5-step mean), TRL / ours "
@@ -95,6 +98,8 @@ def _path(key: str) -> tuple[str, ...]:
              "async_reward_delta": ("async", "staleness1", "reward_delta"),
              "async_bound_ratio": ("async", "staleness1", "bound_ratio"),
              "sync_bound_ratio": ("async", "sync_bound_ratio"),
+             "async_train_slowdown": ("async", "staleness1", "train_slowdown"),
+             "async_gen_slowdown": ("async", "staleness1", "gen_slowdown"),
              "trl_speedup": ("trl", "ours_async_over_trl"),
              "trl_speedup_sync": ("trl", "ours_sync_over_trl"),
              "trl_time_to_0.8_ratio": ("trl", "time_to_0.8_trl_over_ours_async"),

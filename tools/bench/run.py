@@ -93,6 +93,8 @@ def headline(res: dict) -> dict[str, float]:
         out["async_reward_delta"] = a["staleness1"]["reward_delta"]["median"]
         out["async_bound_ratio"] = a["staleness1"]["bound_ratio"]["median"]
         out["sync_bound_ratio"] = a["sync_bound_ratio"]["median"]
+        out["async_train_slowdown"] = a["staleness1"]["train_slowdown"]["median"]
+        out["async_gen_slowdown"] = a["staleness1"]["gen_slowdown"]["median"]
     if res.get("trl"):
         out["trl_speedup"] = res["trl"]["ours_async_over_trl"]["median"]
         out["trl_speedup_sync"] = res["trl"]["ours_sync_over_trl"]["median"]
