@@ -450,6 +450,7 @@ class RankZero:
             "weight_sync/bytes": sync.get("bytes", 0)}, self.groups)
 
     def row(self, step: int, train: dict, clock: StepClock) -> dict:
+        """Step `step`'s metrics row from what this step left here (step_row)."""
         return step_row(self.groups, self.stats, train, self.stream, clock, self.settle_wait_s,
                         step + 1, self.cfg.algo.max_staleness)
 

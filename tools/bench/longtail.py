@@ -51,11 +51,6 @@ MODES = {"colocated": COLOCATED,
                               "debug.dump_rollouts=true")}
 
 
-def _ratio(run: Run, num: str, den: str) -> float:
-    """Median over steady steps of num / den (steps with den == 0 left out)."""
-    return run.per_step(num, den)
-
-
 def sync_bound(run: Run) -> float:
     """A sync run's step / (its wait for a batch + train + weight sync), step by step."""
     return run.per_step("perf/step_time_s", "perf/trainer_wait_s", "perf/train_time_s",
@@ -104,7 +99,7 @@ def measure(out: Path, model: Path, data: Path, tiny_data: Path, *, steps: int,
                 run = relax_train(out / f"tiny_sync_rep{rep}", model, tiny_data, *PINNED,
                                   "algo.max_staleness=0", *common)
                 print(f"  tiny sync rep {rep}: rollout overhead "
-                      f"{_ratio(run, 'perf/trainer_wait_s', 'perf/gen_time_s'):.2f}", flush=True)
+                      f"{run.per_step('perf/trainer_wait_s', 'perf/gen_time_s'):.2f}", flush=True)
             else:
                 run = relax_train(out / f"{mode}_rep{rep}", model, data, *MODES[mode], *BATCH,
                                   *common, experiment=EXPERIMENT)
@@ -132,7 +127,7 @@ def summarize(runs: dict[str, list[Run]], dist: dict) -> dict:
             "train_time_s": spread([r.median("perf/train_time_s") for r in rs]),
             "weight_sync_s": spread([r.median("perf/weight_sync_s") for r in rs]),
             "response_len_mean": spread([r.median("rollout/response_len_mean") for r in rs]),
-            "sync_share": spread([_ratio(r, "perf/weight_sync_s", "perf/step_time_s")
+            "sync_share": spread([r.per_step("perf/weight_sync_s", "perf/step_time_s")
                                   for r in rs]),
             "wall_s": spread([r.wall_s for r in rs]),
         }
@@ -153,7 +148,7 @@ def summarize(runs: dict[str, list[Run]], dist: dict) -> dict:
     for name, mode in (("rollout_overhead_ratio", "colocated"),
                        ("rollout_overhead_ratio_1t", "colocated_1t"),
                        ("rollout_overhead_ratio_tiny", "tiny_sync")):
-        out[name] = spread([_ratio(r, "perf/trainer_wait_s", "perf/gen_time_s")
+        out[name] = spread([r.per_step("perf/trainer_wait_s", "perf/gen_time_s")
                             for r in runs[mode]])
     out["sync_bound_ratio"] = spread([sync_bound(r) for r in runs["colocated"]])
     out["sync_bound_ratio_1t"] = spread([sync_bound(r) for r in runs["colocated_1t"]])
