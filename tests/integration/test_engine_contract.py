@@ -64,7 +64,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module",
                 params=[pytest.param("sglang", marks=pytest.mark.sglang_cpu), "hf"])
 def engine(request, model_dir, tmp_path_factory):
-    """(kind, URL, process) of one engine serving the tiny model with an API key."""
+    """(kind, URL, process, log) of one engine serving the tiny model with an API key."""
     kind, port = request.param, free_port()
     log = tmp_path_factory.mktemp(kind) / "engine.log"
     if kind == "sglang":
@@ -76,7 +76,7 @@ def engine(request, model_dir, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, 300, log)
-        yield kind, url, proc
+        yield kind, url, proc, log
     finally:
         stop_process(proc)
 
@@ -89,7 +89,7 @@ def client(engine, monkeypatch):
 
 
 def test_a_paused_engine_is_alive_and_not_ready_and_never_named_hung(engine, client):
-    kind, url, proc = engine
+    kind, url, proc, _ = engine
     assert client.ready() is True and client.alive() is True
     now = itertools.count(0.0, 100.0)  # each probe 100 s after the last: past any timeout
     # interval 10 s: its probe waits min(5 s, interval) for an answer (the fake clock makes the
@@ -121,7 +121,7 @@ def test_a_paused_engine_is_alive_and_not_ready_and_never_named_hung(engine, cli
 
 def test_a_sync_failed_midway_leaves_the_engines_paused_until_the_resend(engine, client,
                                                                          model_dir, tmp_path):
-    kind, url, _ = engine
+    kind, url, _, _ = engine
     r = run_script("paused_after_failed_sync.py", tmp_path, "--url", url, model_dir=model_dir,
                    env={API_KEY_ENV: KEY})
     assert r["ready_before"] is True, r
@@ -136,7 +136,7 @@ def test_a_sync_failed_midway_leaves_the_engines_paused_until_the_resend(engine,
 
 def test_weights_by_reference_load_exactly_as_broadcast_ones(engine, client, model_dir,
                                                              tmp_path):
-    kind, url, _ = engine
+    kind, url, _, _ = engine
     r = run_script("weights_by_reference.py", tmp_path, "--url", url, model_dir=model_dir,
                    env={API_KEY_ENV: KEY})
     assert r["versions"] == ["4", "5", "6", "7"], r
@@ -190,7 +190,7 @@ def test_adapter_versions_load_beside_each_other_within_the_window(engine, clien
     from relax_slurm.trainer.lora import adapter_of
     from relax_slurm.weightsync.sender import WeightSender
 
-    kind, url, _ = engine
+    kind, url, _, _ = engine
     before = client.weight_version()
     policy = lora_policy(model_dir)
     adapter = adapter_of(policy)
@@ -272,7 +272,7 @@ GREEDY = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 
 
 def test_the_api_key_guards_every_route_but_the_probes(engine, client):
-    kind, url, _ = engine
+    kind, url, _, _ = engine
     refused = [("GET", "/model_info", None), ("GET", "/server_info", None),
                ("POST", "/generate", {"input_ids": [5, 6, 7], "sampling_params": GREEDY}),
                ("POST", "/update_weight_version", {"new_version": "9"}),
@@ -330,3 +330,20 @@ def test_abort_all_ends_a_running_batch_with_finish_reason_abort(engine, client)
         assert len(r.output_ids) < limit and len(r.logprobs) == len(r.output_ids), kind
     [after] = client.generate([[5, 6, 7]], {**GREEDY, "max_new_tokens": 8})
     assert (after.finish_reason, len(after.output_ids)) == ("length", 8), kind
+
+
+def test_sglang_on_cpu_freezes_its_start_up_heap_once_it_listens(engine):
+    """SGLang freezes its start-up objects out of the garbage collector after its warm-up, by
+    a POST /freeze_gc to itself; with --skip-server-warmup (the CPU engine's flags) that POST
+    went out before the port listened and was refused, so every /release_memory_occupation
+    and every weight update's cache flush ran a full gc.collect() over the scheduler's heap
+    (SGLang's CPU `empty_cache`, ~0.5 s each on the tiny model). The CPU venv's shim makes the
+    freeze wait for the port (relax_sglang_cpu_shim.py)."""
+    kind, _, proc, log = engine
+    if kind != "sglang":
+        pytest.skip("SGLang's own start-up step; the hf engine has no /freeze_gc")
+    deadline = time.monotonic() + 60  # the freeze follows the first answer of the port
+    while 'POST /freeze_gc HTTP/1.1" 200' not in Path(log).read_text(errors="replace"):
+        assert proc.poll() is None and time.monotonic() < deadline, Path(log).read_text()[-3000:]
+        time.sleep(0.2)
+    assert "post-warmup freeze_gc failed" not in Path(log).read_text(errors="replace")

@@ -75,8 +75,38 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         def _host_cache_without_cuda(module):
             module.ALLOC_MEMORY_FUNCS["cpu"] = module.alloc_with_pin_memory
 
+        # SGLang freezes its processes' start-up heap out of the garbage collector once the
+        # server is warm (http_server.py `_freeze_gc_after_server_warmup`, POST /freeze_gc to
+        # itself). With --skip-server-warmup (CPU_FLAGS) that POST goes out before uvicorn
+        # listens, is refused, and nothing is frozen; SGLang's CPU platform empties its
+        # "cache" with a full gc.collect() (platforms/cpu.py empty_cache), which every
+        # /release_memory_occupation and every weight update's flush_cache then pays on the
+        # scheduler's whole heap: ~0.5 s of CPU each on the tiny model, ~10 ms frozen. The
+        # freeze waits here until the server answers (as SGLang's own warm-up wait does).
+        def _freeze_once_listening(module):
+            freeze = getattr(module, "_freeze_gc_after_server_warmup", None)
+            if freeze is None:  # another SGLang: its own freeze, as it is
+                return
+
+            def freeze_when_up(server_args, *args, **kwargs):
+                import time
+
+                import requests
+
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    try:  # any answer: the port listens (its auth is the freeze's own)
+                        requests.get(server_args.url() + "/model_info", timeout=5)
+                        break
+                    except requests.exceptions.RequestException:
+                        time.sleep(0.2)
+                return freeze(server_args, *args, **kwargs)
+
+            module._freeze_gc_after_server_warmup = freeze_when_up
+
         _AFTER_IMPORT = ({} if torch.cuda.is_available() else
-                         {"sglang.srt.mem_cache.pool_host.common": _host_cache_without_cuda})
+                         {"sglang.srt.mem_cache.pool_host.common": _host_cache_without_cuda,
+                          "sglang.srt.entrypoints.http_server": _freeze_once_listening})
 
         class _PatchAfterImport(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path, target=None):
