@@ -169,6 +169,20 @@ def test_the_headline_table_shows_spread_load_and_quick_beside_full():
     assert report.results_name(True) != report.results_name(False)
 
 
+def test_the_page_leads_with_the_full_run_whichever_ran_last(tmp_path):
+    """A `--quick --parts X` run after a full one rendered the page from its own side: its
+    command first and its detail tables in place of the full run's (session 43)."""
+    import json
+
+    repo = BENCH.parents[1]
+    full, quick = (json.loads((repo / report.results_name(q)).read_text()) for q in (False, True))
+    doc = tmp_path / "benchmarks.md"
+    page = report.markdown(quick, [], doc, full)
+    assert page == report.markdown(full, [], doc, quick)
+    assert f"Measured by `{full['command']}` (full:" in page
+    assert f"Beside it, the quick run: `{quick['command']}`" in page
+
+
 def test_each_part_is_probed_at_its_start_and_end_and_a_drift_is_marked():
     """A shared VM ran ~30% slower for minutes with nothing of its own running (session 41),
     which the load count cannot see: each part times a fixed piece of CPU work at its start

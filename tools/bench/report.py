@@ -422,7 +422,11 @@ def generated(res: dict, plots: list[Path], other: dict | None = None) -> str:
 
 def markdown(res: dict, plots: list[Path], doc: Path, other: dict | None = None) -> str:
     """The doc with its generated part replaced (or the generated part alone); `other`: the
-    results of the other kind of run (quick beside full), shown side by side."""
+    results of the other kind of run (quick beside full), shown side by side. The doc leads
+    with the full run whichever of the two ran last (a `--quick --parts X` run after a full
+    one used to put itself first, its detail tables in place of the full run's)."""
+    if other is not None and res.get("quick") and not other.get("quick"):
+        res, other = other, res
     part = generated(res, plots, other)
     text = doc.read_text() if doc.exists() else ""
     if BEGIN in text and END in text:

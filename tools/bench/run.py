@@ -346,9 +346,10 @@ def main() -> int:
     (args.out / name).write_text(json.dumps(res, indent=2, default=str))
     (REPO / name).write_text(json.dumps(res, indent=2, default=str))
     other = REPO / report.results_name(not args.quick)  # the other kind, shown beside
-    # a run without the learning runs keeps the plot of the last one that had them
+    # a run without part 1's learning runs keeps the plot of the last one that had them (a
+    # `--parts sglang` run would otherwise draw its own runs alone over it)
     kept = REPO / "docs" / "img" / report.REWARD_PLOT
-    plots = (report.plot_rewards(runs, REPO / "docs" / "img") if runs
+    plots = (report.plot_rewards(runs, REPO / "docs" / "img") if "async" in parts
              else [kept] if kept.exists() else [])
     kept_lt = REPO / "docs" / "img" / report.LONGTAIL_PLOT
     plots += lt_plot if "longtail" in parts else [kept_lt] if kept_lt.exists() else []
