@@ -22,6 +22,7 @@ engine alike (issue #33): what the trainer and the launcher rely on while engine
   version is accepted, and a client told of a version the engine does not hold names the
   engine's own label; the answer has that version's adapter's log-probs, stamped with it
   (engines/served_adapter.py, WeightSender.send_adapter).
+- An engine whose port is taken exits as soon as its bind fails.
 """
 
 from __future__ import annotations
@@ -347,3 +348,34 @@ def test_sglang_on_cpu_freezes_its_start_up_heap_once_it_listens(engine):
         assert proc.poll() is None and time.monotonic() < deadline, Path(log).read_text()[-3000:]
         time.sleep(0.2)
     assert "post-warmup freeze_gc failed" not in Path(log).read_text(errors="replace")
+
+
+@pytest.mark.parametrize("kind", [pytest.param("sglang", marks=pytest.mark.sglang_cpu), "hf"])
+def test_an_engine_whose_port_is_taken_exits_at_once(kind, model_dir, tmp_path, request):
+    """Two engines given one port (a stale engine of a restarted role, another user's server
+    on a shared node): the second fails to bind and must exit then, so the launcher reports
+    its death instead of waiting out the start-up timeout. SGLang binds only after loading
+    the model, and its app's shutdown joins the warm-up thread; the CPU shim's GC-freeze
+    wait ran inside that thread and held the exit for its whole 120 s bound."""
+    import socket
+
+    port, log = free_port(), tmp_path / "engine.log"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()  # never accepts: a probe of this port gets no answer
+        if kind == "sglang":
+            proc = start_sglang_engine(request.getfixturevalue("sglang_cpu_python"), model_dir,
+                                       port, log, api_key=KEY)
+        else:
+            proc = start_engine(model_dir, port, log, api_key=KEY)
+        try:
+            deadline = time.monotonic() + 300  # the model loads before the bind
+            while "address already in use" not in log.read_text(errors="replace").lower():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            # what is left after the refused bind is the process's own shutdown (SGLang: its
+            # scheduler and detokenizer); 60 s is far above it and half the old wait
+            proc.wait(timeout=60)
+            assert proc.returncode != 0
+        finally:
+            stop_process(proc)

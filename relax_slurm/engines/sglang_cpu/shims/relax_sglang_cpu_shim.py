@@ -82,25 +82,32 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         # "cache" with a full gc.collect() (platforms/cpu.py empty_cache), which every
         # /release_memory_occupation and every weight update's flush_cache then pays on the
         # scheduler's whole heap: ~0.5 s of CPU each on the tiny model, ~10 ms frozen. The
-        # freeze waits here until the server answers (as SGLang's own warm-up wait does).
+        # freeze waits until the server answers (as SGLang's own warm-up wait does), in a
+        # thread of its own: SGLang joins the warm-up thread when its app shuts down, so a
+        # wait inside it would hold a server that never listens (its port taken: uvicorn
+        # shuts the app down and exits 1) for the whole wait before it exits.
         def _freeze_once_listening(module):
             freeze = getattr(module, "_freeze_gc_after_server_warmup", None)
             if freeze is None:  # another SGLang: its own freeze, as it is
                 return
 
             def freeze_when_up(server_args, *args, **kwargs):
+                import threading
                 import time
 
                 import requests
 
-                deadline = time.monotonic() + 120
-                while time.monotonic() < deadline:
-                    try:  # any answer: the port listens (its auth is the freeze's own)
-                        requests.get(server_args.url() + "/model_info", timeout=5)
-                        break
-                    except requests.exceptions.RequestException:
-                        time.sleep(0.2)
-                return freeze(server_args, *args, **kwargs)
+                def wait_then_freeze():
+                    deadline = time.monotonic() + 120
+                    while time.monotonic() < deadline:
+                        try:  # any answer: the port listens (its auth is the freeze's own)
+                            requests.get(server_args.url() + "/model_info", timeout=5)
+                            return freeze(server_args, *args, **kwargs)
+                        except requests.exceptions.RequestException:
+                            time.sleep(0.2)
+
+                threading.Thread(target=wait_then_freeze, name="relax-freeze-gc",
+                                 daemon=True).start()
 
             module._freeze_gc_after_server_warmup = freeze_when_up
 
