@@ -57,7 +57,8 @@ class RolloutConfig:
     sends it. hf engines require the same key whenever that variable is set."""
     engine_extra_args: list[str] = field(default_factory=list)
     """sglang: more `python -m sglang.launch_server` flags, passed as they are (not
-    --pp-size or --dp-size > 1: the weight-sync ranks assume one TP group per engine)."""
+    --pp-size or --dp-size > 1: the weight-sync ranks assume one TP group per engine; refused
+    with rollout.engine=hf, which takes none)."""
     engine_python: Optional[str] = None
     """sglang: the python that runs `-m sglang.launch_server` (SGLang in an env or container of
     its own). null: the launcher's python, or with engine_device=cpu the project's CPU SGLang
@@ -139,6 +140,11 @@ class RolloutConfig:
                   "dp_size == 1); start more engines instead (rollout.num_engines)")
         check(self.engine in ("hf", "sglang"),
                f"rollout.engine={self.engine!r}: use hf (CPU) or sglang (GPU)")
+        # the hf engine takes none of them: they were dropped without a word
+        check(self.engine == "sglang" or not self.engine_extra_args,
+              f"rollout.engine_extra_args={self.engine_extra_args}: these are flags of "
+              f"`python -m sglang.launch_server`, and rollout.engine={self.engine!r} takes "
+              "none; drop them, or run SGLang engines (rollout=sglang)")
         check(self.num_engines >= 1, f"rollout.num_engines={self.num_engines}: must be >= 1")
         check(self.batch_size >= 1, f"rollout.batch_size={self.batch_size}: must be >= 1")
         check(self.n_samples_per_prompt >= 2,

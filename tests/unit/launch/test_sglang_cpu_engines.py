@@ -117,6 +117,13 @@ def test_parallel_sizes_of_one_and_other_flags_pass():
     assert c.rollout.engine_extra_args[-1] == "64"
 
 
+def test_sglang_flags_are_refused_with_the_hf_engine():
+    """They used to be dropped without a word (rollout.engine=hf launches no SGLang)."""
+    with pytest.raises(ConfigError, match=r"engine_extra_args=\['--context-length', '64'\]"
+                       r".*rollout.engine='hf' takes none.*rollout=sglang"):
+        compose_config(["experiment=tiny_cpu", "rollout.engine_extra_args=[--context-length,64]"])
+
+
 def test_weight_checksums_are_refused_with_sglang_engines():
     with pytest.raises(ConfigError, match="weight_sync.verify=false with rollout.engine=sglang"):
         cfg("weight_sync.verify=true")
