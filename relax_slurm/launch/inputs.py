@@ -18,12 +18,15 @@ from relax_slurm.config.cross_checks import adapter_sync_blockers
 from relax_slurm.data.validate import check_data_files
 from relax_slurm.engines import sglang_api
 from relax_slurm.errors import ConfigError, RoleFailed
+from relax_slurm.launch.hub_models import resolve_model_paths
 from relax_slurm.launch.records import record_restart
 from relax_slurm.routing.shape import routing_shape
 
 
 def check_inputs(cfg: TrainConfig) -> None:
-    """The run's files exist and fit its config (before any role starts)."""
+    """The run's files exist and fit its config (before any role starts); model paths given as
+    Hugging Face Hub ids become their cached snapshot's directory first (launch/hub_models.py)."""
+    resolve_model_paths(cfg, say)
     model = Path(cfg.model.path)
     if not (model / "config.json").is_file():
         raise ConfigError(
