@@ -18,7 +18,7 @@ from relax_slurm.config.cross_checks import adapter_sync_blockers
 from relax_slurm.data.validate import check_data_files
 from relax_slurm.engines import sglang_api
 from relax_slurm.errors import ConfigError, RoleFailed
-from relax_slurm.launch.hub_models import resolve_model_paths
+from relax_slurm.launch.hub_models import HUB_ID, resolve_model_paths
 from relax_slurm.launch.records import record_restart
 from relax_slurm.routing.shape import routing_shape
 
@@ -38,8 +38,11 @@ def check_inputs(cfg: TrainConfig) -> None:
                        ("sft.val_files", cfg.sft.val_files if cfg.supervised else [])):
         for f in files:
             if not Path(f).exists():
+                hub = (f" A Hub dataset id is not read from the Hub: `hf download {f} "
+                       "--repo-type dataset --local-dir DIR`, then name its .parquet or .jsonl "
+                       "files." if HUB_ID.fullmatch(f) else "")
                 raise ConfigError(
-                    f"{key}: {f} does not exist. For the demo data run "
+                    f"{key}: {f} does not exist.{hub} For the demo data run "
                     "`python tools/prepare_data.py --out tiny`"
                 )
     check_trainer_takes(cfg)

@@ -60,3 +60,11 @@ def test_a_cached_hub_id_is_read_from_its_snapshot_and_an_uncached_one_names_the
     # a directory that exists is a path, whatever its shape: tiny/model here
     local, said = check(tmp_path, cache, "model.path=tiny/model")
     assert local == {"path": "tiny/model"} and "snapshot" not in said
+
+
+def test_a_hub_dataset_id_in_the_train_files_says_how_to_get_its_files(tmp_path, tiny_assets):
+    shutil.copytree(tiny_assets, tmp_path / "tiny")
+    found, _ = check(tmp_path, tmp_path / "hub", "model.path=tiny/model",
+                     "data.train_files=[openai/gsm8k]")
+    assert found["error"].startswith("data.train_files: openai/gsm8k does not exist."), found
+    assert "hf download openai/gsm8k --repo-type dataset --local-dir DIR" in found["error"]
