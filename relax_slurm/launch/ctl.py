@@ -13,7 +13,7 @@
     relax-ctl dump RUN_DIR [--wait-s S]            every role's stacks -> RUN_DIR/diagnostics/TIME/
 
 Replies are printed as JSON; exit 1 on an HTTP error (409: another operation runs) or when the
-broker does not answer. `--wait` (scale-out, scale-in) polls the operation until it ends and
+broker does not answer (of a run that has ended, it says so: see its summary.json). `--wait` (scale-out, scale-in) polls the operation until it ends and
 exits 1 unless it ended ACTIVE/COMPLETED. The address comes from RUN_DIR/plan.json
 (`broker_admin`), the token from RUN_DIR/secret; the same as `curl -H "Authorization: Bearer
 $(cat RUN_DIR/secret)" ADMIN/ROUTE`.
@@ -67,6 +67,7 @@ def admin_call(run_dir: Path, method: str, route: str, timeout_s: float,
         r = httpx.request(method, url, json=body, timeout=timeout_s,
                           headers={"Authorization": f"Bearer {read_secret(run_dir)}"})
     except httpx.HTTPError as e:
+        check_run_dir(run_dir)  # a run that has ended says so, not "connection refused"
         raise RelaxError(f"{url}: {type(e).__name__}: {e}; is the run still going?") from e
     if r.status_code >= 300:
         raise RelaxError(f"{method} {url}: HTTP {r.status_code}: {r.text[:500]}")

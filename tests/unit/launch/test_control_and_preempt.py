@@ -193,6 +193,25 @@ def test_relax_ctl_stop(tmp_path, capsys):
     assert rc == 1 and "not written within 0.5s" in err
 
 
+def test_relax_ctl_on_a_run_that_has_ended_says_so(tmp_path, capsys):
+    """Its broker is gone: `relax-ctl status` said only "connection refused; is the run still
+    going?" where summary.json already answers."""
+    from relax_slurm.launch.local import local_plan, prepare_run_dir
+
+    cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path="m"),
+                      data=DataConfig(train_files=["d"]))
+    from relax_slurm.auth import ensure_secret
+
+    prepare_run_dir(cfg, local_plan(cfg), attempt=0)  # config.yaml and plan.json, no broker
+    ensure_secret(tmp_path)
+    rc, _, err = _ctl(capsys, "status", str(tmp_path))
+    assert rc == 1 and "is the run still going?" in err, err  # started, and nothing answers
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 3}))
+    for command in ("status", "engines"):
+        rc, _, err = _ctl(capsys, command, str(tmp_path))
+        assert rc == 1 and f"the run in {tmp_path} has ended already" in err, err
+
+
 def test_a_new_run_clears_a_stale_stop_and_a_global_restart_keeps_one(tmp_path):
     from relax_slurm.launch.local import local_plan, prepare_run_dir
 
