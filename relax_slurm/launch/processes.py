@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -55,11 +56,35 @@ def child_setup(parent: int, cpus: list[int] | None):
     return setup
 
 
+# the last line of a Python traceback: `module.Class: message`, a rank's line prefixed by
+# torchrun ("[rank0]: ..."); our own errors by their module (EngineLost, BrokerTimeout)
+RAISED = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:relax_slurm(?:\.\w+)+|(?:\w+\.)*\w*(?:Error|"
+                    r"Exception)): .+)$")
+# torchrun's summary of a failed rank: the rank's own line before it says why
+WRAPPERS = ("ChildFailedError",)
+
+
+def raised(line: str) -> str | None:
+    """`Class: message` when `line` ends a Python traceback (not torchrun's wrapper), else None."""
+    found = RAISED.match(line)
+    if found is None or found.group(1).split(":", 1)[0].endswith(WRAPPERS):
+        return None
+    return found.group(1)
+
+
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The log's last `lines` lines and, when the error it logged last is above them (a
+    torchrun trainer's tail is its own summary of which rank failed), that error's line."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
+    tail = text[-lines:]
+    if not any(raised(line) for line in tail):
+        cause = next((c for c in map(raised, reversed(text[:-lines])) if c), None)
+        if cause is not None:
+            tail.append(f"... the error it logged last, above those lines: {cause}")
+    return "\n".join(tail)
 
 
 @dataclass

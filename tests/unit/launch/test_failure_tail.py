@@ -1,0 +1,54 @@
+"""What the launcher says of a role that failed: its log's last lines, and, when the error it
+logged is above them, that error's line. A torchrun trainer whose rank refused its config
+ended its log with torchrun's own ~25-line summary of which rank failed, so the message showed
+exit codes and "error_file: <N/A>" and never the refusal (seen with trainer.nproc_per_node=3
+on the tiny run); the user had to open logs/trainer.log. Here a real torchrun agent (the
+launcher's `relax_slurm.runtime.torchrun`) with one rank that raises."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from relax_slurm.launch.processes import LOG_TAIL_LINES, ProcessSet
+from tests.conftest import REPO
+
+RANK = ("from relax_slurm.errors import ConfigError\n"
+        "raise ConfigError('rollout.batch_size x rollout.n_samples_per_prompt = 512 samples "
+        "per step does not split evenly over 3 data-parallel trainer ranks')\n")
+
+
+def test_a_failed_torchrun_role_names_its_ranks_error(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = ProcessSet(tmp_path, env)
+    try:
+        role = procs.start("trainer", [sys.executable, "-m", "relax_slurm.runtime.torchrun",
+                                       "--nproc-per-node=1", "--monitor-interval=0.1",
+                                       str(script)])
+        assert role.proc.wait(timeout=120) == 1
+        message = str(role.failure("exited with code 1"))
+    finally:
+        procs.close()
+    log = role.log.read_text().splitlines()
+    assert len(log) > LOG_TAIL_LINES  # torchrun's summary alone fills the tail
+    assert message.splitlines()[0].endswith("Last lines:")  # the Slurm driver reads that line
+    assert message.splitlines()[-1] == (
+        "... the error it logged last, above those lines: relax_slurm.errors.ConfigError: "
+        "rollout.batch_size x rollout.n_samples_per_prompt = 512 samples per step does not "
+        "split evenly over 3 data-parallel trainer ranks"), message
+
+
+def test_an_error_already_in_the_tail_is_not_said_twice(tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_text("\n".join([*(f"line {i}" for i in range(30)), "Traceback (most recent call "
+                              "last):", '  File "x.py", line 1, in <module>',
+                              "ValueError: bad model path"]) + "\n")
+    procs = ProcessSet(tmp_path, dict(os.environ))
+    role = procs.start("engine", [sys.executable, "-c", "pass"])
+    role.proc.wait(timeout=60)
+    procs.close()
+    message = str(role.failure("exited with code 0"))
+    assert message.count("ValueError: bad model path") == 1
+    assert "above those lines" not in message
