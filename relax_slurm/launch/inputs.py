@@ -14,7 +14,7 @@ from pathlib import Path
 from relax_slurm import modeling
 from relax_slurm.checkpoint import find_latest
 from relax_slurm.config import TrainConfig
-from relax_slurm.config.cross_checks import adapter_sync_blockers
+from relax_slurm.config.cross_checks import adapter_sync_blockers, check_data_parallel_batch
 from relax_slurm.data.validate import check_data_files
 from relax_slurm.engines import sglang_api
 from relax_slurm.errors import ConfigError, RoleFailed
@@ -45,6 +45,8 @@ def check_inputs(cfg: TrainConfig) -> None:
                     f"{key}: {f} does not exist.{hub} For the demo data run "
                     "`python tools/prepare_data.py --out tiny`"
                 )
+    if not cfg.supervised:  # SFT splits sft.batch_size (trainer/sft.py)
+        check_data_parallel_batch(cfg.trainer, cfg.rollout, cfg.cluster)
     check_trainer_takes(cfg)
     check_teacher(cfg)
     check_judge(cfg)

@@ -52,3 +52,19 @@ def test_an_error_already_in_the_tail_is_not_said_twice(tmp_path):
     message = str(role.failure("exited with code 0"))
     assert message.count("ValueError: bad model path") == 1
     assert "above those lines" not in message
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_is_refused_before_anything_starts(
+        tmp_path, tiny_assets):
+    """The same refusal, now from the launcher's input check: no role is started."""
+    import subprocess
+
+    from tests.conftest import run_env, tiny_command
+
+    r = subprocess.run(tiny_command(tmp_path / "run", tiny_assets, "trainer.nproc_per_node=3"),
+                       cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert ("512 samples per step do not split evenly over 3 data-parallel trainer ranks "
+            "(trainer.nproc_per_node x cluster.trainer_nodes): make rollout.batch_size x "
+            "rollout.n_samples_per_prompt a multiple of 3") in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "run" / "logs").exists()  # nothing was started
