@@ -13,8 +13,9 @@
     relax-ctl dump RUN_DIR [--wait-s S]            every role's stacks -> RUN_DIR/diagnostics/TIME/
 
 Replies are printed as JSON; exit 1 on an HTTP error (409: another operation runs) or when the
-broker does not answer (of a run that has ended, it says so: see its summary.json). `--wait` (scale-out, scale-in) polls the operation until it ends and
-exits 1 unless it ended ACTIVE/COMPLETED. The address comes from RUN_DIR/plan.json
+broker does not answer (of a run that has ended, it says so: see its summary.json). `--wait`
+(scale-out, scale-in) polls the operation until it ends and exits 1 unless it ended
+ACTIVE/COMPLETED. The address comes from RUN_DIR/plan.json
 (`broker_admin`), the token from RUN_DIR/secret; the same as `curl -H "Authorization: Bearer
 $(cat RUN_DIR/secret)" ADMIN/ROUTE`.
 
