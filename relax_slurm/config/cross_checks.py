@@ -168,24 +168,32 @@ def check_mini_batches(t: TrainerConfig, rollout: RolloutConfig) -> None:
           "mini-batches): change one of them")
 
 
-def check_data_parallel_batch(t: TrainerConfig, rollout: RolloutConfig,
-                              cluster: ClusterConfig) -> None:
-    """A step's samples split evenly over the data-parallel ranks, into equal mini-batches on
-    each: checked by the launchers before any role starts (launch/inputs.py check_inputs; the
-    trainer checks it again with its ranks: trainer/main.py check_batch_divides). A run that
-    broke it used to start every role and then fail in the trainer."""
-    world = t.nproc_per_node * cluster.trainer_node_count()
-    data = world // (t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size)
+def check_batch_divides(rollout: RolloutConfig, t: TrainerConfig, data: int,
+                        ranks: str = "") -> None:
+    """A step's samples split evenly over `data` data-parallel ranks, into
+    trainer.num_steps_per_rollout equal mini-batches on each. The trainer checks it with the
+    ranks its backend reports (trainer/main.py); `ranks` says where the count comes from."""
     samples, steps = rollout.batch_size * rollout.n_samples_per_prompt, t.num_steps_per_rollout
-    ranks = ("trainer.nproc_per_node x cluster.trainer_nodes" if data == world else
-             "trainer ranks / (TP x PP x CP)")
     check(samples % (data * steps) == 0,
           f"rollout.batch_size x rollout.n_samples_per_prompt = {samples} samples per step do "
-          f"not split evenly over {data} data-parallel trainer ranks ({ranks})"
+          f"not split evenly over {data} data-parallel trainer ranks"
+          + (f" ({ranks})" if ranks else "")
           + (f" into trainer.num_steps_per_rollout={steps} equal mini-batches each" if steps > 1
              else "")
           + f": make rollout.batch_size x rollout.n_samples_per_prompt a multiple of "
           f"{data * steps}, or change trainer.nproc_per_node")
+
+
+def check_data_parallel_batch(t: TrainerConfig, rollout: RolloutConfig,
+                              cluster: ClusterConfig) -> None:
+    """`check_batch_divides` on the ranks the config asks for, run by the launchers before any
+    role starts (launch/inputs.py check_inputs): a run that broke it used to start every role
+    and then fail in the trainer."""
+    world = t.nproc_per_node * cluster.trainer_node_count()
+    data = world // (t.tensor_parallel_size * t.pipeline_parallel_size * t.context_parallel_size)
+    check_batch_divides(rollout, t, data,
+                        "trainer.nproc_per_node x cluster.trainer_nodes" if data == world else
+                        "trainer ranks / (TP x PP x CP)")
 
 
 def check_critic_backend(algo: AlgoConfig, t: TrainerConfig) -> None:

@@ -21,9 +21,10 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """`org/name`: what a Hub id looks like (a path that exists here is always taken as a path)."""
 
 
-def resolve_hub_id(value: str, key: str) -> str | None:
-    """The cached snapshot directory of Hub id `value`; None when `value` is a path here or not
-    shaped like an id. Raises ConfigError, naming `key` and the download, for an id not cached."""
+def resolve_hub_id(value: str | None, key: str) -> str | None:
+    """The cached snapshot directory of Hub id `value`; None when `value` is unset, a path
+    here or not shaped like an id. Raises ConfigError, naming `key` and the download, for an
+    id not cached."""
     if not value or Path(value).exists() or not HUB_ID.fullmatch(value):
         return None
     from huggingface_hub import constants, snapshot_download
@@ -49,7 +50,7 @@ def resolve_model_paths(cfg, say: Callable[[str], None]) -> None:
               ("reward.genrm_model_path", cfg.reward, "genrm_model_path")]
     for key, section, name in fields:
         value = getattr(section, name)
-        snapshot = resolve_hub_id(value, key) if isinstance(value, str) else None
+        snapshot = resolve_hub_id(value, key)
         if snapshot is not None:
             setattr(section, name, snapshot)
             say(f"{key}={value}: the Hugging Face cache's snapshot {snapshot}")

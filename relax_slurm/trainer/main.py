@@ -20,8 +20,8 @@ import torch.distributed as dist
 from relax_slurm.checkpoint import checkpoints_dir
 from relax_slurm.checkpoint.dcp import wait_pending
 from relax_slurm.config import TrainConfig, load_config
+from relax_slurm.config.cross_checks import check_batch_divides
 from relax_slurm.data_position import Positions, checkpoint_positions
-from relax_slurm.errors import ConfigError
 from relax_slurm.runtime.control import STOP
 from relax_slurm.runtime.exit import exit_now
 from relax_slurm.runtime.heap import freeze_heap
@@ -34,25 +34,6 @@ from relax_slurm.trainer.ranks import broadcast_after_push, end_on_request, init
 from relax_slurm.trainer.stream import step_blocks
 
 log = logging.getLogger("relax_slurm.trainer")
-
-
-def check_batch_divides(cfg: TrainConfig, world: int) -> None:
-    """`world`: data-parallel ranks (all ranks for the torch backend; ranks / (TP x PP) for
-    megatron)."""
-    n = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
-    if n % world:
-        raise ConfigError(
-            f"rollout.batch_size x rollout.n_samples_per_prompt = {n} samples per step does not "
-            f"split evenly over {world} data-parallel trainer ranks; change rollout.batch_size "
-            "or trainer.nproc_per_node"
-        )
-    steps = cfg.trainer.num_steps_per_rollout
-    if n % (world * steps):
-        raise ConfigError(
-            f"{n} samples per step over {world} data-parallel ranks do not cut into "
-            f"trainer.num_steps_per_rollout={steps} equal mini-batches on every rank: make "
-            f"rollout.batch_size x rollout.n_samples_per_prompt a multiple of {world * steps}"
-        )
 
 
 class Checkpointer:
@@ -145,7 +126,7 @@ def run(run_dir: Path) -> int:
     torch.manual_seed(cfg.trainer.seed)
     backend = build_backend(cfg, device)  # trainer.backend: model, optimizer, checkpoints
     data_world = len(set(backend.data_ranks))
-    check_batch_divides(cfg, data_world)
+    check_batch_divides(cfg.rollout, cfg.trainer, data_world)
     start_step, extra = 0, {}
     if plan.resume_from:
         extra = backend.load(plan.resume_from)

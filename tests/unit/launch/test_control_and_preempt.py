@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from relax_slurm.auth import ensure_secret
 from relax_slurm.config import TrainConfig
 from relax_slurm.config.cluster import ContainerConfig, SlurmClusterConfig
 from relax_slurm.config.data import DataConfig
 from relax_slurm.config.model import ModelConfig
 from relax_slurm.errors import ConfigError, Preempted, RelaxError, RoleFailed
 from relax_slurm.runtime import control
+from relax_slurm.launch.local import local_plan, prepare_run_dir
 from relax_slurm.launch.processes import ProcessSet
 from relax_slurm.launch.supervisor import run_summary, watch
 
@@ -148,7 +150,6 @@ def test_summary_of_a_complete_run_has_no_stop_record(tmp_path):
     assert "stopped_early" not in run_summary(tmp_path, cfg, 1.0, None, {}, None)
 
 
-
 def _ctl(capsys, *argv: str) -> tuple[int, str, str]:
     from relax_slurm.launch.ctl import main
 
@@ -196,12 +197,8 @@ def test_relax_ctl_stop(tmp_path, capsys):
 def test_relax_ctl_on_a_run_that_has_ended_says_so(tmp_path, capsys):
     """Its broker is gone: `relax-ctl status` said only "connection refused; is the run still
     going?" where summary.json already answers."""
-    from relax_slurm.launch.local import local_plan, prepare_run_dir
-
     cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path="m"),
                       data=DataConfig(train_files=["d"]))
-    from relax_slurm.auth import ensure_secret
-
     prepare_run_dir(cfg, local_plan(cfg), attempt=0)  # config.yaml and plan.json, no broker
     ensure_secret(tmp_path)
     rc, _, err = _ctl(capsys, "status", str(tmp_path))
@@ -213,8 +210,6 @@ def test_relax_ctl_on_a_run_that_has_ended_says_so(tmp_path, capsys):
 
 
 def test_a_new_run_clears_a_stale_stop_and_a_global_restart_keeps_one(tmp_path):
-    from relax_slurm.launch.local import local_plan, prepare_run_dir
-
     cfg = TrainConfig(run_dir=str(tmp_path), model=ModelConfig(path="m"),
                       data=DataConfig(train_files=["d"]))
     control.request_stop(tmp_path)  # asked for before the failure that restarts the run

@@ -15,7 +15,7 @@ from tests.conftest import REPO
 
 RANK = ("from relax_slurm.errors import ConfigError\n"
         "raise ConfigError('rollout.batch_size x rollout.n_samples_per_prompt = 512 samples "
-        "per step does not split evenly over 3 data-parallel trainer ranks')\n")
+        "per step do not split evenly over 3 data-parallel trainer ranks')\n")
 
 
 def test_a_failed_torchrun_role_names_its_ranks_error(tmp_path):
@@ -36,7 +36,7 @@ def test_a_failed_torchrun_role_names_its_ranks_error(tmp_path):
     assert message.splitlines()[0].endswith("Last lines:")  # the Slurm driver reads that line
     assert message.splitlines()[-1] == (
         "... the error it logged last, above those lines: relax_slurm.errors.ConfigError: "
-        "rollout.batch_size x rollout.n_samples_per_prompt = 512 samples per step does not "
+        "rollout.batch_size x rollout.n_samples_per_prompt = 512 samples per step do not "
         "split evenly over 3 data-parallel trainer ranks"), message
 
 

@@ -120,11 +120,11 @@ def test_the_trainer_refuses_mini_batches_that_do_not_split_over_ranks():
     from relax_slurm.config.rollout import RolloutConfig
     from relax_slurm.config.schema import TrainConfig
     from relax_slurm.errors import ConfigError
-    from relax_slurm.trainer.main import check_batch_divides
+    from relax_slurm.config.cross_checks import check_batch_divides
 
     cfg = TrainConfig(run_dir="x", model=ModelConfig(path="/m"),
                       rollout=RolloutConfig(batch_size=3, n_samples_per_prompt=4),
                       trainer=TrainerConfig(num_steps_per_rollout=4))
-    check_batch_divides(cfg, 1)  # 12 rows: 4 mini-batches of 3
+    check_batch_divides(cfg.rollout, cfg.trainer, 1)  # 12 rows: 4 mini-batches of 3
     with pytest.raises(ConfigError, match=r"num_steps_per_rollout=4 .*multiple of 8"):
-        check_batch_divides(cfg, 2)  # 6 rows per rank do not cut into 4
+        check_batch_divides(cfg.rollout, cfg.trainer, 2)  # 6 rows per rank do not cut into 4
