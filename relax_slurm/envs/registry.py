@@ -9,11 +9,12 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 from typing import Any, Callable
 
+from relax_slurm import user_code
 from relax_slurm.envs.base import BaseEnv, EnvError
+from relax_slurm.errors import ConfigError
 from relax_slurm.envs.registration import EnvFactory, registered, registered_names
 
 
@@ -28,25 +29,22 @@ def _load_builtins() -> None:
 
 
 def resolve(name: str) -> EnvFactory:
-    """The factory of a registered name or of a `module:attr` path; EnvError names the fix."""
+    """The factory of a registered name, of a `module:attr` path or of a `file.py:attr`
+    (relax_slurm/user_code.py); EnvError names the fix."""
     _load_builtins()
     factory = registered(name)
     if factory is not None:
         return factory
     if ":" not in name:
         raise EnvError(f"env.name={name!r}: not a registered environment ({', '.join(names())}) "
-                       "nor a dotted path package.module:attr")
-    module, _, attr = name.partition(":")
+                       "nor a dotted path package.module:attr (or path/to/file.py:attr)")
     try:
-        obj: Any = importlib.import_module(module)
-    except ImportError as e:
-        raise EnvError(f"env.name={name!r}: cannot import {module!r}: {e}") from e
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise EnvError(f"env.name={name!r}: {module!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+        obj = user_code.load(name, "env.name")
+    except ConfigError as e:
+        raise EnvError(str(e)) from e
     if not callable(obj):
-        raise EnvError(f"env.name={name!r}: {attr!r} is not callable")
+        raise EnvError(f"env.name={name!r} is a {type(obj).__name__}, not a class or "
+                       "function that builds an environment")
     return obj
 
 

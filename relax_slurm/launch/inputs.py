@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from relax_slurm import modeling
+from relax_slurm import modeling, user_code
 from relax_slurm.checkpoint import find_latest
 from relax_slurm.config import TrainConfig
 from relax_slurm.config.cross_checks import adapter_sync_blockers, check_data_parallel_batch
@@ -47,6 +47,7 @@ def check_inputs(cfg: TrainConfig) -> None:
                 )
     if not cfg.supervised:  # SFT splits sft.batch_size (trainer/sft.py)
         check_data_parallel_batch(cfg.trainer, cfg.rollout, cfg.cluster)
+        check_user_code(cfg)
     check_trainer_takes(cfg)
     check_teacher(cfg)
     check_judge(cfg)
@@ -63,6 +64,22 @@ def check_inputs(cfg: TrainConfig) -> None:
     if cfg.rollout.agent_mode == "env" and not cfg.supervised:
         check_data_files(cfg.data, cfg.eval.datasets if cfg.eval.every else [])
     say_lora_sync(cfg)
+
+
+def check_user_code(cfg: TrainConfig) -> None:
+    """reward.name and env.name naming the user's own code (relax_slurm/user_code.py): a
+    relative file.py made absolute (kept in config.yaml), then found and parsed here, without
+    running it, so a typo is refused before any role starts. In a container the roles import
+    from the image, which the launcher cannot see: only the paths are made absolute there."""
+    in_image = bool(getattr(cfg.cluster, "container", None) and
+                    (cfg.cluster.container.image or cfg.cluster.container.prefix))
+    for key, section, name in (("reward.name", cfg.reward, "name"), ("env.name", cfg.env, "name")):
+        value = getattr(section, name)
+        if not value or not user_code.is_user_code(value):
+            continue
+        setattr(section, name, user_code.absolute(value))
+        if not in_image:
+            user_code.locate(getattr(section, name), key)
 
 
 def say_lora_sync(cfg: TrainConfig) -> None:

@@ -11,7 +11,8 @@ A name is:
 - a registered reward or factory (`names()`);
 - `boxed_<name>`: grades only the content of the response's last `\boxed{}` with `<name>`
   (0 when there is no complete box);
-- a dotted path `package.module:function` to your own.
+- your own: a dotted path `package.module:function`, or `path/to/file.py:function`
+  (relax_slurm/user_code.py).
 `Scorer(name, cfg)` is the picklable reward of a run: it uses `reward.name`, or a sample's
 `metadata["rm_type"]` when set. `score(name, response, label, metadata)` scores one response.
 """
@@ -19,12 +20,12 @@ A name is:
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from relax_slurm import user_code
 from relax_slurm.errors import ConfigError, RelaxError
 from relax_slurm.rewards.extract import last_boxed
 
@@ -168,7 +169,8 @@ def get_reward_fn(name: str, cfg: Any = None) -> RewardFn:
         return functools.partial(grade_boxed, get_reward_fn(name[len(BOXED_PREFIX):], cfg))
     raise ConfigError(
         f"reward.name={name!r} is not a registered reward. Fix: use one of {names()} (or "
-        f"{BOXED_PREFIX}<name>), or a dotted path reward.name=package.module:function"
+        f"{BOXED_PREFIX}<name>), or your own: reward.name=package.module:function or "
+        "reward.name=path/to/file.py:function"
     )
 
 
@@ -240,19 +242,8 @@ def score(
 
 
 def _import_reward(path: str) -> RewardFn:
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(
-            f"reward.name={path!r}: cannot import module {module_name!r} ({e}). Fix: make it "
-            "importable (installed, or on PYTHONPATH) or use a registered reward: "
-            f"{names()}"
-        ) from e
-    fn = getattr(module, attr, None)
+    fn = user_code.load(path, "reward.name")
     if not callable(fn):
-        raise ConfigError(
-            f"reward.name={path!r}: module {module_name!r} has no function {attr!r}. Fix: "
-            "give reward.name=package.module:function with fn(inp: RewardInput) -> float"
-        )
+        raise ConfigError(f"reward.name={path!r} is a {type(fn).__name__}, not a function. Fix: "
+                          "name fn(inp: RewardInput) -> float")
     return fn
