@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from dataclasses import MISSING, Field, fields, is_dataclass
 from functools import cache
-from typing import Any, Self, TypeVar, get_type_hints
+from typing import Any, TypeVar, get_type_hints
 
 from relax_slurm.errors import BrokerError, check_map_keys
 
@@ -99,6 +99,9 @@ def _build(cls: type[T], items: dict[str, Any], where: str) -> T:
     return cls(**kwargs)
 
 
+R = TypeVar("R", bound="FlatReport")  # typing.Self is Python 3.11+; setup.cfg allows 3.10
+
+
 class FlatReport:
     """Base of the broker's reports: `to_dict` and `from_dict` by `to_flat` and `from_flat`,
     so a report declares only its fields (and, as `WHERE`, what its errors call a map)."""
@@ -109,5 +112,5 @@ class FlatReport:
         return to_flat(self)
 
     @classmethod
-    def from_dict(cls, d: Any, where: str | None = None) -> Self:
+    def from_dict(cls: type[R], d: Any, where: str | None = None) -> R:
         return from_flat(cls, d, where or cls.WHERE)
