@@ -37,6 +37,7 @@ def test_the_talker_and_code2wav_are_never_sent():
 def test_a_real_qwen3_omni_is_sent_under_its_checkpoint_names(tmp_path):
     """The tiny Qwen3-Omni (thinker + talker + code2wav), loaded as the trainer loads it:
     transformers 5 holds the thinker as `thinker.model.{audio_tower,visual,language_model}.*`
+    (5.24, which the suite runs; 5.20, the last release for Python 3.10, as the files do)
     with fused experts, the files (and so SGLang's loader, qwen3_omni_moe.py) say
     `thinker.audio_tower.*`, `thinker.visual.*`, `thinker.model.layers.N.mlp.experts.E.*`;
     SGLang renames none of `thinker.model.audio_tower.*`, so that tower was never updated.
@@ -52,7 +53,6 @@ def test_a_real_qwen3_omni_is_sent_under_its_checkpoint_names(tmp_path):
     model = load_hf_model(ModelConfig(path=str(tmp_path / "omni")), torch.device("cpu"),
                           trained=True)
     on_file = load_file(str(tmp_path / "omni" / "model.safetensors"))
-    assert any(n.startswith("thinker.model.audio_tower.") for n, _ in model.named_parameters())
     sent = dict(full_named_weights(model))
     thinker = {n: t for n, t in on_file.items() if n.startswith("thinker.")}
     assert sorted(sent) == sorted(thinker)
@@ -67,8 +67,8 @@ def test_a_real_qwen3_omni_is_sent_under_its_checkpoint_names(tmp_path):
 
 def test_the_omni_presets_frozen_towers_are_found_by_their_file_names(tmp_path):
     """qwen3_omni_30b_a3b_avqa freezes `[thinker.audio_tower, thinker.visual]`, the names of
-    the checkpoint files; transformers 5 holds them under `thinker.model.*`, and a prefix that
-    matched nothing stopped the run at start."""
+    the checkpoint files; transformers 5.24 holds them under `thinker.model.*` (5.20 as the files
+    name them), and a prefix that matched nothing stopped the run at start."""
     from omegaconf import OmegaConf
 
     from relax_slurm.config.model import ModelConfig
@@ -83,6 +83,7 @@ def test_the_omni_presets_frozen_towers_are_found_by_their_file_names(tmp_path):
     build_omni3(tmp_path / "omni")
     model = load_hf_model(ModelConfig(path=str(tmp_path / "omni")), torch.device("cpu"))
     towers = {n: p for n, p in model.named_parameters()
-              if n.startswith(("thinker.model.audio_tower.", "thinker.model.visual."))}
+              if n.startswith(("thinker.model.audio_tower.", "thinker.model.visual.",
+                               "thinker.audio_tower.", "thinker.visual."))}
     assert freeze_modules(model, prefixes) == sum(p.numel() for p in towers.values()) > 0
     assert {n for n, p in model.named_parameters() if not p.requires_grad} == set(towers)
