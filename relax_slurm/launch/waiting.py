@@ -4,8 +4,10 @@ says why): the launcher prints it when no step came for a while, `relax-ctl stat
 Trainer rank 0 heartbeats a `waiting` map (trainer/lead.py `RankZero.waits`): "batch" (the
 version and groups it asked for), "weight_sync" (the version and the engines that have not
 finished their receive), "engines" (a re-forming waits for engines to answer). The broker adds
-its queue (groups queued, in flight) and the rollout worker's heartbeat (groups in flight,
-requests open per engine). A pure function of the status: tested without a run.
+its queue (groups queued, in flight) and the rollout worker's heartbeat (groups in flight and
+in which phase: generating, scoring rewards, ... (rollout/phases.py); requests open per engine;
+the reward pool's busy workers and seconds per response), and says when the reward is what
+holds the batch back. A pure function of the status: tested without a run.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from relax_slurm.broker.stats import BrokerStatus
+from relax_slurm.rollout.phases import PHASES
 
 
 def _age(info: dict[str, Any]) -> str:
@@ -27,15 +30,30 @@ def _batch(want: dict[str, Any], status: BrokerStatus) -> str:
     workers = {r: i for r, i in status.roles.items() if r.startswith("rollout")}
     if not workers:
         return text + "; no rollout worker has heartbeat yet"
-    parts = []
-    for role, info in workers.items():
-        busy = {url: n for url, n in (info.get("requests_open") or {}).items() if n}
-        engines = (", requests open per engine: "
-                   + ", ".join(f"{u} {n}" for u, n in sorted(busy.items()))) if busy else \
-            ", no engine request open"
-        parts.append(f"{role}: {info.get('groups_in_flight', '?')} groups in flight{engines} "
-                     f"(heartbeat {_age(info)})")
-    return f"{text}; {'; '.join(parts)}"
+    return f"{text}; {'; '.join(_worker(role, info) for role, info in workers.items())}"
+
+
+def _worker(role: str, info: dict[str, Any]) -> str:
+    """A rollout worker's groups, where they are, its engines' open requests, its reward pool,
+    and, when the groups wait on the reward with every reward worker busy, what to change."""
+    phases = info.get("groups_by_phase") or {}
+    where = ", ".join(f"{n} {PHASES.get(p, p)}"
+                      for p, n in sorted(phases.items(), key=lambda kv: -kv[1]))
+    busy = {url: n for url, n in (info.get("requests_open") or {}).items() if n}
+    engines = ("requests open per engine: " + ", ".join(f"{u} {n}" for u, n in sorted(
+        busy.items()))) if busy else "no engine request open"
+    text = (f"{role}: {info.get('groups_in_flight', '?')} groups in flight"
+            f"{f' ({where})' if where else ''}, {engines}")
+    pool = info.get("reward_workers") or {}
+    if pool.get("workers"):
+        per = pool.get("s_per_response")
+        text += (f", reward workers {pool.get('busy', 0)} of {pool['workers']} busy"
+                 + (f" (~{per:.2g} s a response)" if per else ""))
+        scoring = phases.get("scoring", 0)
+        if pool.get("busy", 0) >= pool["workers"] and scoring > sum(phases.values()) / 2:
+            text += (": the reward is what the batch waits on; raise reward.num_workers or "
+                     "make the reward faster")
+    return f"{text} (heartbeat {_age(info)})"
 
 
 def explain(status: BrokerStatus | None) -> str:
@@ -59,7 +77,7 @@ def explain(status: BrokerStatus | None) -> str:
     if not parts:  # it beats only while it waits: silent, it computes
         return (f"the trainer is in a step (training, exporting or checkpointing; its last "
                 f"heartbeat {_age(trainer)}, at step {trainer.get('step', '?')})")
-    return f"the trainer waits for {'; and '.join(parts)} (heartbeat {_age(trainer)})"
+    return f"the trainer waits for {'; and '.join(parts)} (the trainer's heartbeat {_age(trainer)})"
 
 
 class StallNotes:

@@ -193,6 +193,8 @@ class RewardPool:
         self._next_key = itertools.count()
         self.calls = 0
         self.errors = 0
+        self.busy = 0
+        """Workers scoring now (their chunks hold a slot): what a stall note shows."""
         self.split_above_s = split_above_s
         self._per_input_s: dict[int, float] = {}  # key -> moving average of a chunk's s/input
 
@@ -258,10 +260,14 @@ class RewardPool:
         async with self._slots:
             start = time.perf_counter()
             self.calls += len(inputs)
-            while len(results) < len(inputs):
-                worker = self._idle.pop() if self._idle else await self._spawn()
-                if await self._run(worker, key, fn, inputs[len(results):], results):
-                    self._idle.append(worker)
+            self.busy += 1
+            try:
+                while len(results) < len(inputs):
+                    worker = self._idle.pop() if self._idle else await self._spawn()
+                    if await self._run(worker, key, fn, inputs[len(results):], results):
+                        self._idle.append(worker)
+            finally:
+                self.busy -= 1
             # the reward's cost per input as this pool sees it (round trip included)
             took = (time.perf_counter() - start) / len(inputs)
             known = self._per_input_s.get(key)
@@ -304,6 +310,13 @@ class RewardPool:
             self._discard(worker)
             raise
         return True
+
+    def load(self) -> dict[str, Any]:
+        """Workers busy, of how many, and the slowest reward's seconds per response (moving
+        average, round trip included; None before the first call): the worker's heartbeat."""
+        per_input = max(self._per_input_s.values(), default=None)
+        return {"busy": self.busy, "workers": self.max_workers,
+                "s_per_response": None if per_input is None else round(per_input, 4)}
 
     def _key(self, fn: Any) -> int:
         """A number per reward object, so a worker receives each object once and keeps it."""

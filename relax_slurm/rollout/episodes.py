@@ -29,6 +29,16 @@ class EnvEpisodes:
     async def rollout_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
         t_start = time.time()
         params = self.svc.group_params(gid)
+        with self.svc.phases("episodes"):
+            episodes = await self.episodes(prompt, params)
+        t_end = time.time()
+        rewards, errors = await self.episode_rewards(prompt, episodes)
+        await self.svc.put_episodes(prompt.prompt_id, gid, episodes, rewards, errors,
+                                    {"t_start": t_start, "t_end": t_end,
+                                     "data_state": data_state})
+
+    async def episodes(self, prompt: Prompt, params: list[dict]) -> list[Episode]:
+        """The group's episodes, each turn of each on the one engine picked for the group."""
         async with self.svc.router.pick() as engine:
             async def generate(ids: list[int], p: dict, routed_start: int) -> GenerateResult:
                 [res] = raise_if_aborted(await engine.generate([ids], [p],
@@ -36,14 +46,9 @@ class EnvEpisodes:
                                          engine.url)
                 return res
 
-            episodes = await asyncio.gather(*(
+            return await asyncio.gather(*(
                 run_episode(generate, self.make_env(), prompt, prompt.input_ids, self.renderer,
                             self.limits, p, self.svc.decode) for p in params))
-        t_end = time.time()
-        rewards, errors = await self.episode_rewards(prompt, episodes)
-        await self.svc.put_episodes(prompt.prompt_id, gid, episodes, rewards, errors,
-                                    {"t_start": t_start, "t_end": t_end,
-                                     "data_state": data_state})
 
     async def episode_rewards(self, prompt: Prompt, episodes: list[Episode]
                               ) -> tuple[list[float], int]:
@@ -55,7 +60,7 @@ class EnvEpisodes:
         inputs = [RewardInput(prompt=prompt.text, label=prompt.label, metadata=prompt.metadata,
                               response=ep.last_turn_text, finish_reason=ep.finish_reason)
                   for ep in episodes]
-        scored = await self.svc.reward_pool.score_many(self.svc.reward, inputs)
+        scored = await self.svc.score_many(inputs)
         rewards = [value + coef * sum(ep.turn_rewards[:-1])
                    for (value, _), ep in zip(scored, episodes)]
         return rewards, sum(error for _, error in scored)

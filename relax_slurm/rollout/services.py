@@ -32,6 +32,7 @@ from relax_slurm.engines.async_client import AsyncEngineClient
 from relax_slurm.engines.client import GenerateResult
 from relax_slurm.engines.served_adapter import ServedAdapter
 from relax_slurm.rollout.multiturn import Episode, episode_sample
+from relax_slurm.rollout.phases import Phases
 from relax_slurm.rollout.router import LeastLoadedRouter
 from relax_slurm.rollout.version_gate import PROBE_TIMEOUT_S, VersionGate
 from relax_slurm.rollout.sampling import (
@@ -163,6 +164,8 @@ class RolloutServices:
     """Sampling parameters of every sample (rollout.*), before its seed."""
     counts: PendingCounts = field(default_factory=PendingCounts)
     warned_no_routing: bool = False
+    phases: Phases = field(default_factory=Phases)
+    """How many groups are in each phase now (the worker's heartbeat: rollout/phases.py)."""
     media_pads: tuple[int, ...] = ()
     """A multimodal model.path's media pads, which the trainer's softmax leaves out: SGLang is
     told never to sample them (in `params`, whatever the data: a VL model on text prompts
@@ -257,8 +260,14 @@ class RolloutServices:
         """[None] * n without a teacher, else `teacher_response_logprobs` on it."""
         if self.teacher is None:
             return [None] * len(responses)
-        return await teacher_response_logprobs(self.teacher, prompt_ids, responses, masks,
-                                               media, sent_prompts, self.media_pads)
+        with self.phases("teacher"):
+            return await teacher_response_logprobs(self.teacher, prompt_ids, responses, masks,
+                                                   media, sent_prompts, self.media_pads)
+
+    async def score_many(self, inputs: list) -> list[tuple[float, bool]]:
+        """The run's reward of each input, from the reward pool: [(value, error)]."""
+        with self.phases("scoring"):
+            return await self.reward_pool.score_many(self.reward, inputs)
 
     async def counts_or_filter(self, rewards: list[float], errors: int) -> dict | None:
         """The counts for this group's samples' metadata; None when dynamic sampling drops it
@@ -290,10 +299,11 @@ class RolloutServices:
         teacher = await self.teacher_logprobs([ep.prompt_ids for ep in episodes],
                                               [ep.response_ids for ep in episodes],
                                               masks=[ep.loss_mask for ep in episodes])
-        await self.broker.put_group([episode_sample(ep, prompt_id=prompt_id, group_id=gid,
-                                                    reward=r, metadata=meta, teacher_logprobs=lp,
-                                                    routed_experts=self.episode_routing(ep))
-                                     for ep, r, lp in zip(episodes, rewards, teacher)])
+        group = [episode_sample(ep, prompt_id=prompt_id, group_id=gid, reward=r, metadata=meta,
+                                teacher_logprobs=lp, routed_experts=self.episode_routing(ep))
+                 for ep, r, lp in zip(episodes, rewards, teacher)]
+        with self.phases("sending"):
+            await self.broker.put_group(group)
         return True
 
     def engine_urls(self) -> list[str]:

@@ -43,9 +43,10 @@ class SingleTurn:
         """The prompt's ids with media pads expanded and its media tensors (text: as is)."""
         if self.media is None or not any(prompt.media.values()):
             return Processed(input_ids=list(prompt.input_ids))
-        return await asyncio.get_running_loop().run_in_executor(
-            self.media_pool, self.media.process, prompt.input_ids, prompt.media,
-            f"prompt {prompt.prompt_id}")
+        with self.svc.phases("media"):
+            return await asyncio.get_running_loop().run_in_executor(
+                self.media_pool, self.media.process, prompt.input_ids, prompt.media,
+                f"prompt {prompt.prompt_id}")
 
     async def score(self, prompt: Prompt, results: list[GenerateResult]
                     ) -> tuple[list[float], int]:
@@ -53,8 +54,7 @@ class SingleTurn:
         inputs = [RewardInput(prompt=prompt.text, label=prompt.label, metadata=prompt.metadata,
                               response=self.svc.decode(r.output_ids),
                               finish_reason=r.finish_reason) for r in results]
-        # one message per group
-        scored = await self.svc.reward_pool.score_many(self.svc.reward, inputs)
+        scored = await self.svc.score_many(inputs)  # one message per group
         return [value for value, _ in scored], sum(error for _, error in scored)
 
     async def generate(self, prompt: Prompt, processed: Processed, media: list[dict] | None,
@@ -66,11 +66,13 @@ class SingleTurn:
         n = self.svc.cfg.rollout.n_samples_per_prompt
         ids = list(prompt.input_ids) if media else processed.input_ids
         params = self.svc.group_params(gid)  # with SGLang's media pad ban (services.py)
-        async with self.svc.router.pick() as engine:
-            # a sequence a weight sync aborts continues from its prefix (rollout.partial_rollout)
-            results = await generate_resuming(engine.generate, [ids] * n, params, media,
-                                              url=engine.url,
-                                              resume=self.svc.cfg.rollout.partial_rollout)
+        with self.svc.phases("generating"):
+            async with self.svc.router.pick() as engine:
+                # a sequence a weight sync aborts continues from its prefix
+                # (rollout.partial_rollout)
+                results = await generate_resuming(engine.generate, [ids] * n, params, media,
+                                                  url=engine.url,
+                                                  resume=self.svc.cfg.rollout.partial_rollout)
         if processed.tensors:
             check_media_tokens(results, len(processed.input_ids), f"prompt {prompt.prompt_id}")
             results = [cut_at_media_pads(r, self.media.pad_ids.values()) for r in results]
@@ -98,8 +100,9 @@ class SingleTurn:
                           resumed=sum(bool(r.meta_info.get("num_resumes")) for r in results)
                           or None)
         stamp = meta.to_dict()  # one map for the group's samples (never changed after)
-        await svc.broker.put_group(self.group(prompt, gid, processed, results, rewards,
-                                              teacher, stamp))
+        group = self.group(prompt, gid, processed, results, rewards, teacher, stamp)
+        with svc.phases("sending"):
+            await svc.broker.put_group(group)
 
     def group(self, prompt: Prompt, gid: int, processed: Processed,
               results: list[GenerateResult], rewards: list[float], teacher: list,

@@ -205,7 +205,9 @@ class RolloutWorker:
                 await broker.heartbeat(self.role, groups_in_flight=len(self.tasks),
                                        groups_requeued=self.requeued_total,
                                        requests_per_engine=self.requests_per_engine(),
-                                       requests_open=self.requests_open())
+                                       requests_open=self.requests_open(),
+                                       groups_by_phase=self.services.phases.snapshot(),
+                                       reward_workers=self.services.reward_pool.load())
                 await self.follow_engines()
             while self.requeued and len(self.tasks) < limit:  # they still hold their credits
                 self.start_group(*self.requeued.popleft())

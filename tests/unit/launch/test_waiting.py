@@ -33,7 +33,7 @@ def test_a_sync_names_the_engines_that_have_not_finished():
     line = explain(status({"trainer": {"heartbeat_age_s": 1.0, "waiting": {
         "weight_sync": {"version": 7, "engines": ["http://e1:2"]}}}}))
     assert line == ("the trainer waits for a weight sync of version 7 (not finished: "
-                    "http://e1:2) (heartbeat 1s ago)")
+                    "http://e1:2) (the trainer's heartbeat 1s ago)")
 
 
 def test_a_silent_trainer_is_computing_and_a_missing_one_starting():
@@ -47,7 +47,8 @@ def test_a_silent_trainer_is_computing_and_a_missing_one_starting():
 def test_a_rollout_worker_that_never_beat_is_said():
     line = explain(status({"trainer": {"heartbeat_age_s": 1.0,
                                        "waiting": {"batch": {"version": 0, "groups": 4}}}}))
-    assert line.endswith("no rollout worker has heartbeat yet (heartbeat 1s ago)"), line
+    assert line.endswith("no rollout worker has heartbeat yet (the trainer's heartbeat 1s ago)"), \
+        line
 
 
 def test_stall_notes_wait_three_beats_or_two_steps_then_repeat():
@@ -58,3 +59,24 @@ def test_stall_notes_wait_three_beats_or_two_steps_then_repeat():
     notes.stepped({"perf/step_time_s": 10.0}, now=100.0)  # slow steps are not stalls
     assert not notes.due(now=119.9, last_step_t=100.0) and notes.due(now=120.0,
                                                                       last_step_t=100.0)
+
+
+def test_the_workers_groups_are_said_by_phase_and_a_busy_reward_named():
+    def line(phases: dict, busy: int) -> str:
+        return explain(status({
+            "trainer": {"heartbeat_age_s": 3.0, "waiting": {"batch": {"version": 4}}},
+            "rollout": {"heartbeat_age_s": 1.0, "groups_in_flight": sum(phases.values()),
+                        "groups_by_phase": phases, "requests_open": {"http://e0:1": 2},
+                        "reward_workers": {"busy": busy, "workers": 4,
+                                           "s_per_response": 0.2134}}}))
+
+    slow_reward = line({"scoring": 24, "generating": 3}, busy=4)
+    assert ("rollout: 27 groups in flight (24 scoring rewards, 3 generating), requests open per "
+            "engine: http://e0:1 2, reward workers 4 of 4 busy (~0.21 s a response): the reward "
+            "is what the batch waits on; raise reward.num_workers") in slow_reward, slow_reward
+    assert slow_reward.endswith("(heartbeat 1s ago) (the trainer's heartbeat 3s ago)")
+    # the engines are the slow part, or the reward has room: no advice
+    assert "raise reward.num_workers" not in line({"generating": 24, "scoring": 3}, busy=4)
+    assert "raise reward.num_workers" not in line({"scoring": 24, "generating": 3}, busy=2)
+    assert "(1 waiting on the teacher, 1 sending to the broker)" in line(
+        {"teacher": 1, "sending": 1}, busy=0)

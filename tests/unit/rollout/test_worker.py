@@ -38,12 +38,23 @@ from relax_slurm.rollout.worker import RolloutWorker
 EOS = 1  # helpers_tiny vocabulary: <pad>=0, <eos>=1, <unk>=2, digits from 3
 PROMPTS = ["1+1=", "2+2=", "3+3=", "4+4=", "5+5=", "6+6="]
 
-# a reward the pool's workers import by module name: exact match, and an error on "0"
+# rewards the pool's workers import by module name: exact match, and an error on "0"; and
+# one that scores once the test creates the file `gate` beside the module
 REWARD_MODULE = textwrap.dedent("""
+    import os
+    import time
+
+    GATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gate")
+
     def grade(inp):
         if inp.response == "0":
             raise RuntimeError("cannot grade 0")
         return float(inp.response == inp.label)
+
+    def gated(inp):
+        while not os.path.exists(GATE):
+            time.sleep(0.01)
+        return 1.0
 """)
 
 
@@ -144,13 +155,13 @@ def make_worker(tmp_path, tiny_model_dir, monkeypatch):
                             + "\n" for i, p in enumerate(PROMPTS)))
     workers = []
 
-    def make(teacher: bool = False, **algo) -> RolloutWorker:
+    def make(teacher: bool = False, reward: str = "grade", **algo) -> RolloutWorker:
         cfg = TrainConfig(
             run_dir=str(tmp_path), model=ModelConfig(path=str(tiny_model_dir)),
             algo=AlgoConfig(**algo, teacher_model_path=str(tiny_model_dir) if teacher else None),
             rollout=RolloutConfig(batch_size=2, n_samples_per_prompt=4, max_new_tokens=3),
             data=DataConfig(train_files=[str(data)], apply_chat_template=False, shuffle=False),
-            reward=RewardConfig(name=f"{module}:grade", num_workers=2, timeout_s=30.0),
+            reward=RewardConfig(name=f"{module}:{reward}", num_workers=2, timeout_s=30.0),
         )
         save_config(cfg, tmp_path / "config.yaml")
         save_plan(RunPlan(broker_router="tcp://127.0.0.1:1", broker_pub="tcp://127.0.0.1:2",
@@ -206,7 +217,10 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(make_worker):
     assert broker.released == 2
     assert broker.heartbeats[0] == ("rollout", {"groups_in_flight": 0, "groups_requeued": 0,
                                                 "requests_per_engine": {FakeEngine.url: 0},
-                                                "requests_open": {FakeEngine.url: 0}})
+                                                "requests_open": {FakeEngine.url: 0},
+                                                "groups_by_phase": {},
+                                                "reward_workers": {"busy": 0, "workers": 2,
+                                                                   "s_per_response": None}})
     assert sorted(g[0].prompt_id for g in broker.groups) == ["2", "3"]
     for g in broker.groups:
         assert len({s.reward for s in g}) > 1  # only informative groups reach the broker
@@ -218,6 +232,51 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(make_worker):
     assert sum(m["filtered_groups"] for m in metas) == 2
     assert sum(m["reward_errors"] for m in metas) == 2
     assert broker.state.counters()["released"] == 2
+
+
+def test_the_heartbeat_says_the_groups_wait_on_the_reward(make_worker, tmp_path):
+    """Groups whose reward is slow show in the worker's heartbeat as scoring, with every reward
+    worker busy, and the stall note built from it says the reward holds the batch back (a
+    run with a slow reward said only "27 groups in flight, no engine request open")."""
+    from relax_slurm.broker.stats import BrokerStatus, Counters
+    from relax_slurm.launch.waiting import explain
+
+    async def main():
+        worker = make_worker(reward="gated")
+        worker.cfg.cluster.restart.heartbeat_interval_s = 0.05
+        worker.services.router = LeastLoadedRouter([FakeEngine(worker.services.tokenizer, {
+            p: ["2", "4", "6", "8"] for p in PROMPTS})])
+        worker.services.broker.close()
+        broker = worker.services.broker = FakeBroker(worker, stop_after=2)
+        run = asyncio.create_task(worker.run())
+
+        async def scoring() -> dict:
+            while True:
+                assert not run.done(), run
+                for _, info in broker.heartbeats:
+                    if (info["groups_by_phase"] == {"scoring": 2}
+                            and info["reward_workers"]["busy"] == 2):
+                        return info
+                await asyncio.sleep(0.02)
+
+        seen = await asyncio.wait_for(scoring(), 120)  # the reward workers' start included
+        (tmp_path / "gate").touch()  # now the reward answers
+        await asyncio.wait_for(run, 120)
+        return broker, seen, worker.services.phases.snapshot()
+
+    broker, seen, after = asyncio.run(main())
+    assert len(broker.groups) == 2 and after == {}  # each phase counted out again
+    assert seen["reward_workers"]["workers"] == 2
+    counters = Counters.zero()
+    counters.in_flight = 2
+    line = explain(BrokerStatus(
+        counters=counters, max_staleness=0, batch_size=2, admission_open=True,
+        parked_acquires=0, parked_get_batch=1, auth_refused=0, uptime_s=9.0, pid=1,
+        roles={"trainer": {"heartbeat_age_s": 1.0, "waiting": {"batch": {"version": 0}}},
+               "rollout": {**seen, "heartbeat_age_s": 0.0}}))
+    assert ("rollout: 2 groups in flight (2 scoring rewards), no engine request open, reward "
+            "workers 2 of 2 busy: the reward is what the batch waits on; raise "
+            "reward.num_workers") in line, line
 
 
 def test_without_dynamic_sampling_every_group_is_sent_with_teacher_logprobs(make_worker):
