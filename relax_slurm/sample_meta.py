@@ -15,6 +15,9 @@ which names an unknown or missing key, or a value of the wrong type, in its erro
     filtered_groups  every mode: groups dynamic sampling     trainer metrics
                      dropped since the last group sent
     t_start, t_end   every mode: the group's generation      trainer metrics (perf/gen_time_s)
+    t_scored         single-turn and env episodes: when the  trainer metrics
+                     group's rewards (and teacher log-probs)  (perf/score_time_s)
+                     were in
     turns            multi-turn: model turns of the episode  trainer metrics
     episode_end      multi-turn: why the episode ended       trainer metrics
     agent_group      agent proxy: the group's name           (logs, rollout dumps)
@@ -37,7 +40,8 @@ from relax_slurm.errors import check_map_keys
 _TYPES: dict[str, tuple[type, ...]] = {
     "worker": (int,), "data_state": (dict, type(None)), "reward_errors": (int,),
     "filtered_groups": (int,), "t_start": (int, float, type(None)),
-    "t_end": (int, float, type(None)), "turns": (int, type(None)),
+    "t_end": (int, float, type(None)), "t_scored": (int, float, type(None)),
+    "turns": (int, type(None)),
     "episode_end": (str, type(None)), "agent_group": (str, type(None)), "resumed": (int, type(None)),
 }
 _REQUIRED = ("worker",)
@@ -59,6 +63,9 @@ class SampleMeta:
     filtered_groups: int = 0
     t_start: float | None = None
     t_end: float | None = None
+    t_scored: float | None = None
+    """When the group's rewards (and a teacher's log-probs) were in: t_scored - t_end is what
+    scoring took after generation (`perf/score_time_s`)."""
     turns: int | None = None
     episode_end: str | None = None
     agent_group: str | None = None

@@ -35,7 +35,7 @@ class EnvEpisodes:
         rewards, errors = await self.episode_rewards(prompt, episodes)
         await self.svc.put_episodes(prompt.prompt_id, gid, episodes, rewards, errors,
                                     {"t_start": t_start, "t_end": t_end,
-                                     "data_state": data_state})
+                                     "t_scored": time.time(), "data_state": data_state})
 
     async def episodes(self, prompt: Prompt, params: list[dict]) -> list[Episode]:
         """The group's episodes, each turn of each on the one engine picked for the group."""

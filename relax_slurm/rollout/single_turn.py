@@ -91,11 +91,13 @@ class SingleTurn:
             svc.teacher_logprobs([processed.input_ids] * n, [r.output_ids for r in results],
                                  media=media,
                                  sent_prompts=[list(prompt.input_ids)] * n if media else None))
+        t_scored = time.time()
         rewards = shaped_rewards(svc.cfg, rewards, [len(r.output_ids) for r in results])
         counts = await svc.counts_or_filter(rewards, errors)
         if counts is None:
             return
-        meta = SampleMeta(t_start=t_start, t_end=t_end, worker=svc.worker_rank,
+        meta = SampleMeta(t_start=t_start, t_end=t_end, t_scored=t_scored,
+                          worker=svc.worker_rank,
                           data_state=data_state, **counts,
                           resumed=sum(bool(r.meta_info.get("num_resumes")) for r in results)
                           or None)

@@ -79,6 +79,9 @@ def batch_metrics(groups: list[Group], stats: BatchStats) -> dict[str, float]:
     counts = [m for m in map(SampleMeta.of, (g[0] for g in groups)) if m is not None]
     starts = [m.t_start for m in metas if m.t_start is not None]
     ends = [m.t_end for m in metas if m.t_end is not None]
+    # per group: from its last response to its rewards (and teacher log-probs) being in
+    scoring = [m.t_scored - m.t_end for m in counts
+               if m.t_scored is not None and m.t_end is not None]
     n = len(samples)
     # multi-turn runs: model turns per episode, and episodes cut by env.max_turns or
     # env.max_total_tokens rather than ended by the environment
@@ -103,6 +106,7 @@ def batch_metrics(groups: list[Group], stats: BatchStats) -> dict[str, float]:
         "broker/auth_refused": stats.auth_refused,
         "broker/dropped_stale_samples": stats.counters.dropped * len(groups[0]),
         "perf/gen_time_s": (max(ends) - min(starts)) if starts and ends else 0.0,
+        "perf/score_time_s": sum(scoring) / len(scoring) if scoring else 0.0,
         "train/samples": n,
     } | ({"rollout/turns_mean": sum(turns) / len(turns),
           "rollout/episode_truncated_frac": sum(cut) / len(cut)} if turns else {})

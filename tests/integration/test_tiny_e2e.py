@@ -36,7 +36,7 @@ def check_run_dir(run_dir: Path, proc: subprocess.CompletedProcess, steps: int |
                 "train/grad_norm", "train/clipfrac", "train/rollout_train_logprob_diff",
                 "broker/staleness_max", "broker/staleness_mean", "broker/queue_depth",
                 "broker/dropped_stale", "perf/step_time_s", "perf/gen_time_s",
-                "perf/train_time_s", "perf/weight_sync_s", "perf/samples_per_s"):
+                "perf/score_time_s", "perf/train_time_s", "perf/weight_sync_s", "perf/samples_per_s"):
         assert key in rows[-1], key
     # weight_sync.verify=true: the trainer compared engine and trainer checksums after every
     # sync and would have failed the run on a mismatch

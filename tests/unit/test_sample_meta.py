@@ -22,7 +22,8 @@ def sample(metadata: dict) -> Sample:
 
 def test_round_trip_through_the_wire() -> None:
     meta = SampleMeta(worker=1, data_state={"epoch": 0, "index": 7, "seed": 1, "num_rows": 9},
-                      reward_errors=2, filtered_groups=1, t_start=10.0, t_end=12.5, turns=3,
+                      reward_errors=2, filtered_groups=1, t_start=10.0, t_end=12.5,
+                      t_scored=13.0, turns=3,
                       episode_end="max_turns", agent_group="g7")
     _, _, [[got]] = decode(encode("put_group", {}, [[sample(meta.to_dict())]]))
     assert SampleMeta.of(got) == meta

@@ -164,6 +164,20 @@ def test_batch_metrics_count_reward_errors_and_filtered_groups():
     assert batch_metrics(groups(), BatchStats.empty())["rollout/reward_errors"] == 0  # no worker's
 
 
+def test_batch_metrics_time_generation_and_scoring():
+    """perf/gen_time_s spans the batch's generations; perf/score_time_s is the mean per group
+    of the time from its last response to its rewards (a slow reward shows there)."""
+    gs = groups()
+    for g, (start, end, scored) in zip(gs, [(10.0, 12.0, 12.5), (11.0, 14.0, 15.5)]):
+        for s in g:
+            s.metadata.update(worker=0, t_start=start, t_end=end, t_scored=scored)
+    out = batch_metrics(gs, BatchStats.empty())
+    assert out["perf/gen_time_s"] == 4.0 and out["perf/score_time_s"] == 1.0
+    for s in gs[1]:  # a proxy's group has no scoring stamp: left out, not counted as 0
+        del s.metadata["t_scored"]
+    assert batch_metrics(gs, BatchStats.empty())["perf/score_time_s"] == 0.5
+
+
 def test_staleness_histogram_has_every_bucket_as_a_share():
     # msgpack may hand the broker's int keys back as ints or (from JSON) as strings
     # (a key as a string: normalised)
