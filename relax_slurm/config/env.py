@@ -13,7 +13,8 @@ class EnvConfig:
     Without `env.name` every sample is one model turn scored by the reward function."""
 
     name: Optional[str] = None
-    """A registered environment (tool, arith_feedback, ...) or `package.module:attr`."""
+    """A registered environment (tool, arith_feedback, ...), `package.module:attr` or
+    `path/to/file.py:attr`."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the environment, one instance per episode."""
     max_turns: int = 4
@@ -27,10 +28,17 @@ class EnvConfig:
     turn_reward_coef: float = 0.0
     """The episode's reward is that final reward plus this x the earlier turns' rewards from the
     environment (per-turn shaping; 0: the final reward only)."""
+    threads: int = 64
+    """Threads of the rollout worker that run the environments' plain (not async) reset, step
+    and close, so a call that blocks (a subprocess, an HTTP request) holds up its own episode
+    and not the worker's loop, which drives every other episode and heartbeats (a blocked loop
+    looks hung). At most this many such calls at once; async methods, and those of
+    environments that declare `blocking = False` (the built-ins), run on the loop."""
 
     def __post_init__(self) -> None:
         check(self.reward_source in ("env", "reward_fn"),
                f"env.reward_source={self.reward_source!r}: use env or reward_fn")
         check(self.max_turns >= 1, f"env.max_turns={self.max_turns}: must be >= 1")
+        check(self.threads >= 1, f"env.threads={self.threads}: must be >= 1")
         check(self.max_total_tokens >= 2,
                f"env.max_total_tokens={self.max_total_tokens}: must be >= 2")

@@ -19,6 +19,7 @@ from relax_slurm.envs.registration import register_env
 @register_env("arith_feedback")
 class ArithFeedbackEnv(BaseEnv):
     observation_role = "user"
+    blocking = False  # integer parsing: called on the worker's loop
 
     def __init__(self, discount: float = 0.5, max_tries: int = 3) -> None:
         if not 0 <= discount <= 1 or max_tries < 1:

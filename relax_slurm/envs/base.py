@@ -12,10 +12,14 @@ steps until the environment says `done` or a limit is reached (see rollout/multi
         messages = env.format_observation(obs)          # chat messages appended as tokens
     await env.close()
 
-Every method may be a coroutine or a plain function (the driver awaits what is awaitable), so an
-environment that calls a server or a sandbox does not block the worker's event loop, which
-drives many episodes at once. An environment is used by one episode only: keep per-episode
-state on `self`.
+Every method may be a coroutine or a plain function. The driver awaits a coroutine on the
+worker's event loop, which drives many episodes at once and heartbeats; a plain `reset`, `step`
+or `close` it runs in a thread (`env.threads` of them), so one that blocks (a subprocess, an
+HTTP request, a sleep) holds up its own episode only. A class whose plain methods take
+microseconds sets `blocking = False` and they are called on the loop (the built-ins do; a
+subclass that overrides one of them is threaded again unless it says so too). An
+environment is used by one episode only: keep per-episode state on `self` (instances run in
+different threads at once).
 
 Observations are whatever the environment likes; `format_observation` turns one into chat
 messages (`{"role": ..., "content": ...}`), which the driver renders with the tokenizer's chat
@@ -66,6 +70,10 @@ class BaseEnv:
     stop: tuple[str, ...] = ()
     observation_role: str = "user"
     """The role `format_observation` gives a plain-text observation."""
+    blocking: bool = True
+    """Plain (not async) `reset`, `step` and `close` may block: the driver runs them in a
+    thread. False: those this class defines take microseconds, and are called on the worker's
+    event loop."""
 
     def reset(self, sample: Any) -> tuple[Any, dict]:
         """Start an episode for `sample` (a `relax_slurm.data.Prompt`: prompt_id, text,

@@ -214,6 +214,7 @@ class ToolEnv(BaseEnv):
 
     stop = (TOOL_CALL_END,)
     observation_role = "tool"
+    blocking = False  # step is async (tools run in subprocesses or threads of their own)
 
     def __init__(self, tools: Optional[list[str]] = None, tool_timeout_s: float = 10.0,
                  python_timeout_s: float = 5.0, python_memory_mb: int = 512,

@@ -36,7 +36,7 @@ def _batch(want: dict[str, Any], status: BrokerStatus) -> str:
 def _worker(role: str, info: dict[str, Any]) -> str:
     """A rollout worker's groups, where they are, its engines' open requests, its reward pool,
     and, when the groups wait on the reward with every reward worker busy, what to change."""
-    phases = info.get("groups_by_phase") or {}
+    phases = {p: n for p, n in (info.get("groups_by_phase") or {}).items() if n}
     where = ", ".join(f"{n} {PHASES.get(p, p)}"
                       for p, n in sorted(phases.items(), key=lambda kv: -kv[1]))
     busy = {url: n for url, n in (info.get("requests_open") or {}).items() if n}
@@ -44,6 +44,8 @@ def _worker(role: str, info: dict[str, Any]) -> str:
         busy.items()))) if busy else "no engine request open"
     text = (f"{role}: {info.get('groups_in_flight', '?')} groups in flight"
             f"{f' ({where})' if where else ''}, {engines}")
+    if phases.get("episodes") and not phases.get("turns"):  # no model turn: env calls
+        text += ", no episode's model turn generating: the episodes wait on the environment"
     pool = info.get("reward_workers") or {}
     if pool.get("workers"):
         per = pool.get("s_per_response")

@@ -6,6 +6,7 @@ history); the episodes go to the broker as one group (`RolloutServices.put_episo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import Callable
 
@@ -25,6 +26,9 @@ class EnvEpisodes:
         self.make_env: Callable = env_factory(svc.cfg.env.name, svc.cfg.env.kwargs)
         self.renderer = ObservationRenderer(svc.tokenizer, svc.cfg.data.apply_chat_template)
         self.limits = TurnLimits.of(svc.cfg)
+        # a blocking environment's plain reset/step/close (envs/base.py), off the event loop
+        self.pool = concurrent.futures.ThreadPoolExecutor(svc.cfg.env.threads,
+                                                          thread_name_prefix="env")
 
     async def rollout_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
         t_start = time.time()
@@ -41,14 +45,15 @@ class EnvEpisodes:
         """The group's episodes, each turn of each on the one engine picked for the group."""
         async with self.svc.router.pick() as engine:
             async def generate(ids: list[int], p: dict, routed_start: int) -> GenerateResult:
-                [res] = raise_if_aborted(await engine.generate([ids], [p],
-                                                               routed_start=routed_start),
-                                         engine.url)
+                with self.svc.phases("turns"):  # the rest of an episode's time: the env's
+                    [res] = raise_if_aborted(await engine.generate([ids], [p],
+                                                                   routed_start=routed_start),
+                                             engine.url)
                 return res
 
             return await asyncio.gather(*(
                 run_episode(generate, self.make_env(), prompt, prompt.input_ids, self.renderer,
-                            self.limits, p, self.svc.decode) for p in params))
+                            self.limits, p, self.svc.decode, self.pool) for p in params))
 
     async def episode_rewards(self, prompt: Prompt, episodes: list[Episode]
                               ) -> tuple[list[float], int]:
@@ -66,4 +71,4 @@ class EnvEpisodes:
         return rewards, sum(error for _, error in scored)
 
     def close(self) -> None:
-        pass
+        self.pool.shutdown(wait=False, cancel_futures=True)

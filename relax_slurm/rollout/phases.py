@@ -13,6 +13,7 @@ PHASES = {
     "media": "preparing media",
     "generating": "generating",
     "episodes": "playing episodes",
+    "turns": "episodes' model turns generating",  # counted per episode, not per group
     "scoring": "scoring rewards",
     "teacher": "waiting on the teacher",
     "sending": "sending to the broker",

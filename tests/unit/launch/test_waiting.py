@@ -80,3 +80,20 @@ def test_the_workers_groups_are_said_by_phase_and_a_busy_reward_named():
     assert "raise reward.num_workers" not in line({"scoring": 24, "generating": 3}, busy=2)
     assert "(1 waiting on the teacher, 1 sending to the broker)" in line(
         {"teacher": 1, "sending": 1}, busy=0)
+
+
+def test_episodes_with_no_model_turn_generating_wait_on_the_environment():
+    def line(turns: int) -> str:
+        return explain(status({
+            "trainer": {"heartbeat_age_s": 3.0, "waiting": {"batch": {"version": 4}}},
+            "rollout": {"heartbeat_age_s": 1.0, "groups_in_flight": 4,
+                        "groups_by_phase": {"episodes": 4, "turns": turns},
+                        "requests_open": {"http://e0:1": 4}}}))
+
+    # the group holds its engine for all its turns: open requests do not tell (a run whose
+    # env.step slept 3 s showed "requests open per engine: ... 32")
+    assert ("rollout: 4 groups in flight (4 playing episodes), requests open per engine: "
+            "http://e0:1 4, no episode's model turn generating: the episodes wait on the "
+            "environment (heartbeat 1s ago)") in line(0), line(0)
+    assert "environment" not in line(3)
+    assert "(4 playing episodes, 3 episodes' model turns generating)" in line(3)

@@ -1,0 +1,146 @@
+"""A blocking environment holds up its own episode, not the rollout worker's event loop
+(rollout/multiturn.py `_env_call`). An environment whose plain `step` slept (a subprocess, an
+HTTP request) stopped every other episode and the worker's heartbeats: a run with a 3-s step
+showed the worker's heartbeat 12 s old and would have been restarted as hung. Plain methods of
+`blocking` environments now run in the worker's `env.threads`; coroutines and the built-ins
+(`blocking = False`) on the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from relax_slurm.data import load_tokenizer
+from relax_slurm.engines.client import GenerateResult
+from relax_slurm.envs import BaseEnv, StepResult
+from relax_slurm.envs.arith_feedback import ArithFeedbackEnv
+from relax_slurm.rollout.multiturn import ObservationRenderer, TurnLimits, run_episode
+
+EOS = 1
+
+
+async def generate(ids, params, routed_start):
+    return GenerateResult(output_ids=[5, EOS], logprobs=[-0.1, -0.1], finish_reason="stop",
+                          weight_version="0")
+
+
+class Waits(BaseEnv):
+    """A plain step that blocks until `gate` is set (by the event loop, in the test), or, with
+    no gate, returns at once."""
+
+    def __init__(self, gate: threading.Event | None) -> None:
+        self.gate, self.threads = gate, []
+
+    def reset(self, sample):
+        self.threads.append(threading.get_ident())
+        return None, {}
+
+    def step(self, model_text: str) -> StepResult:
+        self.threads.append(threading.get_ident())
+        met = self.gate is None or self.gate.wait(timeout=20)
+        return StepResult(None, float(met), True, {})
+
+
+def episodes(tiny_model_dir, envs, pool, gate):
+    renderer = ObservationRenderer(load_tokenizer(tiny_model_dir), apply_chat_template=False)
+    ticks = []
+
+    async def go():
+        async def tick():  # the loop's own work (heartbeats, other episodes' requests)
+            while True:
+                ticks.append(threading.get_ident())
+                if len(ticks) == 3:
+                    gate.set()
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await asyncio.gather(*(
+                run_episode(generate, env, None, [3, 4], renderer, TurnLimits(2, 64, 4), {},
+                            lambda ids: "7", pool) for env in envs))
+        finally:
+            ticker.cancel()
+
+    return asyncio.run(go()), ticks
+
+
+def test_a_blocking_step_runs_in_a_thread_while_the_loop_drives_the_rest(tiny_model_dir):
+    gate = threading.Event()
+    envs = [Waits(gate), Waits(None)]
+    with ThreadPoolExecutor(4) as pool:
+        eps, ticks = episodes(tiny_model_dir, envs, pool, gate)
+    # the loop turned while the first step blocked (on the loop it would wait 20 s for a gate
+    # only the loop sets, and score 0)
+    assert [ep.turn_rewards for ep in eps] == [[1.0], [1.0]]
+    loop_thread = ticks[0]
+    assert all(t != loop_thread for env in envs for t in env.threads)
+
+
+def test_environments_that_do_not_block_and_coroutines_stay_on_the_loop(tiny_model_dir):
+    class Quick(ArithFeedbackEnv):  # a built-in (blocking = False), its step not overridden
+        def reset(self, sample):
+            self.thread = threading.get_ident()
+            return super().reset(sample)
+
+        blocking = False  # this class's reset too
+
+    class Async(BaseEnv):
+        async def step(self, model_text):
+            self.thread = threading.get_ident()
+            return StepResult(None, 1.0, True, {})
+
+    class Sample:
+        label = "7"
+
+    envs = [Quick(), Async()]
+    with ThreadPoolExecutor(4) as pool:
+        renderer = ObservationRenderer(load_tokenizer(tiny_model_dir), apply_chat_template=False)
+
+        async def go():
+            out = await asyncio.gather(*(
+                run_episode(generate, env, Sample(), [3, 4], renderer, TurnLimits(2, 64, 4), {},
+                            lambda ids: "7", pool) for env in envs))
+            return out, threading.get_ident()
+
+        eps, loop_thread = asyncio.run(go())
+    assert [ep.turn_rewards[-1] for ep in eps] == [1.0, 1.0]
+    assert [env.thread for env in envs] == [loop_thread, loop_thread]
+
+
+def test_a_built_ins_subclass_that_overrides_step_is_threaded_again(tiny_model_dir):
+    """blocking = False speaks for the methods its own class defines: a user's subclass of
+    arith_feedback whose step slept ran on the loop (seen in a run: every episode stopped)."""
+    gate = threading.Event()
+
+    class Slow(ArithFeedbackEnv):
+        def step(self, model_text):
+            self.thread = threading.get_ident()
+            assert gate.wait(timeout=20)  # set by the loop's third tick
+            return super().step(model_text)
+
+    class Sample:
+        label = "7"
+
+    renderer = ObservationRenderer(load_tokenizer(tiny_model_dir), apply_chat_template=False)
+    env = Slow()
+    ticks = []
+
+    async def go():
+        async def tick():
+            while True:
+                ticks.append(threading.get_ident())
+                if len(ticks) == 3:
+                    gate.set()
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await run_episode(generate, env, Sample(), [3, 4], renderer,
+                                     TurnLimits(2, 64, 4), {}, lambda ids: "7", pool)
+        finally:
+            ticker.cancel()
+
+    with ThreadPoolExecutor(2) as pool:
+        ep = asyncio.run(go())
+    assert ep.turn_rewards == [1.0] and env.thread != ticks[0]
