@@ -42,39 +42,46 @@ class Waits(BaseEnv):
         return StepResult(None, float(met), True, {})
 
 
-def episodes(tiny_model_dir, envs, pool, gate):
+class Row:
+    """The dataset row an episode is reset with (arith_feedback reads its label)."""
+
+    label = "7"
+
+
+def episodes(tiny_model_dir, envs, gate: threading.Event | None = None):
+    """`envs`' episodes at once (their steps answer "7"), with the loop ticking beside them and
+    setting `gate` at its third tick; (episodes, the thread of each tick)."""
     renderer = ObservationRenderer(load_tokenizer(tiny_model_dir), apply_chat_template=False)
     ticks = []
 
-    async def go():
+    async def go(pool):
         async def tick():  # the loop's own work (heartbeats, other episodes' requests)
             while True:
                 ticks.append(threading.get_ident())
-                if len(ticks) == 3:
+                if len(ticks) == 3 and gate is not None:
                     gate.set()
                 await asyncio.sleep(0.01)
 
         ticker = asyncio.create_task(tick())
         try:
             return await asyncio.gather(*(
-                run_episode(generate, env, None, [3, 4], renderer, TurnLimits(2, 64, 4), {},
+                run_episode(generate, env, Row(), [3, 4], renderer, TurnLimits(2, 64, 4), {},
                             lambda ids: "7", pool) for env in envs))
         finally:
             ticker.cancel()
 
-    return asyncio.run(go()), ticks
+    with ThreadPoolExecutor(4) as pool:
+        return asyncio.run(go(pool)), ticks
 
 
 def test_a_blocking_step_runs_in_a_thread_while_the_loop_drives_the_rest(tiny_model_dir):
     gate = threading.Event()
     envs = [Waits(gate), Waits(None)]
-    with ThreadPoolExecutor(4) as pool:
-        eps, ticks = episodes(tiny_model_dir, envs, pool, gate)
+    eps, ticks = episodes(tiny_model_dir, envs, gate)
     # the loop turned while the first step blocked (on the loop it would wait 20 s for a gate
     # only the loop sets, and score 0)
     assert [ep.turn_rewards for ep in eps] == [[1.0], [1.0]]
-    loop_thread = ticks[0]
-    assert all(t != loop_thread for env in envs for t in env.threads)
+    assert all(t != ticks[0] for env in envs for t in env.threads)
 
 
 def test_environments_that_do_not_block_and_coroutines_stay_on_the_loop(tiny_model_dir):
@@ -90,22 +97,10 @@ def test_environments_that_do_not_block_and_coroutines_stay_on_the_loop(tiny_mod
             self.thread = threading.get_ident()
             return StepResult(None, 1.0, True, {})
 
-    class Sample:
-        label = "7"
-
     envs = [Quick(), Async()]
-    with ThreadPoolExecutor(4) as pool:
-        renderer = ObservationRenderer(load_tokenizer(tiny_model_dir), apply_chat_template=False)
-
-        async def go():
-            out = await asyncio.gather(*(
-                run_episode(generate, env, Sample(), [3, 4], renderer, TurnLimits(2, 64, 4), {},
-                            lambda ids: "7", pool) for env in envs))
-            return out, threading.get_ident()
-
-        eps, loop_thread = asyncio.run(go())
+    eps, ticks = episodes(tiny_model_dir, envs)
     assert [ep.turn_rewards[-1] for ep in eps] == [1.0, 1.0]
-    assert [env.thread for env in envs] == [loop_thread, loop_thread]
+    assert [env.thread for env in envs] == [ticks[0], ticks[0]]
 
 
 def test_a_built_ins_subclass_that_overrides_step_is_threaded_again(tiny_model_dir):
@@ -119,28 +114,6 @@ def test_a_built_ins_subclass_that_overrides_step_is_threaded_again(tiny_model_d
             assert gate.wait(timeout=20)  # set by the loop's third tick
             return super().step(model_text)
 
-    class Sample:
-        label = "7"
-
-    renderer = ObservationRenderer(load_tokenizer(tiny_model_dir), apply_chat_template=False)
     env = Slow()
-    ticks = []
-
-    async def go():
-        async def tick():
-            while True:
-                ticks.append(threading.get_ident())
-                if len(ticks) == 3:
-                    gate.set()
-                await asyncio.sleep(0.01)
-
-        ticker = asyncio.create_task(tick())
-        try:
-            return await run_episode(generate, env, Sample(), [3, 4], renderer,
-                                     TurnLimits(2, 64, 4), {}, lambda ids: "7", pool)
-        finally:
-            ticker.cancel()
-
-    with ThreadPoolExecutor(2) as pool:
-        ep = asyncio.run(go())
+    [ep], ticks = episodes(tiny_model_dir, [env], gate)
     assert ep.turn_rewards == [1.0] and env.thread != ticks[0]
