@@ -51,8 +51,8 @@ def _worker(role: str, info: dict[str, Any]) -> str:
         per = pool.get("s_per_response")
         text += (f", reward workers {pool.get('busy', 0)} of {pool['workers']} busy"
                  + (f" (~{per:.2g} s a response)" if per else ""))
-        scoring = phases.get("scoring", 0)
-        if pool.get("busy", 0) >= pool["workers"] and scoring > sum(phases.values()) / 2:
+        groups = sum(n for p, n in phases.items() if p != "turns")  # turns count episodes
+        if pool.get("busy", 0) >= pool["workers"] and phases.get("scoring", 0) > groups / 2:
             text += (": the reward is what the batch waits on; raise reward.num_workers or "
                      "make the reward faster")
     return f"{text} (heartbeat {_age(info)})"

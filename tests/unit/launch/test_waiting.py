@@ -78,6 +78,8 @@ def test_the_workers_groups_are_said_by_phase_and_a_busy_reward_named():
     # the engines are the slow part, or the reward has room: no advice
     assert "raise reward.num_workers" not in line({"generating": 24, "scoring": 3}, busy=4)
     assert "raise reward.num_workers" not in line({"scoring": 24, "generating": 3}, busy=2)
+    # an episode's turns are counted per episode, not as groups
+    assert "raise reward.num_workers" in line({"scoring": 3, "episodes": 2, "turns": 30}, busy=4)
     assert "(1 waiting on the teacher, 1 sending to the broker)" in line(
         {"teacher": 1, "sending": 1}, busy=0)
 
