@@ -16,7 +16,7 @@ which names an unknown or missing key, or a value of the wrong type, in its erro
                      dropped since the last group sent
     t_start, t_end   every mode: the group's generation      trainer metrics (perf/gen_time_s)
     t_scored         single-turn and env episodes: when the  trainer metrics
-                     group's rewards (and teacher log-probs)  (perf/score_time_s)
+                     group's rewards (and teacher log-probs) (perf/score_time_s)
                      were in
     turns            multi-turn: model turns of the episode  trainer metrics
     episode_end      multi-turn: why the episode ended       trainer metrics

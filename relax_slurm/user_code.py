@@ -53,9 +53,7 @@ def absolute(value: str) -> str:
 
 def load(value: str, key: str) -> Any:
     """The object `value` names; ConfigError naming `key` and the fix when it cannot."""
-    where, attr = split(value)
-    if not where or not attr:
-        raise ConfigError(f"{key}={value!r}: give package.module:name or path/to/file.py:name")
+    where, attr = _parts(value, key)
     obj = _load_file(where, value, key) if _is_file(where) else _import(where, value, key)
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -63,6 +61,21 @@ def load(value: str, key: str) -> Any:
                               f"function or class defined at its top level{_defined(obj)}")
         obj = getattr(obj, part)
     return obj
+
+
+def _parts(value: str, key: str) -> tuple[str, str]:
+    where, attr = split(value)
+    if not where or not attr:
+        raise ConfigError(f"{key}={value!r}: give package.module:name or path/to/file.py:name")
+    return where, attr
+
+
+def _source_file(where: str, value: str, key: str) -> Path:
+    path = Path(where).resolve()
+    if not path.is_file():
+        raise ConfigError(f"{key}={value!r}: no file {path}. Fix: a path to a .py file "
+                          "(relative to the directory the run starts from, or absolute)")
+    return path
 
 
 def _defined(module: Any) -> str:
@@ -82,10 +95,7 @@ def _import(module: str, value: str, key: str) -> Any:
 
 
 def _load_file(where: str, value: str, key: str) -> Any:
-    path = Path(where).resolve()
-    if not path.is_file():
-        raise ConfigError(f"{key}={value!r}: no file {path}. Fix: a path to a .py file "
-                          "(relative to the directory the run starts from, or absolute)")
+    path = _source_file(where, value, key)
     # one module per file and process, under a name that pickles back to it in this process
     name = f"_relax_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     if name in sys.modules:
@@ -105,14 +115,9 @@ def locate(value: str, key: str) -> None:
     """Refuse `value` (ConfigError naming `key`) when its module or file cannot be found, does
     not parse, or defines no `attr` at its top level; runs none of the user's code but the
     `__init__` of the packages above a dotted module (what finding it takes)."""
-    where, attr = split(value)
-    if not where or not attr:
-        raise ConfigError(f"{key}={value!r}: give package.module:name or path/to/file.py:name")
+    where, attr = _parts(value, key)
     if _is_file(where):
-        source = Path(where).resolve()
-        if not source.is_file():
-            raise ConfigError(f"{key}={value!r}: no file {source}. Fix: a path to a .py file "
-                              "(relative to the directory the run starts from, or absolute)")
+        source = _source_file(where, value, key)
     else:
         source = _find(where, value, key)
         if source is None:  # a compiled or namespace module: found, and not read here
@@ -132,7 +137,10 @@ def locate(value: str, key: str) -> None:
 
 
 def _find(module: str, value: str, key: str) -> Path | None:
-    path = [os.getcwd(), *sys.path]  # the roles' `python -m` puts their directory first
+    # the roles' `python -m` puts their directory first. sys.path itself, not a path list
+    # handed to PathFinder: a package installed in editable mode is found by a finder of its
+    # own on sys.meta_path, which only a real import machinery walk consults
+    path = [os.getcwd(), *sys.path]
     saved = sys.path
     sys.path = path
     try:

@@ -35,7 +35,7 @@ def resolve(name: str) -> EnvFactory:
     factory = registered(name)
     if factory is not None:
         return factory
-    if ":" not in name:
+    if not user_code.is_user_code(name):
         raise EnvError(f"env.name={name!r}: not a registered environment ({', '.join(names())}) "
                        "nor a dotted path package.module:attr (or path/to/file.py:attr)")
     try:

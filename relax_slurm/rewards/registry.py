@@ -155,7 +155,7 @@ def get_reward_fn(name: str, cfg: Any = None) -> RewardFn:
     >>> boxed(RewardInput(prompt="", response=r"so \\boxed{7}", label="7"))
     1.0
     """
-    if ":" in name:
+    if user_code.is_user_code(name):
         return _import_reward(name)
     if name in _REGISTRY:
         return _REGISTRY[name]
