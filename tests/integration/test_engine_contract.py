@@ -23,6 +23,8 @@ engine alike (issue #33): what the trainer and the launcher rely on while engine
   engine's own label; the answer has that version's adapter's log-probs, stamped with it
   (engines/served_adapter.py, WeightSender.send_adapter).
 - An engine whose port is taken exits as soon as its bind fails.
+- SGLang on CPU forks its scheduler and detokenizer (the CPU venv's shim), so they do not
+  import everything again.
 """
 
 from __future__ import annotations
@@ -87,6 +89,36 @@ def client(engine, monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, KEY)
     with EngineClient(engine[1], 30.0) as c:
         yield c
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of one process, from /proc (clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
+def test_sglang_on_cpu_forks_its_scheduler_and_detokenizer(engine):
+    """SGLang spawns its scheduler and detokenizer (CUDA needs it), and each spawned child
+    imported SGLang, transformers and torch again: ~20 of a tiny CPU server's ~30 CPU-s of
+    start, paid by every SGLang engine of the suite. Without CUDA the CPU venv's shim forks
+    them, and the children inherit the server's imports. The first test of the module: the
+    detokenizer has detokenized nothing yet, so its CPU time is what its start cost (~0.2 s
+    forked, ~9 s spawned, against the server's own ~8 s)."""
+    kind, _, proc, log = engine
+    if kind != "sglang":
+        pytest.skip("SGLang's own processes; the hf engine is one process")
+    titles = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+              for pid in _children(proc.pid)}  # SGLang titles its processes (setproctitle)
+    [detokenizer_pid] = [pid for pid, t in titles.items() if "detokenizer" in t] or [None]
+    assert detokenizer_pid, (titles, Path(log).read_text()[-3000:])
+    server, detokenizer = _cpu_s(proc.pid), _cpu_s(detokenizer_pid)
+    # spawned it costs about the server's own start (1.0x); forked, a few percent of it
+    assert detokenizer < 0.25 * server, (detokenizer, server)
 
 
 def test_a_paused_engine_is_alive_and_not_ready_and_never_named_hung(engine, client):

@@ -1,6 +1,7 @@
 """Loaded at interpreter start in the CPU SGLang venv (by relax_sglang_cpu_shim.pth), only when
-SGLANG_USE_CPU_ENGINE=1, i.e. in the server and its scheduler and detokenizer processes: what
-a torch without CUDA needs for SGLang's GPU code paths to start (each below, with why).
+SGLANG_USE_CPU_ENGINE=1, i.e. in the server (its scheduler and detokenizer processes are forked
+from it, below, and inherit all of it): what a torch without CUDA needs for SGLang's GPU code
+paths to start (each below, with why).
 
 torchvision 0.28.0 from PyPI is a CUDA build: its _C.so cannot load against the CPU torch, so
 the torchvision::nms and ::qnms operators are never defined and `import torchvision` dies in
@@ -111,9 +112,32 @@ if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
 
             module._freeze_gc_after_server_warmup = freeze_when_up
 
+        # SGLang starts its scheduler and detokenizer processes with multiprocessing's "spawn"
+        # (entrypoints/engine.py `_set_envs_and_config`), which CUDA needs: a forked child
+        # cannot use the parent's CUDA context. Each spawned child imports SGLang,
+        # transformers and torch again before it does anything: ~20 of a tiny server's ~30
+        # CPU-s of start (the detokenizer ~9 CPU-s of imports alone), ~27 s to /health on
+        # 2 cores. Without CUDA there is nothing a fork would share wrongly, and the server's
+        # process has one thread when it starts them (checked: threading.enumerate() at the
+        # fork), so it forks them: ~11 CPU-s, ~15 s.
+        def _fork_children(module):
+            set_up = getattr(module, "_set_envs_and_config", None)
+            if set_up is None:  # another SGLang: its own start method, as it is
+                return
+
+            def set_envs_and_config(*args, **kwargs):
+                result = set_up(*args, **kwargs)
+                import multiprocessing
+
+                multiprocessing.set_start_method("fork", force=True)
+                return result
+
+            module._set_envs_and_config = set_envs_and_config
+
         _AFTER_IMPORT = ({} if torch.cuda.is_available() else
                          {"sglang.srt.mem_cache.pool_host.common": _host_cache_without_cuda,
-                          "sglang.srt.entrypoints.http_server": _freeze_once_listening})
+                          "sglang.srt.entrypoints.http_server": _freeze_once_listening,
+                          "sglang.srt.entrypoints.engine": _fork_children})
 
         class _PatchAfterImport(importlib.abc.MetaPathFinder):
             def find_spec(self, name, path, target=None):
