@@ -35,7 +35,8 @@ def _batch(want: dict[str, Any], status: BrokerStatus) -> str:
 
 def _worker(role: str, info: dict[str, Any]) -> str:
     """A rollout worker's groups, where they are, its engines' open requests, its reward pool,
-    and, when the groups wait on the reward with every reward worker busy, what to change."""
+    and, when the groups wait on the reward with every reward worker busy or on the
+    environment's threads with every one busy, what to change."""
     phases = {p: n for p, n in (info.get("groups_by_phase") or {}).items() if n}
     where = ", ".join(f"{n} {PHASES.get(p, p)}"
                       for p, n in sorted(phases.items(), key=lambda kv: -kv[1]))
@@ -44,7 +45,13 @@ def _worker(role: str, info: dict[str, Any]) -> str:
         busy.items()))) if busy else "no engine request open"
     text = (f"{role}: {info.get('groups_in_flight', '?')} groups in flight"
             f"{f' ({where})' if where else ''}, {engines}")
-    if phases.get("episodes") and not phases.get("turns"):  # no model turn: env calls
+    threads = info.get("env_threads") or {}
+    full = threads.get("waiting", 0) > 0  # every env.threads thread taken, calls queued
+    if full:
+        text += (f", all {threads['threads']} env.threads busy and {threads['waiting']} "
+                 "environment calls waiting for one: raise env.threads, or make the "
+                 "environment's step a coroutine (async def)")
+    elif phases.get("episodes") and not phases.get("turns"):  # no model turn: env calls
         text += ", no episode's model turn generating: the episodes wait on the environment"
     pool = info.get("reward_workers") or {}
     if pool.get("workers"):

@@ -6,7 +6,6 @@ history); the episodes go to the broker as one group (`RolloutServices.put_episo
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from collections.abc import Callable
 
@@ -14,6 +13,7 @@ from relax_slurm.data import Prompt
 from relax_slurm.envs import env_factory
 from relax_slurm.rewards import RewardInput
 from relax_slurm.engines.client import GenerateResult, raise_if_aborted
+from relax_slurm.rollout.env_threads import EnvThreads
 from relax_slurm.rollout.multiturn import Episode, ObservationRenderer, TurnLimits, run_episode
 from relax_slurm.rollout.services import RolloutServices
 
@@ -27,8 +27,7 @@ class EnvEpisodes:
         self.renderer = ObservationRenderer(svc.tokenizer, svc.cfg.data.apply_chat_template)
         self.limits = TurnLimits.of(svc.cfg)
         # a blocking environment's plain reset/step/close (envs/base.py), off the event loop
-        self.pool = concurrent.futures.ThreadPoolExecutor(svc.cfg.env.threads,
-                                                          thread_name_prefix="env")
+        self.threads = EnvThreads(svc.cfg.env.threads)
 
     async def rollout_group(self, prompt: Prompt, gid: int, data_state: dict) -> None:
         t_start = time.time()
@@ -53,7 +52,7 @@ class EnvEpisodes:
 
             return await asyncio.gather(*(
                 run_episode(generate, self.make_env(), prompt, prompt.input_ids, self.renderer,
-                            self.limits, p, self.svc.decode, self.pool) for p in params))
+                            self.limits, p, self.svc.decode, self.threads) for p in params))
 
     async def episode_rewards(self, prompt: Prompt, episodes: list[Episode]
                               ) -> tuple[list[float], int]:
@@ -71,4 +70,4 @@ class EnvEpisodes:
         return rewards, sum(error for _, error in scored)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.threads.close()

@@ -24,14 +24,13 @@ agent instead of an environment.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
 from relax_slurm.envs.base import BaseEnv, EnvError, Message, StepResult
 from relax_slurm.engines.client import GenerateResult
+from relax_slurm.rollout.env_threads import EnvThreads
 from relax_slurm.rollout.partial import version_record
 from relax_slurm.routing.segments import TurnRouting
 from relax_slurm.sample_meta import SampleMeta
@@ -217,14 +216,14 @@ async def _call(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-async def _env_call(env: BaseEnv, method: str, pool: Executor | None, *args: Any) -> Any:
+async def _env_call(env: BaseEnv, method: str, threads: EnvThreads | None, *args: Any) -> Any:
     """`env.<method>(*args)`: a coroutine awaited on the loop; a plain method that may block in
-    `pool` (env.threads), so that a call that blocks (a subprocess, a request) does not stop
+    `threads` (env.threads), so that a call that blocks (a subprocess, a request) does not stop
     the loop that drives every other episode and heartbeats."""
     fn = getattr(env, method)
-    if pool is None or inspect.iscoroutinefunction(fn) or not _may_block(type(env), method):
+    if threads is None or inspect.iscoroutinefunction(fn) or not _may_block(type(env), method):
         return await _call(fn(*args))
-    return await _call(await asyncio.get_running_loop().run_in_executor(pool, fn, *args))
+    return await _call(await threads.run(fn, *args))
 
 
 def _may_block(cls: type, method: str) -> bool:
@@ -248,12 +247,12 @@ def _as_step(result: Any) -> StepResult:
 async def run_episode(generate: Generate, env: BaseEnv, prompt: Any, prompt_ids: list[int],
                       renderer: ObservationRenderer, limits: TurnLimits,
                       params: dict[str, Any], decode: Callable[[list[int]], str],
-                      pool: Executor | None = None) -> Episode:
-    """One episode of `env` from `prompt`; the environment is closed whatever happens. `pool`:
+                      threads: EnvThreads | None = None) -> Episode:
+    """One episode of `env` from `prompt`; the environment is closed whatever happens. `threads`:
     the threads that run a blocking environment's plain methods (None: on the loop)."""
     ep = Episode(prompt_ids=list(prompt_ids))
     try:
-        first, _ = await _env_call(env, "reset", pool, prompt)
+        first, _ = await _env_call(env, "reset", threads, prompt)
         if first is not None:
             ep.prompt_ids = renderer.first_observation_ids(
                 ep.prompt_ids, env.format_observation(first))
@@ -275,7 +274,7 @@ async def run_episode(generate: Generate, env: BaseEnv, prompt: Any, prompt_ids:
             res = await generate(ids, turn_params, ep.routing.start_for(ids))
             ep.add_turn(res, ids)
             text = ep.last_turn_text = res.text if stop else decode(res.output_ids)
-            step = _as_step(await _env_call(env, "step", pool, text))
+            step = _as_step(await _env_call(env, "step", threads, text))
             ep.turn_rewards.append(float(step.reward))
             ep.infos.append(dict(step.info or {}))
             if step.done:
@@ -292,7 +291,7 @@ async def run_episode(generate: Generate, env: BaseEnv, prompt: Any, prompt_ids:
             ep.add_images(messages)
             ep.add(obs_ids, model=False)
     finally:
-        await _env_call(env, "close", pool)
+        await _env_call(env, "close", threads)
     return ep
 
 

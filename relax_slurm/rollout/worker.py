@@ -103,6 +103,10 @@ class RolloutWorker:
             return None
         return EnvEpisodes(self.services) if cfg.env.name else SingleTurn(self.services)
 
+    def env_threads(self) -> dict[str, int] | None:
+        """The environment's thread pool's load (multi-turn only; rollout/env_threads.py)."""
+        return self.mode.threads.load() if isinstance(self.mode, EnvEpisodes) else None
+
     def proxy(self) -> AgentProxy:
         """rollout.agent_mode=proxy: the sessions external agents drive, on our services."""
         from relax_slurm.rollout.proxy import AgentProxy
@@ -207,7 +211,8 @@ class RolloutWorker:
                                        requests_per_engine=self.requests_per_engine(),
                                        requests_open=self.requests_open(),
                                        groups_by_phase=self.services.phases.snapshot(),
-                                       reward_workers=self.services.reward_pool.load())
+                                       reward_workers=self.services.reward_pool.load(),
+                                       env_threads=self.env_threads())
                 await self.follow_engines()
             while self.requeued and len(self.tasks) < limit:  # they still hold their credits
                 self.start_group(*self.requeued.popleft())

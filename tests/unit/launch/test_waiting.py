@@ -99,3 +99,19 @@ def test_episodes_with_no_model_turn_generating_wait_on_the_environment():
             "environment (heartbeat 1s ago)") in line(0), line(0)
     assert "environment" not in line(3)
     assert "(4 playing episodes, 3 episodes' model turns generating)" in line(3)
+
+
+def test_a_full_environment_thread_pool_is_named_with_the_fix():
+    def line(threads: dict) -> str:
+        return explain(status({
+            "trainer": {"heartbeat_age_s": 3.0, "waiting": {"batch": {"version": 4}}},
+            "rollout": {"heartbeat_age_s": 1.0, "groups_in_flight": 16,
+                        "groups_by_phase": {"episodes": 16}, "env_threads": threads}}))
+
+    full = line({"threads": 64, "busy": 64, "waiting": 192})
+    assert ("no engine request open, all 64 env.threads busy and 192 environment calls "
+            "waiting for one: raise env.threads, or make the environment's step a coroutine "
+            "(async def) (heartbeat 1s ago)") in full, full
+    # room in the pool: the environment itself is slow, as before
+    room = line({"threads": 64, "busy": 40, "waiting": 0})
+    assert "env.threads" not in room and "the episodes wait on the environment" in room

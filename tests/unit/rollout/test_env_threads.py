@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 from relax_slurm.data import load_tokenizer
 from relax_slurm.engines.client import GenerateResult
 from relax_slurm.envs import BaseEnv, StepResult
 from relax_slurm.envs.arith_feedback import ArithFeedbackEnv
+from relax_slurm.rollout.env_threads import EnvThreads
 from relax_slurm.rollout.multiturn import ObservationRenderer, TurnLimits, run_episode
 
 EOS = 1
@@ -54,7 +54,7 @@ def episodes(tiny_model_dir, envs, gate: threading.Event | None = None):
     renderer = ObservationRenderer(load_tokenizer(tiny_model_dir), apply_chat_template=False)
     ticks = []
 
-    async def go(pool):
+    async def go(threads):
         async def tick():  # the loop's own work (heartbeats, other episodes' requests)
             while True:
                 ticks.append(threading.get_ident())
@@ -66,12 +66,15 @@ def episodes(tiny_model_dir, envs, gate: threading.Event | None = None):
         try:
             return await asyncio.gather(*(
                 run_episode(generate, env, Row(), [3, 4], renderer, TurnLimits(2, 64, 4), {},
-                            lambda ids: "7", pool) for env in envs))
+                            lambda ids: "7", threads) for env in envs))
         finally:
             ticker.cancel()
 
-    with ThreadPoolExecutor(4) as pool:
-        return asyncio.run(go(pool)), ticks
+    threads = EnvThreads(4)
+    try:
+        return asyncio.run(go(threads)), ticks
+    finally:
+        threads.close()
 
 
 def test_a_blocking_step_runs_in_a_thread_while_the_loop_drives_the_rest(tiny_model_dir):
@@ -117,3 +120,37 @@ def test_a_built_ins_subclass_that_overrides_step_is_threaded_again(tiny_model_d
     env = Slow()
     [ep], ticks = episodes(tiny_model_dir, [env], gate)
     assert ep.turn_rewards == [1.0] and env.thread != ticks[0]
+
+
+def test_the_threads_say_how_many_calls_run_and_how_many_wait_for_a_thread():
+    """The worker's heartbeat carries `load()`: with every thread taken the next calls wait,
+    which the stall note names (launch/waiting.py). A call cancelled before a thread took it
+    is not counted as waiting; one cancelled while it runs is counted until it ends."""
+    gate = threading.Event()
+
+    async def main():
+        threads = EnvThreads(1)
+        try:
+            first = asyncio.ensure_future(threads.run(gate.wait, 20))
+            second = asyncio.ensure_future(threads.run(gate.wait, 20))
+            while threads.load()["busy"] < 1:  # the first call reached its thread
+                await asyncio.sleep(0.01)
+            full = threads.load()
+            second.cancel()
+            await asyncio.gather(second, return_exceptions=True)
+            dropped = threads.load()
+            first.cancel()  # its thread still waits on the gate
+            await asyncio.gather(first, return_exceptions=True)
+            still = threads.load()
+            gate.set()
+            while threads.load()["busy"]:
+                await asyncio.sleep(0.01)
+            return full, dropped, still, threads.load()
+        finally:
+            threads.close()
+
+    full, dropped, still, idle = asyncio.run(main())
+    assert full == {"threads": 1, "busy": 1, "waiting": 1}
+    assert dropped == {"threads": 1, "busy": 1, "waiting": 0}
+    assert still == {"threads": 1, "busy": 1, "waiting": 0}
+    assert idle == {"threads": 1, "busy": 0, "waiting": 0}

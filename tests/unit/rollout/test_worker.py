@@ -220,7 +220,8 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(make_worker):
                                                 "requests_open": {FakeEngine.url: 0},
                                                 "groups_by_phase": {},
                                                 "reward_workers": {"busy": 0, "workers": 2,
-                                                                   "s_per_response": None}})
+                                                                   "s_per_response": None},
+                                                "env_threads": None})  # single-turn
     assert sorted(g[0].prompt_id for g in broker.groups) == ["2", "3"]
     for g in broker.groups:
         assert len({s.reward for s in g}) > 1  # only informative groups reach the broker
