@@ -169,6 +169,7 @@ def save(root: Path, step: int, mm: MegatronModel, extra_state: dict[str, Any], 
         barrier(group)
         done.set_result(final)
 
+    _forked_results_queue()
     try:
         request = dist_checkpointing.save(
             sharded_state_dict(mm, critic=critic, adapter_only=adapter_only,
@@ -196,6 +197,37 @@ def _meta_text(step: int, extra: dict[str, Any]) -> str:
 
 
 _QUEUE = None  # megatron-core's AsyncCallsQueue, one per process
+
+
+def _as_spawned() -> None:
+    """In the forked results manager: the signals a spawned process would have (the rank's
+    stack-dump handler writes to the rank's file)."""
+    import faulthandler
+    import signal
+
+    from relax_slurm.runtime.stacks import DUMP_SIGNAL
+
+    faulthandler.unregister(DUMP_SIGNAL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _forked_results_queue() -> None:
+    """megatron-core's savers return their write results through a Manager's queue, whose
+    process it starts with "spawn" (dist_checkpointing/strategies/filesystem_async.py
+    `_get_write_results_queue`): a process that imports the rank's whole `__main__` again
+    (relax_slurm.trainer: torch, transformers, megatron), ~2.5 CPU-s and a few seconds at
+    every rank's first save. The queue only goes to this process and to the writers
+    megatron forks (AsyncCallsQueue(persistent=False) forks too), so the same Manager,
+    forked, serves it; set in the module's cache before megatron makes its own."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(_as_spawned)
+        filesystem_async._results_queue = manager.Queue()
 
 
 def _async_queue():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 
 import torch
@@ -157,6 +158,17 @@ def reference_check(mm: MegatronModel, model_dir: str, mine: MicroBatch, out: Pa
     return result
 
 
+def results_manager_cpu_s() -> float:
+    """CPU seconds of the process serving the saves' write-results queue (megatron-core
+    spawns it, checkpoint.py forks it): a spawned one imported this script's torch,
+    transformers and megatron again (~2.5 CPU-s), a forked one imports nothing."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    pid = filesystem_async._results_queue._manager._process.pid
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
@@ -231,6 +243,7 @@ def main(argv: list[str]) -> None:
                        temperature=1.0)
     result["committed_while_training"] = (root / "step_2" / "meta.json").exists()
     handle.wait(timeout_s=300)
+    result["results_manager_cpu_s"] = results_manager_cpu_s()
     after_w = {k: v.clone() for k, v in mm.named_hf_weights()}
     extra = checkpoint.load(root / "step_2", mm)
     restored = {k: v.clone() for k, v in mm.named_hf_weights()}
