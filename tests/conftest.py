@@ -113,6 +113,21 @@ def sglang_cpu_python() -> Path:
     return sglang_cpu.ensure_venv()
 
 
+def pytest_configure(config) -> None:
+    """Compile the package to bytecode once, before any test starts a process. Where
+    PYTHONDONTWRITEBYTECODE is set (this machine's and CI's environment; many container images
+    set it too) no process writes its `.pyc`, and an editable install has none from pip, so
+    each of the suite's ~700 role processes (launcher, broker, worker, engines, ranks) compiled
+    every relax_slurm module it imports from source again: 0.1-0.3 CPU-s a process, ~0.8 of a
+    tiny run's ~19 (PYTHONPROFILEIMPORTTIME in each role's log). Python reads `.pyc` files
+    whatever that variable says, and recompiles any whose source is newer."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # the controller, before its workers
+        import compileall
+
+        for tree in ("relax_slurm", "tools", "tests"):
+            compileall.compile_dir(REPO / tree, quiet=1, workers=1)
+
+
 _sglang_build: subprocess.Popen | None = None
 
 

@@ -64,6 +64,14 @@ def free_port() -> int:
     return plan_free_port()
 
 
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of one live process, from /proc/PID/stat (the tests that assert a child
+    was forked, not spawned, read its CPU time; tools/bench/load.py's parse_pid_stat also adds
+    reaped children's, the same for these processes, which reap none)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def child_env() -> dict[str, str]:
     """Environment for child processes: one thread, the repo importable."""
     env = dict(os.environ)

@@ -46,8 +46,7 @@ def _worker(role: str, info: dict[str, Any]) -> str:
     text = (f"{role}: {info.get('groups_in_flight', '?')} groups in flight"
             f"{f' ({where})' if where else ''}, {engines}")
     threads = info.get("env_threads") or {}
-    full = threads.get("waiting", 0) > 0  # every env.threads thread taken, calls queued
-    if full:
+    if threads.get("waiting", 0) > 0:  # every env.threads thread taken, calls queued
         text += (f", all {threads['threads']} env.threads busy and {threads['waiting']} "
                  "environment calls waiting for one: raise env.threads, or make the "
                  "environment's step a coroutine (async def)")

@@ -42,8 +42,8 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
-from helpers_tiny import (free_port, make_tiny_model, run_script, start_engine,  # noqa: E402
-                          start_sglang_engine, stop_process, wait_healthy)
+from helpers_tiny import (free_port, make_tiny_model, process_cpu_s, run_script,  # noqa: E402
+                          start_engine, start_sglang_engine, stop_process, wait_healthy)
 
 from relax_slurm.engines.async_client import AsyncEngineClient  # noqa: E402
 from relax_slurm.engines.client import EngineClient  # noqa: E402
@@ -91,12 +91,6 @@ def client(engine, monkeypatch):
         yield c
 
 
-def _cpu_s(pid: int) -> float:
-    """utime + stime of one process, from /proc (clock ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _children(pid: int) -> list[int]:
     return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
             for c in (task / "children").read_text().split()]
@@ -116,7 +110,7 @@ def test_sglang_on_cpu_forks_its_scheduler_and_detokenizer(engine):
               for pid in _children(proc.pid)}  # SGLang titles its processes (setproctitle)
     [detokenizer_pid] = [pid for pid, t in titles.items() if "detokenizer" in t] or [None]
     assert detokenizer_pid, (titles, Path(log).read_text()[-3000:])
-    server, detokenizer = _cpu_s(proc.pid), _cpu_s(detokenizer_pid)
+    server, detokenizer = process_cpu_s(proc.pid), process_cpu_s(detokenizer_pid)
     # spawned it costs about the server's own start (1.0x); forked, a few percent of it
     assert detokenizer < 0.25 * server, (detokenizer, server)
 

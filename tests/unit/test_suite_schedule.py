@@ -45,3 +45,25 @@ def test_each_test_file_runs_on_one_xdist_worker(tmp_path):
     for module, _, worker in map(json.loads, out.read_text().splitlines()):
         workers.setdefault(module, set()).add(worker)
     assert len(workers) == 3 and all(len(w) == 1 for w in workers.values()), workers
+
+
+def test_every_module_has_current_bytecode_before_the_tests_start():
+    """tests/conftest.py's pytest_configure compiles the package before any test starts a
+    process: with PYTHONDONTWRITEBYTECODE set (this machine's and CI's environment) nothing
+    else writes a relax_slurm `.pyc` (an editable install gets none from pip), and each of the
+    suite's role processes compiled every module it imports from source again. A timestamp
+    `.pyc` records its source's mtime and size (bytes 8-16); Python uses it only when both
+    match."""
+    import importlib.util
+    import struct
+
+    stale = []
+    for source in sorted((REPO / "relax_slurm").rglob("*.py")):
+        cached = Path(importlib.util.cache_from_source(str(source)))
+        st = source.stat()
+        header = cached.read_bytes()[:16] if cached.is_file() else b""
+        if (len(header) < 16 or struct.unpack("<I", header[4:8])[0] != 0
+                or struct.unpack("<II", header[8:16]) != (int(st.st_mtime) & 0xFFFFFFFF,
+                                                          st.st_size & 0xFFFFFFFF)):
+            stale.append(str(source.relative_to(REPO)))
+    assert not stale, f"{len(stale)} modules without current bytecode, e.g. {stale[:5]}"

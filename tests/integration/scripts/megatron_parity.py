@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+import sys
 from pathlib import Path
 
 import torch
@@ -41,6 +41,9 @@ from relax_slurm.trainer.megatron import checkpoint
 from relax_slurm.trainer.megatron.model import MegatronModel, init_model_parallel
 from relax_slurm.trainer.megatron.step import train_step, with_old_logprobs
 from relax_slurm.trainer.megatron import vocab_parallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ for helpers_tiny
+from helpers_tiny import process_cpu_s  # noqa: E402
 
 
 def synthetic_batch(vocab: int, rows: int, width: int) -> MicroBatch:
@@ -164,9 +167,7 @@ def results_manager_cpu_s() -> float:
     transformers and megatron again (~2.5 CPU-s), a forked one imports nothing."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    pid = filesystem_async._results_queue._manager._process.pid
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return process_cpu_s(filesystem_async._results_queue._manager._process.pid)
 
 
 def main(argv: list[str]) -> None:

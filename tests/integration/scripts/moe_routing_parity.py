@@ -21,8 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # helpers_tiny
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ for helpers_tiny
 import helpers_moe  # noqa: E402
 import torch  # noqa: E402
 from helpers_tiny import engine_script_args, free_port  # noqa: E402

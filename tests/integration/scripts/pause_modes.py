@@ -22,8 +22,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # helpers_tiny
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ for helpers_tiny
 from helpers_tiny import free_port, perturbed, script_engine  # noqa: E402
 
 from relax_slurm.errors import WeightSyncError  # noqa: E402

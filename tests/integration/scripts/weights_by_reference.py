@@ -18,8 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # helpers_tiny
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ for helpers_tiny
 from helpers_tiny import engine_script_args, free_port  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
