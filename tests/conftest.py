@@ -123,9 +123,11 @@ def pytest_configure(config) -> None:
     whatever that variable says, and recompiles any whose source is newer."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None:  # the controller, before its workers
         import compileall
+        import py_compile
 
-        for tree in ("relax_slurm", "tools", "tests"):
-            compileall.compile_dir(REPO / tree, quiet=1, workers=1)
+        for tree in ("relax_slurm", "tools", "tests"):  # timestamps even under SOURCE_DATE_EPOCH
+            compileall.compile_dir(REPO / tree, quiet=1, workers=1,
+                                   invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
 
 
 _sglang_build: subprocess.Popen | None = None
