@@ -24,10 +24,11 @@ from relax_slurm.errors import RoleFailed
 from relax_slurm.launch.inputs import (check_inputs, prepare_sglang_engines,
                                        record_global_restart, say)
 from relax_slurm.launch.interrupt import STOP
-from relax_slurm.launch.processes import adopt_orphans
+from relax_slurm.launch.lifetime import adopt_orphans
 from relax_slurm.launch.rerun import plan_rerun
-from relax_slurm.launch.roles import run_specs
+from relax_slurm.launch.roles import child_env, role_imports, run_specs
 from relax_slurm.launch.supervisor import supervise
+from relax_slurm.launch.zygote import Zygote, use_zygote
 from relax_slurm.runtime.control import clear_preempt, clear_stop
 from relax_slurm.runtime.plan import RunPlan, save_plan
 from relax_slurm.runtime.ports import free_port
@@ -72,19 +73,39 @@ def prepare_run_dir(cfg: TrainConfig, plan: RunPlan, attempt: int = 0) -> Path:
     return run_dir
 
 
-def run_attempt(cfg: TrainConfig, attempt: int, started: float) -> dict:
+def run_attempt(cfg: TrainConfig, attempt: int, started: float,
+                zygote: Zygote | None = None) -> dict:
     plan = local_plan(cfg)  # fresh ports: the last attempt's may not be free yet
     run_dir = prepare_run_dir(cfg, plan, attempt)
     specs = run_specs(cfg, plan, run_dir, LOCALHOST, [LOCALHOST])
     return supervise(specs, cfg, run_dir, wrap=lambda spec: spec.argv, started=started,
-                     extra={"global_restarts": attempt})
+                     extra={"global_restarts": attempt}, zygote=zygote)
+
+
+def start_zygote(cfg: TrainConfig) -> Zygote | None:
+    """The zygote that forks this run's roles (launch/zygote.py), started first so that its
+    imports overlap the checks below; None where it may not fork (see `use_zygote`)."""
+    # a dead role's orphans come here, to be stopped (launch/processes.py), and so do the
+    # zygote's roles, to be waited for
+    adopted = adopt_orphans()
+    if not (adopted and use_zygote(cfg.cluster.fork_roles)):
+        return None
+    return Zygote(role_imports(cfg), child_env(cfg, secret=""))
 
 
 def run_local(cfg: TrainConfig) -> dict | None:
     """Run to the end, restarting globally after a failure up to cluster.restart.max_global;
     returns the summary, None for a run already complete (nothing started, summary.json
     kept). Raises RoleFailed/ConfigError with the cause."""
-    adopt_orphans()  # a dead role's orphans come here, to be stopped (launch/processes.py)
+    zygote = start_zygote(cfg)
+    try:
+        return _run_attempts(cfg, zygote)
+    finally:
+        if zygote is not None:
+            zygote.close()
+
+
+def _run_attempts(cfg: TrainConfig, zygote: Zygote | None) -> dict | None:
     prepare_sglang_engines(cfg)
     check_inputs(cfg)
     rerun = plan_rerun(cfg, Path(cfg.run_dir).resolve())
@@ -96,7 +117,7 @@ def run_local(cfg: TrainConfig) -> dict | None:
     attempt = 0
     while True:
         try:
-            summary = run_attempt(cfg, attempt, started=t0)
+            summary = run_attempt(cfg, attempt, started=t0, zygote=zygote)
             break
         except RoleFailed as e:
             if STOP.requested:  # a Ctrl-C asked to stop: no restart

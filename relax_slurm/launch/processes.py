@@ -6,54 +6,38 @@ is killed outright (SIGKILL, OOM killer, a test's timeout) runs no `finally`: ev
 asks the kernel for SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG), so no role outlives
 the launcher and keeps a broker, an engine or a trainer running with nobody to stop it.
 
-A process whose parent dies first is re-parented to the launcher (`adopt_orphans`, Linux's
-child subreaper), not to init where no walk from a role finds it: megatron's async checkpoint
-writer, forked by a rank that was SIGKILLed mid-save, lives on in that rank's session, holding
-its memory (a GPU's, on a cluster) while the restarted trainer loads. `restart` and `close`
-stop such orphans too.
+A process whose parent dies first is re-parented to the launcher (`lifetime.adopt_orphans`,
+Linux's child subreaper), not to init where no walk from a role finds it: megatron's async
+checkpoint writer, forked by a rank that was SIGKILLed mid-save, lives on in that rank's
+session, holding its memory (a GPU's, on a cluster) while the restarted trainer loads.
+`restart` and `close` stop such orphans too.
+
+Where it can, a local run's roles are forked by the zygote (launch/zygote.py) rather than
+started as processes of their own: the same programs, without importing torch again in each.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from relax_slurm.errors import RoleFailed
+from relax_slurm.launch.lifetime import child_setup
+
+if TYPE_CHECKING:
+    from relax_slurm.launch.zygote import Forked, Zygote
+
+    Child = subprocess.Popen | Forked
+    """A role's process: started by `subprocess`, or forked by the zygote and adopted."""
 
 TERM_GRACE_S = 10.0
 LOG_TAIL_LINES = 20
-
-
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def adopt_orphans() -> bool:
-    """Make this process the parent of every orphan among its descendants (Linux
-    PR_SET_CHILD_SUBREAPER), so `ProcessSet` can find and stop them; False elsewhere. Called
-    by the launchers' entry points only: a subreaper must reap what it adopts."""
-    if not sys.platform.startswith("linux"):
-        return False
-    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-
-
-def child_setup(parent: int, cpus: list[int] | None):
-    """preexec_fn: die with the launcher, then pin to `cpus` (if any)."""
-    def setup() -> None:
-        if sys.platform.startswith("linux"):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-            if os.getppid() != parent:  # the launcher died before prctl took effect
-                os._exit(1)
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-    return setup
 
 
 # the last line of a Python traceback: `module.Class: message`, a rank's line prefixed by
@@ -90,7 +74,7 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 @dataclass
 class Role:
     name: str
-    proc: subprocess.Popen
+    proc: Child
     log: Path
     ports: dict[str, int] = field(default_factory=dict)
     host: str = "127.0.0.1"
@@ -110,9 +94,12 @@ class Role:
 class ProcessSet:
     """The processes one run started, by role name."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+    def __init__(self, log_dir: Path, env: dict[str, str], zygote: Zygote | None = None
+                 ) -> None:
         self.log_dir = log_dir
         self.env = env
+        self.zygote = zygote
+        """Forks our Python roles (launch/zygote.py); None: each starts as its own process."""
         self.roles: list[Role] = []
         self.outside: dict[str, dict] = {}
         """Roles of the run that are not processes of this set (engines in Slurm jobs of
@@ -121,14 +108,16 @@ class ProcessSet:
     def start(self, name: str, cmd: list[str], *, ports: dict[str, int] | None = None,
               host: str = "127.0.0.1", cpus: list[int] | None = None) -> Role:
         log = self.log_dir / f"{name}.log"
-        f = log.open("ab")
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=self.env, start_new_session=True,
-                                preexec_fn=child_setup(os.getpid(), cpus))
-        f.close()  # the child holds its own descriptor
-        role = Role(name=name, proc=proc, log=log, ports=ports or {}, host=host)
+        role = Role(name=name, proc=self._launch(cmd, log, cpus), log=log, ports=ports or {},
+                    host=host)
         self.roles.append(role)
         return role
+
+    def order(self, names: list[str]) -> None:
+        """Keep the roles in the order of `names` whatever order they started in: the run's
+        own (broker, engines, worker, trainer), so that `check_alive` reports the first role
+        that exited in it, the one the others depend on."""
+        self.roles.sort(key=lambda role: names.index(role.name))
 
     def restart(self, role: Role, cmd: list[str], cpus: list[int] | None = None) -> None:
         """Start `role` again (same name, log and ports) after its process died; orphans of
@@ -141,10 +130,21 @@ class ProcessSet:
         self._stop_orphans(spare=_sessions(others))
         with role.log.open("ab") as f:
             f.write(f"\n--- relax-train: restarting {role.name} in place ---\n".encode())
-            role.proc = subprocess.Popen(
-                cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-                start_new_session=True, preexec_fn=child_setup(os.getpid(), cpus))
+        role.proc = self._launch(cmd, role.log, cpus)
         role.restarts += 1
+
+    def _launch(self, cmd: list[str], log: Path, cpus: list[int] | None) -> Child:
+        """`cmd` in a session of its own, its output appended to `log`: forked by the zygote
+        when there is one and `cmd` is one of our Python modules, else a process of its own."""
+        with log.open("ab") as f:  # the child holds its own descriptor (or opens its own)
+            if self.zygote is not None:
+                forked = self.zygote.fork(cmd, self.env, log, cpus)
+                if forked is not None:
+                    return forked
+            return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=self.env,
+                                    start_new_session=True,
+                                    preexec_fn=child_setup(os.getpid(), cpus))
 
     def stop(self, role: Role, grace_s: float = 10.0) -> None:
         """Stop one role for good (an engine a scale-in removed): SIGTERM, then SIGKILL after
@@ -216,7 +216,7 @@ def _reap_pid(pid: int, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
-def _reap(proc: subprocess.Popen, timeout_s: float) -> None:
+def _reap(proc: Child, timeout_s: float) -> None:
     """Wait for a SIGKILLed child without ever raising: teardown runs in `finally` and must not
     replace the error (or the Ctrl-C) that brought it there.
 
@@ -307,7 +307,7 @@ def _signal_each(pids: list[int], sig: int) -> None:
                 pass
 
 
-def _signal_session(proc: subprocess.Popen, sig: int) -> None:
+def _signal_session(proc: Child, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -27,10 +27,11 @@ from relax_slurm.launch.interrupt import STOP
 from relax_slurm.runtime.plan import PLAN_FILE, load_plan
 from relax_slurm.runtime.stacks import RUN_DIR_ENV
 from relax_slurm.launch.processes import ProcessSet, Role
+from relax_slurm.launch.zygote import Zygote
 from relax_slurm.launch.records import write_roles
 from relax_slurm.launch.restart import InPlace
 from relax_slurm.launch.scale import Scaler
-from relax_slurm.launch.roles import RoleSpec, Wrap, child_env, engine_api_key
+from relax_slurm.launch.roles import RoleSpec, Wrap, child_env, engine_api_key, start_order
 from relax_slurm.metrics.fanout import check_installed
 from relax_slurm.metrics.jsonl import METRICS_FILE, MetricsTail, iter_metrics
 from relax_slurm.metrics.notify import Notifier
@@ -76,13 +77,14 @@ def start(procs: ProcessSet, specs: list[RoleSpec], cfg: TrainConfig, wrap: Wrap
     """
     pending: dict[str, Role] = {}
     trainer = None
-    for spec in specs:
+    for spec in start_order(specs):
         role = procs.start(spec.name, wrap(spec), ports=spec.ports, host=spec.host, cpus=spec.cpus)
         if spec.health_url:
             pending[spec.health_url] = role
         if spec.name == "trainer":
             trainer = role
     assert trainer is not None, "a run needs a trainer role"
+    procs.order([spec.name for spec in specs])
     wait_healthy(procs, pending, cfg.rollout.startup_timeout_s)
     return trainer
 
@@ -229,14 +231,15 @@ class Supervisor:
     same way everywhere."""
 
     def __init__(self, specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap,
-                 engine_jobs: EngineJobs | None = None) -> None:
+                 engine_jobs: EngineJobs | None = None, zygote: Zygote | None = None) -> None:
         check_installed(cfg)  # a missing tensorboard/wandb fails now, not after engines load
         self.specs, self.cfg, self.run_dir, self.wrap = specs, cfg, run_dir, wrap
         self.notifier = Notifier(cfg.notify, run_dir.name)
         secret = ensure_secret(run_dir)
         # every role registers its stack dumps under the run dir (runtime/stacks.py)
         self.procs = ProcessSet(run_dir / "logs",
-                                child_env(cfg, secret) | {RUN_DIR_ENV: str(run_dir.resolve())})
+                                child_env(cfg, secret) | {RUN_DIR_ENV: str(run_dir.resolve())},
+                                zygote)
         admin = load_plan(run_dir).broker_admin if (run_dir / PLAN_FILE).exists() else None
         self.hangs = HangWatch(admin, secret,
                                {spec.name: spec.health_url for spec in specs if spec.health_url},
@@ -300,11 +303,13 @@ class Supervisor:
 
 def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap,
               started: float | None = None, extra: dict | None = None,
-              engine_jobs: EngineJobs | None = None) -> dict:
-    """`Supervisor(specs, cfg, run_dir, wrap, engine_jobs).run(started, extra)`: what the local
-    runner and the Slurm driver call for each attempt.
+              engine_jobs: EngineJobs | None = None, zygote: Zygote | None = None) -> dict:
+    """`Supervisor(specs, cfg, run_dir, wrap, engine_jobs, zygote).run(started, extra)`: what
+    the local runner and the Slurm driver call for each attempt.
 
     `engine_jobs` (the Slurm driver's): elastic scale-outs submit engines as Slurm jobs there.
+    `zygote` (the local runner's): forks the roles it can (launch/zygote.py).
     `wall_s` counts from `started`, default now (before the supervisor's parts are made)."""
     t0 = time.monotonic() if started is None else started
-    return Supervisor(specs, cfg, run_dir, wrap, engine_jobs).run(started=t0, extra=extra)
+    supervisor = Supervisor(specs, cfg, run_dir, wrap, engine_jobs, zygote)
+    return supervisor.run(started=t0, extra=extra)

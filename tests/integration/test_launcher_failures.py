@@ -102,10 +102,23 @@ def test_dead_engine_fails_the_run_naming_it(run):
     assert_all_gone(roles, run_dir)
 
 
+def forked_from_the_zygote(pid: int) -> bool:
+    """Whether torch's library is in the process: the broker and the rollout worker never
+    import torch, so only a fork of the zygote, which did, has it (launch/zygote.py)."""
+    return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_every_process(run):
+    """Ctrl-C stops every role, and on this machine (no GPU) the roles it stops are forks of
+    the zygote, under their own command lines: what stops them must reach those too."""
     proc, run_dir = run
     roles = wait_for_first_step(proc, run_dir)
+    by_name = {r["name"]: r["pid"] for r in roles}
+    for name, module in (("broker", "relax_slurm.broker"), ("rollout", "relax_slurm.rollout")):
+        assert forked_from_the_zygote(by_name[name]), name
+        cmdline = Path(f"/proc/{by_name[name]}/cmdline").read_bytes().decode()
+        assert f"-m {module} " in cmdline, cmdline
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]

@@ -151,6 +151,6 @@ def test_the_keys_both_launchers_read_are_these():
         "cluster.restart.max_global", "cluster.restart.max_per_role",
         "cluster.restart.step_timeout_s"]
     assert sorted(k for k in keys if cluster_kinds(k) == [LOCAL]) == [
-        "cluster.rollout_cpus", "cluster.trainer_cpus"]
+        "cluster.fork_roles", "cluster.rollout_cpus", "cluster.trainer_cpus"]
     slurm = {k for k in keys if cluster_kinds(k) == [SLURM]}
     assert {"cluster.partition", "cluster.container.image", "cluster.elastic.job_cpus"} <= slurm

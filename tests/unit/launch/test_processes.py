@@ -98,7 +98,8 @@ time.sleep(600)
 LAUNCHER = """
 import json, os, signal, sys, time
 from pathlib import Path
-from relax_slurm.launch.processes import ProcessSet, adopt_orphans, children
+from relax_slurm.launch.lifetime import adopt_orphans
+from relax_slurm.launch.processes import ProcessSet, children
 
 tmp = Path(sys.argv[1])
 agent = str(tmp / "agent.py")
