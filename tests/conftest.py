@@ -126,8 +126,9 @@ def pytest_configure(config) -> None:
         import py_compile
 
         for tree in ("relax_slurm", "tools", "tests"):  # timestamps even under SOURCE_DATE_EPOCH
-            compileall.compile_dir(REPO / tree, quiet=1, workers=1,
-                                   invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
+            if (REPO / tree).is_dir():  # not in test_suite_schedule's copy of this conftest
+                compileall.compile_dir(REPO / tree, quiet=1, workers=1,
+                                       invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
 
 
 _sglang_build: subprocess.Popen | None = None

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from relax_slurm.launch.zygote import use_zygote
 from tests.conftest import REPO, run_env, tiny_command
 
 START_TIMEOUT_S = 300
@@ -110,13 +111,13 @@ def forked_from_the_zygote(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_ctrl_c_stops_every_process(run):
-    """Ctrl-C stops every role, and on this machine (no GPU) the roles it stops are forks of
+    """Ctrl-C stops every role, and on a machine without a GPU the roles it stops are forks of
     the zygote, under their own command lines: what stops them must reach those too."""
     proc, run_dir = run
     roles = wait_for_first_step(proc, run_dir)
     by_name = {r["name"]: r["pid"] for r in roles}
     for name, module in (("broker", "relax_slurm.broker"), ("rollout", "relax_slurm.rollout")):
-        assert forked_from_the_zygote(by_name[name]), name
+        assert forked_from_the_zygote(by_name[name]) == use_zygote(True), name
         cmdline = Path(f"/proc/{by_name[name]}/cmdline").read_bytes().decode()
         assert f"-m {module} " in cmdline, cmdline
     proc.send_signal(signal.SIGINT)
