@@ -159,10 +159,10 @@ class LocalClusterConfig(ClusterConfig):
     rollout_cpus: Optional[list[int]] = None
     """Pin engines and rollout workers to these CPU ids."""
     fork_roles: bool = True
-    """Fork the broker, hf engines, rollout worker and torchrun's agent from one process that
-    imported torch and transformers once (launch/zygote.py), instead of each importing them
-    again: seconds of CPU a run. Only on Linux without a GPU on the machine; false starts every
-    role as its own process."""
+    """Fork the broker, hf engines, rollout worker and torchrun's agent (and the agent its
+    ranks) from processes that imported torch and transformers once (runtime/zygote.py),
+    instead of each importing them again: seconds of CPU a run. Only on Linux without a GPU
+    on the machine; false starts every role as its own process."""
 
     def __post_init__(self) -> None:
         self._check_kind(LOCAL)

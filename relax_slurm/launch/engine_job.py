@@ -41,7 +41,7 @@ from relax_slurm.auth import read_secret
 from relax_slurm.config import TrainConfig, load_config
 from relax_slurm.config.cluster import slurm_cluster
 from relax_slurm.errors import EngineError
-from relax_slurm.launch.lifetime import child_setup
+from relax_slurm.runtime.lifetime import child_setup
 from relax_slurm.launch.roles import child_env, engine_spec
 from relax_slurm.launch.slurm_env import node_name, read_allocation, without_job_env
 from relax_slurm.launch.slurm_options import container_srun_args, in_container, sbatch_params

@@ -24,11 +24,11 @@ from relax_slurm.errors import RoleFailed
 from relax_slurm.launch.inputs import (check_inputs, prepare_sglang_engines,
                                        record_global_restart, say)
 from relax_slurm.launch.interrupt import STOP
-from relax_slurm.launch.lifetime import adopt_orphans
+from relax_slurm.runtime.lifetime import adopt_orphans
 from relax_slurm.launch.rerun import plan_rerun
 from relax_slurm.launch.roles import child_env, role_imports, run_specs
 from relax_slurm.launch.supervisor import supervise
-from relax_slurm.launch.zygote import Zygote, use_zygote
+from relax_slurm.runtime.zygote import Zygote, use_zygote
 from relax_slurm.runtime.control import clear_preempt, clear_stop
 from relax_slurm.runtime.plan import RunPlan, save_plan
 from relax_slurm.runtime.ports import free_port
@@ -83,14 +83,14 @@ def run_attempt(cfg: TrainConfig, attempt: int, started: float,
 
 
 def start_zygote(cfg: TrainConfig) -> Zygote | None:
-    """The zygote that forks this run's roles (launch/zygote.py), started first so that its
+    """The zygote that forks this run's roles (runtime/zygote.py), started first so that its
     imports overlap the checks below; None where it may not fork (see `use_zygote`)."""
     # a dead role's orphans come here, to be stopped (launch/processes.py), and so do the
     # zygote's roles, to be waited for
     adopted = adopt_orphans()
     if not (adopted and use_zygote(cfg.cluster.fork_roles)):
         return None
-    return Zygote(role_imports(cfg), child_env(cfg, secret=""))
+    return Zygote.start(role_imports(cfg), child_env(cfg, secret=""))
 
 
 def run_local(cfg: TrainConfig) -> dict | None:

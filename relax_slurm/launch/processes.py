@@ -12,7 +12,7 @@ checkpoint writer, forked by a rank that was SIGKILLed mid-save, lives on in tha
 session, holding its memory (a GPU's, on a cluster) while the restarted trainer loads.
 `restart` and `close` stop such orphans too.
 
-Where it can, a local run's roles are forked by the zygote (launch/zygote.py) rather than
+Where it can, a local run's roles are forked by the zygote (runtime/zygote.py) rather than
 started as processes of their own: the same programs, without importing torch again in each.
 """
 
@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from relax_slurm.errors import RoleFailed
-from relax_slurm.launch.lifetime import child_setup
+from relax_slurm.runtime.lifetime import child_setup
 
 if TYPE_CHECKING:
-    from relax_slurm.launch.zygote import Forked, Zygote
+    from relax_slurm.runtime.zygote import Forked, Zygote
 
     Child = subprocess.Popen | Forked
     """A role's process: started by `subprocess`, or forked by the zygote and adopted."""
@@ -99,7 +99,7 @@ class ProcessSet:
         self.log_dir = log_dir
         self.env = env
         self.zygote = zygote
-        """Forks our Python roles (launch/zygote.py); None: each starts as its own process."""
+        """Forks our Python roles (runtime/zygote.py); None: each starts as its own process."""
         self.roles: list[Role] = []
         self.outside: dict[str, dict] = {}
         """Roles of the run that are not processes of this set (engines in Slurm jobs of

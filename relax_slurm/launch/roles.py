@@ -7,7 +7,6 @@ with `srun --het-group=K ...` for the nodes it goes to), so both launch identica
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from relax_slurm.engines import sglang_api
 from relax_slurm.engines.sglang_api import API_KEY_ENV
 from relax_slurm.routing.shape import routing_shape
 from relax_slurm.runtime.ports import free_port
+from relax_slurm.runtime.zygote import model_code
 
 TRAINER_GROUP, ROLLOUT_GROUP = 0, 1
 SPILL_FILE = "broker/spill.bin"  # Slurm het groups: trainer + broker, engines + workers
@@ -305,7 +305,7 @@ def trainer_spec(cfg: TrainConfig, plan: RunPlan, run_dir: Path, hosts: list[str
 
 def role_imports(cfg: TrainConfig) -> dict[str, list[str]]:
     """The modules this run's Python roles import first, by the module each runs, in the order
-    they start (`start_order`), for the zygote to import once (launch/zygote.py): torchrun's
+    they start (`start_order`), for the zygote to import once (runtime/zygote.py): torchrun's
     agent; the broker; with hf engines the engine's server and the model's transformers code;
     the rollout worker. A name that does not import is skipped there (the role that needs it
     reports why)."""
@@ -317,24 +317,14 @@ def role_imports(cfg: TrainConfig) -> dict[str, list[str]]:
         paths = {cfg.model.path, cfg.algo.teacher_model_path, cfg.reward.genrm_model_path}
         imports["relax_slurm.engines.hf"] = [
             "relax_slurm.engines.hf.__main__",
-            *sorted({m for p in paths if p for m in _model_code(p)})]
+            *sorted({m for p in paths if p for m in model_code(p)})]
     imports["relax_slurm.rollout"] = ["relax_slurm.rollout.worker"]
     return imports
 
 
-def _model_code(model_path: str) -> list[str]:
-    """transformers' modeling module for the model at `model_path` (its config.json's
-    model_type), if it names one."""
-    try:
-        model_type = json.loads((Path(model_path) / "config.json").read_text())["model_type"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    return [f"transformers.models.{model_type}.modeling_{model_type}"]
-
-
 def start_order(specs: list[RoleSpec]) -> list[RoleSpec]:
     """The trainer first, then the others as listed: its ranks, fresh processes that import
-    the most, are the last role ready (a forked role is ready sooner, launch/zygote.py)."""
+    the most, are the last role ready (a forked role is ready sooner, runtime/zygote.py)."""
     return sorted(specs, key=lambda spec: spec.name != "trainer")
 
 

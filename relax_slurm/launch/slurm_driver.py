@@ -53,7 +53,7 @@ from relax_slurm.runtime.control import (
 from relax_slurm.launch.engine_job import EngineJobs
 from relax_slurm.launch.inputs import check_inputs, record_global_restart
 from relax_slurm.launch.node_health import lost_nodes
-from relax_slurm.launch.lifetime import adopt_orphans
+from relax_slurm.runtime.lifetime import adopt_orphans
 from relax_slurm.launch.records import record_restart
 from relax_slurm.runtime.plan import save_plan
 from relax_slurm.launch.placement import (Layout, check_gpu_steps, make_layout, role_specs,

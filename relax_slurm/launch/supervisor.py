@@ -27,7 +27,7 @@ from relax_slurm.launch.interrupt import STOP
 from relax_slurm.runtime.plan import PLAN_FILE, load_plan
 from relax_slurm.runtime.stacks import RUN_DIR_ENV
 from relax_slurm.launch.processes import ProcessSet, Role
-from relax_slurm.launch.zygote import Zygote
+from relax_slurm.runtime.zygote import Zygote
 from relax_slurm.launch.records import write_roles
 from relax_slurm.launch.restart import InPlace
 from relax_slurm.launch.scale import Scaler
@@ -308,7 +308,7 @@ def supervise(specs: list[RoleSpec], cfg: TrainConfig, run_dir: Path, wrap: Wrap
     the local runner and the Slurm driver call for each attempt.
 
     `engine_jobs` (the Slurm driver's): elastic scale-outs submit engines as Slurm jobs there.
-    `zygote` (the local runner's): forks the roles it can (launch/zygote.py).
+    `zygote` (the local runner's): forks the roles it can (runtime/zygote.py).
     `wall_s` counts from `started`, default now (before the supervisor's parts are made)."""
     t0 = time.monotonic() if started is None else started
     supervisor = Supervisor(specs, cfg, run_dir, wrap, engine_jobs, zygote)

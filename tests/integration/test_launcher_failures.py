@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_slurm.launch.zygote import use_zygote
+from relax_slurm.runtime.zygote import use_zygote
 from tests.conftest import REPO, run_env, tiny_command
 
 START_TIMEOUT_S = 300
@@ -105,7 +105,7 @@ def test_dead_engine_fails_the_run_naming_it(run):
 
 def forked_from_the_zygote(pid: int) -> bool:
     """Whether torch's library is in the process: the broker and the rollout worker never
-    import torch, so only a fork of the zygote, which did, has it (launch/zygote.py)."""
+    import torch, so only a fork of the zygote, which did, has it (runtime/zygote.py)."""
     return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
 
 

@@ -15,7 +15,7 @@ LAYERS = [  # top first
     {"supervisor", "scale", "engine_job", "restart", "health"},
     {"inputs", "compose", "placement", "roles", "slurm_options", "submitit_jobs", "rerun",
      "records", "processes", "slurm_env", "node_health", "interrupt", "help", "dump", "launch",
-     "choices", "launcher_log", "waiting", "hub_models", "zygote", "lifetime"},
+     "choices", "launcher_log", "waiting", "hub_models"},
 ]
 
 

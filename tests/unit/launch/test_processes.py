@@ -98,7 +98,7 @@ time.sleep(600)
 LAUNCHER = """
 import json, os, signal, sys, time
 from pathlib import Path
-from relax_slurm.launch.lifetime import adopt_orphans
+from relax_slurm.runtime.lifetime import adopt_orphans
 from relax_slurm.launch.processes import ProcessSet, children
 
 tmp = Path(sys.argv[1])

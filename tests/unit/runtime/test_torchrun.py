@@ -1,11 +1,14 @@
 """runtime.torchrun, the trainer role's agent: torchrun itself, which leaves at once when its
 ranks finished, and fails like torchrun when one of them fails."""
 
+import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from relax_slurm.runtime.zygote import FORKED_ENV
 from tests.conftest import REPO
 
 # a rank without torch: torchrun's environment on file, then the exit code asked for
@@ -42,3 +45,60 @@ def test_a_failed_rank_fails_the_agent_as_torchrun_does(tmp_path):
     assert ours.returncode == theirs.returncode, ours.stderr[-3000:]
     for r in (ours, theirs):  # torchrun's own report, naming the rank and its exit code
         assert "ChildFailedError" in r.stderr and "exitcode  : 3" in r.stderr, r.stderr[-3000:]
+
+
+# a rank run as a module (`-m forkrank`), as the trainer's are: where it runs, and whether torch
+# was in it before it imported anything
+FORK_RANK = """
+import json, os, sys, time
+preloaded = "torch" in sys.modules
+out = {"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "torch": preloaded,
+       "world": os.environ["WORLD_SIZE"], "argv": sys.argv[1:]}
+rank = os.environ["RANK"]
+path = os.path.join(sys.argv[1], "rank" + rank)
+open(path + ".tmp", "w").write(json.dumps(out))
+os.replace(path + ".tmp", path)  # whole, for rank 1 to read
+if rank == "1":  # the agent's children once both ranks run (within 30 s): its ranks alone
+    rank0 = os.path.join(sys.argv[1], "rank0")
+    while not os.path.exists(rank0):
+        time.sleep(0.01)
+    ranks, deadline = {str(json.load(open(rank0))["pid"]), str(os.getpid())}, time.time() + 30
+    while True:
+        children = open(f"/proc/{os.getppid()}/task/{os.getppid()}/children").read().split()
+        if set(children) <= ranks or time.time() > deadline:
+            break
+        time.sleep(0.01)
+    open(os.path.join(sys.argv[1], "children"), "w").write(json.dumps(children))
+sys.exit(int(sys.argv[2]) if rank == "1" else 0)
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("forked", [True, False])
+def test_an_agent_the_zygote_forked_forks_its_ranks_too(tmp_path, forked):
+    """A local run's agent is forked by the launcher's zygote (runtime/zygote.py), with torch
+    imported: its ranks are then forked from a zygote of its own instead of importing torch
+    again, and are its children in sessions of their own as torchrun's Popen makes them, whose
+    exit codes it reports as torchrun does. Not forked (a Slurm run's, a GPU machine's), it
+    starts them as torchrun does."""
+    (tmp_path / "forkrank.py").write_text(FORK_RANK)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+    env.pop(FORKED_ENV, None)
+    if forked:
+        env[FORKED_ENV] = "1"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "relax_slurm.runtime.torchrun", "--standalone",
+         "--nproc-per-node=2", "--monitor-interval=0.1", "-m", "forkrank", str(tmp_path), "3"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = agent.communicate(timeout=120)
+    assert agent.returncode == 1, err[-3000:]  # rank 1's 3, reported as torchrun's generic 1
+    assert "ChildFailedError" in err and "exitcode  : 3" in err, err[-3000:]
+    for k in (0, 1):
+        rank = json.loads((tmp_path / f"rank{k}").read_text())
+        assert rank["world"] == "2" and rank["argv"] == [str(tmp_path), "3"]
+        assert rank["ppid"] == agent.pid and rank["sid"] == rank["pid"]
+        assert rank["torch"] == forked
+    # no zygote left among them (rank 0 may be gone already)
+    children = json.loads((tmp_path / "children").read_text())
+    assert set(children) <= {str(json.loads((tmp_path / f"rank{k}").read_text())["pid"])
+                             for k in (0, 1)}

@@ -1,7 +1,7 @@
 """How long the launcher's processes live: each dies with the launcher (Linux
 PR_SET_PDEATHSIG), and the launcher adopts the orphans among its descendants (Linux
 PR_SET_CHILD_SUBREAPER) to stop them, or, forked by the zygote, to wait for them as its own
-(launch/processes.py, launch/zygote.py)."""
+(launch/processes.py, runtime/zygote.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Roles forked by the zygote (launch/zygote.py) are the programs a fresh process would run:
+"""Roles forked by the zygote (runtime/zygote.py) are the programs a fresh process would run:
 their command line, environment, session, log, exit status and parent, and they die with the
 launcher, while what the zygote imported is imported once for all of them.
 
@@ -43,14 +43,14 @@ sys.exit(int(sys.argv[1]))
 LAUNCHER = """
 import json, os, signal, sys, time
 from pathlib import Path
-from relax_slurm.launch.lifetime import adopt_orphans
+from relax_slurm.runtime.lifetime import adopt_orphans
 from relax_slurm.launch.processes import ProcessSet
-from relax_slurm.launch.zygote import Forked, Zygote
+from relax_slurm.runtime.zygote import Forked, Zygote
 
 tmp = Path(sys.argv[1])
 assert adopt_orphans()
 env = dict(os.environ, ROLE_SETTING="for the roles")
-zygote = Zygote({"role": ["heavy"]}, dict(os.environ, ROLE_SETTING="the zygote's"))
+zygote = Zygote.start({"role": ["heavy"]}, dict(os.environ, ROLE_SETTING="the zygote's"))
 procs = ProcessSet(tmp, env, zygote)
 out = {"launcher": os.getpid()}
 for name, arg in (("three", "3"), ("raises", "raise"), ("waits", "wait")):
