@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -57,6 +57,13 @@ def _answers(client: EngineClient, timeout_s: float) -> bool:
         return client.answers(timeout_s)
     except Exception:  # noqa: BLE001 - any failure to answer is the answer
         return False
+
+
+def _http_outcome(fut: Future) -> Optional[BaseException]:
+    """None while an engine's HTTP call runs or once it succeeded; else what it failed with."""
+    if not fut.done():
+        return None
+    return CancelledError() if fut.cancelled() else fut.exception()
 
 
 def open_session(client: EngineClient) -> None:
@@ -386,7 +393,10 @@ class WeightSender:
             for w in works:
                 w.wait()
         except Exception as e:
-            raise WeightSyncError(f"{what} failed: {e}") from e
+            # gloo's own timeout is timeout_s too and may fire before _poll's deadline: name
+            # the engines at fault here as well, whichever clock ended the wait
+            raise WeightSyncError(f"{what} failed: {self._not_answered(http, route)}; the "
+                                  f"broadcast's own error: {e}") from e
         self._join(route, http)
         return sum(tensor_nbytes(t) for t in tensors), len(tensors)
 
@@ -444,22 +454,32 @@ class WeightSender:
             c.close()
 
     def _not_answered(self, http: list[Future], route: str) -> str:
-        """Which engines (index and URL) had not answered `route`, and of those which do not
-        answer /model_info either (frozen or dead: the cause; the others wait on the
-        broadcast)."""
-        late = [(i, url, self.clients[i]) for i, (url, fut) in
-                enumerate(zip(self.engine_urls, http)) if not fut.done()]
-        if not late:
+        """Which engines (index and URL) did not finish `route`, and why. First those that
+        have no answer (none yet, or a connection failure or timeout) and do not answer
+        /model_info either: frozen or dead, the likely cause. Then those that answered with
+        an error (gloo fails a receive whose peer went away: an engine's error may be another's
+        doing), then those that answer HTTP and wait on the broadcast."""
+        late, failed = [], []
+        for i, (url, fut) in enumerate(zip(self.engine_urls, http)):
+            err = _http_outcome(fut)
+            if not fut.done() or isinstance(err, EngineUnreachable):
+                late.append((i, url, self.clients[i]))
+            elif err is not None:
+                failed.append(f"engine {i} ({url}) failed: {err}")
+        if not late and not failed:
             return f"every engine answered {route}"
         probe_s = min(HEALTH_PROBE_S, self.timeout_s)
-        with ThreadPoolExecutor(len(late)) as probes:
-            alive = list(probes.map(lambda e: _answers(e[2], probe_s), late))
+        alive = []
+        if late:
+            with ThreadPoolExecutor(len(late)) as probes:
+                alive = list(probes.map(lambda e: _answers(e[2], probe_s), late))
         silent = [f"engine {i} ({url})" for (i, url, _), ok in zip(late, alive) if not ok]
         waiting = [f"engine {i} ({url})" for (i, url, _), ok in zip(late, alive) if ok]
         parts = []
         if silent:
             parts.append(f"{', '.join(silent)} did not receive and does not answer HTTP "
                          f"within {probe_s}s (frozen or dead; see logs/engine<i>.log)")
+        parts.extend(failed)
         if waiting:
             parts.append(f"{', '.join(waiting)} answer HTTP but did not finish {route} "
                          "(waiting on the broadcast, or unable to join the group)")
@@ -475,10 +495,13 @@ class WeightSender:
             if self.on_wait is not None and time.monotonic() > note:
                 note = time.monotonic() + WAIT_NOTE_S
                 self.on_wait([u for u, fut in zip(self.engine_urls, http) if not fut.done()])
-            for url, fut in zip(self.engine_urls, http):
+            for fut in http:
                 if fut.done() and not fut.cancelled() and fut.exception() is not None:
-                    raise WeightSyncError(f"{what}: engine {url}{route} failed: "
-                                          f"{fut.exception()}") from fut.exception()
+                    # any engine's failure ends the wait; which one failed first says little:
+                    # its HTTP timeout is timeout_s too (a waiting engine's call times out
+                    # with the frozen one's), and a receive fails once its peer went away
+                    raise WeightSyncError(f"{what}: {self._not_answered(http, route)}") \
+                        from fut.exception()
             if time.monotonic() > deadline:
                 raise WeightSyncError(f"{what}: not done within weight_sync.timeout_s="
                                       f"{self.timeout_s}s; {self._not_answered(http, route)}")

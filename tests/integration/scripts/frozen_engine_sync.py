@@ -4,6 +4,10 @@ A sync whose engine never receives (issue #35/#34): trainer rank 0's side sends 
 engines, and one of them is frozen (SIGSTOP) just before a bucket's broadcast. The send must
 raise WeightSyncError within weight_sync.timeout_s (not wait silently), naming the frozen
 engine (index and URL) and the version, and not the engine that received. JSON to --out.
+
+Three clocks run timeout_s against a frozen engine: the sender's wait, gloo's own timeout and
+the engine call's HTTP timeout; whichever ends first, the error names the engine. Env FIRST
+(wait, group or http) picks the one that runs TIMEOUT_S while the other two run three times it.
 """
 
 import json
@@ -35,9 +39,15 @@ def main() -> None:
             urls.append(f"http://127.0.0.1:{port}")
         for url, (proc, log) in zip(urls, engines):
             wait_healthy(url, proc, 180, log)
+        first = os.environ["FIRST"]
+        # gloo's timeout is fixed when the group forms; the other two are read at each call
         sender = WeightSender(urls, "127.0.0.1", free_port(), "relax_test_frozen", "gloo",
-                              TIMEOUT_S, 512, pause_for_sync=False)
+                              TIMEOUT_S if first == "group" else 3 * TIMEOUT_S, 512,
+                              pause_for_sync=False)
         sender.connect()
+        sender.timeout_s = TIMEOUT_S if first == "wait" else 3 * TIMEOUT_S
+        for c in sender.clients:
+            c.timeout_s = TIMEOUT_S if first == "http" else 3 * TIMEOUT_S
         sender.send(weights, version=1)  # a healthy sync first
         frozen = engines[1][0]
         send_bucket = sender._send_bucket
