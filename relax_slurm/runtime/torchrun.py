@@ -29,15 +29,19 @@ from relax_slurm.runtime.zygote import FORKED_ENV, Zygote, model_code
 
 def trainer_imports(args: list[str]) -> list[str]:
     """What a trainer rank (`-m relax_slurm.trainer ARGS`) imports before its first step: our
-    trainer's modules, and with trainer.backend=torch transformers and the model's code
-    (read from RUN_DIR/config.yaml). Not under megatron: its ranks import megatron's and
-    transformers' modules after cpu_compat's stubs are in (trainer/megatron/cpu_compat.py)."""
+    trainer's modules, transformers and the model's code (model.path, read from
+    RUN_DIR/config.yaml). Under trainer.backend=megatron first megatron-core and
+    megatron-bridge (~5.5 CPU-s a rank), the way each rank imports them: through
+    cpu_compat.import_bridge, which stubs transformer-engine only once megatron.core is in
+    (so it still builds its local layers), and the project's bridges registered
+    (trainer/megatron/bridges.py); transformers comes in with megatron-bridge, as in a rank."""
     imports = ["relax_slurm.trainer.main", "relax_slurm.trainer.model"]
     try:
         run_dir = Path(args[args.index("--run-dir") + 1])
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
         if cfg["trainer"]["backend"] == "megatron":
-            return imports
+            imports += ["relax_slurm.trainer.megatron.backend",
+                        "relax_slurm.trainer.megatron.bridges:register"]
         return [*imports, "transformers", *model_code(str(cfg["model"]["path"]))]
     except (OSError, ValueError, KeyError, TypeError, IndexError, yaml.YAMLError):
         return imports

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import json
 import os
 import runpy
@@ -214,12 +215,17 @@ class Zygote:
 
 
 def _preload(modules: list[str], role: str | None = None) -> None:
-    """Import `modules`; the `role`'s own module (or its package's `__main__`) for what it
-    imports, then forgotten, as runpy runs it afresh in the role. Then freeze the heap: the
-    forked roles' collections never walk the objects imported here, nor copy their pages."""
+    """Import `modules` (`MODULE:FUNCTION` also calls FUNCTION(): an import the role makes
+    through a function, as megatron's through cpu_compat.import_bridge); the `role`'s own
+    module (or its package's `__main__`) for what it imports, then forgotten, as runpy runs it
+    afresh in the role. Then freeze the heap: the forked roles' collections never walk the
+    objects imported here, nor copy their pages."""
     for name in modules:
+        module, _, function = name.partition(":")
         try:
-            __import__(name)
+            loaded = importlib.import_module(module)
+            if function:
+                getattr(loaded, function)()
         except Exception:  # noqa: BLE001 -- the role that needs it reports it, in its own log
             pass
     if role is not None:

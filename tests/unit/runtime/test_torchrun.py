@@ -102,3 +102,61 @@ def test_an_agent_the_zygote_forked_forks_its_ranks_too(tmp_path, forked):
     children = json.loads((tmp_path / "children").read_text())
     assert set(children) <= {str(json.loads((tmp_path / f"rank{k}").read_text())["pid"])
                              for k in (0, 1)}
+
+
+# megatron's state in a trainer rank, as one fresh process reaches it (ZYGOTE=0) or as the
+# agent's zygote leaves it for a forked rank (ZYGOTE=1): the rank then runs its own imports
+MEGATRON_STATE = """
+import json, os, sys
+from pathlib import Path
+if os.environ["ZYGOTE"] == "1":
+    from relax_slurm.runtime.torchrun import trainer_imports
+    from relax_slurm.runtime.zygote import _preload
+    imports = trainer_imports(["--run-dir", sys.argv[1]])
+    _preload(imports)
+else:
+    imports = []
+import relax_slurm.trainer.megatron.backend  # what a megatron rank then does itself
+from relax_slurm.trainer.megatron import bridges, cpu_compat
+cpu_compat.import_bridge()
+bridges.register()
+import megatron.core.jit as jit
+mods = {n: m for n, m in list(sys.modules.items()) if n.startswith("megatron.")}
+print(json.dumps({
+    "imports": imports,
+    "have_te": {n: m.HAVE_TE for n, m in mods.items()
+                if isinstance(getattr(m, "HAVE_TE", None), bool)},
+    "megatron": sorted(mods),
+    "te": repr(sys.modules.get("transformer_engine")),
+    "jit_fuser": jit.jit_fuser.__name__,
+}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_megatron_rank_forked_from_the_zygote_has_the_state_a_fresh_rank_has(tmp_path):
+    """Under trainer.backend=megatron the agent's zygote imports megatron-core and
+    megatron-bridge for the ranks (~5.5 CPU-s each), through cpu_compat as a rank does: a rank
+    forked from it sees the modules, the HAVE_TE flags (False: megatron.core's local layers
+    with transformer-engine stubbed after it; a few that megatron-bridge imports later see
+    the stub) and the jit fuser a fresh rank sees."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (tmp_path / "config.yaml").write_text(
+        f"trainer: {{backend: megatron}}\nmodel: {{path: {model}}}\n")
+    (tmp_path / "state.py").write_text(MEGATRON_STATE)
+    states = []
+    for zygote in ("0", "1"):
+        r = subprocess.run([sys.executable, str(tmp_path / "state.py"), str(tmp_path)],
+                           cwd=REPO, env=dict(os.environ, ZYGOTE=zygote, PYTHONPATH=str(REPO)),
+                           capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        states.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    fresh, forked = states
+    assert "relax_slurm.trainer.megatron.bridges:register" in forked["imports"]
+    assert "transformers.models.qwen3.modeling_qwen3" in forked["imports"]
+    # the GPT layers megatron-bridge builds are megatron.core's local ones on CPU
+    assert fresh["have_te"]["megatron.core.models.gpt.gpt_layer_specs"] is False
+    for key in ("have_te", "megatron", "te", "jit_fuser"):
+        assert forked[key] == fresh[key], key
