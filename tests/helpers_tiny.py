@@ -72,6 +72,16 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def alive(pid: int) -> bool:
+    """The process runs and is not a zombie (a zombie is dead for the tests: its parent is gone
+    or reaping it). /proc's state field, after the command name's closing parenthesis (the
+    name may hold spaces)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def child_env() -> dict[str, str]:
     """Environment for child processes: one thread, the repo importable."""
     env = dict(os.environ)

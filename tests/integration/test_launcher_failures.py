@@ -13,6 +13,7 @@ import pytest
 
 from relax_slurm.runtime.zygote import use_zygote
 from tests.conftest import REPO, run_env, tiny_command
+from tests.helpers_tiny import alive
 
 START_TIMEOUT_S = 300
 
@@ -39,18 +40,6 @@ def wait_for_first_step(proc: subprocess.Popen, run_dir: Path) -> list[dict]:
             return json.loads((run_dir / "roles.json").read_text())
         time.sleep(0.5)
     raise AssertionError("the run made no step in time")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes (its parent, the launcher, is gone or reaping)
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def processes_of(run_dir: Path) -> list[int]:

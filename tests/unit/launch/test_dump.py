@@ -19,6 +19,7 @@ import pytest
 from relax_slurm.launch.dump import REMOTE_KILL, dump_stacks, slurm_kill_command
 from relax_slurm.runtime.stacks import DUMP_SIGNAL, stacks_dir
 from tests.conftest import REPO, run_env
+from tests.helpers_tiny import alive
 
 # ROLE RUN_DIR NAME CHILD: registers as NAME (unless "-"), starts CHILD (a ROLE of its own)
 # unless "-", prints its child's pid (0 without one), then waits in stand_in_role_loop
@@ -54,15 +55,6 @@ def _registered(run_dir: Path, pid: int) -> None:
     while not list(stacks_dir(run_dir).glob(f"*-{pid}.txt")):
         assert time.monotonic() < deadline, f"pid {pid} did not register"
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.mark.timeout(300)
@@ -112,7 +104,7 @@ def test_relax_ctl_dump_copies_every_live_roles_stacks_and_names_the_silent(tmp_
             pid = pids["trainer" if name == "trainer-agent" else name]
             assert text.startswith(f"# {name}: ") and f"pid {pid} " in text
             assert text.count("stand_in_role_loop") == 1, text  # this dump only, no header
-        assert all(_alive(pid) for pid in pids.values())  # teacher0 was not signalled
+        assert all(alive(pid) for pid in pids.values())  # teacher0 was not signalled
         # a second dump: a folder of its own, only what was written since
         os.kill(pids["rollout"], signal.SIGCONT)
         again = dump_stacks(run_dir, WAIT_S)

@@ -6,9 +6,9 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 from relax_slurm.launch.processes import ProcessSet
+from tests.helpers_tiny import alive
 
 
 def _gone(pid: int) -> bool:
@@ -37,14 +37,6 @@ def test_close_stops_a_child_that_ignores_sigterm(tmp_path):
     assert role.proc.returncode is not None and _gone(role.proc.pid)
 
 
-def _alive(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie is init's to reap)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_close_stops_a_stopped_grandchild_in_its_own_session(tmp_path):
     """torchrun starts each rank in a session of its own, out of reach of the role's killpg; a
     rank frozen by SIGSTOP handles no SIGTERM, and once torchrun was SIGKILLed it stayed, an
@@ -65,11 +57,11 @@ def test_close_stops_a_stopped_grandchild_in_its_own_session(tmp_path):
         os.kill(rank, signal.SIGSTOP)
         procs.close()
         deadline = time.monotonic() + 10
-        while _alive(rank) and time.monotonic() < deadline:
+        while alive(rank) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(rank)
+        assert not alive(rank)
     finally:
-        if _alive(rank):
+        if alive(rank):
             os.kill(rank, signal.SIGKILL)
 
 
@@ -142,4 +134,4 @@ def test_a_dead_ranks_orphaned_writer_is_stopped_with_its_role(tmp_path):
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["after_restart"] == [r["helper"]]  # the writer stopped, the engine's helper kept
     assert r["after_close"] == []
-    assert not _alive(r["writer"]) and not _alive(r["helper"])
+    assert not alive(r["writer"]) and not alive(r["helper"])

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from tests.conftest import REPO
+from tests.helpers_tiny import alive
 
 SCRIPT = """
 import multiprocessing as mp, sys
@@ -18,14 +19,6 @@ exit_now(0)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.timeout(120)
 def test_exit_now_stops_multiprocessing_helpers(tmp_path):
     # no pipes: a leaked helper would hold them open and hang the wait instead of failing
@@ -35,9 +28,9 @@ def test_exit_now_stops_multiprocessing_helpers(tmp_path):
     assert out.returncode == 0
     helper = int(pid_file.read_text())
     deadline = time.monotonic() + 10
-    while _alive(helper) and time.monotonic() < deadline:
+    while alive(helper) and time.monotonic() < deadline:
         time.sleep(0.1)
-    alive = _alive(helper)
-    if alive:  # never leave it running, whatever the outcome
+    left = alive(helper)
+    if left:  # never leave it running, whatever the outcome
         subprocess.run(["kill", "-9", str(helper)])
-    assert not alive, "the Manager process outlived exit_now"
+    assert not left, "the Manager process outlived exit_now"

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.helpers_tiny import REPO_ROOT
+from tests.helpers_tiny import REPO_ROOT, alive
 
 # the role: a module run with `python -m role ...`; `heavy` stands for torch (it counts the
 # processes that import it, in imports.txt)
@@ -139,16 +139,9 @@ def test_a_forked_role_dies_with_its_launcher(tmp_path):
         launcher.kill()
         launcher.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while _alive(role) and time.monotonic() < deadline:
+        while alive(role) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(role)
+        assert not alive(role)
     finally:
         launcher.kill()
         launcher.wait(timeout=30)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
