@@ -91,7 +91,9 @@ class Forked:
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped by someone else: gone, its status unknown
+            except ChildProcessError:
+                # reaped by someone else: gone, its status unknown. Popen says 0 here; a role
+                # that may have crashed must not read as one that finished, so: killed
                 self.returncode = -signal.SIGKILL
                 return self.returncode
             if pid:
