@@ -30,7 +30,6 @@ engine alike (issue #33): what the trainer and the launcher rely on while engine
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import signal
 import sys
@@ -118,17 +117,23 @@ def test_sglang_on_cpu_forks_its_scheduler_and_detokenizer(engine):
 def test_a_paused_engine_is_alive_and_not_ready_and_never_named_hung(engine, client):
     kind, url, proc, _ = engine
     assert client.ready() is True and client.alive() is True
-    now = itertools.count(0.0, 100.0)  # each probe 100 s after the last: past any timeout
-    # interval 10 s: its probe waits min(5 s, interval) for an answer (the fake clock makes the
-    # interval itself moot); 1 s was short for a paused SGLang on a loaded machine
+    now = [0.0]  # a fake clock, moved 20 s before each check: two missed probes in a row
+    # pass the 30 s timeout, one alone does not (as on a real clock, where one probe slowed past
+    # its wait on a loaded machine names no engine). Interval 10 s: its probe waits
+    # min(5 s, interval) for an answer; 1 s was short for a paused SGLang on a loaded machine
     watch = HangWatch(None, "unused", {"engine0": url}, interval_s=10.0, timeout_s=30.0,
-                      clock=lambda: next(now), engine_key=KEY)
+                      clock=lambda: now[0], engine_key=KEY)
+
+    def check():
+        now[0] += 20.0
+        return watch.check()
+
     client.pause_generation("retract")
     try:
         assert client.ready() is False  # paused: takes no new requests
         assert client.alive() is True
-        for _ in range(3):  # hundreds of seconds of pause, as the watch counts
-            assert watch.check() is None
+        for _ in range(6):  # two minutes of pause, as the watch counts
+            assert check() is None
     finally:
         client.continue_generation()
     assert client.ready() is True
@@ -137,7 +142,7 @@ def test_a_paused_engine_is_alive_and_not_ready_and_never_named_hung(engine, cli
     try:
         hung = None
         for _ in range(3):
-            hung = hung or watch.check()
+            hung = hung or check()
         assert hung is not None and hung[0] == "engine0", hung
         assert "/server_info" in hung[1]
     finally:

@@ -4,6 +4,7 @@ trainer exit and a run that ended early."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -178,7 +179,9 @@ def test_relax_ctl_stop(tmp_path, capsys):
         deadline = time.monotonic() + 30
         while stop_file.stat().st_ino == asked.st_ino and time.monotonic() < deadline:
             time.sleep(0.01)
-        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        # whole, as the launcher writes it (metrics/summary.py): --wait reads it on sight
+        (tmp_path / "summary.json.tmp").write_text(json.dumps(summary))
+        os.replace(tmp_path / "summary.json.tmp", tmp_path / "summary.json")
 
     writer = threading.Thread(target=end_the_run)
     writer.start()

@@ -78,7 +78,8 @@ elif sys.argv[2] == "rank":
     if os.fork() == 0:  # the writer
         time.sleep(600)
         os._exit(0)
-    open(out + "/rank.pid", "w").write(str(os.getpid()))
+    open(out + "/rank.pid.tmp", "w").write(str(os.getpid()))
+    os.replace(out + "/rank.pid.tmp", out + "/rank.pid")  # whole, for the launcher to read
 elif os.fork() == 0:  # engine: a child that starts a helper and ends, in the role's session
     if os.fork() == 0:
         time.sleep(600)

@@ -143,6 +143,12 @@ def test_an_external_engine_that_stops_answering_is_lost(external: Callable[...,
         scaler.tick()
         time.sleep(0.2)
     assert admin("/rollout/engines")["routable"] == [INITIAL, url]
+    # ... and the last probe found it answering: a probe slowed past its timeout on a loaded
+    # machine starts the silence before the kill (ticks run only here, so none runs between)
+    while url in scaler._silent_since:
+        assert time.monotonic() < deadline + 60, "a live engine never answered a probe"
+        scaler.tick()
+        time.sleep(0.2)
     stop_process(ext.engine)  # it stops answering
     killed = time.monotonic()
     deadline = killed + 60

@@ -17,6 +17,7 @@ from relax_slurm.runtime.ports import free_port
 from relax_slurm.rewards import RewardError, RewardInput, build_reward, score
 from relax_slurm.rewards.genrm import DEFAULT_TEMPLATE, EngineJudge, GenRM, render
 from relax_slurm.rewards.remote import RemoteReward
+from tests.helpers_broker import wait_for
 from tests.helpers_http import Server, judge_engine
 
 INP = RewardInput(prompt="2+2?", response="<think>easy</think>4", label="4",
@@ -73,7 +74,9 @@ def test_remote_times_out_each_attempt(serve):
         reward(INP)
     # two attempts cut at 0.3 s each, not two 5 s waits
     assert time.perf_counter() - start < 4.0
-    assert len(server.requests) == 3
+    # the server notes a request in its handler thread, which a client that gave up at 0.3 s
+    # may outrun on a loaded machine: the third arrives, but is counted a moment later
+    wait_for(lambda: len(server.requests) == 3)
 
 
 def test_remote_without_a_server_is_an_error(serve):
