@@ -26,6 +26,8 @@ from relax_slurm.weightsync.group import destroy_weight_update_group, init_weigh
 
 log = logging.getLogger(__name__)
 RECHECK_S = 1.0  # how often a pending receive looks whether a newer group overtook it
+PEFT_BASE = ".base_layer."
+"""Where PEFT keeps a wrapped layer's own parameters (peft.tuners.lora.LoraLayer)."""
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -50,6 +52,11 @@ def parameter_views(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters(remove_duplicate=False):
         out[name] = p
         out.update(checkpoint_views(name, p))
+        if PEFT_BASE in name:
+            # an engine serving LoRA adapters (PEFT wraps each targeted layer, its weight now
+            # `...q_proj.base_layer.weight`) still takes the base weights under their own
+            # names, as SGLang with --enable-lora does
+            out.setdefault(name.replace(PEFT_BASE, "."), p)
     params = dict(model.named_parameters(remove_duplicate=False))
     for file_name, name in checkpoint_names(model).items():
         out.setdefault(file_name, out[name])

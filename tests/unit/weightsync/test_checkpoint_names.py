@@ -29,3 +29,27 @@ def test_qwen3_vl_names_need_no_alias(tiny_mm_assets):
     d = tiny_mm_assets / "vl3_model"
     model = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32)
     assert set(load_file(str(d / "model.safetensors"))) <= set(dict(model.named_parameters()))
+
+
+def test_an_engine_serving_adapters_receives_base_weights_under_their_own_names(tiny_assets):
+    """PEFT wraps each targeted layer (`q_proj.weight` becomes `q_proj.base_layer.weight`) when
+    the hf engine loads an adapter; a full-weight update names the model's own parameters, as
+    SGLang with --enable-lora takes them with adapters loaded."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import AutoModelForCausalLM
+
+    d = tiny_assets / "model"
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=["q_proj", "down_proj"]), model,
+                            adapter_name="v1")
+    params = dict(model.named_parameters())
+    assert "model.layers.0.self_attn.q_proj.weight" not in params  # wrapped
+    on_file = load_file(str(d / "model.safetensors"))
+    new = {k: torch.full_like(t, 0.25) for k, t in on_file.items()}
+    load_named_tensors(model, new.items())
+    assert torch.equal(params["model.layers.0.self_attn.q_proj.base_layer.weight"],
+                       new["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(params["model.layers.0.mlp.down_proj.base_layer.weight"],
+                       new["model.layers.0.mlp.down_proj.weight"])
+    lora_a = params["model.layers.0.self_attn.q_proj.lora_A.v1.weight"]
+    assert not torch.equal(lora_a, torch.full_like(lora_a, 0.25))  # the adapter untouched
