@@ -270,6 +270,25 @@ def run_script(name: str, tmp_path: Path, *extra: str, model_dir: Optional[Path]
     return json.loads(out.read_text())
 
 
+def check_frozen_sync(r: dict) -> None:
+    """What scripts/frozen_engine_sync.py found holds: the sync failed within its bounds naming
+    the frozen engine 1 and not engine 0, and both took the re-formed cohort's resend."""
+    received, frozen = r["urls"]
+    assert r["error"] is not None, r
+    # the frozen engine is named as the one that does not answer; the other, if listed at
+    # all, only as waiting on the broadcast (gloo may hold its receive behind the frozen peer)
+    silent = r["error"].split("does not answer HTTP")[0]
+    assert f"engine 1 ({frozen})" in silent, r
+    assert received not in silent, r
+    assert "version 2" in r["error"] and "weight_sync.timeout_s" in r["error"], r
+    # bounded: the begin call answered before the freeze, so only the bucket's wait
+    # (timeout_s) and the /model_info probe of the late engines (at most 5 s, HEALTH_PROBE_S)
+    # remain; one more timeout_s of slack for a loaded machine
+    assert r["failed_after_s"] < 2 * r["timeout_s"] + 5, r
+    # let go, the engine takes the re-formed cohort's resend with the other
+    assert r["versions_after_resend"] == ["3", "3"], r
+
+
 def engine_script_args():
     """`--model-dir D --out F --url URL`: what `run_script` passes a script that drives the
     engine at URL."""

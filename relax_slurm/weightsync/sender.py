@@ -21,6 +21,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+import httpx
 import torch
 import torch.distributed as dist
 
@@ -64,6 +65,13 @@ def _http_outcome(fut: Future) -> Optional[BaseException]:
     if not fut.done():
         return None
     return CancelledError() if fut.cancelled() else fut.exception()
+
+
+def _cut(err: Optional[BaseException]) -> bool:
+    """An engine call that failed on its connection, not by running out its timeout (a waiting
+    engine's call times out with the frozen one's)."""
+    return (isinstance(err, EngineUnreachable)
+            and not isinstance(err.__cause__, httpx.TimeoutException))
 
 
 def open_session(client: EngineClient) -> None:
@@ -463,7 +471,7 @@ class WeightSender:
         for i, (url, fut) in enumerate(zip(self.engine_urls, http)):
             err = _http_outcome(fut)
             if not fut.done() or isinstance(err, EngineUnreachable):
-                late.append((i, url, self.clients[i]))
+                late.append((i, url, self.clients[i], err))
             elif err is not None:
                 failed.append(f"engine {i} ({url}) failed: {err}")
         if not late and not failed:
@@ -473,13 +481,19 @@ class WeightSender:
         if late:
             with ThreadPoolExecutor(len(late)) as probes:
                 alive = list(probes.map(lambda e: _answers(e[2], probe_s), late))
-        silent = [f"engine {i} ({url})" for (i, url, _), ok in zip(late, alive) if not ok]
-        waiting = [f"engine {i} ({url})" for (i, url, _), ok in zip(late, alive) if ok]
+        silent = [f"engine {i} ({url})" for (i, url, _, _), ok in zip(late, alive) if not ok]
+        waiting = [f"engine {i} ({url})" for (i, url, _, err), ok in zip(late, alive)
+                   if ok and not _cut(err)]
+        # a call whose connection failed (not its timeout) while the engine answers: its own
+        # words say more than "waiting"
+        cut = [f"engine {i} ({url}) answers HTTP but its {route} call failed: {err}"
+               for (i, url, _, err), ok in zip(late, alive) if ok and _cut(err)]
         parts = []
         if silent:
             parts.append(f"{', '.join(silent)} did not receive and does not answer HTTP "
                          f"within {probe_s}s (frozen or dead; see logs/engine<i>.log)")
         parts.extend(failed)
+        parts.extend(cut)
         if waiting:
             parts.append(f"{', '.join(waiting)} answer HTTP but did not finish {route} "
                          "(waiting on the broadcast, or unable to join the group)")

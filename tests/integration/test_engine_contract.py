@@ -22,6 +22,9 @@ engine alike (issue #33): what the trainer and the launcher rely on while engine
   version is accepted, and a client told of a version the engine does not hold names the
   engine's own label; the answer has that version's adapter's log-probs, stamped with it
   (engines/served_adapter.py, WeightSender.send_adapter).
+- A sync the engine never receives (the engine frozen, its scheduler with it) fails within
+  weight_sync.timeout_s naming it, and once let go the engine takes the re-formed cohort's
+  resend.
 - An engine whose port is taken exits as soon as its bind fails.
 - SGLang on CPU forks its scheduler and detokenizer (the CPU venv's shim), so they do not
   import everything again.
@@ -41,8 +44,9 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers_tiny
-from helpers_tiny import (free_port, make_tiny_model, process_cpu_s, run_script,  # noqa: E402
-                          start_engine, start_sglang_engine, stop_process, wait_healthy)
+from helpers_tiny import (check_frozen_sync, free_port, make_tiny_model,  # noqa: E402
+                          process_cpu_s, run_script, start_engine, start_sglang_engine,
+                          stop_process, wait_healthy)
 
 from relax_slurm.engines.async_client import AsyncEngineClient  # noqa: E402
 from relax_slurm.engines.client import EngineClient  # noqa: E402
@@ -410,3 +414,17 @@ def test_an_engine_whose_port_is_taken_exits_at_once(kind, model_dir, tmp_path, 
             assert proc.returncode != 0
         finally:
             stop_process(proc)
+
+
+def test_a_sync_this_engine_never_receives_fails_naming_it_and_the_cohort_recovers(
+        engine, client, model_dir, tmp_path):
+    """The engine frozen (its whole process group: SGLang's scheduler receives) just before a
+    bucket's broadcast, beside an hf engine that receives. Gloo's collective timeout ends the
+    wait first, the clock that once left the error naming no engine (test_cohort.py runs the
+    other two on hf engines). Let go, the engine takes the re-formed cohort's resend of the
+    model's own weights, so the tests after this one see them."""
+    kind, url, proc, _ = engine
+    r = run_script("frozen_engine_sync.py", tmp_path, "--url", url, "--pid", str(proc.pid),
+                   model_dir=model_dir, env={API_KEY_ENV: KEY, "FIRST": "group"})
+    check_frozen_sync(r)
+    assert client.ready() is True
