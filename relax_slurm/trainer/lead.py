@@ -35,8 +35,9 @@ from relax_slurm.trainer.overlap import BackgroundPush, overlap_copy_fits
 from relax_slurm.trainer.stop_at import RewardTarget, batch_reward
 from relax_slurm.trainer.stream import GroupStream
 from relax_slurm.weightsync import WeightSender, resolve_backend
-from relax_slurm.weightsync.tensor_sender import TensorSender
 from relax_slurm.weightsync.cohort import Cohort, ResendNeeded
+from relax_slurm.weightsync.names import NameCheck
+from relax_slurm.weightsync.tensor_sender import TensorSender
 
 log = logging.getLogger("relax_slurm.trainer")
 WEIGHT_GROUP = "relax_weights"
@@ -242,6 +243,8 @@ class RankZero:
                                        background=cfg.algo.max_staleness > 0)
                           if cfg.eval.every else None)
         self.verify = cfg.weight_sync.verify
+        # SGLang skips a name its model lacks without failing the update (weightsync/names.py)
+        self.names = NameCheck(cfg.model.path)
         self.num_engines = len(plan.engine_urls)
         self.release_memory = cfg.rollout.release_memory_during_train
         self.pacer = Pacer(cfg.cluster.restart.heartbeat_interval_s)
@@ -317,6 +320,7 @@ class RankZero:
         The engine set follows the broker's first: new engines get this version before the
         worker routes to them, leaving ones leave the cohort before the launcher stops them."""
         report = self.follow_engines()
+        weights = self.names.checked(weights)
         before = list(self.cohort.urls)
         self.waits["weight_sync"] = {"version": version, "engines": before}
         # a stream's tensors are gone once sent: the check reads the digests the send took
