@@ -20,7 +20,7 @@ head).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from relax_slurm.errors import ConfigError
@@ -42,22 +42,32 @@ def known_to_engines(name: str, on_file: set[str] | frozenset[str]) -> bool:
 
 
 class NameCheck:
-    """What rank 0 holds for the run: the checkpoint's names (none when model.path has no
-    weight files to read: nothing is checked), and the names already found there."""
+    """What rank 0 holds for the run: the checkpoint's names and shapes (none when model.path
+    has no weight files to read: nothing is checked), and the names already found there."""
 
     def __init__(self, model_path: str | Path) -> None:
         from relax_slurm.checkpoint.hf_files import weight_shapes
 
         self.model_path = str(model_path)
-        self.on_file = frozenset(weight_shapes(Path(model_path)))
+        self.shapes = weight_shapes(Path(model_path))
+        self.on_file = frozenset(self.shapes)
         self.known: set[str] = set()
 
-    def check(self, name: str) -> None:
-        """ConfigError, naming it, when the engines would skip `name`."""
-        if name not in self.known:
-            if self.on_file and not known_to_engines(name, self.on_file):
-                raise ConfigError(self.refusal(name))
-            self.known.add(name)
+    def check(self, name: str, shape: Sequence[int] | None = None) -> None:
+        """ConfigError, naming it, when the engines would skip `name`, or take a tensor of
+        `shape` under it that is not the one they hold."""
+        if name in self.known or not self.on_file:
+            return
+        if not known_to_engines(name, self.on_file):
+            raise ConfigError(self.refusal(name))
+        held = self.shapes.get(name)
+        if shape is not None and held is not None and tuple(shape) != tuple(held):
+            raise ConfigError(
+                f"weight sync: the trainer sends {name!r} of shape {tuple(shape)}, which the "
+                f"checkpoint the engines loaded (model.path={self.model_path}) holds as "
+                f"{tuple(held)}. SGLang takes it without a word (measured: the update answers "
+                "success); the trainer's model is not the one the engines serve")
+        self.known.add(name)
 
     def checked(self, weights):
         """A sync's weights, checked: a list at once, a stream (an export that gathers tensor
@@ -67,13 +77,13 @@ class NameCheck:
             return weights
         if isinstance(weights, Iterator):
             return self._stream(weights)
-        for name, _ in weights:
-            self.check(name)
+        for name, tensor in weights:
+            self.check(name, tensor.shape)
         return weights
 
     def _stream(self, named: Iterable) -> Iterator:
         for name, tensor in named:
-            self.check(name)
+            self.check(name, tensor.shape)
             yield name, tensor
 
     def refusal(self, name: str) -> str:

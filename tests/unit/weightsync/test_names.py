@@ -59,6 +59,11 @@ def test_a_stream_is_checked_as_it_comes_and_a_list_at_once(tiny_assets, tmp_pat
     with pytest.raises(ConfigError):
         check.checked(named)  # a list: before anything is sent
     assert check.checked(named[:-1]) == named[:-1]
+    # a name on file with another shape: the engines would take it as silently
+    wrong = [(n, t[:-1]) if n == "model.norm.weight" else (n, t) for n, t in named[:-1]]
+    with pytest.raises(ConfigError, match=r"'model.norm.weight' of shape \(63,\), which the "
+                                          r"checkpoint .* holds as \(64,\)"):
+        NameCheck(model).checked(wrong)
     adapter = Adapter(config={}, tensors={"x.lora_A.weight": torch.zeros(1)})
     assert check.checked(adapter) is adapter  # its own route and names
 
