@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from relax_slurm.errors import RoleFailed
-from relax_slurm.runtime.lifetime import child_setup
+from relax_slurm.runtime.lifetime import adopts_orphans, child_setup
 
 if TYPE_CHECKING:
     from relax_slurm.runtime.zygote import Forked, Zygote
@@ -195,7 +195,11 @@ class ProcessSet:
 
     def _stop_orphans(self, spare: set[int]) -> None:
         """SIGKILL and reap the orphans this launcher adopted (`adopt_orphans`) outside the
-        sessions in `spare` and its own (its own short-lived commands: sbatch, scontrol)."""
+        sessions in `spare` and its own (its own short-lived commands: sbatch, scontrol).
+        A process that adopts none (a set used inside another program: a test's) has only
+        children it started itself, which are not this set's to kill."""
+        if not adopts_orphans():
+            return
         role_pids = {r.proc.pid for r in self.roles}
         spare = spare | {os.getsid(0)}
         for pid in children(os.getpid()):

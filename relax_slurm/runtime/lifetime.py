@@ -12,6 +12,7 @@ import sys
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+PR_GET_CHILD_SUBREAPER = 37
 
 
 def adopt_orphans() -> bool:
@@ -21,6 +22,16 @@ def adopt_orphans() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def adopts_orphans() -> bool:
+    """Whether this process is a child subreaper (`adopt_orphans` took effect): only then can a
+    child of it be an orphan it adopted rather than a process it started."""
+    if not sys.platform.startswith("linux"):
+        return False
+    flag = ctypes.c_int(0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and flag.value != 0
 
 
 def die_with(parent: int) -> None:

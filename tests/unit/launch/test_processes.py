@@ -136,3 +136,25 @@ def test_a_dead_ranks_orphaned_writer_is_stopped_with_its_role(tmp_path):
     assert r["after_restart"] == [r["helper"]]  # the writer stopped, the engine's helper kept
     assert r["after_close"] == []
     assert not alive(r["writer"]) and not alive(r["helper"])
+
+
+def test_a_set_in_a_process_that_adopts_no_orphans_leaves_its_other_children_alone(tmp_path):
+    """Only a child subreaper (a launcher) can have adopted orphans; elsewhere (this pytest
+    worker, whose other children are other tests' engines and fixtures) every child is one
+    the process started itself, and close() once SIGKILLed them all."""
+    import subprocess
+
+    from relax_slurm.runtime.lifetime import adopts_orphans
+
+    assert not adopts_orphans()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                             start_new_session=True)
+    try:
+        procs = ProcessSet(tmp_path, dict(os.environ))
+        role = procs.start("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
+        procs.close()
+        assert _gone(role.proc.pid)
+        assert other.poll() is None and alive(other.pid)
+    finally:
+        other.kill()
+        other.wait()
