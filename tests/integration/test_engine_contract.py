@@ -22,6 +22,8 @@ engine alike (issue #33): what the trainer and the launcher rely on while engine
   version is accepted, and a client told of a version the engine does not hold names the
   engine's own label; the answer has that version's adapter's log-probs, stamped with it
   (engines/served_adapter.py, WeightSender.send_adapter).
+- An update naming a tensor the model lacks: SGLang answers success and skips it, the hf
+  engine refuses it (the trainer checks its names first: weightsync/names.py).
 - A sync the engine never receives (the engine frozen, its scheduler with it) fails within
   weight_sync.timeout_s naming it, and once let go the engine takes the re-formed cohort's
   resend.
@@ -366,6 +368,49 @@ def test_abort_all_ends_a_running_batch_with_finish_reason_abort(engine, client)
         assert len(r.output_ids) < limit and len(r.logprobs) == len(r.output_ids), kind
     [after] = client.generate([[5, 6, 7]], {**GREEDY, "max_new_tokens": 8})
     assert (after.finish_reason, len(after.output_ids)) == ("length", 8), kind
+
+
+def test_an_update_naming_a_tensor_the_model_lacks(engine, client, model_dir):
+    """SGLang answers success and keeps its old tensors (one line in its log), which is why the
+    trainer checks every name against the checkpoint before it sends (weightsync/names.py); the
+    hf engine refuses, naming it. A resend of the model's own weights serves on."""
+    from safetensors.torch import load_file
+
+    from relax_slurm.errors import WeightSyncError
+    from relax_slurm.weightsync.sender import WeightSender
+
+    kind, url, _, log = engine
+    named = list(load_file(str(model_dir / "model.safetensors")).items())
+    probe = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    [before] = client.generate([[5, 6, 7]], probe, return_logprob=True)
+    sender = WeightSender([url], "127.0.0.1", free_port(), f"relax_test_unknown_{kind}", "gloo",
+                          60.0, 512)
+    sender.connect()
+    try:
+        unknown = [("model.layers.0.mlp.nonexistent.weight", named[0][1] + 1.0)]
+        if kind == "sglang":
+            sender.send(unknown, version="x1")
+            assert "model.layers.0.mlp.nonexistent.weight not found" in Path(log).read_text()
+            # the same weights, request and kernels: the same answer (a skipped tensor that had
+            # landed, the model's first plus 1.0, would move every log-prob by far more)
+            [after] = client.generate([[5, 6, 7]], probe, return_logprob=True)
+            assert after.output_ids == before.output_ids
+            assert max(abs(a - b) for a, b in zip(after.logprobs, before.logprobs)) < 1e-6
+        else:
+            with pytest.raises(WeightSyncError, match="unknown parameter 'model.layers.0.mlp."
+                                                      "nonexistent.weight'"):
+                sender.send(unknown, version="x1")
+    finally:
+        sender.close()
+    resend = WeightSender([url], "127.0.0.1", free_port(), f"relax_test_unknown_{kind}_c1",
+                          "gloo", 60.0, 512)
+    resend.connect()
+    try:
+        resend.send(named, version="x2")
+    finally:
+        resend.destroy_on_engines()
+        resend.close()
+    assert client.ready() is True and client.weight_version() == "x2"
 
 
 def test_sglang_on_cpu_freezes_its_start_up_heap_once_it_listens(engine):
