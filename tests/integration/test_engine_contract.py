@@ -382,6 +382,10 @@ def test_an_update_naming_a_tensor_the_model_lacks(engine, client, model_dir):
     kind, url, _, log = engine
     named = list(load_file(str(model_dir / "model.safetensors")).items())
     probe = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    # an earlier test left this prompt in SGLang's prefix cache, and the update below flushes
+    # it: served from the cache, the prompt's KV came from another kernel path (decode, not
+    # prefill), 1.7e-6 off in CI. Both answers from an empty cache take the same path.
+    client.flush_cache()
     [before] = client.generate([[5, 6, 7]], probe, return_logprob=True)
     sender = WeightSender([url], "127.0.0.1", free_port(), f"relax_test_unknown_{kind}", "gloo",
                           60.0, 512)
@@ -391,11 +395,13 @@ def test_an_update_naming_a_tensor_the_model_lacks(engine, client, model_dir):
         if kind == "sglang":
             sender.send(unknown, version="x1")
             assert "model.layers.0.mlp.nonexistent.weight not found" in Path(log).read_text()
-            # the same weights, request and kernels: the same answer (a skipped tensor that had
-            # landed, the model's first plus 1.0, would move every log-prob by far more)
+            # the same weights, request and kernels: the same answer up to float32 rounding;
+            # 1e-5 is this file's bound for SGLang's float32 log-probs by two code paths (the
+            # token-ids test), and a tensor that had landed (the model's first plus 1.0)
+            # moves them by orders of magnitude more
             [after] = client.generate([[5, 6, 7]], probe, return_logprob=True)
             assert after.output_ids == before.output_ids
-            assert max(abs(a - b) for a, b in zip(after.logprobs, before.logprobs)) < 1e-6
+            assert max(abs(a - b) for a, b in zip(after.logprobs, before.logprobs)) < 1e-5
         else:
             with pytest.raises(WeightSyncError, match="unknown parameter 'model.layers.0.mlp."
                                                       "nonexistent.weight'"):
