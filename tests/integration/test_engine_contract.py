@@ -370,6 +370,22 @@ def test_abort_all_ends_a_running_batch_with_finish_reason_abort(engine, client)
     assert (after.finish_reason, len(after.output_ids)) == ("length", 8), kind
 
 
+def flush_when_idle(client: EngineClient, timeout_s: float = 60.0) -> None:
+    """/flush_cache once the engine takes it: SGLang refuses it (HTTP 400) while a request is
+    in its batch, and the last one's answer can reach the client an iteration of the
+    scheduler's loop before the request leaves the batch."""
+    from relax_slurm.errors import EngineError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.flush_cache()
+        except EngineError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def test_an_update_naming_a_tensor_the_model_lacks(engine, client, model_dir):
     """SGLang answers success and keeps its old tensors (one line in its log), which is why the
     trainer checks every name against the checkpoint before it sends (weightsync/names.py); the
@@ -385,7 +401,7 @@ def test_an_update_naming_a_tensor_the_model_lacks(engine, client, model_dir):
     # an earlier test left this prompt in SGLang's prefix cache, and the update below flushes
     # it: served from the cache, the prompt's KV came from another kernel path (decode, not
     # prefill), 1.7e-6 off in CI. Both answers from an empty cache take the same path.
-    client.flush_cache()
+    flush_when_idle(client)
     [before] = client.generate([[5, 6, 7]], probe, return_logprob=True)
     sender = WeightSender([url], "127.0.0.1", free_port(), f"relax_test_unknown_{kind}", "gloo",
                           60.0, 512)
