@@ -2,7 +2,7 @@
 
 What `relax-ctl dump RUN_DIR` runs, and the supervisor before it restarts a role it found hung
 or fails an attempt as hung. Each role registered at its start (runtime/stacks.py: a file
-`RUN_DIR/diagnostics/stacks/<role>-<pid>.txt`, written to by faulthandler on SIGUSR2); this
+`RUN_DIR/diagnostics/stacks/<role>-<pid>.txt`, written to by its dump thread on SIGUSR2); this
 signals every live registered process of the run, waits until each file grew (bounded by
 `wait_s`), and copies what each wrote into `RUN_DIR/diagnostics/<UTC time>/<label>.txt`, with
 `dump.json` beside them naming who answered, who did not, and which roles had not registered.
@@ -15,7 +15,8 @@ one `srun --jobid=JOB --overlap` step per node that runs `kill -USR2` on those p
 checking each is still a relax_slurm process (a pid reused since is left alone).
 
 A role that is signalled and does not answer within `wait_s` is named in `did_not_answer`: a
-stopped process (SIGSTOP, a debugger) cannot run the handler, and that is itself a finding. A
+stopped process (SIGSTOP, a debugger) or one whose C code holds the GIL cannot answer, and that
+is itself a finding. A
 late answer still lands in its file under diagnostics/stacks/.
 """
 

@@ -3,15 +3,32 @@
 
 Each role calls `register_stack_dumps(run_dir, role)` first thing in its entry point. That
 opens `RUN_DIR/diagnostics/stacks/<role>-<pid>.txt` in append mode, writes one header line
-(role, pid, host, start time) and hands the file to `faulthandler.register(DUMP_SIGNAL, ...,
-all_threads=True, chain=False)`: the interpreter's own C handler, which writes the stacks from
-inside the signal handler (with SA_RESTART, which chain=True would drop: a system call the signal
-lands in resumes instead of failing with EINTR), so it answers while the main thread is blocked in a lock, a socket
-or a collective (it cannot answer while the process is stopped: SIGSTOP, a debugger). The
-file is the registration: `relax-ctl dump` (launch/dump.py) signals only processes that have
-one, because SIGUSR2's default action ends a process that has not registered (a role still
-importing, a reward worker, an external SGLang engine). The file appears under its name only
-once the handler is in place (written under a hidden name, then renamed).
+(role, pid, host, start time), blocks DUMP_SIGNAL in the calling thread (and so in every
+thread it starts later) and starts a daemon thread that takes the signal with
+`signal.sigwait` and writes one dump per signal: every thread's stack from
+`sys._current_frames()`, read under the interpreter's thread-list lock. Because that thread
+waits for the signal itself, it answers while the main thread is blocked in a lock, a socket
+or a collective (anything that releases the GIL); it cannot answer while the process is
+stopped (SIGSTOP, a debugger) or while a C call holds the GIL.
+
+Why not faulthandler's C handler (the earlier design): it walks the thread list
+from inside the signal handler without any lock, and a thread that starts or ends meanwhile
+(a weight push's thread, a checkpoint's commit thread: every step of the trainer) makes it
+read freed memory. `relax-ctl dump` killed a training rank with SIGSEGV that way on this
+machine (tests/slurm's preemption run; tests/unit/runtime/test_stacks.py reproduces it in
+~30 signals against a process churning threads).
+
+A thread started before the registration (one a C library made at import) does not block the
+signal, and the kernel may hand the signal to it: the Python-level handler installed here
+then writes the same dump from the main thread, at its next bytecode. The block is inherited
+by child processes (fork and exec): a child that registers takes its own signals, one that
+does not keeps SIGUSR2 pending and harmless; `forget_stack_dumps()` gives a forked child that
+keeps running Python the default back.
+
+The file is the registration: `relax-ctl dump` (launch/dump.py) signals only processes that
+have one, because SIGUSR2's default action ends a process that has not registered (a role
+still importing, an external SGLang engine). The file appears under its name only once the
+thread is waiting (written under a hidden name, then renamed).
 
 Why SIGUSR2: SIGUSR1 is Slurm's warning to the driver before a preemption or time limit,
 SIGTERM/SIGINT stop roles, and torchrun's agent forwards only SIGTERM, SIGINT, SIGHUP and
@@ -24,13 +41,15 @@ agent) read it from `RUN_DIR_ENV`, which the launcher sets in every role's envir
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import IO
 
 DUMP_SIGNAL = signal.SIGUSR2
@@ -38,8 +57,11 @@ RUN_DIR_ENV = "RELAX_RUN_DIR"
 DIAGNOSTICS_DIR = "diagnostics"
 STACKS_DIR = "stacks"
 HEADER = "# relax-slurm stack dumps"
+MAX_DEPTH = 100  # frames per thread, as faulthandler: a runaway recursion stays readable
+THREAD_NAME = "relax-stack-dumps"
 
 _registered: IO[str] | None = None  # kept open (and referenced) for the process's life
+_write_lock = threading.Lock()  # the waiting thread and the fallback handler, one dump at a time
 
 
 def stacks_dir(run_dir: str | Path) -> Path:
@@ -48,7 +70,8 @@ def stacks_dir(run_dir: str | Path) -> Path:
 
 def register_stack_dumps(run_dir: str | Path | None, role: str) -> Path | None:
     """Write this process's stacks to its file in `run_dir` on every DUMP_SIGNAL; the file's
-    path (None without a run directory: a role started by hand outside a run)."""
+    path (None without a run directory: a role started by hand outside a run). Call it from
+    the main thread, before the role starts threads of its own."""
     global _registered
     if run_dir is None:
         return None
@@ -65,10 +88,73 @@ def register_stack_dumps(run_dir: str | Path | None, role: str) -> Path | None:
             f"started={time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} "
             f"signal={DUMP_SIGNAL.name}\n")
     f.flush()
-    faulthandler.register(DUMP_SIGNAL, file=f, all_threads=True, chain=False)
-    hidden.replace(path)  # the same open file: the name says "registered" only from now on
     _registered = f
+    signal.signal(DUMP_SIGNAL, _on_signal)  # before the block: never a window of SIG_DFL
+    signal.pthread_sigmask(signal.SIG_BLOCK, {DUMP_SIGNAL})
+    threading.Thread(target=_answer_signals, name=THREAD_NAME, daemon=True).start()
+    hidden.replace(path)  # the same open file: the name says "registered" only from now on
     return path
+
+
+def forget_stack_dumps() -> None:
+    """In a forked child that goes on running Python: SIGUSR2's default back, unblocked (the
+    parent's waiting thread did not survive the fork; its file is the parent's)."""
+    global _registered
+    _registered = None
+    signal.signal(DUMP_SIGNAL, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {DUMP_SIGNAL})
+
+
+def _answer_signals() -> None:
+    while True:
+        signal.sigwait({DUMP_SIGNAL})
+        write_dump()
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    write_dump()  # the signal reached a thread that does not block it: the main thread writes
+
+
+def write_dump() -> None:
+    """One dump of every thread's stack into the registered file (a no-op without one)."""
+    f = _registered
+    if f is None:
+        return
+    text = format_stacks(sys._current_frames(), threading.get_ident())
+    with _write_lock:
+        f.write(text)
+        f.flush()
+
+
+def format_stacks(frames: dict[int, FrameType], current: int) -> str:
+    """faulthandler's layout (a block per thread, most recent call first, `File "PATH", line N
+    in FUNC`) with each thread's name; the main thread first, the dump's own thread left out
+    and its frames dropped where the main thread writes the dump."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out, shown = [], 0
+    for ident in sorted(frames, key=lambda i: i != main):
+        name = names.get(ident, "?")
+        if name == THREAD_NAME:
+            continue
+        frame: FrameType | None = frames[ident]
+        if ident == current:  # the main thread in _on_signal: start below this module
+            while frame is not None and frame.f_code.co_filename == __file__:
+                frame = frame.f_back
+        label = "Main thread" if ident == main else "Thread"
+        out.append(f'{label} 0x{ident:016x} "{name}" (most recent call first):')
+        shown += 1
+        for _ in range(MAX_DEPTH):
+            if frame is None:
+                break
+            code = frame.f_code
+            out.append(f'  File "{code.co_filename}", line {frame.f_lineno} in {code.co_name}')
+            frame = frame.f_back
+        if frame is not None:
+            out.append("  ...")
+        out.append("")
+    return "\n".join([f"# dump at {stamp}: {shown} threads", *out]) + "\n"
 
 
 @dataclass(frozen=True)

@@ -214,7 +214,7 @@ def assert_stacks_before(row: dict, frozen: str) -> None:
     assert {"broker", "engine0", "rollout", "trainer-rank0"} - {frozen} <= set(dump["answered"])
     assert (folder / "dump.json").stat().st_mtime <= row["time"]  # before the restart
     for name in dump["answered"]:
-        assert "Current thread" in (folder / f"{name}.txt").read_text(), name
+        assert "Main thread 0x" in (folder / f"{name}.txt").read_text(), name
     assert not (folder / f"{frozen}.txt").exists()
 
 

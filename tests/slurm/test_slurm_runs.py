@@ -224,7 +224,7 @@ def test_preempted_run_requeues_and_resumes(tmp_path, tiny_assets, slurm_env):
             dumped
         for name in dumped["answered"]:
             text = (Path(dumped["folder"]) / f"{name}.txt").read_text()
-            assert "Current thread" in text or "Thread 0x" in text, (name, text[-2000:])
+            assert "Main thread 0x" in text, (name, text[-2000:])
         r = slurm(env, "scancel", "--batch", "--signal=USR1", job_id)
         assert r.returncode == 0, r.stderr
         wait_until(lambda: (read_status(run_dir) or {}).get("state") not in (None, "running"),

@@ -202,12 +202,11 @@ _QUEUE = None  # megatron-core's AsyncCallsQueue, one per process
 def _as_spawned() -> None:
     """In the forked results manager: the signals a spawned process would have (the rank's
     stack-dump handler writes to the rank's file)."""
-    import faulthandler
     import signal
 
-    from relax_slurm.runtime.stacks import DUMP_SIGNAL
+    from relax_slurm.runtime.stacks import forget_stack_dumps
 
-    faulthandler.unregister(DUMP_SIGNAL)
+    forget_stack_dumps()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 

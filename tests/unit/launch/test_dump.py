@@ -154,7 +154,7 @@ def test_the_slurm_command_signals_only_relax_processes_and_says_which(tmp_path)
         assert out.split() == [str(ours.pid)]
         path = stacks_dir(tmp_path) / f"broker-{ours.pid}.txt"
         deadline = time.monotonic() + WAIT_S
-        while "Current thread" not in path.read_text():
+        while "Main thread 0x" not in path.read_text():
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert ours.poll() is None and other.poll() is None

@@ -1,5 +1,7 @@
 """runtime/stacks.py in a real process: registered, it writes the stacks of all its threads to
-its file on SIGUSR2 and goes on running; unregistered (no run dir), it registers nothing."""
+its file on SIGUSR2 and goes on running, also while it starts and ends threads all the time (a
+trainer's every step) and when the signal lands on a thread older than the registration;
+unregistered (no run dir), it registers nothing."""
 
 from __future__ import annotations
 
@@ -71,11 +73,122 @@ def test_a_registered_process_writes_its_stacks_on_the_signal_and_goes_on(tmp_pa
         _wait_for(lambda: "helper_thread_loop" in path.read_text(), "the second thread")
         assert proc.poll() is None  # the handler does not end or stop the process
         text = path.read_text()[header:]
-        assert "Current thread" in text and "Thread 0x" in text  # all threads
+        assert 'Main thread 0x' in text and '"MainThread"' in text  # all threads, named
+        assert 'Thread 0x' in text and "helper_thread_loop" in text
+        assert "relax-stack-dumps" not in text  # the dump's own thread is left out
         assert 'File "<string>"' in text
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+# threads that start and end without pause while the test signals: faulthandler's C handler
+# (the earlier design) walked the thread list unlocked and died with SIGSEGV within ~30 signals
+# here (it killed a training rank in tests/slurm's preemption run); the dump thread reads it
+# under the interpreter's lock
+CHURN = """
+import sys, threading, time
+from relax_slurm.runtime.stacks import register_stack_dumps
+
+def short_lived():
+    sum(range(100))
+
+def churn():
+    while True:
+        threads = [threading.Thread(target=short_lived) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+path = register_stack_dumps(sys.argv[1], "trainer-rank0")
+threading.Thread(target=churn, daemon=True).start()
+print(path, flush=True)
+while True:
+    time.sleep(0.001)
+"""
+DUMPS = 300  # ten times what the unlocked walk survived
+
+
+@pytest.mark.timeout(300)
+def test_dumps_survive_threads_starting_and_ending(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", CHURN, str(tmp_path)], cwd=REPO,
+                            env=run_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        path = Path(proc.stdout.readline().strip())
+        for n in range(1, DUMPS + 1):
+            proc.send_signal(DUMP_SIGNAL)
+            # one signal at a time, each answered (pending signals would merge into one);
+            # counted by the main thread's bottom frame, once in every dump
+            _wait_for(lambda: proc.poll() is not None
+                      or path.read_text().count(" in <module>") >= n, f"dump {n}")
+            assert proc.poll() is None, f"ended with {proc.returncode} at dump {n}"
+        assert "in churn" in path.read_text()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+# a thread started before the registration does not block the signal: the kernel may hand the
+# signal to it, and the Python-level handler writes the dump from the main thread instead
+EARLY = """
+import sys, threading, time
+from relax_slurm.runtime.stacks import register_stack_dumps
+
+def started_before_registration():
+    while True:
+        time.sleep(0.05)
+
+threading.Thread(target=started_before_registration, daemon=True).start()
+path = register_stack_dumps(sys.argv[1], "rollout")
+print(path, flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_signal_taken_by_an_older_thread_still_dumps(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", EARLY, str(tmp_path)], cwd=REPO,
+                            env=run_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        path = Path(proc.stdout.readline().strip())
+        for n in (1, 2, 3):
+            proc.send_signal(DUMP_SIGNAL)
+            _wait_for(lambda: path.read_text().count("# dump at") >= n, f"dump {n}")
+        assert proc.poll() is None
+        text = path.read_text()
+        assert "started_before_registration" in text and "Main thread 0x" in text
+        assert "_on_signal" not in text and "write_dump" not in text  # its own frames dropped
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+# a forked child that runs on (megatron's results manager): SIGUSR2's default again
+FORKED = """
+import os, signal, sys, time
+from relax_slurm.runtime.stacks import DUMP_SIGNAL, forget_stack_dumps, register_stack_dumps
+
+register_stack_dumps(sys.argv[1], "trainer-rank0")
+pid = os.fork()
+if pid == 0:
+    forget_stack_dumps()
+    os.kill(os.getpid(), DUMP_SIGNAL)
+    time.sleep(30)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_that_forgets_gets_the_default_back(tmp_path):
+    out = subprocess.run([sys.executable, "-c", FORKED, str(tmp_path)], cwd=REPO,
+                         env=run_env(), capture_output=True, text=True, timeout=90)
+    assert out.stdout.strip() == str(-DUMP_SIGNAL), out.stderr
+    [path] = stacks_dir(tmp_path).glob("trainer-rank0-*.txt")
+    assert "# dump at" not in path.read_text()  # the child wrote nothing into the parent's file
 
 
 @pytest.mark.timeout(180)
