@@ -48,12 +48,33 @@ RAISED = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:relax_slurm(?:\.\w+)+|(?:\w+\.)*\
 WRAPPERS = ("ChildFailedError",)
 
 
+# a crash in native code, as faulthandler writes it (every role runs with PYTHONFAULTHANDLER:
+# launch/roles.py child_env), then the crashed thread's frames, innermost first
+FATAL = re.compile(r"^(?:\[rank\d+\]:\s*)?(Fatal Python error: .+)$")
+FRAME = re.compile(r'^(?:\[rank\d+\]:\s*)?\s+File "(.+)", line (\d+) in (.+)$')
+FRAMES_AFTER_FATAL = 8  # faulthandler: a blank line and the thread's header come first
+
+
 def raised(line: str) -> str | None:
     """`Class: message` when `line` ends a Python traceback (not torchrun's wrapper), else None."""
     found = RAISED.match(line)
     if found is None or found.group(1).split(":", 1)[0].endswith(WRAPPERS):
         return None
     return found.group(1)
+
+
+def cause_at(text: list[str], i: int) -> str | None:
+    """The error line `text[i]` reports: a traceback's last line, or a fatal error (SIGSEGV,
+    SIGABRT in native code) with the innermost Python frame of the thread it hit."""
+    found = raised(text[i])
+    if found is not None:
+        return found
+    fatal = FATAL.match(text[i])
+    if fatal is None:
+        return None
+    frame = next(filter(None, map(FRAME.match, text[i + 1:i + 1 + FRAMES_AFTER_FATAL])), None)
+    where = f" in {frame.group(3)} ({frame.group(1)}:{frame.group(2)})" if frame else ""
+    return fatal.group(1) + where
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -63,9 +84,10 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         text = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
-    tail = text[-lines:]
-    if not any(raised(line) for line in tail):
-        cause = next((c for c in map(raised, reversed(text[:-lines])) if c), None)
+    start = max(len(text) - lines, 0)
+    tail = text[start:]
+    if not any(cause_at(text, i) for i in range(start, len(text))):
+        cause = next(filter(None, (cause_at(text, i) for i in reversed(range(start)))), None)
         if cause is not None:
             tail.append(f"... the error it logged last, above those lines: {cause}")
     return "\n".join(tail)

@@ -65,6 +65,9 @@ def child_env(cfg: TrainConfig, secret: str) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",  # everything is local; never wait on a hub
         "OMP_NUM_THREADS": str(max(cfg.trainer.torch_threads, cfg.rollout.torch_threads)),
     })
+    # a role that dies in native code (SIGSEGV, SIGABRT) logs the Python stacks of its threads
+    # (launch/processes.py log_tail names the frame); PYTHONFAULTHANDLER= (empty) turns it off
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     return env
 
 

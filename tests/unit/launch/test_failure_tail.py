@@ -40,6 +40,37 @@ def test_a_failed_torchrun_role_names_its_ranks_error(tmp_path):
         "split evenly over 3 data-parallel trainer ranks"), message
 
 
+CRASH = ("import ctypes\n"
+         "def read_freed_memory():\n"
+         "    ctypes.memset(0, 0, 1)  # SIGSEGV in native code, as a read of freed memory\n"
+         "read_freed_memory()\n")
+
+
+def test_a_rank_that_dies_in_native_code_is_named_with_its_frame(tmp_path):
+    """A rank killed by SIGSEGV (a relax-ctl dump once did that: runtime/stacks.py) used to
+    leave torchrun's summary and "exitcode: -11" alone; the roles' environment turns on
+    faulthandler, and the message names the fatal error and the Python frame it hit."""
+    from relax_slurm.config import TrainConfig
+    from relax_slurm.launch.roles import child_env
+
+    script = tmp_path / "rank.py"
+    script.write_text(CRASH)
+    env = child_env(TrainConfig(), "secret") | {"PYTHONPATH": str(REPO)}
+    procs = ProcessSet(tmp_path, env)
+    try:
+        role = procs.start("trainer", [sys.executable, "-m", "relax_slurm.runtime.torchrun",
+                                       "--nproc-per-node=1", "--monitor-interval=0.1",
+                                       str(script)])
+        assert role.proc.wait(timeout=120) == 1
+        message = str(role.failure("exited with code 1"))
+    finally:
+        procs.close()
+    assert "SIGSEGV" in message  # torchrun's summary, the tail
+    assert message.splitlines()[-1] == (
+        "... the error it logged last, above those lines: Fatal Python error: Segmentation "
+        f"fault in read_freed_memory ({script}:3)"), message
+
+
 def test_an_error_already_in_the_tail_is_not_said_twice(tmp_path):
     log = tmp_path / "engine.log"
     log.write_text("\n".join([*(f"line {i}" for i in range(30)), "Traceback (most recent call "
