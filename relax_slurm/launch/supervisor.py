@@ -15,7 +15,7 @@ from pathlib import Path
 
 from relax_slurm.auth import ensure_secret
 from relax_slurm.broker.stats import BrokerStatus
-from relax_slurm.checkpoint.resume import parse_step
+from relax_slurm.checkpoint.resume import find_latest, parse_step
 from relax_slurm.config import TrainConfig
 from relax_slurm.errors import EngineDown, Preempted, RoleFailed, RoleHung
 from relax_slurm.runtime.control import PREEMPT_EXIT_CODE, preempt_requested, read_stop
@@ -89,15 +89,27 @@ def start(procs: ProcessSet, specs: list[RoleSpec], cfg: TrainConfig, wrap: Wrap
     return trainer
 
 
-def _preempted(trainer: Role, run_dir: Path, steps: int) -> Preempted | None:
-    """The trainer's exit answers a preemption request (torchrun reports a rank's own exit code
-    75 as its generic 1, so a request on file counts as well)."""
+def _preempted(trainer: Role, run_dir: Path, done: int) -> Preempted | None:
+    """The trainer's exit while a preemption request was on file (torchrun reports a rank's
+    own exit code 75 as its generic 1, so a request on file counts as well): Preempted, the job
+    is requeued either way. Whether the trainer answered it is told by its checkpoint: one of
+    the last logged step `done` or later; a trainer that died first (a crash in native code
+    during the request) is said to have, with its log, and what the next attempt trains again."""
     rc = trainer.proc.poll()
     if rc is None or rc == 0 or not (rc == PREEMPT_EXIT_CODE or preempt_requested(run_dir)):
         return None
-    return Preempted(f"trainer stopped on a preemption request after {steps} logged steps "
-                     f"(exit code {rc}); it resumes from its last checkpoint in "
-                     f"{run_dir / 'checkpoints'} when the run is started again")
+    latest = find_latest(run_dir)
+    saved = (parse_step(latest) or 0) if latest is not None else 0
+    if saved >= done:
+        return Preempted(f"trainer stopped on a preemption request after {done} steps, "
+                         f"checkpointed (exit code {rc}); it resumes from {latest} when the "
+                         "run is started again")
+    again = f"steps {saved}-{done - 1}" if done - saved > 1 else f"step {saved}"
+    resume = f"from {latest}" if latest is not None else "from the start (no checkpoint)"
+    return Preempted(str(trainer.failure(
+        f"exited with code {rc} while a preemption request was pending, before it saved the "
+        f"checkpoint of its last logged step {done}: it resumes {resume} when the run is "
+        f"started again, training {again} again")))
 
 
 def hung(procs: ProcessSet, name: str, why: str) -> RoleHung:
@@ -148,7 +160,9 @@ def watch(procs: ProcessSet, trainer: Role, cfg: TrainConfig, run_dir: Path,
             if rc == 0:
                 return
             if rc is not None:
-                preempted = _preempted(trainer, run_dir, tail.count)
+                for row in tail.new_rows():  # logged between this turn's read and its exit
+                    done = max(done, int(row.get("step", 0)) + 1)
+                preempted = _preempted(trainer, run_dir, done)
                 raise preempted or trainer.failure(f"exited with code {rc}")
             if in_place is not None:
                 in_place.revive()
