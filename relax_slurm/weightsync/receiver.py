@@ -209,6 +209,7 @@ class WeightReceiver:
                            group_name, formed, recheck)
             return list(zip(names, unflatten_bucket(flat, torch_dtypes, shapes)))
         received = []
+        deadline = time.monotonic() + self.timeout_s  # for the whole request, as flattened
         for name, dtype, shape in zip(names, torch_dtypes, shapes):
             t = _in_place(into.get(name), dtype, shape, device)
             if t is None:
@@ -219,13 +220,14 @@ class WeightReceiver:
             # after another; 79 of 6 MB: 0.20 s against 0.13 s, raw). The tiny model's sync
             # per tensor 31 -> 16 ms, the 448 MB one's 0.24 -> 0.16 s (docs/benchmarks.md)
             work = dist.broadcast(t, src=0, group=pg, async_op=True)
-            self._wait_all([(repr(name), work)], group_name, formed, recheck)
+            self._wait_all([(repr(name), work)], group_name, formed, recheck, deadline)
             received.append((name, t))
         return received
 
     def _wait_all(self, works: list[tuple[str, dist.Work]], group_name: str, formed: int,
-                  recheck: float) -> None:
-        deadline = time.monotonic() + self.timeout_s
+                  recheck: float, deadline: float | None = None) -> None:
+        """Wait for `works` in turn until `deadline` (default: timeout_s from now)."""
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
         for what, work in works:
             while not self._wait(work, what, group_name, deadline, recheck):
                 if self._formed != formed:
