@@ -21,6 +21,7 @@ import pytest
 
 from relax_slurm.checkpoint import find_latest
 from relax_slurm.checkpoint.resume import parse_step
+from relax_slurm.launch.processes import log_tail
 from relax_slurm.metrics.jsonl import iter_metrics
 from relax_slurm.runtime.control import read_status
 from tests.conftest import ONE_RANK, REPO, tiny_command
@@ -97,13 +98,14 @@ def read_rows(run_dir: Path) -> list[dict]:
 
 
 def diagnose(run_dir: Path, *extra: Path) -> str:
-    """The tails of the driver's and the roles' logs, for failure messages."""
+    """The tails of the driver's and the roles' logs, for failure messages, each with the
+    error it logged above its tail (a trainer's tail is torchrun's summary: the rank's own
+    error, a native crash's frame, is above it)."""
     parts = []
     for path in [*extra, *sorted(run_dir.glob("slurm-*.out")), run_dir / "slurm_status.json",
                  *(run_dir / "logs" / f"{n}.log" for n in LOGS)]:
         if path.is_file():
-            lines = path.read_text(errors="replace").splitlines()[-15:]
-            parts.append(f"--- {path}\n" + "\n".join(lines))
+            parts.append(f"--- {path}\n" + log_tail(path, 15))
     return "\n".join(parts) or f"(nothing in {run_dir})"
 
 
