@@ -18,19 +18,24 @@ RANK = ("from relax_slurm.errors import ConfigError\n"
         "per step do not split evenly over 3 data-parallel trainer ranks')\n")
 
 
-def test_a_failed_torchrun_role_names_its_ranks_error(tmp_path):
+def _failed_torchrun_role(tmp_path, rank_source: str, env: dict[str, str]):
+    """A real torchrun agent (the launcher's) whose one rank runs `rank_source` and fails:
+    the role and the launcher's message about it."""
     script = tmp_path / "rank.py"
-    script.write_text(RANK)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    procs = ProcessSet(tmp_path, env)
+    script.write_text(rank_source)
+    procs = ProcessSet(tmp_path, env | {"PYTHONPATH": str(REPO)})
     try:
         role = procs.start("trainer", [sys.executable, "-m", "relax_slurm.runtime.torchrun",
                                        "--nproc-per-node=1", "--monitor-interval=0.1",
                                        str(script)])
         assert role.proc.wait(timeout=120) == 1
-        message = str(role.failure("exited with code 1"))
+        return role, str(role.failure("exited with code 1"))
     finally:
         procs.close()
+
+
+def test_a_failed_torchrun_role_names_its_ranks_error(tmp_path):
+    role, message = _failed_torchrun_role(tmp_path, RANK, dict(os.environ))
     log = role.log.read_text().splitlines()
     assert len(log) > LOG_TAIL_LINES  # torchrun's summary alone fills the tail
     assert message.splitlines()[0].endswith("Last lines:")  # the Slurm driver reads that line
@@ -53,18 +58,8 @@ def test_a_rank_that_dies_in_native_code_is_named_with_its_frame(tmp_path):
     from relax_slurm.config import TrainConfig
     from relax_slurm.launch.roles import child_env
 
+    _, message = _failed_torchrun_role(tmp_path, CRASH, child_env(TrainConfig(), "secret"))
     script = tmp_path / "rank.py"
-    script.write_text(CRASH)
-    env = child_env(TrainConfig(), "secret") | {"PYTHONPATH": str(REPO)}
-    procs = ProcessSet(tmp_path, env)
-    try:
-        role = procs.start("trainer", [sys.executable, "-m", "relax_slurm.runtime.torchrun",
-                                       "--nproc-per-node=1", "--monitor-interval=0.1",
-                                       str(script)])
-        assert role.proc.wait(timeout=120) == 1
-        message = str(role.failure("exited with code 1"))
-    finally:
-        procs.close()
     assert "SIGSEGV" in message  # torchrun's summary, the tail
     assert message.splitlines()[-1] == (
         "... the error it logged last, above those lines: Fatal Python error: Segmentation "

@@ -44,8 +44,8 @@ role_main_waits_here()
 WAIT_S = 60.0  # generous: a loaded 2-core machine starts Pythons slowly
 
 
-def _start(tmp_path: Path, run_dir: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", ROLE, run_dir], cwd=REPO, env=run_env(),
+def _start(tmp_path: Path, run_dir: str, script: str = ROLE) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script, run_dir], cwd=REPO, env=run_env(),
                             stdout=subprocess.PIPE, text=True)
 
 
@@ -112,8 +112,7 @@ DUMPS = 300  # ten times what the unlocked walk survived
 
 @pytest.mark.timeout(300)
 def test_dumps_survive_threads_starting_and_ending(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", CHURN, str(tmp_path)], cwd=REPO,
-                            env=run_env(), stdout=subprocess.PIPE, text=True)
+    proc = _start(tmp_path, str(tmp_path), CHURN)
     try:
         path = Path(proc.stdout.readline().strip())
         for n in range(1, DUMPS + 1):
@@ -149,8 +148,7 @@ while True:
 
 @pytest.mark.timeout(180)
 def test_a_signal_taken_by_an_older_thread_still_dumps(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", EARLY, str(tmp_path)], cwd=REPO,
-                            env=run_env(), stdout=subprocess.PIPE, text=True)
+    proc = _start(tmp_path, str(tmp_path), EARLY)
     try:
         path = Path(proc.stdout.readline().strip())
         for n in (1, 2, 3):
