@@ -61,7 +61,8 @@ MAX_DEPTH = 100  # frames per thread, as faulthandler: a runaway recursion stays
 THREAD_NAME = "relax-stack-dumps"
 
 _registered: IO[str] | None = None  # kept open (and referenced) for the process's life
-_write_lock = threading.Lock()  # the waiting thread and the fallback handler, one dump at a time
+_waiter: threading.Thread | None = None  # the thread that takes the signal (one per process)
+_write_lock = threading.RLock()  # one dump at a time; re-entrant: a handler may interrupt one
 
 
 def stacks_dir(run_dir: str | Path) -> Path:
@@ -72,7 +73,7 @@ def register_stack_dumps(run_dir: str | Path | None, role: str) -> Path | None:
     """Write this process's stacks to its file in `run_dir` on every DUMP_SIGNAL; the file's
     path (None without a run directory: a role started by hand outside a run). Call it from
     the main thread, before the role starts threads of its own."""
-    global _registered
+    global _registered, _waiter
     if run_dir is None:
         return None
     folder = stacks_dir(run_dir)
@@ -91,7 +92,9 @@ def register_stack_dumps(run_dir: str | Path | None, role: str) -> Path | None:
     _registered = f
     signal.signal(DUMP_SIGNAL, _on_signal)  # before the block: never a window of SIG_DFL
     signal.pthread_sigmask(signal.SIG_BLOCK, {DUMP_SIGNAL})
-    threading.Thread(target=_answer_signals, name=THREAD_NAME, daemon=True).start()
+    if _waiter is None or not _waiter.is_alive():  # registered again: the new file, one waiter
+        _waiter = threading.Thread(target=_answer_signals, name=THREAD_NAME, daemon=True)
+        _waiter.start()
     hidden.replace(path)  # the same open file: the name says "registered" only from now on
     return path
 
