@@ -107,7 +107,7 @@ print(path, flush=True)
 while True:
     time.sleep(0.001)
 """
-DUMPS = 150  # five times what the unlocked walk survived (it died at dump 13 here)
+DUMPS = 100  # over three times what the unlocked walk survived (it died at dump 13 here)
 
 
 @pytest.mark.timeout(300)
