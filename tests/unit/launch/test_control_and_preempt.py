@@ -22,6 +22,7 @@ from relax_slurm.runtime import control
 from relax_slurm.launch.local import local_plan, prepare_run_dir
 from relax_slurm.launch.processes import ProcessSet
 from relax_slurm.launch.supervisor import run_summary, watch
+from tests.unit.launch.test_rerun import fake_checkpoint
 
 
 def test_request_clear_and_status(tmp_path):
@@ -67,25 +68,9 @@ def test_torchrun_exit_after_a_request_is_a_preemption(tmp_path):
         _watch_exit(tmp_path, 1, request=True)
 
 
-def _checkpoint(run_dir: Path, step: int) -> Path:
-    """A checkpoint directory find_latest counts as complete (DCP's .metadata, our meta.json)."""
-    from relax_slurm.checkpoint.dcp import meta_json
-
-    path = run_dir / "checkpoints" / f"step_{step}"
-    path.mkdir(parents=True)
-    (path / ".metadata").write_bytes(b"")
-    (path / "meta.json").write_text(meta_json(step, {}))
-    return path
-
-
-def _logged(run_dir: Path, steps: int) -> None:
-    (run_dir / "metrics.jsonl").write_text(
-        "".join(json.dumps({"step": i, "reward": 0.5}) + "\n" for i in range(steps)))
-
-
 def test_a_trainer_that_answered_the_request_names_its_checkpoint(tmp_path):
-    _logged(tmp_path, 8)
-    ckpt = _checkpoint(tmp_path, 8)
+    _short_run(tmp_path, 8, 40)  # metrics.jsonl: steps 0..7 logged
+    ckpt = fake_checkpoint(tmp_path, 8)
     with pytest.raises(Preempted) as e:
         _watch_exit(tmp_path, 1, request=True)
     assert str(e.value) == (f"trainer stopped on a preemption request after 8 steps, "
@@ -98,8 +83,8 @@ def test_a_trainer_that_died_before_its_checkpoint_is_not_said_to_have_answered(
     file was reported as having stopped on the request; the job is requeued all the same (it
     was being preempted), but the message says the trainer died, what it logged, and which
     steps the next attempt trains again."""
-    _logged(tmp_path, 8)
-    ckpt = _checkpoint(tmp_path, 5)
+    _short_run(tmp_path, 8, 40)  # metrics.jsonl: steps 0..7 logged
+    ckpt = fake_checkpoint(tmp_path, 5)
     with pytest.raises(Preempted) as e:
         _watch_exit(tmp_path, 1, request=True)
     message = str(e.value)
