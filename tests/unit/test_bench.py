@@ -4,6 +4,7 @@ same answer twice says how far its repeats spread and whether other processes we
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -33,8 +34,9 @@ def bench_module(name: str):
                 del sys.modules[plain]  # `common` as report imports it: not for other tests
 
 
-common, load, report, weight_sync_bench, routing_parts = (
-    bench_module(n) for n in ("common", "load", "report", "weight_sync_bench", "routing_parts"))
+common, load, report, weight_sync_bench, routing_parts, compare = (
+    bench_module(n) for n in ("common", "load", "report", "weight_sync_bench", "routing_parts",
+                              "compare"))
 
 
 def test_spread_reports_the_relative_spread_of_the_repeats():
@@ -385,3 +387,114 @@ def test_a_missing_bench_extra_is_named_before_any_part_runs(monkeypatch, capsys
         err = capsys.readouterr().err
         # leaving part 3 out is offered only where it helps (the plots need matplotlib always)
         assert f"{missing} cannot be imported" in err and ("leave part 3 out" in err) == hint
+
+
+def rec(*repeats: float) -> dict:
+    return common.spread(list(repeats))
+
+
+def test_a_figure_regressed_only_when_every_repeat_moved_beyond_the_tolerance():
+    judge = compare.judge
+    base = rec(1.60, 1.66, 1.75)
+    # every new repeat below every baseline one, the median 12% lower: higher is better
+    assert judge("async_speedup", base, rec(1.40, 1.46, 1.52), True) == (
+        pytest.approx(1.46 / 1.66 - 1), "regressed")
+    assert judge("async_speedup", base, rec(1.80, 1.90, 1.95), True)[1] == "improved"
+    # the same numbers for a figure where lower is better
+    assert judge("async_bound_ratio", base, rec(1.40, 1.46, 1.52), False)[1] == "improved"
+    assert judge("async_bound_ratio", base, rec(1.80, 1.90, 1.95), False)[1] == "regressed"
+    # the median 12% lower but one repeat inside the baseline's range: the spread, not a loss
+    assert judge("async_speedup", base, rec(1.40, 1.46, 1.62), True)[1] == "same"
+    # every repeat lower, but by less than the tolerance (a drift between invocations)
+    assert judge("async_speedup", rec(1.00, 1.01, 1.02), rec(0.97, 0.98, 0.99), True)[1] == "same"
+    assert judge("async_speedup", rec(1.00, 1.01, 1.02), rec(0.97, 0.98, 0.99), True,
+                 tolerance=0.01)[1] == "regressed"
+    # a reward delta near 0 is judged in reward units, not relative to its median
+    delta = judge("async_reward_delta", rec(0.001, 0.002, 0.004), rec(-0.09, -0.08, -0.06), True)
+    assert delta == (pytest.approx(-0.082), "regressed")
+    assert judge("async_reward_delta", rec(0.001, 0.002, 0.004), rec(-0.03, -0.02, -0.01),
+                 True)[1] == "same"  # 0.022 lower: inside the target's 0.05 band
+    # no verdict without two repeats a side, or with a repeat that never got there (inf)
+    assert judge("async_speedup", rec(1.66), rec(1.2), True) == (
+        pytest.approx(1.2 / 1.66 - 1), "one repeat")
+    assert judge("trl_time_to_0.8_ratio", rec(1.5, 1.6, float("inf")), rec(1.0, 1.1, 1.2),
+                 True)[1] == "one repeat"
+    assert judge("async_speedup", {}, base, True) == (None, "missing")
+
+
+def figures_at(**figures: dict) -> dict:
+    """A bench result holding `figures` where report.py looks for them."""
+    res: dict = {"quick": False, "headline": {k: v["median"] for k, v in figures.items()}}
+    for key, value in figures.items():
+        node = res
+        *path, leaf = report._path(key)
+        for p in path:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return res
+
+
+def test_a_loaded_or_drifted_part_gets_no_verdict_and_other_parts_can_be_left_out():
+    base = figures_at(async_speedup=rec(1.6, 1.66, 1.75),
+                      weight_sync_efficiency=rec(0.8, 0.83, 0.85))
+    new = figures_at(async_speedup=rec(1.2, 1.3, 1.4),
+                     weight_sync_efficiency=rec(0.6, 0.62, 0.65))
+    verdicts = {v.figure: v.verdict for v in compare.compare(base, new)}
+    assert verdicts == {"async_speedup": "regressed", "weight_sync_efficiency": "regressed"}
+    new["drifted"], base["loaded"] = ["sync"], ["sync"]
+    verdicts = {v.figure: v.verdict for v in compare.compare(base, new)}
+    assert verdicts == {"async_speedup": "regressed",
+                        "weight_sync_efficiency": "loaded (baseline), drifted (new)"}
+    # the async part's speed probes (load.py): the new run's machine a third slower than the
+    # baseline's, which moves an async/sync ratio by itself (docs/benchmarks.md)
+    base["load"], new["load"] = {"async": {"probe_s": [0.06, 0.06]}}, {"async": {"probe_s":
+                                                                                 [0.08, 0.08]}}
+    assert compare.compare(base, new)[0].verdict == "machine 1.33x slower (new)"
+    new["load"]["async"]["probe_s"] = [0.062, 0.064]  # within 10%: judged
+    assert compare.compare(base, new)[0].verdict == "regressed"
+    only = compare.compare(base, new, parts={"async"})  # a `run.py --parts async` run
+    assert [v.figure for v in only] == ["async_speedup"]
+    lines, status = compare.comparison(base, new, parts={"sync"})
+    assert status == 0 and lines[-1] == "no headline regressed", lines
+
+
+def test_compare_exits_1_on_a_regression_and_2_on_files_it_cannot_compare(tmp_path):
+    """The command as a user runs it, on the committed full results and a copy in which one
+    headline lost every repeat."""
+    repo = BENCH.parents[1]
+    committed = json.loads((repo / "bench_results.json").read_text())
+    worse = json.loads(json.dumps(committed))
+    low = worse["longtail"]["async_over_colocated"]["min"]  # every repeat below the old ones
+    worse["longtail"]["async_over_colocated"] = rec(0.6 * low, 0.65 * low, 0.7 * low)
+    worse["headline"]["longtail_async_over_colocate"] = 0.65 * low
+    (tmp_path / "worse.json").write_text(json.dumps(worse))
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(BENCH / "compare.py"), *args],
+                              capture_output=True, text=True, timeout=120, cwd=repo)
+    same = run("bench_results.json", "bench_results.json")
+    assert same.returncode == 0 and "no headline regressed" in same.stdout, same.stdout
+    lost = run("bench_results.json", str(tmp_path / "worse.json"))
+    assert lost.returncode == 1, lost.stdout + lost.stderr
+    assert "| `longtail_async_over_colocate` |" in lost.stdout
+    row = next(x for x in lost.stdout.splitlines() if "`longtail_async_over_colocate`" in x)
+    assert row.endswith("| **regressed** |"), row
+    assert lost.stdout.rstrip().endswith("regressed: longtail_async_over_colocate")
+    mixed = run("bench_results.json", "bench_results_quick.json")
+    assert mixed.returncode == 2 and "bench_results_quick.json is a --quick run" in mixed.stderr
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    junk = run(str(tmp_path / "junk.json"), "bench_results.json")
+    assert junk.returncode == 2 and "junk.json: no 'headline' map" in junk.stderr, junk.stderr
+
+
+def test_run_checks_its_baseline_before_measuring_anything(tmp_path):
+    """`run.py --quick --baseline bench_results.json` (a full run's): refused at once, naming
+    the option, before any part runs or any file is written."""
+    repo = BENCH.parents[1]
+    proc = subprocess.run([sys.executable, str(BENCH / "run.py"), "--quick", "--parts", "broker",
+                           "--baseline", str(repo / "bench_results.json"), "--out",
+                           str(tmp_path / "out"), "--doc", str(tmp_path / "doc.md")],
+                          capture_output=True, text=True, timeout=120, cwd=repo)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--baseline: this run is a --quick run" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "doc.md").exists()

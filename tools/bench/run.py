@@ -4,6 +4,7 @@
     python tools/bench/run.py --quick --parts sglang  # the real SGLang server (~10 min)
     python tools/bench/run.py --quick --parts towers  # megatron's towers at TP=2 (~12 min)
     python tools/bench/run.py --parts longtail --repeats 2  # the long-tail workload (~30 min)
+    python tools/bench/run.py --quick --baseline BASE.json  # then compare.py: exit 1 on a loss
 
 Needs the bench extra (`pip install -e ".[bench]"`: TRL for the peer comparison, matplotlib
 for the plots) and an otherwise idle machine: every figure is a ratio of two measurements
@@ -34,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import async_sync  # noqa: E402
 import broker_bench  # noqa: E402
+import compare  # noqa: E402
 import engine_scaling  # noqa: E402
 import longtail  # noqa: E402
 import report  # noqa: E402
@@ -163,10 +165,22 @@ def main() -> int:
     ap.add_argument("--reuse-runs", action="store_true",
                     help="longtail: read the runs a previous invocation finished in --out")
     ap.add_argument("--doc", type=Path, default=REPO / "docs" / "benchmarks.md")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a bench_results*.json to compare this run's headlines with at the end "
+                         "(tools/bench/compare.py; exit status 1 when one regressed). Read now: "
+                         "this run rewrites the repository's own")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if unknown := parts - set(PARTS):
         ap.error(f"--parts: unknown {sorted(unknown)}; choose from {','.join(PARTS)}")
+    baseline = None
+    if args.baseline is not None:  # before anything runs (and before this run rewrites it)
+        try:
+            baseline = compare.load_results(args.baseline)
+            compare.check_comparable(baseline, {"quick": args.quick}, args.baseline,
+                                     Path("this run"))
+        except ValueError as e:
+            ap.error(f"--baseline: {e}")
     if missing := missing_extras(parts):  # (at the start, not after the parts before it)
         # (leaving part 3 out helps only without TRL: the plots need matplotlib in any run)
         other = ", or leave part 3 out (--parts without trl)" if missing == ["trl"] else ""
@@ -362,7 +376,12 @@ def main() -> int:
         print(f"the machine's speed moved during {res['drifted']} (load.py speed_probe): those "
               "figures are marked", file=sys.stderr)
     print(f"wrote {name}, {args.doc}, {len(plots)} plot(s) in {res['elapsed_s']:.0f} s")
-    return 0
+    if baseline is None:
+        return 0
+    lines, status = compare.comparison(baseline, res, parts)
+    print(f"against {args.baseline} (the parts measured now):")
+    print("\n".join(lines))
+    return status
 
 
 if __name__ == "__main__":
