@@ -23,6 +23,9 @@ from common import REPO
 from relax_slurm.auth import SECRET_ENV
 
 BENCH_SECRET = "bench-secret"  # the broker serves authenticated clients only, as in a run
+CALLS_PER_REPEAT = 16
+"""Timed put/get rounds per repeat, quick or full: `broker_step_share`'s repeat is the median
+of its rounds' `get_batch` calls (run.py), as a weight-sync repeat is of its rounds."""
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wire_bench import make_groups  # noqa: E402

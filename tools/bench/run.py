@@ -272,7 +272,11 @@ def main() -> int:
     if "broker" in parts:
         start_part("broker")
         print("[5] broker", flush=True)
-        b = broker_bench.measure(args.out, 10 if args.quick else 50)
+        # the same calls quick or full (no steps to shorten: a different count was a different
+        # workload, and the quick run's 10 calls weighed its slow first ones: 0.030 against
+        # the full run's 0.022); a repeat is the median of its CALLS_PER_REPEAT calls in turn
+        calls = broker_bench.CALLS_PER_REPEAT
+        b = broker_bench.measure(args.out, calls * repeats)
         step = (res["async"]["sync_components"]["step_s"]["median"] if "async" in res
                 else None)
         res["broker"] = {
@@ -283,7 +287,8 @@ def main() -> int:
             "throughput_ratio": spread(b["throughput_ratio"]),
             "get_batch_s": spread(b["broker"]["get_batch_s"]),
             "payload_mb": b["broker"]["payload_mb"],
-            "step_share": spread([g / step for g in b["broker"]["get_batch_s"]] if step else []),
+            "step_share": spread([g / step for g in weight_sync_bench.per_repeat(
+                b["broker"]["get_batch_s"], calls)] if step else []),
         }
     if "engines" in parts:
         start_part("engines")
