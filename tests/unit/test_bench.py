@@ -498,3 +498,13 @@ def test_run_checks_its_baseline_before_measuring_anything(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--baseline: this run is a --quick run" in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "doc.md").exists()
+
+
+def test_a_reward_delta_is_not_compared_between_a_quick_and_a_full_run():
+    """A final reward after 40 steps and after 150 are two quantities (docs/benchmarks.md):
+    the table says so instead of a ratio of two numbers near 0."""
+    def res(quick: bool, delta: float) -> dict:
+        return {"quick": quick, "headline": {"async_reward_delta": delta},
+                "async": {"staleness1": {"reward_delta": common.spread([delta] * 3)}}}
+    [row] = report.headline_table(res(False, 0.12), res(True, -0.01))[2:]
+    assert row.endswith("| - (learning: full length only) |"), row
