@@ -1,7 +1,7 @@
 """Did a bench run get worse than a baseline? Every headline of two bench_results*.json, judged
 on its repeats, not on its median alone.
 
-    python tools/bench/compare.py BASELINE.json NEW.json [--tolerance 0.05] [--delta-tolerance 0.05]
+    python tools/bench/compare.py BASELINE.json NEW.json [--tolerance 0.05]
     python tools/bench/run.py --quick --baseline bench_results_quick.json   # the same, at the end
 
 A headline is a median of interleaved repeats whose min and max the results keep (common.spread).
@@ -9,14 +9,18 @@ Two runs of one commit move by their spread, so a change of the median says litt
 that moved every repeat does. A figure has **regressed** when every new repeat lies on the worse
 side of every baseline repeat (the new run's range entirely beyond the baseline's: with three
 repeats on each side, a chance of 1 in 20 when nothing changed) *and* the medians differ by more
-than the tolerance (relative for ratios; in reward units for the `*_delta` figures, which sit
-near 0); **improved** the same on the better side; **same** otherwise. Which side is worse is
-the figure's target direction (report.TARGETS). A figure measured with fewer than two repeats on
-either side, or by a part that met foreign load or whose machine drifted (the results' `loaded`
-and `drifted`, load.py), gets no verdict: its change is shown, marked so. Nor does one whose
-parts ran on a machine more than 10% faster or slower in one run than in the other (the mean
-of each run's speed probes of those parts, load.py `speed_probe`): a slowed host moves the two
-sides of a ratio unequally (docs/benchmarks.md, "What one commit's two kinds of run say").
+than the tolerance: relative for ratios; in their own units for the figures that sit near 0
+(reward for the `*_delta` figures, step for the `*_share*` ones). **improved** is the same on
+the better side; **same** otherwise. Which side is worse is the figure's target direction
+(report.TARGETS). A figure measured with fewer than two repeats on either side, or by a part
+that met foreign load (the results' `loaded`, load.py), gets no verdict: its change is shown,
+marked so. Nor does one whose parts ran on a machine more than 10% faster or slower in one run
+than in the other (the mean of each run's speed probes of those parts, load.py `speed_probe`):
+a slowed host moves the two sides of a ratio unequally (docs/benchmarks.md, "What one commit's
+two kinds of run say"), and every repeat of that run with it. A part whose machine drifted
+within the run is judged, the mark beside the verdict: the drift fell on interleaved repeats of
+both sides of its ratios and widened the range the verdict reads (on this VM nearly every part
+of a run drifts by >10%).
 
 Exit status: 1 when any headline regressed, 0 otherwise, 2 on bad input (a file that is not a
 bench result, a quick run against a full one: their learning figures cover different lengths).
@@ -40,6 +44,15 @@ of one commit whose repeats do not overlap (a drift of the machine between invoc
 interleaving cannot cancel); docs/benchmarks.md's figures of one commit over sessions."""
 DELTA_TOLERANCE = 0.05
 """Reward units: the reward deltas' own target band (async - sync >= -0.05)."""
+SHARE_TOLERANCE = 0.005
+"""Step units, for the `*_share*` figures (a part's time over the step's): 0.5% of a step. The
+overlapped sync's exposed share sits at ~7e-5 of a step (~13 us, the timer's grain), where a
+relative change says nothing."""
+
+
+def absolute(figure: str) -> bool:
+    """Whether a figure's change is judged in its own units rather than relative to it."""
+    return figure.endswith("_delta") or "_share" in figure
 
 
 @dataclass(frozen=True)
@@ -48,22 +61,23 @@ class Verdict:
     base: dict
     new: dict
     change: float | None
-    """new - base (reward units) for a `*_delta` figure, else new / base - 1; None unmeasured."""
+    """new - base (in its units) for a `*_delta` or `*_share*` figure, else new / base - 1;
+    None unmeasured."""
     verdict: str
     """regressed, improved, same, or why there is none (missing, one repeat, loaded, drifted)."""
 
 
 def judge(figure: str, base: dict, new: dict, higher_is_better: bool, *,
-          tolerance: float = TOLERANCE, delta_tolerance: float = DELTA_TOLERANCE) -> tuple[
-              float | None, str]:
+          tolerance: float = TOLERANCE, delta_tolerance: float = DELTA_TOLERANCE,
+          share_tolerance: float = SHARE_TOLERANCE) -> tuple[float | None, str]:
     """(change, verdict) of one figure from its two spread records ({min, median, max, n});
     pure: the marks of load and drift are the caller's."""
     b, n = base.get("median"), new.get("median")
     if not _finite(b) or not _finite(n):
         return None, "missing"
-    delta = figure.endswith("_delta")
-    if delta:
-        change, big = n - b, abs(n - b) > delta_tolerance
+    if absolute(figure):
+        band = delta_tolerance if figure.endswith("_delta") else share_tolerance
+        change, big = n - b, abs(n - b) > band
     elif b == 0:
         return None, "missing"
     else:
@@ -99,17 +113,25 @@ def compare(base: dict, new: dict, parts: set[str] | None = None, **tolerances: 
             continue
         b, n = _find(base, figure), _find(new, figure)
         change, verdict = judge(figure, b, n, TARGETS[figure][1], **tolerances)
-        marks = [f"{mark} ({which})" for which, res in (("baseline", base), ("new", new))
-                 for mark in ("loaded", "drifted")
-                 if any(p in res.get(mark, ()) for p in _parts_of(figure))]
+        blocks = _marked("loaded", figure, base, new)
         speed = machine_ratio(base, new, figure)  # the new run's probe over the baseline's
         if speed is not None and drifted(1.0, speed):
-            marks.append(f"machine {speed:.2f}x slower (new)" if speed > 1
-                         else f"machine {1 / speed:.2f}x faster (new)")
-        if marks and verdict not in ("missing", "one repeat"):
-            verdict = ", ".join(marks)
+            blocks.append(f"machine {speed:.2f}x slower (new)" if speed > 1
+                          else f"machine {1 / speed:.2f}x faster (new)")
+        if verdict not in ("missing", "one repeat"):
+            # foreign load, or a machine of another speed under every repeat of one run: no
+            # verdict. A drift inside a part is judged: it lands on the repeats of both sides
+            # of the ratio (interleaved) and widens the range it is judged by
+            verdict = (", ".join(blocks) if blocks else
+                       ", ".join([verdict, *_marked("drifted", figure, base, new)]))
         out.append(Verdict(figure, b, n, change, verdict))
     return out
+
+
+def _marked(mark: str, figure: str, base: dict, new: dict) -> list[str]:
+    """'MARK (baseline)' / 'MARK (new)' where that run lists a part of `figure` under `mark`."""
+    return [f"{mark} ({which})" for which, res in (("baseline", base), ("new", new))
+            if any(p in res.get(mark, ()) for p in _parts_of(figure))]
 
 
 def _cell(rec: dict) -> str:
@@ -125,8 +147,9 @@ def table(verdicts: list[Verdict]) -> list[str]:
              "|---|---|---|---|---|"]
     for v in verdicts:
         change = "-" if v.change is None else (
-            f"{v.change:+.3g}" if v.figure.endswith("_delta") else f"{v.change:+.1%}")
-        mark = f"**{v.verdict}**" if v.verdict == "regressed" else v.verdict
+            f"{v.change:+.3g}" if absolute(v.figure) else f"{v.change:+.1%}")
+        mark = (f"**regressed**{v.verdict[len('regressed'):]}"
+                if v.verdict.startswith("regressed") else v.verdict)
         lines.append(f"| `{v.figure}` | {_cell(v.base)} | {_cell(v.new)} | {change} | {mark} |")
     return lines
 
@@ -155,7 +178,7 @@ def comparison(base: dict, new: dict, parts: set[str] | None = None, **tolerance
                ) -> tuple[list[str], int]:
     """The comparison's lines and the exit status (1: a headline regressed)."""
     verdicts = compare(base, new, parts, **tolerances)
-    lost = [v.figure for v in verdicts if v.verdict == "regressed"]
+    lost = [v.figure for v in verdicts if v.verdict.startswith("regressed")]
     lines = table(verdicts)
     lines.append("")
     lines.append(f"regressed: {', '.join(lost)}" if lost else "no headline regressed")
@@ -170,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="relative change of a ratio's median below which it is the same")
     ap.add_argument("--delta-tolerance", type=float, default=DELTA_TOLERANCE,
                     help="the same for the reward deltas, in reward units")
+    ap.add_argument("--share-tolerance", type=float, default=SHARE_TOLERANCE,
+                    help="the same for the *_share* figures, in step units")
     args = ap.parse_args(argv)
     try:
         base, new = load_results(args.baseline), load_results(args.new)
@@ -178,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare.py: {e}", file=sys.stderr)
         return 2
     lines, status = comparison(base, new, tolerance=args.tolerance,
-                               delta_tolerance=args.delta_tolerance)
+                               delta_tolerance=args.delta_tolerance,
+                               share_tolerance=args.share_tolerance)
     print("\n".join(lines))
     return status
 
