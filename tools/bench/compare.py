@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load import drifted  # noqa: E402
-from report import TARGETS, _find, _parts_of, machine_ratio  # noqa: E402
+from report import TARGETS, _find, _fmt, _parts_of, machine_ratio  # noqa: E402
 
 TOLERANCE = 0.05
 """Relative: on this 2-core machine a ratio's median moves by a few percent between idle runs
@@ -63,8 +64,22 @@ class Verdict:
     change: float | None
     """new - base (in its units) for a `*_delta` or `*_share*` figure, else new / base - 1;
     None unmeasured."""
-    verdict: str
-    """regressed, improved, same, or why there is none (missing, one repeat, loaded, drifted)."""
+    outcome: str
+    """`judge`'s: regressed, improved, same, or why it could not judge (missing, one repeat,
+    unknown figure)."""
+    notes: tuple[str, ...] = ()
+    """The marks of either run's part: foreign load or another machine speed (`withheld`), or
+    a drift within the run (beside the outcome)."""
+    withheld: bool = False
+    """No verdict: a run's part met foreign load, or the two runs' machines differed."""
+
+    @property
+    def verdict(self) -> str:
+        return ", ".join(self.notes if self.withheld else (self.outcome, *self.notes))
+
+    @property
+    def regressed(self) -> bool:
+        return self.outcome == "regressed" and not self.withheld
 
 
 def judge(figure: str, base: dict, new: dict, higher_is_better: bool, *,
@@ -96,7 +111,7 @@ def judge(figure: str, base: dict, new: dict, higher_is_better: bool, *,
 
 
 def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and x == x and abs(x) != float("inf")
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def compare(base: dict, new: dict, parts: set[str] | None = None, **tolerances: float
@@ -112,19 +127,20 @@ def compare(base: dict, new: dict, parts: set[str] | None = None, **tolerances: 
             out.append(Verdict(figure, {}, {}, None, "unknown figure"))
             continue
         b, n = _find(base, figure), _find(new, figure)
-        change, verdict = judge(figure, b, n, TARGETS[figure][1], **tolerances)
+        change, outcome = judge(figure, b, n, TARGETS[figure][1], **tolerances)
+        if outcome in ("missing", "one repeat"):
+            out.append(Verdict(figure, b, n, change, outcome))
+            continue
+        # foreign load, or a machine of another speed under every repeat of one run: no
+        # verdict. A drift inside a part is judged: it lands on the repeats of both sides of
+        # the ratio (interleaved) and widens the range it is judged by
         blocks = _marked("loaded", figure, base, new)
         speed = machine_ratio(base, new, figure)  # the new run's probe over the baseline's
         if speed is not None and drifted(1.0, speed):
             blocks.append(f"machine {speed:.2f}x slower (new)" if speed > 1
                           else f"machine {1 / speed:.2f}x faster (new)")
-        if verdict not in ("missing", "one repeat"):
-            # foreign load, or a machine of another speed under every repeat of one run: no
-            # verdict. A drift inside a part is judged: it lands on the repeats of both sides
-            # of the ratio (interleaved) and widens the range it is judged by
-            verdict = (", ".join(blocks) if blocks else
-                       ", ".join([verdict, *_marked("drifted", figure, base, new)]))
-        out.append(Verdict(figure, b, n, change, verdict))
+        notes = blocks or _marked("drifted", figure, base, new)
+        out.append(Verdict(figure, b, n, change, outcome, tuple(notes), withheld=bool(blocks)))
     return out
 
 
@@ -135,11 +151,12 @@ def _marked(mark: str, figure: str, base: dict, new: dict) -> list[str]:
 
 
 def _cell(rec: dict) -> str:
-    if not _finite(rec.get("median")):
+    lo, med, hi = rec.get("min"), rec.get("median"), rec.get("max")
+    if not _finite(med):
         return "-"
-    lo, med, hi = rec.get("min"), rec["median"], rec.get("max")
-    rng = f" ({lo:.3g}-{hi:.3g})" if _finite(lo) and _finite(hi) and rec.get("n", 0) >= 2 else ""
-    return f"{med:.3g}{rng}"
+    if not (_finite(lo) and _finite(hi) and rec.get("n", 0) >= 2):
+        return _fmt(med)
+    return f"{_fmt(med)} ({_fmt(lo)}-{_fmt(hi)})"
 
 
 def table(verdicts: list[Verdict]) -> list[str]:
@@ -148,8 +165,7 @@ def table(verdicts: list[Verdict]) -> list[str]:
     for v in verdicts:
         change = "-" if v.change is None else (
             f"{v.change:+.3g}" if absolute(v.figure) else f"{v.change:+.1%}")
-        mark = (f"**regressed**{v.verdict[len('regressed'):]}"
-                if v.verdict.startswith("regressed") else v.verdict)
+        mark = ", ".join(["**regressed**", *v.notes]) if v.regressed else v.verdict
         lines.append(f"| `{v.figure}` | {_cell(v.base)} | {_cell(v.new)} | {change} | {mark} |")
     return lines
 
@@ -178,7 +194,7 @@ def comparison(base: dict, new: dict, parts: set[str] | None = None, **tolerance
                ) -> tuple[list[str], int]:
     """The comparison's lines and the exit status (1: a headline regressed)."""
     verdicts = compare(base, new, parts, **tolerances)
-    lost = [v.figure for v in verdicts if v.verdict.startswith("regressed")]
+    lost = [v.figure for v in verdicts if v.regressed]
     lines = table(verdicts)
     lines.append("")
     lines.append(f"regressed: {', '.join(lost)}" if lost else "no headline regressed")
