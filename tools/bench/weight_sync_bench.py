@@ -5,9 +5,9 @@ process (HTTP /update_weights_from_distributed per bucket, one gloo broadcast pe
 engine receiving into its model's parameters), and the same with
 weight_sync.load_format=flattened_bucket (one broadcast per bucket: the sender copies the
 bucket into a kept buffer, the engine receives into its parameters once they adopted the first
-bucket's buffer). The
-baseline is one `torch.distributed` broadcast of the same number of bytes as one flat tensor in
-a gloo group of the same two kinds of process, followed by a barrier so that it, too, ends when the receiver has everything.
+bucket's buffer). The baseline is one `torch.distributed` broadcast of the same number of bytes
+as one flat tensor in a gloo group of the same two kinds of process, followed by a barrier so
+that it, too, ends when the receiver has everything.
 Efficiency = raw time / full-sync time. The engine (and the raw receiver) run on core 0, the
 sender on core 1.
 """
@@ -112,6 +112,11 @@ def raw_receiver(port: int, nbytes: int, repeats: int) -> None:
     for _ in range(repeats + 1):
         dist.broadcast(buf, src=0, group=pg)
         dist.barrier(group=pg)
+    # done: leave without the interpreter's teardown, which destroys the group's gloo threads
+    # still joinable and may abort ("terminate called without an active exception" in the
+    # bench's output, session 54), as the product's roles leave
+    from relax_slurm.runtime.exit import exit_now
+    exit_now(0)
 
 
 FORMATS = {"full_s": None, "flat_s": "flattened_bucket"}
