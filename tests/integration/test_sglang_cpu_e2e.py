@@ -6,6 +6,7 @@ rises as it does on the hf engine."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from relax_slurm.engines import sglang_cpu
 from tests.conftest import (ONE_RANK, REPO, relax_train, run_env, stopped_on_reward, tiny_command,
                             until_reward)
 from tests.integration.test_lora_e2e import adapter_bytes
@@ -58,6 +60,28 @@ def run_on_sglang(run_dir: Path, tiny: Path, steps: int, *overrides: str) -> dic
     # said once, at launch: SGLang without --enable-deterministic-inference ignores the seeds
     assert proc.stderr.count("SGLang ignores every sampling_seed") == 1
     return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.slow  # the venv's build on a fresh machine
+@pytest.mark.timeout(600)
+def test_the_venv_holds_the_bytecode_of_what_a_server_imports(sglang_cpu_python):
+    """pip's byte-compiling of all ~27,000 files of the venv was most of its build's CPU
+    (~100 CPU-s on 2 cores) and a server imports ~7,000 of them: the build installs without it,
+    then compiles what a server imports (sglang_cpu.WARM_IMPORTS), and the venv's processes
+    keep any other module's bytecode even where PYTHONDONTWRITEBYTECODE is set (CI, many
+    images), or every server start would compile those modules again."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.check_output(
+        [str(sglang_cpu_python), "-c", "import sys, sysconfig; "
+         "print(sys.dont_write_bytecode, sysconfig.get_paths()['purelib'])"],
+        env={**env, "PYTHONDONTWRITEBYTECODE": "1"}, text=True).split()
+    assert out[0] == "False", out
+    site = Path(out[1])
+    for module in sglang_cpu.WARM_IMPORTS:
+        source = site.joinpath(*module.split(".")).with_suffix(".py")
+        assert Path(importlib.util.cache_from_source(str(source))).is_file(), module
+    sources, compiled = (sum(1 for _ in site.rglob(pattern)) for pattern in ("*.py", "*.pyc"))
+    assert sources > 20_000 and compiled < sources / 2, (sources, compiled)
 
 
 @pytest.mark.slow

@@ -13,7 +13,10 @@ a CPU machine) builds ~/.cache/relax_slurm/sglang-cpu-<SGLANG_VERSION>/venv with
 - the shims of shims/ in its site-packages: `sgl_kernel`, a pure-torch stand-in for the CPU
   sgl-kernel (not on PyPI), and `relax_sglang_cpu_shim` (+ its .pth), which lets SGLang's
   code paths start without CUDA: the torchvision and sgl_kernel operator schemas a CPU torch
-  cannot register, host memory unpinned, the routed-experts (R3) host cache unregistered.
+  cannot register, host memory unpinned, the routed-experts (R3) host cache unregistered;
+  it also lets every process of the venv keep the bytecode it compiles;
+- pip installs without byte-compiling (PIP_FLAGS); the last step compiles what a server
+  imports (WARM_IMPORTS).
 
 The venv is rebuilt when this recipe or a shim changes (STAMP holds their hash), built in a
 temporary folder and renamed into place, under a file lock so that two processes asking at once
@@ -69,6 +72,22 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disabl
 """Without --max-total-tokens the KV pool takes ~72% of free RAM and start-up crawls; without
 --sleep-on-idle the idle scheduler busy-polls a whole core; the warm-up request is skipped
 because the launcher's own /health wait follows."""
+PIP_FLAGS = ("--disable-pip-version-check", "--no-input", "--no-compile")
+"""--no-compile: pip would byte-compile all ~27,000 files of the venv (~100 CPU-s on 2 cores,
+most of the build's CPU), of which a server imports ~7,000. The build's last step compiles
+those by importing WARM_IMPORTS, and the venv's processes keep the bytecode of anything else
+they import (shims/relax_sglang_cpu_shim.py)."""
+WARM_IMPORTS = (
+    "sglang.launch_server", "sglang.srt.entrypoints.http_server",
+    "sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager",
+    "sglang.srt.managers.tokenizer_manager", "sglang.srt.model_executor.model_runner",
+    "sglang.srt.models.registry",
+)
+"""Imported once by the build, as a server runs (SERVER_ENV), to compile what a server and
+its scheduler import: the HTTP server, the managers, the model runner and the model registry,
+which imports every architecture SGLang has (a server does, to find its model's). Measured
+(session 55): ~6,900 modules; a server's start compiles ~90 more (uvicorn's protocols, gRPC
+stubs), once."""
 SHIMS = Path(__file__).parent / "shims"
 STAMP = "relax-sglang-cpu.stamp"
 
@@ -95,7 +114,8 @@ def recipe_hash() -> str:
     """What the venv is built from: versions, package lists, the base Python and every shim's
     bytes. A venv whose stamp holds another hash is rebuilt."""
     h = hashlib.sha256()
-    for part in (SGLANG_VERSION, TORCH_VERSION, *REQUIREMENTS, *NO_DEPS,
+    for part in (SGLANG_VERSION, TORCH_VERSION, *REQUIREMENTS, *NO_DEPS, *PIP_FLAGS,
+                 *WARM_IMPORTS,
                  f"{sys.version_info.major}.{sys.version_info.minor}"):
         h.update(part.encode() + b"\0")
     for path in shim_files():
@@ -109,12 +129,21 @@ def is_current(root: Path | None = None) -> bool:
 
 
 def _steps(python: Path, constraints: Path) -> list[tuple[str, list[str]]]:
-    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
+    """After the venv and its shims: the pip installs, then the bytecode of what a server
+    imports (the shim lets that process write it whatever PYTHONDONTWRITEBYTECODE says; a
+    .pyc names its source by mtime and size, not by path, so the rename into place keeps it
+    valid)."""
+    pip = [str(python), "-m", "pip", "install", *PIP_FLAGS]
     return [
-        (f"torch=={TORCH_VERSION}", [*pip, f"torch=={TORCH_VERSION}"]),
-        (f"sglang=={SGLANG_VERSION} (no deps)", [*pip, "--no-deps", f"sglang=={SGLANG_VERSION}"]),
-        (f"its {len(REQUIREMENTS)} requirements", [*pip, "-c", str(constraints), *REQUIREMENTS]),
-        (" ".join(NO_DEPS) + " (no deps)", [*pip, "--no-deps", *NO_DEPS]),
+        (f"pip install torch=={TORCH_VERSION}", [*pip, f"torch=={TORCH_VERSION}"]),
+        (f"pip install sglang=={SGLANG_VERSION} (no deps)",
+         [*pip, "--no-deps", f"sglang=={SGLANG_VERSION}"]),
+        (f"pip install its {len(REQUIREMENTS)} requirements",
+         [*pip, "-c", str(constraints), *REQUIREMENTS]),
+        ("pip install " + " ".join(NO_DEPS) + " (no deps)", [*pip, "--no-deps", *NO_DEPS]),
+        ("the bytecode of what a server imports",
+         ["env", *(f"{k}={v}" for k, v in SERVER_ENV.items()), str(python), "-c",
+          f"import {', '.join(WARM_IMPORTS)}"]),
     ]
 
 
@@ -147,20 +176,22 @@ def _build(final: Path, say: Callable[[str], None]) -> None:
     log.write_text(f"building {final} (recipe {recipe_hash()})\n")
     t0 = time.monotonic()
     try:
-        say(f"relax-sglang-cpu: [1/6] python -m venv ({sys.executable})")
-        _run([sys.executable, "-m", "venv", str(tmp)], log)
         python = tmp / "bin" / "python"
         constraints = tmp / "constraints.txt"
+        steps = _steps(python, constraints)
+        say(f"relax-sglang-cpu: [1/{len(steps) + 2}] python -m venv ({sys.executable})")
+        _run([sys.executable, "-m", "venv", str(tmp)], log)
         constraints.write_text(f"torch=={TORCH_VERSION}\n")
-        for i, (what, cmd) in enumerate(_steps(python, constraints), start=2):
-            say(f"relax-sglang-cpu: [{i}/6] pip install {what} ({time.monotonic() - t0:.0f} s)")
-            _run(cmd, log)
-        say(f"relax-sglang-cpu: [6/6] the shims ({time.monotonic() - t0:.0f} s)")
+        say(f"relax-sglang-cpu: [2/{len(steps) + 2}] the shims")
         site = _site_packages(python)
         for path in shim_files():
             dest = site / path.relative_to(SHIMS)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, dest)
+        for i, (what, cmd) in enumerate(steps, start=3):
+            say(f"relax-sglang-cpu: [{i}/{len(steps) + 2}] {what} "
+                f"({time.monotonic() - t0:.0f} s)")
+            _run(cmd, log)
         (tmp / STAMP).write_text(recipe_hash() + "\n")
         if final.exists():  # an older recipe's venv: out of the way first, then removed
             old = final.with_name(f"{final.name}.old-{os.getpid()}")

@@ -11,6 +11,14 @@ torchvision.transforms while it imports its model configs. Defining the two oper
 """
 
 import os
+import sys
+
+# Bytecode: pip installed this venv without compiling it (`--no-compile`: 27,000 files, of
+# which a server imports ~7,000), and the build compiled what a server imports
+# (sglang_cpu.WARM_IMPORTS). Anything else a process of this venv imports is compiled once
+# and kept, whatever PYTHONDONTWRITEBYTECODE says (set on CI and many images): this venv is
+# the project's own cache, and without it every server would compile those modules again.
+sys.dont_write_bytecode = False
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
     try:
